@@ -1,0 +1,84 @@
+"""Where localllm keeps things. Every path the program writes to comes from here.
+
+platformdirs honours XDG_DATA_HOME, XDG_CONFIG_HOME, XDG_STATE_HOME, XDG_CACHE_HOME and
+XDG_RUNTIME_DIR on Linux, so tests point all of localllm at a temp dir through the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP = "localllm"
+DEFAULT_TCP_HOST = "127.0.0.1"
+DEFAULT_TCP_PORT = 11435
+
+
+def data_dir() -> Path:
+    return Path(platformdirs.user_data_dir(APP))
+
+
+def models_dir() -> Path:
+    """Root of the model store (blobs + manifests); LOCALLLM_MODELS overrides, like OLLAMA_MODELS."""
+    override = os.environ.get("LOCALLLM_MODELS")
+    return Path(override) if override else data_dir() / "models"
+
+
+def config_dir() -> Path:
+    return Path(platformdirs.user_config_dir(APP))
+
+
+def state_dir() -> Path:
+    return Path(platformdirs.user_state_dir(APP))
+
+
+def cache_dir() -> Path:
+    return Path(platformdirs.user_cache_dir(APP))
+
+
+def runtime_dir() -> Path:
+    """$XDG_RUNTIME_DIR/localllm; falls back to the state dir where there is no runtime dir."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and Path(base).is_dir():
+        return Path(base) / APP
+    return state_dir() / "run"
+
+
+def socket_path() -> Path:
+    override = os.environ.get("LOCALLLM_SOCKET")
+    return Path(override) if override else runtime_dir() / f"{APP}.sock"
+
+
+def tcp_address() -> tuple[str, int]:
+    """The HTTP address from LOCALLLM_HOST (host, host:port or :port), else 127.0.0.1:11435."""
+    return parse_host(os.environ.get("LOCALLLM_HOST", ""))
+
+
+def parse_host(value: str) -> tuple[str, int]:
+    value = value.strip()
+    for scheme in ("http://", "https://"):
+        if value.startswith(scheme):
+            value = value[len(scheme):]
+    value = value.rstrip("/")
+    if not value:
+        return DEFAULT_TCP_HOST, DEFAULT_TCP_PORT
+    if value.startswith("["):  # [::1]:port
+        host, _, rest = value[1:].partition("]")
+        port = rest.lstrip(":")
+    elif value.count(":") == 1:
+        host, port = value.split(":")
+    else:
+        host, port = value, ""
+    try:
+        port_number = int(port) if port else DEFAULT_TCP_PORT
+    except ValueError:
+        raise ValueError(f"bad host address {value!r}: port must be a number") from None
+    if not 0 <= port_number < 65536:
+        raise ValueError(f"bad host address {value!r}: port out of range")
+    return host or DEFAULT_TCP_HOST, port_number
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")

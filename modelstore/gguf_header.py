@@ -1,0 +1,166 @@
+"""Read a GGUF file's header (metadata and tensor table) without touching the weights.
+
+gguf's GGUFReader builds numpy views of every array (the 262k-entry vocabulary of Gemma takes
+seconds), so this reader streams the header and keeps only what localllm needs: scalar and small
+array metadata, the chat template, and each tensor's name, type and shape. Tokenizer arrays are
+skipped by length. The gguf package supplies the type tables, so quant sizes are llama.cpp's own.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+GGUF_MAGIC = b"GGUF"
+# Arrays longer than this are counted, not kept (vocabularies, merges, scores).
+MAX_KEPT_ARRAY = 4096
+
+_SCALARS = {  # GGUFValueType -> struct format
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+    12: "<d",
+}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF model localllm can read; the message says why, for a user."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    offset: int  # relative to the start of the data section
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def n_bytes(self) -> int:
+        block, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        return self.n_elements // block * type_size
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    version: int
+    metadata: dict[str, Any]  # long arrays appear as their length in `array_lengths` only
+    array_lengths: dict[str, int]
+    tensors: tuple[TensorEntry, ...]
+    data_offset: int
+    file_size: int
+
+
+class _Reader:
+    def __init__(self, f: BinaryIO, path: Path):
+        self.f = f
+        self.path = path
+
+    def read(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) != n:
+            raise GGUFError(f"{self.path} is truncated: its GGUF header ends early")
+        return data
+
+    def unpack(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        if n > 1 << 28:
+            raise GGUFError(f"{self.path} is corrupt: a header string claims {n} bytes")
+        return self.read(n).decode("utf-8", errors="replace")
+
+    def skip_strings(self, count: int) -> None:
+        for _ in range(count):
+            n = self.unpack("<Q")
+            if n > 1 << 28:
+                raise GGUFError(f"{self.path} is corrupt: a header string claims {n} bytes")
+            self.f.seek(n, 1)
+
+    def value(self, vtype: int, key: str, array_lengths: dict[str, int]) -> Any:
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            item_type = self.unpack("<I")
+            count = self.unpack("<Q")
+            array_lengths[key] = count
+            if count > MAX_KEPT_ARRAY:
+                if item_type == _STRING:
+                    self.skip_strings(count)
+                elif item_type in _SCALARS:
+                    self.f.seek(count * struct.calcsize(_SCALARS[item_type]), 1)
+                else:
+                    raise GGUFError(f"{self.path}: unsupported nested array in {key}")
+                return None
+            return [self.value(item_type, key, {}) for _ in range(count)]
+        raise GGUFError(f"{self.path} is corrupt: unknown metadata type {vtype} for {key}")
+
+
+def read_header(path: str | Path) -> GGUFHeader:
+    """Parse the header; raise GGUFError when the file is not GGUF, corrupt or truncated."""
+    path = Path(path)
+    try:
+        file_size = path.stat().st_size
+        f = path.open("rb")
+    except OSError as e:
+        raise GGUFError(f"cannot read {path}: {e.strerror}") from None
+    with f:
+        r = _Reader(f, path)
+        if f.read(4) != GGUF_MAGIC:
+            raise GGUFError(f"{path} is not a GGUF model file (wrong magic bytes)")
+        version = r.unpack("<I")
+        if version not in (2, 3):
+            raise GGUFError(f"{path} has GGUF version {version}; localllm reads versions 2 and 3")
+        n_tensors = r.unpack("<Q")
+        n_kv = r.unpack("<Q")
+        if n_tensors > 1 << 20 or n_kv > 1 << 20:
+            raise GGUFError(f"{path} is corrupt: implausible tensor or key count")
+        metadata: dict[str, Any] = {}
+        array_lengths: dict[str, int] = {}
+        for _ in range(n_kv):
+            key = r.string()
+            vtype = r.unpack("<I")
+            metadata[key] = r.value(vtype, key, array_lengths)
+        tensors = []
+        for _ in range(n_tensors):
+            name = r.string()
+            n_dims = r.unpack("<I")
+            if n_dims > 8:
+                raise GGUFError(f"{path} is corrupt: tensor {name} has {n_dims} dimensions")
+            shape = tuple(r.unpack("<Q") for _ in range(n_dims))
+            raw_type = r.unpack("<I")
+            try:
+                ggml_type = GGMLQuantizationType(raw_type)
+            except ValueError:
+                raise GGUFError(f"{path}: tensor {name} has unknown type {raw_type}") from None
+            tensors.append(TensorEntry(name, ggml_type, shape, r.unpack("<Q")))
+        alignment = int(metadata.get("general.alignment", 32))
+        pos = f.tell()
+        data_offset = (pos + alignment - 1) // alignment * alignment
+    header = GGUFHeader(version, metadata, array_lengths, tuple(tensors), data_offset, file_size)
+    _check_complete(header, path)
+    return header
+
+
+def _check_complete(header: GGUFHeader, path: Path) -> None:
+    """A truncated download still has a whole header; its tensor data ends early."""
+    if not header.tensors:
+        return
+    end = max(header.data_offset + t.offset + t.n_bytes for t in header.tensors)
+    if end > header.file_size:
+        raise GGUFError(
+            f"{path} is truncated: its tensors need {end} bytes but the file has "
+            f"{header.file_size}; download or copy it again"
+        )

@@ -1,0 +1,288 @@
+"""The content-addressed model store: blobs named by sha256 plus manifests naming `name:tag`.
+
+Layout under the store root (`paths.models_dir()`):
+    blobs/sha256-<hex>                  the files, immutable once published
+    manifests/<name parts...>/<tag>     JSON: the model's layers (model file, companions)
+    tmp/                                staging for imports and downloads (same filesystem)
+
+Publishing is ordered so a crash never leaves a listed model without its file: a blob is
+written to tmp/, verified, renamed into blobs/; the manifest is written last, atomically.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .gguf_header import GGUFError, read_header
+from .names import ModelName, parse_name
+from .shape import ModelShape, format_param_count, shape_from_header
+
+MODEL_LAYER = "application/vnd.localllm.model"
+DRAFT_LAYER = "application/vnd.localllm.draft"
+MTP_LAYER = "application/vnd.localllm.mtp"
+PROJECTOR_LAYER = "application/vnd.localllm.projector"
+COMPANION_LAYERS = (DRAFT_LAYER, MTP_LAYER, PROJECTOR_LAYER)
+_CHUNK = 1 << 22
+
+
+class StoreError(Exception):
+    """A store operation failed for a reason the user can act on (message says what to do)."""
+
+
+class ModelNotFound(StoreError):
+    pass
+
+
+@dataclass(frozen=True)
+class Layer:
+    media_type: str
+    digest: str  # "sha256:<hex>"
+    size: int
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: ModelName
+    layers: tuple[Layer, ...]
+    details: dict
+    source: str
+    modified_at: str  # ISO 8601
+    model_path: Path
+
+    @property
+    def model_layer(self) -> Layer:
+        return next(layer for layer in self.layers if layer.media_type == MODEL_LAYER)
+
+    @property
+    def digest(self) -> str:
+        return self.model_layer.digest
+
+    @property
+    def size(self) -> int:
+        return sum(layer.size for layer in self.layers)
+
+    def companion(self, media_type: str) -> Layer | None:
+        return next((layer for layer in self.layers if layer.media_type == media_type), None)
+
+
+def sha256_file(path: Path, progress=None) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            if progress:
+                progress(len(chunk))
+    return h.hexdigest()
+
+
+def model_details(shape: ModelShape) -> dict:
+    """The `details` object of Ollama's /api/tags and /api/show."""
+    return {
+        "format": "gguf",
+        "family": shape.architecture,
+        "families": [shape.architecture],
+        "parameter_size": format_param_count(shape.n_params),
+        "quantization_level": shape.file_type,
+    }
+
+
+class ModelStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.blobs = self.root / "blobs"
+        self.manifests = self.root / "manifests"
+        self.tmp = self.root / "tmp"
+
+    def _ensure(self) -> None:
+        for d in (self.blobs, self.manifests, self.tmp):
+            d.mkdir(parents=True, exist_ok=True)
+
+    # ---- blobs -------------------------------------------------------------------------
+    def blob_path(self, digest: str) -> Path:
+        algo, _, hexdigest = digest.partition(":")
+        if algo != "sha256" or len(hexdigest) != 64 or not all(
+            c in "0123456789abcdef" for c in hexdigest
+        ):
+            raise StoreError(f"invalid blob digest {digest!r}")
+        return self.blobs / f"sha256-{hexdigest}"
+
+    def has_blob(self, digest: str) -> bool:
+        return self.blob_path(digest).is_file()
+
+    def staging_file(self, prefix: str = "import-") -> Path:
+        self._ensure()
+        fd, name = tempfile.mkstemp(prefix=prefix, dir=self.tmp)
+        os.close(fd)
+        return Path(name)
+
+    def publish_blob(self, staged: Path, hexdigest: str) -> str:
+        """Move a verified staged file into blobs/ (a no-op when the blob is already there)."""
+        digest = f"sha256:{hexdigest}"
+        target = self.blob_path(digest)
+        if target.exists():
+            staged.unlink(missing_ok=True)
+        else:
+            os.chmod(staged, 0o644)
+            os.replace(staged, target)
+        return digest
+
+    def add_blob(self, source: Path, link: bool = True) -> tuple[str, int]:
+        """Hash `source` and store it, hard-linked when possible, else copied. Returns digest, size."""
+        self._ensure()
+        hexdigest = sha256_file(source)
+        digest = f"sha256:{hexdigest}"
+        size = source.stat().st_size
+        if self.has_blob(digest):
+            return digest, size
+        staged = self.staging_file()
+        staged.unlink()
+        try:
+            if link:
+                try:
+                    os.link(source, staged)
+                except OSError:
+                    shutil.copyfile(source, staged)
+            else:
+                shutil.copyfile(source, staged)
+            if staged.stat().st_size != size:
+                raise StoreError(f"{source} changed while it was being imported; try again")
+        except BaseException:
+            staged.unlink(missing_ok=True)
+            raise
+        return self.publish_blob(staged, hexdigest), size
+
+    # ---- manifests ---------------------------------------------------------------------
+    def _manifest_path(self, name: ModelName) -> Path:
+        path = self.manifests.joinpath(*name.parts, name.tag)
+        # parse_name already refuses '..' and '/', this is the belt to its braces.
+        if not path.resolve().is_relative_to(self.manifests.resolve()):
+            raise StoreError(f"invalid model name {name}")
+        return path
+
+    def write_manifest(self, name: ModelName, layers: list[Layer], details: dict,
+                       source: str) -> ModelEntry:
+        self._ensure()
+        for layer in layers:
+            if not self.has_blob(layer.digest):
+                raise StoreError(f"blob {layer.digest} is missing; cannot write {name}")
+        doc = {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.localllm.manifest.v1+json",
+            "layers": [
+                {"mediaType": l.media_type, "digest": l.digest, "size": l.size} for l in layers
+            ],
+            "details": details,
+            "source": source,
+            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+        }
+        path = self._manifest_path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(doc, indent=2))
+        os.replace(tmp, path)
+        return self._entry(name, path)
+
+    def _entry(self, name: ModelName, path: Path) -> ModelEntry:
+        try:
+            doc = json.loads(path.read_text())
+            layers = tuple(
+                Layer(l["mediaType"], l["digest"], int(l["size"])) for l in doc["layers"]
+            )
+            model_layer = next(l for l in layers if l.media_type == MODEL_LAYER)
+        except (OSError, ValueError, KeyError, StopIteration) as e:
+            raise StoreError(f"manifest for {name} is damaged ({e}); remove it with "
+                             f"`localllm rm {name}` and import or pull it again") from None
+        modified = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).isoformat()
+        return ModelEntry(
+            name=name,
+            layers=layers,
+            details=doc.get("details", {}),
+            source=doc.get("source", ""),
+            modified_at=modified,
+            model_path=self.blob_path(model_layer.digest),
+        )
+
+    def get(self, name: str | ModelName) -> ModelEntry:
+        model = parse_name(name) if isinstance(name, str) else name
+        path = self._manifest_path(model)
+        if not path.is_file():
+            raise ModelNotFound(f"model '{model}' not found; see `localllm list`, or "
+                                f"`localllm pull {model.base}`")
+        return self._entry(model, path)
+
+    def exists(self, name: str | ModelName) -> bool:
+        model = parse_name(name) if isinstance(name, str) else name
+        return self._manifest_path(model).is_file()
+
+    def list(self) -> list[ModelEntry]:
+        if not self.manifests.is_dir():
+            return []
+        entries = []
+        for path in sorted(self.manifests.rglob("*")):
+            if not path.is_file() or path.name.startswith("."):
+                continue
+            rel = path.relative_to(self.manifests).parts
+            try:
+                entries.append(self._entry(ModelName(rel[:-1], rel[-1]), path))
+            except StoreError:
+                continue  # a damaged manifest must not hide the rest of the list
+        return entries
+
+    def copy(self, source: str, destination: str) -> ModelEntry:
+        entry = self.get(source)
+        dest = parse_name(destination)
+        return self.write_manifest(dest, list(entry.layers), entry.details,
+                                   f"copy:{entry.name}")
+
+    def remove(self, name: str | ModelName) -> ModelEntry:
+        entry = self.get(name)
+        self._manifest_path(entry.name).unlink()
+        self._prune_dirs(self._manifest_path(entry.name).parent)
+        self.remove_unused_blobs()
+        return entry
+
+    def _prune_dirs(self, directory: Path) -> None:
+        while directory != self.manifests and directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()
+            directory = directory.parent
+
+    def remove_unused_blobs(self) -> list[str]:
+        used = {layer.digest for entry in self.list() for layer in entry.layers}
+        removed = []
+        for blob in self.blobs.glob("sha256-*"):
+            digest = "sha256:" + blob.name.removeprefix("sha256-")
+            if digest not in used:
+                blob.unlink(missing_ok=True)
+                removed.append(digest)
+        return removed
+
+    # ---- import ------------------------------------------------------------------------
+    def import_gguf(self, source: Path, name: str, link: bool = True,
+                    source_label: str | None = None) -> ModelEntry:
+        """Verify `source` is a whole GGUF, store it, and name it. The store is untouched on error."""
+        model = parse_name(name)
+        source = Path(source)
+        if not source.is_file():
+            raise StoreError(f"{source} does not exist or is not a file")
+        try:
+            header = read_header(source)
+        except GGUFError as e:
+            raise StoreError(str(e)) from None
+        shape = shape_from_header(header, str(source))
+        digest, size = self.add_blob(source, link=link)
+        layers = [Layer(MODEL_LAYER, digest, size)]
+        return self.write_manifest(model, layers, model_details(shape),
+                                   source_label or f"import:{source.resolve()}")
+
+
+def default_store() -> ModelStore:
+    from localllm import paths
+
+    return ModelStore(paths.models_dir())

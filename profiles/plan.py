@@ -1,0 +1,117 @@
+"""Plan: every parameter the runner loads a model with, with the predicted cost and the reasons.
+
+The runner only ever sees a Plan. Until the tuner chooses one, `cpu_plan` gives safe defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class TensorOverride:
+    pattern: str  # regex searched in tensor names, as llama.cpp's -ot
+    device: str  # "CPU", "CUDA0", ...
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    device: str  # "CUDA0" or "CPU"
+    weights: int = 0
+    kv: int = 0
+    compute: int = 0
+    overhead: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute + self.overhead
+
+
+@dataclass(frozen=True)
+class Plan:
+    n_ctx: int
+    n_gpu_layers: int = 0
+    tensor_overrides: tuple[TensorOverride, ...] = ()
+    tensor_split: tuple[float, ...] = ()
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = False
+    swa_full: bool = False
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int = 1
+    n_threads_batch: int = 1
+    use_mmap: bool = True
+    speculative: str = "none"  # "none", "mtp", "draft", "prompt-lookup"
+    draft_n_max: int = 0
+    memory: tuple[DeviceMemory, ...] = ()
+    predicted_prefill_tps: float = 0.0
+    predicted_decode_tps: float = 0.0
+    reasons: tuple[str, ...] = ()
+    source: str = "default"  # "default", "tuner", "profile:<path>"
+
+    def load_key(self) -> tuple:
+        """What forces a reload when it changes (predictions and reasons do not)."""
+        return (self.n_ctx, self.n_gpu_layers, self.tensor_overrides, self.tensor_split,
+                self.type_k, self.type_v, self.flash_attn, self.swa_full, self.n_batch,
+                self.n_ubatch, self.n_threads, self.n_threads_batch, self.use_mmap,
+                self.speculative, self.draft_n_max)
+
+    def vram_bytes(self) -> int:
+        return sum(m.total for m in self.memory if m.device != "CPU")
+
+    def ram_bytes(self) -> int:
+        return sum(m.total for m in self.memory if m.device == "CPU")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        data = dict(data)
+        data["tensor_overrides"] = tuple(TensorOverride(**o) for o in data.get("tensor_overrides", ()))
+        data["memory"] = tuple(DeviceMemory(**m) for m in data.get("memory", ()))
+        for key in ("tensor_split", "reasons"):
+            data[key] = tuple(data.get(key, ()))
+        return cls(**data)
+
+
+def physical_cores() -> int:
+    """Physical cores (llama.cpp decodes fastest with one thread per core, not per SMT thread)."""
+    try:
+        seen = set()
+        physical_id = core_id = None
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("physical id"):
+                    physical_id = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core_id = line.split(":")[1].strip()
+                elif not line.strip() and core_id is not None:
+                    seen.add((physical_id, core_id))
+                    physical_id = core_id = None
+        if core_id is not None:
+            seen.add((physical_id, core_id))
+        if seen:
+            return max(1, min(len(seen), len(os.sched_getaffinity(0))))
+    except OSError:
+        pass
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def cpu_plan(n_ctx: int, trained_ctx: int = 0) -> Plan:
+    """Safe defaults: everything on the CPU, one thread per physical core."""
+    ctx = min(n_ctx, trained_ctx) if trained_ctx else n_ctx
+    threads = physical_cores()
+    reasons = [f"all layers on the CPU (no tuned plan); {threads} threads = physical cores"]
+    if trained_ctx and n_ctx > trained_ctx:
+        reasons.append(f"context capped at the trained {trained_ctx} (asked {n_ctx})")
+    return Plan(
+        n_ctx=ctx,
+        n_batch=min(512, ctx),
+        n_ubatch=min(512, ctx),
+        n_threads=threads,
+        n_threads_batch=os.cpu_count() or threads,
+        reasons=tuple(reasons),
+    )
