@@ -1,0 +1,66 @@
+"""The `localllm` command. Each subcommand's parser and handler live with the module that owns
+the feature; this file wires them together and turns known errors into one clear line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import __version__
+
+# Modules that add their own subcommands: each has `register(subparsers)`, and the handlers it
+# sets with `set_defaults(func=...)` take the parsed args and return an exit code.
+COMMAND_MODULES = (
+    "localllm.commands",  # serve, run, list, show, import, rm, cp, ps, stop
+    "localllm.modelstore.pull_cli",  # pull
+    "localllm.profiles.cli",  # tune
+    "localllm.daemon.service_cli",  # service, config
+)
+
+
+class CLIError(Exception):
+    """An error a user can act on: printed as one line, exit code 1."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="localllm",
+        description="Run large language models locally, planned for the GPU you have.",
+    )
+    parser.add_argument("-v", "--version", action="version", version=f"localllm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # a feature not built yet; its command is simply absent
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the one place known errors become a clean line
+        from .errors import user_message
+
+        message = user_message(e)
+        if message is None:
+            raise
+        print(f"Error: {message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
