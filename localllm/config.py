@@ -1,17 +1,35 @@
 """Settings: defaults, overridden by config.toml in the config dir, overridden by LOCALLLM_* env.
 
-| setting           | env                         | default                          |
-| ----------------- | --------------------------- | -------------------------------- |
-| host              | LOCALLLM_HOST               | 127.0.0.1:11435                  |
-| socket            | LOCALLLM_SOCKET             | $XDG_RUNTIME_DIR/localllm/localllm.sock |
-| api_key           | LOCALLLM_API_KEY            | (none; required off loopback)    |
-| keep_alive        | LOCALLLM_KEEP_ALIVE         | 5m                               |
-| max_loaded_models | LOCALLLM_MAX_LOADED_MODELS  | 2                                |
-| max_queue         | LOCALLLM_MAX_QUEUE          | 64                               |
-| default_model     | LOCALLLM_DEFAULT_MODEL      | smollm2                          |
-| default_ctx       | LOCALLLM_CONTEXT_LENGTH     | 4096                             |
-| vram_margin_mib   | LOCALLLM_VRAM_MARGIN_MIB    | 512                              |
-| hf_endpoint       | LOCALLLM_HF_ENDPOINT        | https://huggingface.co           |
+| setting           | env                        | default                       | applied   |
+| ----------------- | -------------------------- | ----------------------------- | --------- |
+| host              | LOCALLLM_HOST              | 127.0.0.1:11435               | restart   |
+| socket            | LOCALLLM_SOCKET            | (runtime dir)/localllm.sock   | restart   |
+| api_key           | LOCALLLM_API_KEY           | (none; required off loopback) | live      |
+| keep_alive        | LOCALLLM_KEEP_ALIVE        | 5m                            | live      |
+| max_loaded_models | LOCALLLM_MAX_LOADED_MODELS | 2                             | live      |
+| num_parallel      | LOCALLLM_NUM_PARALLEL      | 1                             | next load |
+| max_queue         | LOCALLLM_MAX_QUEUE         | 64                            | live      |
+| default_model     | LOCALLLM_DEFAULT_MODEL     | smollm2                       | live      |
+| default_ctx       | LOCALLLM_CONTEXT_LENGTH    | 4096                          | next load |
+| context_policy    | LOCALLLM_CONTEXT_POLICY    | fit                           | next load |
+| kv_cache_type     | LOCALLLM_KV_CACHE_TYPE     | auto                          | next load |
+| vram_margin_mib   | LOCALLLM_VRAM_MARGIN_MIB   | 512                           | next load |
+| hf_endpoint       | LOCALLLM_HF_ENDPOINT       | https://huggingface.co        | live      |
+| log_level         | LOCALLLM_LOG_LEVEL         | info                          | live      |
+
+- num_parallel: requests one loaded model serves at once (llama.cpp sequences; each has its own
+  KV cache of default_ctx tokens).
+- context_policy: `fixed` uses default_ctx (or the request's num_ctx) and spills to the CPU when
+  it does not fit; `fit` shrinks the context until the model fits on the GPU; `max` takes the
+  largest context that fits, up to the model's trained length.
+- kv_cache_type: `auto` lets the planner choose; `f16`, `bf16`, `q8_0` or `q4_0` pin K and V
+  (the types default CUDA builds have flash-attention kernels for).
+- log_level: debug, info, warning or error.
+
+The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
+"restart": the daemon keeps its listening sockets until `localllm service restart` (or a new
+`localllm serve`). The rest is applied while it runs; "next load" means models loaded from then
+on (a loaded model keeps its plan until it is unloaded).
 """
 
 from __future__ import annotations
@@ -19,14 +37,23 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+
+import tomli_w
 
 from . import paths
 
 
 class ConfigError(ValueError):
-    pass
+    """A bad setting. `path` and `line` say where, when it came from a file."""
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None,
+                 reason: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.line = line
+        self.reason = reason or message
 
 
 @dataclass(frozen=True)
@@ -36,11 +63,15 @@ class Config:
     api_key: str = ""
     keep_alive: str = "5m"
     max_loaded_models: int = 2
+    num_parallel: int = 1
     max_queue: int = 64
     default_model: str = "smollm2"
     default_ctx: int = 4096
+    context_policy: str = "fit"
+    kv_cache_type: str = "auto"
     vram_margin_mib: int = 512
     hf_endpoint: str = "https://huggingface.co"
+    log_level: str = "info"
 
     @property
     def socket_path(self) -> Path:
@@ -61,17 +92,42 @@ ENV = {
     "api_key": "LOCALLLM_API_KEY",
     "keep_alive": "LOCALLLM_KEEP_ALIVE",
     "max_loaded_models": "LOCALLLM_MAX_LOADED_MODELS",
+    "num_parallel": "LOCALLLM_NUM_PARALLEL",
     "max_queue": "LOCALLLM_MAX_QUEUE",
     "default_model": "LOCALLLM_DEFAULT_MODEL",
     "default_ctx": "LOCALLLM_CONTEXT_LENGTH",
+    "context_policy": "LOCALLLM_CONTEXT_POLICY",
+    "kv_cache_type": "LOCALLLM_KV_CACHE_TYPE",
     "vram_margin_mib": "LOCALLLM_VRAM_MARGIN_MIB",
     "hf_endpoint": "LOCALLLM_HF_ENDPOINT",
+    "log_level": "LOCALLLM_LOG_LEVEL",
 }
+
+# Settings the daemon can only take by binding again: a change logs "restart needed".
+RESTART_NEEDED = frozenset({"host", "socket"})
+
+CHOICES = {
+    "context_policy": ("fixed", "fit", "max"),
+    "kv_cache_type": ("auto", "f16", "bf16", "q8_0", "q4_0"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
+
+# (smallest, largest) for number settings; None means no bound.
+LIMITS = {
+    "max_loaded_models": (1, None),
+    "num_parallel": (1, 64),
+    "max_queue": (1, None),
+    "default_ctx": (256, None),
+    "vram_margin_mib": (0, None),
+}
+
+# A Unix socket path must fit sockaddr_un.sun_path (108 bytes with the terminating NUL).
+_MAX_SOCKET_PATH = 107
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 
 
-def parse_duration(value: str | int | float | None) -> float | None:
+def parse_duration(value: str | float | None) -> float | None:
     """Ollama's keep_alive: seconds as a number, or '5m', '1h', '30s'; negative means forever.
 
     Returns seconds, or None for forever.
@@ -95,54 +151,152 @@ def config_file() -> Path:
     return paths.config_dir() / "config.toml"
 
 
-def _coerce(name: str, value, source: str):
-    kind = {f.name: f.type for f in fields(Config)}[name]
-    try:
-        if kind == "int":
-            if isinstance(value, bool):
-                raise ValueError
-            return int(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}: {name} must be {'a number' if kind == 'int' else 'text'}, "
-                          f"not {value!r}") from None
+def setting_names() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(Config))
+
+
+def _kind(name: str) -> str:
+    return {f.name: f.type for f in fields(Config)}[name]
+
+
+def coerce(name: str, value: object) -> int | str:
+    """A raw value (TOML, env or command line) as the setting's type; ConfigError if it is not."""
+    if name not in ENV:
+        raise ConfigError(f"unknown setting {name!r} (known: {', '.join(setting_names())})")
+    if _kind(name) == "int":
+        if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"{name} must be a whole number, not {value!r}")
+        try:
+            return int(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} must be a whole number, not {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{name} must be text, not {value!r}")
+    return str(value)
+
+
+def check_setting(name: str, value: int | str) -> None:
+    """The rules for one setting's value; ConfigError with the reason if it breaks one."""
+    if name in LIMITS:
+        low, high = LIMITS[name]
+        if value < low:  # type: ignore[operator]
+            raise ConfigError(f"{name} must be at least {low}, not {value}")
+        if high is not None and value > high:  # type: ignore[operator]
+            raise ConfigError(f"{name} must be at most {high}, not {value}")
+    if name in CHOICES and value not in CHOICES[name]:
+        raise ConfigError(f"{name} must be one of {', '.join(CHOICES[name])}, not {value!r}")
+    if name == "host":
+        try:
+            paths.parse_host(str(value))
+        except ValueError as e:
+            raise ConfigError(f"host: {e}") from None
+    elif name == "keep_alive":
+        parse_duration(str(value))
+    elif name == "socket" and value:
+        if not os.path.isabs(str(value)):
+            raise ConfigError(f"socket must be an absolute path, not {value!r}")
+        if len(os.fsencode(str(value))) > _MAX_SOCKET_PATH:
+            raise ConfigError(f"socket path is longer than {_MAX_SOCKET_PATH} bytes: {value}")
+    elif name == "hf_endpoint" and not str(value).startswith(("http://", "https://")):
+        raise ConfigError(f"hf_endpoint must start with http:// or https://, not {value!r}")
+
+
+def validate(config: Config) -> None:
+    for name, value in asdict(config).items():
+        check_setting(name, value)
+
+
+def _line_of(text: str, key: str) -> int | None:
+    pattern = re.compile(rf"""^\s*(["']?){re.escape(key)}\1\s*=""")
+    for number, line in enumerate(text.splitlines(), start=1):
+        if pattern.match(line):
+            return number
+    return None
 
 
 def parse_config(text: str, source: str = "config.toml") -> dict:
+    """The settings a config file sets, checked one by one; errors carry the file and line."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{source}: {e}") from None
-    known = {f.name for f in fields(Config)}
+        m = re.search(r"\(at line (\d+)", str(e))
+        line = int(m.group(1)) if m else None
+        reason = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(e)) or str(e)
+        where = f"{source}:{line}" if line else source
+        raise ConfigError(f"{where}: {reason}", path=source, line=line, reason=reason) from None
     values = {}
-    for key, value in doc.items():
-        if key not in known:
-            raise ConfigError(f"{source}: unknown setting {key!r} (known: {', '.join(sorted(known))})")
-        values[key] = _coerce(key, value, source)
+    for key, raw in doc.items():
+        line = _line_of(text, key)
+        where = f"{source}:{line}" if line else source
+        try:
+            values[key] = coerce(key, raw)
+            check_setting(key, values[key])
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}", path=source, line=line, reason=str(e)) from None
     return values
+
+
+def load_config_sources(path: Path | None = None,
+                        environ: dict | None = None) -> tuple[Config, dict[str, str]]:
+    """The effective config and where each value came from: 'default', 'file' or the env name."""
+    path = path or config_file()
+    environ = os.environ if environ is None else environ
+    sources = dict.fromkeys(setting_names(), "default")
+    values: dict = {}
+    if path.is_file():
+        values.update(parse_config(path.read_text(), str(path)))
+        sources.update(dict.fromkeys(values, "file"))
+    for name, env in ENV.items():
+        if not environ.get(env):
+            continue
+        try:
+            values[name] = coerce(name, environ[env])
+            check_setting(name, values[name])
+        except ConfigError as e:
+            raise ConfigError(f"environment {env}: {e}") from None
+        sources[name] = env
+    config = replace(Config(), **values)
+    validate(config)
+    return config, sources
 
 
 def load_config(path: Path | None = None, environ: dict | None = None) -> Config:
     """Defaults < config file < environment. Raises ConfigError with the file and reason."""
-    path = path or config_file()
-    environ = os.environ if environ is None else environ
-    config = Config()
-    if path.is_file():
-        config = replace(config, **parse_config(path.read_text(), str(path)))
-    overrides = {
-        name: _coerce(name, environ[env], env) for name, env in ENV.items() if environ.get(env)
-    }
-    config = replace(config, **overrides)
-    validate(config)
-    return config
+    return load_config_sources(path, environ)[0]
 
 
-def validate(config: Config) -> None:
-    paths.parse_host(config.host)
-    parse_duration(config.keep_alive)
-    if config.max_loaded_models < 1:
-        raise ConfigError("max_loaded_models must be at least 1")
-    if config.max_queue < 1:
-        raise ConfigError("max_queue must be at least 1")
-    if config.default_ctx < 256:
-        raise ConfigError("default_ctx must be at least 256")
+def changed_settings(old: Config, new: Config) -> tuple[str, ...]:
+    """Names of the settings whose values differ, in declaration order."""
+    return tuple(n for n in setting_names() if getattr(old, n) != getattr(new, n))
+
+
+def with_setting(text: str, name: str, value: int | str | None, source: str = "config.toml") -> str:
+    """config.toml's text with one setting set (or removed for None), comments kept.
+
+    The value is checked first. The line that sets it is replaced in place so a user's comments
+    and layout survive; when that cannot be done safely the file is written out again whole.
+    """
+    doc = tomllib.loads(text) if text.strip() else {}
+    if value is not None:
+        value = coerce(name, value)
+        check_setting(name, value)
+        doc[name] = value
+    else:
+        doc.pop(name, None)
+    line = _line_of(text, name)
+    lines = text.splitlines(keepends=True)
+    if line is not None:
+        replacement = [tomli_w.dumps({name: value})] if value is not None else []
+        lines[line - 1:line] = replacement
+    elif value is not None:
+        if lines and not lines[-1].endswith("\n"):
+            lines[-1] += "\n"
+        # Top-level keys must come before any [table]; this file has none, so the end is safe.
+        lines.append(tomli_w.dumps({name: value}))
+    edited = "".join(lines)
+    try:
+        if tomllib.loads(edited) == doc:
+            return edited
+    except tomllib.TOMLDecodeError:
+        pass
+    return tomli_w.dumps(doc)

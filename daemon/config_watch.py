@@ -1,0 +1,59 @@
+"""Apply edits of config.toml while the daemon runs.
+
+The config dir is watched rather than the file: editors save by writing a new file and renaming
+it over the old one, which a watch on the old file's inode would miss, and the file may not
+exist yet when the daemon starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import watchfiles
+
+from localllm.config import RESTART_NEEDED, Config, ConfigError, changed_settings, load_config
+
+
+async def watch_config(path: Path, apply: Callable[[Config], None], log: logging.Logger,
+                       initial: Config | None = None) -> None:
+    """Run until cancelled: on each change of `path`, load the config and hand a valid one that
+    differs from the one in force to `apply`. An invalid file is logged with its line and
+    reason, and the config in force stays. A removed file means defaults (and environment).
+
+    `initial` is the config the daemon started with; without it the file is read now.
+    """
+    path = Path(path)
+    current = initial if initial is not None else _load_or_none(path, log)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def is_config(_change: watchfiles.Change, changed: str) -> bool:
+        return Path(changed) == path
+
+    async for _changes in watchfiles.awatch(path.parent, watch_filter=is_config,
+                                            recursive=False):
+        new = _load_or_none(path, log)
+        if new is None or new == current:
+            continue
+        changed = changed_settings(current, new) if current is not None else ()
+        log.info("config reloaded", extra={"file": str(path), "changed": ",".join(changed)})
+        restart = [name for name in changed if name in RESTART_NEEDED]
+        if restart:
+            log.warning("restart needed to apply %s (localllm service restart)",
+                        ", ".join(restart), extra={"settings": ",".join(restart)})
+        try:
+            apply(new)
+        except Exception:
+            log.exception("applying the new config failed", extra={"file": str(path)})
+            continue
+        current = new
+
+
+def _load_or_none(path: Path, log: logging.Logger) -> Config | None:
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        log.error("config invalid, keeping the last good one: %s", e.reason,
+                  extra={"file": e.path or str(path), "line": e.line or "", "reason": e.reason})
+        return None

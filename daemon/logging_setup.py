@@ -1,0 +1,121 @@
+"""Where the daemon's log goes, and in what shape.
+
+Every record is one logfmt line: `level=info logger=localllm.scheduler msg="model loaded"
+model=smollm2 seconds=1.2` (keys passed with `extra={...}` become fields), so it reads well and
+`grep model=smollm2` or a logfmt parser finds things.
+
+- Under systemd (stderr is the journal stream): lines go to stderr with a `<N>` syslog
+  priority prefix, which journald turns into the entry's priority (`journalctl -p warning`).
+  No timestamp: the journal stamps each entry.
+- Otherwise: to a rotating file, `<state dir>/logs/localllm.log` (what `localllm service logs`
+  shows), with a timestamp, and the same lines to stderr for a terminal running `localllm serve`.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from localllm import paths
+from localllm.config import Config
+
+from .systemd import journal_stream
+
+LOG_FILE_BYTES = 10 * 1024 * 1024
+LOG_FILE_BACKUPS = 3
+
+# syslog priorities (sd-daemon(3)): journald reads "<N>" at the start of each stderr line.
+_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+             logging.CRITICAL: 2}
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR}
+# Attributes every LogRecord has; anything else on a record came from `extra=` and is a field.
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+def log_file() -> Path:
+    return paths.state_dir() / "logs" / "localllm.log"
+
+
+def _value(value: object) -> str:
+    text = str(value)
+    if text and not any(c in text for c in ' "=\n\t\\'):
+        return text
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+class LogfmtFormatter(logging.Formatter):
+    def __init__(self, timestamps: bool, priority_prefix: bool) -> None:
+        super().__init__()
+        self.timestamps = timestamps
+        self.priority_prefix = priority_prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        pairs = []
+        if self.timestamps:
+            stamp = datetime.fromtimestamp(record.created, UTC)
+            pairs.append(("ts", stamp.isoformat(timespec="milliseconds")))
+        pairs += [("level", record.levelname.lower()), ("logger", record.name),
+                  ("msg", record.getMessage())]
+        pairs += [(k, v) for k, v in vars(record).items() if k not in _STANDARD]
+        line = " ".join(f"{k}={_value(v)}" for k, v in pairs)
+        lines = [line]
+        if record.exc_info:
+            # A traceback stays readable as its own lines, each carrying the record's priority.
+            lines += self.formatException(record.exc_info).splitlines()
+        if not self.priority_prefix:
+            return "\n".join(lines)
+        prefix = f"<{_PRIORITY.get(record.levelno, 6)}>"
+        return "\n".join(prefix + text for text in lines)
+
+
+# Our own handler classes, so that calling setup_logging again replaces only what it installed.
+class _JournalHandler(logging.StreamHandler):
+    pass
+
+
+class _StderrHandler(logging.StreamHandler):
+    pass
+
+
+class _FileHandler(logging.handlers.RotatingFileHandler):
+    pass
+
+
+_OURS = (_JournalHandler, _StderrHandler, _FileHandler)
+
+
+def setup_logging(config: Config) -> None:
+    """Route all logging (ours and libraries') per the module docstring; safe to call again
+    when the config changes (log_level is applied live)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, _OURS):
+            root.removeHandler(handler)
+            handler.close()
+    handlers: list[logging.Handler] = []
+    if journal_stream():
+        journal = _JournalHandler(sys.stderr)
+        journal.setFormatter(LogfmtFormatter(timestamps=False, priority_prefix=True))
+        handlers.append(journal)
+    else:
+        path = log_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        file = _FileHandler(path, maxBytes=LOG_FILE_BYTES, backupCount=LOG_FILE_BACKUPS,
+                            encoding="utf-8")
+        stderr = _StderrHandler(sys.stderr)
+        for handler in (file, stderr):
+            handler.setFormatter(LogfmtFormatter(timestamps=True, priority_prefix=False))
+            handlers.append(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    level = _LEVELS.get(config.log_level, logging.INFO)
+    root.setLevel(level)
+    # One line per HTTP request is noise at info; it is there when debugging.
+    logging.getLogger("aiohttp.access").setLevel(
+        logging.DEBUG if level <= logging.DEBUG else logging.WARNING)
+
