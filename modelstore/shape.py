@@ -73,6 +73,25 @@ class ModelShape:
     recurrent_state_bytes: int  # per sequence, summed over recurrent layers (f32 state)
     layers: tuple[Layer, ...]
     tensors: tuple[Tensor, ...] = field(repr=False)
+    feed_forward_length: int = 0  # largest dense FFN width over the layers
+    expert_feed_forward_length: int = 0  # per expert, MoE models
+
+    @property
+    def n_layer_main(self) -> int:
+        """Blocks of the trunk, without the NextN/MTP blocks."""
+        return self.n_layer - self.n_nextn
+
+    @property
+    def embedding_bytes(self) -> int:
+        """The input token table (always on the CPU in llama.cpp)."""
+        return sum(t.n_bytes for t in self.tensors if t.name == "token_embd.weight")
+
+    @property
+    def output_bytes(self) -> int:
+        """The lm-head: output.weight, or with tied embeddings the token table's copy, which
+        llama.cpp loads a second time on the output layer's device."""
+        out = sum(t.n_bytes for t in self.tensors if t.role == OUTPUT)
+        return out if out else self.embedding_bytes
 
     @property
     def weight_bytes(self) -> int:
@@ -123,6 +142,10 @@ def shape_from_header(header: GGUFHeader, path: str) -> ModelShape:
     head_v = int(key("attention.value_length", head_dim_default) or head_dim_default)
     window = int(key("attention.sliding_window", 0) or 0)
     kinds = _layer_kinds(arch, md, key, n_layer, window)
+    # NextN/MTP blocks are dense attention blocks whatever the trunk's pattern (llama.cpp marks
+    # them neither recurrent nor sliding), and they hold no state in the main context.
+    for i in range(max(0, n_layer - n_nextn), n_layer):
+        kinds[i] = FULL
 
     tensors = tuple(_classify(t) for t in header.tensors)
     per_layer_bytes = [0] * n_layer
@@ -173,6 +196,8 @@ def shape_from_header(header: GGUFHeader, path: str) -> ModelShape:
         recurrent_state_bytes=_recurrent_state_bytes(key, kinds),
         layers=layers,
         tensors=tensors,
+        feed_forward_length=max(_per_layer(key("feed_forward_length", 0), n_layer) or [0]),
+        expert_feed_forward_length=int(key("expert_feed_forward_length", 0) or 0),
     )
 
 

@@ -1,0 +1,375 @@
+#!/usr/bin/env python3
+"""Write synthetic GGUF models with the exact tensor table of a named shape.
+
+Speed and memory of llama.cpp do not depend on weight values, so a synthetic file measures what
+the real model costs without downloading it. Three fillings:
+  sparse  header plus holes: no disk used, llama.cpp reads zeros (planning, dry runs, loads)
+  random  small random weights, quantized validly, so the model computes finite numbers
+  zeros   written zeros (a sparse file on a filesystem without holes)
+
+    python scripts/synth_gguf.py dense-27b /tmp/dense-27b.gguf --type Q4_0 --fill random
+    python scripts/synth_gguf.py --list
+    python scripts/synth_gguf.py llama-8b /tmp/tiny.gguf --tiny      # a loadable toy of that shape
+
+The vocabulary is a byte-fallback SentencePiece one ("llama" tokenizer) of the shape's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
+from gguf import quants as gguf_quants
+
+
+@dataclass(frozen=True)
+class ShapeConfig:
+    """The hyperparameters that decide a model's tensor table (GGUF metadata names)."""
+
+    name: str
+    arch: str  # llama, qwen35, gemma3, qwen3moe
+    n_layer: int  # trunk blocks (NextN blocks come on top)
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_vocab: int
+    context_length: int
+    tied_embeddings: bool = False
+    n_nextn: int = 0
+    sliding_window: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_expert: int = 0
+    full_attention_interval: int = 0  # qwen35: every Nth block attends, the others are recurrent
+    ssm: dict = field(default_factory=dict)  # qwen35: d_conv, d_state, n_group, dt_rank
+    rope_dims: int = 0  # 0: the head size
+    rope_base: float = 10000.0
+
+
+SHAPES: dict[str, ShapeConfig] = {
+    "llama-8b": ShapeConfig(
+        "llama-8b", "llama", n_layer=32, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8,
+        head_dim=128, n_vocab=128256, context_length=131072, rope_base=500000.0),
+    # The 27B-class dense model of the H200 baselines: 66 blocks, 8 KV heads x 128, 13.9 GiB Q4_0.
+    "dense-27b": ShapeConfig(
+        "dense-27b", "llama", n_layer=66, n_embd=5120, n_ff=20480, n_head=40, n_head_kv=8,
+        head_dim=128, n_vocab=152064, context_length=131072, rope_base=1000000.0),
+    # Qwen3.5/3.6-27B: 16 x (3 Gated DeltaNet + 1 gated attention) and one NextN (MTP) block.
+    "qwen35-27b": ShapeConfig(
+        "qwen35-27b", "qwen35", n_layer=64, n_embd=5120, n_ff=17408, n_head=24, n_head_kv=4,
+        head_dim=256, n_vocab=248320, context_length=262144, n_nextn=1,
+        full_attention_interval=4, ssm={"d_conv": 4, "d_state": 128, "n_group": 16, "dt_rank": 48},
+        rope_dims=64, rope_base=10000000.0),
+    # Gemma 3 27B: 5 sliding-window (1024) blocks per global one, tied embeddings.
+    "gemma3-27b": ShapeConfig(
+        "gemma3-27b", "gemma3", n_layer=62, n_embd=5376, n_ff=21504, n_head=32, n_head_kv=16,
+        head_dim=128, n_vocab=262208, context_length=131072, tied_embeddings=True,
+        sliding_window=1024, rope_base=1000000.0),
+    "qwen3-30b-a3b": ShapeConfig(
+        "qwen3-30b-a3b", "qwen3moe", n_layer=48, n_embd=2048, n_ff=6144, n_head=32, n_head_kv=4,
+        head_dim=128, n_vocab=151936, context_length=40960, n_expert=128, n_expert_used=8,
+        n_ff_expert=768, rope_base=1000000.0),
+    "70b": ShapeConfig(
+        "70b", "llama", n_layer=80, n_embd=8192, n_ff=28672, n_head=64, n_head_kv=8,
+        head_dim=128, n_vocab=128256, context_length=131072, rope_base=500000.0),
+}
+
+
+def tiny(config: ShapeConfig) -> ShapeConfig:
+    """The same architecture at toy size: loads and decodes on a CPU in well under a second."""
+    n_layer = {"gemma3": 6, "qwen35": 4}.get(config.arch, 2)
+    ssm = {"d_conv": 4, "d_state": 32, "n_group": 2, "dt_rank": 4} if config.ssm else {}
+    return replace(
+        config, name=f"{config.name}-tiny", n_layer=n_layer, n_embd=256, n_ff=512, n_head=4,
+        n_head_kv=2, head_dim=64, n_vocab=512, context_length=4096,
+        sliding_window=128 if config.sliding_window else 0,
+        n_expert=8 if config.n_expert else 0, n_expert_used=2 if config.n_expert else 0,
+        n_ff_expert=256 if config.n_expert else 0, ssm=ssm,
+        rope_dims=32 if config.rope_dims else 0,
+    )
+
+
+# ---- the tensor table ------------------------------------------------------------------------
+
+Tensor = tuple[str, tuple[int, ...]]  # name, ggml dims (ne0 first: the input size)
+
+
+def tensor_table(c: ShapeConfig) -> list[Tensor]:
+    """Every tensor llama.cpp loads for this architecture, named and shaped as llama.cpp does."""
+    E, V = c.n_embd, c.n_vocab
+    q_dim, kv_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    out: list[Tensor] = [("token_embd.weight", (E, V)), ("output_norm.weight", (E,))]
+    if not c.tied_embeddings:
+        out.append(("output.weight", (E, V)))
+
+    def ffn(b: str) -> list[Tensor]:
+        return [(f"{b}.ffn_gate.weight", (E, c.n_ff)), (f"{b}.ffn_up.weight", (E, c.n_ff)),
+                (f"{b}.ffn_down.weight", (c.n_ff, E))]
+
+    for i in range(c.n_layer + c.n_nextn):
+        b = f"blk.{i}"
+        if c.arch == "llama":
+            out += [(f"{b}.attn_norm.weight", (E,)), (f"{b}.attn_q.weight", (E, q_dim)),
+                    (f"{b}.attn_k.weight", (E, kv_dim)), (f"{b}.attn_v.weight", (E, kv_dim)),
+                    (f"{b}.attn_output.weight", (q_dim, E)), (f"{b}.ffn_norm.weight", (E,))]
+            out += ffn(b)
+        elif c.arch == "gemma3":
+            out += [(f"{b}.attn_norm.weight", (E,)), (f"{b}.attn_q.weight", (E, q_dim)),
+                    (f"{b}.attn_k.weight", (E, kv_dim)), (f"{b}.attn_v.weight", (E, kv_dim)),
+                    (f"{b}.attn_output.weight", (q_dim, E)),
+                    (f"{b}.post_attention_norm.weight", (E,)),
+                    (f"{b}.attn_k_norm.weight", (c.head_dim,)),
+                    (f"{b}.attn_q_norm.weight", (c.head_dim,)), (f"{b}.ffn_norm.weight", (E,))]
+            out += ffn(b) + [(f"{b}.post_ffw_norm.weight", (E,))]
+        elif c.arch == "qwen3moe":
+            F, X = c.n_ff_expert, c.n_expert
+            out += [(f"{b}.attn_norm.weight", (E,)), (f"{b}.attn_q.weight", (E, q_dim)),
+                    (f"{b}.attn_k.weight", (E, kv_dim)), (f"{b}.attn_v.weight", (E, kv_dim)),
+                    (f"{b}.attn_output.weight", (q_dim, E)),
+                    (f"{b}.attn_k_norm.weight", (c.head_dim,)),
+                    (f"{b}.attn_q_norm.weight", (c.head_dim,)), (f"{b}.ffn_norm.weight", (E,)),
+                    (f"{b}.ffn_gate_inp.weight", (E, X)),
+                    (f"{b}.ffn_gate_exps.weight", (E, F, X)),
+                    (f"{b}.ffn_down_exps.weight", (F, E, X)),
+                    (f"{b}.ffn_up_exps.weight", (E, F, X))]
+        elif c.arch == "qwen35":
+            out += _qwen35_block(c, i, b) + ffn(b)
+        else:
+            raise ValueError(f"no tensor table for architecture {c.arch}")
+    return out
+
+
+def _qwen35_block(c: ShapeConfig, i: int, b: str) -> list[Tensor]:
+    E = c.n_embd
+    q_dim, kv_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    out: list[Tensor] = [(f"{b}.attn_norm.weight", (E,)), (f"{b}.post_attention_norm.weight", (E,))]
+    is_nextn = i >= c.n_layer
+    if is_nextn or (i + 1) % c.full_attention_interval == 0:
+        # Gated attention: Q and its gate share one projection (2 x q_dim).
+        out += [(f"{b}.attn_q.weight", (E, 2 * q_dim)), (f"{b}.attn_k.weight", (E, kv_dim)),
+                (f"{b}.attn_v.weight", (E, kv_dim)), (f"{b}.attn_output.weight", (q_dim, E)),
+                (f"{b}.attn_q_norm.weight", (c.head_dim,)),
+                (f"{b}.attn_k_norm.weight", (c.head_dim,))]
+        if is_nextn:
+            out += [(f"{b}.nextn.eh_proj.weight", (2 * E, E)), (f"{b}.nextn.enorm.weight", (E,)),
+                    (f"{b}.nextn.hnorm.weight", (E,)),
+                    (f"{b}.nextn.shared_head_norm.weight", (E,))]
+        return out
+    s = c.ssm
+    key_dim, value_dim = s["d_state"] * s["n_group"], s["d_state"] * s["dt_rank"]
+    conv_dim = 2 * key_dim + value_dim
+    return out + [
+        (f"{b}.attn_qkv.weight", (E, conv_dim)), (f"{b}.attn_gate.weight", (E, value_dim)),
+        (f"{b}.ssm_conv1d.weight", (s["d_conv"], conv_dim)), (f"{b}.ssm_dt.bias", (s["dt_rank"],)),
+        (f"{b}.ssm_a", (s["dt_rank"],)), (f"{b}.ssm_beta.weight", (E, s["dt_rank"])),
+        (f"{b}.ssm_alpha.weight", (E, s["dt_rank"])), (f"{b}.ssm_norm.weight", (s["d_state"],)),
+        (f"{b}.ssm_out.weight", (value_dim, E)),
+    ]
+
+
+def tensor_type(name: str, dims: tuple[int, ...],
+                qtype: GGMLQuantizationType) -> GGMLQuantizationType:
+    """Matrices take the chosen type where their rows fit its blocks; vectors, convolutions and
+    rows that do not fit stay float, as llama.cpp's quantizer leaves them."""
+    if len(dims) < 2 or name.endswith("ssm_conv1d.weight"):
+        return GGMLQuantizationType.F32
+    block = GGML_QUANT_SIZES[qtype][0]
+    if dims[0] % block:
+        return GGMLQuantizationType.F16
+    return qtype
+
+
+def tensor_bytes(dims: tuple[int, ...], ggml_type: GGMLQuantizationType) -> int:
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    n = 1
+    for d in dims:
+        n *= d
+    return n // block * size
+
+
+# ---- metadata ---------------------------------------------------------------------------------
+
+_FILE_TYPES = {"F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16,
+               "Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q4_1": LlamaFileType.MOSTLY_Q4_1,
+               "Q5_0": LlamaFileType.MOSTLY_Q5_0, "Q5_1": LlamaFileType.MOSTLY_Q5_1,
+               "Q8_0": LlamaFileType.MOSTLY_Q8_0, "Q2_K": LlamaFileType.MOSTLY_Q2_K,
+               "Q3_K": LlamaFileType.MOSTLY_Q3_K_M, "Q4_K": LlamaFileType.MOSTLY_Q4_K_M,
+               "Q5_K": LlamaFileType.MOSTLY_Q5_K_M, "Q6_K": LlamaFileType.MOSTLY_Q6_K,
+               "BF16": LlamaFileType.MOSTLY_BF16}
+
+
+def _add_metadata(w: GGUFWriter, c: ShapeConfig, qtype: GGMLQuantizationType) -> None:
+    w.add_name(f"synthetic {c.name}")
+    w.add_file_type(int(_FILE_TYPES.get(qtype.name, LlamaFileType.GUESSED)))
+    w.add_context_length(c.context_length)
+    w.add_embedding_length(c.n_embd)
+    w.add_block_count(c.n_layer + c.n_nextn)
+    w.add_feed_forward_length(c.n_ff)
+    w.add_head_count(c.n_head)
+    w.add_head_count_kv(c.n_head_kv)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(c.rope_base)
+    w.add_rope_dimension_count(c.rope_dims or c.head_dim)
+    w.add_vocab_size(c.n_vocab)
+    if c.n_nextn:
+        w.add_nextn_predict_layers(c.n_nextn)
+    if c.sliding_window:
+        w.add_sliding_window(c.sliding_window)
+    if c.n_expert:
+        w.add_expert_count(c.n_expert)
+        w.add_expert_used_count(c.n_expert_used)
+        w.add_expert_feed_forward_length(c.n_ff_expert)
+    if c.full_attention_interval:
+        w.add_full_attention_interval(c.full_attention_interval)
+        w.add_rope_dimension_sections([11, 11, 10, 0])
+        s = c.ssm
+        w.add_ssm_conv_kernel(s["d_conv"])
+        w.add_ssm_state_size(s["d_state"])
+        w.add_ssm_group_count(s["n_group"])
+        w.add_ssm_time_step_rank(s["dt_rank"])
+        w.add_ssm_inner_size(s["d_state"] * s["dt_rank"])
+    _add_vocab(w, c.n_vocab)
+
+
+def _add_vocab(w: GGUFWriter, n_vocab: int) -> None:
+    """A SentencePiece-style vocabulary: unk/bos/eos, the 256 byte tokens (so any text
+    tokenizes), printable characters, then filler pieces up to the shape's vocabulary size."""
+    tokens: list[bytes] = [b"<unk>", b"<s>", b"</s>"]
+    types = [2, 3, 3]  # unknown, control, control
+    tokens += [f"<0x{i:02X}>".encode() for i in range(256)]
+    types += [6] * 256  # byte
+    for ch in "\u2581abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?":
+        if len(tokens) < n_vocab:
+            tokens.append(ch.encode())
+            types.append(1)
+    tokens += [f"\u2581t{i}".encode() for i in range(n_vocab - len(tokens))]
+    types += [1] * (n_vocab - len(types))
+    tokens, types = tokens[:n_vocab], types[:n_vocab]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) for i in range(n_vocab)])
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+
+
+# ---- weights ----------------------------------------------------------------------------------
+
+def _random_row_block(ne0: int, ggml_type: GGMLQuantizationType, rng) -> bytes:
+    """Valid bytes of 16 rows of small random weights, tiled to fill a tensor of that row size.
+
+    Quantizing every weight would take minutes for a 27B model; repeating a valid block gives
+    finite outputs at disk speed. Types the gguf package cannot quantize fall back to zeros."""
+    rows = rng.standard_normal((16, ne0), dtype=np.float32) * 0.02
+    if ggml_type == GGMLQuantizationType.F32:
+        return rows.tobytes()
+    if ggml_type == GGMLQuantizationType.F16:
+        return rows.astype(np.float16).tobytes()
+    try:
+        return gguf_quants.quantize(rows, ggml_type).tobytes()
+    except (NotImplementedError, gguf_quants.QuantError):
+        return bytes(tensor_bytes((ne0, 16), ggml_type))
+
+
+def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
+               fill: str = "sparse", seed: int = 0) -> Path:
+    """Write the model; return its path. `fill` is sparse, random or zeros."""
+    if fill not in ("sparse", "random", "zeros"):
+        raise ValueError(f"fill must be sparse, random or zeros, not {fill!r}")
+    try:
+        quant = GGMLQuantizationType[qtype.upper()]
+    except KeyError:
+        raise ValueError(f"unknown ggml type {qtype!r}") from None
+    path = Path(path)
+    table = [(name, dims, tensor_type(name, dims, quant)) for name, dims in tensor_table(config)]
+    w = GGUFWriter(path, config.arch)
+    _add_metadata(w, config, quant)
+    for name, dims, ggml_type in table:
+        nbytes = tensor_bytes(dims, ggml_type)
+        # The writer takes numpy order (last ggml dim first) and, for raw types, the byte shape.
+        byte_shape = tuple(reversed(dims[1:])) + (nbytes // max(1, _rows(dims)),)
+        w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=ggml_type)
+    w.write_header_to_file(path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    f = w.fout[0]
+    align = w.data_alignment
+    data_start = GGUFWriter.ggml_pad(f.tell(), align)
+    total = sum(GGUFWriter.ggml_pad(tensor_bytes(d, t), align) for _, d, t in table)
+    if fill == "sparse":
+        f.truncate(data_start + total)
+    else:
+        rng = np.random.default_rng(seed)
+        blocks: dict[tuple[int, GGMLQuantizationType], bytes] = {}
+        f.write(bytes(data_start - f.tell()))
+        for _name, dims, ggml_type in table:
+            nbytes = tensor_bytes(dims, ggml_type)
+            if fill == "zeros":
+                _write_repeated(f, b"\0" * (1 << 20), nbytes)
+            else:
+                key = (dims[0], ggml_type)
+                if key not in blocks:
+                    blocks[key] = _random_row_block(dims[0], ggml_type, rng)
+                _write_repeated(f, blocks[key], nbytes)
+            f.write(bytes(GGUFWriter.ggml_pad(nbytes, align) - nbytes))
+    w.close()
+    return path
+
+
+def _rows(dims: tuple[int, ...]) -> int:
+    n = 1
+    for d in dims[1:]:
+        n *= d
+    return n
+
+
+def _write_repeated(f, block: bytes, nbytes: int) -> None:
+    chunk = block * max(1, (8 << 20) // len(block))
+    while nbytes > 0:
+        piece = chunk[:min(nbytes, len(chunk))]
+        f.write(piece)
+        nbytes -= len(piece)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("shape", nargs="?", help=f"one of: {', '.join(SHAPES)}")
+    p.add_argument("out", nargs="?", help="the .gguf file to write")
+    p.add_argument("--type", default="Q4_0",
+                   help="ggml type of the matrices (Q4_0, Q8_0, Q4_K, F16...)")
+    p.add_argument("--fill", default="sparse", choices=("sparse", "random", "zeros"))
+    p.add_argument("--tiny", action="store_true", help="toy dimensions of the same architecture")
+    p.add_argument("--list", action="store_true", help="list the shapes")
+    args = p.parse_args(argv)
+    if args.list or not args.shape:
+        for name, c in SHAPES.items():
+            print(f"{name:15} {c.arch:9} {c.n_layer + c.n_nextn} blocks, ctx {c.context_length}")
+        return 0
+    if args.shape not in SHAPES:
+        print(f"Error: unknown shape {args.shape!r}; known: {', '.join(SHAPES)}", file=sys.stderr)
+        return 1
+    if not args.out:
+        print("Error: give the output file", file=sys.stderr)
+        return 1
+    config = tiny(SHAPES[args.shape]) if args.tiny else SHAPES[args.shape]
+    try:
+        path = write_gguf(args.out, config, args.type, args.fill)
+    except (ValueError, OSError) as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 1
+    print(f"{path}: {path.stat().st_size / (1 << 30):.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
