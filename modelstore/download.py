@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
@@ -200,7 +199,6 @@ class _Transfer:
         self.state_path = store.tmp / f"download-{key}.json"
         self.parts: list[_Part] = []
         self.fd = -1
-        self.saved_at = 0.0
 
     # ---- state -------------------------------------------------------------------------
     def load_state(self) -> bool:
@@ -227,7 +225,12 @@ class _Transfer:
         tmp = self.state_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, self.state_path)
-        self.saved_at = time.monotonic()
+
+    async def save_periodically(self, interval_s: float = 0.5) -> None:
+        """Bytes on disk are recorded at most this late, so a killed pull loses little."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self.save_state()
 
     def discard(self) -> None:
         self.partial.unlink(missing_ok=True)
@@ -249,11 +252,14 @@ class _Transfer:
                 os.ftruncate(self.fd, self.remote.size)
             self.save_state()
             self.on_bytes(self.completed)
+            saver = asyncio.create_task(self.save_periodically())
             try:
                 await self.fetch_parts()
             except _NoRanges:
                 self.parts = [_Part(0, self.remote.size)]
                 await self.fetch_parts()
+            finally:
+                saver.cancel()
         except PullError:
             if self.completed == 0:
                 self.discard()  # nothing worth resuming
@@ -334,8 +340,6 @@ class _Transfer:
                 os.pwrite(self.fd, chunk, position)
                 part.done += len(chunk)
                 self.on_bytes(self.completed)
-                if time.monotonic() - self.saved_at > 0.5:
-                    self.save_state()
                 if part.finished:
                     break
 
@@ -369,7 +373,8 @@ async def fetch_blob(session: aiohttp.ClientSession, store: ModelStore, remote: 
     on_bytes = on_bytes or (lambda completed: None)
     if remote.sha256 and store.has_blob(f"sha256:{remote.sha256}"):
         return _existing(store, remote.sha256, on_bytes)
-    store.tmp.mkdir(parents=True, exist_ok=True)
+    for directory in (store.tmp, store.blobs):
+        directory.mkdir(parents=True, exist_ok=True)
     key = remote.sha256 or hashlib.sha256(remote.url.encode()).hexdigest()
     transfer = _Transfer(session, store, remote, label, headers or {}, on_bytes, options)
 

@@ -1,0 +1,101 @@
+"""POST /api/pull: Ollama's pull, streaming its progress objects as NDJSON.
+
+Request: {"model": NAME (or "name"), "stream": true}. NAME is a catalog name,
+hf.co/OWNER/REPO:QUANT, hf.co/OWNER/REPO/FILE.gguf or a https URL. Stream: {"status":
+"pulling manifest"}, then per blob {"status": "pulling <hex>", "digest", "total", "completed"},
+then "verifying sha256 digest", "writing manifest", "success". With stream:false the answer
+is {"status": "success"}.
+
+Errors found before any byte is downloaded (unknown name, 404, 401, no disk space) answer with
+a 4xx status and {"error": ...}; progress is held back until then so they can. An error after
+the stream has begun arrives as a final {"error": ...} line, as Ollama sends it. A client that
+goes away cancels the pull; its partial download stays and the next pull resumes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from aiohttp import web
+
+from localllm.modelstore.download import PullError
+from localllm.modelstore.hub import HubSettings
+from localllm.modelstore.pull import plan_pull, pull_model
+
+from ..state import CONFIG, STORE
+from .common import ApiError, bad_request, get_bool, get_str, read_json
+
+NDJSON = "application/x-ndjson"
+routes = web.RouteTableDef()
+_DONE = object()
+
+
+def _api_error(error: PullError) -> ApiError:
+    return ApiError(getattr(error, "http_status", 400), str(error))
+
+
+@routes.post("/api/pull")
+async def api_pull(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    name = get_str(body, "model") or get_str(body, "name")
+    if not name:
+        raise bad_request("missing required field 'model'", "model")
+    stream = get_bool(body, "stream", True)
+    plan_pull(name)  # an unknown or malformed name fails here, as a 4xx
+    store = request.app[STORE]
+    config = request.app.get(CONFIG)
+    hub = HubSettings.from_environment(config.hf_endpoint if config else None)
+
+    events: asyncio.Queue = asyncio.Queue()
+    task = asyncio.create_task(pull_model(store, name, events.put_nowait, hub=hub))
+    task.add_done_callback(lambda _: events.put_nowait(_DONE))
+    if not stream:
+        try:
+            await task
+        except PullError as e:
+            raise _api_error(e) from None
+        return web.json_response({"status": "success"})
+
+    response: web.StreamResponse | None = None
+    held: list[dict] = []
+    try:
+        while (event := await events.get()) is not _DONE:
+            if response is None and "completed" not in event:
+                held.append(event)  # not yet: a resolution error may still become a 4xx
+                continue
+            if response is None:
+                response = await _start(request)
+                for early in held:
+                    await _write(response, early)
+            await _write(response, event)
+        error = task.exception()
+        if response is None:
+            if isinstance(error, PullError):
+                raise _api_error(error)
+            if error is not None:
+                raise error
+            response = await _start(request)
+            for early in held:
+                await _write(response, early)
+        elif error is not None:
+            message = str(error) if isinstance(error, PullError) else f"pull failed: {error!r}"
+            await _write(response, {"error": message})
+        await response.write_eof()
+        return response
+    finally:
+        if not task.done():  # the client went away (or the server is stopping)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+async def _start(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": NDJSON})
+    await response.prepare(request)
+    return response
+
+
+async def _write(response: web.StreamResponse, event: dict) -> None:
+    await response.write(json.dumps(event).encode() + b"\n")
