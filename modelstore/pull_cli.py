@@ -1,0 +1,153 @@
+"""`localllm pull NAME` and `localllm pull --list`.
+
+The CLI pulls straight into the store (no daemon needed); the per-blob lock in the store's tmp/
+makes that safe while the daemon or another `localllm pull` fetches the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import dataclass
+
+from . import catalog
+from .download import DownloadOptions
+from .hub import HubSettings
+from .pull import pull_model
+from .store import default_store
+
+GIB = 1 << 30
+# Room a model needs on the GPU beyond its weights (KV cache at a small context, compute buffers).
+WORKING_ROOM_BYTES = 1 * GIB
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "pull", help="download a model (catalog name, hf.co/OWNER/REPO:QUANT, or a URL)",
+        description="Download a model into the store, verified. NAME is a catalog name (see "
+                    "--list), hf.co/OWNER/REPO:QUANT, hf.co/OWNER/REPO/FILE.gguf or "
+                    "https://.../FILE.gguf. An interrupted pull resumes when run again. Gated "
+                    "repos need HF_TOKEN; LOCALLLM_HF_ENDPOINT points at another hub.")
+    parser.add_argument("model", nargs="?", metavar="NAME")
+    parser.add_argument("--list", action="store_true",
+                        help="show the catalog with sizes and which models fit this machine")
+    parser.add_argument("--card", metavar="NAME",
+                        help="with --list: judge fit for this card profile instead of the GPU here")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        print_catalog(args.card)
+        return 0
+    if not args.model:
+        raise catalog_usage_error()
+    store = default_store()
+    with _ProgressView() as view:
+        entry = asyncio.run(pull_model(store, args.model, view.update,
+                                       hub=HubSettings.from_environment(),
+                                       options=DownloadOptions()))
+    print(f"pulled {entry.name} ({_size(entry.size)}, {entry.digest[:19]})")
+    return 0
+
+
+def catalog_usage_error() -> Exception:
+    from localllm.errors import UserError
+
+    return UserError("name a model to pull, e.g. `localllm pull smollm2`; "
+                     "`localllm pull --list` shows the catalog")
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.0f} MiB"
+
+
+# ---- progress -------------------------------------------------------------------------
+class _ProgressView:
+    """Ollama's progress objects as rich progress bars (size, speed, ETA), one per blob."""
+
+    def __enter__(self) -> _ProgressView:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.console = Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+            TransferSpeedColumn(), TimeRemainingColumn(), console=self.console,
+            transient=False)
+        self.tasks: dict[str, int] = {}
+        self.progress.start()
+        return self
+
+    def update(self, event: dict) -> None:
+        status = event.get("status", "")
+        if "total" not in event:
+            if status not in ("success",):
+                self.console.print(status)
+            return
+        task = self.tasks.get(status)
+        if task is None:
+            task = self.tasks[status] = self.progress.add_task(status, total=event["total"])
+        self.progress.update(task, total=event["total"], completed=event["completed"])
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+
+# ---- --list ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Machine:
+    label: str
+    vram_bytes: int  # all GPUs together, 0 for none
+    ram_bytes: int
+
+
+def detect_machine(card_name: str | None) -> Machine:
+    """The GPU(s) to judge fit against: the tuner's probe where it exists, else CPU only."""
+    try:
+        from localllm.profiles.hardware import resolve_card
+    except ImportError:
+        return Machine("cpu only (no hardware probe available)", 0, 0)
+    card = resolve_card(card_name)
+    n_gpus = card.n_gpus if card.has_gpu else 0
+    usable = max(0, card.free_vram_bytes - card.overhead_bytes) * n_gpus
+    return Machine(card.label, usable, card.ram_bytes)
+
+
+def fit_label(size: int, machine: Machine) -> str:
+    """How a model of `size` bytes fits (file size vs memory; the tuner plans the details)."""
+    if machine.vram_bytes and size + WORKING_ROOM_BYTES <= machine.vram_bytes:
+        return "fits on GPU"
+    if machine.vram_bytes:
+        on_gpu = max(0, machine.vram_bytes - WORKING_ROOM_BYTES) / size
+        if machine.ram_bytes and size > machine.vram_bytes + machine.ram_bytes:
+            return "too big"
+        return f"partly: ~{on_gpu:.0%} on GPU"
+    if machine.ram_bytes and size > machine.ram_bytes:
+        return "too big"
+    return "cpu"
+
+
+def catalog_rows(machine: Machine) -> list[tuple[str, ...]]:
+    """NAME, SIZE (~ where the hub's figure is rounded), FIT, ALSO (companions), ABOUT (pure)."""
+    rows = []
+    for entry in catalog.entries():
+        also = ", ".join(c.reference.rsplit("/", 1)[-1] for c in entry.companions)
+        size = ("" if entry.sha256 else "~") + _size(entry.size)
+        rows.append((str(entry.name).removesuffix(":latest"), size,
+                     fit_label(entry.size, machine), also, entry.note))
+    return rows
+
+
+def print_catalog(card_name: str | None) -> None:
+    machine = detect_machine(card_name)
+    rows = [("NAME", "SIZE", "FIT", "ALSO", "ABOUT"), *catalog_rows(machine)]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    print(f"fit judged for {machine.label} (file size against memory; `localllm tune` plans it)")
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]
+        print("  ".join([*cells, row[4]]))
+    print("pull one with `localllm pull NAME`; hf.co/OWNER/REPO:QUANT and https URLs work too")
