@@ -54,6 +54,6 @@ def _load_or_none(path: Path, log: logging.Logger) -> Config | None:
     try:
         return load_config(path)
     except ConfigError as e:
-        log.error("config invalid, keeping the last good one: %s", e.reason,
+        log.error("config invalid, keeping the last good one: %s", e,
                   extra={"file": e.path or str(path), "line": e.line or "", "reason": e.reason})
         return None

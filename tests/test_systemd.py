@@ -62,11 +62,12 @@ ACTIVATED_APP = textwrap.dedent("""\
 """)
 
 
-def _activate(program: list[str], sockets: list[socket.socket], env: dict) -> subprocess.Popen:
+def _activate(program: list[str], sockets: list[socket.socket], env: dict,
+              cwd: Path | None = None) -> subprocess.Popen:
     fds = [s.fileno() for s in sockets]
     return subprocess.Popen(
         [sys.executable, "-c", ACTIVATE, ",".join(map(str, fds)), *program],
-        pass_fds=fds, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        pass_fds=fds, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _notify_listener(path: Path) -> socket.socket:
