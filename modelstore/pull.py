@@ -33,7 +33,8 @@ from .catalog import Companion
 from .download import DownloadOptions, PullError, RemoteFile, blob_lock, fetch_blob
 from .gguf_header import GGUFError, read_header
 from .hub import (
-    HubClient, HubSettings, Reference, WheelRef, parse_reference, store_name,
+    HubClient, HubFileRef, HubQuantRef, HubSettings, Reference, WheelRef, parse_reference,
+    store_name,
 )
 from .names import ModelName, parse_name
 from .shape import format_param_count, shape_from_header
@@ -198,8 +199,10 @@ class _Pull:
 
 
 def _label(reference: Reference, remote: RemoteFile) -> str:
-    return remote.url if not hasattr(reference, "repo") else \
-        f"hf.co/{reference.repo}/{remote.filename}"  # type: ignore[union-attr]
+    """How errors name a file: as the user would write it."""
+    if isinstance(reference, HubQuantRef | HubFileRef):
+        return f"hf.co/{reference.repo}/{remote.filename}"
+    return remote.url
 
 
 def _details(store: ModelStore, layers: list[Layer]) -> dict:
