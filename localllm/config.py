@@ -4,7 +4,7 @@
 | ----------------- | -------------------------- | ----------------------------- | --------- |
 | host              | LOCALLLM_HOST              | 127.0.0.1:11435               | restart   |
 | socket            | LOCALLLM_SOCKET            | (runtime dir)/localllm.sock   | restart   |
-| api_key           | LOCALLLM_API_KEY           | (none; required off loopback) | live      |
+| api_key           | LOCALLLM_API_KEY           | (none; required off loopback) | restart   |
 | keep_alive        | LOCALLLM_KEEP_ALIVE        | 5m                            | live      |
 | max_loaded_models | LOCALLLM_MAX_LOADED_MODELS | 2                             | live      |
 | num_parallel      | LOCALLLM_NUM_PARALLEL      | 1                             | next load |
@@ -14,7 +14,7 @@
 | context_policy    | LOCALLLM_CONTEXT_POLICY    | fit                           | next load |
 | kv_cache_type     | LOCALLLM_KV_CACHE_TYPE     | auto                          | next load |
 | vram_margin_mib   | LOCALLLM_VRAM_MARGIN_MIB   | 512                           | next load |
-| hf_endpoint       | LOCALLLM_HF_ENDPOINT       | https://huggingface.co        | live      |
+| hf_endpoint       | LOCALLLM_HF_ENDPOINT       | https://huggingface.co        | restart   |
 | log_level         | LOCALLLM_LOG_LEVEL         | info                          | live      |
 
 - num_parallel: requests one loaded model serves at once (llama.cpp sequences; each has its own
@@ -27,9 +27,10 @@
 - log_level: debug, info, warning or error.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
-"restart": the daemon keeps its listening sockets until `localllm service restart` (or a new
-`localllm serve`). The rest is applied while it runs; "next load" means models loaded from then
-on (a loaded model keeps its plan until it is unloaded).
+"restart": the daemon keeps its listening sockets, API key and hub until `localllm service
+restart` (or a new `localllm serve`); the CLI reads the file on every run. The rest is applied
+while the daemon runs; "next load" means models loaded from then on (a loaded model keeps its
+plan until it is unloaded).
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ ENV = {
     "log_level": "LOCALLLM_LOG_LEVEL",
 }
 
-# Settings the daemon can only take by binding again: a change logs "restart needed".
-RESTART_NEEDED = frozenset({"host", "socket"})
+# Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
+# pull route hold theirs): a change while it runs logs "restart needed".
+RESTART_NEEDED = frozenset({"host", "socket", "api_key", "hf_endpoint"})
 
 CHOICES = {
     "context_policy": ("fixed", "fit", "max"),
