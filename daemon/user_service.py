@@ -262,7 +262,8 @@ def remove_units() -> list[Path]:
     if manifest is None:
         return []
     link = wants_dir() / SOCKET
-    if link.is_symlink() and os.readlink(link) in manifest["files"]:
+    ours = {Path(name).resolve() for name in manifest["files"]}
+    if link.is_symlink() and (link.parent / os.readlink(link)).resolve() in ours:
         link.unlink()
     removed = []
     for name in manifest["files"]:
