@@ -1,0 +1,174 @@
+"""The daemon's entry points: which plan to load a model with, and what to try after an OOM.
+
+    choose_plan(shape, model_name, n_ctx, options) -> Plan
+    step_down(plan, shape, card) -> Plan | None
+
+`choose_plan` probes the machine, uses the saved profile for (card, model) when there is a valid
+one, else runs the tuner; on a GPU it checks the tuner's compute-buffer estimate with a dry-run
+load (cached) and re-plans when llama.cpp needs more. Ollama load options (num_gpu,
+num_thread, num_batch) override the matching plan fields. A broken profile is reported in the
+plan's reasons and the log, and the tuner plans instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import replace
+
+from localllm.config import ConfigError, load_config
+from localllm.modelstore.shape import ModelShape
+
+from .card import MIB, Card
+from .dryrun import dry_run
+from .hardware import probe_card
+from .memory import CPU, ComputeTable, ContextSettings, Placement, memory_by_device, model_costs
+from .plan import Plan
+from .saved import ProfileError, find_profile, record_event
+from .tuner import NoPlanFits, Request, tune
+
+log = logging.getLogger(__name__)
+_EXPERT_BLOCKS = re.compile(r"^\^blk\\\.\(([\d|]+)\)")
+DRY_RUN_ROUNDS = 3
+
+
+def request_from_options(n_ctx: int | None, options: dict, margin_bytes: int) -> Request:
+    """Ollama's load options as a tuner request (num_gpu < 0 means "let the tuner decide")."""
+    def number(key: str) -> int | None:
+        value = options.get(key)
+        if value is None or isinstance(value, bool):
+            return None
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            return None
+
+    num_gpu = number("num_gpu")
+    threads = number("num_thread")
+    batch = number("num_batch")
+    return Request(
+        n_ctx=n_ctx,
+        margin_bytes=margin_bytes,
+        n_gpu_layers=num_gpu if num_gpu is not None and num_gpu >= 0 else None,
+        n_threads=threads if threads and threads > 0 else None,
+        n_batch=batch if batch and batch > 0 else None,
+    )
+
+
+def vram_margin_bytes() -> int:
+    try:
+        return load_config().vram_margin_mib * MIB
+    except ConfigError:
+        return 512 * MIB
+
+
+def _apply_options(plan: Plan, request: Request) -> Plan:
+    changes = {}
+    if request.n_gpu_layers is not None:
+        changes["n_gpu_layers"] = request.n_gpu_layers
+    if request.n_threads is not None:
+        changes["n_threads"] = request.n_threads
+    if request.n_batch is not None:
+        changes["n_batch"] = request.n_batch
+        changes["n_ubatch"] = min(plan.n_ubatch, request.n_batch)
+    if not changes:
+        return plan
+    said = ", ".join(f"{k}={v}" for k, v in changes.items())
+    return replace(plan, **changes, reasons=(*plan.reasons, f"from the request's options: {said}"))
+
+
+def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, options: dict,
+                card: Card | None = None) -> Plan:
+    """The plan the daemon loads `model_name` with; raises NoPlanFits (a UserError) when the
+    model cannot run at that context on this machine."""
+    card = card or probe_card()
+    request = request_from_options(n_ctx, options or {}, vram_margin_bytes())
+    notes: list[str] = []
+    try:
+        saved = find_profile(model_name, card.name)
+    except ProfileError as e:
+        log.warning("ignoring saved profile: %s", e)
+        notes.append(f"saved profile ignored: {e}")
+        saved = None
+    if saved is not None:
+        wrong_file = saved.model_size and saved.model_size != shape.file_size
+        wrong_ctx = n_ctx is not None and n_ctx != saved.plan.n_ctx
+        if not wrong_file and not wrong_ctx and (card.has_gpu or saved.plan.n_gpu_layers == 0):
+            return _apply_options(saved.plan, request)
+        notes.append(f"saved profile {saved.path} not used: "
+                     + ("it was tuned for another file" if wrong_file
+                        else f"it is for context {saved.plan.n_ctx}, asked {n_ctx}"
+                        if wrong_ctx else "it puts layers on a GPU this machine lacks"))
+    plan = tune_checked(shape, card, request)
+    return replace(plan, reasons=(*plan.reasons, *notes)) if notes else plan
+
+
+def tune_checked(shape: ModelShape, card: Card, request: Request) -> Plan:
+    """The tuner's plan, its compute buffers checked by dry-run loads on a GPU machine."""
+    plan = tune(shape, card, request)
+    if not card.has_gpu or card.source != "probe" or not os.path.isfile(shape.path):
+        return plan  # a card profile planned on another machine: nothing here to measure
+    measured: dict[tuple, dict[str, int]] = {}
+    gpu_fix = host_fix = 0
+    costs = model_costs(shape)
+    for _ in range(DRY_RUN_ROUNDS):
+        result = dry_run(shape.path, plan)
+        if result is None:
+            break
+        settings = ContextSettings(plan.n_ctx, plan.type_k, plan.type_v, plan.flash_attn,
+                                   plan.n_ubatch, plan.swa_full)
+        placement = placement_of(plan, shape)
+        predicted = {m.device: m.compute for m in plan.memory}
+        compute = dict(result["compute"])
+        measured[ComputeTable.key(settings, placement)] = compute
+        short = {d: compute.get(d, 0) - predicted.get(d, 0) for d in predicted}
+        gpu_fix = max(gpu_fix, *(v for d, v in short.items() if d != CPU), 0)
+        host_fix = max(host_fix, short.get(CPU, 0), 0)
+        table = ComputeTable(measured, gpu_fix, host_fix)
+        memory = memory_by_device(costs, placement, settings, card, table)
+        if all(v <= 0 for d, v in short.items() if d != CPU):
+            return replace(plan, memory=memory, reasons=(
+                *plan.reasons, "compute buffers measured by a dry-run load of llama.cpp"))
+        plan = tune(shape, card, request, table)
+    return plan
+
+
+def placement_of(plan: Plan, shape: ModelShape) -> Placement:
+    """The tuner's placement behind a plan's load parameters (see tuner.tensor_overrides)."""
+    output_on_cpu = any(o.pattern in (r"^output\.weight$", r"^token_embd\.weight$")
+                        for o in plan.tensor_overrides)
+    n_experts = 0
+    for o in plan.tensor_overrides:
+        m = _EXPERT_BLOCKS.match(o.pattern)
+        if m:
+            n_experts = len(m.group(1).split("|"))
+    return Placement(plan.n_gpu_layers, output_on_cpu, n_experts)
+
+
+def step_down(plan: Plan, shape: ModelShape, card: Card, model_name: str | None = None,
+              error: str = "out of memory") -> Plan | None:
+    """After a load ran out of memory: the best plan that needs clearly less VRAM (at least
+    512 MiB or 10% less than `plan` was predicted to use), all-CPU as the last step, then None.
+    With `model_name`, the step is recorded in the saved profile's history."""
+    if not card.has_gpu or (plan.n_gpu_layers == 0 and not plan.tensor_overrides):
+        return None
+    used = plan.vram_bytes() or card.free_vram_bytes
+    step = max(512 * MIB, used // 10)
+    # A margin that leaves at most (used - step) for the plan on each GPU.
+    margin = max(0, card.free_vram_bytes - (used - step) // max(1, card.n_gpus))
+    request = Request(n_ctx=plan.n_ctx, margin_bytes=margin, n_threads=plan.n_threads)
+    try:
+        smaller = tune(shape, card, request)
+    except NoPlanFits:
+        try:  # the last step: every layer on the CPU
+            smaller = tune(shape, card, replace(request, n_gpu_layers=0, margin_bytes=0))
+        except NoPlanFits:
+            return None
+    what = (f"{error} with n_gpu_layers={plan.n_gpu_layers}, {plan.type_k} KV at "
+            f"{plan.n_ctx}; stepped down to n_gpu_layers={smaller.n_gpu_layers}, "
+            f"{smaller.type_k} KV")
+    smaller = replace(smaller, reasons=(*smaller.reasons, what), source="step-down")
+    if model_name:
+        record_event(model_name, card.name, what, smaller, model_size=shape.file_size)
+    return smaller

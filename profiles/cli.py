@@ -1,0 +1,160 @@
+"""`localllm tune MODEL`: print (and save) the plan for a model on this card or a named one.
+
+    localllm tune 27b-q3                         the plan for this machine, saved as a profile
+    localllm tune model.gguf --card rtx3060-12g  plan for a card from profiles/cards/
+    localllm tune 27b-q3 --ctx 32768 --vram 10   a context, and a smaller memory budget
+    localllm tune 27b-q3 --measure               load it, time it, calibrate the speed model
+    localllm tune 27b-q3 --json                  the plan as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from localllm.errors import UserError
+from localllm.modelstore.shape import ModelShape, read_shape
+
+from .card import MIB, Card, card_names
+from .choose import tune_checked, vram_margin_bytes
+from .explain import REJECTED, gib
+from .hardware import resolve_card
+from .measure import calibrated, run_benchmark, update_calibration
+from .memory import model_costs
+from .plan import Plan
+from .saved import save_profile
+from .speed import predict_speed
+from .tuner import Request
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "tune", help="plan how to run a model on this card (or a named one)",
+        description="Choose GPU layers, tensor placement, context, KV type, batch and threads "
+        "for MODEL (a stored model's name or a .gguf file), explain every choice, and save the "
+        "plan as an editable profile the daemon loads with.")
+    p.add_argument("model", help="a stored model's name or a path to a .gguf file")
+    p.add_argument("--card", default="auto",
+                   help=f"a card profile ({', '.join(card_names())}) or auto (probe this machine)")
+    p.add_argument("--ctx", type=int, help="the context length to plan for (default: the "
+                   "largest up to the trained one that keeps decode fast, at least 4096)")
+    p.add_argument("--vram", type=float, metavar="GiB",
+                   help="plan for this much GPU memory instead of the card's")
+    p.add_argument("--margin", type=int, metavar="MiB",
+                   help="VRAM to leave free (default: vram_margin_mib from the config, 512)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--measure", action="store_true",
+                   help="load the plan for real, time prefill and decode, calibrate the model")
+    p.add_argument("--no-save", action="store_true", help="do not write the profile")
+    p.set_defaults(func=cmd_tune)
+
+
+def resolve_model(model: str) -> tuple[ModelShape, str]:
+    """(shape, profile name) for a store name or a .gguf path."""
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" or path.is_file():
+        if not path.is_file():
+            raise UserError(f"no such model file: {path}")
+        return read_shape(path), path.stem
+    from localllm.modelstore.store import default_store
+
+    entry = default_store().get(model)
+    return read_shape(entry.model_path), model
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    if args.vram is not None and args.vram <= 0:
+        raise UserError("--vram must be a positive number of GiB")
+    if args.ctx is not None and args.ctx < 256:
+        raise UserError("--ctx must be at least 256")
+    if args.margin is not None and args.margin < 0:
+        raise UserError("--margin must be 0 or more MiB")
+    shape, model_name = resolve_model(args.model)
+    card = calibrated(resolve_card(args.card))
+    if args.vram is not None:
+        card = card.with_vram(args.vram)
+    margin = args.margin * MIB if args.margin is not None else vram_margin_bytes()
+    plan = tune_checked(shape, card, Request(n_ctx=args.ctx, margin_bytes=margin))
+    measured = None
+    if args.measure:
+        measured = measure_and_calibrate(shape, plan, card)
+    saved = None
+    if not args.no_save and args.vram is None:
+        saved = save_profile(plan, model_name, card.name, shape.file_size,
+                             measured=asdict(measured) if measured else None)
+    if args.json:
+        out = {"model": model_name, "card": asdict(card), "plan": plan.to_dict(),
+               "measured": asdict(measured) if measured else None,
+               "profile": str(saved) if saved else None}
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(plan, card, shape, model_name))
+        if measured:
+            print(f"\nmeasured: prefill {measured.prefill_tps:.1f} tok/s, decode "
+                  f"{measured.decode_tps:.1f} tok/s (predicted {plan.predicted_prefill_tps:.1f} "
+                  f"/ {plan.predicted_decode_tps:.1f})"
+                  + (f", VRAM {gib(measured.vram_bytes)} (predicted {gib(plan.vram_bytes())})"
+                     if measured.vram_bytes else ""))
+        if saved:
+            print(f"\nsaved profile: {saved}")
+    return 0
+
+
+def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card):
+    print(f"measuring {shape.name} with the plan...", file=sys.stderr)
+    measured = run_benchmark(shape.path, plan, shape)
+    from .choose import placement_of
+    from .memory import ContextSettings
+
+    settings = ContextSettings(plan.n_ctx, plan.type_k, plan.type_v, plan.flash_attn,
+                               plan.n_ubatch, plan.swa_full)
+    speed = predict_speed(model_costs(shape), placement_of(plan, shape), settings, card,
+                          plan.n_threads)
+    update_calibration(card.name, speed.decode_seconds_gpu, speed.decode_seconds_cpu,
+                       measured.decode_tps)
+    return measured
+
+
+def _row(cells: list[str], widths: list[int]) -> str:
+    return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(
+        zip(cells, widths, strict=True)))
+
+
+def format_plan(plan: Plan, card: Card, shape: ModelShape, model_name: str) -> str:
+    lines = [f"{model_name}: {shape.architecture}, {shape.size_label} {shape.file_type}, "
+             f"{gib(shape.weight_bytes)}, {shape.n_layer} blocks, trained context "
+             f"{shape.context_length}", ""]
+    header = ["device", "weights", "KV", "compute", "overhead", "total", "has", "headroom"]
+    rows = []
+    for m in plan.memory:
+        if m.device == "CPU":
+            free = card.ram_bytes
+        else:
+            free = card.free_vram_bytes
+        rows.append([m.device, gib(m.weights), gib(m.kv), gib(m.compute),
+                     gib(m.overhead) if m.device != "CPU" else "-", gib(m.total), gib(free),
+                     gib(free - m.total)])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines += [_row(header, widths), *(_row(r, widths) for r in rows), ""]
+    settings = (f"n_ctx={plan.n_ctx} n_gpu_layers={plan.n_gpu_layers} "
+                f"type_k={plan.type_k} type_v={plan.type_v} flash_attn={plan.flash_attn} "
+                f"n_batch={plan.n_batch} n_ubatch={plan.n_ubatch} threads={plan.n_threads}")
+    lines.append(settings)
+    for o in plan.tensor_overrides:
+        lines.append(f"override: {o.pattern} -> {o.device}")
+    lines.append(f"predicted: prefill {plan.predicted_prefill_tps:.1f} tok/s, decode "
+                 f"{plan.predicted_decode_tps:.1f} tok/s")
+    lines.append("")
+    lines.append("why:")
+    lines += [f"  - {r}" for r in plan.reasons if not r.startswith(REJECTED)]
+    rejected = [r[len(REJECTED):] for r in plan.reasons if r.startswith(REJECTED)]
+    if rejected:
+        lines.append("rejected:")
+        lines += [f"  - {r}" for r in rejected]
+    return "\n".join(lines)
+
+
+__all__ = ["cmd_tune", "format_plan", "register"]

@@ -1,0 +1,275 @@
+"""The memory model: what a placement of a model costs on each device, as llama.cpp allocates it.
+
+Pure functions of a ModelShape (through `ModelCosts`), a `Placement`, `ContextSettings` and a
+`Card`. The rules follow llama.cpp (src/llama-model.cpp, llama-kv-cache*.cpp, vendored in
+llama-cpp-python 0.3.36):
+- `n_gpu_layers = N` puts the last N of the n_layer + 1 "layers" on the GPU, the output layer
+  (lm-head + final norm) first; the input token table always stays on the CPU; with tied
+  embeddings the lm-head is a second copy of the token table on the output layer's device.
+- NextN/MTP blocks are skipped at load unless MTP is used, and hold no KV in the main context.
+- KV follows its layer: full-attention layers hold n_ctx cells (padded to 256), sliding-window
+  layers pad(min(n_ctx, window * n_seq + n_ubatch), 256) with swa_full=False, recurrent layers
+  a fixed f32 state per sequence. A K or V row of n elements takes n / block * block_bytes.
+- Compute buffers come from a dry-run load where one was measured (`ComputeTable`), else from a
+  formula that is deliberately on the high side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from localllm.modelstore.shape import (
+    EXPERTS, OUTPUT, OUTPUT_NORM, RECURRENT_LAYER, SLIDING, ModelShape,
+)
+
+from .card import MIB, Card
+from .plan import DeviceMemory
+
+# (elements per block, bytes per block) of the KV cache types llama.cpp accepts (-ctk/-ctv).
+KV_TYPES: dict[str, tuple[int, int]] = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
+    "q4_1": (32, 20), "iq4_nl": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24),
+}
+# K = V pairs that default CUDA builds run inside flash attention, best precision first; other
+# pairs fall back to CPU attention (25-45x slower prefill).
+GPU_KV_TYPES = ("f16", "q8_0", "q4_0")
+CPU = "CPU"
+
+
+def kv_row_bytes(kv_type: str, n_elements: int) -> int:
+    block, size = KV_TYPES[kv_type]
+    return n_elements // block * size
+
+
+def pad(n: int, to: int = 256) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the weights go. Blocks are llama.cpp's: the last `n_gpu_layers` of n_layer + 1."""
+
+    n_gpu_layers: int
+    output_on_cpu: bool = False  # lm-head kept on the CPU by a tensor override
+    n_cpu_expert_layers: int = 0  # MoE: the experts of blocks 0..k-1 kept on the CPU
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    n_ctx: int
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = True
+    n_ubatch: int = 512
+    swa_full: bool = False
+    n_seq: int = 1
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """The per-block numbers every placement needs, computed once from a ModelShape."""
+
+    n_blocks: int  # all blocks, NextN included (llama.cpp's n_layer)
+    block_bytes: tuple[int, ...]  # weights loaded per block, experts excluded
+    expert_bytes: tuple[int, ...]
+    block_params: tuple[int, ...]  # weights (elements) per block, experts counted as active
+    kinds: tuple[str, ...]
+    kv_k_elements: tuple[int, ...]  # per cell, 0 for blocks that hold no KV
+    kv_v_elements: tuple[int, ...]
+    state_bytes: tuple[int, ...]  # recurrent state per sequence
+    embedding_bytes: int
+    output_bytes: int  # lm-head (+ final norm) on the output layer's device
+    output_params: int
+    cpu_other_bytes: int  # tensors outside blocks that stay on the CPU (rope tables...)
+    expert_active_fraction: float  # experts read per token / all experts
+    sliding_window: int
+    n_vocab: int
+    n_embd: int
+    n_head: int
+    n_ff: int
+    n_ff_active_experts: int  # expert FFN width times experts used per token
+
+    @property
+    def has_experts(self) -> bool:
+        return any(self.expert_bytes)
+
+    @property
+    def n_trunk(self) -> int:
+        """Blocks that hold weights (NextN blocks are skipped unless MTP is loaded)."""
+        return sum(1 for b, e in zip(self.block_bytes, self.expert_bytes, strict=True) if b or e)
+
+    @property
+    def max_block_bytes(self) -> int:
+        return max((b + e for b, e in zip(self.block_bytes, self.expert_bytes, strict=True)),
+                   default=0)
+
+
+def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
+    n = shape.n_layer
+    block = [0] * n
+    experts = [0] * n
+    params = [0] * n
+    active = (shape.expert_used_count / shape.expert_count) if shape.expert_count else 1.0
+    output_bytes = output_params = other = 0
+    skipped = {layer.index for layer in shape.layers if layer.is_nextn and not load_mtp}
+    for t in shape.tensors:
+        if t.layer is not None and t.layer < n:
+            if t.layer in skipped:
+                continue
+            if t.role == EXPERTS:
+                experts[t.layer] += t.n_bytes
+                params[t.layer] += int(t.n_elements * active)
+            else:
+                block[t.layer] += t.n_bytes
+                params[t.layer] += t.n_elements
+        elif t.role in (OUTPUT, OUTPUT_NORM):
+            output_bytes += t.n_bytes
+            output_params += t.n_elements
+        elif t.name != "token_embd.weight":
+            other += t.n_bytes
+    if shape.tied_embeddings:  # the token table again, as the lm-head
+        output_bytes += shape.embedding_bytes
+        output_params += sum(t.n_elements for t in shape.tensors if t.name == "token_embd.weight")
+    k_el, v_el, state = [0] * n, [0] * n, [0] * n
+    n_recurrent = sum(1 for layer in shape.layers if layer.kind == RECURRENT_LAYER)
+    for layer in shape.layers:
+        if layer.is_nextn:
+            continue
+        if layer.kind == RECURRENT_LAYER:
+            state[layer.index] = shape.recurrent_state_bytes // max(1, n_recurrent)
+        else:
+            k_el[layer.index] = layer.n_head_kv * layer.head_dim_k
+            v_el[layer.index] = layer.n_head_kv * layer.head_dim_v
+    return ModelCosts(
+        n_blocks=n, block_bytes=tuple(block), expert_bytes=tuple(experts),
+        block_params=tuple(params), kinds=tuple(layer.kind for layer in shape.layers),
+        kv_k_elements=tuple(k_el), kv_v_elements=tuple(v_el), state_bytes=tuple(state),
+        embedding_bytes=shape.embedding_bytes, output_bytes=output_bytes,
+        output_params=output_params, cpu_other_bytes=other, expert_active_fraction=active,
+        sliding_window=shape.sliding_window, n_vocab=shape.n_vocab,
+        n_embd=shape.embedding_length, n_head=shape.n_head,
+        n_ff=shape.feed_forward_length,
+        n_ff_active_experts=shape.expert_feed_forward_length * shape.expert_used_count,
+    )
+
+
+# ---- placement -> devices ---------------------------------------------------------------------
+
+def block_devices(costs: ModelCosts, placement: Placement, n_gpus: int) -> tuple[str, ...]:
+    """The device of each block, then of the output layer (last entry), as llama.cpp assigns
+    them: the last n_gpu_layers of n_blocks + 1, split evenly over identical GPUs in order."""
+    n = costs.n_blocks
+    n_gpu = max(0, min(placement.n_gpu_layers, n + 1)) if n_gpus else 0
+    start = n + 1 - n_gpu
+    devices = []
+    for i in range(n + 1):
+        if i < start:
+            devices.append(CPU)
+        else:
+            gpu = min(n_gpus - 1, (i - start) * n_gpus // max(1, n_gpu))
+            devices.append(f"CUDA{gpu}")
+    return tuple(devices)
+
+
+def kv_cells(kind: str, settings: ContextSettings, window: int) -> int:
+    full = pad(settings.n_ctx)
+    if kind == SLIDING and not settings.swa_full and window:
+        return min(full, pad(window * settings.n_seq + settings.n_ubatch))
+    return full
+
+
+def block_kv_bytes(costs: ModelCosts, i: int, settings: ContextSettings) -> int:
+    """KV (or recurrent state) bytes of block i."""
+    if costs.state_bytes[i]:
+        return costs.state_bytes[i] * settings.n_seq
+    if not costs.kv_k_elements[i]:
+        return 0
+    cells = kv_cells(costs.kinds[i], settings, costs.sliding_window) * settings.n_seq
+    return cells * (kv_row_bytes(settings.type_k, costs.kv_k_elements[i])
+                    + kv_row_bytes(settings.type_v, costs.kv_v_elements[i]))
+
+
+@dataclass(frozen=True)
+class ComputeTable:
+    """Compute buffers measured by dry-run loads: (settings, placement) -> bytes per device.
+
+    A measured point is used exactly; elsewhere the formula is used, raised by the most it fell
+    short of any measurement on that kind of device (the corrections)."""
+
+    measured: Mapping[tuple, Mapping[str, int]] = field(default_factory=dict)
+    gpu_correction: int = 0
+    host_correction: int = 0
+
+    @staticmethod
+    def key(settings: ContextSettings, placement: Placement) -> tuple:
+        return (settings.n_ctx, settings.n_ubatch, settings.flash_attn, settings.type_k,
+                settings.swa_full, placement.n_gpu_layers, placement.output_on_cpu,
+                placement.n_cpu_expert_layers)
+
+
+def compute_formula(costs: ModelCosts, settings: ContextSettings, device: str,
+                    holds_output: bool, holds_attention: bool, cpu_blocks: int,
+                    has_gpu: bool) -> int:
+    """A high-side estimate of llama.cpp's compute buffer on one device.
+
+    The worst point of the reserve graph: the larger of the logits of a full ubatch
+    (n_vocab x n_ubatch f32, on the output's device) and the FFN activations, plus the attention
+    input that lives through the whole graph (flash attention: an f16 mask of n_ctx x n_ubatch;
+    without it the n_head x n_ctx x n_ubatch f32 scores). On a GPU with CPU-resident blocks,
+    llama.cpp copies a block's weights in to run prompt batches there (op offload): room for one
+    block. Dry runs on a CPU build, measured vs this formula: llama-8b 266 vs 283 MiB at 4096
+    (413 at 131072), qwen35-27b 633 vs 660 at 131072, gemma3-27b 533 vs 558 at 4096.
+    """
+    ub = settings.n_ubatch
+    ctx = pad(settings.n_ctx)
+    logits = costs.n_vocab * ub * 4 if holds_output else 0
+    ffn = ub * (costs.n_embd * 4 * 4 + max(costs.n_ff, costs.n_ff_active_experts) * 4 * 2)
+    if not holds_attention:
+        attention = 0
+    elif settings.flash_attn:
+        attention = ctx * ub * 2
+    else:
+        attention = costs.n_head * ctx * ub * 4 + ctx * ub * 4
+    total = max(logits, ffn) + attention
+    if device != CPU and cpu_blocks and ub >= 32:
+        total += costs.max_block_bytes
+    if device == CPU and has_gpu and not holds_output and not cpu_blocks:
+        total = ub * costs.n_embd * 4 * 2  # only the input embeddings pass through the host
+    return int(total * 1.05) + 16 * MIB
+
+
+def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextSettings,
+                     card: Card, compute: ComputeTable | None = None) -> tuple[DeviceMemory, ...]:
+    """Weights, KV, compute buffer and overhead per device: the GPUs in order, then the CPU."""
+    devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
+    names = [*card.devices, CPU] if card.has_gpu else [CPU]
+    weights = dict.fromkeys(names, 0)
+    kv = dict.fromkeys(names, 0)
+    holds_attention = dict.fromkeys(names, False)
+    for i in range(costs.n_blocks):
+        d = devices[i]
+        weights[d] += costs.block_bytes[i]
+        expert_device = CPU if i < placement.n_cpu_expert_layers else d
+        weights[expert_device] += costs.expert_bytes[i]
+        kv[d] += block_kv_bytes(costs, i, settings)
+        holds_attention[d] |= bool(costs.kv_k_elements[i])
+    output_device = CPU if placement.output_on_cpu else devices[-1]
+    weights[output_device] += costs.output_bytes
+    weights[CPU] += costs.embedding_bytes + costs.cpu_other_bytes
+    cpu_blocks = sum(1 for d in devices[:-1] if d == CPU)
+    measured = compute.measured.get(ComputeTable.key(settings, placement)) if compute else None
+    out = []
+    for name in names:
+        if measured is not None and name in measured:
+            buffer = int(measured[name])
+        else:
+            buffer = compute_formula(costs, settings, name, name == output_device,
+                                     holds_attention[name], cpu_blocks, card.has_gpu)
+            if compute is not None:
+                buffer += compute.gpu_correction if name != CPU else compute.host_correction
+        out.append(DeviceMemory(
+            device=name, weights=weights[name], kv=kv[name], compute=buffer,
+            overhead=card.overhead_bytes if name != CPU else 0,
+        ))
+    return tuple(out)

@@ -1,0 +1,127 @@
+"""The speed model: predicted decode and prefill tokens per second of a placement on a card.
+
+Decode at batch 1 is bound by memory: each token reads every weight it uses once (for MoE only
+the experts it routes to), from the memory of the device that holds it, and reads the KV cache
+of the context so far. Prefill is bound by compute on the GPU, and by PCIe when weights of
+CPU-resident blocks are copied to the GPU for each prompt batch (llama.cpp's op offload).
+
+Constants were fitted to decode measured on an H200 (synthetic Q4_0 models, see the device
+notes): 1.1B 1055 tok/s, 8B 345, 27B-class 118 with everything on the GPU are a fixed cost per
+block plus bytes over 48% of peak bandwidth; f16 KV at 32K depth cost 8B 1.8 ms per token (50%
+of peak), q8_0 KV at 32K the 27B 10.7 ms (9%); 16 cores reading weights reached 57 GB/s.
+Per-card bandwidth efficiency and host bandwidth are in the card profiles; `--measure`
+replaces them with measured figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localllm.modelstore.shape import SLIDING
+
+from .card import Card
+from .memory import CPU, ContextSettings, ModelCosts, Placement, block_devices, kv_row_bytes
+
+# Decode is predicted at this depth: a conversation's first screens, where a user meets it.
+DECODE_DEPTH = 1024
+GPU_BLOCK_SECONDS = 33e-6  # kernel launches per block and token on the GPU
+TOKEN_SECONDS = 0.5e-3  # the runner's own loop per token (sampling, Python)
+CROSSING_SECONDS = 0.05e-3  # hidden state between GPU and CPU, and the sync it forces
+# Fraction of a GPU's peak bandwidth that flash attention reaches reading the KV cache at
+# batch 1: f16 streams well, quantized K/V are dequantized in the vector kernel.
+GPU_KV_EFFICIENCY = {"f16": 0.5, "bf16": 0.5, "f32": 0.5, "q8_0": 0.09, "q4_0": 0.05}
+CPU_QUANTIZED_KV_PENALTY = 2.0  # the CPU dequantizes K/V rows as it attends
+PREFILL_GPU_EFFICIENCY = 0.35  # of the card's FP16 tensor TFLOPS, quantized matmuls included
+CPU_GFLOPS_PER_CORE = 40.0  # prompt matmuls on CPU cores (AVX2/AVX-512, quantized weights)
+UBATCH_BLOCK_SECONDS = 60e-6  # per block and ubatch: launches and syncs, why bigger ubatches win
+
+
+@dataclass(frozen=True)
+class Speed:
+    decode_tps: float
+    prefill_tps: float
+    decode_seconds_gpu: float  # per token, weights and KV read on the GPUs
+    decode_seconds_cpu: float  # per token, weights and KV read from host RAM
+
+
+def _kv_read_seconds(costs: ModelCosts, i: int, settings: ContextSettings, depth: int,
+                     on_gpu: bool, card: Card) -> float:
+    if not costs.kv_k_elements[i]:
+        return 0.0
+    cells = min(depth, costs.sliding_window) if costs.kinds[i] == SLIDING else depth
+    row = (kv_row_bytes(settings.type_k, costs.kv_k_elements[i])
+           + kv_row_bytes(settings.type_v, costs.kv_v_elements[i]))
+    if on_gpu:
+        efficiency = GPU_KV_EFFICIENCY.get(settings.type_k, 0.05)
+        return cells * row / (card.bandwidth_gbs * 1e9 * efficiency)
+    penalty = 1.0 if settings.type_k in ("f16", "f32", "bf16") else CPU_QUANTIZED_KV_PENALTY
+    return cells * row * penalty / (card.host_bandwidth_gbs * 1e9)
+
+
+def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,
+                  n_threads: int | None = None, depth: int = DECODE_DEPTH) -> Speed:
+    devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
+    threads = min(n_threads or card.cores, card.cores)
+    host_bw = card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
+    gpu_bw = card.bandwidth_gbs * 1e9 * card.decode_efficiency
+    depth = min(depth, settings.n_ctx)
+    gpu_s = cpu_s = 0.0
+    gpu_flops = cpu_flops = 0.0
+    cpu_weight_bytes = 0  # weights a prompt batch copies to the GPU
+    crossings = 0
+    previous = CPU  # token embeddings are looked up on the CPU
+    for i in range(costs.n_blocks):
+        if not costs.block_bytes[i] and not costs.expert_bytes[i]:
+            continue  # a skipped NextN block
+        d = devices[i]
+        experts_on_cpu = i < placement.n_cpu_expert_layers and costs.expert_bytes[i]
+        expert_read = costs.expert_bytes[i] * costs.expert_active_fraction
+        active_params = costs.block_params[i]
+        if d == CPU:
+            cpu_s += (costs.block_bytes[i] + expert_read) / host_bw
+            cpu_s += _kv_read_seconds(costs, i, settings, depth, False, card)
+            cpu_flops += 2 * active_params
+            cpu_weight_bytes += costs.block_bytes[i] + costs.expert_bytes[i]
+        else:
+            gpu_s += costs.block_bytes[i] / gpu_bw + GPU_BLOCK_SECONDS
+            gpu_s += _kv_read_seconds(costs, i, settings, depth, True, card)
+            if experts_on_cpu:
+                cpu_s += expert_read / host_bw
+                cpu_weight_bytes += costs.expert_bytes[i]
+                crossings += 2
+            else:
+                gpu_s += expert_read / gpu_bw
+            gpu_flops += 2 * active_params
+        crossings += d != previous
+        previous = d
+    output_device = CPU if placement.output_on_cpu else devices[-1]
+    if output_device == CPU:
+        cpu_s += costs.output_bytes / host_bw
+        cpu_weight_bytes += costs.output_bytes
+        cpu_flops += 2 * costs.output_params
+    else:
+        gpu_s += costs.output_bytes / gpu_bw
+        gpu_flops += 2 * costs.output_params
+    crossings += output_device != previous
+    decode_s = gpu_s + cpu_s + TOKEN_SECONDS + CROSSING_SECONDS * max(0, crossings - 1)
+    return Speed(
+        decode_tps=1.0 / decode_s,
+        prefill_tps=_prefill_tps(settings, card, gpu_flops, cpu_flops, cpu_weight_bytes, threads,
+                                 costs.n_blocks),
+        decode_seconds_gpu=gpu_s,
+        decode_seconds_cpu=cpu_s,
+    )
+
+
+def _prefill_tps(settings: ContextSettings, card: Card, gpu_flops: float, cpu_flops: float,
+                 cpu_weight_bytes: int, threads: int, n_blocks: int) -> float:
+    """Tokens per second over one ubatch of the prompt."""
+    ub = settings.n_ubatch
+    if card.has_gpu:
+        # CPU-resident weights travel over PCIe once per ubatch and are multiplied on the GPU.
+        gpu_rate = card.fp16_tflops * 1e12 * PREFILL_GPU_EFFICIENCY
+        seconds = (gpu_flops + cpu_flops) * ub / gpu_rate + cpu_weight_bytes / (card.pcie_gbs * 1e9)
+    else:
+        seconds = cpu_flops * ub / (threads * CPU_GFLOPS_PER_CORE * 1e9)
+    seconds += n_blocks * UBATCH_BLOCK_SECONDS
+    return ub / seconds if seconds > 0 else 0.0
