@@ -7,6 +7,7 @@ plans for a probed machine and for a profile the same way.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import replace
 from functools import lru_cache
 
@@ -42,7 +43,9 @@ def host_card() -> Card:
 def _nvml_devices() -> list[dict]:
     """Name, memory, PCIe and clocks of every NVIDIA GPU, or [] where there is none."""
     try:
-        import pynvml
+        with warnings.catch_warnings():  # pynvml warns that it is deprecated, on every import
+            warnings.simplefilter("ignore")
+            import pynvml
     except ImportError:
         return []
     try:

@@ -87,10 +87,12 @@ def update_calibration(card_name: str, gpu_seconds: float, cpu_seconds: float,
 def process_vram_bytes() -> int:
     """GPU memory this process holds, summed over GPUs (NVML), 0 without NVML or a GPU."""
     import os
+    import warnings
 
     try:
-        import pynvml
-
+        with warnings.catch_warnings():  # pynvml warns that it is deprecated, on every import
+            warnings.simplefilter("ignore")
+            import pynvml
         pynvml.nvmlInit()
     except Exception:  # no driver, no GPU
         return 0

@@ -79,7 +79,8 @@ class ModelCosts:
     kv_v_elements: tuple[int, ...]
     state_bytes: tuple[int, ...]  # recurrent state per sequence
     embedding_bytes: int
-    output_bytes: int  # lm-head (+ final norm) on the output layer's device
+    output_bytes: int  # the lm-head, on the output layer's device unless overridden
+    output_norm_bytes: int  # the final norm: always on the output layer's device
     output_params: int
     cpu_other_bytes: int  # tensors outside blocks that stay on the CPU (rope tables...)
     expert_active_fraction: float  # experts read per token / all experts
@@ -111,7 +112,7 @@ def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
     experts = [0] * n
     params = [0] * n
     active = (shape.expert_used_count / shape.expert_count) if shape.expert_count else 1.0
-    output_bytes = output_params = other = 0
+    output_bytes = output_params = output_norm = other = 0
     skipped = {layer.index for layer in shape.layers if layer.is_nextn and not load_mtp}
     for t in shape.tensors:
         if t.layer is not None and t.layer < n:
@@ -123,9 +124,11 @@ def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
             else:
                 block[t.layer] += t.n_bytes
                 params[t.layer] += t.n_elements
-        elif t.role in (OUTPUT, OUTPUT_NORM):
+        elif t.role == OUTPUT:
             output_bytes += t.n_bytes
             output_params += t.n_elements
+        elif t.role == OUTPUT_NORM:
+            output_norm += t.n_bytes
         elif t.name != "token_embd.weight":
             other += t.n_bytes
     if shape.tied_embeddings:  # the token table again, as the lm-head
@@ -146,7 +149,8 @@ def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
         block_params=tuple(params), kinds=tuple(layer.kind for layer in shape.layers),
         kv_k_elements=tuple(k_el), kv_v_elements=tuple(v_el), state_bytes=tuple(state),
         embedding_bytes=shape.embedding_bytes, output_bytes=output_bytes,
-        output_params=output_params, cpu_other_bytes=other, expert_active_fraction=active,
+        output_norm_bytes=output_norm, output_params=output_params, cpu_other_bytes=other,
+        expert_active_fraction=active,
         sliding_window=shape.sliding_window, n_vocab=shape.n_vocab,
         n_embd=shape.embedding_length, n_head=shape.n_head,
         n_ff=shape.feed_forward_length,
@@ -256,6 +260,7 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
         holds_attention[d] |= bool(costs.kv_k_elements[i])
     output_device = CPU if placement.output_on_cpu else devices[-1]
     weights[output_device] += costs.output_bytes
+    weights[devices[-1]] += costs.output_norm_bytes
     weights[CPU] += costs.embedding_bytes + costs.cpu_other_bytes
     cpu_blocks = sum(1 for d in devices[:-1] if d == CPU)
     measured = compute.measured.get(ComputeTable.key(settings, placement)) if compute else None

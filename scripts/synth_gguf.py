@@ -326,6 +326,21 @@ def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
     return path
 
 
+def ensure_headers(directory: str | Path, qtype: str = "Q4_0") -> dict[str, Path]:
+    """Sparse files of every named shape in `directory`, written once (tests share them)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, config in SHAPES.items():
+        path = directory / f"{name}-{qtype.lower()}.gguf"
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            write_gguf(tmp, config, qtype, "sparse")
+            tmp.replace(path)
+        out[name] = path
+    return out
+
+
 def _rows(dims: tuple[int, ...]) -> int:
     n = 1
     for d in dims[1:]:

@@ -1,0 +1,167 @@
+"""The daemon's hooks (choose_plan, step_down), saved profiles a user edits, tensor overrides in
+a real llama.cpp load, and `localllm tune` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import llama_cpp
+import pytest
+import synth_gguf
+
+from localllm.cli import main
+from localllm.modelstore.shape import read_shape
+from localllm.profiles.card import GIB, load_card
+from localllm.profiles.choose import choose_plan, placement_of, step_down
+from localllm.profiles.hardware import probe_card
+from localllm.profiles.llama_overrides import tensor_overrides_applied
+from localllm.profiles.plan import Plan, TensorOverride, physical_cores
+from localllm.profiles.saved import (
+    ProfileError, find_profile, load_profile, profile_path, save_profile,
+)
+from localllm.profiles.tuner import Request, tensor_overrides, tune
+
+
+@pytest.fixture(scope="module")
+def headers(tmp_path_factory):
+    return synth_gguf.ensure_headers(tmp_path_factory.getbasetemp() / "synth-headers")
+
+
+def test_choose_plan_on_this_cpu_machine_is_all_cpu(home, smollm2_gguf):
+    shape = read_shape(smollm2_gguf)
+    plan = choose_plan(shape, "smollm2", None, {})
+    if probe_card().has_gpu:
+        pytest.skip("this test describes a machine without a GPU")
+    assert plan.n_gpu_layers == 0 and not plan.tensor_overrides
+    assert plan.n_ctx == min(4096, shape.context_length)
+    assert plan.n_threads == physical_cores() and plan.type_k == "f16"
+    assert [m.device for m in plan.memory] == ["CPU"] and plan.memory[0].weights > 0
+    asked = choose_plan(shape, "smollm2", 2048, {"num_thread": 1, "num_batch": 64})
+    assert asked.n_ctx == 2048 and asked.n_threads == 1 and asked.n_batch == 64
+    assert asked.n_ubatch <= 64
+
+
+def test_saved_profile_is_used_and_bad_edits_are_reported(home, smollm2_gguf):
+    shape = read_shape(smollm2_gguf)
+    card = probe_card()
+    tuned = choose_plan(shape, "smollm2", 1024, {}, card=card)
+    path = save_profile(tuned, "smollm2", card.name, shape.file_size)
+    assert path == profile_path("smollm2", card.name) and path.is_file()
+    text = path.read_text().replace("n_threads = ", "n_threads = 1 #", 1)
+    path.write_text(text)
+    plan = choose_plan(shape, "smollm2", None, {}, card=card)
+    assert plan.source == f"profile:{path}" and plan.n_threads == 1 and plan.n_ctx == 1024
+    path.write_text(text.replace('type_k = "f16"', 'type_k = "q3_z"'))
+    with pytest.raises(ProfileError, match="q3_z.*is not a KV cache type"):
+        load_profile(path)
+    plan = choose_plan(shape, "smollm2", None, {}, card=card)  # reported, not crashed on
+    assert plan.source == "tuner"
+    assert any("saved profile ignored" in r and "q3_z" in r for r in plan.reasons)
+    path.write_text("this is [not toml")
+    assert choose_plan(shape, "smollm2", None, {}, card=card).source == "tuner"
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("n_ctx = 100", "at least 256"),
+    ("n_gpu_layers = \"all\"", "whole number"),
+    ("flash_attn = \"yes\"", "true or false"),
+    ("bogus = 1", "unknown plan setting 'bogus'"),
+    ("tensor_overrides = [{pattern = \"(\", device = \"CPU\"}]", "tensor override pattern"),
+])
+def test_invalid_profile_edits_name_the_problem(home, edit, message):
+    plan = Plan(n_ctx=4096, type_k="q8_0", type_v="q8_0", flash_attn=True)
+    path = save_profile(plan, "m", "rtx3090", 1)
+    key = edit.split(" =")[0]
+    lines = [line for line in path.read_text().splitlines() if not line.startswith(f"{key} =")]
+    at = lines.index("[plan]") + 1
+    path.write_text("\n".join(lines[:at] + [edit] + lines[at:]) + "\n")
+    with pytest.raises(ProfileError, match=message):
+        find_profile("m", "rtx3090")
+
+
+def test_profile_roundtrip_keeps_overrides(home):
+    plan = Plan(n_ctx=8192, n_gpu_layers=20, type_k="q4_0", type_v="q4_0", flash_attn=True,
+                tensor_overrides=(TensorOverride(r"^output\.weight$", "CPU"),))
+    save_profile(plan, "27b-q3", "rtx3060-12g", 123)
+    loaded = find_profile("27b-q3", "rtx3060-12g")
+    assert loaded.plan.load_key() == plan.load_key() and loaded.model_size == 123
+
+
+def test_step_down_needs_less_vram_then_cpu_then_nothing(home, headers):
+    shape = read_shape(headers["dense-27b"])
+    card = load_card("rtx3090").with_host(64 * GIB, 8, 50.0)
+    plan = tune(shape, card, Request(n_ctx=32768))
+    seen = [plan]
+    while True:
+        smaller = step_down(seen[-1], shape, card, model_name="dense-27b")
+        if smaller is None:
+            break
+        assert smaller.vram_bytes() < seen[-1].vram_bytes()
+        assert smaller.n_ctx == plan.n_ctx
+        seen.append(smaller)
+        assert len(seen) < 40
+    assert len(seen) >= 3 and seen[-1].n_gpu_layers == 0
+    saved = find_profile("dense-27b", card.name)
+    assert saved is not None and len(saved.history) == len(seen) - 1
+    assert "out of memory" in saved.history[0]["event"]
+    assert saved.plan.n_gpu_layers == 0  # the next load starts from what the last step chose
+
+
+def test_placement_is_recovered_from_the_plan(headers):
+    shape = read_shape(headers["qwen3-30b-a3b"])
+    plan = tune(shape, load_card("rtx4060").with_host(64 * GIB, 8, 50.0), Request(n_ctx=8192))
+    p = placement_of(plan, shape)
+    assert (p.n_gpu_layers, tuple(tensor_overrides(shape, p))) == \
+        (plan.n_gpu_layers, plan.tensor_overrides)
+
+
+def test_tensor_overrides_reach_llama_cpp(tmp_path, capfd):
+    tiny = synth_gguf.tiny(synth_gguf.SHAPES["llama-8b"])
+    path = synth_gguf.write_gguf(tmp_path / "t.gguf", tiny)
+    with tensor_overrides_applied([TensorOverride(r"^output\.weight$", "CPU")]):
+        llm = llama_cpp.Llama(str(path), n_ctx=256, verbose=True)
+    llm.close()
+    assert "output.weight" in capfd.readouterr().err.split("overridden")[0].splitlines()[-1]
+    assert llama_cpp.llama_cpp.llama_model_default_params().tensor_buft_overrides is None
+
+
+def test_tune_cli_prints_explains_and_saves(home, headers, capsys):
+    code = main(["tune", str(headers["gemma3-27b"]), "--card", "rtx3060-12g", "--ctx", "32768"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "CUDA0" in out and "headroom" in out and "why:" in out and "rejected:" in out
+    assert "context 32768, as asked" in out
+    assert profile_path("gemma3-27b-q4_0", "rtx3060-12g").is_file()
+    code = main(["tune", str(headers["llama-8b"]), "--card", "rtx4090", "--vram", "6",
+                 "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["plan"]["n_ctx"] >= 4096 and data["profile"] is None
+    assert data["card"]["vram_bytes"] == 6 * GIB
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["tune", "no-such-model"], "not found"),
+    (["tune", "/nonexistent/x.gguf"], "no such model file"),
+    (["tune", "MODEL", "--card", "gtx-9999"], "unknown card"),
+    (["tune", "MODEL", "--vram", "-2"], "--vram must be"),
+    (["tune", "MODEL", "--card", "rtx4060", "--ctx", "131072", "--vram", "2"], "no plan fits"),
+])
+def test_tune_cli_errors_are_one_line(home, headers, capsys, argv, message):
+    argv = [str(headers["70b"]) if a == "MODEL" else a for a in argv]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_tune_measure_times_the_plan_and_calibrates(home, smollm2_gguf, capsys):
+    assert main(["tune", str(smollm2_gguf), "--ctx", "1024", "--measure"]) == 0
+    out = capsys.readouterr().out
+    assert "measured: prefill" in out
+    saved = find_profile(smollm2_gguf.stem, probe_card().name)
+    assert saved.measured["decode_tps"] > 0 and saved.measured["decoded_tokens"] > 0
+    from localllm.profiles.measure import calibrated, load_calibration
+
+    entry = load_calibration()[probe_card().name]
+    assert entry["measured_decode_tps"] > 0
+    assert calibrated(probe_card()).host_bandwidth_gbs != probe_card().host_bandwidth_gbs or \
+        entry.get("gpu_bandwidth_factor")
