@@ -104,34 +104,41 @@ def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, options: 
     return replace(plan, reasons=(*plan.reasons, *notes)) if notes else plan
 
 
-def tune_checked(shape: ModelShape, card: Card, request: Request) -> Plan:
-    """The tuner's plan, its compute buffers checked by dry-run loads on a GPU machine."""
+def tune_checked(shape: ModelShape, card: Card, request: Request,
+                 measure: bool | None = None) -> Plan:
+    """The tuner's plan with its compute buffers checked by dry-run loads of llama.cpp.
+
+    The formula's error at the measured point (either sign) corrects it everywhere, the search
+    runs again, and the new plan is measured in turn, until the plan found is one measured
+    exactly. `measure` defaults to a probed card only: a profile planned on another machine has
+    nothing here to measure."""
     plan = tune(shape, card, request)
-    if not card.has_gpu or card.source != "probe" or not os.path.isfile(shape.path):
-        return plan  # a card profile planned on another machine: nothing here to measure
-    measured: dict[tuple, dict[str, int]] = {}
-    gpu_fix = host_fix = 0
+    if measure is None:
+        measure = card.source == "probe"
+    if not card.has_gpu or not measure or not os.path.isfile(shape.path):
+        return plan
     costs = model_costs(shape)
+    table = ComputeTable({})
     for _ in range(DRY_RUN_ROUNDS):
-        result = dry_run(shape.path, plan)
-        if result is None:
-            break
         settings = ContextSettings(plan.n_ctx, plan.type_k, plan.type_v, plan.flash_attn,
                                    plan.n_ubatch, plan.swa_full)
         placement = placement_of(plan, shape)
-        predicted = {m.device: m.compute for m in plan.memory}
+        key = ComputeTable.key(settings, placement)
+        if key in table.measured:
+            break
+        result = dry_run(shape.path, plan)
+        if result is None:
+            return plan
         compute = dict(result["compute"])
-        measured[ComputeTable.key(settings, placement)] = compute
-        short = {d: compute.get(d, 0) - predicted.get(d, 0) for d in predicted}
-        gpu_fix = max(gpu_fix, *(v for d, v in short.items() if d != CPU), 0)
-        host_fix = max(host_fix, short.get(CPU, 0), 0)
-        table = ComputeTable(measured, gpu_fix, host_fix)
-        memory = memory_by_device(costs, placement, settings, card, table)
-        if all(v <= 0 for d, v in short.items() if d != CPU):
-            return replace(plan, memory=memory, reasons=(
-                *plan.reasons, "compute buffers measured by a dry-run load of llama.cpp"))
+        if not any(d != CPU for d in compute):
+            return plan  # a CPU build of llama.cpp: it says nothing about the GPU's buffers
+        formula = {m.device: m.compute for m in memory_by_device(costs, placement, settings, card)}
+        gpu_fix = max((compute.get(d, 0) - v for d, v in formula.items() if d != CPU), default=0)
+        host_fix = compute.get(CPU, 0) - formula.get(CPU, 0)
+        table = ComputeTable({**table.measured, key: compute}, gpu_fix, host_fix)
         plan = tune(shape, card, request, table)
-    return plan
+    return replace(plan, reasons=(*plan.reasons,
+                                  "compute buffers measured by dry-run loads of llama.cpp"))
 
 
 def placement_of(plan: Plan, shape: ModelShape) -> Placement:
