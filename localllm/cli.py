@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - the one place known errors become a clean line
+    except Exception as e:
         from .errors import user_message
 
         message = user_message(e)

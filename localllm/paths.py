@@ -59,8 +59,7 @@ def tcp_address() -> tuple[str, int]:
 def parse_host(value: str) -> tuple[str, int]:
     value = value.strip()
     for scheme in ("http://", "https://"):
-        if value.startswith(scheme):
-            value = value[len(scheme):]
+        value = value.removeprefix(scheme)
     value = value.rstrip("/")
     if not value:
         return DEFAULT_TCP_HOST, DEFAULT_TCP_PORT

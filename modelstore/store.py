@@ -180,7 +180,7 @@ class ModelStore:
             ],
             "details": details,
             "source": source,
-            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+            "created_at": dt.datetime.now(dt.UTC).isoformat(),
         }
         path = self._manifest_path(name)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -199,7 +199,7 @@ class ModelStore:
         except (OSError, ValueError, KeyError, StopIteration) as e:
             raise StoreError(f"manifest for {name} is damaged ({e}); remove it with "
                              f"`localllm rm {name}` and import or pull it again") from None
-        modified = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).isoformat()
+        modified = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.UTC).isoformat()
         return ModelEntry(
             name=name,
             layers=layers,

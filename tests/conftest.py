@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 import fetch_test_models  # noqa: E402
 
@@ -46,3 +47,40 @@ def store(home) -> ModelStore:
     from localllm.modelstore.store import default_store
 
     return default_store()
+
+
+def import_models(env: dict, models: dict[str, Path]) -> None:
+    """Import real GGUFs into the store an isolated daemon will use (hard links: no copy)."""
+    import os
+
+    from localllm.modelstore.store import ModelStore
+
+    root = Path(env["XDG_DATA_HOME"]) / "localllm" / "models"
+    store = ModelStore(root)
+    for name, path in models.items():
+        store.import_gguf(path, name)
+    assert os.path.isdir(root)
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory, smollm2_gguf, gemma_gguf):
+    """One real daemon for the read-mostly API tests, with smollm2 and gemma3-270m stored."""
+    from daemon_process import isolated_env, start_daemon
+
+    env = isolated_env(tmp_path_factory.mktemp("daemon"))
+    import_models(env, {"smollm2": smollm2_gguf, "gemma3-270m": gemma_gguf})
+    d = start_daemon(env)
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def fresh_daemon(tmp_path, smollm2_gguf):
+    """A daemon of the test's own, for tests that kill runners or delete models."""
+    from daemon_process import isolated_env, start_daemon
+
+    env = isolated_env(tmp_path / "fresh")
+    import_models(env, {"smollm2": smollm2_gguf})
+    d = start_daemon(env)
+    yield d
+    d.stop()

@@ -5,7 +5,6 @@ it stops, so the next connection can start it again."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import signal
 import socket
@@ -22,8 +21,6 @@ from test_systemd import DEADLINE_S, _activate, _notify_listener
 server = pytest.importorskip("localllm.daemon.server")
 # Until serve() takes inherited sockets (the hunk in the service issue's report), these cannot
 # pass; the condition goes away with that hunk.
-pytestmark = pytest.mark.skipif("listen_fds" not in inspect.getsource(server.serve),
-                                reason="serve() does not take socket-activated sockets yet")
 
 
 async def test_localllm_serve_takes_the_sockets_systemd_passes(home, tmp_path):

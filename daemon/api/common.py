@@ -1,0 +1,108 @@
+"""Request validation and errors shared by the Ollama and OpenAI routes.
+
+Handlers raise `ApiError` (or a known domain error); the error middleware in server.py turns
+it into the right JSON shape for the route's API family. No handler formats an error itself.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+async def read_json(request: web.Request) -> dict:
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"invalid JSON in request body: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+def get_str(body: dict, key: str, required: bool = False, default: str | None = None) -> str | None:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise bad_request(f"missing required field '{key}'", key)
+        return default
+    if not isinstance(value, str):
+        raise bad_request(f"field '{key}' must be a string", key)
+    return value
+
+
+def get_bool(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"field '{key}' must be true or false", key)
+    return value
+
+
+def get_number(body: dict, key: str, kind: type = float, minimum: float | None = None,
+               maximum: float | None = None) -> Any:
+    """A number field or None; ints are accepted where floats are asked for, not vice versa."""
+    value = body.get(key)
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        raise bad_request(f"field '{key}' must be {'an integer' if kind is int else 'a number'}",
+                          key)
+    value = kind(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise bad_request(f"field '{key}' is out of range", key)
+    return value
+
+
+def get_stop(body: dict, key: str = "stop") -> tuple[str, ...]:
+    value = body.get(key)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise bad_request(f"field '{key}' must be a string or a list of strings", key)
+
+
+def get_messages(body: dict) -> tuple[dict, ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise bad_request("field 'messages' must be a list of {role, content} objects", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request(f"messages[{i}] must be an object", "messages")
+        role = message.get("role")
+        if role not in ("system", "user", "assistant", "tool", "developer"):
+            raise bad_request(f"messages[{i}].role must be system, user, assistant or tool",
+                              "messages")
+        content = message.get("content", "")
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            if not all(isinstance(p, dict) for p in content):
+                raise bad_request(f"messages[{i}].content parts must be objects", "messages")
+            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string", "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return tuple(out)

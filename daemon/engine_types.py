@@ -1,0 +1,105 @@
+"""What the API layer asks of the engine and what the engine answers, free of any wire format.
+
+Routes translate Ollama or OpenAI JSON into a `GenerationRequest`; the runner answers with
+`Token` events and one `Done` (or a `Failure`). These also cross the pipe to the runner process
+as JSON (see `to_wire` / `event_from_wire`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+DEFAULT_CTX = 4096
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.9
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    num_predict: int = -1  # -1: until the context is full or the model stops
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    id: str
+    prompt: str | None = None  # completion: raw text, or templated when `templated` is set
+    messages: tuple[dict, ...] | None = None  # chat: rendered with the model's template
+    system: str | None = None  # Ollama generate's `system`, used when templating a prompt
+    raw: bool = False  # Ollama generate `raw`: no template, prompt as given
+    options: SamplingOptions = field(default_factory=SamplingOptions)
+
+    def to_wire(self) -> dict:
+        data = asdict(self)
+        data["op"] = "generate"
+        return data
+
+    @classmethod
+    def from_wire(cls, data: dict) -> GenerationRequest:
+        options = dict(data.get("options") or {})
+        options["stop"] = tuple(options.get("stop") or ())
+        messages = data.get("messages")
+        return cls(
+            id=data["id"],
+            prompt=data.get("prompt"),
+            messages=tuple(messages) if messages is not None else None,
+            system=data.get("system"),
+            raw=bool(data.get("raw")),
+            options=SamplingOptions(**options),
+        )
+
+
+@dataclass(frozen=True)
+class Token:
+    text: str
+    n_tokens: int = 1  # tokens behind this text (stop-string hold-back can merge several)
+
+
+@dataclass(frozen=True)
+class Done:
+    done_reason: str  # "stop", "length", "cancelled"
+    prompt_eval_count: int  # prompt tokens actually evaluated (after prefix reuse)
+    prompt_eval_duration_ns: int
+    eval_count: int
+    eval_duration_ns: int
+    prompt_tokens: int  # whole prompt, including the reused prefix
+    cached_tokens: int  # prompt tokens reused from the KV cache
+    context_used: int  # tokens in the KV cache after this request
+    n_ctx: int
+    context: tuple[int, ...] = ()  # prompt + answer tokens (Ollama generate's `context`)
+
+
+@dataclass(frozen=True)
+class Failure:
+    message: str
+    status: int = 500  # 400 when the request itself was at fault (prompt too long, no template)
+
+
+Event = Token | Done | Failure
+
+
+def event_to_wire(request_id: str, event: Event) -> dict:
+    kind = {Token: "token", Done: "done", Failure: "error"}[type(event)]
+    data = asdict(event)
+    if isinstance(event, Done):
+        data["context"] = list(event.context)
+    return {"event": kind, "id": request_id, **data}
+
+
+def event_from_wire(data: dict) -> Event:
+    kind = data.pop("event")
+    data.pop("id", None)
+    if kind == "token":
+        return Token(**data)
+    if kind == "done":
+        data["context"] = tuple(data.get("context") or ())
+        return Done(**data)
+    return Failure(**data)

@@ -1,0 +1,54 @@
+"""One generation, whichever API asked for it: find the model, hold its runner, stream events.
+
+Both API families call `generate()` and only translate its events into their wire format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from localllm.modelstore.store import ModelEntry
+
+from .engine_types import Event, GenerationRequest
+from .runner_client import RunnerProcess
+from .state import SCHEDULER, STORE
+
+
+@dataclass
+class Generation:
+    entry: ModelEntry
+    runner: RunnerProcess
+    events: AsyncIterator[Event]
+    load_duration_ns: int  # time spent loading for this request (0 when it was loaded)
+    started_ns: int = field(default_factory=time.perf_counter_ns)
+
+    def total_duration_ns(self) -> int:
+        return time.perf_counter_ns() - self.started_ns
+
+
+def find_model(app: web.Application, name: str) -> ModelEntry:
+    """The stored model for a request's `model` field (ModelNotFound -> 404 in the middleware)."""
+    return app[STORE].get(name)
+
+
+@contextlib.asynccontextmanager
+async def generate(app: web.Application, entry: ModelEntry, request: GenerationRequest,
+                   n_ctx: int | None, load_options: dict,
+                   keep_alive="default") -> AsyncIterator[Generation]:
+    started, started_wall = time.perf_counter_ns(), time.time()
+    async with app[SCHEDULER].use(entry, n_ctx, load_options, keep_alive) as runner:
+        load_ns = runner.load_duration_ns if runner.loaded_at >= started_wall else 0
+        async with contextlib.aclosing(runner.generate(request)) as events:
+            yield Generation(entry, runner, events, load_ns, started)
+
+
+@contextlib.asynccontextmanager
+async def hold(app: web.Application, entry: ModelEntry, n_ctx: int | None, load_options: dict,
+               keep_alive="default") -> AsyncIterator[RunnerProcess]:
+    """Load (or keep) the model without generating: Ollama's empty-prompt request."""
+    async with app[SCHEDULER].use(entry, n_ctx, load_options, keep_alive) as runner:
+        yield runner

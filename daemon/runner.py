@@ -1,0 +1,104 @@
+"""The runner process: one loaded model, driven over pipes by the daemon.
+
+    python -m localllm.daemon.runner
+
+Protocol: JSON lines. The daemon writes {"op": "load", "model_path", "plan"} first, then
+{"op": "generate", ...GenerationRequest} and {"op": "cancel", "id"}; the runner answers
+{"event": "loaded"|"token"|"done"|"error", ...}. Closing stdin ends the runner.
+
+llama.cpp writes its logs to file descriptors 1 and 2, so the protocol gets a private copy of
+stdout and fd 1 is pointed at stderr before the library loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+
+log = logging.getLogger("localllm.runner")
+
+
+class Channel:
+    def __init__(self):
+        self._out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+        self._lock = threading.Lock()
+
+    def send(self, message: dict) -> None:
+        line = json.dumps(message, ensure_ascii=False)
+        with self._lock:
+            self._out.write(line + "\n")
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="runner %(process)d %(levelname)s %(message)s")
+    channel = Channel()
+    first = sys.stdin.readline()
+    if not first:
+        return 0
+    load = json.loads(first)
+    try:
+        from localllm.profiles.plan import Plan
+
+        from .engine import Engine
+
+        t0 = time.perf_counter_ns()
+        engine = Engine(load["model_path"], Plan.from_dict(load["plan"]))
+        load_ns = time.perf_counter_ns() - t0
+    except Exception as e:  # noqa: BLE001 - any load failure is reported, then we exit
+        log.error("load failed: %s", traceback.format_exc())
+        channel.send({"event": "load_failed", "message": str(e) or type(e).__name__})
+        return 1
+    channel.send({"event": "loaded", "pid": os.getpid(), "load_duration_ns": load_ns,
+                  "n_ctx": engine.n_ctx})
+    log.info("loaded %s", load["model_path"])
+
+    requests: queue.Queue = queue.Queue()
+    cancel_flags: dict[str, threading.Event] = {}
+    flags_lock = threading.Lock()
+
+    def read_commands() -> None:
+        for line in sys.stdin:
+            message = json.loads(line)
+            if message.get("op") == "cancel":
+                with flags_lock:
+                    flag = cancel_flags.get(message["id"])
+                if flag:
+                    flag.set()
+            else:
+                with flags_lock:
+                    cancel_flags[message["id"]] = threading.Event()
+                requests.put(message)
+        requests.put(None)  # stdin closed: the daemon is gone or wants us gone
+
+    threading.Thread(target=read_commands, daemon=True).start()
+    from .engine_types import Failure, GenerationRequest, event_to_wire
+
+    while (message := requests.get()) is not None:
+        request = GenerationRequest.from_wire(message)
+        with flags_lock:
+            cancelled = cancel_flags[request.id]
+        emit = lambda event, rid=request.id: channel.send(event_to_wire(rid, event))
+        try:
+            engine.generate(request, cancelled, emit)
+        except Exception as e:  # noqa: BLE001 - llama.cpp errors end this request, not the runner
+            log.error("request %s failed: %s", request.id, traceback.format_exc())
+            emit(Failure(f"generation failed: {e}"))
+        if cancelled.is_set():
+            log.info("request %s cancelled after %d tokens in total", request.id,
+                     engine.tokens_generated)
+        with flags_lock:
+            cancel_flags.pop(request.id, None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

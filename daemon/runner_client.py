@@ -1,0 +1,171 @@
+"""The daemon's handle on one runner process: start it, send requests, read events, kill it.
+
+A runner that dies (crash, OOM kill, abort inside llama.cpp) only fails the request it was
+serving; the scheduler sees `alive` turn false and loads the model again on the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from localllm.profiles.plan import Plan
+
+from .engine_types import Done, Event, Failure, GenerationRequest, Token, event_from_wire
+
+log = logging.getLogger("localllm.runner_client")
+# Protocol lines can be long (a Done event carries the whole token context).
+STREAM_LIMIT = 64 * 1024 * 1024
+
+
+class LoadError(Exception):
+    """The runner could not load the model (message from llama.cpp, or how it died)."""
+
+
+class RunnerProcess:
+    def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path | None):
+        self.model_name = model_name
+        self.model_path = model_path
+        self.plan = plan
+        self.log_path = log_path
+        self.proc: asyncio.subprocess.Process | None = None
+        self.load_duration_ns = 0
+        self.n_ctx = plan.n_ctx
+        self.loaded_at = 0.0
+        self.busy = False
+        self.last_done: Done | None = None
+        self.tokens_generated = 0  # every token the runner produced, cancelled ones included
+        self._events: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+        self._exit_reason = ""
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None and not self._exit_reason
+
+    async def start(self) -> None:
+        stderr = open(self.log_path, "ab") if self.log_path else asyncio.subprocess.DEVNULL
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "localllm.daemon.runner",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr,
+                limit=STREAM_LIMIT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        finally:
+            if self.log_path:
+                stderr.close()
+        self._send({"op": "load", "model_path": str(self.model_path),
+                    "plan": self.plan.to_dict()})
+        line = await self.proc.stdout.readline()
+        if not line:
+            code = await self.proc.wait()
+            raise LoadError(f"the runner exited while loading {self.model_name} "
+                            f"({describe_exit(code)}); see {self.log_path}")
+        reply = json.loads(line)
+        if reply.get("event") != "loaded":
+            await self.proc.wait()
+            raise LoadError(f"cannot load {self.model_name}: {reply.get('message')}")
+        self.load_duration_ns = reply["load_duration_ns"]
+        self.n_ctx = reply["n_ctx"]
+        self.loaded_at = time.time()
+        self._reader = asyncio.create_task(self._read_events())
+
+    def _send(self, message: dict) -> None:
+        assert self.proc and self.proc.stdin
+        self.proc.stdin.write((json.dumps(message) + "\n").encode())
+
+    async def _read_events(self) -> None:
+        assert self.proc and self.proc.stdout
+        while line := await self.proc.stdout.readline():
+            data = json.loads(line)
+            event_id = data.get("id", "")
+            event = event_from_wire(data)
+            if isinstance(event, Token):
+                self.tokens_generated += event.n_tokens
+            queue = self._events.get(event_id)
+            if queue is not None:
+                queue.put_nowait(event)
+        code = await self.proc.wait()
+        self._exit_reason = describe_exit(code)
+        log.warning("runner for %s (pid %s) ended: %s", self.model_name, self.pid,
+                    self._exit_reason)
+        for queue in self._events.values():
+            queue.put_nowait(Failure(
+                f"the runner for {self.model_name} stopped mid-answer ({self._exit_reason}); "
+                f"the next request will load it again", status=500))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        """Events of one request; cancels it in the runner if the consumer stops early."""
+        if not self.alive:
+            yield Failure(f"the runner for {self.model_name} is not running", status=500)
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        self._events[request.id] = queue
+        self.busy = True
+        finished = False
+        try:
+            self._send(request.to_wire())
+            while True:
+                event = await queue.get()
+                if isinstance(event, (Done, Failure)):
+                    finished = True  # before yielding: the consumer may stop at this event
+                    if isinstance(event, Done):
+                        self.last_done = event
+                    yield event
+                    return
+                yield event
+        finally:
+            if not finished and self.alive:
+                self._send({"op": "cancel", "id": request.id})
+                await self._drain(queue)
+            self._events.pop(request.id, None)
+            self.busy = False
+
+    async def _drain(self, queue: asyncio.Queue) -> None:
+        """After a cancel, wait for the runner to finish the request so the next one starts clean."""
+        while True:
+            event = await queue.get()
+            if isinstance(event, (Done, Failure)):
+                if isinstance(event, Done):
+                    self.last_done = event
+                return
+
+    async def stop(self) -> None:
+        if not self.proc or self.proc.returncode is not None:
+            return
+        try:
+            self.proc.stdin.close()
+            await asyncio.wait_for(self.proc.wait(), timeout=10)
+        except (TimeoutError, ConnectionError):
+            self.proc.kill()
+            await self.proc.wait()
+        if self._reader:
+            await self._reader
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

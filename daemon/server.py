@@ -1,0 +1,215 @@
+"""The daemon: an aiohttp app (Ollama + OpenAI routes) on a Unix socket and on TCP.
+
+`create_app(config)` builds the app (tests call it directly); `serve(config)` binds the sockets
+and runs until SIGINT/SIGTERM. The Unix socket is the user's alone (0600 in a 0700 dir); a
+non-loopback TCP bind is refused unless an API key is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+from aiohttp import web
+from localllm.modelstore.names import BadModelName
+from localllm.modelstore.store import ModelNotFound, ModelStore, StoreError, default_store
+
+from localllm import paths
+from localllm.config import Config, config_file
+from localllm.errors import UserError
+
+from .api import ollama, openai
+from .api.common import ApiError
+from .config_watch import watch_config
+from .logging_setup import setup_logging
+from .runner_client import LoadError
+from .scheduler import QueueFull, Scheduler
+from .state import CONFIG, SCHEDULER, STORE
+from .systemd import listen_fds, notify
+
+log = logging.getLogger("localllm.daemon")
+
+
+def error_status(error: BaseException) -> tuple[int, str] | None:
+    """HTTP status and message for an error a client caused or can act on; None for bugs."""
+    if isinstance(error, ApiError):
+        return error.status, error.message
+    if isinstance(error, ModelNotFound):
+        return 404, str(error)
+    if isinstance(error, (BadModelName, StoreError, UserError)):
+        return 400, str(error)
+    if isinstance(error, QueueFull):
+        return 503, str(error)
+    if isinstance(error, LoadError):
+        return 500, str(error)
+    return None
+
+
+def error_body(path: str, status: int, message: str, param: str | None = None) -> dict:
+    if path.startswith("/v1/"):  # OpenAI's error shape
+        kind = {400: "invalid_request_error", 401: "authentication_error",
+                404: "not_found_error", 503: "server_overloaded"}.get(status, "server_error")
+        code = "model_not_found" if status == 404 else None
+        return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": message}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.json_response(error_body(request.path, e.status, e.reason), status=e.status)
+    except Exception as e:
+        known = error_status(e)
+        if known is None:
+            log.exception("error serving %s %s", request.method, request.path)
+            known = (500, f"internal error: {type(e).__name__}: {e}")
+        status, message = known
+        param = getattr(e, "param", None)
+        return web.json_response(error_body(request.path, status, message, param), status=status)
+
+
+def auth_middleware(api_key: str):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        # The Unix socket is protected by file permissions; TCP needs the key when one is set.
+        on_unix = request.transport is not None and \
+            request.transport.get_extra_info("socket").family == socket.AF_UNIX
+        if api_key and not on_unix and request.path not in ("/", "/api/version"):
+            header = request.headers.get("Authorization", "")
+            if header != f"Bearer {api_key}":
+                return web.json_response(
+                    error_body(request.path, 401, "missing or wrong API key: send "
+                               "'Authorization: Bearer <key>'"), status=401)
+        return await handler(request)
+    return check
+
+
+async def root(request: web.Request) -> web.Response:
+    return web.Response(text="localllm is running")
+
+
+def create_app(config: Config, store: ModelStore | None = None) -> web.Application:
+    app = web.Application(middlewares=[error_middleware, auth_middleware(config.api_key)],
+                          client_max_size=64 * 1024 * 1024)
+    app[CONFIG] = config
+    app[STORE] = store or default_store()
+    app[SCHEDULER] = Scheduler(app[STORE], config, paths.state_dir() / "logs")
+    app.router.add_get("/", root)  # GET and HEAD, as Ollama answers both
+    app.add_routes(ollama.routes)
+    app.add_routes(openai.routes)
+    with contextlib.suppress(ImportError):
+        from .api import pull
+
+        app.add_routes(pull.routes)
+
+    async def scheduler_ctx(app: web.Application):
+        await app[SCHEDULER].start()
+        yield
+        await app[SCHEDULER].close()
+
+    app.cleanup_ctx.append(scheduler_ctx)
+    return app
+
+
+def check_bind(config: Config) -> None:
+    host, _ = config.tcp
+    if not paths.is_loopback(host) and not config.api_key:
+        raise UserError(f"refusing to listen on {host} without an API key: set api_key in "
+                        f"config.toml or LOCALLLM_API_KEY, or bind 127.0.0.1")
+
+
+def prepare_socket_path(path: Path) -> None:
+    """Make the socket's dir the user's alone and clear a stale socket from a dead daemon."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+    if path.exists() or path.is_symlink():
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # nobody listening: a leftover
+        else:
+            raise UserError(f"another localllm daemon is already listening on {path}")
+        finally:
+            probe.close()
+
+
+async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
+    check_bind(config)
+    app = create_app(config)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5)
+    await runner.setup()
+    sock_path = config.socket_path
+    host, port = config.tcp
+    inherited = listen_fds()  # socket activation: systemd bound them (localllm.socket)
+    for sock in inherited:
+        await web.SockSite(runner, sock).start()
+    if not inherited:
+        port = await _bind_own_sockets(runner, sock_path, host, port)
+    log.info("localllm %s listening on %s and http://%s:%d", _version(), sock_path, host, port)
+    print(json.dumps({"event": "listening", "socket": str(sock_path), "host": host,
+                      "port": port}), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(watch_config(
+        config_file(), lambda new: _apply_config(app, new), log, initial=config))
+    if ready:
+        ready.set()
+    notify("READY=1")
+    try:
+        await stop.wait()
+    finally:
+        notify("STOPPING=1")
+        watcher.cancel()
+        await runner.cleanup()
+        if not inherited:  # an inherited socket is systemd's: it must outlive this process
+            with contextlib.suppress(FileNotFoundError):
+                sock_path.unlink()
+
+
+def _apply_config(app: web.Application, config: Config) -> None:
+    """A changed config.toml, while running (config_watch has checked it and logged the change)."""
+    app[SCHEDULER].apply_config(config)
+    setup_logging(config)
+
+
+async def _bind_own_sockets(runner: web.AppRunner, sock_path: Path, host: str, port: int) -> int:
+    """Listen on the Unix socket and TCP ourselves (not socket-activated); returns the port."""
+    prepare_socket_path(sock_path)
+    old_umask = os.umask(0o177)  # the socket is created 0600, with no window where it is wider
+    try:
+        unix_site = web.UnixSite(runner, str(sock_path))
+        await unix_site.start()
+    finally:
+        os.umask(old_umask)
+    os.chmod(sock_path, 0o600)
+    try:
+        tcp = socket.create_server((host, port), family=_family(host), reuse_port=False)
+    except OSError as e:
+        await runner.cleanup()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror}; is another daemon "
+                        f"running? Set another address with --host or LOCALLLM_HOST") from None
+    await web.SockSite(runner, tcp).start()
+    return tcp.getsockname()[1]  # the real one when 0 asked for any free port
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _version() -> str:
+    from localllm import __version__
+
+    return __version__

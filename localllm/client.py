@@ -1,0 +1,198 @@
+"""The API client the CLI and the TUI share: finds the daemon (Unix socket first, then TCP),
+starts it in the background when it is not running, and turns its NDJSON back into events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from . import paths
+from .config import Config, load_config
+from .errors import UserError
+
+
+class DaemonError(UserError):
+    """The daemon answered with an error (its message is the user's to read)."""
+
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed line of /api/chat or /api/generate."""
+    text: str
+    done: bool
+    data: dict  # the whole line: metrics on the last one
+
+
+class Client:
+    def __init__(self, config: Config | None = None):
+        self.config = config or load_config()
+        self._session: aiohttp.ClientSession | None = None
+        self.base = ""
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session:
+            await self._session.close()
+            self._session = None
+
+    def _headers(self) -> dict:
+        if self.config.api_key:
+            return {"Authorization": f"Bearer {self.config.api_key}"}
+        return {}
+
+    async def connect(self, start: bool = True) -> None:
+        """Use the Unix socket when it answers, else TCP; start a daemon if neither does."""
+        if self._session:
+            return
+        if not await self._try_connect() and start:
+            daemon = start_daemon(self.config)
+            deadline = time.monotonic() + 60
+            while not await self._try_connect():
+                if daemon.poll() is not None or time.monotonic() > deadline:
+                    raise UserError(f"the daemon did not start ({last_log_line()}); "
+                                    f"see {daemon_log_path()}")
+                await asyncio.sleep(0.1)
+        if not self._session:
+            raise UserError("the localllm daemon is not running; start it with `localllm serve`")
+
+    async def _try_connect(self) -> bool:
+        sock = self.config.socket_path
+        if sock.exists():
+            session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock)),
+                                            headers=self._headers())
+            if await _ping(session, "http://localllm"):
+                self._session, self.base = session, "http://localllm"
+                return True
+            await session.close()
+        host, port = self.config.tcp
+        if host in ("0.0.0.0", "::"):
+            host = "127.0.0.1"
+        base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        session = aiohttp.ClientSession(headers=self._headers())
+        if await _ping(session, base):
+            self._session, self.base = session, base
+            return True
+        await session.close()
+        return False
+
+    async def request(self, method: str, path: str, body: dict | None = None) -> dict:
+        await self.connect()
+        async with self._session.request(method, self.base + path, json=body,
+                                         timeout=aiohttp.ClientTimeout(total=None)) as resp:
+            data = await _json(resp)
+            if resp.status >= 400:
+                raise DaemonError(_error_text(data, resp.status), resp.status)
+            return data
+
+    async def stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+        """POST and yield each NDJSON line; an {"error"} line raises DaemonError."""
+        await self.connect()
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
+        async with self._session.post(self.base + path, json=body, timeout=timeout) as resp:
+            if resp.status >= 400:
+                raise DaemonError(_error_text(await _json(resp), resp.status), resp.status)
+            async for line in resp.content:
+                if not line.strip():
+                    continue
+                data = json.loads(line)
+                if "error" in data:
+                    raise DaemonError(str(data["error"]))
+                yield data
+
+    async def chat(self, model: str, messages: list[dict], options: dict | None = None,
+                   **extra) -> AsyncIterator[Chunk]:
+        body = {"model": model, "messages": messages, "stream": True, **extra}
+        if options:
+            body["options"] = options
+        async for data in self.stream("/api/chat", body):
+            yield Chunk(data.get("message", {}).get("content", ""), data.get("done", False), data)
+
+    async def generate(self, model: str, prompt: str, options: dict | None = None,
+                       **extra) -> AsyncIterator[Chunk]:
+        body = {"model": model, "prompt": prompt, "stream": True, **extra}
+        if options:
+            body["options"] = options
+        async for data in self.stream("/api/generate", body):
+            yield Chunk(data.get("response", ""), data.get("done", False), data)
+
+    async def pull(self, model: str) -> AsyncIterator[dict]:
+        async for data in self.stream("/api/pull", {"model": model, "stream": True}):
+            yield data
+
+
+async def _ping(session: aiohttp.ClientSession, base: str) -> bool:
+    try:
+        async with session.get(base + "/api/version",
+                               timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            return resp.status == 200
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        return False
+
+
+async def _json(resp: aiohttp.ClientResponse) -> dict:
+    text = await resp.text()
+    try:
+        return json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {"error": text.strip() or resp.reason}
+
+
+def _error_text(data: dict, status: int) -> str:
+    error = data.get("error", f"HTTP {status}")
+    if isinstance(error, dict):
+        error = error.get("message", str(error))
+    return str(error)
+
+
+def daemon_log_path() -> Path:
+    return paths.state_dir() / "logs" / "daemon.log"
+
+
+def last_log_line() -> str:
+    try:
+        lines = daemon_log_path().read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return lines[-1] if lines else "no log"
+
+
+def start_daemon(config: Config) -> subprocess.Popen:
+    """Start `localllm serve` detached from this terminal, logging to the state dir."""
+    log_path = daemon_log_path()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "localllm.cli", "serve"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            env={**os.environ},
+        )
+
+
+def socket_is_live(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()

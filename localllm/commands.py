@@ -1,0 +1,353 @@
+"""The core commands: serve, run, list, show, import, rm, cp, ps, stop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from .client import Client
+from .config import load_config
+from .errors import UserError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the daemon in the foreground",
+                       description="Serve the Ollama and OpenAI APIs on the Unix socket and "
+                       "on TCP (127.0.0.1:11435 unless --host or LOCALLLM_HOST says otherwise).")
+    p.add_argument("--host", help="TCP address to bind, host:port (default 127.0.0.1:11435)")
+    p.add_argument("--socket", help="Unix socket path (default $XDG_RUNTIME_DIR/localllm/"
+                   "localllm.sock)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("run", help="answer a prompt, or chat, with a model",
+                       description="Stream an answer to PROMPT and exit; without a prompt, chat "
+                       "line by line on stdin. With no model, uses the default (smollm2), "
+                       "fetching it on first use.")
+    p.add_argument("words", nargs="*", metavar="[MODEL] PROMPT",
+                   help="model name (optional) then the prompt")
+    p.add_argument("--verbose", action="store_true", help="print timings and speeds after "
+                   "the answer")
+    p.add_argument("--keepalive", help="how long the model stays loaded (e.g. 5m, 0, -1)")
+    p.add_argument("--ctx", type=int, help="context length (num_ctx)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("list", aliases=["ls"], help="list stored models")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("show", help="show a model's architecture, size and template")
+    p.add_argument("model")
+    p.add_argument("--template", action="store_true", help="print only the chat template")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("import", help="add a local GGUF file to the store",
+                       description="Verify FILE is a complete GGUF model and store it under "
+                       "NAME (hard-linked when on the same filesystem, else copied).")
+    p.add_argument("file", type=Path)
+    p.add_argument("--name", required=True, help="NAME[:TAG] to store it as")
+    p.add_argument("--copy", action="store_true", help="always copy, never hard-link")
+    p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("rm", help="remove a model (unloading it first)")
+    p.add_argument("models", nargs="+")
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("cp", help="copy a model to a new name")
+    p.add_argument("source")
+    p.add_argument("destination")
+    p.set_defaults(func=cmd_cp)
+
+    p = sub.add_parser("ps", help="list loaded models with their memory and plan")
+    p.set_defaults(func=cmd_ps)
+
+    p = sub.add_parser("stop", help="unload a model now")
+    p.add_argument("model")
+    p.set_defaults(func=cmd_stop)
+
+
+def _run(coro) -> int:
+    return asyncio.run(coro)
+
+
+def _config(args):
+    config = load_config()
+    if getattr(args, "host", None):
+        os.environ["LOCALLLM_HOST"] = args.host  # runners and children see the same address
+        config = replace(config, host=args.host)
+    if getattr(args, "socket", None):
+        config = replace(config, socket=args.socket)
+    return config
+
+
+# ---- serve -------------------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    from localllm.daemon.logging_setup import setup_logging
+    from localllm.daemon.server import serve
+
+    config = _config(args)
+    setup_logging(config)  # the journal under systemd, else the log file and stderr
+    asyncio.run(serve(config))
+    return 0
+
+
+# ---- run ---------------------------------------------------------------------------------
+def split_model_and_prompt(words: list[str], default_model: str, known) -> tuple[str, str]:
+    """`run [MODEL] PROMPT`: the first word is a model when it names one we have or can fetch."""
+    if words and " " not in words[0] and known(words[0]):
+        return words[0], " ".join(words[1:])
+    return default_model, " ".join(words)
+
+
+def _known_model(name: str) -> bool:
+    from localllm.modelstore.names import BadModelName, parse_name
+    from localllm.modelstore.store import default_store
+
+    try:
+        parsed = parse_name(name)
+    except BadModelName:
+        return False
+    if default_store().exists(parsed) or name.startswith(("hf.co/", "https://")):
+        return True
+    try:
+        from localllm.modelstore.catalog import load_catalog
+    except ImportError:
+        return False
+    return parsed.base in load_catalog()
+
+
+def cmd_run(args) -> int:
+    config = _config(args)
+    model, prompt = split_model_and_prompt(args.words, config.default_model, _known_model)
+    return _run(_run_async(config, model, prompt, args))
+
+
+async def _run_async(config, model: str, prompt: str, args) -> int:
+    async with Client(config) as client:
+        await ensure_pulled(client, model)
+        extra = {}
+        if args.keepalive is not None:
+            extra["keep_alive"] = args.keepalive
+        options = {"num_ctx": args.ctx} if args.ctx else None
+        if prompt:
+            await _answer(client, model, [{"role": "user", "content": prompt}], options, extra,
+                          args.verbose)
+            return 0
+        if sys.stdin.isatty():
+            try:
+                from localllm.tui.app import run_chat
+            except ImportError:
+                pass
+            else:
+                await client.close()
+                return await run_chat(config, model)
+        history: list[dict] = []
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            if line.strip() in ("/bye", "/exit"):
+                break
+            history.append({"role": "user", "content": line.rstrip("\n")})
+            answer = await _answer(client, model, history, options, extra, args.verbose)
+            history.append({"role": "assistant", "content": answer})
+    return 0
+
+
+async def ensure_pulled(client: Client, model: str) -> None:
+    """Pull the model through the daemon when it is not in the store yet."""
+    from localllm.client import DaemonError
+
+    try:
+        await client.request("POST", "/api/show", {"model": model})
+        return
+    except DaemonError as e:
+        if e.status != 404:
+            raise
+    last = ""
+    try:
+        async for status in client.pull(model):
+            line = status.get("status", "")
+            if status.get("total"):
+                pct = 100 * status.get("completed", 0) / status["total"]
+                line = f"{line} {pct:5.1f}%"
+            if line != last:
+                print(f"\r{line:<60}", end="", file=sys.stderr, flush=True)
+                last = line
+    except DaemonError as e:
+        if e.status == 404 and "pull" not in str(e):
+            raise UserError(f"model '{model}' not found and it cannot be pulled: {e}") from None
+        raise
+    print(file=sys.stderr)
+
+
+async def _answer(client: Client, model: str, messages: list[dict], options, extra,
+                  verbose: bool) -> str:
+    parts = []
+    final: dict = {}
+    async for chunk in client.chat(model, messages, options, **extra):
+        if chunk.text:
+            parts.append(chunk.text)
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        if chunk.done:
+            final = chunk.data
+    sys.stdout.write("\n")
+    if verbose and final:
+        print(format_timings(final), file=sys.stderr)
+    return "".join(parts)
+
+
+def format_timings(final: dict) -> str:
+    """The block `ollama run --verbose` prints after an answer."""
+    def rate(count, ns):
+        return f"{count / (ns / 1e9):.2f} tokens/s" if ns else "n/a"
+
+    return "\n".join([
+        f"total duration:       {final.get('total_duration', 0) / 1e9:.3f}s",
+        f"load duration:        {final.get('load_duration', 0) / 1e9:.3f}s",
+        f"prompt eval count:    {final.get('prompt_eval_count', 0)} token(s)",
+        f"prompt eval duration: {final.get('prompt_eval_duration', 0) / 1e9:.3f}s",
+        f"prompt eval rate:     {rate(final.get('prompt_eval_count', 0), final.get('prompt_eval_duration', 0))}",
+        f"eval count:           {final.get('eval_count', 0)} token(s)",
+        f"eval duration:        {final.get('eval_duration', 0) / 1e9:.3f}s",
+        f"eval rate:            {rate(final.get('eval_count', 0), final.get('eval_duration', 0))}",
+    ])
+
+
+# ---- store commands ----------------------------------------------------------------------
+def human_size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _ago(iso_time: str) -> str:
+    seconds = (dt.datetime.now(dt.UTC) - dt.datetime.fromisoformat(iso_time)).total_seconds()
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size:
+            n = int(seconds // size)
+            return f"{n} {unit}{'s' if n > 1 else ''} ago"
+    return "just now"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("    ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def cmd_list(args) -> int:
+    async def go():
+        async with Client(_config(args)) as client:
+            return await client.request("GET", "/api/tags")
+    data = _run(go())
+    rows = [["NAME", "ID", "SIZE", "MODIFIED"]]
+    for m in data["models"]:
+        rows.append([m["name"], m["digest"][:12], human_size(m["size"]), _ago(m["modified_at"])])
+    print(_table(rows))
+    return 0
+
+
+def cmd_show(args) -> int:
+    async def go():
+        async with Client(_config(args)) as client:
+            return await client.request("POST", "/api/show", {"model": args.model})
+    data = _run(go())
+    if args.template:
+        print(data.get("template", ""))
+        return 0
+    info, details = data["model_info"], data["details"]
+    arch = info["general.architecture"]
+    lines = [
+        ("architecture", arch),
+        ("parameters", details.get("parameter_size", "")),
+        ("quantization", details.get("quantization_level", "")),
+        ("layers", str(info.get(f"{arch}.block_count", ""))),
+        ("context length", str(info.get(f"{arch}.context_length", ""))),
+        ("embedding length", str(info.get(f"{arch}.embedding_length", ""))),
+    ]
+    if info.get(f"{arch}.attention.sliding_window"):
+        lines.append(("sliding window", str(info[f"{arch}.attention.sliding_window"])))
+    if info.get(f"{arch}.expert_count"):
+        lines.append(("experts", str(info[f"{arch}.expert_count"])))
+    if info.get(f"{arch}.nextn_predict_layers"):
+        lines.append(("MTP layers", str(info[f"{arch}.nextn_predict_layers"])))
+    lines.append(("chat template", "yes" if data.get("template") else "no"))
+    lines.append(("file size", human_size(data.get("size", 0)) if data.get("size") else
+                  _file_size(data)))
+    print("  Model")
+    for key, value in lines:
+        print(f"    {key:<20}{value}")
+    return 0
+
+
+def _file_size(data: dict) -> str:
+    path = data.get("modelfile", "").removeprefix("FROM ").strip()
+    try:
+        return human_size(Path(path).stat().st_size)
+    except OSError:
+        return "?"
+
+
+def cmd_import(args) -> int:
+    from localllm.modelstore.store import default_store
+
+    entry = default_store().import_gguf(args.file, args.name, link=not args.copy)
+    print(f"imported {entry.name} ({entry.details.get('family')}, "
+          f"{entry.details.get('parameter_size')}, {entry.details.get('quantization_level')}, "
+          f"{human_size(entry.size)})")
+    return 0
+
+
+def cmd_rm(args) -> int:
+    async def go():
+        async with Client(_config(args)) as client:
+            for name in args.models:
+                await client.request("DELETE", "/api/delete", {"model": name})
+                print(f"deleted '{name}'")
+    _run(go())
+    return 0
+
+
+def cmd_cp(args) -> int:
+    async def go():
+        async with Client(_config(args)) as client:
+            await client.request("POST", "/api/copy",
+                                 {"source": args.source, "destination": args.destination})
+    _run(go())
+    print(f"copied '{args.source}' to '{args.destination}'")
+    return 0
+
+
+def cmd_ps(args) -> int:
+    async def go():
+        async with Client(_config(args)) as client:
+            return await client.request("GET", "/api/ps")
+    data = _run(go())
+    rows = [["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "KV", "UNTIL"]]
+    for m in data["models"]:
+        until = m["expires_at"]
+        if until.startswith("2318"):
+            until = "Forever"
+        else:
+            seconds = (dt.datetime.fromisoformat(until.replace("Z", "+00:00"))
+                       - dt.datetime.now(dt.UTC)).total_seconds()
+            until = f"{max(0, int(seconds // 60))} minutes from now" if seconds >= 60 else \
+                f"{max(0, int(seconds))} seconds from now"
+        rows.append([m["name"], m["digest"][:12], human_size(m["size"]),
+                     m.get("processor", ""), str(m["context_length"]), m.get("kv_type", ""),
+                     until])
+    print(_table(rows))
+    return 0
+
+
+def cmd_stop(args) -> int:
+    async def go():
+        async with Client(_config(args)) as client:
+            await client.request("POST", "/api/generate", {"model": args.model, "keep_alive": 0})
+    _run(go())
+    return 0

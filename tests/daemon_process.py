@@ -1,0 +1,85 @@
+"""A real `localllm serve` in a subprocess, isolated in its own XDG dirs, for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import urllib.request
+
+
+def isolated_env(root: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALLLM_")}
+    for var in ("XDG_DATA_HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME",
+                "XDG_RUNTIME_DIR"):
+        d = root / var.lower()
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        env[var] = str(d)
+    env["LOCALLLM_HOST"] = "127.0.0.1:0"  # any free port; the daemon prints the one it got
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen
+    env: dict
+    url: str
+    socket: Path
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=30) as resp:
+            return json.loads(resp.read())
+
+    def ps(self) -> list[dict]:
+        return self.get("/api/ps")["models"]
+
+    def cli(self, *args: str, input: str | None = None, timeout: float = 120):
+        """Run the `localllm` command against this daemon."""
+        env = {**self.env, "LOCALLLM_HOST": self.url.removeprefix("http://")}
+        return subprocess.run([sys.executable, "-m", "localllm.cli", *args], env=env,
+                              input=input, capture_output=True, text=True, timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_daemon(env: dict, timeout: float = 60) -> Daemon:
+    proc = subprocess.Popen([sys.executable, "-m", "localllm.cli", "serve"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"daemon exited with {proc.wait()} before listening")
+        if line.startswith("{"):
+            info = json.loads(line)
+            if info.get("event") == "listening":
+                return Daemon(proc, env, f"http://{info['host']}:{info['port']}",
+                              Path(info["socket"]))
+    proc.kill()
+    raise RuntimeError("daemon did not start listening in time")
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
+    """Poll until predicate() is truthy; return its value, or fail after the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)  # ok-sleep: the poll interval of a deadline loop
