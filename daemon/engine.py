@@ -182,6 +182,14 @@ class Engine:
         reason = "length"
         t1 = time.perf_counter_ns()
         pending_tokens = 0
+
+        def token_event(text: str, n_tokens: int) -> Token:
+            return Token(text, n_tokens, eval_count=len(answer),
+                         eval_duration_ns=time.perf_counter_ns() - t1,
+                         prompt_eval_count=len(tokens) - cached,
+                         prompt_eval_duration_ns=prompt_ns,
+                         context_used=len(tokens) + len(answer))
+
         while len(answer) < limit:
             if cancelled.is_set():
                 reason = "cancelled"
@@ -197,7 +205,7 @@ class Engine:
             pending_tokens += 1
             text, hit = stops.feed(decoder.decode(self._token_bytes(token)))
             if text:
-                emit(Token(text, pending_tokens))
+                emit(token_event(text, pending_tokens))
                 pending_tokens = 0
             if hit:
                 reason = "stop"
@@ -207,7 +215,7 @@ class Engine:
         if reason != "stop":
             tail = stops.flush() + decoder.decode(b"", final=True)
             if tail:
-                emit(Token(tail, pending_tokens))
+                emit(token_event(tail, pending_tokens))
         emit(Done(
             done_reason=reason,
             prompt_eval_count=len(tokens) - cached,

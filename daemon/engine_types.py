@@ -61,6 +61,15 @@ class GenerationRequest:
 class Token:
     text: str
     n_tokens: int = 1  # tokens behind this text (stop-string hold-back can merge several)
+    # Running totals of this request when the text was emitted, measured in the runner, so a
+    # client can show live decode speed and context use without guessing.
+    eval_count: int = 0  # answer tokens so far
+    eval_duration_ns: int = 0  # decode time so far (since the prompt was evaluated)
+    prompt_eval_count: int = 0
+    prompt_eval_duration_ns: int = 0
+    context_used: int = 0  # prompt + answer tokens so far
+    drafted: int | None = None  # speculative decoding: draft tokens proposed so far (None: off)
+    draft_accepted: int | None = None  # ... and how many of them the target model accepted
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,8 @@ class Done:
     context_used: int  # tokens in the KV cache after this request
     n_ctx: int
     context: tuple[int, ...] = ()  # prompt + answer tokens (Ollama generate's `context`)
+    drafted: int | None = None  # speculative decoding totals, as on Token (None: off)
+    draft_accepted: int | None = None
 
 
 @dataclass(frozen=True)

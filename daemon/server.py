@@ -24,7 +24,7 @@ from localllm import paths
 from localllm.config import Config, config_file
 from localllm.errors import UserError
 
-from .api import ollama, openai
+from .api import ollama, openai, stats
 from .api.common import ApiError
 from .config_watch import watch_config
 from .logging_setup import setup_logging
@@ -107,6 +107,7 @@ def create_app(config: Config, store: ModelStore | None = None) -> web.Applicati
     app.router.add_get("/", root)  # GET and HEAD, as Ollama answers both
     app.add_routes(ollama.routes)
     app.add_routes(openai.routes)
+    app.add_routes(stats.routes)
     with contextlib.suppress(ImportError):
         from .api import pull
 

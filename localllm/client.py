@@ -138,6 +138,10 @@ class Client:
         async for data in self.stream("/api/pull", {"model": model, "stream": True}):
             yield data
 
+    async def stats(self) -> dict:
+        """GET /api/stats: per loaded model, the runner's measured memory, plan and counters."""
+        return await self.request("GET", "/api/stats")
+
 
 async def _ping(session: aiohttp.ClientSession, base: str) -> bool:
     try:

@@ -106,6 +106,23 @@ def metrics(gen: Generation, done: Done) -> dict:
     }
 
 
+def live_stats(event: Token | Done, n_ctx: int, ttft_ns: int) -> dict:
+    """The runner's running totals for one chunk (a localllm addition to Ollama's lines), so a
+    client can show decode speed, prompt speed and context use while the answer streams."""
+    stats = {
+        "eval_count": event.eval_count,
+        "eval_duration": event.eval_duration_ns,
+        "prompt_eval_count": event.prompt_eval_count,
+        "prompt_eval_duration": event.prompt_eval_duration_ns,
+        "context_used": event.context_used,
+        "context_length": n_ctx,
+        "time_to_first_token": ttft_ns,  # request received -> first text sent, load included
+    }
+    if event.drafted is not None:  # only while speculative decoding is on
+        stats["draft"] = {"drafted": event.drafted, "accepted": event.draft_accepted or 0}
+    return stats
+
+
 # ---- generate and chat -----------------------------------------------------------------
 async def _respond(request: web.Request, body: dict, gen_request: GenerationRequest,
                    shape_chunk, final_extra) -> web.StreamResponse:
@@ -136,15 +153,17 @@ async def _respond(request: web.Request, body: dict, gen_request: GenerationRequ
             raise ApiError(first.status, first.message)
         await response.prepare(request)
         event = first
+        ttft_ns = gen.total_duration_ns()
         while True:
             if isinstance(event, Token):
                 line = {"model": model, "created_at": now_iso(), **shape_chunk(event.text),
-                        "done": False}
+                        "done": False, "stats": live_stats(event, gen.runner.n_ctx, ttft_ns)}
             elif isinstance(event, Failure):
                 line = {"error": event.message}
             else:
                 line = {"model": model, "created_at": now_iso(), **shape_chunk(""), "done": True,
-                        **final_extra(event), **metrics(gen, event)}
+                        **final_extra(event), **metrics(gen, event),
+                        "stats": live_stats(event, event.n_ctx, ttft_ns)}
             try:
                 await response.write(json.dumps(line).encode() + b"\n")
             except ConnectionError:

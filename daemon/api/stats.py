@@ -1,0 +1,174 @@
+"""GET /api/stats: what each loaded model's runner really costs and did, for live displays.
+
+Per loaded model: the runner's pid, its resident memory (from /proc), its GPU memory (NVML, per
+process; `null` without a GPU), the plan it was loaded with (layer split, KV type, context) and
+the counters of its last request. Every figure is measured except where `vram_source` says
+"plan": NVML cannot see the runner (another PID namespace), so the plan's prediction stands in
+and clients should mark it as an estimate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import warnings
+from pathlib import Path
+
+from aiohttp import web
+from localllm.modelstore.shape import read_shape
+
+from ..state import SCHEDULER
+
+routes = web.RouteTableDef()
+
+
+def process_rss(pid: int | None, proc: Path = Path("/proc")) -> int | None:
+    """Resident set size of a process in bytes (mapped model pages it has touched included)."""
+    if pid is None:
+        return None
+    try:
+        text = (proc / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024  # the kernel writes kB
+    return None
+
+
+class GpuMemory:
+    """GPU memory used per process, summed over the NVIDIA GPUs; None where there are none.
+
+    NVML is initialised once and kept: a stats poll several times a second should not pay
+    nvmlInit each time.
+    """
+
+    def __init__(self) -> None:
+        self._nvml = None
+        self._tried = False
+
+    def _init(self):
+        if not self._tried:
+            self._tried = True
+            try:
+                with warnings.catch_warnings():  # pynvml warns that it is deprecated
+                    warnings.simplefilter("ignore")
+                    import pynvml
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+            except Exception:  # no library, no driver, no GPU: all mean "no GPU memory"
+                self._nvml = None
+        return self._nvml
+
+    def by_pid(self) -> dict[int, int] | None:
+        nvml = self._init()
+        if nvml is None:
+            return None
+        used: dict[int, int] = {}
+        try:
+            for i in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(i)
+                for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if p.usedGpuMemory is not None:  # None: the driver does not say
+                        used[p.pid] = used.get(p.pid, 0) + int(p.usedGpuMemory)
+        except Exception:
+            return None
+        return used
+
+
+GPU = GpuMemory()
+
+
+def kv_type(plan) -> str:
+    return plan.type_k if plan.type_k == plan.type_v else f"{plan.type_k}/{plan.type_v}"
+
+
+def plan_summary(plan, n_layer: int) -> dict:
+    """The plan a runner was loaded with, as a client shows it. Layers count the output layer,
+    as llama.cpp's "offloaded 31/31 layers to GPU" does."""
+    n_all = n_layer + 1
+    return {
+        "gpu_layers": max(0, min(plan.n_gpu_layers, n_all)) if plan.n_gpu_layers >= 0 else n_all,
+        "layers": n_all,
+        "n_ctx": plan.n_ctx,
+        "kv_type": kv_type(plan),
+        "flash_attn": plan.flash_attn,
+        "n_threads": plan.n_threads,
+        "speculative": plan.speculative,
+        "draft_n_max": plan.draft_n_max,
+        "cpu_overrides": [o.pattern for o in plan.tensor_overrides],
+        "predicted_vram": plan.vram_bytes(),
+        "predicted_ram": plan.ram_bytes(),
+        "predicted_prefill_tps": plan.predicted_prefill_tps,
+        "predicted_decode_tps": plan.predicted_decode_tps,
+        "source": plan.source,
+        "reasons": list(plan.reasons),
+    }
+
+
+def last_request(done) -> dict | None:
+    if done is None:
+        return None
+    last = {
+        "done_reason": done.done_reason,
+        "prompt_eval_count": done.prompt_eval_count,
+        "prompt_eval_duration": done.prompt_eval_duration_ns,
+        "eval_count": done.eval_count,
+        "eval_duration": done.eval_duration_ns,
+        "prompt_tokens": done.prompt_tokens,
+        "cached_tokens": done.cached_tokens,
+    }
+    if done.drafted is not None:
+        last["draft"] = {"drafted": done.drafted, "accepted": done.draft_accepted or 0}
+    return last
+
+
+def vram_of(pid: int | None, by_pid: dict[int, int] | None, plan) -> tuple[int | None, str | None]:
+    """(bytes, source): measured by NVML, else the plan's figure where NVML cannot see the pid,
+    else (None, None) on a machine without an NVIDIA GPU."""
+    if by_pid is None:
+        return None, None
+    if pid in by_pid:
+        return by_pid[pid], "nvml"
+    return plan.vram_bytes(), "plan"
+
+
+_n_layers: dict[Path, int] = {}
+
+
+def n_layers(model_path: Path) -> int:
+    if model_path not in _n_layers:  # the header is read once per model file, not per poll
+        _n_layers[model_path] = read_shape(model_path).n_layer
+    return _n_layers[model_path]
+
+
+@routes.get("/api/stats")
+async def api_stats(request: web.Request) -> web.Response:
+    scheduler = request.app[SCHEDULER]
+    slots = list(scheduler.slots.items())
+    by_pid = await asyncio.to_thread(GPU.by_pid) if slots else None
+    models = []
+    for name, slot in slots:
+        runner = slot.runner
+        layers = 0
+        with contextlib.suppress(Exception):  # a file replaced under us: still report the rest
+            layers = await asyncio.to_thread(n_layers, slot.entry.model_path)
+        vram, vram_source = vram_of(runner.pid, by_pid, runner.plan)
+        done = runner.last_done
+        models.append({
+            "model": name,
+            "runner_pid": runner.pid,
+            "busy": slot.lock.locked(),
+            "loaded_at": runner.loaded_at,
+            "load_duration": runner.load_duration_ns,
+            "rss_bytes": process_rss(runner.pid),
+            "vram_bytes": vram,
+            "vram_source": vram_source,
+            "plan": plan_summary(runner.plan, layers),
+            "context_used": done.context_used if done else 0,
+            "context_length": runner.n_ctx,
+            "tokens_generated": runner.tokens_generated,
+            "last": last_request(done),
+        })
+    return web.json_response({"models": models, "time": time.time()})
