@@ -114,6 +114,10 @@ CHOICES = {
     "log_level": ("debug", "info", "warning", "error"),
 }
 
+# Tables of config.toml that belong to one client: [keys] is the chat TUI's key bindings
+# (localllm.tui.keys reads and checks it).
+CLIENT_TABLES = frozenset({"keys"})
+
 # (smallest, largest) for number settings; None means no bound.
 LIMITS = {
     "max_loaded_models": (1, None),
@@ -228,6 +232,8 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
         raise ConfigError(f"{where}: {reason}", path=source, line=line, reason=reason) from None
     values = {}
     for key, raw in doc.items():
+        if key in CLIENT_TABLES and isinstance(raw, dict):
+            continue  # read by the client that owns it, never by the daemon
         line = _line_of(text, key)
         where = f"{source}:{line}" if line else source
         try:
