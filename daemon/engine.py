@@ -123,7 +123,7 @@ class Engine:
                                "/v1/completions with a plain prompt")
         try:
             rendered = self.formatter(messages=messages)
-        except Exception as e:  # noqa: BLE001 - jinja raises many kinds; all mean a bad request
+        except Exception as e:
             raise RequestError(f"the chat template rejected these messages: {e}") from None
         # A template that writes the BOS token itself must not get a second one.
         add_bos = self.add_bos and not rendered.prompt.startswith(self._piece(self.llm.token_bos()))
@@ -133,7 +133,7 @@ class Engine:
         """Keep the KV cache for the longest common prefix; return how many tokens were kept."""
         cached = self.llm.input_ids[: self.llm.n_tokens].tolist()
         common = 0
-        for a, b in zip(cached, tokens):
+        for a, b in zip(cached, tokens, strict=False):
             if a != b:
                 break
             common += 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
-from .engine_types import Event, GenerationRequest
+from .engine_types import Done, Event, Failure, GenerationRequest, Token
 from .runner_client import RunnerProcess
 from .state import SCHEDULER, STORE
 
@@ -28,6 +28,36 @@ class Generation:
 
     def total_duration_ns(self) -> int:
         return time.perf_counter_ns() - self.started_ns
+
+
+class GenerationFailed(Exception):
+    """The runner answered with a Failure before anything was sent (status from the runner)."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(failure.message)
+        self.status = failure.status
+
+
+async def collect(gen: Generation) -> tuple[str, Done]:
+    """The whole answer of a non-streamed request."""
+    parts = []
+    async for event in gen.events:
+        if isinstance(event, Token):
+            parts.append(event.text)
+        elif isinstance(event, Failure):
+            raise GenerationFailed(event)
+        else:
+            return "".join(parts), event
+    raise GenerationFailed(Failure("the runner ended the answer without finishing it"))
+
+
+async def first_event(gen: Generation) -> Event:
+    """The first event of a streamed request: a Failure here still becomes an HTTP error
+    status, because nothing has been sent yet."""
+    event = await anext(gen.events)
+    if isinstance(event, Failure):
+        raise GenerationFailed(event)
+    return event
 
 
 def find_model(app: web.Application, name: str) -> ModelEntry:

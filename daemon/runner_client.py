@@ -30,7 +30,7 @@ class LoadError(Exception):
 
 
 class RunnerProcess:
-    def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path | None):
+    def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path):
         self.model_name = model_name
         self.model_path = model_path
         self.plan = plan
@@ -55,16 +55,13 @@ class RunnerProcess:
         return self.proc is not None and self.proc.returncode is None and not self._exit_reason
 
     async def start(self) -> None:
-        stderr = open(self.log_path, "ab") if self.log_path else asyncio.subprocess.DEVNULL
-        try:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as stderr:  # llama.cpp's own log goes here
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "localllm.daemon.runner",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr,
                 limit=STREAM_LIMIT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
-        finally:
-            if self.log_path:
-                stderr.close()
         self._send({"op": "load", "model_path": str(self.model_path),
                     "plan": self.plan.to_dict()})
         line = await self.proc.stdout.readline()
@@ -133,7 +130,7 @@ class RunnerProcess:
             self.busy = False
 
     async def _drain(self, queue: asyncio.Queue) -> None:
-        """After a cancel, wait for the runner to finish the request so the next one starts clean."""
+        """After a cancel, wait for the runner to end the request, so the next starts clean."""
         while True:
             event = await queue.get()
             if isinstance(event, (Done, Failure)):

@@ -135,9 +135,8 @@ class Scheduler:
             return slot
 
     async def _load(self, name: str, entry: ModelEntry, plan: Plan) -> RunnerProcess:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / "runner.log"
-        runner = RunnerProcess(name, model_file(self.store, entry), plan, log_path)
+        runner = RunnerProcess(name, model_file(self.store, entry), plan,
+                               self.log_dir / "runner.log")
         log.info("loading %s: %s", name, "; ".join(plan.reasons))
         try:
             await runner.start()
@@ -193,6 +192,4 @@ def _load_options_differ(plan: Plan, options: dict) -> bool:
         return True
     if "num_thread" in options and options["num_thread"] != plan.n_threads:
         return True
-    if "num_batch" in options and options["num_batch"] != plan.n_batch:
-        return True
-    return False
+    return "num_batch" in options and options["num_batch"] != plan.n_batch

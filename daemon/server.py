@@ -28,6 +28,7 @@ from .api import ollama, openai, stats
 from .api.common import ApiError
 from .config_watch import watch_config
 from .logging_setup import setup_logging
+from .generation import GenerationFailed
 from .runner_client import LoadError
 from .scheduler import QueueFull, Scheduler
 from .state import CONFIG, SCHEDULER, STORE
@@ -44,6 +45,8 @@ def error_status(error: BaseException) -> tuple[int, str] | None:
         return 404, str(error)
     if isinstance(error, (BadModelName, StoreError, UserError)):
         return 400, str(error)
+    if isinstance(error, GenerationFailed):
+        return error.status, str(error)
     if isinstance(error, QueueFull):
         return 503, str(error)
     if isinstance(error, LoadError):

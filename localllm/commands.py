@@ -210,7 +210,8 @@ def format_timings(final: dict) -> str:
         f"load duration:        {final.get('load_duration', 0) / 1e9:.3f}s",
         f"prompt eval count:    {final.get('prompt_eval_count', 0)} token(s)",
         f"prompt eval duration: {final.get('prompt_eval_duration', 0) / 1e9:.3f}s",
-        f"prompt eval rate:     {rate(final.get('prompt_eval_count', 0), final.get('prompt_eval_duration', 0))}",
+        f"prompt eval rate:     "
+        f"{rate(final.get('prompt_eval_count', 0), final.get('prompt_eval_duration', 0))}",
         f"eval count:           {final.get('eval_count', 0)} token(s)",
         f"eval duration:        {final.get('eval_duration', 0) / 1e9:.3f}s",
         f"eval rate:            {rate(final.get('eval_count', 0), final.get('eval_duration', 0))}",
@@ -237,7 +238,7 @@ def _ago(iso_time: str) -> str:
 
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("    ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join("    ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
 def cmd_list(args) -> int:

@@ -17,11 +17,10 @@ from localllm import __version__
 from localllm.config import ConfigError, parse_duration
 
 from ..engine_types import Done, Failure, GenerationRequest, SamplingOptions, Token
-from ..generation import Generation, find_model, generate, hold
+from ..generation import Generation, collect, find_model, first_event, generate, hold
 from ..runner_client import new_request_id
 from ..state import SCHEDULER, STORE
 from .common import (
-    ApiError,
     bad_request,
     get_bool,
     get_messages,
@@ -136,21 +135,12 @@ async def _respond(request: web.Request, body: dict, gen_request: GenerationRequ
     model = str(entry.name)
     async with generate(app, entry, gen_request, n_ctx, load, keep_alive) as gen:
         if not stream:
-            parts = []
-            async for event in gen.events:
-                if isinstance(event, Token):
-                    parts.append(event.text)
-                elif isinstance(event, Failure):
-                    raise ApiError(event.status, event.message)
-                else:
-                    final = {"model": model, "created_at": now_iso(),
-                             **shape_chunk("".join(parts)), "done": True,
-                             **final_extra(event), **metrics(gen, event)}
-                    return web.json_response(final)
+            text, done = await collect(gen)
+            return web.json_response({"model": model, "created_at": now_iso(),
+                                      **shape_chunk(text), "done": True, **final_extra(done),
+                                      **metrics(gen, done)})
         response = web.StreamResponse(headers={"Content-Type": NDJSON})
-        first = await gen.events.__anext__()
-        if isinstance(first, Failure):  # before anything was sent: a proper status code
-            raise ApiError(first.status, first.message)
+        first = await first_event(gen)
         await response.prepare(request)
         event = first
         ttft_ns = gen.total_duration_ns()
@@ -170,7 +160,7 @@ async def _respond(request: web.Request, body: dict, gen_request: GenerationRequ
                 return response  # client went away: leaving `generate` cancels the runner
             if not isinstance(event, Token):
                 break
-            event = await gen.events.__anext__()
+            event = await anext(gen.events)
         await response.write_eof()
         return response
 
@@ -181,7 +171,7 @@ async def api_generate(request: web.Request) -> web.StreamResponse:
     name = get_str(body, "model", required=True)
     prompt = get_str(body, "prompt", default="")
     sampling, n_ctx, load = parse_options(body)
-    if not prompt and not body.get("messages"):
+    if not prompt:
         return await _load_only(request, body, name, n_ctx, load)
     gen_request = GenerationRequest(
         id=new_request_id(), prompt=prompt, system=get_str(body, "system"),
@@ -194,10 +184,10 @@ async def api_generate(request: web.Request) -> web.StreamResponse:
 @routes.post("/api/chat")
 async def api_chat(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    get_str(body, "model", required=True)
-    sampling, _, _ = parse_options(body)
+    name = get_str(body, "model", required=True)
+    sampling, n_ctx, load = parse_options(body)
     if body.get("messages") in (None, []):
-        return await _load_only(request, body, body["model"], *parse_options(body)[1:])
+        return await _load_only(request, body, name, n_ctx, load)
     gen_request = GenerationRequest(id=new_request_id(), messages=get_messages(body),
                                     options=sampling)
     return await _respond(request, body, gen_request,
@@ -313,7 +303,7 @@ async def api_copy(request: web.Request) -> web.Response:
 @routes.get("/api/ps")
 async def api_ps(request: web.Request) -> web.Response:
     models = []
-    for name, slot in request.app[SCHEDULER].slots.items():
+    for slot in request.app[SCHEDULER].slots.values():
         runner = slot.runner
         plan = runner.plan
         shape = read_shape(slot.entry.model_path)
@@ -329,7 +319,8 @@ async def api_ps(request: web.Request) -> web.Response:
             "context_length": runner.n_ctx,
             # localllm additions
             "processor": processor(vram, size),
-            "kv_type": plan.type_k if plan.type_k == plan.type_v else f"{plan.type_k}/{plan.type_v}",
+            "kv_type": plan.type_k if plan.type_k == plan.type_v
+            else f"{plan.type_k}/{plan.type_v}",
             "gpu_layers": plan.n_gpu_layers,
             "runner_pid": runner.pid,
             "busy": slot.lock.locked(),

@@ -9,11 +9,10 @@ import uuid
 from aiohttp import web
 
 from ..engine_types import Done, Failure, GenerationRequest, SamplingOptions, Token
-from ..generation import find_model, generate
+from ..generation import collect, find_model, first_event, generate
 from ..runner_client import new_request_id
 from ..state import STORE
 from .common import (
-    ApiError,
     bad_request,
     get_bool,
     get_messages,
@@ -86,21 +85,13 @@ async def _complete(request: web.Request, body: dict, gen_request: GenerationReq
 
     async with generate(app, entry, gen_request, None, {}) as gen:
         if not stream:
-            parts = []
-            async for event in gen.events:
-                if isinstance(event, Token):
-                    parts.append(event.text)
-                elif isinstance(event, Failure):
-                    raise ApiError(event.status, event.message)
-                else:
-                    return web.json_response({
-                        "id": ident, "object": obj, "created": created, "model": model,
-                        "choices": [choice("".join(parts), finish_reason(event))],
-                        "usage": usage(event), "system_fingerprint": "localllm",
-                    })
-        first_event = await gen.events.__anext__()
-        if isinstance(first_event, Failure):
-            raise ApiError(first_event.status, first_event.message)
+            text, done = await collect(gen)
+            return web.json_response({
+                "id": ident, "object": obj, "created": created, "model": model,
+                "choices": [choice(text, finish_reason(done))],
+                "usage": usage(done), "system_fingerprint": "localllm",
+            })
+        first_event_ = await first_event(gen)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -110,7 +101,7 @@ async def _complete(request: web.Request, body: dict, gen_request: GenerationReq
             payload = data if isinstance(data, str) else json.dumps(data)
             await response.write(f"data: {payload}\n\n".encode())
 
-        event, first = first_event, True
+        event, first = first_event_, True
         try:
             while True:
                 base = {"id": ident, "object": chunk_obj, "created": created, "model": model,
@@ -128,7 +119,7 @@ async def _complete(request: web.Request, body: dict, gen_request: GenerationReq
                         await send({**base, "choices": [], "usage": usage(event)})
                     await send("[DONE]")
                     break
-                event = await gen.events.__anext__()
+                event = await anext(gen.events)
         except ConnectionError:
             return response  # client went away: leaving `generate` cancels the runner
         await response.write_eof()
