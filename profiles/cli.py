@@ -22,7 +22,7 @@ from .card import MIB, Card, card_names
 from .choose import tune_checked, vram_margin_bytes
 from .explain import REJECTED, gib
 from .hardware import resolve_card
-from .measure import calibrated, run_benchmark, update_calibration
+from .measure import calibrated, measure_in_child, update_calibration
 from .memory import model_costs
 from .plan import Plan
 from .saved import save_profile
@@ -45,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="plan for this much GPU memory instead of the card's")
     p.add_argument("--margin", type=int, metavar="MiB",
                    help="VRAM to leave free (default: vram_margin_mib from the config, 512)")
+    p.add_argument("--threads", type=int, help="CPU threads (default: physical cores)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--measure", action="store_true",
                    help="load the plan for real, time prefill and decode, calibrate the model")
@@ -72,12 +73,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UserError("--ctx must be at least 256")
     if args.margin is not None and args.margin < 0:
         raise UserError("--margin must be 0 or more MiB")
+    if args.threads is not None and args.threads < 1:
+        raise UserError("--threads must be at least 1")
     shape, model_name = resolve_model(args.model)
     card = calibrated(resolve_card(args.card))
     if args.vram is not None:
         card = card.with_vram(args.vram)
     margin = args.margin * MIB if args.margin is not None else vram_margin_bytes()
-    plan = tune_checked(shape, card, Request(n_ctx=args.ctx, margin_bytes=margin))
+    plan = tune_checked(shape, card, Request(n_ctx=args.ctx, margin_bytes=margin,
+                                             n_threads=args.threads))
     measured = None
     if args.measure:
         measured = measure_and_calibrate(shape, plan, card)
@@ -105,7 +109,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card):
     print(f"measuring {shape.name} with the plan...", file=sys.stderr)
-    measured = run_benchmark(shape.path, plan, shape)
+    measured = measure_in_child(shape.path, plan)
     from .choose import placement_of
     from .memory import ContextSettings
 

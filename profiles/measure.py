@@ -15,6 +15,7 @@ from pathlib import Path
 
 import tomli_w
 
+from localllm.errors import UserError
 from localllm.modelstore.shape import ModelShape
 
 from .card import Card
@@ -53,7 +54,7 @@ def calibrated(card: Card, path: Path | None = None) -> Card:
         host = float(factors.get("host_bandwidth_factor", 1.0))
     except (TypeError, ValueError):
         return card
-    if not (0.05 <= gpu <= 20 and 0.05 <= host <= 20):
+    if not (0.01 <= gpu <= 100 and 0.01 <= host <= 100):
         return card
     return replace(card, decode_efficiency=card.decode_efficiency * gpu,
                    host_bandwidth_gbs=card.host_bandwidth_gbs * host)
@@ -113,7 +114,36 @@ def process_vram_bytes() -> int:
             pass
 
 
-def run_benchmark(model_path: str, plan: Plan, shape: ModelShape, prompt_tokens: int = 128,
+# The benchmark runs in a child that imports llama_cpp before anything that imports numpy: with
+# a CUDA build, numpy loaded first makes the model load segfault (seen on an H200).
+_CHILD = r"""
+import llama_cpp
+import json, sys
+from localllm.profiles.measure import run_benchmark
+from localllm.profiles.plan import Plan
+req = json.loads(sys.stdin.read())
+m = run_benchmark(req["path"], Plan.from_dict(req["plan"]), None, req["prompt"], req["tokens"])
+print(json.dumps(m.__dict__))
+"""
+
+
+def measure_in_child(model_path: str, plan: Plan, prompt_tokens: int = 128,
+                     decode_tokens: int = 32, timeout: float = 600) -> Measurement:
+    import json
+    import subprocess
+    import sys
+
+    request = json.dumps({"path": model_path, "plan": plan.to_dict(), "prompt": prompt_tokens,
+                          "tokens": decode_tokens})
+    proc = subprocess.run([sys.executable, "-c", _CHILD], input=request, text=True,
+                          capture_output=True, timeout=timeout)
+    if proc.returncode != 0:
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+        raise UserError(f"the benchmark load failed (exit {proc.returncode}): {last}")
+    return Measurement(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def run_benchmark(model_path: str, plan: Plan, shape: ModelShape | None, prompt_tokens: int = 128,
                   decode_tokens: int = 32) -> Measurement:
     """Load with the plan, prefill a prompt, decode greedily; time both."""
     import llama_cpp

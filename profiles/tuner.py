@@ -278,7 +278,8 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
     if not card.has_gpu:
         base = cpu_plan(best.settings.n_ctx, 0)
         batch = min(request.n_batch or base.n_batch, best.settings.n_ctx)
-        plan = replace(base, n_threads=threads, n_batch=batch, n_ubatch=min(base.n_ubatch, batch))
+        plan = replace(base, n_threads=threads, n_batch=batch, n_ubatch=min(base.n_ubatch, batch),
+                       n_threads_batch=request.n_threads or base.n_threads_batch)
     else:
         s = best.settings
         plan = Plan(

@@ -55,6 +55,9 @@ def _bootstrap_imports() -> None:
         for name in ("modelstore", "profiles", "daemon"):
             (pkg / name).symlink_to(ROOT / name)
     sys.path.insert(0, str(shim))
+    # Children (the runner's load, dry runs) put their working directory first on sys.path,
+    # where the real `localllm/` folder would hide the shim: run everything from elsewhere.
+    os.chdir(shim)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(shim), str(ROOT / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])])
 
@@ -118,8 +121,12 @@ class MemorySampler:
         return self.peak - self.baseline
 
 
+# llama_cpp first: with the CUDA build, loading numpy (gguf, ModelShape) before libllama makes
+# the model load segfault (seen on the H200 with the image's numpy).
 CHILD = r"""
-import json, sys
+import llama_cpp
+import faulthandler, json, sys
+faulthandler.enable(open("/tmp/bench-child-fault.txt", "w"), all_threads=True)
 from localllm.modelstore.shape import read_shape
 from localllm.profiles.measure import run_benchmark
 from localllm.profiles.plan import Plan
@@ -139,8 +146,11 @@ def run_ours(path: Path, plan, tokens: int, timeout: float) -> dict:
         proc = subprocess.run([sys.executable, "-c", CHILD], input=request, text=True,
                               capture_output=True, timeout=timeout)
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed",
-                "vram": mem.delta}
+        fault = Path("/tmp/bench-child-fault.txt")
+        print(proc.stdout[-2000:], proc.stderr[-3000:], fault.read_text()[-3000:]
+              if fault.exists() else "", file=sys.stderr)
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+        return {"error": f"exit {proc.returncode} {last}", "vram": mem.delta}
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["vram"] = mem.delta
     return out
@@ -160,7 +170,7 @@ def run_fit(path: Path, ctx: int, budget_mib: int, threads: int, tokens: int,
     port = _free_port()
     cmd = ["llama-server", "-m", str(path), "-c", str(ctx), "--fit", "on", "--fit-target",
            str(target), "-t", str(threads), "-np", "1", "--port", str(port),
-           "--host", "127.0.0.1", "--no-mmap"]
+           "--host", "127.0.0.1", "--load-mode", "none"]
     with sampler as mem, open(log, "w") as logf:
         server = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
                                   start_new_session=True)
@@ -187,12 +197,20 @@ def run_fit(path: Path, ctx: int, budget_mib: int, threads: int, tokens: int,
             return {"decode_tps": timings["predicted_per_second"],
                     "prefill_tps": timings["prompt_per_second"], "vram": mem.delta}
         finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+            _stop(server)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    if server.poll() is not None:
+        return
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    except ProcessLookupError:
+        pass
 
 
 def gpu_card(budget_gib: float):
@@ -215,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=".")
     p.add_argument("--deadline", type=float, default=560, help="seconds; later runs skipped")
     p.add_argument("--no-fit", action="store_true", help="skip llama-server")
+    p.add_argument("--margin", type=int, default=512, metavar="MiB",
+                   help="VRAM the tuner leaves free inside the budget (the config's default is "
+                   "512; llama-server's fit is given none: its target is free - budget)")
     args = p.parse_args(argv)
     start = time.monotonic()
     out = Path(args.out)
@@ -243,10 +264,11 @@ def run_all(args, start: float, out: Path, jsonl, rows: list) -> None:
                 if time.monotonic() - start > args.deadline:
                     print(f"deadline: skipping {name} {budget} GiB {ctx}", flush=True)
                     continue
-                row = {"shape": name, "budget_gib": budget, "ctx": ctx}
+                row = {"shape": name, "budget_gib": budget, "ctx": ctx, "margin_mib": args.margin}
                 t0 = time.monotonic()
                 try:
-                    plan = tune_checked(shape, card, Request(n_ctx=ctx), measure=True)
+                    request = Request(n_ctx=ctx, margin_bytes=args.margin * MIB)
+                    plan = tune_checked(shape, card, request, measure=True)
                 except NoPlanFits as e:
                     row["error"] = str(e)
                     plan = None
@@ -287,8 +309,9 @@ def format_row(row: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| shape | budget | ctx | plan | VRAM predicted | VRAM measured | decode predicted "
-             "| decode measured | llama.cpp fit VRAM | fit decode | ours / fit |",
+    lines = ["| shape | budget (margin MiB) | ctx | plan | VRAM predicted | VRAM measured "
+             "| decode predicted | decode measured | llama.cpp fit VRAM | fit decode "
+             "| ours / fit |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ours, fit, plan = r.get("ours") or {}, r.get("fit") or {}, r.get("plan") or {}
@@ -298,7 +321,8 @@ def markdown(rows: list[dict]) -> str:
                 + (f", {plan['overrides']} override(s)" if plan.get("overrides") else "")
                 if plan else r.get("error", "-")[:80])
         lines.append(
-            f"| {r['shape']} | {r['budget_gib']:g} GiB | {r['ctx']} | {desc} | "
+            f"| {r['shape']} | {r['budget_gib']:g} GiB ({r.get('margin_mib', 512)}) | {r['ctx']} "
+            f"| {desc} | "
             f"{_mib(r.get('pred_vram'))} MiB | {_mib(ours.get('vram'))} MiB | "
             f"{r.get('pred_decode', 0):.1f} | {_tps(ours)} | {_mib(fit.get('vram'))} MiB | "
             f"{_tps(fit)} | {ratio} |")
