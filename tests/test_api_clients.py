@@ -212,3 +212,19 @@ def test_prompt_longer_than_the_context_is_a_400(daemon):
         "model": "gemma3-270m", "prompt": "word " * 400, "stream": False,
         "options": {"num_ctx": 256}}).encode())
     assert code == 400 and "context" in data["error"]
+
+
+def test_import_route_stores_a_gguf_and_refuses_junk(daemon, smollm2_gguf, tmp_path):
+    code, data = post(daemon, "/api/import", json.dumps(
+        {"model": "imported:v1", "path": str(smollm2_gguf)}).encode())
+    assert code == 200 and data["name"] == "imported:v1"
+    assert data["details"]["family"] == "llama"
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"nope" * 10)
+    code, data = post(daemon, "/api/import", json.dumps(
+        {"model": "junk", "path": str(junk)}).encode())
+    assert code == 400 and "not a GGUF" in data["error"]
+    names = [m["name"] for m in daemon.get("/api/tags")["models"]]
+    assert "imported:v1" in names and "junk:latest" not in names
+    code, _ = post(daemon, "/api/delete", b'{"model": "imported:v1"}', method="DELETE")
+    assert code == 200

@@ -148,3 +148,33 @@ def test_the_api_key_is_required_over_tcp_when_set(tmp_path, smollm2_gguf):
         assert d.cli("list").returncode == 0
     finally:
         d.stop()
+
+
+def test_a_full_queue_answers_503_and_the_daemon_keeps_serving(tmp_path, smollm2_gguf):
+    import threading
+
+    from conftest import import_models
+    from daemon_process import isolated_env, start_daemon
+
+    env = isolated_env(tmp_path, LOCALLLM_MAX_QUEUE="1")
+    import_models(env, {"smollm2": smollm2_gguf})
+    d = start_daemon(env)
+    try:
+        client = ollama.Client(host=d.url)
+        first = client.generate(model="smollm2", prompt="Tell a long story.", stream=True,
+                                options=LONG)
+        next(first)  # holds the runner
+        queued = threading.Thread(target=lambda: client.generate(
+            model="smollm2", prompt="hi", options={"num_predict": 2}))
+        queued.start()
+        wait_for(lambda: (loaded(d) or {}).get("waiting") == 1, timeout=10,
+                 what="the second request to queue")
+        with pytest.raises(ollama.ResponseError) as e:
+            client.generate(model="smollm2", prompt="hi", options={"num_predict": 2})
+        assert e.value.status_code == 503
+        first.close()
+        queued.join(timeout=60)
+        assert not queued.is_alive()
+        assert client.generate(model="smollm2", prompt="hi", options={"num_predict": 2}).response
+    finally:
+        d.stop()

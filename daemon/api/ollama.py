@@ -5,10 +5,12 @@ Durations on the wire are nanoseconds; `num_ctx` on the wire is `n_ctx` inside.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import os
 import time
+from pathlib import Path
 
 from aiohttp import web
 from localllm.modelstore.shape import read_shape
@@ -234,6 +236,7 @@ async def api_status(request: web.Request) -> web.Response:
         "pid": os.getpid(),
         "started_at": iso(STARTED_AT),
         "loaded": [{"model": name, "runner_pid": slot.runner.pid, "busy": slot.lock.locked(),
+                    "waiting": slot.waiting,
                     "tokens_generated": slot.runner.tokens_generated}
                    for name, slot in scheduler.slots.items()],
     })
@@ -289,6 +292,18 @@ async def api_delete(request: web.Request) -> web.Response:
     await request.app[SCHEDULER].unload(str(entry.name))  # never delete a file in use
     request.app[STORE].remove(entry.name)
     return web.json_response({})
+
+
+@routes.post("/api/import")
+async def api_import(request: web.Request) -> web.Response:
+    """A GGUF file on this machine into the store (what `localllm import` does without a
+    daemon). The daemon runs as the user, so it reads only what the user could read."""
+    body = await read_json(request)
+    name = get_str(body, "model", required=True)
+    path = get_str(body, "path", required=True)
+    link = not get_bool(body, "copy", False)
+    entry = await asyncio.to_thread(request.app[STORE].import_gguf, Path(path), name, link)
+    return web.json_response(_model_json(entry))
 
 
 @routes.post("/api/copy")
