@@ -45,6 +45,14 @@ def get_str(body: dict, key: str, required: bool = False, default: str | None = 
     return value
 
 
+def get_model_field(body: dict) -> str:
+    """The model a request names: `model`, or `name` as older Ollama clients send it."""
+    name = get_str(body, "model") or get_str(body, "name")
+    if not name:
+        raise bad_request("missing required field 'model'", "model")
+    return name
+
+
 def get_bool(body: dict, key: str, default: bool) -> bool:
     value = body.get(key)
     if value is None:

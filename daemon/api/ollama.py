@@ -26,6 +26,7 @@ from .common import (
     bad_request,
     get_bool,
     get_messages,
+    get_model_field,
     get_number,
     get_stop,
     get_str,
@@ -33,7 +34,7 @@ from .common import (
 )
 
 routes = web.RouteTableDef()
-NDJSON = "application/x-ndjson"
+NDJSON = "application/x-ndjson"  # Ollama streams one JSON object a line
 FOREVER = "2318-08-12T00:00:00Z"
 STARTED_AT = time.time()  # what Ollama reports for a model kept loaded forever
 
@@ -250,9 +251,7 @@ async def api_tags(request: web.Request) -> web.Response:
 @routes.post("/api/show")
 async def api_show(request: web.Request) -> web.Response:
     body = await read_json(request)
-    name = get_str(body, "model") or get_str(body, "name")
-    if not name:
-        raise bad_request("missing required field 'model'", "model")
+    name = get_model_field(body)
     entry = find_model(request.app, name)
     shape = read_shape(entry.model_path)
     arch = shape.architecture
@@ -285,9 +284,7 @@ async def api_show(request: web.Request) -> web.Response:
 @routes.delete("/api/delete")
 async def api_delete(request: web.Request) -> web.Response:
     body = await read_json(request)
-    name = get_str(body, "model") or get_str(body, "name")
-    if not name:
-        raise bad_request("missing required field 'model'", "model")
+    name = get_model_field(body)
     entry = find_model(request.app, name)
     await request.app[SCHEDULER].unload(str(entry.name))  # never delete a file in use
     request.app[STORE].remove(entry.name)

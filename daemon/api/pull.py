@@ -25,9 +25,9 @@ from localllm.modelstore.hub import HubSettings
 from localllm.modelstore.pull import plan_pull, pull_model
 
 from ..state import CONFIG, STORE
-from .common import ApiError, bad_request, get_bool, get_str, read_json
+from .common import ApiError, get_bool, get_model_field, read_json
+from .ollama import NDJSON
 
-NDJSON = "application/x-ndjson"
 routes = web.RouteTableDef()
 _DONE = object()
 
@@ -39,9 +39,7 @@ def _api_error(error: PullError) -> ApiError:
 @routes.post("/api/pull")
 async def api_pull(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    name = get_str(body, "model") or get_str(body, "name")
-    if not name:
-        raise bad_request("missing required field 'model'", "model")
+    name = get_model_field(body)
     stream = get_bool(body, "stream", True)
     plan_pull(name)  # an unknown or malformed name fails here, as a 4xx
     store = request.app[STORE]
