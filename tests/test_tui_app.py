@@ -1,0 +1,219 @@
+"""The chat app driven with Textual's Pilot against a real daemon and real llama.cpp (smollm2)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import urllib.request
+
+import pytest
+
+from daemon_process import wait_for
+
+from localllm.config import Config
+from localllm.tui.app import ChatApp
+from localllm.tui.chatstore import ChatStore
+from localllm.tui.widgets import Note, StatsLine
+
+LOOPING_PROMPT = "Write a very long story about a dragon who counts sheep, one by one."
+
+
+def config_for(daemon) -> Config:
+    return Config(host=daemon.url.removeprefix("http://"), socket=str(daemon.socket))
+
+
+async def wait_until(pilot, predicate, what: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await pilot.pause(0.05)  # ok-sleep: the poll interval of a deadline loop
+
+
+async def type_line(pilot, app: ChatApp, text: str) -> None:
+    app.prompt.load_text(text)
+    await pilot.press("enter")
+
+
+def notes(app: ChatApp, kind: str | None = None) -> list[str]:
+    return [n.text for n in app.query(Note) if kind is None or n.kind == kind]
+
+
+def stats_text(app: ChatApp) -> str:
+    return str(app.query_one(StatsLine).render())
+
+
+def post(daemon, path: str, body: dict) -> dict:
+    request = urllib.request.Request(daemon.url + path, data=json.dumps(body).encode(),
+                                     method="DELETE" if path == "/api/delete" else "POST")
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+def runner_stats(daemon, model: str) -> dict:
+    wanted = model if ":" in model else f"{model}:latest"
+    return next(m for m in daemon.get("/api/stats")["models"] if m["model"] == wanted)
+
+
+@pytest.fixture
+def chats(home):
+    chats = ChatStore(home / "chats.db")
+    yield chats
+    chats.close()
+
+
+async def test_an_answer_streams_with_live_speed_and_context_use(daemon, chats):
+    app = ChatApp(config_for(daemon), "smollm2", store=chats)
+    async with app.run_test(size=(110, 30)) as pilot:
+        await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+        assert any("smollm2 ready" in n for n in notes(app))
+        await type_line(pilot, app, "/set parameter num_predict 160")
+        await type_line(pilot, app, LOOPING_PROMPT)
+        live_rates = []
+
+        def sample() -> bool:
+            match = re.search(r"▶ ([\d.]+k?) tok/s", stats_text(app))
+            if match:
+                live_rates.append(float(match.group(1).rstrip("k")))
+            return not app.streaming and app.entries[-1].state != "streaming"
+
+        await wait_until(pilot, sample, "the answer to finish")
+        answer = app.entries[-1]
+        assert answer.state == "done" and answer.content.strip()
+        assert live_rates and max(live_rates) > 0, "no live decode speed while streaming"
+        await wait_until(pilot, lambda: "tok/s · 160 tok" in stats_text(app),
+                         "the stats line to show the whole answer")
+        final = stats_text(app)
+        rate = float(re.search(r"([\d.]+) tok/s · 160 tok", final).group(1))
+        used, n_ctx = map(int, re.search(r"ctx (\d+)/(\d+)", final).groups())
+        assert rate > 0 and n_ctx == 4096 and used > 160
+        assert "RAM" in final  # the runner's resident memory, from /api/stats
+        # The daemon agrees: it generated exactly what the stats line counted.
+        last = runner_stats(daemon, "smollm2")["last"]
+        assert last["eval_count"] == 160 == app.turn.eval_count
+        # Saved as it went: the database holds the prompt and the whole answer.
+        messages = chats.messages(app.chat_id)
+        assert [m.role for m in messages] == ["user", "assistant"]
+        assert messages[1].content == answer.content and messages[1].stats["eval_count"] == 160
+
+
+async def test_a_set_parameter_reaches_the_daemon(daemon, chats):
+    app = ChatApp(config_for(daemon), "smollm2", store=chats)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+        await type_line(pilot, app, "/set parameter num_predict 3")
+        await type_line(pilot, app, "/set parameter temperature 0")
+        await type_line(pilot, app, LOOPING_PROMPT)
+        await wait_until(pilot, lambda: not app.streaming and app.turn and app.turn.done,
+                         "the answer")
+        last = runner_stats(daemon, "smollm2")["last"]
+        assert last["eval_count"] == 3 and last["done_reason"] == "length"
+        assert chats.get_chat(app.chat_id).options == {"num_predict": 3, "temperature": 0.0}
+        await type_line(pilot, app, "/unset parameter num_predict")
+        await type_line(pilot, app, "/set parameter num_predict 5")
+        await type_line(pilot, app, "Again.")
+        await wait_until(pilot, lambda: not app.streaming and app.turn.eval_count == 5,
+                         "the second answer")
+        assert runner_stats(daemon, "smollm2")["last"]["eval_count"] == 5
+
+
+async def test_ctrl_c_stops_the_answer_in_the_daemon_and_a_second_one_quits(daemon, chats):
+    app = ChatApp(config_for(daemon), "smollm2", store=chats)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+        await type_line(pilot, app, "/set parameter num_predict 4000")
+        await type_line(pilot, app, LOOPING_PROMPT)
+        await wait_until(pilot, lambda: app.turn is not None and app.turn.eval_count >= 8,
+                         "the answer to start")
+        await pilot.press("ctrl+c")
+        await wait_until(pilot, lambda: not app.streaming, "the answer to stop")
+        await pilot.press("ctrl+c")
+        await wait_until(pilot, lambda: not app.is_running, "the app to quit", timeout=10)
+    assert app.return_code == 0
+    answer = app.entries[-1]
+    assert answer.state == "stopped" and answer.content
+    assert answer.view.footer.endswith("stopped")
+
+    def runner_idle() -> dict | None:
+        stats = runner_stats(daemon, "smollm2")
+        return stats if not stats["busy"] and stats["last"]["done_reason"] == "cancelled" \
+            else None
+
+    stats = wait_for(runner_idle, 30, what="the daemon to stop generating")
+    assert app.turn.eval_count <= stats["last"]["eval_count"] < 4000
+    assert chats.messages(app.chat_id)[-1].state == "stopped"
+    assert chats.messages(app.chat_id)[-1].content == answer.content
+    assert runner_stats(daemon, "smollm2")["tokens_generated"] == stats["tokens_generated"]
+
+
+async def test_bad_commands_show_a_message_and_the_chat_goes_on(daemon, chats):
+    app = ChatApp(config_for(daemon), "smollm2", store=chats)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+        await type_line(pilot, app, "/frobnicate now")
+        await type_line(pilot, app, "/set parameter temperature hot")
+        await type_line(pilot, app, "/set parameter top_p 7")
+        await wait_until(pilot, lambda: len(notes(app, "error")) == 3, "three error notes")
+        errors = notes(app, "error")
+        assert "unknown command '/frobnicate'" in errors[0]
+        assert "temperature must be a number, not 'hot'" in errors[1]
+        assert "top_p must be between 0 and 1" in errors[2]
+        assert app.options == {}
+        await type_line(pilot, app, "/show parameters")
+        await wait_until(pilot, lambda: any("No parameters set" in n for n in notes(app)),
+                         "the app to keep answering")
+        await pilot.press("ctrl+c")  # idle: one Ctrl+C only says how to quit
+        await pilot.pause()
+        assert app.is_running
+        app.prompt.load_text("draft")
+        await pilot.press("home", "ctrl+d")  # with text, Ctrl+D deletes as in a shell
+        assert app.prompt.text == "raft" and app.is_running
+        app.prompt.load_text("")
+        await pilot.press("ctrl+d")
+        await wait_until(pilot, lambda: not app.is_running, "Ctrl+D to quit", timeout=10)
+
+
+async def test_model_deleted_mid_chat(daemon, chats):
+    post(daemon, "/api/copy", {"source": "smollm2", "destination": "tui-victim"})
+    app = ChatApp(config_for(daemon), "tui-victim", store=chats)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+        await type_line(pilot, app, "/set parameter num_predict 200")
+        await type_line(pilot, app, LOOPING_PROMPT)
+        await wait_until(pilot, lambda: app.turn is not None and app.turn.eval_count >= 4,
+                         "the answer to start")
+        await asyncio.to_thread(post, daemon, "/api/delete", {"model": "tui-victim"})
+        await wait_until(pilot, lambda: not app.streaming, "the answer to end")
+        first_answer = app.entries[-1].content
+        await type_line(pilot, app, "Are you still there?")
+        await wait_until(pilot, lambda: any("not found" in n for n in notes(app, "error")),
+                         "a model-not-found message")
+        assert any("/load" in n for n in notes(app, "error"))
+        await type_line(pilot, app, "/show system")
+        await wait_until(pilot, lambda: "No system message." in notes(app), "a reply")
+    messages = chats.messages(app.chat_id)
+    assert [m.role for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[1].content == first_answer and messages[3].state == "error"
+
+
+async def test_daemon_killed_mid_chat(fresh_daemon, chats):
+    app = ChatApp(config_for(fresh_daemon), "smollm2", store=chats)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+        await type_line(pilot, app, "/set parameter num_predict 4000")
+        await type_line(pilot, app, LOOPING_PROMPT)
+        await wait_until(pilot, lambda: app.turn is not None and app.turn.eval_count >= 4,
+                         "the answer to start")
+        fresh_daemon.proc.kill()
+        await wait_until(pilot, lambda: any("Lost the daemon" in n for n in notes(app, "error")),
+                         "a lost-daemon message")
+        shown = app.entries[-1].content
+        assert not app.streaming and app.entries[-1].state == "error" and shown
+        await type_line(pilot, app, "/show parameters")
+        await wait_until(pilot, lambda: any("num_predict" in n for n in notes(app)),
+                         "the app to keep answering")
+    messages = chats.messages(app.chat_id)
+    assert [(m.role, m.state) for m in messages] == [("user", "done"), ("assistant", "error")]
+    assert messages[1].content == shown and messages[0].content == LOOPING_PROMPT

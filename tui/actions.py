@@ -1,0 +1,227 @@
+"""What each slash command does to the open chat. Mixed into ChatApp (app.py), whose state it
+reads and changes: `entries`, `options`, `system`, `model`, `chat_id`, the store and client."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from textual import work
+
+from localllm import paths
+from localllm.client import DaemonError
+from localllm.errors import UserError
+
+from . import keys
+from .chatstore import chat_markdown
+from .slash import Command, SlashError, help_text, parse
+from .stats import TurnStats, answer_footer
+from .widgets import MessageView
+
+LOAD_OPTIONS = ("num_ctx", "num_gpu", "num_thread", "num_batch")
+
+
+class SlashActions:
+    """The slash commands of ChatApp; `run_slash(line)` is the one way in."""
+
+    def run_slash(self, line: str) -> None:
+        try:
+            command = parse(line)
+        except SlashError as e:
+            self.note(str(e), "error")
+            return
+        handler = getattr(self, "_cmd_" + command.name.replace(" ", "_"))
+        handler(command)
+
+    # ---- settings --------------------------------------------------------------------------
+    def _cmd_set_parameter(self, command: Command) -> None:
+        name, value = command.args
+        self.options[name] = value
+        self._save_options()
+        shown = " ".join(value) if isinstance(value, list) else value
+        when = " (the model reloads with the next answer)" if name in LOAD_OPTIONS else ""
+        self.note(f"Set parameter '{name}' to '{shown}'{when}.")
+
+    def _cmd_unset_parameter(self, command: Command) -> None:
+        name = command.args[0]
+        self.options.pop(name, None)
+        self._save_options()
+        self.note(f"Parameter '{name}' is back to its default.")
+
+    def _cmd_set_system(self, command: Command) -> None:
+        self.system = command.args[0]
+        if self.chat_id:
+            self._safe(self.store.update_chat, self.chat_id, system=self.system)
+        self.note("Set system message." if self.system else "Cleared the system message.")
+
+    def _save_options(self) -> None:
+        if self.chat_id:
+            self._safe(self.store.update_chat, self.chat_id, options=self.options)
+
+    # ---- show ------------------------------------------------------------------------------
+    def _cmd_show(self, command: Command) -> None:
+        what = command.args[0]
+        if what == "parameters":
+            rows = [f"  {k:<18} {' '.join(v) if isinstance(v, list) else v}"
+                    for k, v in self.options.items()]
+            self.note("Parameters of this chat:\n" + "\n".join(rows) if rows else
+                      "No parameters set: the model's defaults apply. /set parameter NAME VALUE")
+        elif what == "system":
+            self.note(f"System message:\n{self.system}" if self.system else "No system message.")
+        elif what == "plan":
+            self._show_plan()
+        else:
+            self._show_from_daemon(what)
+
+    def _show_plan(self) -> None:
+        r = self.runner
+        if r is None:
+            self.note(f"{self.model} is not loaded right now; the plan is chosen when it loads.")
+            return
+        lines = [f"Plan for {self.model} (source: {r.plan_source}): {r.gpu_layers}/{r.layers} "
+                 f"layers on GPU, KV {r.kv_type}, context {r.n_ctx}, runner pid {r.pid}"]
+        lines += [f"  - {reason}" for reason in r.reasons]
+        self.note("\n".join(lines))
+
+    @work(group="show")
+    async def _show_from_daemon(self, what: str) -> None:
+        try:
+            data = await self.client.request("POST", "/api/show", {"model": self.model})
+        except (DaemonError, UserError, OSError) as e:
+            self.note(f"Cannot show {what}: {e}", "error")
+            return
+        if what == "template":
+            self.note(data.get("template") or f"{self.model} has no chat template.")
+            return
+        info, details = data.get("model_info", {}), data.get("details", {})
+        arch = info.get("general.architecture", "")
+        rows = [("architecture", arch),
+                ("parameters", details.get("parameter_size", "")),
+                ("quantization", details.get("quantization_level", "")),
+                ("layers", info.get(f"{arch}.block_count", "")),
+                ("context length", info.get(f"{arch}.context_length", "")),
+                ("embedding length", info.get(f"{arch}.embedding_length", "")),
+                ("chat template", "yes" if data.get("template") else "no")]
+        self.note(f"Model {self.model}\n" + "\n".join(f"  {k:<18} {v}" for k, v in rows))
+
+    # ---- chats -----------------------------------------------------------------------------
+    def _cmd_clear(self, command: Command) -> None:
+        if self.streaming:
+            self.note("Stop the answer first (Ctrl+C).", "warning")
+            return
+        self.chat_id = None
+        self.entries.clear()
+        self.turn = None
+        self.log_view.remove_children()
+        self._show_title()
+        self.note("New chat. The last one is saved: /chats reopens it.")
+
+    def _cmd_chats(self, command: Command) -> None:
+        self.action_open_chats()
+
+    def open_chat(self, chat_id: int, load: bool = True) -> None:
+        if self.streaming:
+            self.note("Stop the answer first (Ctrl+C).", "warning")
+            return
+        chat = self._safe(self.store.get_chat, chat_id)
+        messages = self._safe(self.store.messages, chat_id)
+        if chat is None or messages is None:
+            self.note(f"Cannot open chat {chat_id}.", "error")
+            return
+        from .app import Entry
+
+        self.chat_id, self.system, self.options = chat.id, chat.system, dict(chat.options)
+        self.entries.clear()
+        self.turn = None
+        self.log_view.remove_children()
+        for m in messages:
+            footer = answer_footer(TurnStats.from_wire(m.stats, True,
+                                                       m.stats.get("done_reason", ""))) \
+                if m.stats else ""
+            if m.state == "streaming":  # the app ended while this answer streamed
+                m_state, footer = "stopped", footer or "interrupted"
+            else:
+                m_state = m.state
+            view = MessageView(m.role, m.content, chat.model if m.role == "assistant" else "",
+                               footer, m_state)
+            self.entries.append(Entry(m.role, m.content, m_state, m.id, view))
+        self.mount_views(e.view for e in self.entries)
+        self.note(f"Reopened '{chat.title}' ({len(messages)} messages, {chat.model}).")
+        if chat.model != self.model:
+            self.model = chat.model
+            if load:
+                self.prepare(self.model)
+        self._show_title()
+
+    def _cmd_save(self, command: Command) -> None:
+        name = command.args[0]
+        if name.isdigit():
+            self.note("A chat name needs a letter (numbers are chat ids).", "error")
+            return
+        chat_id = self._ensure_chat()
+        if chat_id is None:
+            return
+        self._safe(self.store.update_chat, chat_id, name=name)
+        self._show_title()
+        self.note(f"Saved as '{name}': reopen it with `localllm run --resume {name}`.")
+
+    def _cmd_export(self, command: Command) -> None:
+        chat = self._safe(self.store.get_chat, self.chat_id) if self.chat_id else None
+        if chat is None:
+            self.note("Nothing to export yet.", "warning")
+            return
+        if command.args:
+            path = Path(command.args[0]).expanduser()
+        else:
+            slug = re.sub(r"[^A-Za-z0-9]+", "-", chat.title).strip("-")[:40] or "chat"
+            path = paths.data_dir() / "exports" / f"{chat.id}-{slug}.md"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(chat_markdown(chat, self._safe(self.store.messages, chat.id) or []))
+        except OSError as e:
+            self.note(f"Cannot write {path}: {e.strerror or e}", "error")
+            return
+        self.note(f"Exported to {path}")
+
+    # ---- answers ---------------------------------------------------------------------------
+    def _cmd_regen(self, command: Command) -> None:
+        if self.streaming:
+            self.note("Stop the answer first (Ctrl+C).", "warning")
+            return
+        while self.entries and self.entries[-1].role == "assistant":
+            entry = self.entries.pop()
+            if entry.db_id:
+                self._safe(self.store.delete_message, entry.db_id)
+            entry.view.remove()
+        if not self.entries:
+            self.note("Nothing to answer again yet.", "warning")
+            return
+        self.answer()
+
+    def _cmd_stop(self, command: Command) -> None:
+        if not self.stop_answer():
+            self.note("No answer is streaming.", "warning")
+
+    def _cmd_load(self, command: Command) -> None:
+        if self.streaming:
+            self.note("Stop the answer first (Ctrl+C).", "warning")
+            return
+        self.prepare(command.args[0])  # switches to it once it is known to be stored
+
+    def switch_model(self, model: str) -> None:
+        if model == self.model:
+            return
+        self.model = model
+        self.runner = None
+        if self.chat_id:
+            self._safe(self.store.update_chat, self.chat_id, model=model)
+        self._show_title()
+
+    # ---- help and quitting -----------------------------------------------------------------
+    def _cmd_help(self, command: Command) -> None:
+        topic = command.args[0] if command.args else ""
+        self.note(keys.describe(self.keymap) if topic in ("keys", "shortcuts")
+                  else help_text(topic))
+
+    def _cmd_bye(self, command: Command) -> None:
+        self.exit(0)

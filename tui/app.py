@@ -1,0 +1,441 @@
+"""`localllm run`: the chat app. It talks to the daemon only through `localllm.client.Client`.
+
+Layers: this App (screen, keys, palette, the answer worker), widgets.py (what is drawn),
+slash.py (commands, pure), actions.py (what commands do), stats.py (the stats line, pure),
+chatstore.py (SQLite).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import aiohttp
+from textual import work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.containers import VerticalScroll
+from textual.reactive import reactive
+from textual.screen import Screen
+from textual.widget import Widget
+from textual.widgets import Footer, Header, Markdown, Static
+
+from localllm.client import Client, DaemonError
+from localllm.config import Config, config_file
+from localllm.errors import UserError
+
+from . import keys
+from .actions import SlashActions
+from .chatstore import ChatStore
+from .stats import DecodeRate, RunnerStats, Segment, TurnStats, answer_footer, find_runner, \
+    segments
+from .widgets import MessageView, Note, ProgressLine, PromptInput, StatsLine
+
+# What a lost or refused connection to the daemon looks like from aiohttp.
+CONNECTION_ERRORS = (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError)
+QUIT_WINDOW_S = 3.0  # a second Ctrl+C within this long quits
+SAVE_EVERY_S = 1.0  # a streaming answer is written to the database this often
+
+
+@dataclass
+class Entry:
+    """A message of the open chat: its text, its row in the database and its widget."""
+    role: str
+    content: str
+    state: str = "done"
+    db_id: int | None = None
+    view: MessageView | None = None
+
+
+class ChatApp(SlashActions, App[int]):
+    CSS_PATH = "chat.tcss"
+    TITLE = "localllm"
+    BINDINGS = keys.bindings("app")
+
+    streaming: reactive[bool] = reactive(False)
+
+    def __init__(self, config: Config, model: str, *, store: ChatStore,
+                 resume: str | None = None):
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.store = store
+        self.resume = resume  # None: a new chat; "": pick from the list; else an id or name
+        self.client = Client(config)
+        self.connected = False  # the daemon answered since the last lost connection
+        self.chat_id: int | None = None
+        self.system = ""
+        self.options: dict = {}
+        self.entries: list[Entry] = []
+        self.turn: TurnStats | None = None
+        self.rate = DecodeRate()
+        self.runner: RunnerStats | None = None
+        self.models: list[str] = []  # stored model names, for /load completion
+        self.waiting_since = 0.0
+        self._quit_armed_until = 0.0
+        self._save_failed = False
+        self.keymap, self.key_warnings = keys.read_keymap(config_file())
+        self.stats_line = StatsLine()
+
+    # ---- layout ----------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=False, icon="")
+        yield VerticalScroll(id="log")
+        yield ProgressLine(id="progress")
+        yield self.stats_line
+        yield Static("", id="hint", markup=False)
+        yield PromptInput(self._history(), self.models, self.keymap)
+        yield Footer()
+
+    @property
+    def log_view(self) -> VerticalScroll:
+        return self.query_one("#log", VerticalScroll)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    def on_mount(self) -> None:
+        self.set_keymap(self.keymap)
+        theme = self._safe(self.store.get_setting, "theme")
+        if theme in self.available_themes:
+            self.theme = theme
+        self.theme_changed_signal.subscribe(
+            self, lambda t: self._safe(self.store.set_setting, "theme", t.name))
+        self.log_view.anchor()  # follow new text while the user is at the bottom
+        self.query_one(ProgressLine).stop()
+        self.query_one("#hint").display = False
+        for warning in self.key_warnings:
+            self.note(warning, "warning")
+        self.set_interval(0.1, self.refresh_stats)
+        self.set_interval(1.0, self.poll_runner)
+        self._show_title()
+        self.prompt.focus()
+        if self.resume == "":
+            self.action_open_chats()
+        elif self.resume is not None:
+            chat = self._safe(self.store.find_chat, self.resume)
+            if chat is None:
+                self.note(f"No saved chat '{self.resume}'; /chats lists them.", "error")
+            else:
+                self.open_chat(chat.id, load=False)
+        self.prepare(self.model)
+
+    async def on_unmount(self) -> None:
+        await self.client.close()
+
+    def _show_title(self) -> None:
+        chat = self._safe(self.store.get_chat, self.chat_id) if self.chat_id else None
+        self.sub_title = f"{self.model} · {chat.title}" if chat else self.model
+
+    def _history(self) -> list[str]:
+        return self._safe(self.store.prompt_history) or []
+
+    # ---- notes and saving ------------------------------------------------------------------
+    def note(self, text: str, kind: str = "info") -> Note:
+        note = Note(text, kind)
+        self.log_view.mount(note)
+        return note
+
+    def _safe(self, call, *args, **kwargs):
+        """A database call that must not take the chat down: on failure, say so once."""
+        try:
+            return call(*args, **kwargs)
+        except sqlite3.Error as e:
+            if not self._save_failed:
+                self._save_failed = True
+                self.note(f"Cannot save the chat in {self.store.path}: {e}", "error")
+            return None
+
+    def _ensure_chat(self) -> int | None:
+        if self.chat_id is None:
+            self.chat_id = self._safe(self.store.create_chat, self.model, self.system,
+                                      self.options)
+        return self.chat_id
+
+    def add_entry(self, role: str, content: str, state: str = "done",
+                  stats: dict | None = None, mount: bool = True) -> Entry:
+        chat_id = self._ensure_chat()
+        db_id = self._safe(self.store.add_message, chat_id, role, content, state, stats) \
+            if chat_id else None
+        footer = answer_footer(TurnStats.from_wire(stats, True, stats.get("done_reason", ""))) \
+            if stats else ""
+        who = self.model if role == "assistant" else ""
+        entry = Entry(role, content, state, db_id, MessageView(role, content, who, footer, state))
+        self.entries.append(entry)
+        if mount:
+            self.log_view.mount(entry.view)
+        return entry
+
+    # ---- sending ---------------------------------------------------------------------------
+    def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
+        self._quit_armed_until = 0.0
+        self.query_one("#hint").display = False
+        text = message.text
+        if text.lstrip().startswith("/"):
+            self.run_slash(text.strip())
+            return
+        if self.streaming:
+            self.note("An answer is still streaming: wait for it, or press Ctrl+C to stop it.",
+                      "warning")
+            return
+        self.add_entry("user", text)
+        self._show_title()
+        self.answer()
+
+    def on_prompt_input_suggest(self, message: PromptInput.Suggest) -> None:
+        hint = self.query_one("#hint", Static)
+        hint.update("   ".join(message.candidates))
+        hint.display = bool(message.candidates)
+
+    def request_messages(self) -> list[dict]:
+        """The conversation as the daemon gets it: system message, then every non-empty turn."""
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        messages += [{"role": e.role, "content": e.content} for e in self.entries
+                     if e.role in ("user", "assistant") and e.content and e.state != "error"]
+        return messages
+
+    @work(exclusive=True, group="answer")
+    async def answer(self) -> None:
+        messages = self.request_messages()
+        entry = self.add_entry("assistant", "", "streaming", mount=False)
+        view = entry.view
+        await self.log_view.mount(view)
+        stream = Markdown.get_stream(view.markdown)
+        self.streaming, self.turn, self.waiting_since = True, None, time.monotonic()
+        self.rate.reset()
+        parts: list[str] = []
+        state, last_save, finished = "error", time.monotonic(), False
+        try:
+            async for chunk in self.client.chat(self.model, messages, self.options or None):
+                self.connected, finished = True, chunk.done
+                if chunk.text:
+                    parts.append(chunk.text)
+                    await stream.write(chunk.text)
+                if chunk.data.get("stats"):
+                    self.turn = TurnStats.from_wire(chunk.data["stats"], chunk.done,
+                                                    chunk.data.get("done_reason", ""))
+                    self.rate.add(self.turn.eval_count, self.turn.eval_duration_ns)
+                if time.monotonic() - last_save > SAVE_EVERY_S and entry.db_id:
+                    last_save = time.monotonic()
+                    self._safe(self.store.update_message, entry.db_id, "".join(parts),
+                               "streaming")
+            if not finished:  # the daemon went away between two lines
+                raise aiohttp.ClientPayloadError("the stream ended before the answer did")
+            state = "done"
+        except asyncio.CancelledError:
+            state = "stopped"
+            raise
+        except DaemonError as e:
+            self.note(self._explain(e), "error")
+        except CONNECTION_ERRORS as e:
+            self.connected = False
+            await self.client.close()  # the next message reconnects (and starts the daemon)
+            self.note(f"Lost the daemon mid-answer ({type(e).__name__}: {e}). The chat is "
+                      f"saved; send again to restart it.", "error")
+        finally:
+            await self._finish(entry, stream, "".join(parts), state)
+
+    async def _finish(self, entry: Entry, stream, text: str, state: str) -> None:
+        await stream.stop()
+        await entry.view.markdown.update(text)  # one full render (streamed fences can lag)
+        turn = self.turn
+        if turn is not None and state == "stopped":
+            turn = self.turn = replace(turn, done=True, done_reason="cancelled")
+        entry.content, entry.state = text, state
+        stats = turn.to_wire() if turn else None
+        footer = answer_footer(turn) if turn else ""
+        if state == "error":
+            footer = (footer + " · " if footer else "") + "failed"
+        elif state == "stopped" and not turn:
+            footer = "stopped"
+        entry.view.finish(text, footer, state)
+        if entry.db_id:
+            self._safe(self.store.update_message, entry.db_id, text, state, stats)
+        self.streaming = False
+
+    def _explain(self, error: DaemonError) -> str:
+        if error.status == 404:
+            return (f"{error} — /load another model, or /load {self.model} to pull it again.")
+        return f"The daemon refused: {error}"
+
+    def stop_answer(self) -> bool:
+        """Cancel the answer worker: closing its HTTP stream makes the daemon stop generating."""
+        if not self.streaming:
+            return False
+        self.workers.cancel_group(self, "answer")
+        return True
+
+    # ---- startup: daemon, model, load ------------------------------------------------------
+    @work(exclusive=True, group="prepare")
+    async def prepare(self, model: str) -> None:
+        progress = self.query_one(ProgressLine)
+        try:
+            try:
+                await self.client.connect(start=False)
+            except UserError:
+                progress.start("Starting the daemon…")
+                await self.client.connect(start=True)
+            self.connected = True
+            if not await self.ensure_model(model):
+                return
+            self.switch_model(model)
+            progress.start(f"Loading {model}: choosing a plan for this machine…")
+            started = time.monotonic()
+            body = {"model": model, "messages": []}
+            if self.options:
+                body["options"] = self.options
+            await self.client.request("POST", "/api/chat", body)
+            await self._poll_runner_once()
+            self.note(self._loaded_text(model, time.monotonic() - started))
+        except DaemonError as e:
+            self.note(self._explain(e), "error")
+        except UserError as e:
+            self.note(str(e), "error")
+        except CONNECTION_ERRORS as e:
+            self.connected = False
+            self.note(f"Cannot reach the daemon: {e}", "error")
+        finally:
+            progress.stop()
+
+    def _loaded_text(self, model: str, seconds: float) -> str:
+        r = self.runner
+        if r is None:
+            return f"{model} is ready."
+        where = "CPU only" if r.gpu_layers == 0 else f"{r.gpu_layers}/{r.layers} layers on GPU"
+        return (f"{model} ready in {seconds:.1f} s: {where}, KV {r.kv_type}, context {r.n_ctx}"
+                f" (plan: {r.plan_source or 'default'}; /show plan says why).")
+
+    async def ensure_model(self, model: str) -> bool:
+        """True when the model is stored; offers to pull it when it is not."""
+        try:
+            await self.client.request("POST", "/api/show", {"model": model})
+            await self._list_models()
+            return True
+        except DaemonError as e:
+            if e.status != 404:
+                raise
+        from .screens import ConfirmScreen
+
+        if not await self.push_screen_wait(ConfirmScreen(
+                f"{model} is not in the store. Pull it now?", "Pull", "Cancel")):
+            self.note(f"{model} is not stored; /load another model.", "warning")
+            return False
+        progress = self.query_one(ProgressLine)
+        progress.start(f"Pulling {model}…")
+        async for status in self.client.pull(model):
+            total, done = status.get("total"), status.get("completed", 0)
+            label = f"Pulling {model}: {status.get('status', '')}"
+            progress.advance(label, done, total or None)
+        self.note(f"Pulled {model}.")
+        await self._list_models()
+        return True
+
+    async def _list_models(self) -> None:
+        data = await self.client.request("GET", "/api/tags")
+        self.models[:] = [m["name"].removesuffix(":latest") for m in data.get("models", [])]
+
+    # ---- stats -----------------------------------------------------------------------------
+    def refresh_stats(self) -> None:
+        """Ten times a second: the stats line from the latest counters the daemon sent."""
+        parts = segments(self.turn, self.rate.rate, self.runner, self.streaming)
+        if self.streaming and self.turn is None:
+            waited = time.monotonic() - self.waiting_since
+            parts = [Segment(f"waiting for the first token… {waited:.1f} s", 0)] + parts
+        if self.stats_line.is_mounted:
+            self.stats_line.show(parts)
+
+    def poll_runner(self) -> None:
+        if self.connected:
+            self._poll_worker()
+
+    @work(exclusive=True, group="poll")
+    async def _poll_worker(self) -> None:
+        await self._poll_runner_once()
+
+    async def _poll_runner_once(self) -> None:
+        try:
+            self.runner = find_runner(await self.client.stats(), self.model)
+        except (DaemonError, *CONNECTION_ERRORS):
+            self.runner = None
+
+    # ---- keys ------------------------------------------------------------------------------
+    def action_stop_or_quit(self) -> None:
+        now = time.monotonic()
+        if self.stop_answer():
+            self._quit_armed_until = now + QUIT_WINDOW_S
+            self.notify("Stopped. Ctrl+C again quits.", timeout=QUIT_WINDOW_S)
+        elif now < self._quit_armed_until:
+            self.exit(0)
+        else:
+            self._quit_armed_until = now + QUIT_WINDOW_S
+            self.notify("Press Ctrl+C again (or Ctrl+D) to quit.", timeout=QUIT_WINDOW_S)
+
+    def action_quit_if_empty(self) -> None:
+        if self.prompt.text:
+            self.prompt.action_delete_right()
+        else:
+            self.exit(0)
+
+    def action_open_chats(self) -> None:
+        from .screens import ChatListScreen
+
+        chats = self._safe(self.store.chats) or []
+
+        def opened(chat_id: int | None) -> None:
+            if chat_id is not None:
+                self.open_chat(chat_id)
+
+        self.push_screen(ChatListScreen(chats), opened)
+
+    def action_new_chat(self) -> None:
+        self.run_slash("/clear")
+
+    def action_regen(self) -> None:
+        self.run_slash("/regen")
+
+    def action_export(self) -> None:
+        self.run_slash("/export")
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        commands = [
+            ("Stop the answer", "Stop generating (Ctrl+C)", "/stop"),
+            ("Regenerate", "Answer the last prompt again", "/regen"),
+            ("New chat", "Start a new chat; this one stays saved", "/clear"),
+            ("Open a saved chat", "List saved chats", "/chats"),
+            ("Export to Markdown", "Write this chat as a Markdown file", "/export"),
+            ("Show model info", "Architecture, size, context", "/show info"),
+            ("Show parameters", "The options this chat sends", "/show parameters"),
+            ("Show template", "The model's chat template", "/show template"),
+            ("Show plan", "How the model was loaded on this machine, and why", "/show plan"),
+            ("Help: commands", "Slash commands", "/?"),
+            ("Help: keys", "Key bindings and how to remap them", "/? keys"),
+        ]
+        for title, help_text, line in commands:
+            yield SystemCommand(title, help_text, lambda line=line: self.run_slash(line))
+        for model in self.models:
+            yield SystemCommand(f"Load {model}", f"Chat with {model}",
+                                lambda m=model: self.run_slash(f"/load {m}"), discover=False)
+
+    def mount_views(self, views: Iterable[Widget]) -> None:
+        self.log_view.mount_all(list(views))
+
+
+async def run_chat(config: Config, model: str, resume: str | None = None) -> int:
+    """The entry point of `localllm run` on a terminal: the chat until the user quits."""
+    from .chatstore import default_path
+
+    try:
+        store = ChatStore()
+    except sqlite3.Error as e:
+        raise UserError(f"cannot open the chat database {default_path()}: {e}") from None
+    app = ChatApp(config, model, store=store, resume=resume)
+    try:
+        await app.run_async()
+    finally:
+        await app.client.close()
+        store.close()
+    return app.return_code or 0
