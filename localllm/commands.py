@@ -34,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "the answer")
     p.add_argument("--keepalive", help="how long the model stays loaded (e.g. 5m, 0, -1)")
     p.add_argument("--ctx", type=int, help="context length (num_ctx)")
+    p.add_argument("--resume", nargs="?", const="", metavar="CHAT",
+                   help="reopen a saved chat by name or id (alone: pick from the list)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("list", aliases=["ls"], help="list stored models")
@@ -143,7 +145,7 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
                 pass
             else:
                 await client.close()
-                return await run_chat(config, model)
+                return await run_chat(config, model, resume=args.resume, options=options)
         history: list[dict] = []
         for line in sys.stdin:
             if not line.strip():

@@ -424,8 +424,13 @@ class ChatApp(SlashActions, App[int]):
         self.log_view.mount_all(list(views))
 
 
-async def run_chat(config: Config, model: str, resume: str | None = None) -> int:
-    """The entry point of `localllm run` on a terminal: the chat until the user quits."""
+async def run_chat(config: Config, model: str, resume: str | None = None,
+                   options: dict | None = None) -> int:
+    """The entry point of `localllm run` on a terminal: the chat until the user quits.
+
+    resume: None starts a new chat, "" picks one from the list, else a chat's name or id.
+    options: Ollama options for every request (`--ctx` gives num_ctx).
+    """
     from .chatstore import default_path
 
     try:
@@ -433,6 +438,7 @@ async def run_chat(config: Config, model: str, resume: str | None = None) -> int
     except sqlite3.Error as e:
         raise UserError(f"cannot open the chat database {default_path()}: {e}") from None
     app = ChatApp(config, model, store=store, resume=resume)
+    app.options.update(options or {})
     try:
         await app.run_async()
     finally:
