@@ -12,6 +12,7 @@ import sqlite3
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import aiohttp
 from textual import work
@@ -50,7 +51,7 @@ class Entry:
 
 
 class ChatApp(SlashActions, App[int]):
-    CSS_PATH = "chat.tcss"
+    CSS_PATH = Path(__file__).with_name("chat.tcss")  # absolute: subclasses live elsewhere
     TITLE = "localllm"
     BINDINGS = keys.bindings("app")
 

@@ -188,9 +188,9 @@ def segments(turn: TurnStats | None, live_rate: float | None, runner: RunnerStat
         elif turn.decode_rate is not None:
             out.append(Segment(f"{human_rate(turn.decode_rate)} tok/s · {turn.eval_count} tok", 0))
         if turn.prompt_rate is not None:
-            out.append(Segment(f"prompt {human_rate(turn.prompt_rate)} tok/s", 4))
+            out.append(Segment(f"prompt {human_rate(turn.prompt_rate)} tok/s", 5))
         if turn.ttft_ns is not None:
-            out.append(Segment(f"ttft {human_seconds(turn.ttft_ns)}", 5))
+            out.append(Segment(f"ttft {human_seconds(turn.ttft_ns)}", 6))
         if turn.drafted:
             accepted = turn.draft_accepted or 0
             out.append(Segment(f"draft {accepted}/{turn.drafted} "
@@ -204,10 +204,12 @@ def segments(turn: TurnStats | None, live_rate: float | None, runner: RunnerStat
         if runner.vram_bytes is not None and (runner.vram_bytes or runner.gpu_layers):
             mark = "~" if runner.vram_estimated else ""
             out.append(Segment(f"VRAM {mark}{human_bytes(runner.vram_bytes)}", 2))
+        if runner.layers and runner.gpu_layers:
+            out.append(Segment(f"GPU {runner.gpu_layers}/{runner.layers} layers", 3))
+        elif runner.layers:
+            out.append(Segment("CPU only", 3))
         if runner.rss_bytes is not None:
-            out.append(Segment(f"RAM {human_bytes(runner.rss_bytes)}", 2))
-        if runner.layers:
-            out.append(Segment(f"GPU {runner.gpu_layers}/{runner.layers} layers", 6))
+            out.append(Segment(f"RAM {human_bytes(runner.rss_bytes)}", 4))
         if runner.kv_type:
             out.append(Segment(f"KV {runner.kv_type}", 7))
     return out

@@ -33,7 +33,8 @@ class MessageView(Vertical):
             yield Static(self.content, classes="text", markup=False)
         else:
             yield Markdown(self.content)
-        yield Static(self.footer, classes="footer", markup=False)
+        if self.role != "user":
+            yield Static(self.footer, classes="footer", markup=False)
 
     @property
     def markdown(self) -> Markdown:
