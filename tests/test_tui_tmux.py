@@ -1,0 +1,32 @@
+"""`localllm run` in a real terminal (tmux): type a prompt, read the answer and stats off the
+screen. CI needs tmux installed (apt-get install tmux)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import tmux_run_check
+
+from localllm.tui.chatstore import ChatStore
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+
+@pytest.mark.parametrize("size", [(80, 24), (140, 40)])
+def test_run_in_a_real_terminal_shows_the_answer_and_the_stats(daemon, size):
+    env = {**daemon.env, "LOCALLLM_HOST": daemon.url.removeprefix("http://")}
+    seen = tmux_run_check.check("smollm2", "Name three colours.", env=env, width=size[0],
+                                height=size[1], num_predict=24)
+    assert "smollm2 ready in" in seen.ready_line and "context 4096" in seen.ready_line
+    assert seen.answer, f"no answer on screen:\n{seen.screen}"
+    assert seen.decode_tps > 0 and seen.answer_tokens == 24
+    assert 24 < seen.context_used < seen.context_length == 4096
+    assert seen.exited, f"/bye did not end the program:\n{seen.screen}"
+    # The chat was saved where `localllm run --resume` finds it.
+    store = ChatStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "chats.db")
+    chat = store.chats()[0]
+    assert [m.role for m in store.messages(chat.id)] == ["user", "assistant"]
+    assert chat.title == "Name three colours." and chat.options == {"num_predict": 24}
+    store.close()
