@@ -26,9 +26,10 @@ def estimate_host_bandwidth(cores: int) -> float:
     """GB/s that llama.cpp's CPU layers reach reading weights, before `--measure` calibrates it.
 
     Decode on the CPU is bound by memory and by how many cores stream it: 16 server cores
-    reached about 57 GB/s (27B Q4_0, 4.1 tok/s); a desktop's two channels cap near 60.
+    reached about 51 GB/s under a GPU plan (dense-27b with 37 blocks in RAM, 6.1 tok/s) and
+    57 GB/s all on the CPU; a desktop's two channels cap near 60.
     """
-    return min(3.6 * cores, 60.0)
+    return min(3.2 * cores, 60.0)
 
 
 def host_card() -> Card:

@@ -26,7 +26,7 @@ from .memory import CPU, ContextSettings, ModelCosts, Placement, block_devices, 
 DECODE_DEPTH = 1024
 GPU_BLOCK_SECONDS = 33e-6  # kernel launches per block and token on the GPU
 TOKEN_SECONDS = 0.5e-3  # the runner's own loop per token (sampling, Python)
-CROSSING_SECONDS = 0.05e-3  # hidden state between GPU and CPU, and the sync it forces
+CROSSING_SECONDS = 0.1e-3  # hidden state between GPU and CPU, and the sync it forces
 # Fraction of a GPU's peak bandwidth that flash attention reaches reading the KV cache at
 # batch 1: f16 streams well, quantized K/V are dequantized in the vector kernel.
 GPU_KV_EFFICIENCY = {"f16": 0.5, "bf16": 0.5, "f32": 0.5, "q8_0": 0.09, "q4_0": 0.05}
@@ -34,6 +34,17 @@ CPU_QUANTIZED_KV_PENALTY = 2.0  # the CPU dequantizes K/V rows as it attends
 PREFILL_GPU_EFFICIENCY = 0.35  # of the card's FP16 tensor TFLOPS, quantized matmuls included
 CPU_GFLOPS_PER_CORE = 40.0  # prompt matmuls on CPU cores (AVX2/AVX-512, quantized weights)
 UBATCH_BLOCK_SECONDS = 60e-6  # per block and ubatch: launches and syncs, why bigger ubatches win
+# The lm-head in RAM reads slower than its bytes: a tied one (the token table) cannot use the
+# CPU's repacked layout, and a 150-260k row matmul splits poorly over threads. On the H200 an
+# lm-head in RAM lost 10% of decode to llama.cpp's plan of the same bytes in blocks.
+CPU_OUTPUT_PENALTY = 2.0
+# A recurrent (Gated DeltaNet) block on the CPU costs more than its weights: the state update
+# runs there too. Fitted to qwen35-27b at 4096 on a 12 GiB budget (predicted 14.0, measured 11.7).
+CPU_RECURRENT_BLOCK_SECONDS = 1.0e-3
+# A whole MoE block on the CPU (router, top-k, eight small expert matmuls, each a thread
+# barrier) costs more than its bytes: qwen3-30b-a3b with 16 of 48 blocks in RAM measured 61 tok/s
+# where bytes alone predicted 76. Experts alone in RAM (router on the GPU) measured faster.
+CPU_MOE_BLOCK_SECONDS = 0.2e-3
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,10 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
         active_params = costs.block_params[i]
         if d == CPU:
             cpu_s += (costs.block_bytes[i] + expert_read) / host_bw
+            if costs.state_bytes[i]:
+                cpu_s += CPU_RECURRENT_BLOCK_SECONDS
+            if costs.expert_bytes[i]:
+                cpu_s += CPU_MOE_BLOCK_SECONDS
             cpu_s += _kv_read_seconds(costs, i, settings, depth, False, card)
             cpu_flops += 2 * active_params
             cpu_weight_bytes += costs.block_bytes[i] + costs.expert_bytes[i]
@@ -96,7 +111,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
         previous = d
     output_device = CPU if placement.output_on_cpu else devices[-1]
     if output_device == CPU:
-        cpu_s += costs.output_bytes / host_bw
+        cpu_s += costs.output_bytes * (CPU_OUTPUT_PENALTY if card.has_gpu else 1.0) / host_bw
         cpu_weight_bytes += costs.output_bytes
         cpu_flops += 2 * costs.output_params
     else:
