@@ -217,3 +217,41 @@ async def test_daemon_killed_mid_chat(fresh_daemon, chats):
     messages = chats.messages(app.chat_id)
     assert [(m.role, m.state) for m in messages] == [("user", "done"), ("assistant", "error")]
     assert messages[1].content == shown and messages[0].content == LOOPING_PROMPT
+
+
+async def test_a_missing_model_is_pulled_with_progress_then_loaded(tmp_path, smollm2_gguf,
+                                                                   chats):
+    from daemon_process import isolated_env, start_daemon
+    from hub_server import Hub
+
+    from localllm.tui.screens import ConfirmScreen
+    from localllm.tui.widgets import ProgressLine
+
+    repo, name = "test/SmolLM2-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with Hub() as hub:
+        hub.add(repo, name, smollm2_gguf)
+        hub.hold_after = smollm2_gguf.stat().st_size // 2  # stop half-way until released
+        daemon = start_daemon(isolated_env(tmp_path / "d", LOCALLLM_HF_ENDPOINT=hub.url))
+        try:
+            model = f"hf.co/{repo}:Q4_1"
+            app = ChatApp(config_for(daemon), model, store=chats)
+            async with app.run_test(size=(100, 30)) as pilot:
+                await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen),
+                                 "the offer to pull")
+                await pilot.press("y")
+                size = smollm2_gguf.stat().st_size
+                bar = app.query_one(ProgressLine).query_one("ProgressBar")
+                await wait_until(pilot, lambda: hub.holding and bar.total == size,
+                                 "the progress bar of the pull")
+                assert bar.progress < size
+                assert "Pulling" in str(app.query_one("#progress-label").render())
+                hub.release()
+                await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+                assert any(f"Pulled {model} (93.8 MiB)" in n for n in notes(app))
+                assert not app.query_one(ProgressLine).display
+                await type_line(pilot, app, "/set parameter num_predict 4")
+                await type_line(pilot, app, "Hello!")
+                await wait_until(pilot, lambda: not app.streaming and app.turn
+                                 and app.turn.eval_count == 4, "an answer")
+        finally:
+            daemon.stop()

@@ -211,7 +211,7 @@ class SlashActions:
     def switch_model(self, model: str) -> None:
         if model == self.model:
             return
-        self.model = model
+        self.model = self.stored_name = model
         self.runner = None
         if self.chat_id:
             self._safe(self.store.update_chat, self.chat_id, model=model)

@@ -31,7 +31,7 @@ from . import keys
 from .actions import SlashActions
 from .chatstore import ChatStore
 from .stats import DecodeRate, RunnerStats, Segment, TurnStats, answer_footer, find_runner, \
-    segments
+    human_bytes, segments
 from .widgets import MessageView, Note, ProgressLine, PromptInput, StatsLine
 
 # What a lost or refused connection to the daemon looks like from aiohttp.
@@ -74,6 +74,7 @@ class ChatApp(SlashActions, App[int]):
         self.rate = DecodeRate()
         self.runner: RunnerStats | None = None
         self.models: list[str] = []  # stored model names, for /load completion
+        self.stored_name = model  # the daemon's name for it ('smollm2' -> 'smollm2:latest')
         self.waiting_since = 0.0
         self._quit_armed_until = 0.0
         self._save_failed = False
@@ -212,6 +213,7 @@ class ChatApp(SlashActions, App[int]):
         try:
             async for chunk in self.client.chat(self.model, messages, self.options or None):
                 self.connected, finished = True, chunk.done
+                self.stored_name = chunk.data.get("model", self.stored_name)
                 if chunk.text:
                     parts.append(chunk.text)
                     await stream.write(chunk.text)
@@ -288,7 +290,8 @@ class ChatApp(SlashActions, App[int]):
             body = {"model": model, "messages": []}
             if self.options:
                 body["options"] = self.options
-            await self.client.request("POST", "/api/chat", body)
+            reply = await self.client.request("POST", "/api/chat", body)
+            self.stored_name = reply.get("model", model)
             await self._poll_runner_once()
             self.note(self._loaded_text(model, time.monotonic() - started))
         except DaemonError as e:
@@ -326,11 +329,15 @@ class ChatApp(SlashActions, App[int]):
             return False
         progress = self.query_one(ProgressLine)
         progress.start(f"Pulling {model}…")
+        sizes: dict[str, int] = {}  # per blob
         async for status in self.client.pull(model):
-            total, done = status.get("total"), status.get("completed", 0)
             label = f"Pulling {model}: {status.get('status', '')}"
-            progress.advance(label, done, total or None)
-        self.note(f"Pulled {model}.")
+            if status.get("total"):
+                progress.advance(label, status.get("completed", 0), status["total"])
+                sizes[status.get("digest", status["status"])] = status["total"]
+            else:  # "verifying sha256 digest", "writing manifest": the bar stays where it got
+                progress.label(label)
+        self.note(f"Pulled {model} ({human_bytes(sum(sizes.values()))}).")
         await self._list_models()
         return True
 
@@ -358,7 +365,7 @@ class ChatApp(SlashActions, App[int]):
 
     async def _poll_runner_once(self) -> None:
         try:
-            self.runner = find_runner(await self.client.stats(), self.model)
+            self.runner = find_runner(await self.client.stats(), self.stored_name)
         except (DaemonError, *CONNECTION_ERRORS):
             self.runner = None
 

@@ -209,6 +209,9 @@ class ProgressLine(Horizontal):
         self.query_one(ProgressBar).update(total=total, progress=0)
         self.display = True
 
+    def label(self, label: str) -> None:
+        self.query_one("#progress-label", Label).update(label)
+
     def advance(self, label: str, completed: float, total: float | None) -> None:
         self.query_one("#progress-label", Label).update(label)
         self.query_one(ProgressBar).update(total=total, progress=completed)
