@@ -28,7 +28,9 @@ async def wait_until(pilot, predicate, what: str, timeout: float = 60):
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            app = pilot.app
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}; the chat "
+                                 f"says {notes(app)}, streaming={app.streaming}, turn={app.turn}")
         await pilot.pause(0.05)  # ok-sleep: the poll interval of a deadline loop
 
 
@@ -117,6 +119,14 @@ async def test_a_set_parameter_reaches_the_daemon(daemon, chats):
         await wait_until(pilot, lambda: not app.streaming and app.turn.eval_count == 5,
                          "the second answer")
         assert runner_stats(daemon, "smollm2")["last"]["eval_count"] == 5
+        first = app.entries[-1]
+        await type_line(pilot, app, "/regen")
+        await wait_until(pilot, lambda: app.entries[-1] is not first
+                         and app.entries[-1].state == "done", "the answer again")
+        assert first.view.parent is None  # the old answer left the screen
+        assert [e.role for e in app.entries] == ["user", "assistant", "user", "assistant"]
+        assert [m.id for m in chats.messages(app.chat_id)][-1] == app.entries[-1].db_id
+        assert len(chats.messages(app.chat_id)) == 4
 
 
 async def test_ctrl_c_stops_the_answer_in_the_daemon_and_a_second_one_quits(daemon, chats):

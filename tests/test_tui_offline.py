@@ -40,6 +40,19 @@ async def test_resume_from_the_chat_list_and_export_markdown(home):
         assert "```python\nfor i in range(3):" in text and "temperature = 0.2" in text
 
 
+async def test_click_copies_a_code_block_or_the_whole_message(home):
+    from textual.widgets._markdown import MarkdownFence
+
+    app = fixed_app(home)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: app.query(MarkdownFence)
+                         and app.query_one(MarkdownFence).region.height, "the code block")
+        await pilot.click(MarkdownFence)
+        assert app.clipboard == "for i in range(3):\n    print(i)"
+        await pilot.click(".message.user")
+        assert app.clipboard == "Show me a Python loop.\nKeep it short."
+
+
 async def test_save_clear_and_history(home):
     app = fixed_app(home, resume="loops")
     async with app.run_test(size=(80, 24)) as pilot:
