@@ -53,6 +53,30 @@ async def test_click_copies_a_code_block_or_the_whole_message(home):
         assert app.clipboard == "Show me a Python loop.\nKeep it short."
 
 
+async def test_the_chat_follows_new_text_only_while_at_the_bottom(home):
+    app = fixed_app(home)
+    for i in range(12):
+        app.store.add_message(app.store.find_chat("loops").id, "user", f"question {i}")
+    async with app.run_test(size=(80, 24)) as pilot:
+        log = app.log_view
+        await wait_until(pilot, lambda: len(app.entries) == 14 and log.max_scroll_y > 10,
+                         "a chat longer than the screen")
+        await wait_until(pilot, lambda: log.scroll_y == log.max_scroll_y, "the bottom")
+        await pilot.press("pageup")
+        await wait_until(pilot, lambda: log.scroll_y < log.max_scroll_y, "scrolling up")
+        where = log.scroll_y
+        app.note("new text while the user reads above")
+        await pilot.pause()
+        assert log.scroll_y == where  # not dragged down
+        for _ in range(5):
+            await pilot.press("pagedown")
+        await wait_until(pilot, lambda: log.scroll_y == log.max_scroll_y, "the bottom again")
+        bottom = log.max_scroll_y
+        app.note("more text\nover\nseveral lines")
+        await wait_until(pilot, lambda: log.max_scroll_y > bottom
+                         and log.scroll_y == log.max_scroll_y, "following new text")
+
+
 async def test_save_clear_and_history(home):
     app = fixed_app(home, resume="loops")
     async with app.run_test(size=(80, 24)) as pilot:

@@ -79,25 +79,22 @@ class ChatApp(SlashActions, App[int]):
         self._quit_armed_until = 0.0
         self._save_failed = False
         self.keymap, self.key_warnings = keys.read_keymap(config_file())
+        # The main screen's widgets, held here: a modal screen on top must not hide them.
+        self.log_view = VerticalScroll(id="log")
+        self.progress_line = ProgressLine(id="progress")
         self.stats_line = StatsLine()
+        self.hint = Static("", id="hint", markup=False)
+        self.prompt = PromptInput(self._history(), self.models, self.keymap)
 
     # ---- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False, icon="")
-        yield VerticalScroll(id="log")
-        yield ProgressLine(id="progress")
+        yield self.log_view
+        yield self.progress_line
         yield self.stats_line
-        yield Static("", id="hint", markup=False)
-        yield PromptInput(self._history(), self.models, self.keymap)
+        yield self.hint
+        yield self.prompt
         yield Footer()
-
-    @property
-    def log_view(self) -> VerticalScroll:
-        return self.query_one("#log", VerticalScroll)
-
-    @property
-    def prompt(self) -> PromptInput:
-        return self.query_one(PromptInput)
 
     def on_mount(self) -> None:
         self.set_keymap(self.keymap)
@@ -107,8 +104,8 @@ class ChatApp(SlashActions, App[int]):
         self.theme_changed_signal.subscribe(
             self, lambda t: self._safe(self.store.set_setting, "theme", t.name))
         self.log_view.anchor()  # follow new text while the user is at the bottom
-        self.query_one(ProgressLine).stop()
-        self.query_one("#hint").display = False
+        self.progress_line.stop()
+        self.hint.display = False
         for warning in self.key_warnings:
             self.note(warning, "warning")
         self.set_interval(0.1, self.refresh_stats)
@@ -133,7 +130,10 @@ class ChatApp(SlashActions, App[int]):
         self.sub_title = f"{self.model} · {chat.title}" if chat else self.model
 
     def _history(self) -> list[str]:
-        return self._safe(self.store.prompt_history) or []
+        try:
+            return self.store.prompt_history()
+        except sqlite3.Error:  # said once the chat is up, by the first save that fails
+            return []
 
     # ---- notes and saving ------------------------------------------------------------------
     def note(self, text: str, kind: str = "info") -> Note:
@@ -174,7 +174,7 @@ class ChatApp(SlashActions, App[int]):
     # ---- sending ---------------------------------------------------------------------------
     def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
         self._quit_armed_until = 0.0
-        self.query_one("#hint").display = False
+        self.hint.display = False
         text = message.text
         if text.lstrip().startswith("/"):
             self.run_slash(text.strip())
@@ -188,9 +188,8 @@ class ChatApp(SlashActions, App[int]):
         self.answer()
 
     def on_prompt_input_suggest(self, message: PromptInput.Suggest) -> None:
-        hint = self.query_one("#hint", Static)
-        hint.update("   ".join(message.candidates))
-        hint.display = bool(message.candidates)
+        self.hint.update("   ".join(message.candidates))
+        self.hint.display = bool(message.candidates)
 
     def request_messages(self) -> list[dict]:
         """The conversation as the daemon gets it: system message, then every non-empty turn."""
@@ -274,7 +273,7 @@ class ChatApp(SlashActions, App[int]):
     # ---- startup: daemon, model, load ------------------------------------------------------
     @work(exclusive=True, group="prepare")
     async def prepare(self, model: str) -> None:
-        progress = self.query_one(ProgressLine)
+        progress = self.progress_line
         try:
             try:
                 await self.client.connect(start=False)
@@ -327,7 +326,7 @@ class ChatApp(SlashActions, App[int]):
                 f"{model} is not in the store. Pull it now?", "Pull", "Cancel")):
             self.note(f"{model} is not stored; /load another model.", "warning")
             return False
-        progress = self.query_one(ProgressLine)
+        progress = self.progress_line
         progress.start(f"Pulling {model}…")
         sizes: dict[str, int] = {}  # per blob
         async for status in self.client.pull(model):
@@ -354,6 +353,7 @@ class ChatApp(SlashActions, App[int]):
             parts = [Segment(f"waiting for the first token… {waited:.1f} s", 0)] + parts
         if self.stats_line.is_mounted:
             self.stats_line.show(parts)
+            self._follow_if_at_bottom()
 
     def poll_runner(self) -> None:
         if self.connected:
@@ -386,6 +386,23 @@ class ChatApp(SlashActions, App[int]):
             self.prompt.action_delete_right()
         else:
             self.exit(0)
+
+    def action_scroll_log(self, pages: int) -> None:
+        """Page through the chat; scrolling up stops following new text until the bottom."""
+        log = self.log_view
+        if pages < 0:
+            log.scroll_page_up()
+        elif log.scroll_y + log.scrollable_content_region.height >= log.max_scroll_y:
+            log.scroll_end(animate=False)  # at the bottom: follow new text again
+        else:
+            log.scroll_page_down()
+
+    def _follow_if_at_bottom(self) -> None:
+        # Any scroll (a wheel turn at the very bottom too) lets go of the anchor, and Textual
+        # only takes it back when the position changes: a reader who is at the bottom follows.
+        log = self.log_view
+        if log.is_mounted and log.max_scroll_y and log.scroll_y >= log.max_scroll_y:
+            log.scroll_end(animate=False, immediate=True)
 
     def action_open_chats(self) -> None:
         from .screens import ChatListScreen

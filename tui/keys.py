@@ -26,6 +26,8 @@ KEYS: dict[str, tuple[str, str, str, str]] = {
     "new_chat": ("ctrl+n", "new_chat", "new chat", "app"),
     "regen": ("ctrl+r", "regen", "regenerate", "app"),
     "export": ("ctrl+s", "export", "export", "app"),
+    "scroll_up": ("pageup", "scroll_log(-1)", "scroll up", "app"),
+    "scroll_down": ("pagedown", "scroll_log(1)", "scroll down", "app"),
 }
 
 SHOWN_IN_FOOTER = {"send", "stop", "chats", "new_chat"}
