@@ -7,6 +7,7 @@ serving; the scheduler sees `alive` turn false and loads the model again on the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -66,12 +67,12 @@ class RunnerProcess:
                     "plan": self.plan.to_dict()})
         line = await self.proc.stdout.readline()
         if not line:
-            code = await self.proc.wait()
+            code = await self._release()
             raise LoadError(f"the runner exited while loading {self.model_name} "
                             f"({describe_exit(code)}); see {self.log_path}")
         reply = json.loads(line)
         if reply.get("event") != "loaded":
-            await self.proc.wait()
+            await self._release()
             raise LoadError(f"cannot load {self.model_name}: {reply.get('message')}")
         self.load_duration_ns = reply["load_duration_ns"]
         self.n_ctx = reply["n_ctx"]
@@ -139,16 +140,31 @@ class RunnerProcess:
                 return
 
     async def stop(self) -> None:
-        if not self.proc or self.proc.returncode is not None:
+        if not self.proc:
             return
         try:
-            self.proc.stdin.close()
-            await asyncio.wait_for(self.proc.wait(), timeout=10)
-        except (TimeoutError, ConnectionError):
+            await asyncio.wait_for(self._release(), timeout=10)
+        except TimeoutError:
             self.proc.kill()
-            await self.proc.wait()
+            await self._release()
         if self._reader:
             await self._reader
+
+    async def _release(self) -> int:
+        """Close our end of the runner's stdin and wait for the process to end.
+
+        The pipe must be closed here, not left to asyncio: a write pipe whose reader died is
+        closed later by a callback, by file descriptor number, and by then the number may
+        belong to the next runner's stdin (seen: a reload after a failed load hung because
+        its requests went nowhere)."""
+        assert self.proc
+        stdin = self.proc.stdin
+        if stdin is not None and not stdin.is_closing():
+            stdin.close()
+        if stdin is not None:
+            with contextlib.suppress(ConnectionError):
+                await stdin.wait_closed()
+        return await self.proc.wait()
 
 
 def new_request_id() -> str:

@@ -12,13 +12,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from localllm.modelstore.pull import model_file
 from localllm.modelstore.shape import ModelShape, read_shape
 from localllm.modelstore.store import ModelEntry, ModelStore
-from localllm.profiles.plan import Plan, cpu_plan
+from localllm.profiles.plan import Plan
 
 from localllm.config import Config
 
@@ -43,25 +43,42 @@ class Slot:
     last_used: float = 0.0
 
 
-PlanChooser = Callable[[ModelShape, str, "int | None", dict], Plan]
+class Planner:
+    """How the scheduler gets plans: the tuner's `choose_plan`, and `step_down` after a load
+    ran out of memory. Tests may pass another planner; the scheduler needs only these two."""
 
-
-def default_plan_chooser(shape: ModelShape, model_name: str, n_ctx: int | None,
-                         options: dict) -> Plan:
-    try:
+    def choose(self, shape: ModelShape, model_name: str, n_ctx: int | None,
+               options: dict) -> Plan:
         from localllm.profiles.choose import choose_plan
-    except ImportError:
-        return cpu_plan(n_ctx or 4096, shape.context_length)
-    return choose_plan(shape, model_name, n_ctx, options)
+
+        return choose_plan(shape, model_name, n_ctx, options)
+
+    def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
+                  error: str) -> Plan | None:
+        from localllm.profiles.choose import step_down
+        from localllm.profiles.hardware import probe_card
+
+        return step_down(plan, shape, probe_card(), model_name, error)
+
+
+def context_to_ask(config: Config, n_ctx: int | None, shape: ModelShape) -> int | None:
+    """The context a load asks the planner for: the request's num_ctx, else by policy."""
+    if n_ctx is not None:
+        return n_ctx
+    if config.context_policy == "fixed":
+        return config.default_ctx
+    if config.context_policy == "max":
+        return shape.context_length or config.default_ctx
+    return None  # "fit": the tuner picks the largest context that keeps the model fast
 
 
 class Scheduler:
     def __init__(self, store: ModelStore, config: Config, log_dir,
-                 plan_chooser: PlanChooser = default_plan_chooser):
+                 planner: Planner | None = None):
         self.store = store
         self.config = config
         self.log_dir = log_dir
-        self.plan_chooser = plan_chooser
+        self.planner = planner or Planner()
         self.slots: dict[str, Slot] = {}
         self._load_lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None
@@ -126,13 +143,29 @@ class Scheduler:
                 await self._unload_slot(name, slot)
             await self._make_room()
             shape = await asyncio.to_thread(read_shape, entry.model_path)
-            wanted_ctx = n_ctx or self.config.default_ctx
-            plan = self.plan_chooser(shape, name, wanted_ctx, options)
-            runner = await self._load(name, entry, plan)
+            plan = self.planner.choose(shape, name, context_to_ask(self.config, n_ctx, shape),
+                                       options)
+            runner = await self._load_stepping_down(name, entry, shape, plan)
             slot = Slot(runner=runner, entry=entry, lock=asyncio.Lock(),
                         keep_alive=self.config.keep_alive_seconds)
             self.slots[name] = slot
             return slot
+
+    async def _load_stepping_down(self, name: str, entry: ModelEntry, shape: ModelShape,
+                                  plan: Plan) -> RunnerProcess:
+        """Load with `plan`; when the load fails (out of memory, as a rule, on a GPU), retry
+        with the planner's next smaller plan, which it records in the saved profile."""
+        while True:
+            try:
+                return await self._load(name, entry, plan)
+            except LoadError as e:
+                smaller = await asyncio.to_thread(self.planner.step_down, plan, shape, name,
+                                                  str(e))
+                if smaller is None:
+                    raise
+                log.warning("loading %s failed (%s); retrying with a smaller plan: %s",
+                            name, e, smaller.reasons[-1] if smaller.reasons else "")
+                plan = smaller
 
     async def _load(self, name: str, entry: ModelEntry, plan: Plan) -> RunnerProcess:
         runner = RunnerProcess(name, model_file(self.store, entry), plan,
@@ -182,8 +215,12 @@ class Scheduler:
                     else:
                         next_check = min(next_check, slot.expires_at - now)
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=max(next_check, 0.05))
+            # Not wait_for: cancelling a wait_for on an Event hung close() on Python 3.11.
+            woken = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait({woken}, timeout=max(next_check, 0.05))
+            finally:
+                woken.cancel()
 
 
 def _load_options_differ(plan: Plan, options: dict) -> bool:

@@ -1,0 +1,78 @@
+"""The scheduler with real runner processes: step-down after a failed load, context policy."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from localllm.config import Config
+from localllm.daemon.engine_types import Done, GenerationRequest, SamplingOptions
+from localllm.daemon.runner_client import LoadError
+from localllm.daemon.scheduler import Planner, Scheduler, context_to_ask
+from localllm.modelstore.shape import read_shape
+from localllm.profiles.plan import cpu_plan
+
+
+class FirstPlanFails(Planner):
+    """A planner whose first plan llama.cpp refuses (a quantized V cache without flash
+    attention fails context creation, as an out-of-memory load does), and whose step-down
+    gives a plan that loads. Records what the scheduler asked for."""
+
+    def __init__(self, steps: int = 1):
+        self.steps = steps
+        self.errors: list[str] = []
+
+    def choose(self, shape, model_name, n_ctx, options):
+        return replace(cpu_plan(n_ctx or 1024, shape.context_length), type_k="q4_0",
+                       type_v="q4_0", flash_attn=False)
+
+    def step_down(self, plan, shape, model_name, error):
+        self.errors.append(error)
+        if len(self.errors) >= self.steps + 1:
+            return None
+        return replace(cpu_plan(plan.n_ctx, shape.context_length), source="step-down",
+                       reasons=("stepped down after: " + error,))
+
+
+async def generate_once(scheduler, entry):
+    request = GenerationRequest(id="t", prompt="Hello", raw=True,
+                                options=SamplingOptions(num_predict=3, temperature=0))
+    async with scheduler.use(entry, 1024, {}) as runner:
+        events = [e async for e in runner.generate(request)]
+    return runner, events
+
+
+async def test_a_failed_load_steps_down_and_serves(store, smollm2_gguf, tmp_path):
+    entry = store.import_gguf(smollm2_gguf, "smollm2")
+    planner = FirstPlanFails()
+    scheduler = Scheduler(store, Config(), tmp_path / "logs", planner)
+    await scheduler.start()
+    try:
+        runner, events = await generate_once(scheduler, entry)
+        assert isinstance(events[-1], Done) and events[-1].eval_count > 0
+        assert runner.plan.source == "step-down" and runner.plan.type_v == "f16"
+        assert len(planner.errors) == 1 and "smollm2" in planner.errors[0]
+    finally:
+        await scheduler.close()
+
+
+async def test_when_no_smaller_plan_is_left_the_load_error_reaches_the_caller(
+        store, smollm2_gguf, tmp_path):
+    entry = store.import_gguf(smollm2_gguf, "smollm2")
+    scheduler = Scheduler(store, Config(), tmp_path / "logs", FirstPlanFails(steps=0))
+    await scheduler.start()
+    try:
+        with pytest.raises(LoadError, match="cannot load|exited"):
+            await generate_once(scheduler, entry)
+        assert scheduler.slots == {}
+    finally:
+        await scheduler.close()
+
+
+def test_context_policy_decides_the_context_asked_for(smollm2_gguf):
+    shape = read_shape(smollm2_gguf)
+    assert context_to_ask(Config(context_policy="fixed", default_ctx=2048), None, shape) == 2048
+    assert context_to_ask(Config(context_policy="max"), None, shape) == 8192
+    assert context_to_ask(Config(context_policy="fit"), None, shape) is None
+    assert context_to_ask(Config(context_policy="fit"), 1024, shape) == 1024
