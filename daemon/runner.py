@@ -78,6 +78,9 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="runner %(process)d %(levelname)s %(message)s")
     channel = Channel()
+    # The CUDA build of llama.cpp must be loaded before numpy: the other order segfaults at
+    # model load (seen on an H200). Plan, the engine and gguf all pull numpy in.
+    import llama_cpp  # noqa: F401
     first = sys.stdin.readline()
     if not first:
         return 0
@@ -90,7 +93,7 @@ def main() -> int:
         t0 = time.perf_counter_ns()
         engine = Engine(load["model_path"], Plan.from_dict(load["plan"]))
         load_ns = time.perf_counter_ns() - t0
-    except Exception as e:  # noqa: BLE001 - any load failure is reported, then we exit
+    except Exception as e:  # any load failure is reported, then the runner exits
         log.error("load failed: %s", traceback.format_exc())
         channel.send({"event": "load_failed", "message": str(e) or type(e).__name__})
         return 1
@@ -125,7 +128,7 @@ def main() -> int:
         emit = TokenCoalescer(lambda event, rid=request.id: channel.send(event_to_wire(rid, event)))
         try:
             engine.generate(request, cancelled, emit)
-        except Exception as e:  # noqa: BLE001 - llama.cpp errors end this request, not the runner
+        except Exception as e:  # a llama.cpp error ends this request, not the runner
             log.error("request %s failed: %s", request.id, traceback.format_exc())
             emit(Failure(f"generation failed: {e}"))
         if cancelled.is_set():
