@@ -23,14 +23,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import checkout_imports  # noqa: E402
+
+checkout_imports.bootstrap()
+
 PROMPT = "Here is a long story about a lighthouse keeper and the sea. Once upon a time"
 
 
-def direct_tps(model: Path, n_tokens: int, threads: int) -> tuple[float, int]:
+def direct_tps(model: Path, n_tokens: int, plan: dict) -> tuple[float, int]:
+    """The binding's own loop, loaded with the plan the daemon chose (layers, KV, threads)."""
     from llama_cpp import Llama
 
-    llm = Llama(str(model), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
-                verbose=False)
+    kv = {"f16": 1, "q8_0": 8, "q4_0": 2}
+    llm = Llama(str(model), n_ctx=plan["context_length"], n_gpu_layers=plan["gpu_layers"],
+                flash_attn=plan["flash_attn"], type_k=kv[plan["kv_type"]],
+                type_v=kv[plan["kv_type"]], n_threads=plan["threads"],
+                n_threads_batch=plan["threads"], verbose=False)
     tokens = llm.tokenize(PROMPT.encode())
     count, start = 0, None
     for token in llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
@@ -75,23 +83,29 @@ def main() -> None:
     parser.add_argument("--model", type=Path)
     args = parser.parse_args()
 
-    import fetch_test_models
-    from conftest import import_models
     from daemon_process import isolated_env, start_daemon
 
-    from localllm.profiles.plan import physical_cores
+    from localllm.modelstore.store import ModelStore
 
-    model = args.model or fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")
-    threads = physical_cores()
+    if args.model:
+        model = args.model
+    else:
+        import fetch_test_models
+
+        model = fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")
     with tempfile.TemporaryDirectory() as tmp:
         env = isolated_env(Path(tmp))
-        import_models(env, {"bench": model})
+        ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
         daemon = start_daemon(env)
         try:
             api_tps(daemon.url, 8)  # load the model and warm up
+            [plan] = daemon.get("/api/ps")["models"]
+            print(f"daemon plan: {plan['processor']}, {plan['gpu_layers']} GPU layers, "
+                  f"{plan['kv_type']} KV, flash attention {plan['flash_attn']}, "
+                  f"{plan['threads']} threads, context {plan['context_length']}")
             direct, api, reported = [], [], []
             for _ in range(args.rounds):  # interleaved, so drift hits both alike
-                d, n_direct = direct_tps(model, args.tokens, threads)
+                d, n_direct = direct_tps(model, args.tokens, plan)
                 a, n_api, r = api_tps(daemon.url, args.tokens)
                 direct.append(d)
                 api.append(a)
@@ -99,7 +113,7 @@ def main() -> None:
         finally:
             daemon.stop()
     d, a, r = statistics.median(direct), statistics.median(api), statistics.median(reported)
-    print(f"model: {model.name}  threads: {threads}  tokens: {args.tokens}  rounds: {args.rounds}")
+    print(f"model: {model.name}  tokens: {args.tokens}  rounds: {args.rounds}")
     print(f"llama-cpp-python in-process (Llama.generate): {d:8.1f} tok/s  ({n_direct} tokens)")
     print(f"daemon, streamed over HTTP (client-side):      {a:8.1f} tok/s  ({n_api} tokens)")
     print(f"daemon, its own eval rate (eval_count/eval_duration): {r:8.1f} tok/s")

@@ -24,12 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -40,29 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 
 
-def _bootstrap_imports() -> None:
-    """Make `localllm.*` importable from a plain checkout (the GPU machine has no editable
-    install): a shim package whose subpackages point at the top-level folders."""
-    try:
-        import localllm.profiles  # noqa: F401
-        return
-    except ImportError:
-        pass
-    shim = Path(tempfile.gettempdir()) / "localllm-shim"
-    pkg = shim / "localllm"
-    if not pkg.exists():
-        shutil.copytree(ROOT / "localllm", pkg)
-        for name in ("modelstore", "profiles", "daemon"):
-            (pkg / name).symlink_to(ROOT / name)
-    sys.path.insert(0, str(shim))
-    # Children (the runner's load, dry runs) put their working directory first on sys.path,
-    # where the real `localllm/` folder would hide the shim: run everything from elsewhere.
-    os.chdir(shim)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(shim), str(ROOT / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])])
+import checkout_imports  # noqa: E402
 
-
-_bootstrap_imports()
+checkout_imports.bootstrap()
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import synth_gguf  # noqa: E402

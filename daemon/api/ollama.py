@@ -334,6 +334,8 @@ async def api_ps(request: web.Request) -> web.Response:
             "kv_type": plan.type_k if plan.type_k == plan.type_v
             else f"{plan.type_k}/{plan.type_v}",
             "gpu_layers": plan.n_gpu_layers,
+            "flash_attn": plan.flash_attn,
+            "threads": plan.n_threads,
             "runner_pid": runner.pid,
             "busy": slot.lock.locked(),
             "plan_source": plan.source,
