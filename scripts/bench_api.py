@@ -70,6 +70,9 @@ def api_tps(url: str, n_tokens: int) -> tuple[float, int, float]:
             now = time.perf_counter()
             first = first or now
             last = now
+    if first is None or final["eval_count"] < 2:
+        raise SystemExit(f"the model stopped after {final['eval_count']} tokens; a synthetic "
+                         f"model needs random weights (synth_gguf.py --fill random)")
     daemon_rate = final["eval_count"] / (final["eval_duration"] / 1e9)
     # Chunks may carry several tokens (the runner merges tokens faster than 40 a second):
     # count tokens, from the first chunk's arrival (one token) to the last chunk's.
@@ -98,7 +101,7 @@ def main() -> None:
         ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
         daemon = start_daemon(env)
         try:
-            api_tps(daemon.url, 8)  # load the model and warm up
+            api_tps(daemon.url, 16)  # load the model and warm up
             [plan] = daemon.get("/api/ps")["models"]
             print(f"daemon plan: {plan['processor']}, {plan['gpu_layers']} GPU layers, "
                   f"{plan['kv_type']} KV, flash attention {plan['flash_attn']}, "
