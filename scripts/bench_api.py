@@ -26,6 +26,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import checkout_imports  # noqa: E402
 
 checkout_imports.bootstrap()
+# A CUDA build of llama.cpp must load before numpy (gguf, the store) or the model load crashes.
+import llama_cpp  # noqa: E402, F401
 
 PROMPT = "Here is a long story about a lighthouse keeper and the sea. Once upon a time"
 
