@@ -57,3 +57,27 @@ def _load_or_none(path: Path, log: logging.Logger) -> Config | None:
         log.error("config invalid, keeping the last good one: %s", e,
                   extra={"file": e.path or str(path), "line": e.line or "", "reason": e.reason})
         return None
+
+
+async def watch_profiles(directory: Path, log: logging.Logger) -> None:
+    """Run until cancelled: check each edited tuned profile at once and log whether it is
+    valid. The scheduler reads profiles at every load (profiles.choose), so a valid edit takes
+    effect at the next load; an invalid one is reported now, and the tuner plans instead."""
+    from localllm.profiles.saved import ProfileError, load_profile
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def is_profile(change: watchfiles.Change, changed: str) -> bool:
+        return change != watchfiles.Change.deleted and changed.endswith(".toml")
+
+    async for changes in watchfiles.awatch(directory, watch_filter=is_profile):
+        for _change, changed in changes:
+            try:
+                load_profile(Path(changed))
+            except ProfileError as e:
+                log.error("tuned profile invalid, the tuner will plan instead: %s", e,
+                          extra={"file": changed})
+            else:
+                log.info("tuned profile changed; it applies at the next load",
+                         extra={"file": changed})

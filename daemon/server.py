@@ -18,6 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 from localllm.modelstore.names import BadModelName
+from localllm.profiles.saved import profiles_dir
 from localllm.modelstore.store import ModelNotFound, ModelStore, StoreError, default_store
 
 from localllm import paths
@@ -26,7 +27,7 @@ from localllm.errors import UserError
 
 from .api import ollama, openai, stats
 from .api.common import ApiError
-from .config_watch import watch_config
+from .config_watch import watch_config, watch_profiles
 from .logging_setup import setup_logging
 from .generation import GenerationFailed
 from .runner_client import LoadError
@@ -167,8 +168,11 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    watcher = asyncio.create_task(watch_config(
-        config_file(), lambda new: _apply_config(app, new), log, initial=config))
+    watchers = [
+        asyncio.create_task(watch_config(config_file(), lambda new: _apply_config(app, new),
+                                         log, initial=config)),
+        asyncio.create_task(watch_profiles(profiles_dir(), log)),
+    ]
     if ready:
         ready.set()
     notify("READY=1")
@@ -176,7 +180,8 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
         await stop.wait()
     finally:
         notify("STOPPING=1")
-        watcher.cancel()
+        for watcher in watchers:
+            watcher.cancel()
         await runner.cleanup()
         if not inherited:  # an inherited socket is systemd's: it must outlive this process
             with contextlib.suppress(FileNotFoundError):
