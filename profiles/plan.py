@@ -1,12 +1,13 @@
 """Plan: every parameter the runner loads a model with, with the predicted cost and the reasons.
 
-The runner only ever sees a Plan. Until the tuner chooses one, `cpu_plan` gives safe defaults.
+The runner only ever sees a Plan; the tuner (profiles.choose) makes them. `cpu_plan` holds the
+safe all-CPU defaults the tuner starts from on a machine without a GPU.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,10 @@ class Plan:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Plan":
+    def from_dict(cls, data: dict) -> Plan:
         data = dict(data)
-        data["tensor_overrides"] = tuple(TensorOverride(**o) for o in data.get("tensor_overrides", ()))
+        data["tensor_overrides"] = tuple(TensorOverride(**o)
+                                         for o in data.get("tensor_overrides", ()))
         data["memory"] = tuple(DeviceMemory(**m) for m in data.get("memory", ()))
         for key in ("tensor_split", "reasons"):
             data[key] = tuple(data.get(key, ()))
