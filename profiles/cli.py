@@ -5,6 +5,7 @@
     localllm tune 27b-q3 --ctx 32768 --vram 10   a context, and a smaller memory budget
     localllm tune 27b-q3 --measure               load it, time it, calibrate the speed model
     localllm tune 27b-q3 --json                  the plan as JSON
+    localllm tune 27b-q3 --calibrate             measure the card's bandwidths first (torch)
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--measure", action="store_true",
                    help="load the plan for real, time prefill and decode, calibrate the model")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this card's memory and host-to-device bandwidth with torch "
+                   "(the [torch] extra) and use them from now on")
     p.add_argument("--no-save", action="store_true", help="do not write the profile")
     p.set_defaults(func=cmd_tune)
 
@@ -77,6 +81,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UserError("--threads must be at least 1")
     shape, model_name = resolve_model(args.model)
     card = calibrated(resolve_card(args.card))
+    if args.calibrate:
+        from .calibrate import calibrate
+
+        if args.card != "auto":
+            raise UserError("--calibrate measures this machine's card: leave out --card")
+        measured, card = calibrate(card)
+        print(f"calibrated {card.name}: memory {measured.memory_gbs:.0f} GB/s, host to device "
+              f"{measured.host_to_device_gbs:.1f} GB/s", file=sys.stderr)
     if args.vram is not None:
         card = card.with_vram(args.vram)
     margin = args.margin * MIB if args.margin is not None else vram_margin_bytes()

@@ -54,6 +54,9 @@ def calibrated(card: Card, path: Path | None = None) -> Card:
         host = float(factors.get("host_bandwidth_factor", 1.0))
     except (TypeError, ValueError):
         return card
+    from .calibrate import with_measured_bandwidth
+
+    card = with_measured_bandwidth(card, factors)  # from --calibrate, when it ran
     if not (0.01 <= gpu <= 100 and 0.01 <= host <= 100):
         return card
     return replace(card, decode_efficiency=card.decode_efficiency * gpu,
