@@ -19,7 +19,9 @@ def bootstrap() -> None:
         import localllm.profiles  # noqa: F401
         return
     except ImportError:
-        pass
+        # A plain `localllm/` folder on sys.path may have been imported half: forget it.
+        for name in [n for n in sys.modules if n == "localllm" or n.startswith("localllm.")]:
+            del sys.modules[name]
     shim = Path(tempfile.gettempdir()) / "localllm-shim"
     pkg = shim / "localllm"
     if not pkg.exists():
