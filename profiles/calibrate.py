@@ -89,6 +89,35 @@ def with_measured_bandwidth(card: Card, factors: dict) -> Card:
 
 
 def calibrate(card: Card) -> tuple[Bandwidth, Card]:
-    measured = measure_bandwidth()
+    """Measure in a child process: torch's CUDA runtime and llama.cpp's must not share one
+    (seen: a process holding both aborted in free())."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "localllm.profiles.calibrate"],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        raise UserError(lines[-1].removeprefix("Error: ") if lines else
+                        f"the bandwidth measurement failed (exit {proc.returncode})")
+    measured = Bandwidth(**json.loads(proc.stdout.strip().splitlines()[-1]))
     store_bandwidth(card.name, measured)
     return measured, with_measured_bandwidth(card, load_calibration()[card.name])
+
+
+def main() -> int:
+    import json
+    import sys
+    from dataclasses import asdict
+
+    try:
+        print(json.dumps(asdict(measure_bandwidth())))
+    except UserError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
