@@ -61,7 +61,7 @@ def test_killed_pull_resumes(store, env, hub, smollm2_gguf):
                 done = 0
             if done >= 30 * MiB:
                 break
-            time.sleep(0.02)
+            time.sleep(0.02)  # ok-sleep: the poll interval of a deadline loop
     finally:
         process.kill()
         process.wait()

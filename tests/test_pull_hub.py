@@ -185,7 +185,7 @@ async def poll(condition, seconds: float = 30.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting"
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # ok-sleep: the poll interval of a deadline loop
 
 
 async def test_two_concurrent_pulls_download_once(store, hub, settings, smollm2_gguf):

@@ -18,9 +18,6 @@ import pytest
 from localllm.config import config_file
 from test_systemd import DEADLINE_S, _activate, _notify_listener
 
-server = pytest.importorskip("localllm.daemon.server")
-# Until serve() takes inherited sockets (the hunk in the service issue's report), these cannot
-# pass; the condition goes away with that hunk.
 
 
 async def test_localllm_serve_takes_the_sockets_systemd_passes(home, tmp_path):
