@@ -63,7 +63,8 @@ async def test_the_chat_follows_new_text_only_while_at_the_bottom(home):
                          "a chat longer than the screen")
         await wait_until(pilot, lambda: log.scroll_y == log.max_scroll_y, "the bottom")
         await pilot.press("pageup")
-        await wait_until(pilot, lambda: log.scroll_y < log.max_scroll_y, "scrolling up")
+        await wait_until(pilot, lambda: log.scroll_y == log.scroll_target_y < log.max_scroll_y,
+                         "scrolling up to end")
         where = log.scroll_y
         app.note("new text while the user reads above")
         await pilot.pause()

@@ -38,6 +38,8 @@ from .widgets import MessageView, Note, ProgressLine, PromptInput, StatsLine
 CONNECTION_ERRORS = (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError)
 QUIT_WINDOW_S = 3.0  # a second Ctrl+C within this long quits
 SAVE_EVERY_S = 1.0  # a streaming answer is written to the database this often
+# Drawing costs the runner decode speed where the CPU is shared: ten draws a second look live.
+RENDER_EVERY_S = 0.1
 
 
 @dataclass
@@ -209,13 +211,19 @@ class ChatApp(SlashActions, App[int]):
         self.rate.reset()
         parts: list[str] = []
         state, last_save, finished = "error", time.monotonic(), False
+        unrendered: list[str] = []  # text not drawn yet: _finish draws the whole answer
+        last_render = 0.0
         try:
             async for chunk in self.client.chat(self.model, messages, self.options or None):
                 self.connected, finished = True, chunk.done
                 self.stored_name = chunk.data.get("model", self.stored_name)
                 if chunk.text:
                     parts.append(chunk.text)
-                    await stream.write(chunk.text)
+                    unrendered.append(chunk.text)
+                    if time.monotonic() - last_render >= RENDER_EVERY_S:
+                        await stream.write("".join(unrendered))
+                        unrendered.clear()
+                        last_render = time.monotonic()
                 if chunk.data.get("stats"):
                     self.turn = TurnStats.from_wire(chunk.data["stats"], chunk.done,
                                                     chunk.data.get("done_reason", ""))
@@ -241,27 +249,30 @@ class ChatApp(SlashActions, App[int]):
             await self._finish(entry, stream, "".join(parts), state)
 
     async def _finish(self, entry: Entry, stream, text: str, state: str) -> None:
-        await stream.stop()
-        await entry.view.markdown.update(text)  # one full render (streamed fences can lag)
         turn = self.turn
         if turn is not None and state == "stopped":
             turn = self.turn = replace(turn, done=True, done_reason="cancelled")
         entry.content, entry.state = text, state
-        stats = turn.to_wire() if turn else None
+        if entry.db_id:  # first the database: this also runs when the app is closing
+            self._safe(self.store.update_message, entry.db_id, text, state,
+                       turn.to_wire() if turn else None)
+        self.streaming = False
         footer = answer_footer(turn) if turn else ""
         if state == "error":
             footer = (footer + " · " if footer else "") + "failed"
         elif state == "stopped" and not turn:
             footer = "stopped"
         entry.view.finish(text, footer, state)
-        if entry.db_id:
-            self._safe(self.store.update_message, entry.db_id, text, state, stats)
-        self.streaming = False
+        await stream.stop()
+        if entry.view.is_mounted:
+            await entry.view.markdown.update(text)  # one full render (streamed fences can lag)
 
     def _explain(self, error: DaemonError) -> str:
         if error.status == 404:
             return (f"{error} — /load another model, or /load {self.model} to pull it again.")
-        return f"The daemon refused: {error}"
+        if 400 <= error.status < 500:
+            return f"The daemon refused: {error}"
+        return f"The answer failed: {error}"
 
     def stop_answer(self) -> bool:
         """Cancel the answer worker: closing its HTTP stream makes the daemon stop generating."""
@@ -401,7 +412,8 @@ class ChatApp(SlashActions, App[int]):
         # Any scroll (a wheel turn at the very bottom too) lets go of the anchor, and Textual
         # only takes it back when the position changes: a reader who is at the bottom follows.
         log = self.log_view
-        if log.is_mounted and log.max_scroll_y and log.scroll_y >= log.max_scroll_y:
+        at_bottom = log.scroll_y >= log.max_scroll_y and log.scroll_target_y >= log.max_scroll_y
+        if log.is_mounted and log.max_scroll_y and at_bottom:  # and not on the way up
             log.scroll_end(animate=False, immediate=True)
 
     def action_open_chats(self) -> None:

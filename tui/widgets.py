@@ -5,7 +5,9 @@ from __future__ import annotations
 from textual import events
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.content import Content
 from textual.message import Message
+from textual.widget import Widget
 from textual.widgets import Label, Markdown, ProgressBar, Static, TextArea
 from textual.widgets._markdown import MarkdownFence
 
@@ -26,26 +28,23 @@ class MessageView(Vertical):
         self.content = content
         self.who = who or {"user": "You", "assistant": "Assistant"}.get(role, role)
         self.footer = footer
+        self.markdown = Markdown(content)
+        self.footer_line = Static(footer, classes="footer", markup=False)
 
     def compose(self) -> ComposeResult:
         yield Label(self.who, classes="who")
         if self.role == "user":  # as typed: line breaks kept, nothing taken for Markdown
             yield Static(self.content, classes="text", markup=False)
         else:
-            yield Markdown(self.content)
-        if self.role != "user":
-            yield Static(self.footer, classes="footer", markup=False)
-
-    @property
-    def markdown(self) -> Markdown:
-        return self.query_one(Markdown)
+            yield self.markdown
+            yield self.footer_line
 
     def finish(self, content: str, footer: str, state: str) -> None:
         self.content, self.footer = content, footer
         self.remove_class("streaming")
         self.set_class(state == "stopped", "stopped")
         self.set_class(state == "error", "error")
-        self.query_one(".footer", Static).update(footer)
+        self.footer_line.update(footer)
 
     def on_click(self, event: events.Click) -> None:
         """Copy the message, or only the code of the code block that was clicked."""
@@ -178,23 +177,24 @@ class PromptInput(TextArea):
         self.post_message(self.Suggest(self.suggestions()))
 
 
-class StatsLine(Static):
-    """The one-line stats under the chat; drops its least important parts to fit."""
+class StatsLine(Widget):
+    """The one-line stats under the chat; drops its least important parts to fit.
+
+    A plain widget rather than a Static: its size never changes, so a new figure repaints
+    this one line instead of laying out the whole screen again (ten times a second).
+    """
 
     def __init__(self):
-        super().__init__("", id="stats", markup=False)
+        super().__init__(id="stats")
         self.parts: list[Segment] = []
 
     def show(self, parts: list[Segment]) -> None:
         if parts != self.parts:
             self.parts = parts
-            self._render_parts()
+            self.refresh()
 
-    def _render_parts(self) -> None:
-        self.update(fit_line(self.parts, max(self.content_size.width, 20)))
-
-    def on_resize(self) -> None:
-        self._render_parts()
+    def render(self) -> Content:
+        return Content(fit_line(self.parts, max(self.content_size.width, 20)))
 
 
 class ProgressLine(Horizontal):
