@@ -265,3 +265,41 @@ async def test_a_missing_model_is_pulled_with_progress_then_loaded(tmp_path, smo
                                  and app.turn.eval_count == 4, "an answer")
         finally:
             daemon.stop()
+
+
+async def test_the_daemon_is_started_when_none_runs(home, smollm2_gguf, monkeypatch, chats):
+    import os
+    import signal
+
+    from conftest import import_models
+
+    from localllm.config import load_config
+
+    monkeypatch.setenv("LOCALLLM_HOST", "127.0.0.1:0")  # the Unix socket is what the TUI finds
+    import_models(dict(os.environ), {"smollm2": smollm2_gguf})
+    app = ChatApp(load_config(), "smollm2", store=chats)
+    daemon_pid = None
+    try:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_until(pilot, lambda: app.runner is not None,
+                             "a daemon to start and load the model")
+            daemon_pid = (await app.client.request("GET", "/api/status"))["pid"]
+            assert daemon_pid != os.getpid()
+            await type_line(pilot, app, "/set parameter num_predict 4")
+            await type_line(pilot, app, "Hello!")
+            await wait_until(pilot, lambda: not app.streaming and app.turn
+                             and app.turn.eval_count == 4, "an answer")
+    finally:
+        if daemon_pid:
+            os.kill(daemon_pid, signal.SIGTERM)
+            wait_for(lambda: process_state(daemon_pid) in (None, "Z"), 30,
+                     what="the daemon the TUI started to stop")
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of a process (Z: exited, not reaped), None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
