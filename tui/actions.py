@@ -1,12 +1,17 @@
-"""What each slash command does to the open chat. Mixed into ChatApp (app.py), whose state it
-reads and changes: `entries`, `options`, `system`, `model`, `chat_id`, the store and client."""
+"""What the user can do: slash commands, keys and the command palette. Mixed into ChatApp
+(app.py), whose state it reads and changes: `entries`, `options`, `system`, `model`,
+`chat_id`, the store and the client."""
 
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from textual import work
+from textual.app import SystemCommand
+from textual.screen import Screen
 
 from localllm import paths
 from localllm.client import DaemonError
@@ -21,8 +26,12 @@ from .widgets import MessageView
 LOAD_OPTIONS = ("num_ctx", "num_gpu", "num_thread", "num_batch")
 
 
-class SlashActions:
-    """The slash commands of ChatApp; `run_slash(line)` is the one way in."""
+QUIT_WINDOW_S = 3.0  # a second Ctrl+C within this long quits
+
+
+class ChatActions:
+    """Slash commands (`run_slash(line)` is the one way in), key actions and palette entries.
+    Keys and palette entries run slash commands, so every action is also a command."""
 
     def run_slash(self, line: str) -> None:
         try:
@@ -225,3 +234,80 @@ class SlashActions:
 
     def _cmd_bye(self, command: Command) -> None:
         self.exit(0)
+
+    # ---- keys ------------------------------------------------------------------------------
+    def action_stop_or_quit(self) -> None:
+        now = time.monotonic()
+        if self.stop_answer():
+            self._quit_armed_until = now + QUIT_WINDOW_S
+            self.notify("Stopped. Ctrl+C again quits.", timeout=QUIT_WINDOW_S)
+        elif now < self._quit_armed_until:
+            self.exit(0)
+        else:
+            self._quit_armed_until = now + QUIT_WINDOW_S
+            self.notify("Press Ctrl+C again (or Ctrl+D) to quit.", timeout=QUIT_WINDOW_S)
+
+    def action_quit_if_empty(self) -> None:
+        if self.prompt.text:
+            self.prompt.action_delete_right()
+        else:
+            self.exit(0)
+
+    def action_scroll_log(self, pages: int) -> None:
+        """Page through the chat; scrolling up stops following new text until the bottom."""
+        log = self.log_view
+        if pages < 0:
+            log.scroll_page_up()
+        elif log.scroll_y + log.scrollable_content_region.height >= log.max_scroll_y:
+            log.scroll_end(animate=False)  # at the bottom: follow new text again
+        else:
+            log.scroll_page_down()
+
+    def _follow_if_at_bottom(self) -> None:
+        # Any scroll (a wheel turn at the very bottom too) lets go of the anchor, and Textual
+        # only takes it back when the position changes: a reader who is at the bottom follows.
+        log = self.log_view
+        at_bottom = log.scroll_y >= log.max_scroll_y and log.scroll_target_y >= log.max_scroll_y
+        if log.is_mounted and log.max_scroll_y and at_bottom:  # and not on the way up
+            log.scroll_end(animate=False, immediate=True)
+
+    def action_open_chats(self) -> None:
+        from .screens import ChatListScreen
+
+        chats = self._safe(self.store.chats) or []
+
+        def opened(chat_id: int | None) -> None:
+            if chat_id is not None:
+                self.open_chat(chat_id)
+
+        self.push_screen(ChatListScreen(chats), opened)
+
+    def action_new_chat(self) -> None:
+        self.run_slash("/clear")
+
+    def action_regen(self) -> None:
+        self.run_slash("/regen")
+
+    def action_export(self) -> None:
+        self.run_slash("/export")
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        commands = [
+            ("Stop the answer", "Stop generating (Ctrl+C)", "/stop"),
+            ("Regenerate", "Answer the last prompt again", "/regen"),
+            ("New chat", "Start a new chat; this one stays saved", "/clear"),
+            ("Open a saved chat", "List saved chats", "/chats"),
+            ("Export to Markdown", "Write this chat as a Markdown file", "/export"),
+            ("Show model info", "Architecture, size, context", "/show info"),
+            ("Show parameters", "The options this chat sends", "/show parameters"),
+            ("Show template", "The model's chat template", "/show template"),
+            ("Show plan", "How the model was loaded on this machine, and why", "/show plan"),
+            ("Help: commands", "Slash commands", "/?"),
+            ("Help: keys", "Key bindings and how to remap them", "/? keys"),
+        ]
+        for title, what, line in commands:
+            yield SystemCommand(title, what, lambda line=line: self.run_slash(line))
+        for model in self.models:
+            yield SystemCommand(f"Load {model}", f"Chat with {model}",
+                                lambda m=model: self.run_slash(f"/load {m}"), discover=False)

@@ -1,8 +1,8 @@
 """`localllm run`: the chat app. It talks to the daemon only through `localllm.client.Client`.
 
-Layers: this App (screen, keys, palette, the answer worker), widgets.py (what is drawn),
-slash.py (commands, pure), actions.py (what commands do), stats.py (the stats line, pure),
-chatstore.py (SQLite).
+Layers: this App (layout, startup, the answer worker, the stats feed), actions.py (what the
+user can do: slash commands, keys, the command palette), widgets.py and screens.py (what is
+drawn), slash.py and stats.py (parsing and formatting, pure), chatstore.py (SQLite).
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from pathlib import Path
 
 import aiohttp
 from textual import work
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import App, ComposeResult
 from textual.containers import VerticalScroll
 from textual.reactive import reactive
-from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Header, Markdown, Static
 
@@ -28,7 +27,7 @@ from localllm.config import Config, config_file
 from localllm.errors import UserError
 
 from . import keys
-from .actions import SlashActions
+from .actions import ChatActions
 from .chatstore import ChatStore
 from .stats import DecodeRate, RunnerStats, Segment, TurnStats, answer_footer, find_runner, \
     human_bytes, segments
@@ -36,7 +35,6 @@ from .widgets import MessageView, Note, ProgressLine, PromptInput, StatsLine
 
 # What a lost or refused connection to the daemon looks like from aiohttp.
 CONNECTION_ERRORS = (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError)
-QUIT_WINDOW_S = 3.0  # a second Ctrl+C within this long quits
 SAVE_EVERY_S = 1.0  # a streaming answer is written to the database this often
 # Drawing costs the runner decode speed where the CPU is shared: ten draws a second look live.
 RENDER_EVERY_S = 0.1
@@ -52,7 +50,7 @@ class Entry:
     view: MessageView | None = None
 
 
-class ChatApp(SlashActions, App[int]):
+class ChatApp(ChatActions, App[int]):
     CSS_PATH = Path(__file__).with_name("chat.tcss")  # absolute: subclasses live elsewhere
     TITLE = "localllm"
     BINDINGS = keys.bindings("app")
@@ -305,7 +303,8 @@ class ChatApp(SlashActions, App[int]):
             await self._poll_runner_once()
             self.note(self._loaded_text(model, time.monotonic() - started))
         except DaemonError as e:
-            self.note(self._explain(e), "error")
+            self.note(self._explain(e) if e.status == 404 else f"Cannot load {model}: {e}",
+                      "error")
         except UserError as e:
             self.note(str(e), "error")
         except CONNECTION_ERRORS as e:
@@ -379,83 +378,6 @@ class ChatApp(SlashActions, App[int]):
             self.runner = find_runner(await self.client.stats(), self.stored_name)
         except (DaemonError, *CONNECTION_ERRORS):
             self.runner = None
-
-    # ---- keys ------------------------------------------------------------------------------
-    def action_stop_or_quit(self) -> None:
-        now = time.monotonic()
-        if self.stop_answer():
-            self._quit_armed_until = now + QUIT_WINDOW_S
-            self.notify("Stopped. Ctrl+C again quits.", timeout=QUIT_WINDOW_S)
-        elif now < self._quit_armed_until:
-            self.exit(0)
-        else:
-            self._quit_armed_until = now + QUIT_WINDOW_S
-            self.notify("Press Ctrl+C again (or Ctrl+D) to quit.", timeout=QUIT_WINDOW_S)
-
-    def action_quit_if_empty(self) -> None:
-        if self.prompt.text:
-            self.prompt.action_delete_right()
-        else:
-            self.exit(0)
-
-    def action_scroll_log(self, pages: int) -> None:
-        """Page through the chat; scrolling up stops following new text until the bottom."""
-        log = self.log_view
-        if pages < 0:
-            log.scroll_page_up()
-        elif log.scroll_y + log.scrollable_content_region.height >= log.max_scroll_y:
-            log.scroll_end(animate=False)  # at the bottom: follow new text again
-        else:
-            log.scroll_page_down()
-
-    def _follow_if_at_bottom(self) -> None:
-        # Any scroll (a wheel turn at the very bottom too) lets go of the anchor, and Textual
-        # only takes it back when the position changes: a reader who is at the bottom follows.
-        log = self.log_view
-        at_bottom = log.scroll_y >= log.max_scroll_y and log.scroll_target_y >= log.max_scroll_y
-        if log.is_mounted and log.max_scroll_y and at_bottom:  # and not on the way up
-            log.scroll_end(animate=False, immediate=True)
-
-    def action_open_chats(self) -> None:
-        from .screens import ChatListScreen
-
-        chats = self._safe(self.store.chats) or []
-
-        def opened(chat_id: int | None) -> None:
-            if chat_id is not None:
-                self.open_chat(chat_id)
-
-        self.push_screen(ChatListScreen(chats), opened)
-
-    def action_new_chat(self) -> None:
-        self.run_slash("/clear")
-
-    def action_regen(self) -> None:
-        self.run_slash("/regen")
-
-    def action_export(self) -> None:
-        self.run_slash("/export")
-
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
-        commands = [
-            ("Stop the answer", "Stop generating (Ctrl+C)", "/stop"),
-            ("Regenerate", "Answer the last prompt again", "/regen"),
-            ("New chat", "Start a new chat; this one stays saved", "/clear"),
-            ("Open a saved chat", "List saved chats", "/chats"),
-            ("Export to Markdown", "Write this chat as a Markdown file", "/export"),
-            ("Show model info", "Architecture, size, context", "/show info"),
-            ("Show parameters", "The options this chat sends", "/show parameters"),
-            ("Show template", "The model's chat template", "/show template"),
-            ("Show plan", "How the model was loaded on this machine, and why", "/show plan"),
-            ("Help: commands", "Slash commands", "/?"),
-            ("Help: keys", "Key bindings and how to remap them", "/? keys"),
-        ]
-        for title, help_text, line in commands:
-            yield SystemCommand(title, help_text, lambda line=line: self.run_slash(line))
-        for model in self.models:
-            yield SystemCommand(f"Load {model}", f"Chat with {model}",
-                                lambda m=model: self.run_slash(f"/load {m}"), discover=False)
 
     def mount_views(self, views: Iterable[Widget]) -> None:
         self.log_view.mount_all(list(views))
