@@ -11,13 +11,14 @@ import tmux_run_check
 
 from localllm.tui.chatstore import ChatStore
 
+PROMPT = "Write a long story about a lighthouse."  # long: the 24 tokens are all there
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
 
 @pytest.mark.parametrize("size", [(80, 24), (140, 40)])
 def test_run_in_a_real_terminal_shows_the_answer_and_the_stats(daemon, size):
     env = {**daemon.env, "LOCALLLM_HOST": daemon.url.removeprefix("http://")}
-    seen = tmux_run_check.check("smollm2", "Name three colours.", env=env, width=size[0],
+    seen = tmux_run_check.check("smollm2", PROMPT, env=env, width=size[0],
                                 height=size[1], num_predict=24)
     assert "smollm2 ready in" in seen.ready_line and "context 4096" in seen.ready_line
     assert seen.answer, f"no answer on screen:\n{seen.screen}"
@@ -28,5 +29,5 @@ def test_run_in_a_real_terminal_shows_the_answer_and_the_stats(daemon, size):
     store = ChatStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "chats.db")
     chat = store.chats()[0]
     assert [m.role for m in store.messages(chat.id)] == ["user", "assistant"]
-    assert chat.title == "Name three colours." and chat.options == {"num_predict": 24}
+    assert chat.title == PROMPT and chat.options == {"num_predict": 24}
     store.close()
