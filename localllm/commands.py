@@ -146,16 +146,41 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
             else:
                 await client.close()
                 return await run_chat(config, model, resume=args.resume, options=options)
-        history: list[dict] = []
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            if line.strip() in ("/bye", "/exit"):
-                break
-            history.append({"role": "user", "content": line.rstrip("\n")})
-            answer = await _answer(client, model, history, options, extra, args.verbose)
-            history.append({"role": "assistant", "content": answer})
+        await _chat_lines(client, model, dict(options or {}), extra, args.verbose)
     return 0
+
+
+async def _chat_lines(client: Client, model: str, options: dict, extra: dict,
+                      verbose: bool) -> None:
+    """Chat over stdin, a line a turn, for pipes and scripts; `/set parameter NAME VALUE`,
+    `/set system TEXT` and `/bye` work as in `ollama run`."""
+    from localllm.tui.slash import SlashError, parse_parameter
+
+    history: list[dict] = []
+    for raw in sys.stdin:
+        line = raw.strip()
+        if not line:
+            continue
+        if line in ("/bye", "/exit"):
+            break
+        if line.startswith("/"):
+            words = line.split()
+            try:
+                if words[:2] == ["/set", "parameter"] and len(words) >= 4:
+                    name, value = parse_parameter(words[2], words[3:])
+                    options[name] = value
+                elif words[:2] == ["/set", "system"] and len(words) >= 3:
+                    history = [m for m in history if m["role"] != "system"]
+                    history.insert(0, {"role": "system", "content": line.split(None, 2)[2]})
+                else:
+                    raise SlashError(f"unknown command '{words[0]}' here; use /set parameter "
+                                     "NAME VALUE, /set system TEXT or /bye")
+            except SlashError as e:
+                print(f"Error: {e}", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": raw.rstrip("\n")})
+        answer = await _answer(client, model, history, options or None, extra, verbose)
+        history.append({"role": "assistant", "content": answer})
 
 
 async def ensure_pulled(client: Client, model: str) -> None:

@@ -32,7 +32,8 @@ def test_every_command_has_help():
 
 
 def test_run_one_shot_streams_the_answer_and_verbose_prints_rates(daemon):
-    result = daemon.cli("run", "smollm2", "What is 2+2?", "--verbose")
+    result = daemon.cli("run", "smollm2", "Answer in one word: is the sky blue?", "--verbose",
+                        timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "eval rate:" in result.stderr and "prompt eval rate:" in result.stderr
@@ -41,9 +42,15 @@ def test_run_one_shot_streams_the_answer_and_verbose_prints_rates(daemon):
 
 
 def test_run_reads_lines_from_stdin_as_a_conversation(daemon):
-    result = daemon.cli("run", "smollm2", input="Hi\nWhat did I just say?\n")
+    result = daemon.cli("run", "smollm2", "--verbose",
+                        input="/set parameter num_predict 12\n/nonsense\n"
+                        "Hi\nWhat did I just say?\n/bye\nnot read\n")
     assert result.returncode == 0, result.stderr
     assert len([line for line in result.stdout.splitlines() if line.strip()]) >= 2
+    assert "unknown command '/nonsense'" in result.stderr
+    counts = [int(line.split()[2]) for line in result.stderr.splitlines()
+              if line.startswith("eval count:")]
+    assert len(counts) == 2 and all(0 < n <= 12 for n in counts)
 
 
 def test_list_show_cp_rm(daemon):
