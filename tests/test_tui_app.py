@@ -260,6 +260,7 @@ async def test_a_missing_model_is_pulled_with_progress_then_loaded(tmp_path, smo
                 assert any(f"Pulled {model} (93.8 MiB)" in n for n in notes(app))
                 assert not app.query_one(ProgressLine).display
                 await type_line(pilot, app, "/set parameter num_predict 4")
+                await type_line(pilot, app, "/set parameter temperature 0")  # no early stop
                 await type_line(pilot, app, LOOPING_PROMPT)
                 await wait_until(pilot, lambda: not app.streaming and app.turn
                                  and app.turn.eval_count == 4, "an answer")
@@ -286,6 +287,7 @@ async def test_the_daemon_is_started_when_none_runs(home, smollm2_gguf, monkeypa
             daemon_pid = (await app.client.request("GET", "/api/status"))["pid"]
             assert daemon_pid != os.getpid()
             await type_line(pilot, app, "/set parameter num_predict 4")
+            await type_line(pilot, app, "/set parameter temperature 0")  # no early stop
             await type_line(pilot, app, LOOPING_PROMPT)
             await wait_until(pilot, lambda: not app.streaming and app.turn
                              and app.turn.eval_count == 4, "an answer")
