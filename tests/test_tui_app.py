@@ -24,7 +24,8 @@ def config_for(daemon) -> Config:
     return Config(host=daemon.url.removeprefix("http://"), socket=str(daemon.socket))
 
 
-async def wait_until(pilot, predicate, what: str, timeout: float = 60):
+async def wait_until(pilot, predicate, what: str, timeout: float = 240):
+    # Generous: on a shared 2-core machine smollm2 can fall to a few tokens a second.
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
