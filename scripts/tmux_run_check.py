@@ -12,6 +12,7 @@ tests/test_tui_tmux.py calls `check()` against a test daemon.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -76,7 +77,11 @@ class Tmux:
             time.sleep(0.1)  # ok-sleep: the poll interval of a deadline loop
 
     def kill(self) -> None:
+        path = self.run("display-message", "-p", "#{socket_path}", check=False).stdout.strip()
         self.run("kill-server", check=False)
+        if path.endswith(self.socket):  # tmux leaves the socket file behind
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def answer_text(screen: str, model: str) -> str:
