@@ -109,7 +109,8 @@ def check(model: str = "smollm2", prompt: str = "Name three colours.", env: dict
         screen = tmux.wait_for(lambda s: " ready in " in s, timeout, "the model to load")
         ready = next(line.strip() for line in screen.splitlines() if " ready in " in line)
         tmux.type(f"/set parameter num_predict {num_predict}")
-        tmux.wait_for(lambda s: "Set parameter 'num_predict'" in s, 30, "the parameter")
+        tmux.type("/set parameter temperature 0")  # greedy: the answer is as long as asked
+        tmux.wait_for(lambda s: "Set parameter 'temperature'" in s, 30, "the parameters")
         tmux.type(prompt)
         screen = tmux.wait_for(lambda s: FINAL_STATS.search(s) is not None, timeout,
                                "the answer and its stats")

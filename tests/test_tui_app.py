@@ -73,6 +73,7 @@ async def test_an_answer_streams_with_live_speed_and_context_use(daemon, chats):
         await wait_until(pilot, lambda: app.runner is not None, "the model to load")
         assert any("smollm2 ready" in n for n in notes(app))
         await type_line(pilot, app, "/set parameter num_predict 160")
+        await type_line(pilot, app, "/set parameter temperature 0")  # greedy: no early stop
         await type_line(pilot, app, LOOPING_PROMPT)
         live_rates = []
 
@@ -135,6 +136,7 @@ async def test_ctrl_c_stops_the_answer_in_the_daemon_and_a_second_one_quits(daem
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_until(pilot, lambda: app.runner is not None, "the model to load")
         await type_line(pilot, app, "/set parameter num_predict 4000")
+        await type_line(pilot, app, "/set parameter temperature 0")  # greedy: no early stop
         await type_line(pilot, app, LOOPING_PROMPT)
         await wait_until(pilot, lambda: app.turn is not None and app.turn.eval_count >= 8,
                          "the answer to start")
@@ -192,6 +194,7 @@ async def test_model_deleted_mid_chat(daemon, chats):
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_until(pilot, lambda: app.runner is not None, "the model to load")
         await type_line(pilot, app, "/set parameter num_predict 200")
+        await type_line(pilot, app, "/set parameter temperature 0")  # greedy: no early stop
         await type_line(pilot, app, LOOPING_PROMPT)
         await wait_until(pilot, lambda: app.turn is not None and app.turn.eval_count >= 4,
                          "the answer to start")
@@ -214,6 +217,7 @@ async def test_daemon_killed_mid_chat(fresh_daemon, chats):
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_until(pilot, lambda: app.runner is not None, "the model to load")
         await type_line(pilot, app, "/set parameter num_predict 4000")
+        await type_line(pilot, app, "/set parameter temperature 0")  # greedy: no early stop
         await type_line(pilot, app, LOOPING_PROMPT)
         await wait_until(pilot, lambda: app.turn is not None and app.turn.eval_count >= 4,
                          "the answer to start")

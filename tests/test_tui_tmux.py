@@ -29,5 +29,5 @@ def test_run_in_a_real_terminal_shows_the_answer_and_the_stats(daemon, size):
     store = ChatStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "chats.db")
     chat = store.chats()[0]
     assert [m.role for m in store.messages(chat.id)] == ["user", "assistant"]
-    assert chat.title == PROMPT and chat.options == {"num_predict": 24}
+    assert chat.title == PROMPT and chat.options == {"num_predict": 24, "temperature": 0.0}
     store.close()
