@@ -142,6 +142,9 @@ class RunnerProcess:
     async def stop(self) -> None:
         if not self.proc:
             return
+        if self.alive:
+            for request_id in list(self._events):  # an answer in flight ends now, not later
+                self._send({"op": "cancel", "id": request_id})
         try:
             await asyncio.wait_for(self._release(), timeout=10)
         except TimeoutError:

@@ -25,9 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("run", help="answer a prompt, or chat, with a model",
-                       description="Stream an answer to PROMPT and exit; without a prompt, chat "
-                       "line by line on stdin. With no model, uses the default (smollm2), "
-                       "fetching it on first use.")
+                       description="Stream an answer to PROMPT and exit. Without a prompt, "
+                       "chat: the full-screen chat in a terminal, a line a turn from stdin "
+                       "otherwise (with /set parameter NAME VALUE, /set system, /bye). With no "
+                       "model, uses the default (smollm2), fetching it on first use.")
     p.add_argument("words", nargs="*", metavar="[MODEL] PROMPT",
                    help="model name (optional) then the prompt")
     p.add_argument("--verbose", action="store_true", help="print timings and speeds after "

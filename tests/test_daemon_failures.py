@@ -183,3 +183,18 @@ def test_a_full_queue_answers_503_and_the_daemon_keeps_serving(tmp_path, smollm2
         assert client.generate(model="smollm2", prompt="hi", options={"num_predict": 2}).response
     finally:
         d.stop()
+
+
+def test_stop_during_an_answer_ends_it_at_once(fresh_daemon):
+    client = ollama.Client(host=fresh_daemon.url)
+    stream = client.generate(model="smollm2", prompt="Tell a very long story.", stream=True,
+                             options=LONG)
+    next(stream)
+    runner_pid = loaded(fresh_daemon)["runner_pid"]
+    result = fresh_daemon.cli("stop", "smollm2", timeout=30)
+    assert result.returncode == 0, result.stderr
+    parts = list(stream)  # the stream ends (done or an error line), it does not run on
+    assert parts == [] or parts[-1].done
+    assert fresh_daemon.get("/api/ps")["models"] == []
+    log = (fresh_daemon_state(fresh_daemon) / "logs" / "runner.log").read_text()
+    assert f"runner {runner_pid} INFO request" in log and "cancelled" in log
