@@ -72,7 +72,7 @@ async def test_an_answer_streams_with_live_speed_and_context_use(daemon, chats):
     async with app.run_test(size=(110, 30)) as pilot:
         await wait_until(pilot, lambda: app.runner is not None, "the model to load")
         assert any("smollm2 ready" in n for n in notes(app))
-        await type_line(pilot, app, "/set parameter num_predict 160")
+        await type_line(pilot, app, "/set parameter num_predict 48")
         await type_line(pilot, app, "/set parameter temperature 0")  # greedy: no early stop
         await type_line(pilot, app, LOOPING_PROMPT)
         live_rates = []
@@ -87,20 +87,20 @@ async def test_an_answer_streams_with_live_speed_and_context_use(daemon, chats):
         answer = app.entries[-1]
         assert answer.state == "done" and answer.content.strip()
         assert live_rates and max(live_rates) > 0, "no live decode speed while streaming"
-        await wait_until(pilot, lambda: "tok/s · 160 tok" in stats_text(app),
+        await wait_until(pilot, lambda: "tok/s · 48 tok" in stats_text(app),
                          "the stats line to show the whole answer")
         final = stats_text(app)
-        rate = float(re.search(r"([\d.]+) tok/s · 160 tok", final).group(1))
+        rate = float(re.search(r"([\d.]+) tok/s · 48 tok", final).group(1))
         used, n_ctx = map(int, re.search(r"ctx (\d+)/(\d+)", final).groups())
-        assert rate > 0 and n_ctx == 4096 and used > 160
+        assert rate > 0 and n_ctx == 4096 and used > 48
         assert "RAM" in final  # the runner's resident memory, from /api/stats
         # The daemon agrees: it generated exactly what the stats line counted.
         last = runner_stats(daemon, "smollm2")["last"]
-        assert last["eval_count"] == 160 == app.turn.eval_count
+        assert last["eval_count"] == 48 == app.turn.eval_count
         # Saved as it went: the database holds the prompt and the whole answer.
         messages = chats.messages(app.chat_id)
         assert [m.role for m in messages] == ["user", "assistant"]
-        assert messages[1].content == answer.content and messages[1].stats["eval_count"] == 160
+        assert messages[1].content == answer.content and messages[1].stats["eval_count"] == 48
 
 
 async def test_a_set_parameter_reaches_the_daemon(daemon, chats):
