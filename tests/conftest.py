@@ -84,3 +84,13 @@ def fresh_daemon(tmp_path, smollm2_gguf):
     d = start_daemon(env)
     yield d
     d.stop()
+
+
+@pytest.fixture
+def hub(smollm2_gguf):
+    """A local Hugging Face-style hub serving SmolLM2 as hub_server.REPO/FILE."""
+    from hub_server import FILE, REPO, Hub
+
+    with Hub() as hub:
+        hub.add(REPO, FILE, smollm2_gguf)
+        yield hub

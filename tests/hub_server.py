@@ -25,6 +25,9 @@ from pathlib import Path
 from aiohttp import web
 
 _CHUNK = 1 << 20
+# Where the pull tests publish SmolLM2 on the local hub (see the `hub` fixture in conftest.py).
+REPO = "test/SmolLM2-GGUF"
+FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @functools.cache

@@ -8,20 +8,11 @@ import json
 import ollama
 import pytest
 
-from hub_server import Hub
+from hub_server import FILE, REPO
 from localllm.config import Config
 from localllm.daemon.server import create_app
 from localllm.modelstore.store import sha256_file
 
-REPO = "test/SmolLM2-GGUF"
-FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture
-def hub(smollm2_gguf):
-    with Hub() as hub:
-        hub.add(REPO, FILE, smollm2_gguf)
-        yield hub
 
 
 @pytest.fixture

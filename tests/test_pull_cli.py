@@ -10,19 +10,10 @@ import time
 
 import pytest
 
-from hub_server import Hub
+from hub_server import FILE, REPO
 from localllm.modelstore.store import sha256_file
 
-REPO = "test/SmolLM2-GGUF"
-FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MiB = 1 << 20
-
-
-@pytest.fixture
-def hub(smollm2_gguf):
-    with Hub() as hub:
-        hub.add(REPO, FILE, smollm2_gguf)
-        yield hub
 
 
 @pytest.fixture

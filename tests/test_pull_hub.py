@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hub_server import Hub
+from hub_server import FILE, REPO
 from localllm.modelstore.download import (
     AuthRequired, DiskTooSmall, DownloadOptions, HashMismatch, NotGGUF, RangeRefused,
     RemoteNotFound,
@@ -16,19 +16,10 @@ from localllm.modelstore.hub import HubSettings
 from localllm.modelstore.pull import ensure_model_async, pull_model
 from localllm.modelstore.store import sha256_file
 
-REPO = "test/SmolLM2-GGUF"
-FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MiB = 1 << 20
 # Small parts so the 94 MiB test model comes in several parallel ranges; quick retries.
 FAST = DownloadOptions(connections=4, min_part_bytes=8 * MiB, backoff_s=0.01, retries=3,
                        disk_margin_bytes=0)
-
-
-@pytest.fixture
-def hub(smollm2_gguf):
-    with Hub() as hub:
-        hub.add(REPO, FILE, smollm2_gguf)
-        yield hub
 
 
 @pytest.fixture

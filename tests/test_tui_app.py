@@ -20,6 +20,16 @@ from localllm.tui.widgets import Note, StatsLine
 LOOPING_PROMPT = "Write a very long story about a dragon who counts sheep, one by one."
 
 
+async def start_a_long_answer(pilot, app, tokens_seen: int) -> None:
+    """Load, ask for an answer that would run for minutes, and wait until it is streaming."""
+    await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+    await type_line(pilot, app, "/set parameter num_predict 4000")
+    await type_line(pilot, app, "/set parameter temperature 0")  # greedy: no early stop
+    await type_line(pilot, app, LOOPING_PROMPT)
+    await wait_until(pilot, lambda: app.turn is not None and app.turn.eval_count >= tokens_seen,
+                     "the answer to start")
+
+
 def config_for(daemon) -> Config:
     return Config(host=daemon.url.removeprefix("http://"), socket=str(daemon.socket))
 
@@ -134,12 +144,7 @@ async def test_a_set_parameter_reaches_the_daemon(daemon, chats):
 async def test_ctrl_c_stops_the_answer_in_the_daemon_and_a_second_one_quits(daemon, chats):
     app = ChatApp(config_for(daemon), "smollm2", store=chats)
     async with app.run_test(size=(100, 30)) as pilot:
-        await wait_until(pilot, lambda: app.runner is not None, "the model to load")
-        await type_line(pilot, app, "/set parameter num_predict 4000")
-        await type_line(pilot, app, "/set parameter temperature 0")  # greedy: no early stop
-        await type_line(pilot, app, LOOPING_PROMPT)
-        await wait_until(pilot, lambda: app.turn is not None and app.turn.eval_count >= 8,
-                         "the answer to start")
+        await start_a_long_answer(pilot, app, tokens_seen=8)
         await pilot.press("ctrl+c")
         await wait_until(pilot, lambda: not app.streaming, "the answer to stop")
         await pilot.press("ctrl+c")
@@ -215,12 +220,7 @@ async def test_model_deleted_mid_chat(daemon, chats):
 async def test_daemon_killed_mid_chat(fresh_daemon, chats):
     app = ChatApp(config_for(fresh_daemon), "smollm2", store=chats)
     async with app.run_test(size=(100, 30)) as pilot:
-        await wait_until(pilot, lambda: app.runner is not None, "the model to load")
-        await type_line(pilot, app, "/set parameter num_predict 4000")
-        await type_line(pilot, app, "/set parameter temperature 0")  # greedy: no early stop
-        await type_line(pilot, app, LOOPING_PROMPT)
-        await wait_until(pilot, lambda: app.turn is not None and app.turn.eval_count >= 4,
-                         "the answer to start")
+        await start_a_long_answer(pilot, app, tokens_seen=4)
         fresh_daemon.proc.kill()
         await wait_until(pilot, lambda: any("Lost the daemon" in n for n in notes(app, "error")),
                          "a lost-daemon message")
