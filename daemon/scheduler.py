@@ -140,11 +140,13 @@ class Scheduler:
             ) and not _load_options_differ(slot.runner.plan, options):
                 return slot
             if slot:
-                await self._unload_slot(name, slot)
+                async with slot.lock:  # an answer in progress finishes before the reload
+                    await self._unload_slot(name, slot)
             await self._make_room()
             shape = await asyncio.to_thread(read_shape, entry.model_path)
-            plan = self.planner.choose(shape, name, context_to_ask(self.config, n_ctx, shape),
-                                       options)
+            # Planning may probe the GPU and dry-run llama.cpp: seconds, off the event loop.
+            plan = await asyncio.to_thread(self.planner.choose, shape, name,
+                                           context_to_ask(self.config, n_ctx, shape), options)
             runner = await self._load_stepping_down(name, entry, shape, plan)
             slot = Slot(runner=runner, entry=entry, lock=asyncio.Lock(),
                         keep_alive=self.config.keep_alive_seconds)

@@ -198,3 +198,23 @@ def test_stop_during_an_answer_ends_it_at_once(fresh_daemon):
     assert fresh_daemon.get("/api/ps")["models"] == []
     log = (fresh_daemon_state(fresh_daemon) / "logs" / "runner.log").read_text()
     assert f"runner {runner_pid} INFO request" in log and "cancelled" in log
+
+
+def test_a_request_with_another_context_waits_for_the_answer_in_progress(fresh_daemon):
+    import threading
+
+    client = ollama.Client(host=fresh_daemon.url)
+    first = client.generate(model="smollm2", prompt="Count from one to forty in words.",
+                            stream=True, options={"num_predict": 40, "temperature": 0,
+                                                  "num_ctx": 1024})
+    next(first)
+    other = {}
+    reload = threading.Thread(target=lambda: other.update(result=client.generate(
+        model="smollm2", prompt="hi", options={"num_predict": 2, "num_ctx": 2048})))
+    reload.start()
+    parts = list(first)
+    assert parts[-1].done and parts[-1].done_reason in ("stop", "length"), \
+        "the answer ran to its end; the reload did not cancel it"
+    reload.join(timeout=60)
+    assert other["result"].eval_count > 0
+    assert fresh_daemon.get("/api/ps")["models"][0]["context_length"] == 2048
