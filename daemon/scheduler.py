@@ -36,6 +36,7 @@ class Slot:
     """A loaded model: its runner, who is waiting for it, and when it expires."""
     runner: RunnerProcess
     entry: ModelEntry
+    shape: ModelShape  # read once at load; /api/ps and /api/stats use it
     lock: asyncio.Lock
     waiting: int = 0
     keep_alive: float | None = 300.0  # seconds after the last request; None = forever
@@ -148,7 +149,7 @@ class Scheduler:
             plan = await asyncio.to_thread(self.planner.choose, shape, name,
                                            context_to_ask(self.config, n_ctx, shape), options)
             runner = await self._load_stepping_down(name, entry, shape, plan)
-            slot = Slot(runner=runner, entry=entry, lock=asyncio.Lock(),
+            slot = Slot(runner=runner, entry=entry, shape=shape, lock=asyncio.Lock(),
                         keep_alive=self.config.keep_alive_seconds)
             self.slots[name] = slot
             return slot

@@ -253,7 +253,7 @@ async def api_show(request: web.Request) -> web.Response:
     body = await read_json(request)
     name = get_model_field(body)
     entry = find_model(request.app, name)
-    shape = read_shape(entry.model_path)
+    shape = await asyncio.to_thread(read_shape, entry.model_path)
     arch = shape.architecture
     info = {
         "general.architecture": arch,
@@ -318,7 +318,7 @@ async def api_ps(request: web.Request) -> web.Response:
     for slot in request.app[SCHEDULER].slots.values():
         runner = slot.runner
         plan = runner.plan
-        shape = read_shape(slot.entry.model_path)
+        shape = slot.shape
         kv = int(shape.kv_bytes_per_token(*_kv_bytes(plan)) * runner.n_ctx)
         size = slot.entry.model_layer.size + kv
         vram = plan.vram_bytes()

@@ -10,13 +10,11 @@ and clients should mark it as an estimate.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import warnings
 from pathlib import Path
 
 from aiohttp import web
-from localllm.modelstore.shape import read_shape
 
 from ..state import SCHEDULER
 
@@ -134,15 +132,6 @@ def vram_of(pid: int | None, by_pid: dict[int, int] | None, plan) -> tuple[int |
     return plan.vram_bytes(), "plan"
 
 
-_n_layers: dict[Path, int] = {}
-
-
-def n_layers(model_path: Path) -> int:
-    if model_path not in _n_layers:  # the header is read once per model file, not per poll
-        _n_layers[model_path] = read_shape(model_path).n_layer
-    return _n_layers[model_path]
-
-
 @routes.get("/api/stats")
 async def api_stats(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER]
@@ -151,9 +140,7 @@ async def api_stats(request: web.Request) -> web.Response:
     models = []
     for name, slot in slots:
         runner = slot.runner
-        layers = 0
-        with contextlib.suppress(Exception):  # a file replaced under us: still report the rest
-            layers = await asyncio.to_thread(n_layers, slot.entry.model_path)
+        layers = slot.shape.n_layer
         vram, vram_source = vram_of(runner.pid, by_pid, runner.plan)
         done = runner.last_done
         models.append({
