@@ -20,9 +20,13 @@ from localllm.tui.widgets import Note, StatsLine
 LOOPING_PROMPT = "Write a very long story about a dragon who counts sheep, one by one."
 
 
+async def wait_loaded(pilot, app) -> None:
+    await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+
+
 async def start_a_long_answer(pilot, app, tokens_seen: int) -> None:
     """Load, ask for an answer that would run for minutes, and wait until it is streaming."""
-    await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+    await wait_loaded(pilot, app)
     await type_line(pilot, app, "/set parameter num_predict 4000")
     await type_line(pilot, app, "/set parameter temperature 0")  # greedy: no early stop
     await type_line(pilot, app, LOOPING_PROMPT)
@@ -80,7 +84,7 @@ def chats(home):
 async def test_an_answer_streams_with_live_speed_and_context_use(daemon, chats):
     app = ChatApp(config_for(daemon), "smollm2", store=chats)
     async with app.run_test(size=(110, 30)) as pilot:
-        await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+        await wait_loaded(pilot, app)
         assert any("smollm2 ready" in n for n in notes(app))
         await type_line(pilot, app, "/set parameter num_predict 48")
         await type_line(pilot, app, "/set parameter temperature 0")  # greedy: no early stop
@@ -116,7 +120,7 @@ async def test_an_answer_streams_with_live_speed_and_context_use(daemon, chats):
 async def test_a_set_parameter_reaches_the_daemon(daemon, chats):
     app = ChatApp(config_for(daemon), "smollm2", store=chats)
     async with app.run_test(size=(100, 30)) as pilot:
-        await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+        await wait_loaded(pilot, app)
         await type_line(pilot, app, "/set parameter num_predict 3")
         await type_line(pilot, app, "/set parameter temperature 0")
         await type_line(pilot, app, LOOPING_PROMPT)
@@ -169,7 +173,7 @@ async def test_ctrl_c_stops_the_answer_in_the_daemon_and_a_second_one_quits(daem
 async def test_bad_commands_show_a_message_and_the_chat_goes_on(daemon, chats):
     app = ChatApp(config_for(daemon), "smollm2", store=chats)
     async with app.run_test(size=(80, 24)) as pilot:
-        await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+        await wait_loaded(pilot, app)
         await type_line(pilot, app, "/frobnicate now")
         await type_line(pilot, app, "/set parameter temperature hot")
         await type_line(pilot, app, "/set parameter top_p 7")
@@ -197,7 +201,7 @@ async def test_model_deleted_mid_chat(daemon, chats):
     post(daemon, "/api/copy", {"source": "smollm2", "destination": "tui-victim"})
     app = ChatApp(config_for(daemon), "tui-victim", store=chats)
     async with app.run_test(size=(100, 30)) as pilot:
-        await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+        await wait_loaded(pilot, app)
         await type_line(pilot, app, "/set parameter num_predict 200")
         await type_line(pilot, app, "/set parameter temperature 0")  # greedy: no early stop
         await type_line(pilot, app, LOOPING_PROMPT)
@@ -261,7 +265,7 @@ async def test_a_missing_model_is_pulled_with_progress_then_loaded(tmp_path, smo
                 assert bar.progress < size
                 assert "Pulling" in str(app.query_one("#progress-label").render())
                 hub.release()
-                await wait_until(pilot, lambda: app.runner is not None, "the model to load")
+                await wait_loaded(pilot, app)
                 assert any(f"Pulled {model} (93.8 MiB)" in n for n in notes(app))
                 assert not app.query_one(ProgressLine).display
                 await type_line(pilot, app, "/set parameter num_predict 4")

@@ -12,11 +12,12 @@ import tmux_run_check
 from localllm.tui.chatstore import ChatStore
 
 PROMPT = "Write a long story about a lighthouse."  # long: the 24 tokens are all there
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
 
 @pytest.mark.parametrize("size", [(80, 24), (140, 40)])
 def test_run_in_a_real_terminal_shows_the_answer_and_the_stats(daemon, size):
+    # scripts/test.sh installs tmux; a missing tmux fails here rather than skipping.
+    assert shutil.which("tmux"), "tmux is not installed: apt install tmux"
     env = {**daemon.env, "LOCALLLM_HOST": daemon.url.removeprefix("http://")}
     seen = tmux_run_check.check("smollm2", PROMPT, env=env, width=size[0],
                                 height=size[1], num_predict=24)

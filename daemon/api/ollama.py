@@ -10,10 +10,12 @@ import datetime as dt
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
 from localllm.modelstore.shape import read_shape
+from localllm.modelstore.store import ModelEntry
 
 from localllm import __version__
 from localllm.config import ConfigError, parse_duration
@@ -92,6 +94,26 @@ def parse_keep_alive(body: dict):
         raise bad_request(str(e), "keep_alive") from None
 
 
+@dataclass(frozen=True)
+class Common:
+    """What /api/generate and /api/chat share, parsed once: the model, the sampling options,
+    the load options (num_ctx and the rest) and how to answer."""
+
+    entry: ModelEntry
+    sampling: SamplingOptions
+    n_ctx: int | None
+    load: dict
+    keep_alive: float | None | str
+    stream: bool
+
+
+def parse_common(app: web.Application, body: dict) -> Common:
+    sampling, n_ctx, load = parse_options(body)
+    return Common(entry=find_model(app, get_str(body, "model", required=True)),
+                  sampling=sampling, n_ctx=n_ctx, load=load,
+                  keep_alive=parse_keep_alive(body), stream=get_bool(body, "stream", True))
+
+
 def metrics(gen: Generation, done: Done) -> dict:
     return {
         "done_reason": done.done_reason,
@@ -126,18 +148,13 @@ def live_stats(event: Token | Done, n_ctx: int, ttft_ns: int) -> dict:
 
 
 # ---- generate and chat -----------------------------------------------------------------
-async def _respond(request: web.Request, body: dict, gen_request: GenerationRequest,
+async def _respond(request: web.Request, common: Common, gen_request: GenerationRequest,
                    shape_chunk, final_extra) -> web.StreamResponse:
     """Run a generation and answer as NDJSON (stream) or one object (stream:false)."""
-    app = request.app
-    name = get_str(body, "model", required=True)
-    entry = find_model(app, name)
-    stream = get_bool(body, "stream", True)
-    _, n_ctx, load = parse_options(body)
-    keep_alive = parse_keep_alive(body)
-    model = str(entry.name)
-    async with generate(app, entry, gen_request, n_ctx, load, keep_alive) as gen:
-        if not stream:
+    model = str(common.entry.name)
+    async with generate(request.app, common.entry, gen_request, common.n_ctx, common.load,
+                        common.keep_alive) as gen:
+        if not common.stream:
             text, done = await collect(gen)
             return web.json_response({"model": model, "created_at": now_iso(),
                                       **shape_chunk(text), "done": True, **final_extra(done),
@@ -171,45 +188,41 @@ async def _respond(request: web.Request, body: dict, gen_request: GenerationRequ
 @routes.post("/api/generate")
 async def api_generate(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    name = get_str(body, "model", required=True)
     prompt = get_str(body, "prompt", default="")
-    sampling, n_ctx, load = parse_options(body)
+    common = parse_common(request.app, body)
     if not prompt:
-        return await _load_only(request, body, name, n_ctx, load)
+        return await _load_only(request, common)
     gen_request = GenerationRequest(
         id=new_request_id(), prompt=prompt, system=get_str(body, "system"),
-        raw=get_bool(body, "raw", False), options=sampling,
+        raw=get_bool(body, "raw", False), options=common.sampling,
     )
-    return await _respond(request, body, gen_request, lambda text: {"response": text},
+    return await _respond(request, common, gen_request, lambda text: {"response": text},
                           lambda done: {"context": list(done.context)})
 
 
 @routes.post("/api/chat")
 async def api_chat(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    name = get_str(body, "model", required=True)
-    sampling, n_ctx, load = parse_options(body)
+    common = parse_common(request.app, body)
     if body.get("messages") in (None, []):
-        return await _load_only(request, body, name, n_ctx, load)
+        return await _load_only(request, common)
     gen_request = GenerationRequest(id=new_request_id(), messages=get_messages(body),
-                                    options=sampling)
-    return await _respond(request, body, gen_request,
+                                    options=common.sampling)
+    return await _respond(request, common, gen_request,
                           lambda text: {"message": {"role": "assistant", "content": text}},
                           lambda done: {})
 
 
-async def _load_only(request, body, name, n_ctx, load) -> web.Response:
+async def _load_only(request: web.Request, common: Common) -> web.Response:
     """An empty prompt loads the model; with keep_alive 0 it unloads it (`ollama stop`)."""
-    app = request.app
-    entry = find_model(app, name)
-    keep_alive = parse_keep_alive(body)
+    app, entry = request.app, common.entry
     key = "message" if request.path == "/api/chat" else "response"
     empty = {"role": "assistant", "content": ""} if key == "message" else ""
-    if keep_alive == 0:
+    if common.keep_alive == 0:
         await app[SCHEDULER].unload(str(entry.name))
         reason = "unload"
     else:
-        async with hold(app, entry, n_ctx, load, keep_alive):
+        async with hold(app, entry, common.n_ctx, common.load, common.keep_alive):
             pass
         reason = "load"
     return web.json_response({"model": str(entry.name), "created_at": now_iso(), key: empty,
