@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
-from .engine_types import Done, Event, Failure, GenerationRequest, Token
-from .runner_client import RunnerProcess
+from .runner.protocol import Done, Event, Failure, GenerationRequest, Token
+from .runner.process import RunnerProcess
 from .state import SCHEDULER, STORE
 
 

@@ -22,7 +22,7 @@ from localllm.profiles.plan import Plan
 
 from localllm.config import Config
 
-from .runner_client import LoadError, RunnerProcess
+from .runner.process import LoadError, RunnerProcess
 
 log = logging.getLogger("localllm.scheduler")
 

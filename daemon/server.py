@@ -30,7 +30,7 @@ from .api.common import ApiError
 from .config_watch import watch_config, watch_profiles
 from .logging_setup import setup_logging
 from .generation import GenerationFailed
-from .runner_client import LoadError
+from .runner.process import LoadError
 from .scheduler import QueueFull, Scheduler
 from .state import CONFIG, SCHEDULER, STORE
 from .systemd import listen_fds, notify

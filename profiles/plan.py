@@ -44,6 +44,7 @@ class Plan:
     n_threads: int = 1
     n_threads_batch: int = 1
     use_mmap: bool = True
+    n_parallel: int = 1  # slots: sequences decoded together, each with n_ctx of KV
     speculative: str = "none"  # "none", "mtp", "draft", "prompt-lookup"
     draft_n_max: int = 0
     memory: tuple[DeviceMemory, ...] = ()
@@ -57,7 +58,7 @@ class Plan:
         return (self.n_ctx, self.n_gpu_layers, self.tensor_overrides, self.tensor_split,
                 self.type_k, self.type_v, self.flash_attn, self.swa_full, self.n_batch,
                 self.n_ubatch, self.n_threads, self.n_threads_batch, self.use_mmap,
-                self.speculative, self.draft_n_max)
+                self.n_parallel, self.speculative, self.draft_n_max)
 
     def vram_bytes(self) -> int:
         return sum(m.total for m in self.memory if m.device != "CPU")

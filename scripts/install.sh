@@ -28,5 +28,12 @@ fi
 extra=""
 [ "$want_test" = 1 ] && extra="[test]"
 echo "installing localllm$extra (the first time compiles llama.cpp: several minutes)..."
+# GGML_RPC adds llama.cpp's RPC backend (libggml-rpc): `localllm worker` and `rpc_workers`.
+export CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=on"
 .venv/bin/python -m pip install -q -e ".$extra"
+# A wheel cached from a build without RPC would be reused silently: rebuild it once.
+if ! ls .venv/lib/python3*/site-packages/llama_cpp/lib/libggml-rpc.so >/dev/null 2>&1; then
+  echo "rebuilding llama-cpp-python with the RPC backend..."
+  .venv/bin/python -m pip install -q --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
+fi
 echo "installed: $(.venv/bin/localllm --version)  ->  .venv/bin/localllm"

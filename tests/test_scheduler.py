@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from localllm.config import Config
-from localllm.daemon.engine_types import Done, GenerationRequest, SamplingOptions
-from localllm.daemon.runner_client import LoadError
+from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOptions
+from localllm.daemon.runner.process import LoadError
 from localllm.daemon.scheduler import Planner, Scheduler, context_to_ask
 from localllm.modelstore.shape import read_shape
 from localllm.profiles.plan import cpu_plan

@@ -20,9 +20,9 @@ from localllm.modelstore.store import ModelEntry
 from localllm import __version__
 from localllm.config import ConfigError, parse_duration
 
-from ..engine_types import Done, Failure, GenerationRequest, SamplingOptions, Token
+from ..runner.protocol import Done, Failure, GenerationRequest, SamplingOptions, Token
 from ..generation import Generation, collect, find_model, first_event, generate, hold
-from ..runner_client import new_request_id
+from ..runner.process import new_request_id
 from ..state import SCHEDULER, STORE
 from .common import (
     bad_request,

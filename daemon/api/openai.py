@@ -8,9 +8,9 @@ import uuid
 
 from aiohttp import web
 
-from ..engine_types import Done, Failure, GenerationRequest, SamplingOptions, Token
+from ..runner.protocol import Done, Failure, GenerationRequest, SamplingOptions, Token
 from ..generation import collect, find_model, first_event, generate
-from ..runner_client import new_request_id
+from ..runner.process import new_request_id
 from ..state import STORE
 from .common import (
     bad_request,

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from localllm.profiles.plan import Plan
 
-from .engine_types import Done, Event, Failure, GenerationRequest, Token, event_from_wire
+from .protocol import Done, Event, Failure, GenerationRequest, Token, event_from_wire
 
-log = logging.getLogger("localllm.runner_client")
+log = logging.getLogger("localllm.runner.process")
 # Protocol lines can be long (a Done event carries the whole token context).
 STREAM_LIMIT = 64 * 1024 * 1024
 

@@ -22,7 +22,7 @@ import time
 import traceback
 from dataclasses import replace
 
-from .engine_types import Failure, GenerationRequest, Token, event_to_wire
+from .protocol import Failure, GenerationRequest, Token, event_to_wire
 
 log = logging.getLogger("localllm.runner")
 

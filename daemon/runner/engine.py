@@ -19,7 +19,7 @@ from llama_cpp import Llama
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from localllm.profiles.plan import Plan
 
-from .engine_types import Done, Event, Failure, GenerationRequest, Token
+from .protocol import Done, Event, Failure, GenerationRequest, Token
 
 GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
               "bf16": 30, "iq4_nl": 20}
