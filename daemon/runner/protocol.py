@@ -26,6 +26,7 @@ class SamplingOptions:
     seed: int | None = None
     num_predict: int = -1  # -1: until the context is full or the model stops
     stop: tuple[str, ...] = ()
+    speculative: str = "auto"  # "auto" (the plan's choice), "off", "lookup", "mtp", "draft"
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class GenerationRequest:
     system: str | None = None  # Ollama generate's `system`, used when templating a prompt
     raw: bool = False  # Ollama generate `raw`: no template, prompt as given
     options: SamplingOptions = field(default_factory=SamplingOptions)
+    grammar: str | None = None  # GBNF (root rule "root") constraining the answer
+    logprobs: int | None = None  # None: off; N >= 0: each token's logprob and the top N
 
     def to_wire(self) -> dict:
         data = asdict(self)
@@ -54,6 +57,8 @@ class GenerationRequest:
             system=data.get("system"),
             raw=bool(data.get("raw")),
             options=SamplingOptions(**options),
+            grammar=data.get("grammar"),
+            logprobs=data.get("logprobs"),
         )
 
 
@@ -70,6 +75,10 @@ class Token:
     context_used: int = 0  # prompt + answer tokens so far
     drafted: int | None = None  # speculative decoding: draft tokens proposed so far (None: off)
     draft_accepted: int | None = None  # ... and how many of them the target model accepted
+    # With GenerationRequest.logprobs: one entry per token behind `text`:
+    # {"token": str, "logprob": float, "bytes": [int], "top_logprobs": [{"token", "logprob",
+    # "bytes"}]}
+    logprobs: tuple[dict, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,28 +98,68 @@ class Done:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """Prompt reading, between chunks: how many prompt tokens are in the cache so far."""
+    prompt_read: int
+    prompt_total: int
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    id: str
+    inputs: tuple[str, ...]
+    truncate: bool = True  # cut inputs longer than the embedding context (else a 400)
+    dimensions: int | None = None  # keep the first N dimensions (then normalize again)
+
+    def to_wire(self) -> dict:
+        data = asdict(self)
+        data["op"] = "embed"
+        return data
+
+    @classmethod
+    def from_wire(cls, data: dict) -> EmbedRequest:
+        return cls(id=data["id"], inputs=tuple(data["inputs"]),
+                   truncate=bool(data.get("truncate", True)), dimensions=data.get("dimensions"))
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    vectors: tuple[tuple[float, ...], ...]  # unit length, one per input
+    prompt_tokens: int  # tokens read over all inputs
+    duration_ns: int = 0
+
+
+@dataclass(frozen=True)
 class Failure:
     message: str
     status: int = 500  # 400 when the request itself was at fault (prompt too long, no template)
 
 
-Event = Token | Done | Failure
+Event = Token | Done | Failure | Progress | Embeddings
+EVENT_KINDS = {Token: "token", Done: "done", Failure: "error", Progress: "progress",
+               Embeddings: "embeddings"}
 
 
 def event_to_wire(request_id: str, event: Event) -> dict:
-    kind = {Token: "token", Done: "done", Failure: "error"}[type(event)]
     data = asdict(event)
     if isinstance(event, Done):
         data["context"] = list(event.context)
-    return {"event": kind, "id": request_id, **data}
+    return {"event": EVENT_KINDS[type(event)], "id": request_id, **data}
 
 
 def event_from_wire(data: dict) -> Event:
     kind = data.pop("event")
     data.pop("id", None)
     if kind == "token":
+        if data.get("logprobs") is not None:
+            data["logprobs"] = tuple(data["logprobs"])
         return Token(**data)
     if kind == "done":
         data["context"] = tuple(data.get("context") or ())
         return Done(**data)
+    if kind == "progress":
+        return Progress(**data)
+    if kind == "embeddings":
+        data["vectors"] = tuple(tuple(v) for v in data["vectors"])
+        return Embeddings(**data)
     return Failure(**data)
