@@ -1,9 +1,13 @@
 """Which models are loaded, who may use them, and when they go away.
 
-One runner process per loaded model, serving one request at a time (requests queue on a
-per-runner lock). A request whose load options differ from the loaded runner's (a new num_ctx)
-reloads it. keep_alive follows Ollama: a duration after the last request, 0 unloads at once,
-negative keeps the model loaded until the daemon stops.
+One runner process per loaded model, serving up to `n_parallel` requests at once (its slots);
+more wait, first come first served, on that model's semaphore. Loading a model takes only that
+model's lock, so requests to other loaded models go on meanwhile. `max_queue` bounds every
+request that waits, for a slot or for a load; `queue_timeout` bounds how long.
+
+A request whose load options differ from the loaded runner's (a new num_ctx) reloads it after
+the answers in progress end. keep_alive follows Ollama: a duration after the last request, 0
+unloads at once, negative keeps the model loaded until the daemon stops.
 """
 
 from __future__ import annotations
@@ -11,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 
 from localllm.modelstore.pull import model_file
 from localllm.modelstore.shape import ModelShape, read_shape
@@ -22,26 +27,39 @@ from localllm.profiles.plan import Plan
 
 from localllm.config import Config
 
-from .runner.process import LoadError, RunnerProcess
+from .runner.process import RUNNER_COMMAND, LoadError, RunnerProcess
 
 log = logging.getLogger("localllm.scheduler")
 
 
 class QueueFull(Exception):
-    """Too many requests are waiting (status 503)."""
+    """Too many requests are waiting, or one waited too long (status 503, Retry-After)."""
 
 
 @dataclass
-class Slot:
-    """A loaded model: its runner, who is waiting for it, and when it expires."""
+class LoadedModel:
+    """A loaded model: its runner, who uses it and who waits, and when it expires."""
     runner: RunnerProcess
     entry: ModelEntry
     shape: ModelShape  # read once at load; /api/ps and /api/stats use it
-    lock: asyncio.Lock
-    waiting: int = 0
+    file_id: tuple  # (inode, size, mtime) of the model file when it was loaded
+    slots: asyncio.Semaphore = field(init=False)
+    active: int = 0  # requests holding a slot
+    waiting: int = 0  # requests waiting for a slot
     keep_alive: float | None = 300.0  # seconds after the last request; None = forever
     expires_at: float | None = None  # wall-clock time; None while in use or kept forever
     last_used: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.slots = asyncio.Semaphore(max(1, self.runner.n_parallel))
+
+    @property
+    def busy(self) -> bool:
+        return self.active > 0
+
+    @property
+    def idle(self) -> bool:
+        return self.active == 0 and self.waiting == 0
 
 
 class Planner:
@@ -73,15 +91,26 @@ def context_to_ask(config: Config, n_ctx: int | None, shape: ModelShape) -> int 
     return None  # "fit": the tuner picks the largest context that keeps the model fast
 
 
+def file_id(path) -> tuple:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class Scheduler:
     def __init__(self, store: ModelStore, config: Config, log_dir,
-                 planner: Planner | None = None):
+                 planner: Planner | None = None, runner_command: Sequence[str] = RUNNER_COMMAND):
         self.store = store
         self.config = config
         self.log_dir = log_dir
         self.planner = planner or Planner()
-        self.slots: dict[str, Slot] = {}
-        self._load_lock = asyncio.Lock()
+        self.runner_command = tuple(runner_command)
+        self.models: dict[str, LoadedModel] = {}
+        self.queued = 0  # requests waiting for a slot or a load, over all models
+        self._model_locks: dict[str, asyncio.Lock] = {}
+        self._room_lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None
         self._wake = asyncio.Event()
 
@@ -94,7 +123,7 @@ class Scheduler:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
-        for name in list(self.slots):
+        for name in list(self.models):
             await self.unload(name)
 
     def apply_config(self, config: Config) -> None:
@@ -102,65 +131,107 @@ class Scheduler:
         self.config = config
         self._wake.set()
 
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._model_locks.setdefault(name, asyncio.Lock())
+
     # ---- use ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def use(self, entry: ModelEntry, n_ctx: int | None, options: dict,
                   keep_alive: float | None | str = "default") -> AsyncIterator[RunnerProcess]:
-        """Hold the model's runner for one request, loading (or reloading) it as needed."""
+        """Hold one slot of the model's runner for one request, loading it as needed."""
         name = str(entry.name)
         keep = self.config.keep_alive_seconds if keep_alive == "default" else keep_alive
-        waiting = sum(slot.waiting for slot in self.slots.values())
-        if waiting >= self.config.max_queue:
-            raise QueueFull(f"{waiting} requests are already waiting; try again later")
-        while True:
-            slot = await self._slot_for(entry, n_ctx, options)
-            slot.waiting += 1
-            try:
-                await slot.lock.acquire()
-            finally:
-                slot.waiting -= 1
-            if slot.runner.alive and self.slots.get(name) is slot:
-                break
-            slot.lock.release()  # it died or was replaced while we queued: load again
-        slot.expires_at = None
+        model = await self._acquire(entry, n_ctx, options)
+        model.active += 1
+        model.expires_at = None
         try:
-            yield slot.runner
+            yield model.runner
         finally:
-            slot.last_used = time.time()
-            slot.keep_alive = keep
-            slot.expires_at = None if keep is None else time.time() + keep
-            slot.lock.release()
+            model.active -= 1
+            model.last_used = time.time()
+            model.keep_alive = keep
+            if model.active == 0:
+                model.expires_at = None if keep is None else time.time() + keep
+            model.slots.release()
             self._wake.set()
+            if keep == 0 and model.idle and self.models.get(name) is model:
+                asyncio.ensure_future(self._unload_if_idle(name, model))
 
-    async def _slot_for(self, entry: ModelEntry, n_ctx: int | None, options: dict) -> Slot:
+    async def _acquire(self, entry: ModelEntry, n_ctx: int | None,
+                       options: dict) -> LoadedModel:
+        """A slot of a loaded, current runner for this request (503 past the queue's limits)."""
+        if self.queued >= self.config.max_queue:
+            raise QueueFull(f"{self.queued} requests are already waiting; try again later")
+        self.queued += 1
+        deadline = time.monotonic() + self.config.queue_timeout_seconds
+        try:
+            while True:
+                model = await self._loaded(entry, n_ctx, options)
+                model.waiting += 1
+                try:
+                    await asyncio.wait_for(model.slots.acquire(),
+                                           max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise QueueFull(f"waited {self.config.queue_timeout}s for {entry.name} "
+                                    f"to be free; try again later") from None
+                finally:
+                    model.waiting -= 1
+                if model.runner.alive and self.models.get(str(entry.name)) is model:
+                    return model
+                model.slots.release()  # it died or was replaced while we waited: again
+        finally:
+            self.queued -= 1
+
+    def _current(self, model: LoadedModel | None, entry: ModelEntry, n_ctx: int | None,
+                 options: dict) -> bool:
+        return bool(model and model.runner.alive and model.entry.digest == entry.digest
+                    and (n_ctx is None or n_ctx == model.runner.plan.n_ctx)
+                    and not _load_options_differ(model.runner.plan, options)
+                    and file_id(model.runner.model_path) == model.file_id)
+
+    async def _loaded(self, entry: ModelEntry, n_ctx: int | None,
+                      options: dict) -> LoadedModel:
         name = str(entry.name)
-        async with self._load_lock:
-            slot = self.slots.get(name)
-            if slot and slot.runner.alive and slot.entry.digest == entry.digest and (
-                n_ctx is None or n_ctx == slot.runner.plan.n_ctx
-            ) and not _load_options_differ(slot.runner.plan, options):
-                return slot
-            if slot:
-                async with slot.lock:  # an answer in progress finishes before the reload
-                    await self._unload_slot(name, slot)
-            await self._make_room()
+        model = self.models.get(name)
+        if self._current(model, entry, n_ctx, options):
+            return model  # the common case takes no lock
+        async with self._lock(name):
+            model = self.models.get(name)
+            if self._current(model, entry, n_ctx, options):
+                return model
+            if model is not None:
+                if model.runner.alive and file_id(model.runner.model_path) != model.file_id:
+                    log.warning("the file of %s changed under it; loading it again", name)
+                del self.models[name]  # new requests wait for the new load, not this one
+                await self._retire(name, model)
+            async with self._room_lock:
+                await self._make_room()
             shape = await asyncio.to_thread(read_shape, entry.model_path)
             # Planning may probe the GPU and dry-run llama.cpp: seconds, off the event loop.
             plan = await asyncio.to_thread(self.planner.choose, shape, name,
                                            context_to_ask(self.config, n_ctx, shape), options)
-            runner = await self._load_stepping_down(name, entry, shape, plan)
-            slot = Slot(runner=runner, entry=entry, shape=shape, lock=asyncio.Lock(),
-                        keep_alive=self.config.keep_alive_seconds)
-            self.slots[name] = slot
-            return slot
+            path = model_file(self.store, entry)
+            runner = await self._load_stepping_down(name, path, shape, plan)
+            model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
+                                keep_alive=self.config.keep_alive_seconds)
+            self.models[name] = model
+            return model
 
-    async def _load_stepping_down(self, name: str, entry: ModelEntry, shape: ModelShape,
+    async def _retire(self, name: str, model: LoadedModel) -> None:
+        """Unload a replaced runner once the answers it is giving have ended."""
+        if model.runner.alive:
+            for _ in range(model.runner.n_parallel):
+                await model.slots.acquire()
+        await model.runner.stop()
+        log.info("unloaded %s", name)
+
+    async def _load_stepping_down(self, name: str, path, shape: ModelShape,
                                   plan: Plan) -> RunnerProcess:
         """Load with `plan`; when the load fails (out of memory, as a rule, on a GPU), retry
         with the planner's next smaller plan, which it records in the saved profile."""
         while True:
             try:
-                return await self._load(name, entry, plan)
+                return await self._load(name, path, plan)
             except LoadError as e:
                 smaller = await asyncio.to_thread(self.planner.step_down, plan, shape, name,
                                                   str(e))
@@ -170,53 +241,66 @@ class Scheduler:
                             name, e, smaller.reasons[-1] if smaller.reasons else "")
                 plan = smaller
 
-    async def _load(self, name: str, entry: ModelEntry, plan: Plan) -> RunnerProcess:
-        runner = RunnerProcess(name, model_file(self.store, entry), plan,
-                               self.log_dir / "runner.log")
+    async def _load(self, name: str, path, plan: Plan) -> RunnerProcess:
+        runner = RunnerProcess(name, path, plan, self.log_dir / "runner.log",
+                               command=self.runner_command)
         log.info("loading %s: %s", name, "; ".join(plan.reasons))
         try:
-            await runner.start()
+            await runner.start(timeout=self.config.load_timeout_seconds)
         except LoadError:
             await runner.stop()
             raise
-        log.info("loaded %s in %.2fs (pid %s)", name, runner.load_duration_ns / 1e9, runner.pid)
+        log.info("loaded %s in %.2fs (pid %s, %d slots)", name, runner.load_duration_ns / 1e9,
+                 runner.pid, runner.n_parallel)
         return runner
 
     async def _make_room(self) -> None:
         """Unload the least recently used idle model while at the loaded-model limit."""
-        while len(self.slots) >= self.config.max_loaded_models:
-            idle = [(s.last_used, n) for n, s in self.slots.items()
-                    if not s.lock.locked() and not s.waiting]
+        while len(self.models) >= self.config.max_loaded_models:
+            idle = [(m.last_used, n) for n, m in self.models.items() if m.idle]
             if not idle:
                 return  # everything is busy: load beside them rather than deadlock
-            await self._unload_slot(min(idle)[1], self.slots[min(idle)[1]])
+            name = min(idle)[1]
+            await self._unload_if_idle(name, self.models[name])
 
+    # ---- unload ------------------------------------------------------------------------
     async def unload(self, name: str) -> bool:
-        slot = self.slots.get(name)
-        if slot is None:
+        """Unload now (rm, stop, keep_alive 0): answers in progress are cancelled first."""
+        model = self.models.get(name)
+        if model is None:
             return False
-        async with self._load_lock:
-            await self._unload_slot(name, slot)
+        async with self._lock(name):
+            if self.models.get(name) is model:
+                del self.models[name]
+            await model.runner.stop()
+            log.info("unloaded %s", name)
         return True
 
-    async def _unload_slot(self, name: str, slot: Slot) -> None:
-        if self.slots.get(name) is slot:
-            del self.slots[name]
-        await slot.runner.stop()
-        log.info("unloaded %s", name)
+    async def _unload_if_idle(self, name: str, model: LoadedModel,
+                              expired_only: bool = False) -> None:
+        """Unload `model` if, once its lock is held, it is still the loaded one and nobody uses
+        or waits for it (the state is checked after the wait, never before)."""
+        async with self._lock(name):
+            if self.models.get(name) is not model or not model.idle:
+                return
+            if expired_only and (model.expires_at is None or model.expires_at > time.time()):
+                return
+            del self.models[name]
+            await model.runner.stop()
+            log.info("unloaded %s", name)
 
     async def _reap_expired(self) -> None:
         while True:
             now = time.time()
             next_check = 60.0
-            for name, slot in list(self.slots.items()):
-                if not slot.runner.alive and not slot.lock.locked():
-                    await self.unload(name)
-                elif slot.expires_at is not None and not slot.lock.locked() and not slot.waiting:
-                    if slot.expires_at <= now:
-                        await self.unload(name)
+            for name, model in list(self.models.items()):
+                if not model.runner.alive and model.active == 0:
+                    await self._unload_if_idle(name, model)
+                elif model.expires_at is not None and model.idle:
+                    if model.expires_at <= now:
+                        await self._unload_if_idle(name, model, expired_only=True)
                     else:
-                        next_check = min(next_check, slot.expires_at - now)
+                        next_check = min(next_check, model.expires_at - now)
             self._wake.clear()
             # Not wait_for: cancelling a wait_for on an Event hung close() on Python 3.11.
             woken = asyncio.ensure_future(self._wake.wait())

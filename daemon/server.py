@@ -79,7 +79,9 @@ async def error_middleware(request: web.Request, handler):
             known = (500, f"internal error: {type(e).__name__}: {e}")
         status, message = known
         param = getattr(e, "param", None)
-        return web.json_response(error_body(request.path, status, message, param), status=status)
+        headers = {"Retry-After": "5"} if isinstance(e, QueueFull) else None
+        return web.json_response(error_body(request.path, status, message, param),
+                                 status=status, headers=headers)
 
 
 def auth_middleware(api_key: str):
@@ -152,7 +154,9 @@ def prepare_socket_path(path: Path) -> None:
 async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     check_bind(config)
     app = create_app(config)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5)
+    # handler_cancellation: a client that disconnects cancels its handler, so a non-streamed
+    # answer stops generating too (a streamed one notices at its next write).
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5, handler_cancellation=True)
     await runner.setup()
     sock_path = config.socket_path
     host, port = config.tcp

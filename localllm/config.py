@@ -9,6 +9,8 @@
 | max_loaded_models | LOCALLLM_MAX_LOADED_MODELS | 2                             | live      |
 | num_parallel      | LOCALLLM_NUM_PARALLEL      | 1                             | next load |
 | max_queue         | LOCALLLM_MAX_QUEUE         | 64                            | live      |
+| queue_timeout     | LOCALLLM_QUEUE_TIMEOUT     | 5m                            | live      |
+| load_timeout      | LOCALLLM_LOAD_TIMEOUT      | 10m                           | live      |
 | default_model     | LOCALLLM_DEFAULT_MODEL     | smollm2                       | live      |
 | default_ctx       | LOCALLLM_CONTEXT_LENGTH    | 4096                          | next load |
 | context_policy    | LOCALLLM_CONTEXT_POLICY    | fit                           | next load |
@@ -19,6 +21,10 @@
 
 - num_parallel: requests one loaded model serves at once (llama.cpp sequences; each has its own
   KV cache of default_ctx tokens).
+- max_queue: requests that may wait (for a slot or a load) over all models; past it, 503 with
+  Retry-After. queue_timeout: how long one may wait before the same 503.
+- load_timeout: a runner that has not loaded its model by then is stopped and the request fails
+  (a hung GPU driver must not wedge the daemon).
 - context_policy: `fixed` uses default_ctx (or the request's num_ctx) and spills to the CPU when
   it does not fit; `fit` shrinks the context until the model fits on the GPU; `max` takes the
   largest context that fits, up to the model's trained length.
@@ -66,6 +72,8 @@ class Config:
     max_loaded_models: int = 2
     num_parallel: int = 1
     max_queue: int = 64
+    queue_timeout: str = "5m"
+    load_timeout: str = "10m"
     default_model: str = "smollm2"
     default_ctx: int = 4096
     context_policy: str = "fit"
@@ -86,6 +94,14 @@ class Config:
     def keep_alive_seconds(self) -> float | None:
         return parse_duration(self.keep_alive)
 
+    @property
+    def queue_timeout_seconds(self) -> float:
+        return max(0.0, parse_duration(self.queue_timeout) or 0.0)
+
+    @property
+    def load_timeout_seconds(self) -> float:
+        return max(1.0, parse_duration(self.load_timeout) or 0.0)
+
 
 ENV = {
     "host": "LOCALLLM_HOST",
@@ -95,6 +111,8 @@ ENV = {
     "max_loaded_models": "LOCALLLM_MAX_LOADED_MODELS",
     "num_parallel": "LOCALLLM_NUM_PARALLEL",
     "max_queue": "LOCALLLM_MAX_QUEUE",
+    "queue_timeout": "LOCALLLM_QUEUE_TIMEOUT",
+    "load_timeout": "LOCALLLM_LOAD_TIMEOUT",
     "default_model": "LOCALLLM_DEFAULT_MODEL",
     "default_ctx": "LOCALLLM_CONTEXT_LENGTH",
     "context_policy": "LOCALLLM_CONTEXT_POLICY",
@@ -196,7 +214,7 @@ def check_setting(name: str, value: int | str) -> None:
             paths.parse_host(str(value))
         except ValueError as e:
             raise ConfigError(f"host: {e}") from None
-    elif name == "keep_alive":
+    elif name in ("keep_alive", "queue_timeout", "load_timeout"):
         parse_duration(str(value))
     elif name == "socket" and value:
         if not os.path.isabs(str(value)):

@@ -65,7 +65,7 @@ async def test_when_no_smaller_plan_is_left_the_load_error_reaches_the_caller(
     try:
         with pytest.raises(LoadError, match="cannot load|exited"):
             await generate_once(scheduler, entry)
-        assert scheduler.slots == {}
+        assert scheduler.models == {}
     finally:
         await scheduler.close()
 

@@ -249,10 +249,11 @@ async def api_status(request: web.Request) -> web.Response:
         "version": __version__,
         "pid": os.getpid(),
         "started_at": iso(STARTED_AT),
-        "loaded": [{"model": name, "runner_pid": slot.runner.pid, "busy": slot.lock.locked(),
-                    "waiting": slot.waiting,
+        "loaded": [{"model": name, "runner_pid": slot.runner.pid, "busy": slot.busy,
+                    "active": slot.active, "waiting": slot.waiting,
+                    "num_parallel": slot.runner.n_parallel,
                     "tokens_generated": slot.runner.tokens_generated}
-                   for name, slot in scheduler.slots.items()],
+                   for name, slot in scheduler.models.items()],
     })
 
 
@@ -328,11 +329,11 @@ async def api_copy(request: web.Request) -> web.Response:
 @routes.get("/api/ps")
 async def api_ps(request: web.Request) -> web.Response:
     models = []
-    for slot in request.app[SCHEDULER].slots.values():
+    for slot in request.app[SCHEDULER].models.values():
         runner = slot.runner
         plan = runner.plan
         shape = slot.shape
-        kv = int(shape.kv_bytes_per_token(*_kv_bytes(plan)) * runner.n_ctx)
+        kv = int(shape.kv_bytes_per_token(*_kv_bytes(plan)) * runner.n_ctx * runner.n_parallel)
         size = slot.entry.model_layer.size + kv
         vram = plan.vram_bytes()
         models.append({
@@ -350,7 +351,9 @@ async def api_ps(request: web.Request) -> web.Response:
             "flash_attn": plan.flash_attn,
             "threads": plan.n_threads,
             "runner_pid": runner.pid,
-            "busy": slot.lock.locked(),
+            "busy": slot.busy,
+            "num_parallel": runner.n_parallel,
+            "active": slot.active,
             "plan_source": plan.source,
         })
     return web.json_response({"models": models})

@@ -135,7 +135,7 @@ def vram_of(pid: int | None, by_pid: dict[int, int] | None, plan) -> tuple[int |
 @routes.get("/api/stats")
 async def api_stats(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER]
-    slots = list(scheduler.slots.items())
+    slots = list(scheduler.models.items())
     by_pid = await asyncio.to_thread(GPU.by_pid) if slots else None
     models = []
     for name, slot in slots:
@@ -146,7 +146,7 @@ async def api_stats(request: web.Request) -> web.Response:
         models.append({
             "model": name,
             "runner_pid": runner.pid,
-            "busy": slot.lock.locked(),
+            "busy": slot.busy,
             "loaded_at": runner.loaded_at,
             "load_duration": runner.load_duration_ns,
             "rss_bytes": process_rss(runner.pid),

@@ -2,9 +2,9 @@
 
     python -m localllm.daemon.runner
 
-Protocol: JSON lines. The daemon writes {"op": "load", "model_path", "plan"} first, then
-{"op": "generate", ...GenerationRequest} and {"op": "cancel", "id"}; the runner answers
-{"event": "loaded"|"token"|"done"|"error", ...}. Closing stdin ends the runner.
+The messages are in protocol.py. Two threads: one reads commands from stdin (a cancel takes
+effect at once, between two decode steps), the main thread runs the engine's loop. Closing
+stdin ends the runner once what is in flight has finished or been cancelled.
 
 llama.cpp writes its logs to file descriptors 1 and 2, so the protocol gets a private copy of
 stdout and fd 1 is pointed at stderr before the library loads.
@@ -15,14 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import sys
 import threading
 import time
 import traceback
-from dataclasses import replace
 
-from .protocol import Failure, GenerationRequest, Token, event_to_wire
+from .protocol import GenerationRequest, TokenCoalescer, event_to_wire
 
 log = logging.getLogger("localllm.runner")
 
@@ -40,38 +38,40 @@ class Channel:
             self._out.write(line + "\n")
 
 
-class TokenCoalescer:
-    """Sends Token events at most every EMIT_INTERVAL_S, merged; other events at once.
+def read_commands(engine, channel: Channel) -> None:
+    """stdin -> the engine. A line that does not parse means the daemon and the runner no
+    longer understand each other: stop taking work (fail closed)."""
+    flags: dict[str, threading.Event] = {}
+    for line in sys.stdin:
+        try:
+            message = json.loads(line)
+            op = message["op"]
+            request_id = message["id"]
+        except (ValueError, KeyError, TypeError):
+            log.error("unreadable command from the daemon: %.200r; stopping", line)
+            break
+        if op == "cancel":
+            flag = flags.get(request_id)
+            if flag is not None:
+                flag.set()
+            continue
+        if op != "generate":
+            log.error("unknown op %r; stopping", op)
+            break
+        flag = flags[request_id] = threading.Event()
+        send = (lambda event, rid=request_id: channel.send(event_to_wire(rid, event)))
+        try:
+            request = GenerationRequest.from_wire(message)
+        except (TypeError, ValueError) as e:
+            from .protocol import Failure
 
-    A small model on a few cores makes 100+ tokens a second; one pipe line, one HTTP chunk and
-    one client parse per token then take CPU from llama.cpp's own threads. Merging tokens that
-    come faster than a screen refresh keeps the decode speed without making the stream jerky:
-    a token waits at most one token's time, and the first one goes out at once.
-    """
-
-    EMIT_INTERVAL_S = 0.025
-
-    def __init__(self, send):
-        self.send = send
-        self.pending = None
-        self.last_sent = 0.0
-
-    def __call__(self, event) -> None:
-        if isinstance(event, Token):
-            if self.pending is not None:
-                event = replace(event, text=self.pending.text + event.text,
-                                n_tokens=self.pending.n_tokens + event.n_tokens)
-            now = time.monotonic()
-            if now - self.last_sent >= self.EMIT_INTERVAL_S:
-                self.send(event)
-                self.pending, self.last_sent = None, now
-            else:
-                self.pending = event
-            return
-        if self.pending is not None:
-            self.send(self.pending)
-            self.pending = None
-        self.send(event)
+            send(Failure(f"malformed request: {e}", status=400))
+            continue
+        engine.submit(request, TokenCoalescer(send, on_end=lambda rid=request_id:
+                                              flags.pop(rid, None)), flag)
+    for flag in list(flags.values()):
+        flag.set()  # the daemon is gone or wants us gone: nothing is waiting for answers
+    engine.close()
 
 
 def main() -> int:
@@ -98,44 +98,14 @@ def main() -> int:
         channel.send({"event": "load_failed", "message": str(e) or type(e).__name__})
         return 1
     channel.send({"event": "loaded", "pid": os.getpid(), "load_duration_ns": load_ns,
-                  "n_ctx": engine.n_ctx})
-    log.info("loaded %s", load["model_path"])
-
-    requests: queue.Queue = queue.Queue()
-    cancel_flags: dict[str, threading.Event] = {}
-    flags_lock = threading.Lock()
-
-    def read_commands() -> None:
-        for line in sys.stdin:
-            message = json.loads(line)
-            if message.get("op") == "cancel":
-                with flags_lock:
-                    flag = cancel_flags.get(message["id"])
-                if flag:
-                    flag.set()
-            else:
-                with flags_lock:
-                    cancel_flags[message["id"]] = threading.Event()
-                requests.put(message)
-        requests.put(None)  # stdin closed: the daemon is gone or wants us gone
-
-    threading.Thread(target=read_commands, daemon=True).start()
-
-    while (message := requests.get()) is not None:
-        request = GenerationRequest.from_wire(message)
-        with flags_lock:
-            cancelled = cancel_flags[request.id]
-        emit = TokenCoalescer(lambda event, rid=request.id: channel.send(event_to_wire(rid, event)))
-        try:
-            engine.generate(request, cancelled, emit)
-        except Exception as e:  # a llama.cpp error ends this request, not the runner
-            log.error("request %s failed: %s", request.id, traceback.format_exc())
-            emit(Failure(f"generation failed: {e}"))
-        if cancelled.is_set():
-            log.info("request %s cancelled after %d tokens in total", request.id,
-                     engine.tokens_generated)
-        with flags_lock:
-            cancel_flags.pop(request.id, None)
+                  "n_ctx": engine.n_ctx, "n_parallel": len(engine.slots)})
+    log.info("loaded %s with %d slots of %d tokens", load["model_path"], len(engine.slots),
+             engine.n_ctx)
+    threading.Thread(target=read_commands, args=(engine, channel), daemon=True).start()
+    try:
+        engine.run()
+    finally:
+        log.info("runner ends after %d tokens", engine.tokens_generated)
     return 0
 
 

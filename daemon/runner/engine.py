@@ -1,238 +1,342 @@
-"""The llama.cpp side of a runner: load a model with a Plan, turn a request into tokens.
+"""The runner's engine: one llama.cpp context, `n_parallel` slots, one loop that drives them all.
 
-Runs inside the runner process only (see runner.py): a crash in here takes down that process,
-never the daemon. The decode loop is our own rather than `Llama.generate` so that cancellation,
-stop strings, timings and KV-prefix reuse are exact.
+Runs inside the runner process only (see __main__.py): a crash in here takes down that process,
+never the daemon.
+
+Each step is one `llama_decode` whose batch carries the next token of every slot that is
+answering plus a chunk of any prompt being read (continuous batching: a new request joins at
+the next step). Prompts are read in chunks of at most `n_batch` tokens, so a cancel or a new
+request never waits for a whole long prompt. On a GPU `llama_decode` returns before the device
+finishes; the text of the previous step's tokens (detokenizing, stop strings, sending) is
+handled then, while the device works, and only sampling waits for it.
 """
 
 from __future__ import annotations
 
-import codecs
-import ctypes
-import random
+import collections
+import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import llama_cpp
-from llama_cpp import Llama
-from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from localllm.profiles.plan import Plan
 
-from .protocol import Done, Event, Failure, GenerationRequest, Token
+from . import model as llama
+from .prompt import Prompter
+from .protocol import Done, Event, Failure, GenerationRequest, Progress, Token
+from .sampling import RequestError, Sampler, log_probs
+from .slots import Slot, Work
 
-GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
-              "bf16": 30, "iq4_nl": 20}
+log = logging.getLogger("localllm.runner")
 
-
-class RequestError(Exception):
-    """The request cannot be served as asked (status 400): prompt too long, no chat template."""
-
-
-def load_llama(model_path: str, plan: Plan) -> Llama:
-    kwargs = dict(
-        model_path=model_path,
-        n_gpu_layers=plan.n_gpu_layers,
-        n_ctx=plan.n_ctx,
-        n_batch=plan.n_batch,
-        n_ubatch=plan.n_ubatch,
-        n_threads=plan.n_threads,
-        n_threads_batch=plan.n_threads_batch,
-        flash_attn=plan.flash_attn,
-        swa_full=plan.swa_full,
-        type_k=GGML_TYPES[plan.type_k],
-        type_v=GGML_TYPES[plan.type_v],
-        use_mmap=plan.use_mmap,
-        verbose=False,
-    )
-    if plan.tensor_split:
-        kwargs["tensor_split"] = list(plan.tensor_split)
-    if plan.tensor_overrides:
-        from localllm.profiles.llama_overrides import tensor_overrides_applied
-
-        with tensor_overrides_applied(plan.tensor_overrides):
-            return Llama(**kwargs)
-    return Llama(**kwargs)
-
-
-class StopMatcher:
-    """Holds back text that might be the start of a stop string, so none is ever streamed."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = tuple(s for s in stops if s)
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a stop string was hit)."""
-        self.pending += text
-        for stop in self.stops:
-            at = self.pending.find(stop)
-            if at >= 0:
-                out, self.pending = self.pending[:at], ""
-                return out, True
-        keep = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(stop[:n]):
-                    keep = max(keep, n)
-                    break
-        out = self.pending[: len(self.pending) - keep]
-        self.pending = self.pending[len(out):]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
+@dataclass
+class Submission:
+    request: GenerationRequest
+    emit: Callable[[Event], None]
+    cancelled: threading.Event
 
 
 class Engine:
-    def __init__(self, model_path: str, plan: Plan):
+    def __init__(self, model_path: str, plan: Plan, devices=None):
         self.plan = plan
-        self.llm = load_llama(model_path, plan)
-        self.n_ctx = self.llm.n_ctx()
-        self.vocab = self.llm._model.vocab
-        template = self.llm.metadata.get("tokenizer.chat_template")
-        self.formatter = None
-        if template:
-            eos = self._piece(self.llm.token_eos())
-            bos = self._piece(self.llm.token_bos())
-            self.formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
-        self.add_bos = self.llm._model.add_bos_token()
+        self.lm = llama.load(model_path, plan, devices=devices)
+        self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
+        self.prompter = Prompter(self.tokenizer)
+        self.n_ctx = self.lm.n_ctx_seq  # what one request may use
+        self.slots = [Slot(i) for i in range(self.lm.n_seq)]
+        self.batch_capacity = self.lm.n_batch + self.lm.n_seq
+        self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
+        self.inbox: queue.Queue[Submission | None] = queue.Queue()
+        self.backlog: collections.deque[Submission] = collections.deque()
         self.tokens_generated = 0  # over the runner's life, for its log
+        self._closing = False
 
-    def _piece(self, token: int) -> str:
-        if token < 0:
-            return ""
-        return self.llm.detokenize([token], special=True).decode("utf-8", errors="replace")
+    # ---- requests in ---------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, emit: Callable[[Event], None],
+               cancelled: threading.Event) -> None:
+        """Thread-safe: queue a request for the loop."""
+        self.inbox.put(Submission(request, emit, cancelled))
 
-    # ---- prompt ------------------------------------------------------------------------
-    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
-        if request.messages is not None:
-            return self._templated(list(request.messages))
-        prompt = request.prompt or ""
-        if not request.raw and self.formatter is not None:
-            messages = [{"role": "system", "content": request.system}] if request.system else []
-            return self._templated(messages + [{"role": "user", "content": prompt}])
-        if request.system and not request.raw:
-            prompt = f"{request.system}\n\n{prompt}"
-        return self.llm.tokenize(prompt.encode(), add_bos=self.add_bos, special=True)
+    def close(self) -> None:
+        """Thread-safe: finish what is in flight, then leave `run`."""
+        self.inbox.put(None)
 
-    def _templated(self, messages: list[dict]) -> list[int]:
-        if self.formatter is None:
-            raise RequestError("this model has no chat template; use /api/generate or "
-                               "/v1/completions with a plain prompt")
-        try:
-            rendered = self.formatter(messages=messages)
-        except Exception as e:
-            raise RequestError(f"the chat template rejected these messages: {e}") from None
-        # A template that writes the BOS token itself must not get a second one.
-        add_bos = self.add_bos and not rendered.prompt.startswith(self._piece(self.llm.token_bos()))
-        return self.llm.tokenize(rendered.prompt.encode(), add_bos=add_bos, special=True)
+    def _take_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                item = self.inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                self._closing = True
+            else:
+                self.backlog.append(item)
 
-    def _reuse_prefix(self, tokens: list[int]) -> int:
-        """Keep the KV cache for the longest common prefix; return how many tokens were kept."""
-        cached = self.llm.input_ids[: self.llm.n_tokens].tolist()
-        common = 0
-        for a, b in zip(cached, tokens, strict=False):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(tokens) - 1)  # the last prompt token is evaluated for logits
-        if common > 0 and self.llm._ctx.kv_cache_seq_rm(-1, common, -1):
-            self.llm.n_tokens = common
-            return common
-        # Sliding-window and recurrent caches cannot drop a suffix: start over.
-        self.llm.reset()
-        self.llm._ctx.kv_cache_clear()
-        return 0
+    def _admit(self) -> None:
+        """Move waiting requests into free slots (first come, first served)."""
+        while self.backlog:
+            free = [slot for slot in self.slots if slot.free]
+            if not free:
+                return
+            sub = self.backlog.popleft()
+            if sub.cancelled.is_set():
+                sub.emit(Done("cancelled", 0, 0, 0, 0, 0, 0, 0, self.n_ctx))
+                continue
+            try:
+                self._start(sub, free)
+            except RequestError as e:
+                sub.emit(Failure(str(e), status=400))
 
-    # ---- generation --------------------------------------------------------------------
-    def generate(self, request: GenerationRequest, cancelled: threading.Event,
-                 emit: Callable[[Event], None]) -> None:
-        try:
-            self._generate(request, cancelled, emit)
-        except RequestError as e:
-            emit(Failure(str(e), status=400))
-
-    def _generate(self, request, cancelled, emit) -> None:
-        opts = request.options
-        tokens = self.prompt_tokens(request)
+    def _start(self, sub: Submission, free: list[Slot]) -> None:
+        request = sub.request
+        tokens = self.prompter.tokens(request)
+        if not tokens:
+            raise RequestError("the prompt is empty")
         if len(tokens) >= self.n_ctx:
             raise RequestError(
                 f"the prompt is {len(tokens)} tokens but the context is {self.n_ctx}; "
-                f"shorten it or load the model with a larger num_ctx"
-            )
-        t0 = time.perf_counter_ns()
-        cached = self._reuse_prefix(tokens)
-        self.llm.eval(tokens[cached:])
-        prompt_ns = time.perf_counter_ns() - t0
+                f"shorten it or load the model with a larger num_ctx")
+        # The free slot whose cache shares the longest prefix; else the least recently used.
+        slot = max(free, key=lambda s: (_common_prefix(s.tokens, tokens), -s.last_used))
+        cached = self._reuse_prefix(slot, tokens)
+        options = request.options
+        sampler = Sampler(self.lm.vocab, self.lm.n_vocab, options, request.grammar, tokens,
+                          self.n_ctx)
+        limit = options.num_predict if options.num_predict >= 0 else self.n_ctx
+        slot.work = Work(request=request, emit=sub.emit, cancelled=sub.cancelled,
+                         prompt=tokens, sampler=sampler, limit=limit, cached=cached)
+        slot.to_decode = tokens[cached:]
+        slot.unread = len(slot.to_decode)
 
-        seed = opts.seed if opts.seed is not None and opts.seed >= 0 else random.getrandbits(31)
-        self.llm.set_seed(seed)
-        self.llm.last_n_tokens_size = opts.repeat_last_n if opts.repeat_last_n > 0 else self.n_ctx
-        sampler = self.llm._init_sampler(
-            top_k=opts.top_k, top_p=opts.top_p, min_p=opts.min_p, typical_p=opts.typical_p,
-            temp=opts.temperature, repeat_penalty=opts.repeat_penalty,
-            frequency_penalty=opts.frequency_penalty, presence_penalty=opts.presence_penalty,
-        )
-        limit = opts.num_predict if opts.num_predict >= 0 else self.n_ctx
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        stops = StopMatcher(opts.stop)
-        answer: list[int] = []
-        reason = "length"
-        t1 = time.perf_counter_ns()
-        pending_tokens = 0
+    def _reuse_prefix(self, slot: Slot, tokens: list[int]) -> int:
+        """Keep the slot's KV for the longest prefix it shares with `tokens`, if the cache
+        still holds all of it; return how many tokens are kept.
 
-        def token_event(text: str, n_tokens: int) -> Token:
-            return Token(text, n_tokens, eval_count=len(answer),
-                         eval_duration_ns=time.perf_counter_ns() - t1,
-                         prompt_eval_count=len(tokens) - cached,
-                         prompt_eval_duration_ns=prompt_ns,
-                         context_used=len(tokens) + len(answer))
+        A sliding-window cache keeps only the last `n_swa` positions of its SWA layers: reading
+        on from position p needs positions p - n_swa .. p - 1 there, so a prefix whose window
+        was overwritten is read again (llama.cpp would accept the cut and read stale cells). A
+        recurrent state cannot be cut back at all: only a pure extension is reused."""
+        mem, seq = self.lm.memory, slot.seq_id
+        common = min(_common_prefix(slot.tokens, tokens), len(tokens) - 1)
+        if common > 0 and self.lm.n_swa:
+            pos_min = llama_cpp.llama_memory_seq_pos_min(mem, seq)
+            if pos_min > max(0, common - self.lm.n_swa):
+                common = 0
+        if common > 0 and self.lm.recurrent and common < len(slot.tokens):
+            common = 0
+        if common > 0 and llama_cpp.llama_memory_seq_rm(mem, seq, common, -1):
+            del slot.tokens[common:]
+            return common
+        llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+        slot.tokens.clear()
+        return 0
 
-        while len(answer) < limit:
-            if cancelled.is_set():
-                reason = "cancelled"
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until `close()` and nothing is left in flight."""
+        while True:
+            busy = any(not slot.free for slot in self.slots)
+            self._take_inbox(block=not busy and not self.backlog and not self._closing)
+            self._admit()
+            self._drop_cancelled()
+            if self._closing and not self.backlog and all(s.free for s in self.slots):
+                return
+            try:
+                self.step()
+            except Exception as e:  # a failed step ends the requests in it, not the runner
+                log.exception("decode step failed")
+                self._fail_batch([(s, 0, -1) for s in self.slots if not s.free],
+                                 f"{type(e).__name__}: {e}")
+
+    def _drop_cancelled(self) -> None:
+        for slot in self.slots:
+            if slot.work is not None and slot.work.cancelled.is_set():
+                self._finish(slot, "cancelled")
+
+    def step(self) -> None:
+        """One llama_decode over every busy slot, then sampling for those that answer."""
+        rows = self._fill_batch()
+        if not rows:
+            return
+        code = llama_cpp.llama_decode(self.lm.ctx, self.batch)
+        if code != 0:
+            self._fail_batch(rows, code)
+            return
+        now = time.perf_counter_ns()
+        for slot, n, _ in rows:  # the batch is in the KV cache now
+            added, slot.to_decode = slot.to_decode[:n], slot.to_decode[n:]
+            slot.tokens.extend(added)
+            if slot.unread:
+                slot.unread -= n
+                if slot.unread:
+                    slot.work.emit(Progress(len(slot.tokens), len(slot.work.prompt)))
+                else:
+                    slot.work.prompt_done_ns = now
+        for slot, _, _ in rows:
+            if slot.fresh is not None:  # text of last step's token, while the device works
+                token, slot.fresh = slot.fresh, None
+                self._emit_text(slot, token)
+        for slot, _, logits_row in rows:
+            if slot.work is not None and logits_row >= 0:  # (a stop string may have ended it)
+                self._sample(slot, logits_row)
+
+    def _fill_batch(self) -> list[tuple[Slot, int, int]]:
+        """Put every answering slot's next token, then prompt chunks, into the batch.
+
+        Returns (slot, tokens added, batch row whose logits to sample or -1) per slot."""
+        batch = self.batch
+        rows: list[tuple[Slot, int, int]] = []
+        n = 0
+        answering = [s for s in self.slots if s.work is not None and not s.unread
+                     and s.to_decode]
+        reading = sorted((s for s in self.slots if s.reading_prompt),
+                         key=lambda s: s.work.started_ns)
+        for slot in answering:
+            if len(slot.tokens) + len(slot.to_decode) > self.n_ctx:
+                self._finish(slot, "length")  # context full
+                continue
+            start = n
+            for i, token in enumerate(slot.to_decode):
+                n = self._put(n, token, len(slot.tokens) + i, slot.seq_id, True)
+            rows.append((slot, len(slot.to_decode), start))
+        budget = self.lm.n_batch - n
+        for slot in reading:
+            if budget <= 0:
                 break
-            if self.llm.n_tokens >= self.n_ctx:
-                break  # context full
-            token = sampler.sample(self.llm._ctx, -1)
-            if llama_cpp.llama_vocab_is_eog(self.vocab, token):
-                reason = "stop"
-                break
-            answer.append(token)
-            self.tokens_generated += 1
-            pending_tokens += 1
-            text, hit = stops.feed(decoder.decode(self._token_bytes(token)))
-            if text:
-                emit(token_event(text, pending_tokens))
-                pending_tokens = 0
-            if hit:
-                reason = "stop"
-                break
-            self.llm.eval([token])
-        eval_ns = time.perf_counter_ns() - t1
-        if reason != "stop":
-            tail = stops.flush() + decoder.decode(b"", final=True)
-            if tail:
-                emit(token_event(tail, pending_tokens))
-        emit(Done(
+            take = min(slot.unread, budget)
+            last = take == slot.unread
+            for i in range(take):
+                n = self._put(n, slot.to_decode[i], len(slot.tokens) + i, slot.seq_id,
+                              last and i == take - 1)
+            rows.append((slot, take, n - 1 if last else -1))
+            budget -= take
+        batch.n_tokens = n
+        return rows
+
+    def _put(self, n: int, token: int, pos: int, seq: int, logits: bool) -> int:
+        batch = self.batch
+        batch.token[n] = token
+        batch.pos[n] = pos
+        batch.n_seq_id[n] = 1
+        batch.seq_id[n][0] = seq
+        batch.logits[n] = logits
+        return n + 1
+
+    def _sample(self, slot: Slot, row: int) -> None:
+        work = slot.work
+        token = work.sampler.sample(self.lm.ctx, row)
+        if self.tokenizer.is_eog(token):
+            self._finish(slot, "stop")
+            return
+        work.answer.append(token)
+        self.tokens_generated += 1
+        if work.request.logprobs is not None:
+            work.pending_logprobs.append(self._logprob_entry(work, row, token))
+        slot.to_decode = [token]
+        if len(work.answer) >= work.limit or len(slot.tokens) + 1 >= self.n_ctx:
+            self._emit_text(slot, token)
+            if slot.work is not None:
+                self._finish(slot, "length")
+            return
+        slot.fresh = token
+
+    def _logprob_entry(self, work: Work, row: int, token: int) -> dict:
+        logits = work.sampler.logits(self.lm.ctx, row)
+        chosen, top = log_probs(logits, token, work.request.logprobs or 0)
+
+        def entry(t: int, lp: float) -> dict:
+            raw = self.tokenizer.token_bytes(t)
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": lp,
+                    "bytes": list(raw)}
+
+        return {**entry(token, chosen), "top_logprobs": [entry(t, lp) for t, lp in top]}
+
+    def _emit_text(self, slot: Slot, token: int) -> None:
+        """Decode one answer token into text; hold back what may start a stop string."""
+        work = slot.work
+        work.pending_tokens += 1
+        text = work.decoder.decode(self.tokenizer.token_bytes(token))
+        text, hit = work.stops.feed(text)
+        if text:
+            work.emit(self._token_event(slot, text))
+        if hit:
+            self._finish(slot, "stop", stop_hit=True)
+
+    def _token_event(self, slot: Slot, text: str) -> Token:
+        work = slot.work
+        logprobs = None
+        if work.request.logprobs is not None:
+            logprobs, work.pending_logprobs = tuple(work.pending_logprobs), []
+        event = Token(text, work.pending_tokens, eval_count=len(work.answer),
+                      eval_duration_ns=work.eval_ns,
+                      prompt_eval_count=len(work.prompt) - work.cached,
+                      prompt_eval_duration_ns=work.prompt_ns,
+                      context_used=len(work.prompt) + len(work.answer),
+                      drafted=work.drafted, draft_accepted=work.draft_accepted,
+                      logprobs=logprobs)
+        work.pending_tokens = 0
+        return event
+
+    def _finish(self, slot: Slot, reason: str, stop_hit: bool = False) -> None:
+        work = slot.work
+        if slot.fresh is not None and not stop_hit:
+            token, slot.fresh = slot.fresh, None
+            self._emit_text(slot, token)
+            if slot.work is None:
+                return  # that token completed a stop string
+        slot.fresh = None
+        if not stop_hit:
+            tail = work.stops.flush() + work.decoder.decode(b"", final=True)
+            if tail or work.pending_tokens:
+                work.emit(self._token_event(slot, tail))
+        eval_ns = work.eval_ns
+        work.emit(Done(
             done_reason=reason,
-            prompt_eval_count=len(tokens) - cached,
-            prompt_eval_duration_ns=prompt_ns,
-            eval_count=len(answer),
+            prompt_eval_count=len(work.prompt) - work.cached,
+            prompt_eval_duration_ns=work.prompt_ns,
+            eval_count=len(work.answer),
             eval_duration_ns=eval_ns,
-            prompt_tokens=len(tokens),
-            cached_tokens=cached,
-            context_used=self.llm.n_tokens,
+            prompt_tokens=len(work.prompt),
+            cached_tokens=work.cached,
+            context_used=len(slot.tokens),
             n_ctx=self.n_ctx,
-            context=tuple(tokens + answer),
+            context=tuple(work.prompt + work.answer),
+            drafted=work.drafted,
+            draft_accepted=work.draft_accepted,
         ))
+        if reason == "cancelled":
+            log.info("request %s cancelled after %d answer tokens", work.request.id,
+                     len(work.answer))
+        work.sampler.free()
+        slot.work = None
+        slot.to_decode = []
+        slot.unread = 0
+        slot.last_used = time.monotonic()
 
-    def _token_bytes(self, token: int) -> bytes:
-        buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-        return buf.raw[:n]
+    def _fail_batch(self, rows: list[tuple[Slot, int, int]], code: int | str) -> None:
+        """llama_decode refused the batch: fail the requests in it and forget their caches."""
+        why = {1: "no room left in the KV cache", 2: "aborted"}.get(code, f"error {code}")
+        for slot, _, _ in rows:
+            work = slot.work
+            if work is not None:
+                work.sampler.free()
+                work.emit(Failure(f"llama_decode failed: {why}"))
+            slot.work, slot.fresh, slot.to_decode, slot.unread = None, None, [], 0
+            llama_cpp.llama_memory_seq_rm(self.lm.memory, slot.seq_id, -1, -1)
+            slot.tokens.clear()
+
+    def shutdown(self) -> None:
+        llama_cpp.llama_batch_free(self.batch)
+        self.lm.close()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,7 +1,9 @@
 """The daemon's handle on one runner process: start it, send requests, read events, kill it.
 
-A runner that dies (crash, OOM kill, abort inside llama.cpp) only fails the request it was
-serving; the scheduler sees `alive` turn false and loads the model again on the next request.
+Fails closed: a runner that dies (crash, OOM kill, abort inside llama.cpp), writes a line that
+does not parse, or goes silent while answering is killed, every request in flight ends with a
+Failure that says why, and `alive` turns false so the scheduler loads the model again on the
+next request.
 """
 
 from __future__ import annotations
@@ -14,16 +16,27 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from localllm.profiles.plan import Plan
 
-from .protocol import Done, Event, Failure, GenerationRequest, Token, event_from_wire
+from .protocol import (
+    RUNNER_SILENCE_S,
+    Done,
+    EmbedRequest,
+    Embeddings,
+    Event,
+    Failure,
+    GenerationRequest,
+    Token,
+    event_from_wire,
+)
 
 log = logging.getLogger("localllm.runner.process")
 # Protocol lines can be long (a Done event carries the whole token context).
 STREAM_LIMIT = 64 * 1024 * 1024
+RUNNER_COMMAND = (sys.executable, "-m", "localllm.daemon.runner")
 
 
 class LoadError(Exception):
@@ -31,16 +44,18 @@ class LoadError(Exception):
 
 
 class RunnerProcess:
-    def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path):
+    def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path,
+                 command: Sequence[str] = RUNNER_COMMAND):
         self.model_name = model_name
         self.model_path = model_path
         self.plan = plan
         self.log_path = log_path
+        self.command = tuple(command)
         self.proc: asyncio.subprocess.Process | None = None
         self.load_duration_ns = 0
         self.n_ctx = plan.n_ctx
+        self.n_parallel = plan.n_parallel
         self.loaded_at = 0.0
-        self.busy = False
         self.last_done: Done | None = None
         self.tokens_generated = 0  # every token the runner produced, cancelled ones included
         self._events: dict[str, asyncio.Queue] = {}
@@ -55,68 +70,119 @@ class RunnerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None and not self._exit_reason
 
-    async def start(self) -> None:
+    @property
+    def active(self) -> int:
+        """Requests in flight in this runner."""
+        return len(self._events)
+
+    async def start(self, timeout: float | None = None) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as stderr:  # llama.cpp's own log goes here
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "localllm.daemon.runner",
+                *self.command,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr,
                 limit=STREAM_LIMIT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         self._send({"op": "load", "model_path": str(self.model_path),
                     "plan": self.plan.to_dict()})
-        line = await self.proc.stdout.readline()
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        except TimeoutError:
+            self.proc.kill()
+            await self._release()
+            raise LoadError(f"loading {self.model_name} took longer than {timeout:.0f}s; the "
+                            f"runner was stopped (see {self.log_path}; config load_timeout)"
+                            ) from None
         if not line:
             code = await self._release()
             raise LoadError(f"the runner exited while loading {self.model_name} "
                             f"({describe_exit(code)}); see {self.log_path}")
-        reply = json.loads(line)
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            reply = {"message": f"unreadable answer {line[:200]!r}"}
         if reply.get("event") != "loaded":
+            self.proc.kill()
             await self._release()
             raise LoadError(f"cannot load {self.model_name}: {reply.get('message')}")
         self.load_duration_ns = reply["load_duration_ns"]
         self.n_ctx = reply["n_ctx"]
+        self.n_parallel = reply.get("n_parallel", 1)
         self.loaded_at = time.time()
         self._reader = asyncio.create_task(self._read_events())
 
     def _send(self, message: dict) -> None:
         assert self.proc and self.proc.stdin
+        if self.proc.stdin.is_closing():
+            return
         self.proc.stdin.write((json.dumps(message) + "\n").encode())
 
     async def _read_events(self) -> None:
         assert self.proc and self.proc.stdout
-        while line := await self.proc.stdout.readline():
-            data = json.loads(line)
-            event_id = data.get("id", "")
-            event = event_from_wire(data)
-            if isinstance(event, Token):
-                self.tokens_generated += event.n_tokens
-            queue = self._events.get(event_id)
-            if queue is not None:
-                queue.put_nowait(event)
+        why = ""
+        try:
+            while line := await self.proc.stdout.readline():
+                data = json.loads(line)
+                queue = self._events.get(data.get("id", ""))
+                event = event_from_wire(data)
+                if isinstance(event, Token):
+                    self.tokens_generated += event.n_tokens
+                if queue is not None:
+                    queue.put_nowait(event)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            why = f"it sent an unreadable message ({type(e).__name__}: {e})"
+            log.error("runner for %s (pid %s): %s; stopping it", self.model_name, self.pid, why)
+            self.proc.kill()
         code = await self.proc.wait()
-        self._exit_reason = describe_exit(code)
-        log.warning("runner for %s (pid %s) ended: %s", self.model_name, self.pid,
-                    self._exit_reason)
+        self._fail_all(why or describe_exit(code))
+
+    def _fail_all(self, why: str) -> None:
+        """The runner is gone or no longer trusted: end every request in flight."""
+        if not self._exit_reason:
+            self._exit_reason = why
+            log.warning("runner for %s (pid %s) ended: %s", self.model_name, self.pid, why)
         for queue in self._events.values():
             queue.put_nowait(Failure(
                 f"the runner for {self.model_name} stopped mid-answer ({self._exit_reason}); "
                 f"the next request will load it again", status=500))
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+    async def _next(self, queue: asyncio.Queue, silence_s: float) -> Event:
+        """The next event, or a Failure when the runner says nothing for `silence_s` while
+        serving (prompt chunks send progress, so a working runner is never silent long)."""
+        try:
+            return await asyncio.wait_for(queue.get(), silence_s)
+        except TimeoutError:
+            if self.proc and self.proc.returncode is None:
+                self.proc.kill()
+            self._fail_all(f"no answer for {silence_s:.0f}s")
+            return queue.get_nowait()
+
+    async def generate(self, request: GenerationRequest,
+                       silence_s: float = RUNNER_SILENCE_S) -> AsyncIterator[Event]:
         """Events of one request; cancels it in the runner if the consumer stops early."""
+        async for event in self._exchange(request.id, request.to_wire(), silence_s):
+            yield event
+
+    async def embed(self, request: EmbedRequest,
+                    silence_s: float = RUNNER_SILENCE_S) -> Embeddings | Failure:
+        async for event in self._exchange(request.id, request.to_wire(), silence_s):
+            if isinstance(event, (Embeddings, Failure)):
+                return event
+        return Failure("the runner ended the embedding without an answer")
+
+    async def _exchange(self, request_id: str, message: dict,
+                        silence_s: float) -> AsyncIterator[Event]:
         if not self.alive:
             yield Failure(f"the runner for {self.model_name} is not running", status=500)
             return
         queue: asyncio.Queue = asyncio.Queue()
-        self._events[request.id] = queue
-        self.busy = True
+        self._events[request_id] = queue
         finished = False
         try:
-            self._send(request.to_wire())
+            self._send(message)
             while True:
-                event = await queue.get()
-                if isinstance(event, (Done, Failure)):
+                event = await self._next(queue, silence_s)
+                if isinstance(event, (Done, Failure, Embeddings)):
                     finished = True  # before yielding: the consumer may stop at this event
                     if isinstance(event, Done):
                         self.last_done = event
@@ -125,16 +191,17 @@ class RunnerProcess:
                 yield event
         finally:
             if not finished and self.alive:
-                self._send({"op": "cancel", "id": request.id})
-                await self._drain(queue)
-            self._events.pop(request.id, None)
-            self.busy = False
+                self._send({"op": "cancel", "id": request_id})
+                with contextlib.suppress(TimeoutError):
+                    # The runner ends the request at its next step; wait so the slot is free
+                    # before this request's place is given to the next one.
+                    await asyncio.wait_for(self._drain(queue), silence_s)
+            self._events.pop(request_id, None)
 
     async def _drain(self, queue: asyncio.Queue) -> None:
-        """After a cancel, wait for the runner to end the request, so the next starts clean."""
         while True:
             event = await queue.get()
-            if isinstance(event, (Done, Failure)):
+            if isinstance(event, (Done, Failure, Embeddings)):
                 if isinstance(event, Done):
                     self.last_done = event
                 return

@@ -1,0 +1,106 @@
+"""A slot: one sequence of the context, and the request it is serving.
+
+The engine's context holds `n_parallel` sequences; each slot owns one (its seq id), the tokens
+whose KV it holds (kept after a request ends, for the next request's prefix reuse), and while it
+serves a request: the prompt still to read, the answer so far, its sampler, its stop matcher, its
+UTF-8 decoder and its cancellation flag.
+"""
+
+from __future__ import annotations
+
+import codecs
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .protocol import Event, GenerationRequest
+from .sampling import Sampler
+
+
+class StopMatcher:
+    """Holds back text that might be the start of a stop string, so none is ever streamed.
+
+    The earliest stop in the text wins, whatever the order of the list; text held back is
+    released by `flush` when the answer ends for another reason."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        hits = [at for at in (self.pending.find(stop) for stop in self.stops) if at >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        keep = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.pending)), keep, -1):
+                if self.pending.endswith(stop[:n]):
+                    keep = n
+                    break
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@dataclass
+class Work:
+    """One generation request in a slot."""
+
+    request: GenerationRequest
+    emit: Callable[[Event], None]
+    cancelled: threading.Event
+    prompt: list[int]
+    sampler: Sampler
+    limit: int  # answer tokens at most
+    cached: int = 0  # prompt tokens reused from the slot's KV
+    stops: StopMatcher = field(init=False)
+    decoder: codecs.IncrementalDecoder = field(init=False)
+    answer: list[int] = field(default_factory=list)
+    pending_tokens: int = 0  # answer tokens behind text not emitted yet
+    pending_logprobs: list[dict] = field(default_factory=list)
+    started_ns: int = field(default_factory=time.perf_counter_ns)
+    prompt_done_ns: int = 0
+    last_progress_ns: int = 0
+    drafted: int | None = None
+    draft_accepted: int | None = None
+
+    def __post_init__(self) -> None:
+        self.stops = StopMatcher(self.request.options.stop)
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    @property
+    def prompt_ns(self) -> int:
+        return self.prompt_done_ns - self.started_ns if self.prompt_done_ns else 0
+
+    @property
+    def eval_ns(self) -> int:
+        return time.perf_counter_ns() - self.prompt_done_ns if self.prompt_done_ns else 0
+
+
+class Slot:
+    def __init__(self, seq_id: int):
+        self.seq_id = seq_id
+        self.tokens: list[int] = []  # tokens whose KV this sequence holds, in position order
+        self.work: Work | None = None
+        self.to_decode: list[int] = []  # tokens to put in the next batch (prompt or answer)
+        self.unread: int = 0  # how many of to_decode are prompt tokens still to read
+        self.fresh: int | None = None  # sampled and decoded, its text not yet handled
+        self.last_used = 0.0
+
+    @property
+    def free(self) -> bool:
+        return self.work is None
+
+    @property
+    def reading_prompt(self) -> bool:
+        return self.work is not None and self.unread > 0
