@@ -7,7 +7,7 @@
 | api_key           | LOCALLLM_API_KEY           | (none; required off loopback) | restart   |
 | keep_alive        | LOCALLLM_KEEP_ALIVE        | 5m                            | live      |
 | max_loaded_models | LOCALLLM_MAX_LOADED_MODELS | 2                             | live      |
-| num_parallel      | LOCALLLM_NUM_PARALLEL      | 1                             | next load |
+| num_parallel      | LOCALLLM_NUM_PARALLEL      | auto                          | next load |
 | max_queue         | LOCALLLM_MAX_QUEUE         | 64                            | live      |
 | queue_timeout     | LOCALLLM_QUEUE_TIMEOUT     | 5m                            | live      |
 | load_timeout      | LOCALLLM_LOAD_TIMEOUT      | 10m                           | live      |
@@ -15,12 +15,16 @@
 | default_ctx       | LOCALLLM_CONTEXT_LENGTH    | 4096                          | next load |
 | context_policy    | LOCALLLM_CONTEXT_POLICY    | fit                           | next load |
 | kv_cache_type     | LOCALLLM_KV_CACHE_TYPE     | auto                          | next load |
+| quality           | LOCALLLM_QUALITY           | balanced                      | next load |
+| expected_fill     | LOCALLLM_EXPECTED_FILL     | 0.5                           | next load |
 | vram_margin_mib   | LOCALLLM_VRAM_MARGIN_MIB   | 512                           | next load |
 | hf_endpoint       | LOCALLLM_HF_ENDPOINT       | https://huggingface.co        | restart   |
 | log_level         | LOCALLLM_LOG_LEVEL         | info                          | live      |
 
-- num_parallel: requests one loaded model serves at once (llama.cpp sequences; each has its own
-  KV cache of default_ctx tokens).
+- num_parallel: the most requests one loaded model serves at once (llama.cpp sequences, each
+  slot with its own KV cache of the full context). `auto`: as many as fit beside the tuner's
+  placement without moving weights off the GPU (on a CPU-only machine: in the RAM budget), at
+  most 4; a number is a cap on the same rule.
 - max_queue: requests that may wait (for a slot or a load) over all models; past it, 503 with
   Retry-After. queue_timeout: how long one may wait before the same 503.
 - load_timeout: a runner that has not loaded its model by then is stopped and the request fails
@@ -28,8 +32,15 @@
 - context_policy: `fixed` uses default_ctx (or the request's num_ctx) and spills to the CPU when
   it does not fit; `fit` shrinks the context until the model fits on the GPU; `max` takes the
   largest context that fits, up to the model's trained length.
-- kv_cache_type: `auto` lets the planner choose; `f16`, `bf16`, `q8_0` or `q4_0` pin K and V
-  (the types default CUDA builds have flash-attention kernels for).
+- kv_cache_type: `auto` lets the planner choose (under `quality`); `f16`, `bf16`, `q8_0` or
+  `q4_0` pin K and V (the types default CUDA builds have flash-attention kernels for);
+  `q8_0/q4_0` pins q8_0 K with q4_0 V (on a GPU this pair attends on the CPU).
+- quality: how much output quality the KV cache may cost, a threshold on the KL divergence that
+  `localllm eval` measures (assumed figures until it has): `max` (f16 unless measured as good),
+  `balanced` (f16 or q8_0; 4 bits only where no more precise setting keeps the context's KV on
+  the GPU) or `speed` (any, the fastest).
+- expected_fill: the part of the context a conversation fills, 0.05 to 1; the tuner maximizes
+  decode speed averaged over it (decode slows as the context fills).
 - log_level: debug, info, warning or error.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
@@ -70,7 +81,7 @@ class Config:
     api_key: str = ""
     keep_alive: str = "5m"
     max_loaded_models: int = 2
-    num_parallel: int = 1
+    num_parallel: int | str = "auto"
     max_queue: int = 64
     queue_timeout: str = "5m"
     load_timeout: str = "10m"
@@ -78,6 +89,8 @@ class Config:
     default_ctx: int = 4096
     context_policy: str = "fit"
     kv_cache_type: str = "auto"
+    quality: str = "balanced"
+    expected_fill: float = 0.5
     vram_margin_mib: int = 512
     hf_endpoint: str = "https://huggingface.co"
     log_level: str = "info"
@@ -117,6 +130,8 @@ ENV = {
     "default_ctx": "LOCALLLM_CONTEXT_LENGTH",
     "context_policy": "LOCALLLM_CONTEXT_POLICY",
     "kv_cache_type": "LOCALLLM_KV_CACHE_TYPE",
+    "quality": "LOCALLLM_QUALITY",
+    "expected_fill": "LOCALLLM_EXPECTED_FILL",
     "vram_margin_mib": "LOCALLLM_VRAM_MARGIN_MIB",
     "hf_endpoint": "LOCALLLM_HF_ENDPOINT",
     "log_level": "LOCALLLM_LOG_LEVEL",
@@ -128,7 +143,8 @@ RESTART_NEEDED = frozenset({"host", "socket", "api_key", "hf_endpoint"})
 
 CHOICES = {
     "context_policy": ("fixed", "fit", "max"),
-    "kv_cache_type": ("auto", "f16", "bf16", "q8_0", "q4_0"),
+    "kv_cache_type": ("auto", "f16", "bf16", "q8_0", "q4_0", "q8_0/q4_0"),
+    "quality": ("max", "balanced", "speed"),
     "log_level": ("debug", "info", "warning", "error"),
 }
 
@@ -143,6 +159,7 @@ LIMITS = {
     "max_queue": (1, None),
     "default_ctx": (256, None),
     "vram_margin_mib": (0, None),
+    "expected_fill": (0.05, 1.0),
 }
 
 # A Unix socket path must fit sockaddr_un.sun_path (108 bytes with the terminating NUL).
@@ -183,10 +200,26 @@ def _kind(name: str) -> str:
     return {f.name: f.type for f in fields(Config)}[name]
 
 
-def coerce(name: str, value: object) -> int | str:
+def coerce(name: str, value: object) -> int | float | str:
     """A raw value (TOML, env or command line) as the setting's type; ConfigError if it is not."""
     if name not in ENV:
         raise ConfigError(f"unknown setting {name!r} (known: {', '.join(setting_names())})")
+    if _kind(name) == "int | str":  # a number, or the word auto
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"{name} must be a whole number or auto, not {value!r}")
+        try:
+            return int(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} must be a whole number or auto, not {value!r}") from None
+    if _kind(name) == "float":
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} must be a number, not {value!r}")
+        try:
+            return float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} must be a number, not {value!r}") from None
     if _kind(name) == "int":
         if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
             raise ConfigError(f"{name} must be a whole number, not {value!r}")
@@ -201,7 +234,7 @@ def coerce(name: str, value: object) -> int | str:
 
 def check_setting(name: str, value: int | str) -> None:
     """The rules for one setting's value; ConfigError with the reason if it breaks one."""
-    if name in LIMITS:
+    if name in LIMITS and not isinstance(value, str):
         low, high = LIMITS[name]
         if value < low:  # type: ignore[operator]
             raise ConfigError(f"{name} must be at least {low}, not {value}")

@@ -25,16 +25,20 @@ from .dryrun import dry_run
 from .hardware import probe_card
 from .memory import CPU, ComputeTable, ContextSettings, Placement, memory_by_device, model_costs
 from .plan import Plan
+from .quality import measured_kl
 from .saved import ProfileError, find_profile, record_event
 from .tuner import NoPlanFits, Request, tune
 
 log = logging.getLogger(__name__)
-_EXPERT_BLOCKS = re.compile(r"^\^blk\\\.\(([\d|]+)\)")
+_EXPERT_BLOCKS = re.compile(r"^\^blk\\\.\(([\d|]+)\)\\\.ffn_\(up\|down\|gate\|gate_up\)_exps")
+_FFN_BLOCKS = re.compile(r"^\^blk\\\.\(([\d|]+)\)\\\.ffn_\(up\|gate\|down\)\\\.$")
 DRY_RUN_ROUNDS = 3
 
 
-def request_from_options(n_ctx: int | None, options: dict, margin_bytes: int) -> Request:
-    """Ollama's load options as a tuner request (num_gpu < 0 means "let the tuner decide")."""
+def request_from_options(n_ctx: int | None, options: dict, margin_bytes: int,
+                         base: Request | None = None) -> Request:
+    """Ollama's load options as a tuner request (num_gpu < 0 means "let the tuner decide"),
+    on top of `base` (the config's tuner settings)."""
     def number(key: str) -> int | None:
         value = options.get(key)
         if value is None or isinstance(value, bool):
@@ -47,7 +51,8 @@ def request_from_options(n_ctx: int | None, options: dict, margin_bytes: int) ->
     num_gpu = number("num_gpu")
     threads = number("num_thread")
     batch = number("num_batch")
-    return Request(
+    return replace(
+        base or Request(),
         n_ctx=n_ctx,
         margin_bytes=margin_bytes,
         n_gpu_layers=num_gpu if num_gpu is not None and num_gpu >= 0 else None,
@@ -61,6 +66,25 @@ def vram_margin_bytes() -> int:
         return load_config().vram_margin_mib * MIB
     except ConfigError:
         return 512 * MIB
+
+
+def config_request(model_name: str | None = None, file_size: int = 0) -> Request:
+    """The config's tuner settings (quality, expected_fill, kv_cache_type, num_parallel,
+    vram_margin_mib) and the model's `localllm eval` results, as a Request."""
+    try:
+        config = load_config()
+    except ConfigError as e:
+        log.warning("config not readable, tuner defaults used: %s", e)
+        return Request(num_parallel=None)
+    pinned = None if config.kv_cache_type == "auto" else (config.kv_cache_type,)
+    return Request(
+        margin_bytes=config.vram_margin_mib * MIB,
+        kv_types=pinned,
+        quality=config.quality,
+        expected_fill=config.expected_fill,
+        num_parallel=None if config.num_parallel == "auto" else int(config.num_parallel),
+        measured_kl=measured_kl(model_name, file_size) if model_name else {},
+    )
 
 
 def _apply_options(plan: Plan, request: Request) -> Plan:
@@ -83,7 +107,8 @@ def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, options: 
     """The plan the daemon loads `model_name` with; raises NoPlanFits (a UserError) when the
     model cannot run at that context on this machine."""
     card = card or probe_card()
-    request = request_from_options(n_ctx, options or {}, vram_margin_bytes())
+    base = config_request(model_name, shape.file_size)
+    request = request_from_options(n_ctx, options or {}, base.margin_bytes, base)
     notes: list[str] = []
     try:
         saved = find_profile(model_name, card.name)
@@ -120,8 +145,7 @@ def tune_checked(shape: ModelShape, card: Card, request: Request,
     costs = model_costs(shape)
     table = ComputeTable({})
     for _ in range(DRY_RUN_ROUNDS):
-        settings = ContextSettings(plan.n_ctx, plan.type_k, plan.type_v, plan.flash_attn,
-                                   plan.n_ubatch, plan.swa_full)
+        settings = settings_of(plan)
         placement = placement_of(plan, shape)
         key = ComputeTable.key(settings, placement)
         if key in table.measured:
@@ -141,16 +165,24 @@ def tune_checked(shape: ModelShape, card: Card, request: Request,
                                   "compute buffers measured by dry-run loads of llama.cpp"))
 
 
+def settings_of(plan: Plan) -> ContextSettings:
+    return ContextSettings(plan.n_ctx, plan.type_k, plan.type_v, plan.flash_attn, plan.n_ubatch,
+                           plan.swa_full, plan.n_parallel)
+
+
 def placement_of(plan: Plan, shape: ModelShape) -> Placement:
     """The tuner's placement behind a plan's load parameters (see tuner.tensor_overrides)."""
     output_on_cpu = any(o.pattern in (r"^output\.weight$", r"^token_embd\.weight$")
                         for o in plan.tensor_overrides)
-    n_experts = 0
+    n_experts = n_ffn = 0
     for o in plan.tensor_overrides:
         m = _EXPERT_BLOCKS.match(o.pattern)
         if m:
             n_experts = len(m.group(1).split("|"))
-    return Placement(plan.n_gpu_layers, output_on_cpu, n_experts)
+        m = _FFN_BLOCKS.match(o.pattern)
+        if m:
+            n_ffn = len(m.group(1).split("|"))
+    return Placement(plan.n_gpu_layers, output_on_cpu, n_experts, n_ffn)
 
 
 def step_down(plan: Plan, shape: ModelShape, card: Card, model_name: str | None = None,
@@ -164,7 +196,9 @@ def step_down(plan: Plan, shape: ModelShape, card: Card, model_name: str | None 
     step = max(512 * MIB, used // 10)
     # A margin that leaves at most (used - step) for the plan on each GPU.
     margin = max(0, card.free_vram_bytes - (used - step) // max(1, card.n_gpus))
-    request = Request(n_ctx=plan.n_ctx, margin_bytes=margin, n_threads=plan.n_threads)
+    request = replace(config_request(model_name, shape.file_size), n_ctx=plan.n_ctx,
+                      margin_bytes=margin, n_threads=plan.n_threads,
+                      num_parallel=plan.n_parallel)
     try:
         smaller = tune(shape, card, request)
     except NoPlanFits:

@@ -13,19 +13,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from localllm.errors import UserError
 from localllm.modelstore.shape import ModelShape, read_shape
 
 from .card import MIB, Card, card_names
-from .choose import tune_checked, vram_margin_bytes
+from . import quality
+from .choose import config_request, tune_checked
 from .explain import REJECTED, gib
 from .hardware import resolve_card
 from .measure import calibrated, measure_in_child, update_calibration
 from .memory import model_costs
 from .plan import Plan
+from .quality import split_kv
 from .saved import save_profile
 from .speed import predict_speed
 from .tuner import Request
@@ -47,6 +49,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--margin", type=int, metavar="MiB",
                    help="VRAM to leave free (default: vram_margin_mib from the config, 512)")
     p.add_argument("--threads", type=int, help="CPU threads (default: physical cores)")
+    p.add_argument("--quality", choices=quality.POLICIES,
+                   help="how much quality the KV cache may cost (default: the config's quality, "
+                   "balanced)")
+    p.add_argument("--kv", metavar="TYPE", help="pin the KV cache: f16, q8_0, q4_0 or q8_0/q4_0 "
+                   "(default: the config's kv_cache_type, auto)")
+    p.add_argument("--fill", type=float, metavar="FRACTION",
+                   help="the part of the context a conversation fills; decode is averaged over "
+                   "it (default: the config's expected_fill, 0.5)")
+    p.add_argument("--parallel", metavar="N|auto",
+                   help="slots (requests served together), a cap (default: the config's "
+                   "num_parallel, auto: up to 4)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--measure", action="store_true",
                    help="load the plan for real, time prefill and decode, calibrate the model")
@@ -91,9 +104,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
               f"{measured.host_to_device_gbs:.1f} GB/s", file=sys.stderr)
     if args.vram is not None:
         card = card.with_vram(args.vram)
-    margin = args.margin * MIB if args.margin is not None else vram_margin_bytes()
-    plan = tune_checked(shape, card, Request(n_ctx=args.ctx, margin_bytes=margin,
-                                             n_threads=args.threads))
+    request = request_from_args(args, config_request(model_name, shape.file_size))
+    plan = tune_checked(shape, card, request)
     measured = None
     if args.measure:
         measured = measure_and_calibrate(shape, plan, card)
@@ -119,16 +131,40 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def request_from_args(args: argparse.Namespace, base: Request) -> Request:
+    """The config's tuner settings with the command line's on top."""
+    changes: dict = {"n_ctx": args.ctx, "n_threads": args.threads}
+    if args.margin is not None:
+        changes["margin_bytes"] = args.margin * MIB
+    if args.quality:
+        changes["quality"] = args.quality
+    if args.kv:
+        try:
+            split_kv(args.kv)
+        except ValueError as e:
+            raise UserError(f"--kv: {e}") from None
+        changes["kv_types"] = (args.kv,)
+    if args.fill is not None:
+        if not 0.05 <= args.fill <= 1:
+            raise UserError("--fill must be between 0.05 and 1 (the part of the context filled)")
+        changes["expected_fill"] = args.fill
+    if args.parallel is not None:
+        if args.parallel == "auto":
+            changes["num_parallel"] = None
+        elif args.parallel.isdigit() and 1 <= int(args.parallel) <= 64:
+            changes["num_parallel"] = int(args.parallel)
+        else:
+            raise UserError("--parallel must be auto or a number from 1 to 64")
+    return replace(base, **changes)
+
+
 def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card):
     print(f"measuring {shape.name} with the plan...", file=sys.stderr)
     measured = measure_in_child(shape.path, plan)
-    from .choose import placement_of
-    from .memory import ContextSettings
+    from .choose import placement_of, settings_of
 
-    settings = ContextSettings(plan.n_ctx, plan.type_k, plan.type_v, plan.flash_attn,
-                               plan.n_ubatch, plan.swa_full)
-    speed = predict_speed(model_costs(shape), placement_of(plan, shape), settings, card,
-                          plan.n_threads)
+    speed = predict_speed(model_costs(shape), placement_of(plan, shape), settings_of(plan), card,
+                          plan.n_threads, depth=measured.prompt_tokens)
     update_calibration(card.name, speed.decode_seconds_gpu, speed.decode_seconds_cpu,
                        measured.decode_tps)
     return measured
@@ -157,12 +193,18 @@ def format_plan(plan: Plan, card: Card, shape: ModelShape, model_name: str) -> s
     lines += [_row(header, widths), *(_row(r, widths) for r in rows), ""]
     settings = (f"n_ctx={plan.n_ctx} n_gpu_layers={plan.n_gpu_layers} "
                 f"type_k={plan.type_k} type_v={plan.type_v} flash_attn={plan.flash_attn} "
-                f"n_batch={plan.n_batch} n_ubatch={plan.n_ubatch} threads={plan.n_threads}")
+                f"n_batch={plan.n_batch} n_ubatch={plan.n_ubatch} threads={plan.n_threads} "
+                f"n_parallel={plan.n_parallel} swa_full={plan.swa_full}")
     lines.append(settings)
     for o in plan.tensor_overrides:
         lines.append(f"override: {o.pattern} -> {o.device}")
     lines.append(f"predicted: prefill {plan.predicted_prefill_tps:.1f} tok/s, decode "
-                 f"{plan.predicted_decode_tps:.1f} tok/s")
+                 f"{plan.predicted_decode_tps:.1f} tok/s averaged over the expected fill")
+    if plan.predicted_decode_by_depth:
+        names = ("start", "middle", "end")
+        lines.append("predicted decode as the context fills: " + ", ".join(
+            f"{name} ({depth} tokens) {tps:.1f} tok/s"
+            for name, (depth, tps) in zip(names, plan.predicted_decode_by_depth, strict=False)))
     lines.append("")
     lines.append("why:")
     lines += [f"  - {r}" for r in plan.reasons if not r.startswith(REJECTED)]

@@ -47,7 +47,7 @@ def _cache_file(model_path: str, plan: Plan) -> Path:
     st = os.stat(model_path)
     key = json.dumps([os.path.abspath(model_path), st.st_size, int(st.st_mtime),
                       plan.n_ctx, plan.n_gpu_layers, plan.n_ubatch, plan.flash_attn,
-                      plan.type_k, plan.type_v, plan.swa_full,
+                      plan.type_k, plan.type_v, plan.swa_full, plan.n_parallel,
                       [(o.pattern, o.device) for o in plan.tensor_overrides],
                       list(plan.tensor_split), os.environ.get("LLAMA_CPP_LIB_PATH", "")])
     return paths.cache_dir() / "dryrun" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
@@ -109,10 +109,12 @@ def _run_in_child(model_path: str, plan: Plan) -> dict:
     if not model:
         raise RuntimeError("dry-run load failed: " + "".join(lines)[-400:])
     cp = llama.llama_context_default_params()
-    cp.n_ctx = plan.n_ctx
+    # As the runner creates it: one stream of n_ctx cells per slot (not unified).
+    cp.n_ctx = plan.n_ctx * plan.n_parallel
     cp.n_batch = plan.n_batch
     cp.n_ubatch = plan.n_ubatch
-    cp.n_seq_max = 1
+    cp.n_seq_max = plan.n_parallel
+    cp.kv_unified = False
     cp.flash_attn_type = 1 if plan.flash_attn else 0
     cp.type_k = GGML_TYPES[plan.type_k]
     cp.type_v = GGML_TYPES[plan.type_v]

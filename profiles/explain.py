@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 
 from localllm.modelstore.shape import ModelShape
 
+from . import quality
 from .card import GIB, Card
-from .memory import CPU, GPU_KV_TYPES, ContextSettings, Placement
+from .memory import CPU, ContextSettings, Placement
 
 if TYPE_CHECKING:
-    from .tuner import Option, Request, Search
+    from .tuner import Option, Request, Search, _Evaluator
 
 REJECTED = "rejected: "
 
@@ -26,6 +27,10 @@ def tps(x: float) -> str:
     return f"{x:.1f} tok/s" if x < 100 else f"{x:.0f} tok/s"
 
 
+def _span(first: int, last: int) -> str:
+    return f"block {first}" if first == last else f"blocks {first}-{last}"
+
+
 def describe_placement(option: Option, shape: ModelShape) -> str:
     p = option.placement
     n_blocks = shape.n_layer_main
@@ -34,6 +39,14 @@ def describe_placement(option: Option, shape: ModelShape) -> str:
         return f"all {n_blocks} blocks on the CPU"
     head = "the lm-head on the CPU" if p.output_on_cpu or p.n_gpu_layers == 0 else \
         "the lm-head on the GPU"
+    if p.n_cpu_ffn_layers:
+        ffn_first = max(n_blocks - p.n_cpu_ffn_layers, n_blocks - n_gpu_blocks)
+        whole = n_blocks - n_gpu_blocks
+        text = ("every block's attention and KV on the GPU" if not whole else
+                f"{_span(0, whole - 1)} whole in RAM, the attention and KV of the other "
+                f"{n_gpu_blocks} on the GPU")
+        text += f", the FFN of {_span(ffn_first, n_blocks - 1)} in RAM, {head}"
+        return text + f" (n_gpu_layers={p.n_gpu_layers}, FFN override)"
     text = (f"all {n_blocks} blocks" if n_gpu_blocks >= n_blocks
             else f"{n_gpu_blocks} of {n_blocks} blocks") + f" on the GPU, {head}"
     if p.n_cpu_expert_layers:
@@ -49,25 +62,35 @@ def _gpu_block_indices(option: Option, shape: ModelShape):
 
 
 def _kv_text(settings: ContextSettings) -> str:
-    return f"{settings.type_k} KV"
+    return f"{quality.kv_label(settings.type_k, settings.type_v)} KV"
 
 
 def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
-            searches: list[Search], evaluate: Callable[[Placement, ContextSettings], Option],
-            threads: int) -> list[str]:
+            searches: list[Search], evaluator: _Evaluator, threads: int, single: Option,
+            slot_note: str) -> list[str]:
+    """`chosen.best` is the final option (slots and SWA cache included); `single` the option
+    the search picked, with one slot."""
     best = chosen.best
     assert best is not None
     s = best.settings
     out = [_budget_line(card, request, best)]
     out.append(_context_line(shape, request, chosen, searches))
     if not card.has_gpu:
-        out.append(f"all {shape.n_layer_main} blocks on the CPU: no GPU; f16 KV, "
-                   f"{threads} threads = physical cores")
+        out.append(f"all {shape.n_layer_main} blocks on the CPU: no GPU; {threads} threads = "
+                   "physical cores")
+        out.append(_kv_line(single, chosen, request, evaluator, card))
+        out.append(_fill_line(best, request, evaluator))
+        out += _slot_lines(best, request, card, slot_note)
         return out + _context_alternatives(chosen, searches)
     out.append(describe_placement(best, shape) + f": {gib(best.vram_used)} of "
                f"{gib(best.vram_budget)} usable VRAM; predicted "
                f"{tps(best.speed.decode_tps)} decode, {tps(best.speed.prefill_tps)} prefill")
-    out.append(_kv_line(best, chosen))
+    if best.placement.n_cpu_ffn_layers:
+        out.append("attention stays where its KV is: with every block's attention on the GPU, "
+                   "decode keeps its speed as the context fills, where whole blocks in RAM "
+                   "would attend over their KV on the CPU")
+    out.append(_fill_line(best, request, evaluator))
+    out.append(_kv_line(single, chosen, request, evaluator, card))
     out.append("flash attention on: the quantized V cache needs it and it keeps the compute "
                "buffer small at long context" if s.type_v != "f16" else
                "flash attention on: it keeps the compute buffer small at long context")
@@ -80,9 +103,62 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
                    "RAM and decode on the CPU fastest with one thread per core")
     else:
         out.append(f"{threads} threads: the GPU does the work; the CPU only feeds it")
-    out += _rejected_alternatives(shape, best, chosen, evaluate)
+    out += _slot_lines(best, request, card, slot_note)
+    out += _rejected_alternatives(shape, single, chosen, evaluator)
     out += _context_alternatives(chosen, searches)
     return out
+
+
+def _fill_line(best: Option, request: Request, evaluator: _Evaluator) -> str:
+    n = best.settings.n_ctx
+    at = [evaluator.speed(best.placement, best.settings, d).decode_tps for d in (0, n // 2, n)]
+    return (f"decode {tps(best.speed.decode_tps)} averaged over filling "
+            f"{request.expected_fill:.0%} of the context (expected_fill): {tps(at[0])} at the "
+            f"start, {tps(at[1])} at {n // 2} tokens, {tps(at[2])} at {n}")
+
+
+def _slot_lines(best: Option, request: Request, card: Card, slot_note: str) -> list[str]:
+    s = best.settings
+    cap = "auto" if request.num_parallel is None else str(request.num_parallel)
+    out = []
+    if s.n_seq > 1:
+        where = "beside the placement, without moving weights off the GPU" if card.has_gpu \
+            else "in the RAM budget"
+        out.append(f"{s.n_seq} slots (num_parallel {cap}): requests decode together, each slot "
+                   f"with its own {s.n_ctx} tokens of KV; they fit {where}")
+    else:
+        out.append(f"1 slot (num_parallel {cap})" + (f": {slot_note}" if slot_note else ""))
+    if s.swa_full:
+        out.append("full-size sliding-window cache (swa_full): the VRAM left holds it, so a "
+                   "conversation's earlier turns stay reusable past the window instead of being "
+                   "processed again")
+    return out
+
+
+def _kv_line(best: Option, chosen: Search, request: Request, evaluator: _Evaluator,
+             card: Card) -> str:
+    label = best.kv
+    cost = evaluator.kv_costs.get(label) or quality.KvCost(
+        label, quality.ASSUMED_KL.get(label, 0.0), False)
+    text = f"{label} KV cache: {cost.describe()}"
+    if request.kv_types:
+        return text + "; pinned by kv_cache_type"
+    allowed = quality.allowed(request.quality, evaluator.kv_costs)
+    text += f"; quality {request.quality} allows {', '.join(allowed)}"
+    if chosen.quality_note:
+        text += f"; {chosen.quality_note}"
+    more_precise = [o for o in chosen.options if o.fits and quality.kv_rank(o.kv)
+                    < quality.kv_rank(label) and o.settings.n_ctx == best.settings.n_ctx]
+    if more_precise:
+        alt = max(more_precise, key=lambda o: o.speed.decode_tps)
+        text += (f"; {alt.kv} would decode at {tps(alt.speed.decode_tps)} "
+                 f"vs {tps(best.speed.decode_tps)}")
+    elif label != quality.REFERENCE:
+        text += "; the more precise settings do not fit"
+    if card.has_gpu and label == "q4_0":
+        text += ("; q8_0 K with q4_0 V is not tried: this CUDA build has flash-attention "
+                 "kernels only for matching K and V types, and the pair would attend on the CPU")
+    return text
 
 
 def _budget_line(card: Card, request: Request, best: Option) -> str:
@@ -110,28 +186,13 @@ def _context_line(shape: ModelShape, request: Request, chosen: Search,
             f"within 10% of its speed at {searches[0].n_ctx}")
 
 
-def _kv_line(best: Option, chosen: Search) -> str:
-    s = best.settings
-    others = [o for o in chosen.options if o.fits and o.settings.type_k != s.type_k]
-    if s.type_k == "f16":
-        return "f16 KV cache: the most precise; quantizing it would not make decode faster"
-    better = [o for o in others if GPU_KV_TYPES.index(o.settings.type_k)
-              < GPU_KV_TYPES.index(s.type_k)]
-    if not better:
-        return (f"{s.type_k} KV cache (K = V): the more precise types do not fit at this "
-                "context")
-    alt = max(better, key=lambda o: o.speed.decode_tps)
-    return (f"{s.type_k} KV cache (K = V): it leaves room for more of the model on the GPU; "
-            f"{alt.settings.type_k} would decode at {tps(alt.speed.decode_tps)} "
-            f"vs {tps(best.speed.decode_tps)}")
-
-
 def _rejected_alternatives(shape: ModelShape, best: Option, chosen: Search,
-                           evaluate: Callable[[Placement, ContextSettings], Option]) -> list[str]:
+                           evaluator: _Evaluator) -> list[str]:
+    evaluate = evaluator.option
     out = []
     p, s = best.placement, best.settings
     n_all = shape.n_layer + 1
-    if p.n_gpu_layers < n_all and not p.n_cpu_expert_layers:
+    if p.n_gpu_layers < n_all and not p.n_cpu_expert_layers and not p.n_cpu_ffn_layers:
         more = evaluate(Placement(p.n_gpu_layers + 1, p.output_on_cpu), s)
         if not more.gpu_fits:
             out.append(f"{REJECTED}n_gpu_layers={p.n_gpu_layers + 1} needs "
@@ -141,9 +202,21 @@ def _rejected_alternatives(shape: ModelShape, best: Option, chosen: Search,
         if not fewer.gpu_fits:
             out.append(f"{REJECTED}experts of {p.n_cpu_expert_layers - 1} blocks in RAM needs "
                        f"{gib(fewer.vram_used)} > {gib(fewer.vram_budget)} usable VRAM")
+    def kind(o: Option) -> tuple:
+        return (o.placement.output_on_cpu, bool(o.placement.n_cpu_expert_layers),
+                bool(o.placement.n_cpu_ffn_layers))
+
+    # The fastest of each kind of placement first (so the one the winner beat is always
+    # shown), then the other KV settings.
+    ranked = sorted(chosen.options, key=lambda o: -o.speed.decode_tps)
+    first_of_kind = {}
+    for o in ranked:
+        first_of_kind.setdefault(kind(o), o)
+    ordered = [o for o in ranked if first_of_kind[kind(o)] is o] + \
+        [o for o in ranked if first_of_kind[kind(o)] is not o]
     seen = set()
-    for o in sorted(chosen.options, key=lambda o: -o.speed.decode_tps):
-        key = (o.settings.type_k, o.placement.output_on_cpu, bool(o.placement.n_cpu_expert_layers))
+    for o in ordered:
+        key = (o.kv, *kind(o))
         if o is best or key in seen or o.settings.n_ubatch != s.n_ubatch:
             continue
         seen.add(key)
@@ -152,14 +225,22 @@ def _rejected_alternatives(shape: ModelShape, best: Option, chosen: Search,
             what += ", lm-head on the CPU"
         elif o.placement.n_cpu_expert_layers:
             what += f", experts of {o.placement.n_cpu_expert_layers} blocks in RAM"
+        elif o.placement.n_cpu_ffn_layers:
+            what += ", attention on the GPU and FFN in RAM"
+        else:
+            what += ", whole blocks"
         if not o.fits:
             limit = (f"{gib(o.vram_used)} VRAM > {gib(o.vram_budget)}" if not o.gpu_fits
                      else f"{gib(o.ram_used)} RAM > {gib(o.ram_budget)}")
             out.append(f"{REJECTED}{what}: does not fit ({limit})")
         else:
+            n = o.settings.n_ctx
+            start = evaluator.speed(o.placement, o.settings, 0).decode_tps
             out.append(f"{REJECTED}{what}: {describe_placement(o, shape)}, "
-                       f"{tps(o.speed.decode_tps)}")
-        if len(seen) >= 3:
+                       f"{tps(o.speed.decode_tps)} averaged over the fill ({tps(start)} at the "
+                       f"start, {tps(evaluator.speed(o.placement, o.settings, n).decode_tps)} "
+                       f"at {n})")
+        if len(seen) >= 4:
             break
     return out
 

@@ -1,4 +1,4 @@
-"""The memory model: what a placement of a model costs on each device, as llama.cpp allocates it.
+r"""The memory model: what a placement of a model costs on each device, as llama.cpp allocates it.
 
 Pure functions of a ModelShape (through `ModelCosts`), a `Placement`, `ContextSettings` and a
 `Card`. The rules follow llama.cpp (src/llama-model.cpp, llama-kv-cache*.cpp, vendored in
@@ -7,15 +7,21 @@ llama-cpp-python 0.3.36):
   (lm-head + final norm) first; the input token table always stays on the CPU; with tied
   embeddings the lm-head is a second copy of the token table on the output layer's device.
 - NextN/MTP blocks are skipped at load unless MTP is used, and hold no KV in the main context.
-- KV follows its layer: full-attention layers hold n_ctx cells (padded to 256), sliding-window
-  layers pad(min(n_ctx, window * n_seq + n_ubatch), 256) with swa_full=False, recurrent layers
-  a fixed f32 state per sequence. A K or V row of n elements takes n / block * block_bytes.
+- KV follows its layer's attention: full-attention layers hold n_ctx cells (padded to 256) per
+  sequence, sliding-window layers pad(min(n_ctx, window + n_ubatch), 256) per sequence with
+  swa_full=False (the runner's cache is not unified: one stream of cells per slot), recurrent
+  layers a fixed f32 state per sequence. A K or V row of n elements takes n / block *
+  block_bytes.
+- A block's attention (with its KV) and its FFN may sit on different devices: the FFN matrices
+  of the last `n_cpu_ffn_layers` blocks stay in RAM through a tensor override, as llama.cpp's
+  `-ot "blk\.(...)\.ffn_(up|gate|down)\.=CPU"`.
 - Compute buffers come from a dry-run load where one was measured (`ComputeTable`), else from a
   formula that is deliberately on the high side.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -35,6 +41,8 @@ KV_TYPES: dict[str, tuple[int, int]] = {
 # pairs fall back to CPU attention (25-45x slower prefill).
 GPU_KV_TYPES = ("f16", "q8_0", "q4_0")
 CPU = "CPU"
+# The dense FFN matrices of a block, as the FFN override names them (norms stay with the block).
+FFN_TENSOR = re.compile(r"^blk\.\d+\.ffn_(up|gate|down)\.")
 
 
 def kv_row_bytes(kv_type: str, n_elements: int) -> int:
@@ -53,6 +61,7 @@ class Placement:
     n_gpu_layers: int
     output_on_cpu: bool = False  # lm-head kept on the CPU by a tensor override
     n_cpu_expert_layers: int = 0  # MoE: the experts of blocks 0..k-1 kept on the CPU
+    n_cpu_ffn_layers: int = 0  # dense FFN matrices of the last N trunk blocks kept on the CPU
 
 
 @dataclass(frozen=True)
@@ -72,12 +81,14 @@ class ModelCosts:
 
     n_blocks: int  # all blocks, NextN included (llama.cpp's n_layer)
     block_bytes: tuple[int, ...]  # weights loaded per block, experts excluded
+    ffn_bytes: tuple[int, ...]  # the part of block_bytes in the dense FFN matrices (up/gate/down)
     expert_bytes: tuple[int, ...]
     block_params: tuple[int, ...]  # weights (elements) per block, experts counted as active
     kinds: tuple[str, ...]
     kv_k_elements: tuple[int, ...]  # per cell, 0 for blocks that hold no KV
     kv_v_elements: tuple[int, ...]
     state_bytes: tuple[int, ...]  # recurrent state per sequence
+    attention_flops: tuple[int, ...]  # per cell of context read at decode (QK and softmax V)
     embedding_bytes: int
     output_bytes: int  # the lm-head, on the output layer's device unless overridden
     output_norm_bytes: int  # the final norm: always on the output layer's device
@@ -101,6 +112,15 @@ class ModelCosts:
         return sum(1 for b, e in zip(self.block_bytes, self.expert_bytes, strict=True) if b or e)
 
     @property
+    def has_sliding(self) -> bool:
+        return SLIDING in self.kinds and self.sliding_window > 0
+
+    def ffn_on_cpu(self, placement: Placement, i: int) -> bool:
+        """Whether block i's FFN matrices sit in RAM by the placement's FFN override."""
+        return bool(placement.n_cpu_ffn_layers) and self.n_trunk - placement.n_cpu_ffn_layers <= i \
+            < self.n_trunk
+
+    @property
     def max_block_bytes(self) -> int:
         return max((b + e for b, e in zip(self.block_bytes, self.expert_bytes, strict=True)),
                    default=0)
@@ -109,6 +129,7 @@ class ModelCosts:
 def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
     n = shape.n_layer
     block = [0] * n
+    ffn = [0] * n
     experts = [0] * n
     params = [0] * n
     active = (shape.expert_used_count / shape.expert_count) if shape.expert_count else 1.0
@@ -124,6 +145,8 @@ def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
             else:
                 block[t.layer] += t.n_bytes
                 params[t.layer] += t.n_elements
+                if FFN_TENSOR.match(t.name):
+                    ffn[t.layer] += t.n_bytes
         elif t.role == OUTPUT:
             output_bytes += t.n_bytes
             output_params += t.n_elements
@@ -134,7 +157,7 @@ def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
     if shape.tied_embeddings:  # the token table again, as the lm-head
         output_bytes += shape.embedding_bytes
         output_params += sum(t.n_elements for t in shape.tensors if t.name == "token_embd.weight")
-    k_el, v_el, state = [0] * n, [0] * n, [0] * n
+    k_el, v_el, state, flops = [0] * n, [0] * n, [0] * n, [0] * n
     n_recurrent = sum(1 for layer in shape.layers if layer.kind == RECURRENT_LAYER)
     for layer in shape.layers:
         if layer.is_nextn:
@@ -144,10 +167,12 @@ def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
         else:
             k_el[layer.index] = layer.n_head_kv * layer.head_dim_k
             v_el[layer.index] = layer.n_head_kv * layer.head_dim_v
+            flops[layer.index] = 2 * shape.n_head * (layer.head_dim_k + layer.head_dim_v)
     return ModelCosts(
-        n_blocks=n, block_bytes=tuple(block), expert_bytes=tuple(experts),
+        n_blocks=n, block_bytes=tuple(block), ffn_bytes=tuple(ffn), expert_bytes=tuple(experts),
         block_params=tuple(params), kinds=tuple(layer.kind for layer in shape.layers),
         kv_k_elements=tuple(k_el), kv_v_elements=tuple(v_el), state_bytes=tuple(state),
+        attention_flops=tuple(flops),
         embedding_bytes=shape.embedding_bytes, output_bytes=output_bytes,
         output_norm_bytes=output_norm, output_params=output_params, cpu_other_bytes=other,
         expert_active_fraction=active,
@@ -177,9 +202,10 @@ def block_devices(costs: ModelCosts, placement: Placement, n_gpus: int) -> tuple
 
 
 def kv_cells(kind: str, settings: ContextSettings, window: int) -> int:
+    """Cells of one sequence's stream (the cache is not unified: each slot has its own)."""
     full = pad(settings.n_ctx)
     if kind == SLIDING and not settings.swa_full and window:
-        return min(full, pad(window * settings.n_seq + settings.n_ubatch))
+        return min(full, pad(window + settings.n_ubatch))
     return full
 
 
@@ -208,8 +234,9 @@ class ComputeTable:
     @staticmethod
     def key(settings: ContextSettings, placement: Placement) -> tuple:
         return (settings.n_ctx, settings.n_ubatch, settings.flash_attn, settings.type_k,
-                settings.swa_full, placement.n_gpu_layers, placement.output_on_cpu,
-                placement.n_cpu_expert_layers)
+                settings.type_v, settings.swa_full, settings.n_seq, placement.n_gpu_layers,
+                placement.output_on_cpu, placement.n_cpu_expert_layers,
+                placement.n_cpu_ffn_layers)
 
 
 def compute_formula(costs: ModelCosts, settings: ContextSettings, device: str,
@@ -251,9 +278,13 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
     weights = dict.fromkeys(names, 0)
     kv = dict.fromkeys(names, 0)
     holds_attention = dict.fromkeys(names, False)
+    ffn_cpu_blocks = 0
     for i in range(costs.n_blocks):
         d = devices[i]
-        weights[d] += costs.block_bytes[i]
+        ffn = costs.ffn_bytes[i] if d != CPU and costs.ffn_on_cpu(placement, i) else 0
+        ffn_cpu_blocks += bool(ffn)
+        weights[d] += costs.block_bytes[i] - ffn
+        weights[CPU] += ffn
         expert_device = CPU if i < placement.n_cpu_expert_layers else d
         weights[expert_device] += costs.expert_bytes[i]
         kv[d] += block_kv_bytes(costs, i, settings)
@@ -262,7 +293,7 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
     weights[output_device] += costs.output_bytes
     weights[devices[-1]] += costs.output_norm_bytes
     weights[CPU] += costs.embedding_bytes + costs.cpu_other_bytes
-    cpu_blocks = sum(1 for d in devices[:-1] if d == CPU)
+    cpu_blocks = sum(1 for d in devices[:-1] if d == CPU) + ffn_cpu_blocks
     measured = compute.measured.get(ComputeTable.key(settings, placement)) if compute else None
     out = []
     for name in names:

@@ -49,7 +49,8 @@ class Plan:
     draft_n_max: int = 0
     memory: tuple[DeviceMemory, ...] = ()
     predicted_prefill_tps: float = 0.0
-    predicted_decode_tps: float = 0.0
+    predicted_decode_tps: float = 0.0  # averaged over the expected fill of the context
+    predicted_decode_by_depth: tuple[tuple[int, float], ...] = ()  # (tokens in context, tok/s)
     reasons: tuple[str, ...] = ()
     source: str = "default"  # "default", "tuner", "profile:<path>"
 
@@ -77,6 +78,8 @@ class Plan:
         data["memory"] = tuple(DeviceMemory(**m) for m in data.get("memory", ()))
         for key in ("tensor_split", "reasons"):
             data[key] = tuple(data.get(key, ()))
+        data["predicted_decode_by_depth"] = tuple(
+            (int(d), float(t)) for d, t in data.get("predicted_decode_by_depth", ()))
         return cls(**data)
 
 

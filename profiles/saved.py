@@ -27,7 +27,8 @@ from .plan import Plan, TensorOverride
 EDITABLE: dict[str, type] = {
     "n_ctx": int, "n_gpu_layers": int, "type_k": str, "type_v": str, "flash_attn": bool,
     "swa_full": bool, "n_batch": int, "n_ubatch": int, "n_threads": int,
-    "n_threads_batch": int, "use_mmap": bool, "speculative": str, "draft_n_max": int,
+    "n_threads_batch": int, "use_mmap": bool, "n_parallel": int, "speculative": str,
+    "draft_n_max": int,
 }
 LIST_FIELDS = ("tensor_overrides", "tensor_split")
 HEADER = """\
@@ -81,6 +82,7 @@ def save_profile(plan: Plan, model_name: str, card_name: str, model_size: int,
         "plan": plan_table(plan),
         "predicted": {
             "decode_tps": plan.predicted_decode_tps, "prefill_tps": plan.predicted_prefill_tps,
+            "decode_by_depth": [list(x) for x in plan.predicted_decode_by_depth],
             "vram_bytes": plan.vram_bytes(), "ram_bytes": plan.ram_bytes(),
             "reasons": list(plan.reasons),
         },
@@ -123,7 +125,7 @@ def parse_plan_table(path: Path, table: Any) -> Plan:
                                f"({', '.join(KV_TYPES)})")
     if values["n_ctx"] < 256:
         raise ProfileError(f"{path}: plan.n_ctx must be at least 256")
-    for key in ("n_batch", "n_ubatch", "n_threads", "n_threads_batch"):
+    for key in ("n_batch", "n_ubatch", "n_threads", "n_threads_batch", "n_parallel"):
         if key in values and values[key] < 1:
             raise ProfileError(f"{path}: plan.{key} must be at least 1")
     if values.get("type_v", "f16") != "f16" and not values.get("flash_attn", False):

@@ -11,6 +11,12 @@ block plus bytes over 48% of peak bandwidth; f16 KV at 32K depth cost 8B 1.8 ms 
 of peak), q8_0 KV at 32K the 27B 10.7 ms (9%); 16 cores reading weights reached 57 GB/s.
 Per-card bandwidth efficiency and host bandwidth are in the card profiles; `--measure`
 replaces them with measured figures.
+
+Decode slows as the context fills: every token reads the KV cache of the context so far, and a
+block's attention runs where its KV lives. On the GPU that is a bandwidth cost; on the CPU it is
+compute (flash attention over n_head x head_dim per cell), far slower than the weights' bytes
+suggest: on the H200's 16-core host, 19 dense-27b blocks in RAM cost 180 ms more per token after
+a 16K prompt than after a short one (35 GFLOP/s of attention, q4_0 KV); f16 KV reached 46.
 """
 
 from __future__ import annotations
@@ -45,6 +51,12 @@ CPU_RECURRENT_BLOCK_SECONDS = 1.0e-3
 # barrier) costs more than its bytes: qwen3-30b-a3b with 16 of 48 blocks in RAM measured 61 tok/s
 # where bytes alone predicted 76. Experts alone in RAM (router on the GPU) measured faster.
 CPU_MOE_BLOCK_SECONDS = 0.2e-3
+# CPU flash attention at decode, FLOP/s per thread, by K type (fitted as said above).
+CPU_ATTENTION_FLOPS_PER_THREAD = {"f16": 2.9e9, "bf16": 2.9e9, "f32": 2.9e9}
+CPU_ATTENTION_FLOPS_QUANTIZED = 2.25e9
+# An FFN in RAM under attention on the GPU sends the hidden state to the host and back: one
+# crossing's cost per block, fitted to the H200 (dense-27b, 12 GiB, 32K, q4_0 KV, FFN of 29
+# blocks in RAM: measured 9.2 tok/s after a short prompt and 8.8 after 16K; predicted 9.1, 8.7).
 
 
 @dataclass(frozen=True)
@@ -55,8 +67,9 @@ class Speed:
     decode_seconds_cpu: float  # per token, weights and KV read from host RAM
 
 
-def _kv_read_seconds(costs: ModelCosts, i: int, settings: ContextSettings, depth: int,
-                     on_gpu: bool, card: Card) -> float:
+def _attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, depth: int,
+                       on_gpu: bool, card: Card, threads: int) -> float:
+    """Attention of block i over `depth` cells, on the device that holds its KV."""
     if not costs.kv_k_elements[i]:
         return 0.0
     cells = min(depth, costs.sliding_window) if costs.kinds[i] == SLIDING else depth
@@ -65,8 +78,12 @@ def _kv_read_seconds(costs: ModelCosts, i: int, settings: ContextSettings, depth
     if on_gpu:
         efficiency = GPU_KV_EFFICIENCY.get(settings.type_k, 0.05)
         return cells * row / (card.bandwidth_gbs * 1e9 * efficiency)
-    penalty = 1.0 if settings.type_k in ("f16", "f32", "bf16") else CPU_QUANTIZED_KV_PENALTY
-    return cells * row * penalty / (card.host_bandwidth_gbs * 1e9)
+    quantized = settings.type_k not in CPU_ATTENTION_FLOPS_PER_THREAD
+    penalty = CPU_QUANTIZED_KV_PENALTY if quantized else 1.0
+    read = cells * row * penalty / (card.host_bandwidth_gbs * 1e9)
+    rate = (CPU_ATTENTION_FLOPS_QUANTIZED if quantized
+            else CPU_ATTENTION_FLOPS_PER_THREAD[settings.type_k]) * threads
+    return max(read, cells * costs.attention_flops[i] / rate)
 
 
 def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,
@@ -94,12 +111,21 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
                 cpu_s += CPU_RECURRENT_BLOCK_SECONDS
             if costs.expert_bytes[i]:
                 cpu_s += CPU_MOE_BLOCK_SECONDS
-            cpu_s += _kv_read_seconds(costs, i, settings, depth, False, card)
+            cpu_s += _attention_seconds(costs, i, settings, depth, False, card, threads)
             cpu_flops += 2 * active_params
             cpu_weight_bytes += costs.block_bytes[i] + costs.expert_bytes[i]
         else:
-            gpu_s += costs.block_bytes[i] / gpu_bw + GPU_BLOCK_SECONDS
-            gpu_s += _kv_read_seconds(costs, i, settings, depth, True, card)
+            ffn_cpu = costs.ffn_bytes[i] if costs.ffn_on_cpu(placement, i) else 0
+            gpu_s += (costs.block_bytes[i] - ffn_cpu) / gpu_bw + GPU_BLOCK_SECONDS
+            gpu_s += _attention_seconds(costs, i, settings, depth, True, card, threads)
+            if ffn_cpu:
+                cpu_s += ffn_cpu / host_bw
+                cpu_weight_bytes += ffn_cpu
+                crossings += 1
+                ffn_params = active_params * ffn_cpu / max(1, costs.block_bytes[i])
+                cpu_flops += 2 * ffn_params
+                gpu_flops += 2 * (active_params - ffn_params)
+                active_params = 0
             if experts_on_cpu:
                 cpu_s += expert_read / host_bw
                 cpu_weight_bytes += costs.expert_bytes[i]

@@ -1,36 +1,47 @@
 """The tuner: the best plan for this model on this card, found by search over predicted costs.
 
 One pure function, `tune(shape, card, request, compute) -> Plan`. It reads top to bottom in the
-order it works: for each context it tries, for each KV type and ubatch, it finds the placements
-that fill the card (the most blocks on the GPU; the lm-head kept on the CPU; for MoE the experts
-of the first blocks on the CPU), predicts their memory per device and their speed, keeps those
-that fit the card and the host, and picks the fastest decode; a near tie (within 1%) goes to
-the better KV precision, then to faster prefill. Measurements (dry-run compute buffers, NVML's
-free memory) come in through the `Card` and the `ComputeTable`, so every test can call it with
-numbers.
+order it works: for each context it tries, for each KV setting and ubatch, it finds the
+placements that fill the card (the most whole blocks on the GPU; the lm-head kept on the CPU;
+every block's attention and KV on the GPU with the FFN of the last blocks in RAM, alone or mixed
+with whole blocks; for MoE the experts of the first blocks on the CPU), predicts their memory per
+device and their decode speed averaged over the part of the context the user will fill
+(`expected_fill`), keeps those that fit the card and the host, and lets the quality policy say
+which KV settings may compete (profiles.quality). The fastest wins; a near tie (within 1%) goes
+to the better KV precision, then to faster prefill. Slots (`num_parallel`) and a full-size
+sliding-window cache then take what VRAM is left, never a layer. Measurements (dry-run compute
+buffers, NVML's free memory, `localllm eval` results) come in through the `Card`, the
+`ComputeTable` and the `Request`, so every test can call it with numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from localllm.errors import UserError
 from localllm.modelstore.shape import ModelShape
 
+from . import quality
 from .card import GIB, MIB, Card
 from .explain import explain, gib, impossible_message
 from .memory import (
-    CPU, GPU_KV_TYPES, ComputeTable, ContextSettings, ModelCosts, Placement, memory_by_device,
+    CPU, ComputeTable, ContextSettings, ModelCosts, Placement, memory_by_device,
     model_costs,
 )
 from .plan import DeviceMemory, Plan, TensorOverride, cpu_plan
+from .quality import kv_label, kv_rank, split_kv
 from .speed import Speed, predict_speed
 
 MIN_DEFAULT_CTX = 4096
 CTX_LADDER = (4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
 NEAR_TIE = 0.99  # decode within 1%: below what the speed model can tell apart
 FAST_ENOUGH = 0.9  # the default context may cost at most 10% of decode speed
+AUTO_MAX_PARALLEL = 4  # num_parallel = auto: at most this many slots
+MIX_POINTS = 10  # whole-block counts tried under the attention-on-GPU placement
+# K = V pairs the CUDA build runs inside flash attention; a mixed pair (q8_0 K / q4_0 V) would
+# run attention on the CPU, so on a GPU it is left out (see explain's KV line).
+GPU_KV_SETTINGS = tuple(t for t in quality.KV_LADDER if "/" not in t)
 
 
 class NoPlanFits(UserError):
@@ -43,11 +54,15 @@ class Request:
 
     n_ctx: int | None = None
     margin_bytes: int = 512 * MIB  # VRAM left free on each GPU (config vram_margin_mib)
-    kv_types: tuple[str, ...] = GPU_KV_TYPES
+    kv_types: tuple[str, ...] | None = None  # KV settings pinned (config kv_cache_type)
     n_gpu_layers: int | None = None  # Ollama's num_gpu
     n_threads: int | None = None  # num_thread
     n_batch: int | None = None  # num_batch
     ubatch_sizes: tuple[int, ...] = (512, 256)
+    quality: str = quality.DEFAULT_POLICY  # config quality: max, balanced, speed
+    measured_kl: Mapping[str, float] = field(default_factory=dict)  # `localllm eval` results
+    expected_fill: float = 0.5  # config expected_fill: the part of the context a user fills
+    num_parallel: int | None = 1  # slots: a cap; None = auto (as many as fit, at most 4)
 
 
 @dataclass(frozen=True)
@@ -57,9 +72,13 @@ class Option:
     placement: Placement
     settings: ContextSettings
     memory: tuple[DeviceMemory, ...]
-    speed: Speed
+    speed: Speed  # decode averaged over the expected fill
     vram_budget: int  # per GPU
     ram_budget: int
+
+    @property
+    def kv(self) -> str:
+        return kv_label(self.settings.type_k, self.settings.type_v)
 
     @property
     def gpu_fits(self) -> bool:
@@ -81,14 +100,22 @@ class Option:
     def ram_used(self) -> int:
         return sum(m.total for m in self.memory if m.device == CPU)
 
+    @property
+    def kv_on_gpu(self) -> bool:
+        """Every block's KV (so its attention) is on a GPU."""
+        return any(m.device != CPU for m in self.memory) and \
+            not any(m.kv for m in self.memory if m.device == CPU)
+
 
 @dataclass(frozen=True)
 class Search:
-    """Everything the search saw at one context: the winner and the alternatives."""
+    """Everything the search saw at one context: the winner, the alternatives, and what the
+    quality policy did (a sentence, empty when it simply allowed the winner)."""
 
     n_ctx: int
     best: Option | None
     options: tuple[Option, ...] = field(default=())
+    quality_note: str = ""
 
 
 def vram_budget(card: Card, margin: int) -> int:
@@ -127,17 +154,35 @@ def _smallest(pred: Callable[[int], bool], lo: int, hi: int) -> int | None:
     return lo
 
 
+def objective_depth(n_ctx: int, fill: float) -> int:
+    """Decode time grows linearly with depth, so tokens over time while the context fills from
+    0 to fill x n_ctx equal the speed at half that depth."""
+    return max(1, int(n_ctx * fill / 2))
+
+
 class _Evaluator:
     def __init__(self, costs: ModelCosts, card: Card, request: Request,
                  compute: ComputeTable | None):
         self.costs, self.card, self.request, self.compute = costs, card, request, compute
         self.vram_budget = vram_budget(card, request.margin_bytes)
         self.ram_budget = ram_budget(card)
+        self.kv_costs = quality.kv_costs(request.measured_kl)
+
+    def memory(self, placement: Placement, settings: ContextSettings):
+        return memory_by_device(self.costs, placement, settings, self.card, self.compute)
+
+    def gpu_fits(self, placement: Placement, settings: ContextSettings) -> bool:
+        return all(m.total <= self.vram_budget for m in self.memory(placement, settings)
+                   if m.device != CPU)
+
+    def speed(self, placement: Placement, settings: ContextSettings, depth: int) -> Speed:
+        return predict_speed(self.costs, placement, settings, self.card, self.request.n_threads,
+                             depth)
 
     def option(self, placement: Placement, settings: ContextSettings) -> Option:
-        memory = memory_by_device(self.costs, placement, settings, self.card, self.compute)
-        speed = predict_speed(self.costs, placement, settings, self.card, self.request.n_threads)
-        return Option(placement, settings, memory, speed, self.vram_budget, self.ram_budget)
+        depth = objective_depth(settings.n_ctx, self.request.expected_fill)
+        return Option(placement, settings, self.memory(placement, settings),
+                      self.speed(placement, settings, depth), self.vram_budget, self.ram_budget)
 
     def placements(self, settings: ContextSettings) -> list[Option]:
         """The placements worth comparing at these settings, each filling the GPU its way."""
@@ -147,55 +192,140 @@ class _Evaluator:
         if self.request.n_gpu_layers is not None:
             return [self.option(Placement(min(self.request.n_gpu_layers, n_all)), settings)]
 
-        def gpu_fits(p: Placement) -> bool:
-            return self.option(p, settings).gpu_fits
+        def fits(p: Placement) -> bool:
+            return self.gpu_fits(p, settings)
 
         out = []
-        layers = _largest(lambda n: gpu_fits(Placement(n)), 0, n_all)
+        layers = _largest(lambda n: fits(Placement(n)), 0, n_all)
         out.append(self.option(Placement(layers or 0), settings))
         if layers is not None and layers < n_all and costs.output_bytes:
             # Keeping the lm-head in RAM frees room for blocks; it pays only when those blocks
             # would otherwise be read from RAM too.
-            n = _largest(lambda n: gpu_fits(Placement(n, output_on_cpu=True)), 1, n_all)
+            n = _largest(lambda n: fits(Placement(n, output_on_cpu=True)), 1, n_all)
             if n is not None and n > layers:
                 out.append(self.option(Placement(n, output_on_cpu=True), settings))
         if costs.has_experts and (layers is None or layers < n_all):
             # Experts are most of an MoE model but few are read per token: keep attention and
             # shared weights of every block on the GPU and the experts of the first blocks in RAM.
-            k = _smallest(lambda k: gpu_fits(Placement(n_all, n_cpu_expert_layers=k)),
+            k = _smallest(lambda k: fits(Placement(n_all, n_cpu_expert_layers=k)),
                           0, costs.n_blocks)
             if k is not None:
                 out.append(self.option(Placement(n_all, n_cpu_expert_layers=k), settings))
             else:
-                n = _largest(lambda n: gpu_fits(Placement(n, n_cpu_expert_layers=costs.n_blocks)),
+                n = _largest(lambda n: fits(Placement(n, n_cpu_expert_layers=costs.n_blocks)),
                              0, n_all)
                 if n:
                     out.append(self.option(
                         Placement(n, n_cpu_expert_layers=costs.n_blocks), settings))
+        elif any(costs.ffn_bytes) and (layers is None or layers < n_all):
+            out += self._ffn_splits(settings, layers or 0)
         return out
+
+    def _ffn_splits(self, settings: ContextSettings, whole: int) -> list[Option]:
+        """Attention and KV on the GPU, the FFN of the fewest last blocks in RAM; mixed with
+        whole blocks in RAM where the KV of every block does not fit. The whole-block counts
+        are sampled, then the best is refined with its neighbours."""
+        n_all, n_trunk = self.costs.n_blocks + 1, self.costs.n_trunk
+        tried: dict[int, Option | None] = {}
+
+        def at(n: int) -> Option | None:
+            if n not in tried:
+                k = _smallest(lambda k: self.gpu_fits(Placement(n, n_cpu_ffn_layers=k),
+                                                      settings), 0, n_trunk)
+                tried[n] = self.option(Placement(n, n_cpu_ffn_layers=k), settings) \
+                    if k else None
+            return tried[n]
+
+        lo = whole + 1
+        if lo > n_all:
+            return []
+        step = max(1, (n_all - lo) // MIX_POINTS)
+        for n in range(n_all, lo - 1, -step):
+            at(n)
+        while step > 1:
+            found = [o for o in tried.values() if o is not None]
+            if not found:
+                break
+            best = max(found, key=lambda o: o.speed.decode_tps).placement.n_gpu_layers
+            step //= 2
+            for n in (best - step, best + step):
+                if lo <= n <= n_all:
+                    at(n)
+        return [o for o in tried.values() if o is not None]
+
+    def kv_candidates(self) -> tuple[str, ...]:
+        if self.request.kv_types:
+            return self.request.kv_types
+        return GPU_KV_SETTINGS if self.card.has_gpu else ("f16",)
 
     def search(self, n_ctx: int, kv_types: tuple[str, ...] | None = None) -> Search:
         options: list[Option] = []
         gpu = self.card.has_gpu
-        kv_types = (kv_types or self.request.kv_types) if gpu else ("f16",)
         ubatches = sorted({min(ub, n_ctx) for ub in (self.request.ubatch_sizes if gpu else (512,))},
                           reverse=True)
-        for kv in kv_types:
+        for kv in kv_types or self.kv_candidates():
+            type_k, type_v = split_kv(kv)
             for ub in ubatches:
                 # Flash attention on the GPU: a quantized V needs it, and it keeps the compute
                 # buffer from growing with n_ctx x n_head. The CPU-only plan keeps llama.cpp's
-                # defaults (see cpu_plan).
-                settings = ContextSettings(n_ctx, kv, kv, flash_attn=gpu, n_ubatch=ub)
+                # defaults (see cpu_plan) unless a pinned quantized cache needs it.
+                flash = gpu or type_k != "f16" or type_v != "f16"
+                settings = ContextSettings(n_ctx, type_k, type_v, flash_attn=flash, n_ubatch=ub)
                 options.extend(self.placements(settings))
         feasible = [o for o in options if o.fits]
         if self.request.n_gpu_layers is not None and not feasible:
             feasible = [o for o in options if o.ram_fits]  # the user's num_gpu is honoured
-        return Search(n_ctx, pick(feasible), tuple(options))
+        best, note = self.select(feasible)
+        return Search(n_ctx, best, tuple(options), note)
 
+    def select(self, feasible: list[Option]) -> tuple[Option | None, str]:
+        """The fastest option the quality policy allows, and what the policy had to do."""
+        if not feasible:
+            return None, ""
+        if self.request.kv_types:
+            return pick(feasible), ""
+        policy = self.request.quality
+        allowed = quality.allowed(policy, self.kv_costs)
+        within = [o for o in feasible if o.kv in allowed]
+        if policy == "balanced" and self.card.has_gpu and within \
+                and not any(o.kv_on_gpu for o in within):
+            # 4 bits only where the more precise settings cannot keep the context's KV on the
+            # GPU: there the cache's size, not its precision, decides the speed.
+            extra = [o for o in feasible if o.kv not in allowed]
+            best = pick(within + extra)
+            if best is not None and best.kv not in allowed:
+                return best, (f"{best.kv} KV: the more precise settings cannot keep this "
+                              "context's KV on the GPU (balanced quality allows 4 bits only "
+                              "then)")
+            return best, ""
+        if within:
+            return pick(within), ""
+        for label in quality.KV_LADDER:
+            fitting = [o for o in feasible if o.kv == label]
+            if fitting:
+                return pick(fitting), (f"{label} KV: nothing within the {policy} quality "
+                                       "policy fits")
+        return pick(feasible), ""
 
-def kv_rank(kv_type: str) -> int:
-    """Lower is more precise."""
-    return GPU_KV_TYPES.index(kv_type) if kv_type in GPU_KV_TYPES else len(GPU_KV_TYPES)
+    def with_slots(self, best: Option) -> tuple[Option, str]:
+        """The most slots (each a full context of KV) that fit beside the chosen placement."""
+        cap = self.request.num_parallel or AUTO_MAX_PARALLEL
+        for n in range(cap, 1, -1):
+            o = self.option(best.placement, replace(best.settings, n_seq=n))
+            if o.fits:
+                return o, ""
+        if cap > 1:
+            where = "without moving weights off the GPU" if self.card.has_gpu else \
+                "in the RAM budget"
+            return best, f"a second slot does not fit {where}"
+        return best, ""
+
+    def with_full_swa(self, best: Option, chat: bool) -> Option | None:
+        """A full-size sliding-window cache, where the VRAM left allows it (chat models)."""
+        if not (chat and self.costs.has_sliding) or best.settings.swa_full:
+            return None
+        o = self.option(best.placement, replace(best.settings, swa_full=True))
+        return o if o.fits else None
 
 
 def pick(options: list[Option]) -> Option | None:
@@ -203,8 +333,7 @@ def pick(options: list[Option]) -> Option | None:
         return None
     fastest = max(o.speed.decode_tps for o in options)
     near = [o for o in options if o.speed.decode_tps >= fastest * NEAR_TIE]
-    return min(near, key=lambda o: (kv_rank(o.settings.type_k), -o.speed.prefill_tps,
-                                    o.vram_used))
+    return min(near, key=lambda o: (kv_rank(o.kv), -o.speed.prefill_tps, o.vram_used))
 
 
 def context_ladder(trained: int, wanted: int | None) -> list[int]:
@@ -222,6 +351,9 @@ def tune(shape: ModelShape, card: Card, request: Request | None = None,
     request = request or Request()
     if request.n_ctx is not None and request.n_ctx < 256:
         raise NoPlanFits(f"context {request.n_ctx} is too small: use at least 256")
+    if request.quality not in quality.POLICIES:
+        raise NoPlanFits(f"quality must be one of {', '.join(quality.POLICIES)}, "
+                         f"not {request.quality!r}")
     costs = model_costs(shape)
     evaluator = _Evaluator(costs, card, request, compute)
     trained = shape.context_length
@@ -234,27 +366,31 @@ def tune(shape: ModelShape, card: Card, request: Request | None = None,
     if searches[0].best is not None and len(ladder) > 1:
         # A default context never costs KV precision: larger contexts are tried with KV types
         # at least as precise as the smallest context's best plan uses.
-        rank = kv_rank(searches[0].best.settings.type_k)
-        kv_types = tuple(t for t in request.kv_types if kv_rank(t) <= rank)
+        rank = kv_rank(searches[0].best.kv)
+        kv_types = tuple(t for t in evaluator.kv_candidates() if kv_rank(t) <= rank)
         searches += [evaluator.search(n, kv_types) for n in ladder[1:]]
     else:
         searches += [evaluator.search(n) for n in ladder[1:]]
-    chosen = choose_context(searches)
+    chosen = choose_context(searches, evaluator)
     if chosen is None:
         raise NoPlanFits(impossible_message(shape, card, request, searches, evaluator.search))
     return build_plan(shape, card, request, chosen, searches, evaluator)
 
 
-def choose_context(searches: list[Search]) -> Search | None:
+def choose_context(searches: list[Search], evaluator: _Evaluator) -> Search | None:
     """The largest context whose best plan keeps decode within 10% of the smallest context's
-    (with one search, that one)."""
+    (with one search, that one). Compared at the start of the context, so that only what the
+    larger cache costs the placement counts, not how deep a longer conversation gets."""
     fitting = [s for s in searches if s.best is not None]
     if not fitting:
         return None
     if len(searches) == 1:
         return fitting[0]
-    base = fitting[0].best.speed.decode_tps
-    fast = [s for s in fitting if s.best.speed.decode_tps >= base * FAST_ENOUGH]
+    def shallow(s: Search) -> float:
+        return evaluator.speed(s.best.placement, s.best.settings, 0).decode_tps
+
+    base = shallow(fitting[0])
+    fast = [s for s in fitting if shallow(s) >= base * FAST_ENOUGH]
     return fast[-1]
 
 
@@ -267,37 +403,60 @@ def tensor_overrides(shape: ModelShape, placement: Placement) -> tuple[TensorOve
     if placement.n_cpu_expert_layers:
         blocks = "|".join(str(i) for i in range(placement.n_cpu_expert_layers))
         out.append(TensorOverride(rf"^blk\.({blocks})\.ffn_(up|down|gate|gate_up)_exps\.", "CPU"))
+    if placement.n_cpu_ffn_layers:
+        n_trunk = shape.n_layer_main
+        first = max(0, n_trunk - placement.n_cpu_ffn_layers)
+        blocks = "|".join(str(i) for i in range(first, n_trunk))
+        out.append(TensorOverride(rf"^blk\.({blocks})\.ffn_(up|gate|down)\.", "CPU"))
     return tuple(out)
+
+
+def decode_by_depth(evaluator: _Evaluator, best: Option) -> tuple[tuple[int, float], ...]:
+    """Predicted decode at the start, the middle and the end of the context."""
+    n = best.settings.n_ctx
+    return tuple((d, round(evaluator.speed(best.placement, best.settings, d).decode_tps, 2))
+                 for d in (0, n // 2, n))
 
 
 def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
                searches: list[Search], evaluator: _Evaluator) -> Plan:
     best = chosen.best
     assert best is not None
+    single = best
+    best, slot_note = evaluator.with_slots(best)
+    full_swa = evaluator.with_full_swa(best, shape.chat_template is not None)
+    if full_swa is not None:
+        best = full_swa
     threads = request.n_threads or card.cores
+    s = best.settings
     if not card.has_gpu:
-        base = cpu_plan(best.settings.n_ctx, 0)
-        batch = min(request.n_batch or base.n_batch, best.settings.n_ctx)
+        base = cpu_plan(s.n_ctx, 0)
+        batch = min(request.n_batch or base.n_batch, s.n_ctx)
         plan = replace(base, n_threads=threads, n_batch=batch, n_ubatch=min(base.n_ubatch, batch),
-                       n_threads_batch=request.n_threads or base.n_threads_batch)
+                       n_threads_batch=request.n_threads or base.n_threads_batch,
+                       type_k=s.type_k, type_v=s.type_v, flash_attn=s.flash_attn)
     else:
-        s = best.settings
         plan = Plan(
             n_ctx=s.n_ctx,
             n_gpu_layers=best.placement.n_gpu_layers,
             tensor_overrides=tensor_overrides(shape, best.placement),
             tensor_split=tuple(1.0 for _ in range(card.n_gpus)) if card.n_gpus > 1 else (),
-            type_k=s.type_k, type_v=s.type_v, flash_attn=s.flash_attn, swa_full=s.swa_full,
+            type_k=s.type_k, type_v=s.type_v, flash_attn=s.flash_attn,
             n_batch=request.n_batch or max(2048, s.n_ubatch),
             n_ubatch=min(s.n_ubatch, request.n_batch or s.n_ubatch),
             n_threads=threads, n_threads_batch=threads,
         )
+    chosen = replace(chosen, best=best)
     return replace(
         plan,
+        n_parallel=s.n_seq,
+        swa_full=s.swa_full,
         memory=best.memory,
         predicted_decode_tps=round(best.speed.decode_tps, 2),
         predicted_prefill_tps=round(best.speed.prefill_tps, 1),
-        reasons=tuple(explain(shape, card, request, chosen, searches, evaluator.option, threads)),
+        predicted_decode_by_depth=decode_by_depth(evaluator, best),
+        reasons=tuple(explain(shape, card, request, chosen, searches, evaluator, threads,
+                              single, slot_note)),
         source="tuner",
     )
 

@@ -1,22 +1,24 @@
 #!/usr/bin/env python3
 """Benchmark the tuner on a real GPU against llama.cpp's own fitting, at emulated budgets.
 
-For each synthetic shape, budget (GiB of a card emulated on this GPU) and context, it
-  1. plans with `localllm.profiles` for the GPU's card profile cut to the budget (compute
-     buffers checked by dry-run loads of llama.cpp),
-  2. loads that plan for real in a child process (llama-cpp-python, the runner's load path),
-     decodes a few dozen tokens after a short prompt, and samples the device's used memory with
-     NVML the whole time,
-  3. runs `llama-server --fit on --fit-target (free - budget)` at the same context and measures
-     it the same way (its /completion timings, NVML),
-and prints predicted vs measured VRAM and decode speed beside llama.cpp's.
+One command runs issue 13's matrix (about 8 minutes of GPU time):
 
     source .device-carry/on-device.sh
-    python scripts/bench_tuner.py --out $OUT --budgets 12 24 --contexts 4096 32768 131072
+    python3 scripts/bench_tuner.py --out $OUT
 
-Models are written as sparse synthetic GGUFs (no disk used, llama.cpp reads zeros; speed and
-memory do not depend on weight values). Results go to OUT/bench.jsonl as they come, then a
-markdown table to OUT/bench.md.
+- dense-27b (66 blocks, Q4_0) at a 12 GiB budget, 32K and 128K context; the 70B-class model
+  (80 blocks, Q4_0, 37 GiB) at 24 GiB, 8K and 32K;
+- ours: `tune_checked` for this GPU's card profile cut to the budget (compute buffers checked
+  by dry-run loads), under the default quality policy (balanced) and, where it plans otherwise,
+  quality = speed; one slot (fit runs -np 1); loaded in a child the way the runner loads;
+- fit: `llama-server --fit on --fit-target (free - budget) -fa on -np 1`, f16 KV and q8_0 KV;
+- decode after a short prompt and, for the 12 GiB rows, after filling half the context: the
+  filled context is a sequence state of zeros restored into the cache (scripts/kv_fill.py), so
+  no 64K-token prompt is processed (decode reads the same bytes whatever they hold);
+- VRAM: NVML's peak device memory used during each run, minus what was used before.
+
+Prints a markdown table and writes it to OUT/bench.md (rows also to OUT/bench.jsonl as they
+come). `--tiny` runs the same code on toy models on a CPU (a smoke test of the script).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import checkout_imports  # noqa: E402
 checkout_imports.bootstrap()
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import kv_fill  # noqa: E402
 import synth_gguf  # noqa: E402
 
 from localllm.modelstore.shape import read_shape  # noqa: E402
@@ -50,6 +53,13 @@ from localllm.profiles.card import load_card  # noqa: E402
 from localllm.profiles.choose import tune_checked  # noqa: E402
 from localllm.profiles.hardware import host_card, probe_card  # noqa: E402
 from localllm.profiles.tuner import NoPlanFits, Request  # noqa: E402
+
+# (shape, budget GiB, context, measure after filling half the context too)
+MATRIX = (("dense-27b", 12, 32768, True), ("dense-27b", 12, 131072, True),
+          ("70b", 24, 8192, False), ("70b", 24, 32768, False))
+TINY_MATRIX = (("llama-8b", 0.9, 1024, True), ("llama-8b", 0.9, 2048, False))
+POLICIES = ("balanced", "speed")
+FIT_KV = ("f16", "q8_0")
 
 
 class MemorySampler:
@@ -103,30 +113,74 @@ class MemorySampler:
 # the model load segfault (seen on the H200 with the image's numpy).
 CHILD = r"""
 import llama_cpp
-import faulthandler, json, sys
-faulthandler.enable(open("/tmp/bench-child-fault.txt", "w"), all_threads=True)
-from localllm.modelstore.shape import read_shape
-from localllm.profiles.measure import run_benchmark
+import ctypes, json, sys, time
+import llama_cpp.llama_cpp as ll
+from localllm.profiles.dryrun import GGML_TYPES
+from localllm.profiles.llama_overrides import tensor_overrides_applied
 from localllm.profiles.plan import Plan
 req = json.loads(sys.stdin.read())
-m = run_benchmark(req["path"], Plan.from_dict(req["plan"]), read_shape(req["path"]),
-                  prompt_tokens=req["prompt"], decode_tokens=req["tokens"])
-print(json.dumps({"prefill_tps": m.prefill_tps, "decode_tps": m.decode_tps}))
+plan = Plan.from_dict(req["plan"])
+kwargs = dict(model_path=req["path"], n_gpu_layers=plan.n_gpu_layers, n_ctx=plan.n_ctx,
+              n_batch=plan.n_batch, n_ubatch=plan.n_ubatch, n_threads=plan.n_threads,
+              n_threads_batch=plan.n_threads_batch, flash_attn=plan.flash_attn,
+              swa_full=plan.swa_full, type_k=GGML_TYPES[plan.type_k],
+              type_v=GGML_TYPES[plan.type_v], use_mmap=plan.use_mmap, verbose=False)
+with tensor_overrides_applied(plan.tensor_overrides):
+    llm = llama_cpp.Llama(**kwargs)
+ctx = llm._ctx.ctx
+mem = ll.llama_get_memory(ctx)
+n_vocab = llm.n_vocab()
+
+def decode(n):
+    tok = (ll.llama_token * 1)(n_vocab // 2)
+    times = []
+    for _ in range(n + 1):
+        t0 = time.perf_counter()
+        if ll.llama_decode(ctx, ll.llama_batch_get_one(tok, 1)) != 0:
+            raise RuntimeError("llama_decode failed")
+        logits = ll.llama_get_logits_ith(ctx, -1)
+        tok[0] = max(range(0, n_vocab, max(1, n_vocab // 64)), key=lambda i: logits[i])
+        times.append(time.perf_counter() - t0)
+    return n / sum(times[1:])  # the first step warms up
+
+out = {}
+prompt = [(7 + 31 * i) % (n_vocab // 2) + n_vocab // 4 for i in range(64)]
+ll.llama_memory_clear(mem, True)
+t0 = time.perf_counter()
+llm.eval(prompt)
+out["prefill_tps"] = len(prompt) / (time.perf_counter() - t0)
+out["decode_tps"] = decode(req["tokens"])
+if req.get("fill"):
+    ll.llama_memory_clear(mem, True)
+    cap = req["fill_tokens"] + 8
+    toks = (ll.llama_token * cap)()
+    n_out = ctypes.c_size_t(0)
+    t0 = time.perf_counter()
+    size = ll.llama_state_seq_load_file(ctx, req["fill"].encode(), 0, toks, cap,
+                                        ctypes.byref(n_out))
+    restored = ll.llama_memory_seq_pos_max(mem, 0) + 1
+    out["fill_seconds"] = round(time.perf_counter() - t0, 1)
+    if size == 0 or restored != req["fill_tokens"]:
+        out["depth_error"] = f"state restore failed ({restored} cells)"
+    else:
+        out["depth"] = restored
+        out["decode_at_depth_tps"] = decode(req["tokens"])
+print(json.dumps(out))
 """
 
 
-def run_ours(path: Path, plan, tokens: int, timeout: float) -> dict:
+def run_ours(path: Path, plan, tokens: int, fill: Path | None, fill_tokens: int,
+             timeout: float) -> dict:
     # Without mmap, llama.cpp reads the weights into buffers of its own: a sparse file's holes
     # become real memory (mapped, they could all alias one zero page and read from cache).
     request = json.dumps({"path": str(path), "plan": replace(plan, use_mmap=False).to_dict(),
-                          "prompt": 64, "tokens": tokens})
+                          "tokens": tokens, "fill": str(fill) if fill else None,
+                          "fill_tokens": fill_tokens})
     with MemorySampler() as mem:
         proc = subprocess.run([sys.executable, "-c", CHILD], input=request, text=True,
                               capture_output=True, timeout=timeout)
     if proc.returncode != 0:
-        fault = Path("/tmp/bench-child-fault.txt")
-        print(proc.stdout[-2000:], proc.stderr[-3000:], fault.read_text()[-3000:]
-              if fault.exists() else "", file=sys.stderr)
+        print(proc.stdout[-2000:], proc.stderr[-3000:], file=sys.stderr)
         last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
         return {"error": f"exit {proc.returncode} {last}", "vram": mem.delta}
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -140,15 +194,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_fit(path: Path, ctx: int, budget_mib: int, threads: int, tokens: int,
-            timeout: float, log: Path) -> dict:
+def _post(port: int, route: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{route}",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def run_fit(path: Path, ctx: int, budget_mib: int, threads: int, tokens: int, kv: str,
+            fill: Path | None, fill_tokens: list[int], timeout: float, log: Path) -> dict:
     """llama-server with llama.cpp's own fitting for the same budget and context."""
     sampler = MemorySampler()
     target = sampler.free() // MIB - budget_mib
     port = _free_port()
     cmd = ["llama-server", "-m", str(path), "-c", str(ctx), "--fit", "on", "--fit-target",
-           str(target), "-t", str(threads), "-np", "1", "--port", str(port),
-           "--host", "127.0.0.1", "--load-mode", "none"]
+           str(target), "-t", str(threads), "-np", "1", "-fa", "on", "-ctk", kv, "-ctv", kv,
+           "--port", str(port), "--host", "127.0.0.1", "--no-mmap"]
+    if fill:
+        cmd += ["--slot-save-path", str(fill.parent)]
     with sampler as mem, open(log, "w") as logf:
         server = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
                                   start_new_session=True)
@@ -165,15 +229,27 @@ def run_fit(path: Path, ctx: int, budget_mib: int, threads: int, tokens: int,
                     time.sleep(0.5)
             else:
                 return {"error": "llama-server did not start in time", "vram": mem.delta}
-            body = json.dumps({"prompt": "The quick brown fox jumps over the lazy dog. " * 6,
-                               "n_predict": tokens, "ignore_eos": True, "temperature": 0,
-                               "cache_prompt": False}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                timings = json.loads(r.read())["timings"]
-            return {"decode_tps": timings["predicted_per_second"],
-                    "prefill_tps": timings["prompt_per_second"], "vram": mem.delta}
+            short = _post(port, "/completion", {
+                "prompt": "The quick brown fox jumps over the lazy dog. " * 6,
+                "n_predict": tokens, "ignore_eos": True, "temperature": 0,
+                "cache_prompt": False}, timeout)["timings"]
+            out = {"decode_tps": short["predicted_per_second"],
+                   "prefill_tps": short["prompt_per_second"]}
+            if fill:
+                try:
+                    _post(port, "/slots/0?action=restore", {"filename": fill.name}, timeout)
+                    deep = _post(port, "/completion", {
+                        "prompt": fill_tokens + fill_tokens[:4], "n_predict": tokens,
+                        "ignore_eos": True, "temperature": 0, "cache_prompt": True}, timeout)
+                    timings = deep["timings"]
+                    out["depth"] = len(fill_tokens) + timings.get("prompt_n", 0)
+                    if timings.get("prompt_n", 0) > 64:  # the restored prefix was not reused
+                        out["depth_error"] = f"prompt re-processed ({timings['prompt_n']})"
+                    out["decode_at_depth_tps"] = timings["predicted_per_second"]
+                except OSError as e:
+                    out["depth_error"] = f"restore: {e}"
+            out["vram"] = mem.delta
+            return out
         finally:
             _stop(server)
 
@@ -202,25 +278,26 @@ def gpu_card(budget_gib: float):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", nargs="+", default=["dense-27b"], choices=list(synth_gguf.SHAPES))
-    p.add_argument("--budgets", nargs="+", type=float, default=[12, 24])
-    p.add_argument("--contexts", nargs="+", type=int, default=[4096, 32768, 131072])
-    p.add_argument("--tokens", type=int, default=32, help="tokens decoded per measurement")
+    p.add_argument("--tokens", type=int, default=12, help="tokens decoded per measurement")
     p.add_argument("--type", default="Q4_0")
     p.add_argument("--models", default="/tmp/bench-models")
-    p.add_argument("--out", default=".")
-    p.add_argument("--deadline", type=float, default=560, help="seconds; later runs skipped")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--deadline", type=float, default=540, help="seconds; later runs skipped")
     p.add_argument("--no-fit", action="store_true", help="skip llama-server")
-    p.add_argument("--margin", type=int, default=512, metavar="MiB",
+    p.add_argument("--margin", type=int, default=128, metavar="MiB",
                    help="VRAM the tuner leaves free inside the budget (the config's default is "
                    "512; llama-server's fit is given none: its target is free - budget)")
+    p.add_argument("--tiny", action="store_true",
+                   help="toy models and budgets: check the script on a CPU")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.margin = 0
     start = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("XDG_CACHE_HOME", str(Path(args.models) / "cache"))
     os.environ.setdefault("XDG_CONFIG_HOME", str(Path(args.models) / "config"))
-    rows = []
+    rows: list[dict] = []
     with open(out / "bench.jsonl", "a") as jsonl:
         run_all(args, start, out, jsonl, rows)
     table = markdown(rows)
@@ -229,81 +306,140 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def model_file(args, name: str) -> Path:
+    config = synth_gguf.tiny(synth_gguf.SHAPES[name]) if args.tiny else synth_gguf.SHAPES[name]
+    path = Path(args.models) / f"{config.name}-{args.type.lower()}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        synth_gguf.write_gguf(path, config, args.type, "random" if args.tiny else "sparse")
+    return path
+
+
+def our_plans(shape, card, ctx: int, margin: int) -> list[tuple[str, object]]:
+    """The plans of each quality policy, without repeats."""
+    plans, seen = [], set()
+    for policy in POLICIES:
+        request = Request(n_ctx=ctx, margin_bytes=margin * MIB, quality=policy, num_parallel=1)
+        plan = tune_checked(shape, card, request, measure=True)
+        if plan.load_key() not in seen:
+            seen.add(plan.load_key())
+            plans.append((policy, plan))
+    return plans
+
+
 def run_all(args, start: float, out: Path, jsonl, rows: list) -> None:
-    for name in args.shapes:
-        path = Path(args.models) / f"{name}-{args.type.lower()}.gguf"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            synth_gguf.write_gguf(path, synth_gguf.SHAPES[name], args.type, "sparse")
+    fills = Path(args.models) / "fills"
+    fills.mkdir(parents=True, exist_ok=True)
+    for name, budget, ctx, deep in (TINY_MATRIX if args.tiny else MATRIX):
+        path = model_file(args, name)
         shape = read_shape(path)
-        for budget in args.budgets:
-            card = gpu_card(budget)
-            for ctx in args.contexts:
-                if time.monotonic() - start > args.deadline:
-                    print(f"deadline: skipping {name} {budget} GiB {ctx}", flush=True)
-                    continue
-                row = {"shape": name, "budget_gib": budget, "ctx": ctx, "margin_mib": args.margin}
-                t0 = time.monotonic()
-                try:
-                    request = Request(n_ctx=ctx, margin_bytes=args.margin * MIB)
-                    plan = tune_checked(shape, card, request, measure=True)
-                except NoPlanFits as e:
-                    row["error"] = str(e)
-                    plan = None
-                if plan is not None:
-                    row.update(plan=dict(ngl=plan.n_gpu_layers, kv=plan.type_k,
-                                         ub=plan.n_ubatch, overrides=len(plan.tensor_overrides)),
-                               pred_vram=plan.vram_bytes(), pred_decode=plan.predicted_decode_tps)
-                    row["ours"] = run_ours(path, plan, args.tokens, timeout=240)
-                if not args.no_fit:
-                    row["fit"] = run_fit(path, ctx, int(budget * 1024), card.cores, args.tokens,
-                                         timeout=240, log=out / f"fit-{name}-{budget:g}-{ctx}.log")
-                row["seconds"] = round(time.monotonic() - t0, 1)
-                rows.append(row)
-                jsonl.write(json.dumps(row) + "\n")
-                jsonl.flush()
-                print(format_row(row), flush=True)
+        card = gpu_card(budget)
+        threads = card.cores
+        half = ctx // 2 if deep and kv_fill.fillable(shape) else 0
+        where = {"shape": name, "budget_gib": budget, "ctx": ctx}
+
+        try:
+            plans = our_plans(shape, card, ctx, args.margin)
+        except NoPlanFits as e:
+            plans = []
+            print(f"{name} {budget} GiB {ctx}: no plan: {e}", flush=True)
+        for policy, plan in plans:
+            t0 = time.monotonic()
+            if time.monotonic() - start > args.deadline:
+                print(f"deadline: skipping ours {name} {ctx} {policy}", flush=True)
+                continue
+            fill, tokens = fill_for(fills, path, shape, half, plan.type_k, plan.type_v)
+            result = run_ours(path, plan, args.tokens, fill, len(tokens), timeout=300)
+            record(rows, jsonl, t0, {**where, "who": f"ours ({policy})", "plan": describe(plan),
+                                     "pred_vram": plan.vram_bytes(),
+                                     "pred": dict(plan.predicted_decode_by_depth), **result})
+        if args.no_fit:
+            continue
+        for kv in FIT_KV:
+            t0 = time.monotonic()
+            if time.monotonic() - start > args.deadline:
+                print(f"deadline: skipping fit {name} {ctx} {kv}", flush=True)
+                continue
+            fill, tokens = fill_for(fills, path, shape, half, kv, kv)
+            result = run_fit(path, ctx, int(budget * 1024), threads, args.tokens, kv, fill,
+                             tokens, timeout=300, log=out / f"fit-{name}-{ctx}-{kv}.log")
+            record(rows, jsonl, t0, {**where, "who": f"fit, {kv} KV",
+                                     "plan": "llama-server --fit", **result})
+
+
+def fill_for(directory: Path, path: Path, shape, cells: int, type_k: str,
+             type_v: str) -> tuple[Path | None, list[int]]:
+    """A state file of `cells` filled cells for this model and KV type (None for no fill)."""
+    if not cells:
+        return None, []
+    file = directory / f"{path.stem}-{cells}-{type_k}-{type_v}.bin"
+    token = min(kv_fill.FILL_TOKEN, shape.n_vocab - 1)
+    return file, kv_fill.write_fill(file, shape, cells, type_k, type_v, token)
+
+
+def record(rows: list, jsonl, t0: float, row: dict) -> None:
+    row["seconds"] = round(time.monotonic() - t0, 1)
+    rows.append(row)
+    jsonl.write(json.dumps(row) + "\n")
+    jsonl.flush()
+    print(format_row(row), flush=True)
+
+
+def describe(plan) -> str:
+    ffn = [o for o in plan.tensor_overrides if "ffn_(up|gate|down)" in o.pattern]
+    text = f"ngl {plan.n_gpu_layers}, {plan.type_k} KV"
+    if ffn:
+        text += f", FFN of {ffn[0].pattern.count('|') - 1} blocks in RAM"
+    if any("output" in o.pattern or "token_embd" in o.pattern for o in plan.tensor_overrides):
+        text += ", lm-head in RAM"
+    return text
 
 
 def _mib(n) -> str:
     return f"{n / MIB:.0f}" if isinstance(n, (int, float)) else "-"
 
 
-def _tps(d: dict | None) -> str:
-    if not d or "decode_tps" not in d:
-        return f"error: {d.get('error', '?')[:60]}" if d else "-"
-    return f"{d['decode_tps']:.1f}"
+def _tps(d: dict, key: str) -> str:
+    if key in d:
+        return f"{d[key]:.2f}"
+    return f"error: {d.get('error', d.get('depth_error', '-'))[:50]}" if d.get("error") or \
+        (key == "decode_at_depth_tps" and d.get("depth_error")) else "-"
 
 
 def format_row(row: dict) -> str:
-    ours, fit = row.get("ours") or {}, row.get("fit") or {}
-    plan = row.get("plan") or {}
-    return (f"{row['shape']:14} {row['budget_gib']:>4g} GiB {row['ctx']:>6}  "
-            f"plan ngl={plan.get('ngl')} kv={plan.get('kv')} | "
-            f"VRAM pred {_mib(row.get('pred_vram'))} meas "
-            f"{_mib(ours.get('vram'))} MiB | decode pred {row.get('pred_decode', 0):.1f} meas "
-            f"{_tps(ours)} | fit {_mib(fit.get('vram'))} MiB {_tps(fit)} tok/s "
-            f"| {row['seconds']} s")
+    return (f"{row['shape']:10} {row['budget_gib']:>5g} GiB {row['ctx']:>6} {row['who']:16} "
+            f"{row.get('plan', '-'):40} VRAM {_mib(row.get('vram'))} MiB (pred "
+            f"{_mib(row.get('pred_vram'))}) | decode short {_tps(row, 'decode_tps')} | at "
+            f"{row.get('depth', '-')} {_tps(row, 'decode_at_depth_tps')} | {row['seconds']} s")
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| shape | budget (margin MiB) | ctx | plan | VRAM predicted | VRAM measured "
-             "| decode predicted | decode measured | llama.cpp fit VRAM | fit decode "
-             "| ours / fit |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| shape | budget | ctx | who | plan | VRAM peak (pred) MiB | decode, short prompt "
+             "(pred) | decode at half fill (pred) | vs fit f16 (short / half) "
+             "| vs fit q8_0 (short / half) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        ours, fit, plan = r.get("ours") or {}, r.get("fit") or {}, r.get("plan") or {}
-        ratio = (f"{ours['decode_tps'] / fit['decode_tps']:.2f}x"
-                 if "decode_tps" in ours and fit.get("decode_tps") else "-")
-        desc = (f"ngl {plan['ngl']}, {plan['kv']} KV, ub {plan['ub']}"
-                + (f", {plan['overrides']} override(s)" if plan.get("overrides") else "")
-                if plan else r.get("error", "-")[:80])
+        pred = r.get("pred") or {}
+        fits = {x["who"]: x for x in rows if x["shape"] == r["shape"] and x["ctx"] == r["ctx"]
+                and x["who"].startswith("fit")}
+
+        def ratio(other: dict | None, r: dict = r) -> str:
+            if not other or not r["who"].startswith("ours"):
+                return "-"
+            parts = []
+            for key in ("decode_tps", "decode_at_depth_tps"):
+                a, b = r.get(key), other.get(key)
+                parts.append(f"{a / b:.2f}x" if a and b else "-")
+            return " / ".join(parts)
+
+        half = r["ctx"] // 2
+        pred_short = f" ({pred[0]:.1f})" if 0 in pred else ""
+        pred_half = f" ({pred[half]:.1f})" if half in pred else ""
         lines.append(
-            f"| {r['shape']} | {r['budget_gib']:g} GiB ({r.get('margin_mib', 512)}) | {r['ctx']} "
-            f"| {desc} | "
-            f"{_mib(r.get('pred_vram'))} MiB | {_mib(ours.get('vram'))} MiB | "
-            f"{r.get('pred_decode', 0):.1f} | {_tps(ours)} | {_mib(fit.get('vram'))} MiB | "
-            f"{_tps(fit)} | {ratio} |")
+            f"| {r['shape']} | {r['budget_gib']:g} GiB | {r['ctx']} | {r['who']} | "
+            f"{r.get('plan', '-')} | {_mib(r.get('vram'))} ({_mib(r.get('pred_vram'))}) | "
+            f"{_tps(r, 'decode_tps')}{pred_short} | {_tps(r, 'decode_at_depth_tps')}{pred_half} | "
+            f"{ratio(fits.get('fit, f16 KV'))} | {ratio(fits.get('fit, q8_0 KV'))} |")
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ def test_defaults_file_then_env_and_where_each_came_from(tmp_path):
     config, sources = load_config_sources(path, {"LOCALLLM_MAX_QUEUE": "3"})
     assert config.keep_alive == "10m" and sources["keep_alive"] == "file"
     assert config.max_queue == 3 and sources["max_queue"] == "LOCALLLM_MAX_QUEUE"
-    assert config.num_parallel == 1 and sources["num_parallel"] == "default"
+    assert config.num_parallel == "auto" and sources["num_parallel"] == "default"
     assert load_config(tmp_path / "absent.toml", {}) == Config()
 
 
@@ -92,7 +92,7 @@ def test_config_set_show_unset_through_the_cli(home, capsys, monkeypatch):
              if not line.startswith("#")}
     assert shown["max_queue"][1:] == ["12", "file"]
     assert shown["keep_alive"][1:] == ["1h", "env", "LOCALLLM_KEEP_ALIVE"]
-    assert shown["num_parallel"][1:] == ["1", "default"]
+    assert shown["num_parallel"][1:] == ["auto", "default"]
 
     assert main(["config", "set", "max_queue", "none"]) == 1
     assert "max_queue must be a whole number" in capsys.readouterr().err

@@ -109,11 +109,14 @@ def test_plan_fits_and_its_bytes_agree(shapes, name, gib, ctx):
 @pytest.mark.parametrize("ctx", CONTEXTS)
 @pytest.mark.parametrize("name", list(synth_gguf.SHAPES))
 def test_more_vram_is_never_slower(shapes, name, ctx):
-    """Same card, growing memory: decode never drops by more than the 1% band in which the
-    tuner prefers KV precision to speed."""
+    """Same card, growing memory, speed first (quality = speed): decode never drops by more
+    than the 1% band in which the tuner prefers KV precision to speed. (Under the default,
+    balanced, policy more memory may buy precision at a little speed: q4_0 is admitted only
+    where q8_0 cannot keep the KV on the GPU.)"""
     base = load_card("rtx3090").with_host(**HOST)
-    speeds = [tune(shapes[name], base.with_vram(g), Request(n_ctx=ctx)).predicted_decode_tps
-              for g in sorted(CARDS)]
+    plans = [tune(shapes[name], base.with_vram(g), Request(n_ctx=ctx, quality="speed"))
+             for g in sorted(CARDS)]
+    speeds = [p.predicted_decode_tps for p in plans]
     for smaller, larger in zip(speeds, speeds[1:], strict=False):
         assert larger >= smaller * 0.99, speeds
 
@@ -123,8 +126,9 @@ def test_kv_precision_and_placement_follow_the_budget(shapes):
     roomy = tune(shape, card(80), Request(n_ctx=32768))
     tight = tune(shape, card(12), Request(n_ctx=32768))
     assert roomy.type_k == "f16" and roomy.n_gpu_layers == shape.n_layer + 1
-    assert tight.type_k in ("q8_0", "q4_0") and tight.n_gpu_layers < shape.n_layer + 1
-    assert any(r.startswith("rejected: n_gpu_layers=") for r in tight.reasons)
+    assert tight.type_k in ("q8_0", "q4_0")
+    assert tight.n_gpu_layers < shape.n_layer + 1 or tight.tensor_overrides
+    assert any(r.startswith("rejected: ") and "whole blocks" in r for r in tight.reasons)
 
 
 def test_moe_keeps_experts_in_ram_rather_than_whole_blocks(shapes):
@@ -142,7 +146,9 @@ def test_default_context_is_the_largest_that_stays_fast(shapes):
         plan = tune(shape, card(24))
         base = tune(shape, card(24), Request(n_ctx=4096))
         assert 4096 <= plan.n_ctx <= shape.context_length
-        assert plan.predicted_decode_tps >= 0.9 * base.predicted_decode_tps, name
+        start, base_start = plan.predicted_decode_by_depth[0], base.predicted_decode_by_depth[0]
+        assert start[0] == base_start[0] == 0
+        assert start[1] >= 0.9 * base_start[1], name
         ranks = ("f16", "q8_0", "q4_0")
         assert ranks.index(plan.type_k) <= ranks.index(base.type_k), name
         assert any(r.startswith(f"context {plan.n_ctx}:") for r in plan.reasons)
