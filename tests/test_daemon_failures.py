@@ -161,7 +161,7 @@ def test_a_full_queue_answers_503_and_the_daemon_keeps_serving(tmp_path, smollm2
     from conftest import import_models
     from daemon_process import isolated_env, start_daemon
 
-    env = isolated_env(tmp_path, LOCALLLM_MAX_QUEUE="1")
+    env = isolated_env(tmp_path, LOCALLLM_MAX_QUEUE="1", LOCALLLM_NUM_PARALLEL="1")
     import_models(env, {"smollm2": smollm2_gguf})
     d = start_daemon(env)
     try:
