@@ -46,7 +46,7 @@ async def collect(gen: Generation) -> tuple[str, Done]:
             parts.append(event.text)
         elif isinstance(event, Failure):
             raise GenerationFailed(event)
-        else:
+        elif isinstance(event, Done):
             return "".join(parts), event
     raise GenerationFailed(Failure("the runner ended the answer without finishing it"))
 

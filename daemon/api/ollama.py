@@ -20,7 +20,7 @@ from localllm.modelstore.store import ModelEntry
 from localllm import __version__
 from localllm.config import ConfigError, parse_duration
 
-from ..runner.protocol import Done, Failure, GenerationRequest, SamplingOptions, Token
+from ..runner.protocol import Done, Failure, GenerationRequest, Progress, SamplingOptions, Token
 from ..generation import Generation, collect, find_model, first_event, generate, hold
 from ..runner.process import new_request_id
 from ..state import SCHEDULER, STORE
@@ -163,11 +163,16 @@ async def _respond(request: web.Request, common: Common, gen_request: Generation
         first = await first_event(gen)
         await response.prepare(request)
         event = first
-        ttft_ns = gen.total_duration_ns()
+        ttft_ns = 0  # request received -> first answer text, set at the first token
         while True:
             if isinstance(event, Token):
+                ttft_ns = ttft_ns or gen.total_duration_ns()
                 line = {"model": model, "created_at": now_iso(), **shape_chunk(event.text),
                         "done": False, "stats": live_stats(event, gen.runner.n_ctx, ttft_ns)}
+            elif isinstance(event, Progress):  # a long prompt is being read (localllm addition)
+                line = {"model": model, "created_at": now_iso(), **shape_chunk(""),
+                        "done": False, "progress": {"prompt_read": event.prompt_read,
+                                                    "prompt_total": event.prompt_total}}
             elif isinstance(event, Failure):
                 line = {"error": event.message}
             else:
@@ -178,7 +183,7 @@ async def _respond(request: web.Request, common: Common, gen_request: Generation
                 await response.write(json.dumps(line).encode() + b"\n")
             except ConnectionError:
                 return response  # client went away: leaving `generate` cancels the runner
-            if not isinstance(event, Token):
+            if not isinstance(event, (Token, Progress)):
                 break
             event = await anext(gen.events)
         await response.write_eof()

@@ -8,7 +8,7 @@ import uuid
 
 from aiohttp import web
 
-from ..runner.protocol import Done, Failure, GenerationRequest, SamplingOptions, Token
+from ..runner.protocol import Done, Failure, GenerationRequest, Progress, SamplingOptions, Token
 from ..generation import collect, find_model, first_event, generate
 from ..runner.process import new_request_id
 from ..state import STORE
@@ -109,6 +109,9 @@ async def _complete(request: web.Request, body: dict, gen_request: GenerationReq
                 if isinstance(event, Token):
                     await send({**base, "choices": [choice(event.text, None, first)]})
                     first = False
+                elif isinstance(event, Progress):  # an SSE comment: clients skip it
+                    await response.write(
+                        f": prompt {event.prompt_read}/{event.prompt_total}\n\n".encode())
                 elif isinstance(event, Failure):
                     await send({"error": {"message": event.message, "type": "server_error",
                                           "param": None, "code": None}})

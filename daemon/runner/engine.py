@@ -31,6 +31,8 @@ from .sampling import RequestError, Sampler, log_probs
 from .slots import Slot, Work
 
 log = logging.getLogger("localllm.runner")
+STEP_TARGET_S = 0.2
+MIN_PROMPT_CHUNK = 32
 
 @dataclass
 class Submission:
@@ -53,6 +55,7 @@ class Engine:
         self.backlog: collections.deque[Submission] = collections.deque()
         self.tokens_generated = 0  # over the runner's life, for its log
         self._closing = False
+        self._prompt_chunk = self.lm.n_batch
 
     # ---- requests in ---------------------------------------------------------------------
     def submit(self, request: GenerationRequest, emit: Callable[[Event], None],
@@ -162,11 +165,14 @@ class Engine:
         rows = self._fill_batch()
         if not rows:
             return
+        started = time.perf_counter_ns()
         code = llama_cpp.llama_decode(self.lm.ctx, self.batch)
         if code != 0:
             self._fail_batch(rows, code)
             return
         now = time.perf_counter_ns()
+        if self.batch.n_tokens > 16:
+            self._fit_prompt_chunk(self.batch.n_tokens, now - started)
         for slot, n, _ in rows:  # the batch is in the KV cache now
             added, slot.to_decode = slot.to_decode[:n], slot.to_decode[n:]
             slot.tokens.extend(added)
@@ -183,6 +189,16 @@ class Engine:
         for slot, _, logits_row in rows:
             if slot.work is not None and logits_row >= 0:  # (a stop string may have ended it)
                 self._sample(slot, logits_row)
+
+    def _fit_prompt_chunk(self, n_tokens: int, elapsed_ns: int) -> None:
+        """Size prompt chunks so that one step takes about STEP_TARGET_S: a cancel, a new
+        request and the other slots' next tokens never wait long behind a prompt (on a CPU a
+        full n_batch chunk can take seconds). A GPU reads n_batch in far less anyway. (On a
+        GPU the decode is asynchronous and this times only its launch; chunks then stay at
+        n_batch, which is what a GPU wants.)"""
+        rate = n_tokens / max(elapsed_ns / 1e9, 1e-6)
+        self._prompt_chunk = max(MIN_PROMPT_CHUNK, min(self.lm.n_batch,
+                                                       int(rate * STEP_TARGET_S)))
 
     def _fill_batch(self) -> list[tuple[Slot, int, int]]:
         """Put every answering slot's next token, then prompt chunks, into the batch.
@@ -203,7 +219,7 @@ class Engine:
             for i, token in enumerate(slot.to_decode):
                 n = self._put(n, token, len(slot.tokens) + i, slot.seq_id, True)
             rows.append((slot, len(slot.to_decode), start))
-        budget = self.lm.n_batch - n
+        budget = min(self.lm.n_batch, self._prompt_chunk) - n
         for slot in reading:
             if budget <= 0:
                 break

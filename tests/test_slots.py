@@ -1,0 +1,147 @@
+"""The slot runner: parallel requests, cancellable prefill, prefix reuse with sliding windows,
+and a runner client that fails closed. Real daemons, real llama.cpp, real models."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ollama
+import pytest
+
+from daemon_process import isolated_env, start_daemon, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+GREEDY = {"temperature": 0, "num_predict": 24}
+PROMPTS = ["Why is the sky blue?", "Write a haiku about rust.", "What is the capital of Peru?",
+           "Name three kinds of trees."]
+
+
+@pytest.fixture
+def parallel_daemon(tmp_path, smollm2_gguf, gemma_gguf):
+    from conftest import import_models
+
+    env = isolated_env(tmp_path, LOCALLLM_NUM_PARALLEL="4")
+    import_models(env, {"smollm2": smollm2_gguf, "gemma3-270m": gemma_gguf})
+    d = start_daemon(env)
+    yield d
+    d.stop()
+
+
+def status_of(daemon, name="smollm2:latest") -> dict | None:
+    return {m["model"]: m for m in daemon.get("/api/status")["loaded"]}.get(name)
+
+
+def test_four_parallel_requests_overlap_and_answer_as_they_do_alone(parallel_daemon):
+    client = ollama.Client(host=parallel_daemon.url)
+    alone = [client.chat(model="smollm2", messages=[{"role": "user", "content": p}],
+                         options=GREEDY).message.content for p in PROMPTS]
+    assert status_of(parallel_daemon)["num_parallel"] == 4
+    first_token: dict[int, float] = {}
+    finished: dict[int, float] = {}
+    texts: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        parts = []
+        stream = ollama.Client(host=parallel_daemon.url).chat(
+            model="smollm2", messages=[{"role": "user", "content": PROMPTS[i]}],
+            options=GREEDY, stream=True)
+        for chunk in stream:
+            if chunk.message.content and i not in first_token:
+                first_token[i] = time.monotonic()
+            parts.append(chunk.message.content)
+        finished[i] = time.monotonic()
+        texts[i] = "".join(parts)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [texts.get(i) for i in range(4)] == alone
+    # Served together, not in turn: every answer had begun before the first one ended.
+    assert max(first_token.values()) < min(finished.values())
+
+
+def test_cancelling_during_a_long_prompt_stops_the_runner_within_a_second(parallel_daemon):
+    prompt = " ".join(f"item{i % 100}" for i in range(1000))  # about 3,000 tokens
+    body = json.dumps({"model": "smollm2", "prompt": prompt, "raw": True, "stream": True,
+                       "options": {"num_ctx": 4096, "num_predict": 8}}).encode()
+    host, port = parallel_daemon.url.removeprefix("http://").split(":")
+    conn = socket.create_connection((host, int(port)), timeout=60)
+    conn.sendall(b"POST /api/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    received = b""
+    deadline = time.monotonic() + 120
+    while b'"prompt_read"' not in received:  # the runner has read a first chunk of the prompt
+        assert time.monotonic() < deadline and b'"error"' not in received, received[-300:]
+        received += conn.recv(65536)
+    line = next(json.loads(x) for x in received.split(b"\n") if b'"prompt_read"' in x)
+    total = line["progress"]["prompt_total"]
+    assert 2500 < total < 4096 and line["progress"]["prompt_read"] < total
+    conn.close()
+    left = time.monotonic()
+    wait_for(lambda: status_of(parallel_daemon)["active"] == 0, timeout=5,
+             what="the request to end")
+    assert time.monotonic() - left < 1.0
+    log = (Path(parallel_daemon.env["XDG_STATE_HOME"]) / "localllm" / "logs" / "runner.log")
+    assert "cancelled after 0 answer tokens" in log.read_text()
+
+
+def test_a_prefix_past_the_sliding_window_is_read_again_not_reused(parallel_daemon):
+    """Gemma 3's sliding-window layers keep only the last 512 positions. After a 2,300-token
+    prompt, a request sharing its first 900 tokens cannot reuse them (their window was
+    overwritten): it must read them again and answer as a cold run does."""
+    client = ollama.Client(host=parallel_daemon.url)
+    words = [f"w{i}" for i in range(600)]
+    options = {"temperature": 0, "num_predict": 16, "num_ctx": 4096}
+    first = client.generate(model="gemma3-270m", prompt=" ".join(words) + " end.", raw=True,
+                            options=options)
+    assert first.prompt_eval_count > 2000
+    second_prompt = " ".join(words[:250]) + " Then the story turned: once upon a time"
+    warm = client.generate(model="gemma3-270m", prompt=second_prompt, raw=True,
+                           options=options)
+    # A prefix within the window is reused: the same prompt again reads one token.
+    again = client.generate(model="gemma3-270m", prompt=second_prompt, raw=True,
+                            options=options)
+    assert again.prompt_eval_count <= 2 and again.response == warm.response
+    assert parallel_daemon.cli("stop", "gemma3-270m").returncode == 0
+    cold = client.generate(model="gemma3-270m", prompt=second_prompt, raw=True,
+                           options=options)
+    assert warm.prompt_eval_count == cold.prompt_eval_count  # nothing stale was reused
+    assert warm.response == cold.response
+
+
+async def test_a_runner_that_writes_garbage_fails_the_request_and_the_next_one_loads_fresh(
+        store, smollm2_gguf, tmp_path, monkeypatch):
+    from localllm.config import Config
+    from localllm.daemon.runner.protocol import (Done, Failure, GenerationRequest,
+                                                 SamplingOptions)
+    from localllm.daemon.scheduler import Scheduler
+
+    monkeypatch.setenv("GARBAGE_MARKER", str(tmp_path / "garbage-once"))
+    entry = store.import_gguf(smollm2_gguf, "smollm2")
+    scheduler = Scheduler(store, Config(num_parallel=1), tmp_path / "logs",
+                          runner_command=(sys.executable,
+                                          str(ROOT / "tests" / "garbage_runner.py")))
+    await scheduler.start()
+
+    async def answer() -> tuple[list, int]:
+        request = GenerationRequest(id="g", prompt="Once upon a time", raw=True,
+                                    options=SamplingOptions(num_predict=40, temperature=0))
+        async with scheduler.use(entry, 1024, {}) as runner:
+            return [e async for e in runner.generate(request)], runner.pid
+
+    try:
+        events, first_pid = await answer()
+        assert isinstance(events[-1], Failure)
+        assert "unreadable message" in events[-1].message
+        events, second_pid = await answer()
+        assert isinstance(events[-1], Done) and events[-1].eval_count == 40
+        assert second_pid != first_pid
+    finally:
+        await scheduler.close()
