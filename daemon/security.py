@@ -18,9 +18,9 @@ checks.
 
 from __future__ import annotations
 
-import fnmatch
 import hmac
 import ipaddress
+import re
 import socket
 
 from aiohttp import web
@@ -28,8 +28,7 @@ from aiohttp import web
 from localllm import paths
 from localllm.config import Config
 
-LOCAL_ORIGINS = tuple(f"{scheme}://{host}{port}" for scheme in ("http", "https")
-                      for host in ("localhost", "127.0.0.1", "[::1]") for port in ("", ":*"))
+LOCAL_ORIGIN = re.compile(r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?$")
 ALLOWED_METHODS = "GET, HEAD, POST, DELETE, OPTIONS"
 ALLOWED_HEADERS = "Authorization, Content-Type, Accept, User-Agent, X-Requested-With"
 OPEN_PATHS = frozenset({"/api/version"})
@@ -80,7 +79,7 @@ def host_allowed(header: str, bound: str, allowed: tuple[str, ...]) -> bool:
         return True
     if name == bound.lower() or (ip is not None and ip == bound_ip):
         return True
-    return any(fnmatch.fnmatchcase(name, pattern.lower()) for pattern in allowed)
+    return any(wildcard(pattern, name) for pattern in allowed)
 
 
 def host_middleware(config: Config):
@@ -99,11 +98,16 @@ def host_middleware(config: Config):
 
 
 # ---- Origin / CORS -----------------------------------------------------------------------
+def wildcard(pattern: str, text: str) -> bool:
+    """`*` matches any run of characters; everything else literally, case ignored."""
+    regex = ".*".join(re.escape(part) for part in pattern.lower().split("*"))
+    return re.fullmatch(regex, text.lower()) is not None
+
+
 def origin_allowed(origin: str, allowed: tuple[str, ...]) -> bool:
     """Localhost origins (any port) and the user's list; `*` wildcards as in OLLAMA_ORIGINS."""
-    origin = origin.strip().lower()
-    return any(fnmatch.fnmatchcase(origin, pattern.lower())
-               for pattern in (*LOCAL_ORIGINS, *allowed))
+    origin = origin.strip()
+    return bool(LOCAL_ORIGIN.match(origin.lower())) or any(wildcard(p, origin) for p in allowed)
 
 
 def cors_middleware(config: Config):
