@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -158,8 +159,11 @@ def network_error(url: str, error: BaseException) -> HubUnreachable:
     elif isinstance(error, aiohttp.ClientSSLError | aiohttp.ServerFingerprintMismatch):
         why = "the TLS handshake failed; check any proxy that intercepts TLS"
     elif isinstance(error, aiohttp.ClientConnectorError):
-        reason = error.os_error.strerror if error.os_error else None
-        why = f"the connection failed ({(reason or str(error)).lower()})"
+        code = error.os_error.errno if error.os_error else None
+        why = {errno.ECONNREFUSED: "the connection was refused (nothing listens there?)",
+               errno.ENETUNREACH: "the network is unreachable",
+               errno.EHOSTUNREACH: "the host is unreachable"}.get(
+                   code, f"the connection failed ({error.os_error or error})")
     elif isinstance(error, TimeoutError):
         why = "it did not answer in time"
     elif isinstance(error, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
