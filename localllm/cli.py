@@ -15,7 +15,7 @@ COMMAND_MODULES = (
     "localllm.commands",  # serve, run, list, show, import, rm, cp, ps, stop
     "localllm.modelstore.pull_cli",  # pull
     "localllm.profiles.cli",  # tune
-    "localllm.daemon.service_cli",  # service, config
+    "localllm.service_cli",  # service, config
 )
 
 
