@@ -46,17 +46,25 @@ PROMPTS = ["Write a haiku about rain.", "What is 2 + 2?", "Name three colours.",
            "Tell me a short story about a fox.", "Explain gravity in one sentence.",
            "List the days of the week.", "Why is the sky blue?", "Say hello in French."]
 
-# Bodies a daemon must refuse with a 4xx: (label, raw bytes or a JSON-able body).
-MALFORMED: list[tuple[str, object]] = [
-    ("invalid json", b'{"model": "MODEL", "messages": ['),
-    ("lone surrogate", b'{"model": "MODEL", "prompt": "\\ud800"}'),
-    ("not an object", [1, 2, 3]),
-    ("unknown model", {"model": "no-such-model-soak", "prompt": "hi"}),
-    ("bad name", {"model": "../../etc/passwd", "prompt": "hi"}),
-    ("wrong type", {"model": "MODEL", "prompt": 42}),
-    ("bad options", {"model": "MODEL", "prompt": "hi", "options": {"temperature": "hot"}}),
-    ("bad messages", {"model": "MODEL", "messages": [{"role": "wizard", "content": "x"}]}),
-    ("NaN", b'{"model": "MODEL", "prompt": "hi", "options": {"top_p": NaN}}'),
+# Bodies a daemon must refuse with a 4xx: (label, routes, raw bytes or a JSON-able body). Each
+# is wrong for the routes it is sent to (generate ignores `messages`, chat ignores `prompt`).
+ALL = ("/api/chat", "/api/generate", "/v1/chat/completions")
+MALFORMED: list[tuple[str, tuple[str, ...], object]] = [
+    ("invalid json", ALL, b'{"model": "MODEL", "messages": ['),
+    ("lone surrogate", ALL,
+     b'{"model": "MODEL", "prompt": "\\ud800", "messages": [{"role": "user", '
+     b'"content": "\\ud800"}]}'),
+    ("not an object", ALL, [1, 2, 3]),
+    ("unknown model", ALL, {"model": "no-such-model-soak", "prompt": "hi",
+                            "messages": [{"role": "user", "content": "hi"}]}),
+    ("bad name", ALL, {"model": "../../etc/passwd", "prompt": "hi"}),
+    ("wrong type", ("/api/generate",), {"model": "MODEL", "prompt": 42}),
+    ("bad options", ("/api/chat", "/api/generate"),
+     {"model": "MODEL", "prompt": "hi", "options": {"temperature": "hot"},
+      "messages": [{"role": "user", "content": "hi"}]}),
+    ("bad messages", ("/api/chat", "/v1/chat/completions"),
+     {"model": "MODEL", "messages": [{"role": "wizard", "content": "x"}]}),
+    ("NaN", ALL, b'{"model": "MODEL", "prompt": "hi", "options": {"top_p": NaN}}'),
 ]
 
 
@@ -161,8 +169,8 @@ class Soak:
                 "messages": [{"role": "user", "content": prompt}]}
         if kind == "embed":
             return self.has_embed, {"model": self.model, "input": prompt}
-        label, raw = self.rng.choice(MALFORMED)
-        path = self.rng.choice(["/api/chat", "/api/generate", "/v1/chat/completions"])
+        label, routes, raw = self.rng.choice(MALFORMED)
+        path = self.rng.choice(routes)
         if isinstance(raw, bytes):
             return path, raw.replace(b"MODEL", self.model.encode())
         return path, json.loads(json.dumps(raw).replace("MODEL", self.model))
