@@ -175,7 +175,9 @@ class Soak:
             return path, raw.replace(b"MODEL", self.model.encode())
         return path, json.loads(json.dumps(raw).replace("MODEL", self.model))
 
-    async def one(self, session: aiohttp.ClientSession, kind: str) -> None:
+    async def one(self, session: aiohttp.ClientSession, kind: str) -> float:
+        """Send one request and count its outcome; returns how long to back off (after a 503:
+        its Retry-After, or a second where it gives none, as a polite client would)."""
         path, body = self.body(kind)
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         started = time.monotonic()
@@ -183,15 +185,16 @@ class Soak:
                                 headers={"Content-Type": "application/json"}) as response:
             if response.status == 503:
                 self.tally.rejected_503 += 1
-                if "Retry-After" not in response.headers:
+                retry_after = response.headers.get("Retry-After", "")
+                if not retry_after:
                     self.tally.rejected_503_without_retry_after += 1
                 await self.read_error(response)
-                return
+                return float(retry_after) if retry_after.isdigit() else 1.0
             if kind == "malformed":
                 text = await self.read_error(response)
                 if 400 <= response.status < 500:
                     self.tally.refused_as_expected += 1
-                    return
+                    return 0.0
                 raise Broke(f"malformed request answered {response.status}: {text[:80]}")
             if response.status != 200:
                 text = await self.read_error(response)
@@ -205,9 +208,10 @@ class Soak:
             else:
                 await self.read_stream(response, path, kind, started)
                 if kind == "cancel":
-                    return
+                    return 0.0
         self.tally.answered += 1
         self.tally.latencies.append(time.monotonic() - started)
+        return 0.0
 
     async def read_stream(self, response: aiohttp.ClientResponse, path: str, kind: str,
                           started: float) -> None:
@@ -260,7 +264,9 @@ class Soak:
             self.tally.sent += 1
             self.tally.by_kind[kind] += 1
             try:
-                await asyncio.wait_for(self.one(session, kind), self.args.timeout)
+                backoff = await asyncio.wait_for(self.one(session, kind), self.args.timeout)
+                if backoff:
+                    await asyncio.sleep(min(backoff, max(0.0, self.deadline - time.monotonic())))
             except TimeoutError:
                 self.tally.hung += 1
             except Broke as e:
