@@ -25,8 +25,9 @@ from localllm import paths
 from localllm.config import Config, config_file
 from localllm.errors import UserError
 
+from . import security
 from .api import ollama, openai, stats
-from .api.common import ApiError
+from .api.common import MAX_BODY_BYTES, ApiError
 from .config_watch import watch_config, watch_profiles
 from .logging_setup import setup_logging
 from .generation import GenerationFailed
@@ -79,25 +80,9 @@ async def error_middleware(request: web.Request, handler):
             known = (500, f"internal error: {type(e).__name__}: {e}")
         status, message = known
         param = getattr(e, "param", None)
-        headers = {"Retry-After": "5"} if isinstance(e, QueueFull) else None
+        headers = {"Retry-After": "5"} if status == 503 else None
         return web.json_response(error_body(request.path, status, message, param),
                                  status=status, headers=headers)
-
-
-def auth_middleware(api_key: str):
-    @web.middleware
-    async def check(request: web.Request, handler):
-        # The Unix socket is protected by file permissions; TCP needs the key when one is set.
-        on_unix = request.transport is not None and \
-            request.transport.get_extra_info("socket").family == socket.AF_UNIX
-        if api_key and not on_unix and request.path not in ("/", "/api/version"):
-            header = request.headers.get("Authorization", "")
-            if header != f"Bearer {api_key}":
-                return web.json_response(
-                    error_body(request.path, 401, "missing or wrong API key: send "
-                               "'Authorization: Bearer <key>'"), status=401)
-        return await handler(request)
-    return check
 
 
 async def root(request: web.Request) -> web.Response:
@@ -105,8 +90,12 @@ async def root(request: web.Request) -> web.Response:
 
 
 def create_app(config: Config, store: ModelStore | None = None) -> web.Application:
-    app = web.Application(middlewares=[error_middleware, auth_middleware(config.api_key)],
-                          client_max_size=64 * 1024 * 1024)
+    # Outermost first: who is asking (Host, Origin) before anything runs, errors turned into
+    # JSON around the handlers, the key checked inside so a 401 has the API's error shape.
+    middlewares = [security.host_middleware(config), security.cors_middleware(config),
+                   error_middleware, security.key_middleware(config.api_key)]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app.on_response_prepare.append(security.cors_headers(config))
     app[CONFIG] = config
     app[STORE] = store or default_store()
     app[SCHEDULER] = Scheduler(app[STORE], config, paths.state_dir() / "logs")
@@ -128,16 +117,12 @@ def create_app(config: Config, store: ModelStore | None = None) -> web.Applicati
     return app
 
 
-def check_bind(config: Config) -> None:
-    host, _ = config.tcp
-    if not paths.is_loopback(host) and not config.api_key:
-        raise UserError(f"refusing to listen on {host} without an API key: set api_key in "
-                        f"config.toml or LOCALLLM_API_KEY, or bind 127.0.0.1")
-
-
 def prepare_socket_path(path: Path) -> None:
     """Make the socket's dir the user's alone and clear a stale socket from a dead daemon."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.parent.stat().st_uid != os.getuid():
+        raise UserError(f"{path.parent} belongs to another user: the socket's folder must be "
+                        "yours alone; set another with --socket or LOCALLLM_SOCKET")
     os.chmod(path.parent, 0o700)
     if path.exists() or path.is_symlink():
         probe = socket.socket(socket.AF_UNIX)
@@ -152,7 +137,7 @@ def prepare_socket_path(path: Path) -> None:
 
 
 async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
-    check_bind(config)
+    security.check_bind(config)
     app = create_app(config)
     # handler_cancellation: a client that disconnects cancels its handler, so a non-streamed
     # answer stops generating too (a streamed one notices at its next write).

@@ -16,7 +16,7 @@ COMMAND_MODULES = (
     "localllm.modelstore.pull_cli",  # pull
     "localllm.profiles.cli",  # tune
     "localllm.eval_command",  # eval
-    "localllm.daemon.service_cli",  # service, config
+    "localllm.service_cli",  # service, config
 )
 
 
@@ -44,7 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # A command whose words may sit between its options (`run M --ctx 8192 "hi"`) names them in
+    # `intermixed`: argparse leaves the words after an option over, and they belong there.
+    words = getattr(args, "intermixed", None)
+    if extra and words and not any(w.startswith("-") for w in extra):
+        getattr(args, words).extend(extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

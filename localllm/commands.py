@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import difflib
 import os
 import sys
 from dataclasses import replace
@@ -37,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ctx", type=int, help="context length (num_ctx)")
     p.add_argument("--resume", nargs="?", const="", metavar="CHAT",
                    help="reopen a saved chat by name or id (alone: pick from the list)")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_run, intermixed="words")  # options anywhere: run M --ctx 8192 hi
 
     p = sub.add_parser("list", aliases=["ls"], help="list stored models")
     p.set_defaults(func=cmd_list)
@@ -98,14 +99,44 @@ def cmd_serve(args) -> int:
 
 
 # ---- run ---------------------------------------------------------------------------------
-def split_model_and_prompt(words: list[str], default_model: str, known) -> tuple[str, str]:
-    """`run [MODEL] PROMPT`: the first word is a model when it names one we have or can fetch."""
-    if words and " " not in words[0] and known(words[0]):
-        return words[0], " ".join(words[1:])
+def split_model_and_prompt(words: list[str], default_model: str, known,
+                           candidates=lambda: ()) -> tuple[str, str]:
+    """`run [MODEL] PROMPT`: the first word is a model when it names one we have or can fetch.
+
+    A mistyped model must never be answered by another model, so the first of two or more words
+    that reads like a model name and is none is an error, as is a lone word close to a model
+    name; a lone other word (`run hello`) and a quoted prompt go to the default model."""
+    if not words:
+        return default_model, ""
+    first = words[0]
+    if " " not in first and known(first):
+        return first, " ".join(words[1:])
+    if " " not in first and _looks_like_model(first):
+        close = difflib.get_close_matches(first.lower(), list(candidates()), n=1, cutoff=0.75)
+        if len(words) > 1 or close:
+            raise UserError(_no_such_model(first, close[0] if close else None))
     return default_model, " ".join(words)
 
 
+def _looks_like_model(word: str) -> bool:
+    from localllm.modelstore.names import BadModelName, parse_name
+
+    try:
+        parse_name(word)
+    except BadModelName:
+        return False
+    return True
+
+
+def _no_such_model(name: str, close: str | None) -> str:
+    hint = f"did you mean '{close}'? " if close else ""
+    return (f"no model '{name}': it is not stored and not in the catalog; {hint}`localllm list` "
+            "shows stored models, `localllm pull --list` the catalog (pull hf.co/OWNER/REPO:QUANT "
+            "for others); to ask the default model, quote the whole prompt")
+
+
 def _known_model(name: str) -> bool:
+    from localllm.modelstore import catalog
     from localllm.modelstore.names import BadModelName, parse_name
     from localllm.modelstore.store import default_store
 
@@ -113,18 +144,25 @@ def _known_model(name: str) -> bool:
         parsed = parse_name(name)
     except BadModelName:
         return False
-    if default_store().exists(parsed) or name.startswith(("hf.co/", "https://")):
+    if name.startswith(("hf.co/", "huggingface.co/", "https://")):
         return True
-    try:
-        from localllm.modelstore.catalog import load_catalog
-    except ImportError:
-        return False
-    return parsed.base in load_catalog()
+    return default_store().exists(parsed) or catalog.lookup(parsed) is not None
+
+
+def _model_names() -> list[str]:
+    """Stored and catalog names, as a user types them, for "did you mean"."""
+    from localllm.modelstore import catalog
+    from localllm.modelstore.store import default_store
+
+    names = [str(e.name) for e in default_store().list()]
+    names += [str(name) for name in catalog.load_catalog()]
+    return sorted({n.removesuffix(":latest") for n in names})
 
 
 def cmd_run(args) -> int:
     config = _config(args)
-    model, prompt = split_model_and_prompt(args.words, config.default_model, _known_model)
+    model, prompt = split_model_and_prompt(args.words, config.default_model, _known_model,
+                                           _model_names)
     return _run(_run_async(config, model, prompt, args))
 
 

@@ -5,6 +5,8 @@
 | host              | LOCALLLM_HOST              | 127.0.0.1:11435               | restart   |
 | socket            | LOCALLLM_SOCKET            | (runtime dir)/localllm.sock   | restart   |
 | api_key           | LOCALLLM_API_KEY           | (none; required off loopback) | restart   |
+| origins           | LOCALLLM_ORIGINS           | (none; localhost only)        | restart   |
+| allowed_hosts     | LOCALLLM_ALLOWED_HOSTS     | (none; localhost only)        | restart   |
 | keep_alive        | LOCALLLM_KEEP_ALIVE        | 5m                            | live      |
 | max_loaded_models | LOCALLLM_MAX_LOADED_MODELS | 2                             | live      |
 | num_parallel      | LOCALLLM_NUM_PARALLEL      | auto                          | next load |
@@ -42,6 +44,12 @@
 - expected_fill: the part of the context a conversation fills, 0.05 to 1; the tuner maximizes
   decode speed averaged over it (decode slows as the context fills).
 - log_level: debug, info, warning or error.
+- origins: comma-separated browser origins allowed to call the API (CORS), as OLLAMA_ORIGINS:
+  `https://app.example.com,chrome-extension://*`; `*` matches anything. Localhost origins
+  (http/https, any port) are always allowed; a request from any other origin gets a 403.
+- allowed_hosts: comma-separated extra names the TCP port answers to in the `Host` header
+  (`*.lan` wildcards work). Localhost names, loopback IPs and the bound address always pass;
+  any other name gets a 403 (protection against DNS rebinding).
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
@@ -79,6 +87,8 @@ class Config:
     host: str = f"{paths.DEFAULT_TCP_HOST}:{paths.DEFAULT_TCP_PORT}"
     socket: str = ""
     api_key: str = ""
+    origins: str = ""
+    allowed_hosts: str = ""
     keep_alive: str = "5m"
     max_loaded_models: int = 2
     num_parallel: int | str = "auto"
@@ -120,6 +130,8 @@ ENV = {
     "host": "LOCALLLM_HOST",
     "socket": "LOCALLLM_SOCKET",
     "api_key": "LOCALLLM_API_KEY",
+    "origins": "LOCALLLM_ORIGINS",
+    "allowed_hosts": "LOCALLLM_ALLOWED_HOSTS",
     "keep_alive": "LOCALLLM_KEEP_ALIVE",
     "max_loaded_models": "LOCALLLM_MAX_LOADED_MODELS",
     "num_parallel": "LOCALLLM_NUM_PARALLEL",
@@ -139,7 +151,8 @@ ENV = {
 
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
 # pull route hold theirs): a change while it runs logs "restart needed".
-RESTART_NEEDED = frozenset({"host", "socket", "api_key", "hf_endpoint"})
+RESTART_NEEDED = frozenset({"host", "socket", "api_key", "origins", "allowed_hosts",
+                            "hf_endpoint"})
 
 CHOICES = {
     "context_policy": ("fixed", "fit", "max"),

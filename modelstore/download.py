@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -97,6 +98,7 @@ class DownloadOptions:
     backoff_s: float = 0.5  # first wait; doubles per failure up to max_backoff_s
     max_backoff_s: float = 15.0
     stall_timeout_s: float = 60.0  # no byte for this long counts as a failure
+    connect_timeout_s: float = 30.0  # a host that does not accept the connection by then fails
     disk_margin_bytes: int = 512 * MiB  # left free after the download
     free_disk: Callable[[Path], int] = _free_disk  # bytes free on the store's filesystem
 
@@ -128,6 +130,58 @@ def http_error(status: int, label: str, authenticated: bool | str | None) -> Pul
                             "changed or the partial download is stale; it was discarded, "
                             "pull again")
     return PullError(f"{label}: the server answered HTTP {status}")
+
+
+class HubUnreachable(PullError):
+    """No answer from the host: DNS, a refused or dropped connection, TLS, a timeout or 5xx."""
+
+    http_status = 502  # the daemon is fine; the host behind it is not
+
+
+def _host(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return parts.netloc or url
+
+
+_CHECK = "check the network connection and proxy settings, and hf_endpoint (LOCALLLM_HF_ENDPOINT)"
+
+
+def network_error(url: str, error: BaseException) -> HubUnreachable:
+    """One line for a failure to talk to `url`'s host: which host, what happened, what to check."""
+    host = _host(url)
+    if isinstance(error, aiohttp.ClientConnectorDNSError):
+        why = "its name does not resolve (no internet here, or a typo in the address?)"
+    elif isinstance(error, aiohttp.ClientConnectorCertificateError):
+        why = (f"its TLS certificate was refused ({error.certificate_error}); check the system "
+               "clock and any proxy that intercepts TLS")
+    elif isinstance(error, aiohttp.ClientSSLError | aiohttp.ServerFingerprintMismatch):
+        why = "the TLS handshake failed; check any proxy that intercepts TLS"
+    elif isinstance(error, aiohttp.ClientConnectorError):
+        code = error.os_error.errno if error.os_error else None
+        why = {errno.ECONNREFUSED: "the connection was refused (nothing listens there?)",
+               errno.ENETUNREACH: "the network is unreachable",
+               errno.EHOSTUNREACH: "the host is unreachable"}.get(
+                   code, f"the connection failed ({error.os_error or error})")
+    elif isinstance(error, TimeoutError):
+        why = "it did not answer in time"
+    elif isinstance(error, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
+        why = "it closed the connection"
+    else:
+        why = str(error) or type(error).__name__
+    return HubUnreachable(f"cannot reach {host}: {why}; {_CHECK}")
+
+
+def server_error(url: str, status: int) -> HubUnreachable:
+    return HubUnreachable(f"{_host(url)} answered HTTP {status} (a server error on its side); "
+                          "try again later, or check hf_endpoint (LOCALLLM_HF_ENDPOINT)")
+
+
+def _fatal(error: BaseException) -> bool:
+    """Failures that waiting does not cure: a name that does not resolve, a refused certificate."""
+    return isinstance(error, aiohttp.ClientConnectorDNSError | aiohttp.ClientSSLError
+                      | aiohttp.ServerFingerprintMismatch)
 
 
 @dataclass
@@ -289,7 +343,7 @@ class _Transfer:
 
     async def fetch_part(self, part: _Part) -> None:
         failures = 0
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30,
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.options.connect_timeout_s,
                                         sock_read=self.options.stall_timeout_s)
         while not part.finished:
             before = part.done
@@ -301,11 +355,15 @@ class _Transfer:
                     raise _Retry("the connection closed before the range was complete")
             except (TimeoutError, _Retry, aiohttp.ClientError) as error:
                 failures = 0 if part.done > before else failures + 1
+                if _fatal(error):
+                    raise network_error(self.remote.url, error) from None
                 if failures > self.options.retries:
-                    reason = str(error) or type(error).__name__
-                    raise DownloadInterrupted(
-                        f"{self.label}: download failed after {self.options.retries} retries "
-                        f"({reason}); run the pull again to resume") from None
+                    if isinstance(error, _Retry) or part.done > 0 or self.completed > 0:
+                        reason = str(error) or type(error).__name__
+                        raise DownloadInterrupted(
+                            f"{self.label}: download failed after {self.options.retries} "
+                            f"retries ({reason}); run the pull again to resume") from None
+                    raise network_error(self.remote.url, error) from None
                 if part.end is None:  # unknown size: a stream cannot resume mid-way
                     part.done = 0
                 if failures:
@@ -324,7 +382,7 @@ class _Transfer:
             if status == 200 and ranged:
                 raise _NoRanges()
             if status in (408, 429) or status >= 500:
-                raise _Retry(f"HTTP {status}")
+                raise _Retry(f"{_host(self.remote.url)} answered HTTP {status}")
             if status not in (200, 206):
                 error = http_error(status, self.label, "Authorization" in self.headers)
                 if isinstance(error, RangeRefused):

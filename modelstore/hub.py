@@ -23,7 +23,8 @@ import aiohttp
 from yarl import URL
 
 from .download import (
-    PullError, RemoteFile, RemoteNotFound, http_error, sha256_from_headers,
+    PullError, RemoteFile, RemoteNotFound, http_error, network_error, server_error,
+    sha256_from_headers,
 )
 from .names import ModelName, parse_name
 
@@ -200,17 +201,28 @@ class HubClient:
         url: str | None = f"{self.settings.endpoint}/api/models/{repo}/tree/main?recursive=true"
         files: list[RemoteFile] = []
         while url:
-            async with self.session.get(url, headers=self.headers_for(url)) as response:
-                if response.status != 200:
-                    raise http_error(response.status, f"hf.co/{repo}", self.settings.token)
-                try:
-                    items = await response.json(content_type=None)
-                except ValueError:
-                    raise PullError(f"the hub's file list for {repo} is not JSON; is "
-                                    f"{self.settings.endpoint} a Hugging Face-style hub?") from None
-                url = response.links.get("next", {}).get("url")
-                url = str(url) if url else None
+            try:
+                async with self.session.get(url, headers=self.headers_for(url)) as response:
+                    if response.status >= 500:
+                        raise server_error(url, response.status)
+                    if response.status != 200:
+                        raise http_error(response.status, f"hf.co/{repo}", self.settings.token)
+                    try:
+                        items = await response.json(content_type=None)
+                    except ValueError:
+                        raise PullError(f"the hub's file list for {repo} is not JSON; is "
+                                        f"{self.settings.endpoint} a Hugging Face-style "
+                                        "hub?") from None
+                    url = response.links.get("next", {}).get("url")
+                    url = str(url) if url else None
+            except (aiohttp.ClientError, TimeoutError) as e:
+                raise network_error(url or self.settings.endpoint, e) from None
+            if not isinstance(items, list):
+                raise PullError(f"the hub's file list for {repo} is not a list; is "
+                                f"{self.settings.endpoint} a Hugging Face-style hub?")
             for item in items:
+                if not isinstance(item, dict) or not isinstance(item.get("path"), str):
+                    continue
                 if item.get("type") != "file":
                     continue
                 lfs = item.get("lfs") or {}
@@ -235,8 +247,10 @@ class HubClient:
                     target = await self.describe(str(response.url.join(URL(location))), label)
                     return RemoteFile(url, filename, target.size, sha or target.sha256)
                 return RemoteFile(url, filename, int(size), sha)
-        except aiohttp.ClientError as e:
-            raise PullError(f"cannot reach {label}: {e}") from None
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise network_error(url, e) from None
+        if status >= 500:
+            raise server_error(url, status)
         if status != 200:
             raise http_error(status, label, self.settings.token)
         length = headers.get("Content-Length")

@@ -270,12 +270,13 @@ def find_stored(store: ModelStore, text: str) -> ModelEntry | None:
 
 
 @contextlib.asynccontextmanager
-async def _session(session: aiohttp.ClientSession | None):
+async def _session(session: aiohttp.ClientSession | None, options: DownloadOptions):
     if session is not None:
         yield session
         return
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=30,
-                                                                   sock_read=60)) as new:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=options.connect_timeout_s,
+                                    sock_read=options.stall_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as new:
         yield new
 
 
@@ -284,9 +285,10 @@ async def pull_model(store: ModelStore, name: str, progress: ProgressFn | None =
                      session: aiohttp.ClientSession | None = None) -> ModelEntry:
     """Pull `name` (catalog name or reference) from its source, even when it is stored already;
     blobs that are present are not downloaded again."""
-    async with _session(session) as http:
-        job = _Pull(store, hub or HubSettings.from_environment(), options or DownloadOptions(),
-                    _Reporter(progress), http)
+    options = options or DownloadOptions()
+    async with _session(session, options) as http:
+        job = _Pull(store, hub or HubSettings.from_environment(), options, _Reporter(progress),
+                    http)
         return await job.pull(name)
 
 

@@ -79,7 +79,6 @@ class _ProgressView:
             TransferSpeedColumn(), TimeRemainingColumn(), console=self.console,
             transient=False)
         self.tasks: dict[str, int] = {}
-        self.progress.start()
         return self
 
     def update(self, event: dict) -> None:
@@ -89,12 +88,15 @@ class _ProgressView:
                 self.console.print(status)
             return
         task = self.tasks.get(status)
+        if not self.tasks:  # bars start with the first byte: an early error stays one line
+            self.progress.start()
         if task is None:
             task = self.tasks[status] = self.progress.add_task(status, total=event["total"])
         self.progress.update(task, total=event["total"], completed=event["completed"])
 
     def __exit__(self, *exc) -> None:
-        self.progress.stop()
+        if self.tasks:
+            self.progress.stop()
 
 
 # ---- --list ---------------------------------------------------------------------------

@@ -9,7 +9,8 @@
 It runs in its own thread and event loop, so synchronous tests, async tests and CLI subprocesses
 can all use it. Faults: `drops` (close the connection after N bytes, one entry per response),
 `hold_after` (stop after N bytes until `release()`), `refuse_ranges` (416 for any Range),
-`gated` (a token is required), `published_sha256` (advertise a hash the bytes do not have).
+`gated` (a token is required), `published_sha256` (advertise a hash the bytes do not have),
+`server_error` (the file list answers this 5xx).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Hub:
     drops: list[int] = field(default_factory=list)  # per response: close after this many bytes
     hold_after: int | None = None  # stop serving after this many bytes of a response until release
     refuse_ranges: bool = False
+    server_error: int | None = None  # answer every hub request with this 5xx status
     served_bytes: int = 0
     cdn_requests: list[str | None] = field(default_factory=list)  # Range header of each GET
 
@@ -136,6 +138,8 @@ class Hub:
 
     async def tree(self, request: web.Request) -> web.Response:
         repo = f"{request.match_info['owner']}/{request.match_info['repo']}"
+        if self.server_error:
+            return web.Response(status=self.server_error, text="upstream trouble")
         if not self.authorized(request, repo):
             return web.json_response({"error": "Access to this repo is restricted"}, status=401)
         listing = [{"type": "file", "oid": "0" * 40, "size": f.size, "path": f.path,

@@ -46,7 +46,7 @@ def test_a_client_that_disconnects_stops_generation_within_a_second(fresh_daemon
                        "messages": [{"role": "user", "content": "Write a long story."}]})
     host, port = fresh_daemon.url.removeprefix("http://").split(":")
     conn = socket.create_connection((host, int(port)))
-    conn.sendall((f"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    conn.sendall((f"POST /api/chat HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
     received = b""
     while received.count(b'"done": false') < 5:

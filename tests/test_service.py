@@ -8,6 +8,7 @@ uninstall --no-stop do all the file work for real and skip only the systemctl ca
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,29 @@ def test_without_systemd_each_command_says_so_in_one_line(home, tmp_path, comman
     assert "localllm serve" in result.stderr
     if command == ["install"]:
         assert not us.unit_dir().exists()  # refused before writing anything
+    if command == ["uninstall"]:  # what install wrote goes anyway; what it could not do is said
+        assert "removed the unit files" in result.stderr
+        assert not (us.unit_dir() / us.SERVICE).exists() and not us.manifest_path().exists()
+
+
+def test_uninstall_when_the_user_manager_is_not_reachable_removes_what_install_wrote(home,
+                                                                                    tmp_path):
+    if not shutil.which("systemctl"):
+        pytest.fail("systemctl is needed (scripts/test.sh installs systemd)")
+    before = _snapshot(Path(os.environ["XDG_CONFIG_HOME"]))
+    assert main(["service", "install", "--no-start"]) == 0
+    # A real systemctl with no user bus to talk to (an ssh session without lingering).
+    env = {**os.environ, "DBUS_SESSION_BUS_ADDRESS": f"unix:path={tmp_path}/no-bus",
+           "XDG_RUNTIME_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "localllm.cli", "service", "uninstall"],
+                            env=env, capture_output=True, text=True)
+    assert result.returncode == 1, result
+    assert f"removed {us.unit_dir() / us.SERVICE}" in result.stdout
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "user manager is not reachable" in result.stderr
+    assert "removed the unit files, but could not stop or disable" in result.stderr
+    assert _snapshot(Path(os.environ["XDG_CONFIG_HOME"])) == before
+    assert not us.manifest_path().exists()
 
 
 def test_service_logs_shows_the_log_file_without_systemd(home, capsys):

@@ -24,13 +24,72 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param)
 
 
+MAX_BODY_BYTES = 32 * 1024 * 1024  # the app's client_max_size: past it, a 413
+_MAX_INT = 1 << 63  # no field of either API holds a number past int64
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _checked_int(text: str) -> int:
+    value = int(text)
+    if not -_MAX_INT <= value < _MAX_INT:
+        raise ValueError(f"number {text[:24]}... is out of range")
+    return value
+
+
+def _checked_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:24]} is out of range")
+    return value
+
+
+def _lone_surrogate(value: Any) -> bool:
+    """Whether any string (key or value) in a parsed body holds a lone UTF-16 surrogate, which
+    JSON's \\ud800 escapes allow but UTF-8 (llama.cpp, our answers) cannot carry."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 async def read_json(request: web.Request) -> dict:
+    """The request body as a JSON object, or a 400 (413 when too big) saying what is wrong.
+
+    Stricter than json.loads: no NaN or Infinity, integers within int64, no lone surrogates,
+    so nothing a handler passes on can fail later for a reason the client caused."""
     try:
-        body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES >> 20} MiB") from None
+    if not raw.strip():
+        raise bad_request("request body is empty: send a JSON object")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant,
+                          parse_int=_checked_int, parse_float=_checked_float)
+    except UnicodeDecodeError:
+        raise bad_request("request body is not UTF-8") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError and the checks above
         raise bad_request(f"invalid JSON in request body: {e}") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    if _lone_surrogate(body):
+        raise bad_request("request body holds a lone UTF-16 surrogate (e.g. \\ud800): strings "
+                          "must be valid Unicode")
     return body
 
 

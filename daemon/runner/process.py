@@ -141,10 +141,10 @@ class RunnerProcess:
         if not self._exit_reason:
             self._exit_reason = why
             log.warning("runner for %s (pid %s) ended: %s", self.model_name, self.pid, why)
-        for queue in self._events.values():
+        for queue in self._events.values():  # 503: asking again loads it afresh
             queue.put_nowait(Failure(
                 f"the runner for {self.model_name} stopped mid-answer ({self._exit_reason}); "
-                f"the next request will load it again", status=500))
+                f"the next request will load it again", status=503))
 
     async def _next(self, queue: asyncio.Queue, silence_s: float) -> Event:
         """The next event, or a Failure when the runner says nothing for `silence_s` while

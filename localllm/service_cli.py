@@ -12,7 +12,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from localllm.config import (
+from localllm.daemon import user_service as us
+from localllm.daemon.logging_setup import log_file
+
+from .config import (
     ENV,
     RESTART_NEEDED,
     ConfigError,
@@ -23,10 +26,7 @@ from localllm.config import (
     setting_names,
     with_setting,
 )
-from localllm.errors import UserError
-
-from . import user_service as us
-from .logging_setup import log_file
+from .errors import UserError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -85,17 +85,31 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 def cmd_uninstall(args: argparse.Namespace) -> int:
+    """Remove what install wrote, always; stop and disable the units where the user manager
+    answers, and say so (exit 1) where it does not, so nothing is left half-known."""
     if us.read_manifest() is None:
         print("the localllm service is not installed: nothing to remove")
         return 0
-    if not args.no_stop:
-        us.require_systemd()
-        us.systemctl("disable", "--now", us.SOCKET, us.SERVICE, check=False)
+    problem = None if args.no_stop else us.systemd_problem()
+    if not args.no_stop and problem is None:
+        result = us.systemctl("disable", "--now", us.SOCKET, us.SERVICE, check=False)
+        if result.returncode != 0:
+            problem = "systemctl --user disable --now failed: " + _first_line(result)
     for path in us.remove_units():
         print(f"removed {path}")
-    if not args.no_stop:
-        us.systemctl("daemon-reload")
+    if not args.no_stop and problem is None:
+        result = us.systemctl("daemon-reload", check=False)
+        if result.returncode != 0:
+            problem = "systemctl --user daemon-reload failed: " + _first_line(result)
+    if problem:
+        raise UserError(f"removed the unit files, but could not stop or disable the units: "
+                        f"{problem}; when the user manager is back, run `systemctl --user "
+                        f"daemon-reload` (and `systemctl --user stop {us.SERVICE}` if it runs)")
     return 0
+
+
+def _first_line(result) -> str:
+    return (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[0]
 
 
 def cmd_status(args: argparse.Namespace) -> int:

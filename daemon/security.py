@@ -1,0 +1,182 @@
+"""Who may talk to the daemon: the Host check, CORS for listed origins, and the API key.
+
+- Host (TCP only): a web page on an attacker's domain can re-point that domain at 127.0.0.1
+  (DNS rebinding) and then read our answers as same-origin. Its requests still carry the
+  attacker's name in `Host`, so only localhost names, the address we are bound to and the hosts
+  the user lists (`allowed_hosts`) pass; anything else is a 403. An IP literal cannot be
+  rebound, so any IP passes when we listen on every address (0.0.0.0 or ::).
+- Origin: a browser sends `Origin` on every cross-origin request. Origins the user lists in
+  `origins` (localhost origins always) get CORS headers and preflight answers; any other origin
+  is refused with 403 before a handler runs, so a page cannot make us pull, delete or generate
+  even where it could not read the answer (a "simple" POST needs no preflight).
+- API key (TCP only, when one is set; a non-loopback bind needs one): every route but
+  /api/version wants `Authorization: Bearer <key>`. Preflights carry no credentials, so they
+  are answered before the key is checked.
+The Unix socket is guarded by its file mode (0600 in a 0700 dir) and skips the Host and key
+checks.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import re
+import socket
+
+from aiohttp import web
+
+from localllm import paths
+from localllm.config import Config
+
+LOCAL_ORIGIN = re.compile(r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?$")
+ALLOWED_METHODS = "GET, HEAD, POST, DELETE, OPTIONS"
+ALLOWED_HEADERS = "Authorization, Content-Type, Accept, User-Agent, X-Requested-With"
+OPEN_PATHS = frozenset({"/api/version"})
+
+
+def split_list(value: str) -> tuple[str, ...]:
+    """A comma-separated setting as its entries (blank ones dropped)."""
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+def is_unix(request: web.Request) -> bool:
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    return sock is not None and sock.family == socket.AF_UNIX
+
+
+def _json_error(request: web.Request, status: int, message: str) -> web.Response:
+    from .server import error_body
+
+    return web.json_response(error_body(request.path, status, message), status=status)
+
+
+# ---- Host ----------------------------------------------------------------------------------
+def host_name(header: str) -> str:
+    """`Host` without its port, lower case: `[::1]:80` -> `::1`, `A.com:1` -> `a.com`."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    if header.count(":") == 1:
+        return header.partition(":")[0]
+    return header
+
+
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(name)
+    except ValueError:
+        return None
+
+
+def host_allowed(header: str, bound: str, allowed: tuple[str, ...]) -> bool:
+    """Whether a request's Host names this daemon rather than someone else's domain (pure)."""
+    name = host_name(header).rstrip(".")
+    if not name or name == "localhost" or name.endswith(".localhost"):
+        return True
+    ip = _ip(name)
+    bound_ip = _ip(bound)
+    if ip is not None and (ip.is_loopback or (bound_ip is not None and bound_ip.is_unspecified)):
+        return True
+    if name == bound.lower() or (ip is not None and ip == bound_ip):
+        return True
+    return any(wildcard(pattern, name) for pattern in allowed)
+
+
+def host_middleware(config: Config):
+    bound, _ = config.tcp
+    allowed = split_list(config.allowed_hosts)
+
+    @web.middleware
+    async def check_host(request: web.Request, handler):
+        if not is_unix(request) and not host_allowed(request.headers.get("Host", ""), bound,
+                                                     allowed):
+            return _json_error(request, 403, f"host {request.host!r} is not allowed: add it to "
+                               "allowed_hosts (LOCALLLM_ALLOWED_HOSTS) to reach localllm by "
+                               "that name")
+        return await handler(request)
+    return check_host
+
+
+# ---- Origin / CORS -----------------------------------------------------------------------
+def wildcard(pattern: str, text: str) -> bool:
+    """`*` matches any run of characters; everything else literally, case ignored."""
+    regex = ".*".join(re.escape(part) for part in pattern.lower().split("*"))
+    return re.fullmatch(regex, text.lower()) is not None
+
+
+def origin_allowed(origin: str, allowed: tuple[str, ...]) -> bool:
+    """Localhost origins (any port) and the user's list; `*` wildcards as in OLLAMA_ORIGINS."""
+    origin = origin.strip()
+    return bool(LOCAL_ORIGIN.match(origin.lower())) or any(wildcard(p, origin) for p in allowed)
+
+
+def cors_middleware(config: Config):
+    allowed = split_list(config.origins)
+
+    @web.middleware
+    async def cors(request: web.Request, handler):
+        origin = request.headers.get("Origin")
+        if origin is None:
+            return await handler(request)  # not a browser's cross-origin request
+        if not origin_allowed(origin, allowed):
+            return _json_error(request, 403, f"origin {origin!r} is not allowed: add it to "
+                               "origins (LOCALLLM_ORIGINS) to call localllm from that page")
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            return _preflight(request, origin)
+        return await handler(request)  # CORS headers are added in on_response_prepare
+    return cors
+
+
+def _preflight(request: web.Request, origin: str) -> web.Response:
+    method = request.headers["Access-Control-Request-Method"].upper()
+    if method not in ALLOWED_METHODS.split(", "):
+        return _json_error(request, 405, f"method {method} is not allowed")
+    asked = request.headers.get("Access-Control-Request-Headers", "")
+    headers = {
+        "Access-Control-Allow-Origin": origin,
+        "Access-Control-Allow-Methods": ALLOWED_METHODS,
+        "Access-Control-Allow-Headers": asked or ALLOWED_HEADERS,
+        "Access-Control-Max-Age": "600",
+        "Vary": "Origin, Access-Control-Request-Method, Access-Control-Request-Headers",
+    }
+    return web.Response(status=204, headers=headers)
+
+
+def cors_headers(config: Config):
+    """An on_response_prepare hook: every answer to an allowed origin, streams included (their
+    headers go out when the handler prepares them, after any middleware could add them),
+    carries the CORS headers."""
+    allowed = split_list(config.origins)
+
+    async def add(request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if origin and origin_allowed(origin, allowed) \
+                and "Access-Control-Allow-Origin" not in response.headers:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+    return add
+
+
+# ---- API key -------------------------------------------------------------------------------
+def key_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check_key(request: web.Request, handler):
+        if api_key and not is_unix(request) and request.path not in OPEN_PATHS:
+            sent = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(sent, expected):
+                return _json_error(request, 401, "missing or wrong API key: send "
+                                   "'Authorization: Bearer <key>'")
+        return await handler(request)
+    return check_key
+
+
+def check_bind(config: Config) -> None:
+    """A bind other than loopback needs an API key (raises UserError otherwise)."""
+    from localllm.errors import UserError
+
+    host, _ = config.tcp
+    if not paths.is_loopback(host) and not config.api_key:
+        raise UserError(f"refusing to listen on {host} without an API key: set api_key in "
+                        f"config.toml or LOCALLLM_API_KEY, or bind 127.0.0.1")
