@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "localllm.modelstore.pull_cli",  # pull
     "localllm.profiles.cli",  # tune
     "localllm.daemon.service_cli",  # service, config
+    "localllm.cluster_cli",  # worker, remote
 )
 
 

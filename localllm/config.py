@@ -16,6 +16,7 @@
 | vram_margin_mib   | LOCALLLM_VRAM_MARGIN_MIB   | 512                           | next load |
 | hf_endpoint       | LOCALLLM_HF_ENDPOINT       | https://huggingface.co        | restart   |
 | log_level         | LOCALLLM_LOG_LEVEL         | info                          | live      |
+| rpc_workers       | LOCALLLM_RPC_WORKERS       | (none)                        | next load |
 
 - num_parallel: requests one loaded model serves at once (llama.cpp sequences; each has its own
   KV cache of default_ctx tokens).
@@ -25,6 +26,9 @@
 - kv_cache_type: `auto` lets the planner choose; `f16`, `bf16`, `q8_0` or `q4_0` pin K and V
   (the types default CUDA builds have flash-attention kernels for).
 - log_level: debug, info, warning or error.
+- rpc_workers: `["host:port", ...]` (comma-separated in the variable): `localllm worker`s whose
+  devices models may use besides this machine's; the planner measures each one's memory and
+  link. RPC has no authentication: trusted networks only.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
@@ -73,6 +77,7 @@ class Config:
     vram_margin_mib: int = 512
     hf_endpoint: str = "https://huggingface.co"
     log_level: str = "info"
+    rpc_workers: tuple[str, ...] = ()
 
     @property
     def socket_path(self) -> Path:
@@ -102,6 +107,7 @@ ENV = {
     "vram_margin_mib": "LOCALLLM_VRAM_MARGIN_MIB",
     "hf_endpoint": "LOCALLLM_HF_ENDPOINT",
     "log_level": "LOCALLLM_LOG_LEVEL",
+    "rpc_workers": "LOCALLLM_RPC_WORKERS",
 }
 
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
@@ -165,10 +171,16 @@ def _kind(name: str) -> str:
     return {f.name: f.type for f in fields(Config)}[name]
 
 
-def coerce(name: str, value: object) -> int | str:
+def coerce(name: str, value: object) -> int | str | tuple[str, ...]:
     """A raw value (TOML, env or command line) as the setting's type; ConfigError if it is not."""
     if name not in ENV:
         raise ConfigError(f"unknown setting {name!r} (known: {', '.join(setting_names())})")
+    if _kind(name).startswith("tuple"):  # a TOML list, or "a,b" from the env or command line
+        if isinstance(value, str):
+            value = [v for v in (part.strip() for part in value.split(",")) if v]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name} must be a list of strings, not {value!r}")
+        return tuple(value)
     if _kind(name) == "int":
         if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
             raise ConfigError(f"{name} must be a whole number, not {value!r}")
@@ -205,6 +217,14 @@ def check_setting(name: str, value: int | str) -> None:
             raise ConfigError(f"socket path is longer than {_MAX_SOCKET_PATH} bytes: {value}")
     elif name == "hf_endpoint" and not str(value).startswith(("http://", "https://")):
         raise ConfigError(f"hf_endpoint must start with http:// or https://, not {value!r}")
+    elif name == "rpc_workers":
+        from localllm.profiles.rpc import WorkerError, parse_endpoint
+
+        for endpoint in value:  # type: ignore[union-attr]
+            try:
+                parse_endpoint(endpoint)
+            except WorkerError as e:
+                raise ConfigError(f"rpc_workers: {e}") from None
 
 
 def validate(config: Config) -> None:
@@ -278,7 +298,8 @@ def changed_settings(old: Config, new: Config) -> tuple[str, ...]:
     return tuple(n for n in setting_names() if getattr(old, n) != getattr(new, n))
 
 
-def with_setting(text: str, name: str, value: int | str | None, source: str = "config.toml") -> str:
+def with_setting(text: str, name: str, value: int | str | tuple | None,
+                 source: str = "config.toml") -> str:
     """config.toml's text with one setting set (or removed for None), comments kept.
 
     The value is checked first. The line that sets it is replaced in place so a user's comments
@@ -288,6 +309,8 @@ def with_setting(text: str, name: str, value: int | str | None, source: str = "c
     if value is not None:
         value = coerce(name, value)
         check_setting(name, value)
+        if isinstance(value, tuple):
+            value = list(value)  # as TOML reads it back
         doc[name] = value
     else:
         doc.pop(name, None)

@@ -63,6 +63,13 @@ def vram_margin_bytes() -> int:
         return 512 * MIB
 
 
+def _rpc_workers() -> tuple[str, ...]:
+    try:
+        return load_config().rpc_workers
+    except ConfigError:
+        return ()
+
+
 def _apply_options(plan: Plan, request: Request) -> Plan:
     changes = {}
     if request.n_gpu_layers is not None:
@@ -84,6 +91,12 @@ def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, options: 
     model cannot run at that context on this machine."""
     card = card or probe_card()
     request = request_from_options(n_ctx, options or {}, vram_margin_bytes())
+    workers = _rpc_workers()
+    if workers:  # other machines' devices too: profiles.rpc_plan (no saved profiles)
+        from .rpc_plan import plan_for_workers
+
+        plan = plan_for_workers(shape, card, request, workers, tune_checked)
+        return _apply_options(plan, replace(request, n_gpu_layers=None))
     notes: list[str] = []
     try:
         saved = find_profile(model_name, card.name)

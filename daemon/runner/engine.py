@@ -8,6 +8,7 @@ stop strings, timings and KV-prefix reuse are exact.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
 import random
 import threading
@@ -47,12 +48,16 @@ def load_llama(model_path: str, plan: Plan) -> Llama:
     )
     if plan.tensor_split:
         kwargs["tensor_split"] = list(plan.tensor_split)
-    if plan.tensor_overrides:
-        from localllm.profiles.llama_overrides import tensor_overrides_applied
+    with contextlib.ExitStack() as stack:
+        if plan.tensor_overrides:
+            from localllm.profiles.llama_overrides import tensor_overrides_applied
 
-        with tensor_overrides_applied(plan.tensor_overrides):
-            return Llama(**kwargs)
-    return Llama(**kwargs)
+            stack.enter_context(tensor_overrides_applied(plan.tensor_overrides))
+        if plan.rpc_workers:
+            from localllm.profiles.rpc import rpc_devices_applied
+
+            stack.enter_context(rpc_devices_applied(plan.rpc_workers))
+        return Llama(**kwargs)
 
 
 class StopMatcher:
