@@ -372,6 +372,11 @@ def cmd_ps(args) -> int:
                      m.get("processor", ""), str(m["context_length"]), m.get("kv_type", ""),
                      until])
     print(_table(rows))
+    for m in data["models"]:  # a model spread over RPC workers: its split, device by device
+        if any(d["device"].startswith("RPC") for d in m.get("devices", ())):
+            split = ", ".join(f"{d['device']} {d['layers']} layers ({human_size(d['size'])})"
+                              for d in m["devices"])
+            print(f"{m['name']} split: {split}")
     return 0
 
 

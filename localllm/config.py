@@ -17,6 +17,7 @@
 | hf_endpoint       | LOCALLLM_HF_ENDPOINT       | https://huggingface.co        | restart   |
 | log_level         | LOCALLLM_LOG_LEVEL         | info                          | live      |
 | rpc_workers       | LOCALLLM_RPC_WORKERS       | (none)                        | next load |
+| remote_timeout    | LOCALLLM_REMOTE_TIMEOUT    | 300                           | live      |
 
 - num_parallel: requests one loaded model serves at once (llama.cpp sequences; each has its own
   KV cache of default_ctx tokens).
@@ -29,6 +30,8 @@
 - rpc_workers: `["host:port", ...]` (comma-separated in the variable): `localllm worker`s whose
   devices models may use besides this machine's; the planner measures each one's memory and
   link. RPC has no authentication: trusted networks only.
+- remote_timeout: seconds a remote model's server (`localllm remote add`) may take to start
+  its answer, and between two parts of it, before the request fails with 504.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
@@ -78,6 +81,7 @@ class Config:
     hf_endpoint: str = "https://huggingface.co"
     log_level: str = "info"
     rpc_workers: tuple[str, ...] = ()
+    remote_timeout: int = 300
 
     @property
     def socket_path(self) -> Path:
@@ -108,6 +112,7 @@ ENV = {
     "hf_endpoint": "LOCALLLM_HF_ENDPOINT",
     "log_level": "LOCALLLM_LOG_LEVEL",
     "rpc_workers": "LOCALLLM_RPC_WORKERS",
+    "remote_timeout": "LOCALLLM_REMOTE_TIMEOUT",
 }
 
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
@@ -131,6 +136,7 @@ LIMITS = {
     "max_queue": (1, None),
     "default_ctx": (256, None),
     "vram_margin_mib": (0, None),
+    "remote_timeout": (1, None),
 }
 
 # A Unix socket path must fit sockaddr_un.sun_path (108 bytes with the terminating NUL).
