@@ -1,0 +1,214 @@
+"""RPC workers: real `localllm worker` processes on loopback lending their CPU to a real daemon,
+which plans a model across them and this machine and answers as it does alone."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import import_models
+from daemon_process import isolated_env, start_daemon, wait_for
+
+from localllm.modelstore.shape import read_shape
+from localllm.profiles.card import load_card
+from localllm.profiles.rpc import Worker, WorkerDevice, WorkerError, probe_workers
+from localllm.profiles.rpc_plan import plan_with_workers
+from localllm.profiles.tuner import NoPlanFits, Request, tune
+
+GREEDY = {"num_predict": 24, "temperature": 0}
+PROMPT = "The three primary colours are"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(port: int, *args: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "localllm.cli", "worker", "--port",
+                             str(port), "--threads", "1", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("localllm worker: serving CPU on"), line + proc.stderr.read()
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    wait_for(listening, 30, what=f"worker on port {port}")
+    return proc
+
+
+@pytest.fixture
+def workers():
+    ports = [free_port(), free_port()]
+    procs = [start_worker(p) for p in ports]
+    yield [f"127.0.0.1:{p}" for p in ports], procs
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def generate(daemon, options: dict) -> tuple[int, dict]:
+    body = {"model": "smollm2", "prompt": PROMPT, "raw": True, "stream": False,
+            "options": options}
+    request = urllib.request.Request(daemon.url + "/api/generate",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_probe_reads_memory_and_measures_the_link(workers):
+    endpoints, _ = workers
+    found = probe_workers(endpoints)
+    assert [w.endpoint for w in found] == endpoints
+    for w in found:
+        assert len(w.devices) == 1 and w.devices[0].total_bytes >= w.devices[0].free_bytes > 0
+        assert w.link_bytes_per_s > 10e6  # loopback moves far more than 10 MB/s
+        assert 0 < w.rtt_s < 0.5
+
+
+def test_model_across_two_workers_answers_as_alone(tmp_path_factory, smollm2_gguf, workers):
+    endpoints, procs = workers
+    alone_env = isolated_env(tmp_path_factory.mktemp("alone"))
+    rpc_env = isolated_env(tmp_path_factory.mktemp("rpc"),
+                           LOCALLLM_RPC_WORKERS=",".join(endpoints))
+    for env in (alone_env, rpc_env):
+        import_models(env, {"smollm2": smollm2_gguf})
+    alone = start_daemon(alone_env)
+    try:
+        status, expected = generate(alone, GREEDY)
+        assert status == 200 and expected["response"].strip()
+    finally:
+        alone.stop()
+
+    d = start_daemon(rpc_env)
+    try:
+        # num_gpu 20 of SmolLM2's 31 layers (30 blocks + output) leaves 11 on this CPU.
+        status, got = generate(d, {**GREEDY, "num_gpu": 20})
+        assert status == 200, got
+        assert got["response"] == expected["response"]
+        assert got["eval_count"] == expected["eval_count"]
+        (model,) = d.ps()
+        assert [(x["device"], x["layers"]) for x in model["devices"]] == [
+            ("CPU", 11), (f"RPC[{endpoints[0]}]", 10), (f"RPC[{endpoints[1]}]", 10)]
+        assert all(x["size"] > 0 for x in model["devices"])
+        assert model["processor"].endswith("CPU/RPC") and model["gpu_layers"] == 20
+        ps = d.cli("ps")
+        assert ps.returncode == 0 and f"RPC[{endpoints[1]}] 10 layers" in ps.stdout
+
+        # Layers really live on the workers: without the second one the model cannot answer,
+        # and the daemon says so and stays up.
+        procs[1].kill()
+        procs[1].wait()
+        status, failed = generate(d, {**GREEDY, "num_gpu": 20})
+        assert status >= 500 and failed["error"]
+        assert d.proc.poll() is None and d.get("/api/version")["version"]
+    finally:
+        d.stop()
+
+
+def test_unreachable_worker_is_reported_and_the_model_runs_here(fresh_daemon, tmp_path_factory,
+                                                                smollm2_gguf):
+    env = isolated_env(tmp_path_factory.mktemp("gone"),
+                       LOCALLLM_RPC_WORKERS=f"127.0.0.1:{free_port()}")
+    import_models(env, {"smollm2": smollm2_gguf})
+    d = start_daemon(env)
+    try:
+        status, got = generate(d, GREEDY)
+        assert status == 200 and got["response"].strip()
+        (model,) = d.ps()
+        assert not any(x["device"].startswith("RPC") for x in model["devices"])
+    finally:
+        d.stop()
+    with pytest.raises(WorkerError, match="cannot reach RPC worker"):
+        probe_workers([f"127.0.0.1:{free_port()}"])
+
+
+def test_worker_refuses_a_port_in_use_and_warns_off_loopback(workers):
+    endpoints, _ = workers
+    port = endpoints[0].rsplit(":", 1)[1]
+    taken = subprocess.run([sys.executable, "-m", "localllm.cli", "worker", "--port", port],
+                           capture_output=True, text=True, timeout=60)
+    assert taken.returncode == 1 and "cannot listen on 127.0.0.1" in taken.stderr
+    assert len(taken.stderr.strip().splitlines()) == 1
+    bad = subprocess.run([sys.executable, "-m", "localllm.cli", "worker", "--device", "nope"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "no device 'NOPE'" in bad.stderr and "CPU" in bad.stderr
+
+    # Any address that is not loopback gets llama.cpp's warning: RPC has no authentication.
+    open_port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "localllm.cli", "worker", "--host",
+                             "0.0.0.0", "--port", str(open_port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        warning = "".join(proc.stderr.readline() for _ in range(4))
+        assert "Never expose the RPC server to an open network!" in warning
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ---- the planner, with numbers -----------------------------------------------------------------
+
+def worker(endpoint: str, free_gib: float, link_gbs: float = 1.25, rtt_ms: float = 0.2):
+    free = int(free_gib * (1 << 30))
+    return Worker(endpoint, (WorkerDevice(endpoint, 0, free, free),), link_gbs * 1e9,
+                  rtt_ms / 1e3)
+
+
+@pytest.fixture(scope="module")
+def big_shape(tmp_path_factory):
+    """A 27B-class dense shape from the project's generator (sparse file: header only)."""
+    import synth_gguf
+
+    paths = synth_gguf.ensure_headers(tmp_path_factory.getbasetemp() / "synth-headers")
+    return read_shape(paths["dense-27b"])
+
+
+def test_plan_moves_what_the_card_cannot_hold_to_the_workers(big_shape):
+    card = load_card("rtx3060-12g").with_host(64 << 30, 8, 50.0)
+    request = Request(n_ctx=8192)
+    local = tune(big_shape, card, request)
+    assert local.n_gpu_layers < big_shape.n_layer + 1  # the card alone leaves layers in RAM
+    plan = plan_with_workers(big_shape, card, request,
+                             [worker("a:1", 8), worker("b:2", 4)], local)
+    split = dict(plan.device_layers)
+    assert split["CUDA0"] == local.n_gpu_layers  # the local card keeps what it held
+    assert sum(split.values()) == big_shape.n_layer + 1
+    assert split["RPC[a:1]"] > split["RPC[b:2]"] > 0  # in proportion to free memory
+    assert plan.tensor_split == (split["RPC[a:1]"], split["RPC[b:2]"], split["CUDA0"])
+    assert plan.n_gpu_layers == split["RPC[a:1]"] + split["RPC[b:2]"] + split["CUDA0"]
+    assert plan.rpc_workers == ("a:1", "b:2")
+    for device in ("RPC[a:1]", "RPC[b:2]"):
+        (mem,) = [m for m in plan.memory if m.device == device]
+        assert mem.total <= (8 if device == "RPC[a:1]" else 4) * (1 << 30) - (512 << 20)
+    # Layers off the CPU make decode faster, and a slower network makes it slower.
+    assert plan.predicted_decode_tps > local.predicted_decode_tps
+    slow = plan_with_workers(big_shape, card, request,
+                             [worker("a:1", 8, 0.01, 5), worker("b:2", 4, 0.01, 5)], local)
+    assert slow.predicted_decode_tps < plan.predicted_decode_tps
+    assert any("network per token" in r for r in plan.reasons)
+    assert any(r.startswith("split: RPC[a:1]: layers 0-") and "CUDA0: layers" in r
+               for r in plan.reasons)
+
+
+def test_plan_says_when_even_the_workers_are_not_enough(big_shape):
+    card = load_card("cpu-only")
+    small = card.with_host(4 << 30, card.cores, card.host_bandwidth_gbs)
+    local = tune(big_shape, load_card("cpu-only"), Request(n_ctx=4096))
+    with pytest.raises(NoPlanFits, match="add a worker"):
+        plan_with_workers(big_shape, small, Request(n_ctx=4096), [worker("a:1", 2)], local)
