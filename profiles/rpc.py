@@ -29,7 +29,8 @@ from functools import lru_cache
 from localllm.errors import UserError
 
 DEVICE_CPU, DEVICE_GPU = 0, 1
-GGML_TYPE_I8 = 24
+GGML_TYPE_F32, GGML_TYPE_Q4_0, GGML_TYPE_I8 = 0, 2, 24
+COMPUTE_MATRIX_ROWS = 16384  # a 16384 x 16384 Q4_0 matrix: 144 MiB, as big as a 27B block
 LINK_SAMPLE_BYTES = 8 << 20  # below ggml-rpc's 10 MiB threshold for hashed (cached) uploads
 PROBE_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 3.0
@@ -53,6 +54,8 @@ class Worker:
     devices: tuple[WorkerDevice, ...]
     link_bytes_per_s: float  # measured: the slower of upload and download
     rtt_s: float  # measured: one command's round trip
+    compute_bytes_per_s: float = 0.0  # measured: Q4_0 weights its device reads a second in a
+    # matrix-vector chain (decode's work); 0 when it could not be measured
 
     @property
     def free_bytes(self) -> int:
@@ -64,7 +67,8 @@ class Worker:
     @classmethod
     def from_dict(cls, data: dict) -> Worker:
         return cls(data["endpoint"], tuple(WorkerDevice(**d) for d in data["devices"]),
-                   float(data["link_bytes_per_s"]), float(data["rtt_s"]))
+                   float(data["link_bytes_per_s"]), float(data["rtt_s"]),
+                   float(data.get("compute_bytes_per_s", 0.0)))
 
 
 # ---- endpoints ---------------------------------------------------------------------------------
@@ -129,11 +133,19 @@ def _libs():
         (base, "ggml_init", [_InitParams], p),
         (base, "ggml_free", [p], None),
         (base, "ggml_new_tensor_1d", [p, ctypes.c_int, ctypes.c_int64], p),
+        (base, "ggml_new_tensor_2d", [p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64], p),
+        (base, "ggml_mul_mat", [p, p, p], p),
+        (base, "ggml_new_graph", [p], p),
+        (base, "ggml_build_forward_expand", [p, p], None),
+        (base, "ggml_backend_buffer_clear", [p, ctypes.c_uint8], None),
+        (base, "ggml_backend_graph_compute", [p, p], ctypes.c_int),
+        (base, "ggml_backend_free", [p], None),
         (base, "ggml_backend_alloc_ctx_tensors_from_buft", [p, p], p),
         (base, "ggml_backend_buffer_free", [p], None),
         (base, "ggml_backend_tensor_set", [p, p, sz, sz], None),
         (base, "ggml_backend_tensor_get", [p, p, sz, sz], None),
         (rpc, "ggml_backend_rpc_add_server", [s], p),
+        (rpc, "ggml_backend_rpc_init", [s, ctypes.c_uint32], p),
         (rpc, "ggml_backend_rpc_buffer_type", [s, ctypes.c_uint32], p),
         (rpc, "ggml_backend_rpc_get_device_memory",
          [s, ctypes.c_uint32, ctypes.POINTER(sz), ctypes.POINTER(sz)], None),
@@ -259,6 +271,58 @@ def _measure_link(endpoint: str, rounds: int = 3) -> tuple[float, float]:
     return LINK_SAMPLE_BYTES / seconds, rtt
 
 
+def _measure_compute(endpoint: str, free_bytes: int, rtt: float) -> float:
+    """Bytes of Q4_0 weights device 0 of a worker reads per second in matrix-vector products
+    (what decoding a token does): a chain y = W y over a zeroed matrix, timed from here.
+
+    Nothing crosses the network but the graph and the end of the chain, so the time is the
+    worker's, less one round trip. The chain is lengthened until it takes 50 ms or more."""
+    _, base, rpc = _libs()
+    ep = endpoint.encode()
+    k = COMPUTE_MATRIX_ROWS
+    matrix_bytes = k * k // 32 * 18
+    if free_bytes < 4 * matrix_bytes:
+        return 0.0
+    backend = rpc.ggml_backend_rpc_init(ep, 0)
+    if not backend:
+        return 0.0
+    try:
+        seconds, chain = 0.0, 4
+        while True:
+            ctx = base.ggml_init(_InitParams(8 << 20, None, True))
+            try:
+                w = base.ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_0, k, k)
+                y = base.ggml_new_tensor_1d(ctx, GGML_TYPE_F32, k)
+                for _ in range(chain):
+                    y = base.ggml_mul_mat(ctx, w, y)
+                graph = base.ggml_new_graph(ctx)
+                base.ggml_build_forward_expand(graph, y)
+                buffer = base.ggml_backend_alloc_ctx_tensors_from_buft(
+                    ctx, rpc.ggml_backend_rpc_buffer_type(ep, 0))
+                if not buffer:
+                    return 0.0
+                try:
+                    base.ggml_backend_buffer_clear(buffer, 0)
+                    out = ctypes.create_string_buffer(4)
+                    times = []
+                    for _ in range(3):  # the first warms up
+                        t0 = time.perf_counter()
+                        base.ggml_backend_graph_compute(backend, graph)
+                        # An RPC compute has no reply; reading the result waits for its end.
+                        base.ggml_backend_tensor_get(y, out, 0, 4)
+                        times.append(time.perf_counter() - t0)
+                    seconds = max(min(times[1:]) - rtt, 1e-6)
+                finally:
+                    base.ggml_backend_buffer_free(buffer)
+            finally:
+                base.ggml_free(ctx)
+            if seconds >= 0.05 or chain >= 256:
+                return chain * matrix_bytes / seconds
+            chain = min(256, chain * max(2, int(0.05 / seconds) + 1))
+    finally:
+        base.ggml_backend_free(backend)
+
+
 def _probe_here(endpoints: list[str]) -> list[dict]:
     """In this process (a child of the caller): each worker's devices, memory and link."""
     _, base, rpc = _libs()
@@ -272,7 +336,8 @@ def _probe_here(endpoints: list[str]) -> list[dict]:
         devices = [WorkerDevice(endpoint, i, *_memory(rpc, endpoint.encode(), i))
                    for i in range(n)]
         link, rtt = _measure_link(endpoint)
-        out.append(Worker(endpoint, tuple(devices), link, rtt).to_dict())
+        compute = _measure_compute(endpoint, devices[0].free_bytes, rtt)
+        out.append(Worker(endpoint, tuple(devices), link, rtt, compute).to_dict())
     return out
 
 

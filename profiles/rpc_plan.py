@@ -11,9 +11,9 @@ a layer count per device, so the split is exact (llama.cpp cuts at count / total
 
 Decode speed with the network in it: a token crosses each worker twice (its hidden state in and
 out, n_embd float32 values each way) and waits for about two round trips per worker (the graph
-and the result); the worker's layers run at the speed the same layers would reach on this
-machine's card (on a CPU-only machine: its RAM), as the worker's hardware is not reported over
-RPC. The local plan's prediction covers everything else.
+and the result); a worker's layers take their bytes over the weight-reading speed measured on
+it (profiles.rpc; RPC does not report the hardware, so a worker that could not be measured is
+taken as fast as this machine's card, or RAM). The local plan's prediction covers the rest.
 """
 
 from __future__ import annotations
@@ -120,26 +120,34 @@ def plan_with_workers(shape: ModelShape, card: Card, request: Request, workers: 
     memory += [m for m in local.memory if m.device != "CPU"]
     split += list(zip(gpus, per_gpu, strict=True))
 
-    # Speed: the local plan, with the moved layers at the worker's speed plus the network.
+    # Speed: the local plan, with the moved layers at their worker's speed plus the network.
     host_bw = card.host_bandwidth_gbs * 1e9
-    worker_bw = (card.bandwidth_gbs * card.decode_efficiency * 1e9) if card.has_gpu else host_bw
-    moved = layer_bytes[n_cpu:on_host]
+    assumed_bw = (card.bandwidth_gbs * card.decode_efficiency * 1e9) if card.has_gpu else host_bw
     if local.predicted_decode_tps:
         local_s = 1 / local.predicted_decode_tps
     else:  # no local prediction (the model does not fit here alone): its RAM part, by bytes
         local_s = (sum(layer_bytes[:on_host]) + costs.embedding_bytes) / host_bw
+    token_s = local_s - sum(layer_bytes[n_cpu:on_host]) / host_bw
+    first = n_cpu
+    for d, k in zip(remote, counts, strict=True):
+        token_s += sum(layer_bytes[first:first + k]) / (d.worker.compute_bytes_per_s
+                                                         or assumed_bw)
+        first += k
     hidden = costs.n_embd * HIDDEN_BYTES_PER_VALUE
     used = [(d, k) for d, k in zip(remote, counts, strict=True) if k]
     network_s = sum(2 * hidden / d.worker.link_bytes_per_s + 2 * d.worker.rtt_s for d, _ in used)
-    token_s = local_s - sum(moved) / host_bw + sum(moved) / worker_bw + network_s
+    token_s += network_s
     decode = 1 / token_s if token_s > 0 else 0.0
 
     reasons = [f"{len(workers)} RPC worker(s) configured: layers the local plan leaves in RAM "
                f"go to them, in proportion to their free memory"]
     for w in workers:
-        reasons.append(f"{w.endpoint}: {w.free_bytes / GIB:.1f} GiB free, link "
-                       f"{w.link_bytes_per_s / 1e9:.2f} GB/s measured, round trip "
-                       f"{w.rtt_s * 1e3:.2f} ms")
+        speed = (f"reads weights at {w.compute_bytes_per_s / 1e9:.0f} GB/s"
+                 if w.compute_bytes_per_s else
+                 f"speed not measured, taken as this machine's {'card' if card.has_gpu else 'RAM'}")
+        reasons.append(f"{w.endpoint}: {w.free_bytes / GIB:.1f} GiB free, {speed}; link "
+                       f"{w.link_bytes_per_s / 1e9:.2f} GB/s, round trip "
+                       f"{w.rtt_s * 1e3:.2f} ms (measured)")
     reasons.append("split: " + "; ".join(_ranges(split)) + " (the output layer counts as the "
                    "last layer; token embeddings stay on the CPU)")
     if n_remote < min(wanted - local_gpu, on_host):
@@ -147,9 +155,7 @@ def plan_with_workers(shape: ModelShape, card: Card, request: Request, workers: 
                        f"({WORKER_RESERVE_BYTES >> 20} MiB kept free on each)")
     reasons.append(f"network per token: {len(used)} worker(s) x (2 x {hidden} B hidden state + "
                    f"2 round trips) = {network_s * 1e3:.2f} ms; predicted decode "
-                   f"{decode:.1f} tok/s (this machine alone: {local.predicted_decode_tps:.1f}); "
-                   f"worker layers assumed as fast as on this machine's "
-                   f"{'card' if card.has_gpu else 'RAM'} (RPC does not report the hardware)")
+                   f"{decode:.1f} tok/s (this machine alone: {local.predicted_decode_tps:.1f})")
     return replace(
         local,
         n_gpu_layers=n_remote + local_gpu,

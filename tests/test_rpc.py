@@ -78,6 +78,7 @@ def test_probe_reads_memory_and_measures_the_link(workers):
     for w in found:
         assert len(w.devices) == 1 and w.devices[0].total_bytes >= w.devices[0].free_bytes > 0
         assert w.link_bytes_per_s > 10e6  # loopback moves far more than 10 MB/s
+        assert 1e8 < w.compute_bytes_per_s < 1e12  # a CPU reads weights at 0.1-1000 GB/s
         assert 0 < w.rtt_s < 0.5
 
 
@@ -164,10 +165,11 @@ def test_worker_refuses_a_port_in_use_and_warns_off_loopback(workers):
 
 # ---- the planner, with numbers -----------------------------------------------------------------
 
-def worker(endpoint: str, free_gib: float, link_gbs: float = 1.25, rtt_ms: float = 0.2):
+def worker(endpoint: str, free_gib: float, link_gbs: float = 1.25, rtt_ms: float = 0.2,
+           compute_gbs: float = 0.0):
     free = int(free_gib * (1 << 30))
     return Worker(endpoint, (WorkerDevice(endpoint, 0, free, free),), link_gbs * 1e9,
-                  rtt_ms / 1e3)
+                  rtt_ms / 1e3, compute_gbs * 1e9)
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +203,13 @@ def test_plan_moves_what_the_card_cannot_hold_to_the_workers(big_shape):
     slow = plan_with_workers(big_shape, card, request,
                              [worker("a:1", 8, 0.01, 5), worker("b:2", 4, 0.01, 5)], local)
     assert slow.predicted_decode_tps < plan.predicted_decode_tps
+    # Workers measured at an H200's speed beat ones taken as fast as the 3060.
+    fast = plan_with_workers(big_shape, card, request,
+                             [worker("a:1", 8, compute_gbs=2300), worker("b:2", 4,
+                                                                         compute_gbs=2300)],
+                             local)
+    assert fast.predicted_decode_tps > plan.predicted_decode_tps
+    assert any("reads weights at 2300 GB/s" in r for r in fast.reasons)
     assert any("network per token" in r for r in plan.reasons)
     assert any(r.startswith("split: RPC[a:1]: layers 0-") and "CUDA0: layers" in r
                for r in plan.reasons)
