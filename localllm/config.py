@@ -16,7 +16,7 @@
 | vram_margin_mib   | LOCALLLM_VRAM_MARGIN_MIB   | 512                           | next load |
 | hf_endpoint       | LOCALLLM_HF_ENDPOINT       | https://huggingface.co        | restart   |
 | log_level         | LOCALLLM_LOG_LEVEL         | info                          | live      |
-| rpc_workers       | LOCALLLM_RPC_WORKERS       | (none)                        | next load |
+| rpc_workers       | LOCALLLM_RPC_WORKERS       | ()                            | next load |
 | remote_timeout    | LOCALLLM_REMOTE_TIMEOUT    | 300                           | live      |
 
 - num_parallel: requests one loaded model serves at once (llama.cpp sequences; each has its own

@@ -221,3 +221,23 @@ def test_plan_says_when_even_the_workers_are_not_enough(big_shape):
     local = tune(big_shape, load_card("cpu-only"), Request(n_ctx=4096))
     with pytest.raises(NoPlanFits, match="add a worker"):
         plan_with_workers(big_shape, small, Request(n_ctx=4096), [worker("a:1", 2)], local)
+
+
+# ---- the setting -------------------------------------------------------------------------------
+
+def test_rpc_workers_setting_from_file_env_and_command(tmp_path):
+    from localllm.config import ConfigError, load_config, with_setting
+
+    path = tmp_path / "config.toml"
+    path.write_text('rpc_workers = ["10.0.0.2:50052", "gpu-box:50053"]\n')
+    assert load_config(path, {}).rpc_workers == ("10.0.0.2:50052", "gpu-box:50053")
+    env = {"LOCALLLM_RPC_WORKERS": "127.0.0.1:1, 127.0.0.1:2"}
+    assert load_config(path, env).rpc_workers == ("127.0.0.1:1", "127.0.0.1:2")
+    path.write_text('max_queue = 4\nrpc_workers = ["nohost"]\n')
+    with pytest.raises(ConfigError, match=r"config.toml:2: rpc_workers: .*not host:port"):
+        load_config(path, {})
+    edited = with_setting("max_queue = 4\n", "rpc_workers", "a:1,b:2")
+    assert 'rpc_workers = [\n    "a:1",\n    "b:2",\n]' in edited or \
+        'rpc_workers = ["a:1", "b:2"]' in edited
+    path.write_text(edited)
+    assert load_config(path, {}).rpc_workers == ("a:1", "b:2")
