@@ -292,6 +292,9 @@ def cmd_show(args) -> int:
         return 0
     info, details = data["model_info"], data["details"]
     arch = info["general.architecture"]
+    if arch == "remote":  # served elsewhere (`localllm remote add`): no file to describe
+        print(f"  Model\n    {'remote':<20}{info['remote.model']} at {info['remote.url']}")
+        return 0
     lines = [
         ("architecture", arch),
         ("parameters", details.get("parameter_size", "")),

@@ -100,6 +100,8 @@ def test_remote_model_answers_through_both_clients(upstream, proxy):
 
     status, shown = post(proxy, "/api/show", {"model": "far"})
     assert status == 200 and shown["model_info"]["remote.model"] == "smollm2"
+    described = proxy.cli("show", "far")
+    assert described.returncode == 0 and f"smollm2 at {upstream.url}/v1" in described.stdout
 
     run = proxy.cli("run", "far", "Say hello.")
     assert run.returncode == 0, run.stderr
