@@ -28,6 +28,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve()
+START_DIR = Path.cwd()  # where relative paths given on the command line are
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import checkout_imports  # noqa: E402
+
+checkout_imports.bootstrap()  # the GPU machine has no editable install (this may chdir)
+
 SYNTH_SHAPE = "dense-27b"
 
 
@@ -117,7 +125,7 @@ def measure(request: dict) -> dict:
 
 
 def run_child(request: dict, env: dict) -> dict:
-    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(request)], env=env,
+    done = subprocess.run([sys.executable, str(SCRIPT), "--child", json.dumps(request)], env=env,
                           capture_output=True, text=True, timeout=1800)
     lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -168,7 +176,7 @@ def main() -> int:
         print(json.dumps(measure(json.loads(args.child))), flush=True)
         return 0
 
-    model = args.model
+    model = str(START_DIR / args.model) if args.model else None
     if not model:
         model = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"{SYNTH_SHAPE}-q4_0.gguf")
         if not os.path.exists(model):

@@ -199,3 +199,39 @@ def test_remote_add_refuses_bad_input(proxy):
         assert done.returncode == 1 and words in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
     assert proxy.get("/api/tags")["models"] == []
+
+
+def test_api_key_comes_from_the_daemons_environment(tmp_path_factory, smollm2_gguf):
+    up_env = isolated_env(tmp_path_factory.mktemp("key"), LOCALLLM_API_KEY="s3cret",
+                          LOCALLLM_CONTEXT_LENGTH="512")
+    import_models(up_env, {"smollm2": smollm2_gguf})
+    up = start_daemon(up_env)
+    with_key = start_daemon(isolated_env(tmp_path_factory.mktemp("pk"), UPSTREAM_KEY="s3cret"))
+    try:
+        done = with_key.cli("remote", "add", "locked", "--url", up.url, "--model", "smollm2",
+                            "--api-key-env", "UPSTREAM_KEY")
+        assert done.returncode == 0, done.stderr
+        r = ollama.Client(host=with_key.url).generate(model="locked", prompt="Hi",
+                                                      options=GREEDY)
+        assert r.response.strip() and r.eval_count > 0
+        # The same entry in a daemon whose environment lacks the key: 502 that says so.
+        without = start_daemon(isolated_env(tmp_path_factory.mktemp("nk")))
+        try:
+            assert without.cli("remote", "add", "locked", "--url", up.url, "--model", "smollm2",
+                               "--api-key-env", "UPSTREAM_KEY").returncode == 0
+            status, body = post(without, "/api/chat", {"model": "locked", "messages": HELLO})
+            assert status == 502 and "UPSTREAM_KEY" in body["error"]
+        finally:
+            without.stop()
+        # A wrong key: the upstream's 401 comes back as 502 with its message.
+        wrong = start_daemon(isolated_env(tmp_path_factory.mktemp("wk"), UPSTREAM_KEY="nope"))
+        try:
+            assert wrong.cli("remote", "add", "locked", "--url", up.url, "--model", "smollm2",
+                             "--api-key-env", "UPSTREAM_KEY").returncode == 0
+            status, body = post(wrong, "/api/chat", {"model": "locked", "messages": HELLO})
+            assert status == 502 and "401" in body["error"] and "API key" in body["error"]
+        finally:
+            wrong.stop()
+    finally:
+        with_key.stop()
+        up.stop()
