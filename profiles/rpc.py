@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -32,7 +33,9 @@ DEVICE_CPU, DEVICE_GPU = 0, 1
 GGML_TYPE_F32, GGML_TYPE_Q4_0, GGML_TYPE_I8 = 0, 2, 24
 COMPUTE_MATRIX_ROWS = 16384  # a 16384 x 16384 Q4_0 matrix: 144 MiB, as big as a 27B block
 LINK_SAMPLE_BYTES = 8 << 20  # below ggml-rpc's 10 MiB threshold for hashed (cached) uploads
-PROBE_TIMEOUT_S = 30.0
+PROBE_TIMEOUT_S = 60.0
+RPC_CMD_HELLO, HELLO_CAPS = 14, 24  # ggml-rpc.cpp: the HELLO command, RPC_CONN_CAPS_SIZE
+RPC_PROTO_MAJOR = 7  # ggml-rpc.h of the vendored llama.cpp
 CONNECT_TIMEOUT_S = 3.0
 
 
@@ -91,15 +94,34 @@ def is_loopback(host: str) -> bool:
 
 
 def check_reachable(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
-    """A TCP connect, so that llama.cpp never aborts on a worker that is not there."""
+    """ggml-rpc's HELLO from Python, so that llama.cpp never aborts on a worker that is not
+    there or speaks another protocol, and never waits on one that serves someone else."""
     host, port = parse_endpoint(endpoint)
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            # cmd byte, request size (uint64), the request: transport capabilities, none here
+            s.sendall(struct.pack("<BQ", RPC_CMD_HELLO, HELLO_CAPS) + bytes(HELLO_CAPS))
+            answer = b""
+            while len(answer) < 8 + 4:
+                part = s.recv(64)
+                if not part:
+                    break
+                answer += part
+    except TimeoutError:
+        raise WorkerError(f"RPC worker {endpoint} accepted the connection but did not answer "
+                          f"within {timeout:.0f} s: a worker serves one client at a time; is "
+                          f"another model or program using it?") from None
     except OSError as e:
         reason = e.strerror or type(e).__name__
         raise WorkerError(f"cannot reach RPC worker {endpoint} ({reason}); start "
                           f"`localllm worker` there or fix rpc_workers") from None
+    if len(answer) < 12:
+        raise WorkerError(f"{endpoint} closed the connection at the RPC handshake: is it a "
+                          f"`localllm worker` of the same version?")
+    major, minor, patch = answer[8], answer[9], answer[10]
+    if major != RPC_PROTO_MAJOR:
+        raise WorkerError(f"RPC worker {endpoint} speaks protocol {major}.{minor}.{patch}, this "
+                          f"build {RPC_PROTO_MAJOR}.x: run the same localllm version on both")
 
 
 # ---- the libraries ----------------------------------------------------------------------------

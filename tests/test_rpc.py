@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import subprocess
 import sys
 import urllib.error
@@ -80,6 +81,17 @@ def test_probe_reads_memory_and_measures_the_link(workers):
         assert w.link_bytes_per_s > 10e6  # loopback moves far more than 10 MB/s
         assert 1e8 < w.compute_bytes_per_s < 1e12  # a CPU reads weights at 0.1-1000 GB/s
         assert 0 < w.rtt_s < 0.5
+    # A worker serves one client at a time: one that is busy is named, not waited on forever.
+    with socket.create_connection(("127.0.0.1", int(endpoints[1].rsplit(":", 1)[1]))) as held:
+        held.sendall(struct.pack("<BQ", 14, 24) + bytes(24))  # ggml-rpc's HELLO
+        answer = b""
+        while len(answer) < 36:  # 8 bytes of size, then the 28 of the answer
+            part = held.recv(64)
+            assert part, "the worker closed the connection at HELLO"
+            answer += part
+        with pytest.raises(WorkerError, match="serves one client at a time"):
+            probe_workers(endpoints)
+    assert len(probe_workers(endpoints)) == 2  # free again once that client is gone
 
 
 def test_model_across_two_workers_answers_as_alone(tmp_path_factory, smollm2_gguf, workers):
