@@ -23,7 +23,7 @@ from localllm.modelstore.store import ModelEntry, StoreError
 
 from localllm.config import Config, ConfigError, load_config
 
-from .api.common import ApiError, get_messages, get_str
+from .api.common import ApiError, get_bool, get_messages, get_str
 from .state import STORE
 
 CONNECT_TIMEOUT_S = 10.0
@@ -239,7 +239,7 @@ async def ollama(request: web.Request, body: dict, entry: ModelEntry) -> web.Str
     assert remote is not None
     chat = request.path == "/api/chat"
     model = str(entry.name)
-    stream = body.get("stream", True) is not False
+    stream = get_bool(body, "stream", True)
     if chat:
         shape = lambda text: {"message": {"role": "assistant", "content": text}}
         if body.get("messages") in (None, []):
@@ -315,7 +315,7 @@ async def openai(request: web.Request, body: dict, entry: ModelEntry) -> web.Str
     model = str(entry.name)
     payload = {**body, "model": remote.model}
     async with _session() as session:
-        if not body.get("stream"):
+        if not get_bool(body, "stream", False):
             response = await _post(session, entry, path, payload)
             async with response:
                 try:
