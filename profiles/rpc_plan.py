@@ -63,6 +63,18 @@ def _share(total: int, capacities: list[int]) -> list[int]:
     return counts
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """One way of spreading the host's layers over a set of workers, and its cost per token."""
+
+    active: list[Worker]
+    remote: list[RemoteDevice]
+    counts: list[int]  # layers per remote device
+    n_cpu: int  # layers left in RAM
+    token_s: float
+    gains: dict[str, float]  # per worker: seconds per token saved over RAM (negative: lost)
+
+
 def _ranges(counts: list[tuple[str, int]]) -> list[str]:
     out, first = [], 0
     for device, n in counts:
@@ -87,16 +99,58 @@ def plan_with_workers(shape: ModelShape, card: Card, request: Request, workers: 
     wanted = n + 1 if request.n_gpu_layers is None else min(request.n_gpu_layers, n + 1)
     local_gpu = min(local_gpu, wanted)
     on_host = n + 1 - local_gpu  # layers the local plan leaves in RAM
-    remote = remote_devices(workers)
-    biggest = max(layer_bytes[:on_host] or [0])
-    room = [max(0, d.free_bytes - WORKER_RESERVE_BYTES) for d in remote]
-    capacity = [r // biggest if biggest else 0 for r in room]
-    # Capacity counts the largest layer, so any layers fit in their device's room. They go to
-    # the workers from the end of the host range (llama.cpp offloads the last layers).
-    counts = _share(max(0, min(wanted - local_gpu, on_host)), capacity)
+    host_bw = card.host_bandwidth_gbs * 1e9
+    assumed_bw = (card.bandwidth_gbs * card.decode_efficiency * 1e9) if card.has_gpu else host_bw
+    if local.predicted_decode_tps:
+        local_s = 1 / local.predicted_decode_tps
+    else:  # no local prediction (the model does not fit here alone): its RAM part, by bytes
+        local_s = (sum(layer_bytes[:on_host]) + costs.embedding_bytes) / host_bw
+    hidden = costs.n_embd * HIDDEN_BYTES_PER_VALUE
+
+    def layout(active: list[Worker]) -> _Layout:
+        remote = remote_devices(active)
+        biggest = max(layer_bytes[:on_host] or [0])
+        room = [max(0, d.free_bytes - WORKER_RESERVE_BYTES) for d in remote]
+        capacity = [r // biggest if biggest else 0 for r in room]
+        # Capacity counts the largest layer, so any layers fit in their device's room. They
+        # go to the workers from the end of the host range (llama.cpp offloads the last ones).
+        counts = _share(max(0, min(wanted - local_gpu, on_host)), capacity)
+        n_cpu = on_host - sum(counts)
+        # Per token: the local plan, with the moved layers at their worker's speed, plus the
+        # network; and what each worker saves over keeping its layers in RAM.
+        token_s = local_s - sum(layer_bytes[n_cpu:on_host]) / host_bw
+        gains: dict[str, float] = {}
+        first = n_cpu
+        for d, k in zip(remote, counts, strict=True):
+            moved = sum(layer_bytes[first:first + k])
+            cost = moved / (d.worker.compute_bytes_per_s or assumed_bw)
+            if k:
+                cost += 2 * hidden / d.worker.link_bytes_per_s + 2 * d.worker.rtt_s
+            token_s += cost
+            gains[d.worker.endpoint] = gains.get(d.worker.endpoint, 0.0) + moved / host_bw - cost
+            first += k
+        return _Layout(active, remote, counts, n_cpu, token_s, gains)
+
+    def ram_bytes(n_cpu: int) -> int:
+        return sum(layer_bytes[:n_cpu]) + costs.embedding_bytes + costs.cpu_other_bytes
+
+    plan_layout = layout(list(workers))
+    dropped: list[str] = []
+    # A worker slower than RAM for the layers it would take (its network included) is left
+    # out, unless num_gpu asked for the layers off the CPU or RAM cannot take them back.
+    while request.n_gpu_layers is None and plan_layout.active:
+        endpoint, gain = min(plan_layout.gains.items(), key=lambda kv: kv[1])
+        if gain >= 0:
+            break
+        fewer = layout([w for w in plan_layout.active if w.endpoint != endpoint])
+        if ram_bytes(fewer.n_cpu) > ram_budget(card):
+            break
+        dropped.append(f"{endpoint} not used: its layers would cost {-gain * 1e3:.2f} ms more "
+                       f"per token there than in RAM")
+        plan_layout = fewer
+    remote, counts, n_cpu = plan_layout.remote, plan_layout.counts, plan_layout.n_cpu
     n_remote = sum(counts)
-    n_cpu = on_host - n_remote
-    cpu_bytes = sum(layer_bytes[:n_cpu]) + costs.embedding_bytes + costs.cpu_other_bytes
+    cpu_bytes = ram_bytes(n_cpu)
     if cpu_bytes > ram_budget(card):
         raise NoPlanFits(
             f"with the RPC workers, {n_cpu} layers still need {cpu_bytes / GIB:.1f} GiB of RAM "
@@ -119,28 +173,13 @@ def plan_with_workers(shape: ModelShape, card: Card, request: Request, workers: 
                for i in range(len(gpus))] if gpus else []
     memory += [m for m in local.memory if m.device != "CPU"]
     split += list(zip(gpus, per_gpu, strict=True))
-
-    # Speed: the local plan, with the moved layers at their worker's speed plus the network.
-    host_bw = card.host_bandwidth_gbs * 1e9
-    assumed_bw = (card.bandwidth_gbs * card.decode_efficiency * 1e9) if card.has_gpu else host_bw
-    if local.predicted_decode_tps:
-        local_s = 1 / local.predicted_decode_tps
-    else:  # no local prediction (the model does not fit here alone): its RAM part, by bytes
-        local_s = (sum(layer_bytes[:on_host]) + costs.embedding_bytes) / host_bw
-    token_s = local_s - sum(layer_bytes[n_cpu:on_host]) / host_bw
-    first = n_cpu
-    for d, k in zip(remote, counts, strict=True):
-        token_s += sum(layer_bytes[first:first + k]) / (d.worker.compute_bytes_per_s
-                                                         or assumed_bw)
-        first += k
-    hidden = costs.n_embd * HIDDEN_BYTES_PER_VALUE
-    used = [(d, k) for d, k in zip(remote, counts, strict=True) if k]
-    network_s = sum(2 * hidden / d.worker.link_bytes_per_s + 2 * d.worker.rtt_s for d, _ in used)
-    token_s += network_s
-    decode = 1 / token_s if token_s > 0 else 0.0
+    used = [d for d, k in zip(remote, counts, strict=True) if k]
+    network_s = sum(2 * hidden / d.worker.link_bytes_per_s + 2 * d.worker.rtt_s for d in used)
+    decode = 1 / plan_layout.token_s if plan_layout.token_s > 0 else 0.0
 
     reasons = [f"{len(workers)} RPC worker(s) configured: layers the local plan leaves in RAM "
-               f"go to them, in proportion to their free memory"]
+               f"go to them, in proportion to their free memory, where they run faster than "
+               f"in RAM"]
     for w in workers:
         speed = (f"reads weights at {w.compute_bytes_per_s / 1e9:.0f} GB/s"
                  if w.compute_bytes_per_s else
@@ -148,10 +187,11 @@ def plan_with_workers(shape: ModelShape, card: Card, request: Request, workers: 
         reasons.append(f"{w.endpoint}: {w.free_bytes / GIB:.1f} GiB free, {speed}; link "
                        f"{w.link_bytes_per_s / 1e9:.2f} GB/s, round trip "
                        f"{w.rtt_s * 1e3:.2f} ms (measured)")
+    reasons += dropped
     reasons.append("split: " + "; ".join(_ranges(split)) + " (the output layer counts as the "
                    "last layer; token embeddings stay on the CPU)")
-    if n_remote < min(wanted - local_gpu, on_host):
-        reasons.append(f"{n_cpu} layers stay in RAM: the workers are full "
+    if n_remote < min(wanted - local_gpu, on_host) and plan_layout.active:
+        reasons.append(f"{n_cpu} layers stay in RAM: the workers in use are full "
                        f"({WORKER_RESERVE_BYTES >> 20} MiB kept free on each)")
     reasons.append(f"network per token: {len(used)} worker(s) x (2 x {hidden} B hidden state + "
                    f"2 round trips) = {network_s * 1e3:.2f} ms; predicted decode "
@@ -160,7 +200,7 @@ def plan_with_workers(shape: ModelShape, card: Card, request: Request, workers: 
         local,
         n_gpu_layers=n_remote + local_gpu,
         tensor_split=tuple(float(k) for _, k in split[1:]),
-        rpc_workers=tuple(w.endpoint for w in workers),
+        rpc_workers=tuple(w.endpoint for w in plan_layout.active),
         device_layers=tuple(split),
         memory=tuple(memory),
         predicted_decode_tps=round(decode, 2),

@@ -98,7 +98,10 @@ def measure(request: dict) -> dict:
         split = "all on " + ("GPU 0" if request["gpu"] else "the CPU")
     else:
         # NVML sees every GPU whatever CUDA_VISIBLE_DEVICES says: plan for this host alone.
-        plan = choose_plan(shape, "bench", n_ctx, {}, card=host_card())
+        # CPU workers on this same machine are no faster than its RAM, and the planner would
+        # leave them out: num_gpu asks for every layer on them.
+        options = {} if request["gpu"] else {"num_gpu": 999}
+        plan = choose_plan(shape, "bench", n_ctx, options, card=host_card())
         if not plan.rpc_workers:
             raise SystemExit("the planner did not use the workers: " + "; ".join(plan.reasons))
         predicted = plan.predicted_decode_tps

@@ -253,3 +253,19 @@ def test_rpc_workers_setting_from_file_env_and_command(tmp_path):
         'rpc_workers = ["a:1", "b:2"]' in edited
     path.write_text(edited)
     assert load_config(path, {}).rpc_workers == ("a:1", "b:2")
+
+
+def test_a_worker_slower_than_ram_is_left_out_unless_num_gpu_asks(big_shape):
+    card = load_card("rtx3060-12g").with_host(64 << 30, 8, 50.0)
+    request = Request(n_ctx=8192)
+    local = tune(big_shape, card, request)
+    # "slow" reads weights at 5 GB/s over a 10 MB/s link: its layers cost more than RAM's.
+    workers = [worker("fast:1", 16, compute_gbs=900), worker("slow:2", 16, 0.01, 5, 5)]
+    plan = plan_with_workers(big_shape, card, request, workers, local)
+    assert plan.rpc_workers == ("fast:1",)
+    assert "RPC[slow:2]" not in dict(plan.device_layers)
+    assert any(r.startswith("slow:2 not used: its layers would cost") for r in plan.reasons)
+    forced = plan_with_workers(big_shape, card, Request(n_ctx=8192, n_gpu_layers=999), workers,
+                               local)
+    assert forced.rpc_workers == ("fast:1", "slow:2")
+    assert forced.predicted_decode_tps < plan.predicted_decode_tps
