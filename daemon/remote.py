@@ -70,6 +70,16 @@ class Answer:
     usage: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)  # llama-server's, when it sends them
 
+    def stats(self) -> dict:
+        """The final chunk's `stats` (localllm's addition): the upstream's counts and our
+        clock; the context length is the upstream's secret, so it is left out."""
+        m = self.ollama_metrics()
+        first = self.first_token_at or time.perf_counter()
+        return {key: m[key] for key in ("eval_count", "eval_duration", "prompt_eval_count",
+                                        "prompt_eval_duration")} | {
+            "context_used": m["prompt_eval_count"] + m["eval_count"],
+            "time_to_first_token": int((first - self.started) * 1e9)}
+
     def ollama_metrics(self) -> dict:
         end = time.perf_counter()
         first = self.first_token_at or end
@@ -285,7 +295,7 @@ async def ollama(request: web.Request, body: dict, entry: ModelEntry) -> web.Str
             await send({"model": model, "created_at": _now_iso(), **shape(piece), "done": False})
             piece = await anext(pieces, None)
         await send({"model": model, "created_at": _now_iso(), **shape(""), "done": True,
-                    **answer.ollama_metrics()})
+                    **answer.ollama_metrics(), "stats": answer.stats()})
     except UpstreamError as e:
         await send({"error": str(e)})
     except ConnectionError:

@@ -77,6 +77,14 @@ def test_remote_model_answers_through_both_clients(upstream, proxy):
     assert "".join(p.message.content for p in parts) == direct.message.content
     assert parts[-1].eval_count == direct.eval_count
 
+    request = urllib.request.Request(
+        proxy.url + "/api/chat", headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": "far", "messages": HELLO, "options": GREEDY}).encode())
+    with urllib.request.urlopen(request, timeout=60) as stream:
+        last = [json.loads(line) for line in stream][-1]
+    assert last["done"] and last["stats"]["eval_count"] == direct.eval_count  # for the TUI
+    assert last["stats"]["context_used"] == direct.eval_count + direct.prompt_eval_count
+
     g = oc.generate(model="far", prompt="Say hello in five words.", options=GREEDY)
     assert g.response == direct.message.content  # generate applies the chat template too
     raw = oc.generate(model="far", prompt="The capital of France is", raw=True, options=GREEDY)
