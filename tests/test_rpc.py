@@ -120,6 +120,9 @@ def test_model_across_two_workers_answers_as_alone(tmp_path_factory, smollm2_ggu
             ("CPU", 11), (f"RPC[{endpoints[0]}]", 10), (f"RPC[{endpoints[1]}]", 10)]
         assert all(x["size"] > 0 for x in model["devices"])
         assert model["processor"].endswith("CPU/RPC") and model["gpu_layers"] == 20
+        reasons = json.dumps(d.get("/api/stats"))  # the plan explained, as clients show it
+        assert f"split: CPU: layers 0-10 (11); RPC[{endpoints[0]}]: layers 11-20 (10)" in reasons
+        assert "network per token: 2 worker(s)" in reasons
         ps = d.cli("ps")
         assert ps.returncode == 0 and f"RPC[{endpoints[1]}] 10 layers" in ps.stdout
 
@@ -145,6 +148,7 @@ def test_unreachable_worker_is_reported_and_the_model_runs_here(fresh_daemon, tm
         assert status == 200 and got["response"].strip()
         (model,) = d.ps()
         assert not any(x["device"].startswith("RPC") for x in model["devices"])
+        assert "RPC workers not used: cannot reach RPC worker" in json.dumps(d.get("/api/stats"))
     finally:
         d.stop()
     with pytest.raises(WorkerError, match="cannot reach RPC worker"):
