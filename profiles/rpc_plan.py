@@ -4,7 +4,9 @@
 
 The local plan (the tuner's, for this card alone) keeps its context, KV type and local GPU
 layers. The layers it leaves in RAM move to the workers, up to each one's reported free memory,
-in proportion to it; what does not fit stays in RAM. llama.cpp lays layers out as: the first
+in proportion to it; what does not fit stays in RAM. A worker on which its layers would cost
+more per token than in RAM (its speed and network counted) is left out, unless the request's
+num_gpu asks for the layers off the CPU. llama.cpp lays layers out as: the first
 ones on the CPU, then the devices of `model_params.devices` in order (the workers first, then the
 local GPUs, which so keep the output layer and its logits on this machine); `tensor_split` holds
 a layer count per device, so the split is exact (llama.cpp cuts at count / total).
