@@ -1,9 +1,10 @@
 """Remote models: an OpenAI-compatible server (vLLM, SGLang, llama-server, another localllm)
 behind every inference route, as if the model were loaded here.
 
-Requests become the upstream's OpenAI requests (always streamed from it, so that the caller's
-stream starts with the upstream's first token); answers come back in the caller's format, with
-usage and timings in Ollama's fields. Upstream failures become ApiErrors before the first byte
+Ollama requests become the upstream's OpenAI requests, always streamed from it (so that the
+caller's stream starts with the upstream's first token, and timings can be taken), and come
+back in Ollama's shapes with usage and timings in its fields; OpenAI requests pass through with
+the model renamed both ways. Upstream failures become ApiErrors before the first byte
 (502: refused, unreachable or a bad answer; 504: no answer in time) and an error line or event
 after it; nothing here can take the daemon down.
 """
