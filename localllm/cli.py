@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "localllm.profiles.cli",  # tune
     "localllm.eval_command",  # eval
     "localllm.service_cli",  # service, config
+    "localllm.cluster_cli",  # worker, remote
 )
 
 

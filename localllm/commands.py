@@ -330,6 +330,9 @@ def cmd_show(args) -> int:
         return 0
     info, details = data["model_info"], data["details"]
     arch = info["general.architecture"]
+    if arch == "remote":  # served elsewhere (`localllm remote add`): no file to describe
+        print(f"  Model\n    {'remote':<20}{info['remote.model']} at {info['remote.url']}")
+        return 0
     lines = [
         ("architecture", arch),
         ("parameters", details.get("parameter_size", "")),
@@ -410,6 +413,11 @@ def cmd_ps(args) -> int:
                      m.get("processor", ""), str(m["context_length"]), m.get("kv_type", ""),
                      until])
     print(_table(rows))
+    for m in data["models"]:  # a model spread over RPC workers: its split, device by device
+        if any(d["device"].startswith("RPC") for d in m.get("devices", ())):
+            split = ", ".join(f"{d['device']} {d['layers']} layers ({human_size(d['size'])})"
+                              for d in m["devices"])
+            print(f"{m['name']} split: {split}")
     return 0
 
 

@@ -22,6 +22,8 @@
 | vram_margin_mib   | LOCALLLM_VRAM_MARGIN_MIB   | 512                           | next load |
 | hf_endpoint       | LOCALLLM_HF_ENDPOINT       | https://huggingface.co        | restart   |
 | log_level         | LOCALLLM_LOG_LEVEL         | info                          | live      |
+| rpc_workers       | LOCALLLM_RPC_WORKERS       | ()                            | next load |
+| remote_timeout    | LOCALLLM_REMOTE_TIMEOUT    | 300                           | live      |
 
 - num_parallel: the most requests one loaded model serves at once (llama.cpp sequences, each
   slot with its own KV cache of the full context). `auto`: as many as fit beside the tuner's
@@ -50,6 +52,11 @@
 - allowed_hosts: comma-separated extra names the TCP port answers to in the `Host` header
   (`*.lan` wildcards work). Localhost names, loopback IPs and the bound address always pass;
   any other name gets a 403 (protection against DNS rebinding).
+- rpc_workers: `["host:port", ...]` (comma-separated in the variable): `localllm worker`s whose
+  devices models may use besides this machine's; the planner measures each one's memory and
+  link. RPC has no authentication: trusted networks only.
+- remote_timeout: seconds a remote model's server (`localllm remote add`) may take to start
+  its answer, and between two parts of it, before the request fails with 504.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
@@ -104,6 +111,8 @@ class Config:
     vram_margin_mib: int = 512
     hf_endpoint: str = "https://huggingface.co"
     log_level: str = "info"
+    rpc_workers: tuple[str, ...] = ()
+    remote_timeout: int = 300
 
     @property
     def socket_path(self) -> Path:
@@ -147,6 +156,8 @@ ENV = {
     "vram_margin_mib": "LOCALLLM_VRAM_MARGIN_MIB",
     "hf_endpoint": "LOCALLLM_HF_ENDPOINT",
     "log_level": "LOCALLLM_LOG_LEVEL",
+    "rpc_workers": "LOCALLLM_RPC_WORKERS",
+    "remote_timeout": "LOCALLLM_REMOTE_TIMEOUT",
 }
 
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
@@ -173,6 +184,7 @@ LIMITS = {
     "default_ctx": (256, None),
     "vram_margin_mib": (0, None),
     "expected_fill": (0.05, 1.0),
+    "remote_timeout": (1, None),
 }
 
 # A Unix socket path must fit sockaddr_un.sun_path (108 bytes with the terminating NUL).
@@ -213,7 +225,7 @@ def _kind(name: str) -> str:
     return {f.name: f.type for f in fields(Config)}[name]
 
 
-def coerce(name: str, value: object) -> int | float | str:
+def coerce(name: str, value: object) -> int | float | str | tuple[str, ...]:
     """A raw value (TOML, env or command line) as the setting's type; ConfigError if it is not."""
     if name not in ENV:
         raise ConfigError(f"unknown setting {name!r} (known: {', '.join(setting_names())})")
@@ -233,6 +245,12 @@ def coerce(name: str, value: object) -> int | float | str:
             return float(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             raise ConfigError(f"{name} must be a number, not {value!r}") from None
+    if _kind(name).startswith("tuple"):  # a TOML list, or "a,b" from the env or command line
+        if isinstance(value, str):
+            value = [v for v in (part.strip() for part in value.split(",")) if v]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name} must be a list of strings, not {value!r}")
+        return tuple(value)
     if _kind(name) == "int":
         if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
             raise ConfigError(f"{name} must be a whole number, not {value!r}")
@@ -269,6 +287,14 @@ def check_setting(name: str, value: int | str) -> None:
             raise ConfigError(f"socket path is longer than {_MAX_SOCKET_PATH} bytes: {value}")
     elif name == "hf_endpoint" and not str(value).startswith(("http://", "https://")):
         raise ConfigError(f"hf_endpoint must start with http:// or https://, not {value!r}")
+    elif name == "rpc_workers":
+        from localllm.profiles.rpc import WorkerError, parse_endpoint
+
+        for endpoint in value:  # type: ignore[union-attr]
+            try:
+                parse_endpoint(endpoint)
+            except WorkerError as e:
+                raise ConfigError(f"rpc_workers: {e}") from None
 
 
 def validate(config: Config) -> None:
@@ -342,7 +368,8 @@ def changed_settings(old: Config, new: Config) -> tuple[str, ...]:
     return tuple(n for n in setting_names() if getattr(old, n) != getattr(new, n))
 
 
-def with_setting(text: str, name: str, value: int | str | None, source: str = "config.toml") -> str:
+def with_setting(text: str, name: str, value: int | str | tuple | None,
+                 source: str = "config.toml") -> str:
     """config.toml's text with one setting set (or removed for None), comments kept.
 
     The value is checked first. The line that sets it is replaced in place so a user's comments
@@ -352,6 +379,8 @@ def with_setting(text: str, name: str, value: int | str | None, source: str = "c
     if value is not None:
         value = coerce(name, value)
         check_setting(name, value)
+        if isinstance(value, tuple):
+            value = list(value)  # as TOML reads it back
         doc[name] = value
     else:
         doc.pop(name, None)

@@ -208,6 +208,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
             value = f"{config.socket_path} (from the runtime dir)"
         elif name == "api_key":
             value = "(none)"
+        elif isinstance(value, tuple):  # a list setting, as LOCALLLM_* takes it
+            value = ",".join(value) or "(none)"
         source = sources[name]
         where = f"env {source}" if source in ENV.values() else source
         print(f"{name:<{width}}  {value!s:<42}  {where}")
@@ -233,8 +235,9 @@ def _current_text() -> str:
 def cmd_config_set(args: argparse.Namespace) -> int:
     text = with_setting(_current_text(), args.key, args.value, str(config_file()))
     _write_config(text)
-    print(f"{args.key} = {getattr(load_config(config_file(), environ={}), args.key)}"
-          f" (in {config_file()})")
+    value = getattr(load_config(config_file(), environ={}), args.key)
+    shown = ",".join(value) if isinstance(value, tuple) else value
+    print(f"{args.key} = {shown} (in {config_file()})")
     if args.key in RESTART_NEEDED:
         print(f"a running daemon takes the new {args.key} when restarted "
               "(`localllm service restart`, or restart `localllm serve`)")

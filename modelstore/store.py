@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .gguf_header import GGUFError, read_header
@@ -48,13 +48,23 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class RemoteModel:
+    """A model served by an OpenAI-compatible server: nothing of it is stored here."""
+
+    url: str  # the API's base, ending in /v1
+    model: str  # the upstream's name for it
+    api_key_env: str = ""  # the daemon's environment variable holding the key, if any
+
+
+@dataclass(frozen=True)
 class ModelEntry:
     name: ModelName
     layers: tuple[Layer, ...]
     details: dict
     source: str
     modified_at: str  # ISO 8601
-    model_path: Path
+    model_path: Path | None  # None for a remote model
+    remote: RemoteModel | None = None
 
     @property
     def model_layer(self) -> Layer:
@@ -62,6 +72,9 @@ class ModelEntry:
 
     @property
     def digest(self) -> str:
+        if self.remote is not None:  # stable for the same upstream, as a blob's would be
+            text = json.dumps([self.remote.url, self.remote.model])
+            return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
         return self.model_layer.digest
 
     @property
@@ -194,11 +207,13 @@ class ModelStore:
     def _entry(self, name: ModelName, path: Path) -> ModelEntry:
         try:
             doc = json.loads(path.read_text())
+            if "remote" in doc:
+                return self._remote_entry(name, path, doc)
             layers = tuple(
                 Layer(d["mediaType"], d["digest"], int(d["size"])) for d in doc["layers"]
             )
             model_layer = next(x for x in layers if x.media_type == MODEL_LAYER)
-        except (OSError, ValueError, KeyError, StopIteration) as e:
+        except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
             raise StoreError(f"manifest for {name} is damaged ({e}); remove it with "
                              f"`localllm rm {name}` and import or pull it again") from None
         modified = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.UTC).isoformat()
@@ -210,6 +225,35 @@ class ModelStore:
             modified_at=modified,
             model_path=self.blob_path(model_layer.digest),
         )
+
+    def _remote_entry(self, name: ModelName, path: Path, doc: dict) -> ModelEntry:
+        remote = RemoteModel(**doc["remote"])
+        modified = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.UTC).isoformat()
+        return ModelEntry(name=name, layers=(), details=doc.get("details", {}),
+                          source=doc.get("source", ""), modified_at=modified, model_path=None,
+                          remote=remote)
+
+    def add_remote(self, name: str | ModelName, remote: RemoteModel) -> ModelEntry:
+        """Name a model that lives on an OpenAI-compatible server (replacing any entry of
+        that name); `rm` removes only this entry."""
+        model = parse_name(name) if isinstance(name, str) else name
+        self._ensure()
+        doc = {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.localllm.manifest.v1+json",
+            "layers": [],
+            "remote": asdict(remote),
+            "details": {"format": "remote", "family": "remote", "families": ["remote"],
+                        "parameter_size": "", "quantization_level": ""},
+            "source": f"remote:{remote.url}",
+            "created_at": dt.datetime.now(dt.UTC).isoformat(),
+        }
+        path = self._manifest_path(model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(doc, indent=2))
+        os.replace(tmp, path)
+        return self._entry(model, path)
 
     def get(self, name: str | ModelName) -> ModelEntry:
         model = parse_name(name) if isinstance(name, str) else name
@@ -240,6 +284,8 @@ class ModelStore:
     def copy(self, source: str, destination: str) -> ModelEntry:
         entry = self.get(source)
         dest = parse_name(destination)
+        if entry.remote is not None:
+            return self.add_remote(dest, entry.remote)
         return self.write_manifest(dest, list(entry.layers), entry.details,
                                    f"copy:{entry.name}")
 

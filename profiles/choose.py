@@ -87,6 +87,13 @@ def config_request(model_name: str | None = None, file_size: int = 0) -> Request
     )
 
 
+def _rpc_workers() -> tuple[str, ...]:
+    try:
+        return load_config().rpc_workers
+    except ConfigError:
+        return ()
+
+
 def _apply_options(plan: Plan, request: Request) -> Plan:
     changes = {}
     if request.n_gpu_layers is not None:
@@ -109,6 +116,12 @@ def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, options: 
     card = card or probe_card()
     base = config_request(model_name, shape.file_size)
     request = request_from_options(n_ctx, options or {}, base.margin_bytes, base)
+    workers = _rpc_workers()
+    if workers:  # other machines' devices too: profiles.rpc_plan (no saved profiles)
+        from .rpc_plan import plan_for_workers
+
+        plan = plan_for_workers(shape, card, request, workers, tune_checked)
+        return _apply_options(plan, replace(request, n_gpu_layers=None))
     notes: list[str] = []
     try:
         saved = find_profile(model_name, card.name)

@@ -47,6 +47,11 @@ class Plan:
     n_parallel: int = 1  # slots: sequences decoded together, each with n_ctx of KV
     speculative: str = "none"  # "none", "mtp", "draft", "prompt-lookup"
     draft_n_max: int = 0
+    # RPC workers ("host:port") whose devices come before the local GPUs in llama.cpp's device
+    # list; tensor_split counts over that list (profiles.rpc_plan makes such plans).
+    rpc_workers: tuple[str, ...] = ()
+    # Layers per device ("CPU", "RPC[host:port]#0", "CUDA0"; the output layer counted), for ps.
+    device_layers: tuple[tuple[str, int], ...] = ()
     memory: tuple[DeviceMemory, ...] = ()
     predicted_prefill_tps: float = 0.0
     predicted_decode_tps: float = 0.0  # averaged over the expected fill of the context
@@ -59,7 +64,7 @@ class Plan:
         return (self.n_ctx, self.n_gpu_layers, self.tensor_overrides, self.tensor_split,
                 self.type_k, self.type_v, self.flash_attn, self.swa_full, self.n_batch,
                 self.n_ubatch, self.n_threads, self.n_threads_batch, self.use_mmap,
-                self.n_parallel, self.speculative, self.draft_n_max)
+                self.n_parallel, self.speculative, self.draft_n_max, self.rpc_workers)
 
     def vram_bytes(self) -> int:
         return sum(m.total for m in self.memory if m.device != "CPU")
@@ -76,10 +81,11 @@ class Plan:
         data["tensor_overrides"] = tuple(TensorOverride(**o)
                                          for o in data.get("tensor_overrides", ()))
         data["memory"] = tuple(DeviceMemory(**m) for m in data.get("memory", ()))
-        for key in ("tensor_split", "reasons"):
+        for key in ("tensor_split", "reasons", "rpc_workers"):
             data[key] = tuple(data.get(key, ()))
         data["predicted_decode_by_depth"] = tuple(
             (int(d), float(t)) for d, t in data.get("predicted_decode_by_depth", ()))
+        data["device_layers"] = tuple((str(d), int(n)) for d, n in data.get("device_layers", ()))
         return cls(**data)
 
 

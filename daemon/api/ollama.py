@@ -20,6 +20,7 @@ from localllm.modelstore.store import ModelEntry
 from localllm import __version__
 from localllm.config import ConfigError, parse_duration
 
+from .. import remote
 from ..runner.protocol import Done, Failure, GenerationRequest, Progress, SamplingOptions, Token
 from ..generation import Generation, collect, find_model, first_event, generate, hold
 from ..runner.process import new_request_id
@@ -193,6 +194,8 @@ async def _respond(request: web.Request, common: Common, gen_request: Generation
 @routes.post("/api/generate")
 async def api_generate(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
+    if (remote_model := remote.remote_entry(request.app, body)) is not None:
+        return await remote.ollama(request, body, remote_model)
     prompt = get_str(body, "prompt", default="")
     common = parse_common(request.app, body)
     if not prompt:
@@ -208,6 +211,8 @@ async def api_generate(request: web.Request) -> web.StreamResponse:
 @routes.post("/api/chat")
 async def api_chat(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
+    if (remote_model := remote.remote_entry(request.app, body)) is not None:
+        return await remote.ollama(request, body, remote_model)
     common = parse_common(request.app, body)
     if body.get("messages") in (None, []):
         return await _load_only(request, common)
@@ -272,6 +277,8 @@ async def api_show(request: web.Request) -> web.Response:
     body = await read_json(request)
     name = get_model_field(body)
     entry = find_model(request.app, name)
+    if entry.remote is not None:
+        return web.json_response(remote.show(entry))
     shape = await asyncio.to_thread(read_shape, entry.model_path)
     arch = shape.architecture
     info = {
@@ -349,7 +356,9 @@ async def api_ps(request: web.Request) -> web.Response:
                 iso(slot.expires_at) if slot.expires_at else iso(time.time() + slot.keep_alive)),
             "context_length": runner.n_ctx,
             # localllm additions
-            "processor": processor(vram, size),
+            "processor": processor(vram, size) if not plan.rpc_workers
+            else rpc_processor(plan),
+            "devices": device_split(plan),
             "kv_type": plan.type_k if plan.type_k == plan.type_v
             else f"{plan.type_k}/{plan.type_v}",
             "gpu_layers": plan.n_gpu_layers,
@@ -376,3 +385,25 @@ def processor(vram: int, size: int) -> str:
         return "100% CPU"
     gpu = min(100, round(100 * vram / size))
     return "100% GPU" if gpu >= 100 else f"{100 - gpu}%/{gpu}% CPU/GPU"
+
+
+def device_split(plan) -> list[dict]:
+    """Where the layers are, device by device in llama.cpp's order, with the memory planned
+    for each (weights and KV); empty for a plan that never said."""
+    memory = {m.device: m.total for m in plan.memory}
+    return [{"device": device, "layers": layers, "size": memory.get(device, 0)}
+            for device, layers in plan.device_layers]
+
+
+def rpc_processor(plan) -> str:
+    """PROCESSOR for a plan with RPC workers: the share of planned bytes on each kind of
+    device ('30%/70% CPU/RPC', '10%/40%/50% CPU/GPU/RPC')."""
+    kinds: dict[str, int] = {}
+    for m in plan.memory:
+        kind = "CPU" if m.device == "CPU" else "RPC" if m.device.startswith("RPC") else "GPU"
+        kinds[kind] = kinds.get(kind, 0) + m.total
+    total = sum(kinds.values()) or 1
+    used = [k for k in ("CPU", "GPU", "RPC") if kinds.get(k)]
+    if len(used) == 1:
+        return f"100% {used[0]}"
+    return "/".join(f"{round(100 * kinds[k] / total)}%" for k in used) + " " + "/".join(used)

@@ -8,6 +8,7 @@ import uuid
 
 from aiohttp import web
 
+from .. import remote
 from ..runner.protocol import Done, Failure, GenerationRequest, Progress, SamplingOptions, Token
 from ..generation import collect, find_model, first_event, generate
 from ..runner.process import new_request_id
@@ -132,6 +133,8 @@ async def _complete(request: web.Request, body: dict, gen_request: GenerationReq
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
+    if (remote_model := remote.remote_entry(request.app, body)) is not None:
+        return await remote.openai(request, body, remote_model)
     gen_request = GenerationRequest(id=new_request_id(), messages=get_messages(body),
                                     options=parse_sampling(body))
     return await _complete(request, body, gen_request, chat=True)
@@ -140,6 +143,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
+    if (remote_model := remote.remote_entry(request.app, body)) is not None:
+        return await remote.openai(request, body, remote_model)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]

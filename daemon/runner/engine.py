@@ -42,9 +42,9 @@ class Submission:
 
 
 class Engine:
-    def __init__(self, model_path: str, plan: Plan, devices=None):
+    def __init__(self, model_path: str, plan: Plan):
         self.plan = plan
-        self.lm = llama.load(model_path, plan, devices=devices)
+        self.lm = llama.load(model_path, plan)
         self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
         self.prompter = Prompter(self.tokenizer)
         self.n_ctx = self.lm.n_ctx_seq  # what one request may use

@@ -44,7 +44,7 @@ class LoadedModel:
             self.model = None
 
 
-def load(model_path: str, plan: Plan, *, devices=None) -> LoadedModel:
+def load(model_path: str, plan: Plan) -> LoadedModel:
     """The model with the plan's placement and a context of `plan.n_parallel` sequences, each
     with `plan.n_ctx` cells of its own (non-unified KV: slots never evict each other)."""
     llama_cpp.llama_backend_init()
@@ -56,8 +56,10 @@ def load(model_path: str, plan: Plan, *, devices=None) -> LoadedModel:
         split = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*plan.tensor_split)
         mparams.tensor_split = split
         keep_alive.append(split)
-    if devices is not None:  # remote (RPC) devices: a callable that fills mparams.devices
-        keep_alive.append(devices(mparams))
+    if plan.rpc_workers:  # other machines' devices (`localllm worker`), then the local GPUs
+        from localllm.profiles.rpc import apply_devices
+
+        keep_alive.append(apply_devices(mparams, plan.rpc_workers))
     model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
     if not model:
         raise ModelLoadError(f"llama.cpp could not load {model_path} (see the runner log)")

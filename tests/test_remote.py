@@ -1,0 +1,245 @@
+"""Remote models: a second real localllm daemon as the OpenAI-compatible upstream, reached
+through the first with the official `ollama` and `openai` clients and `localllm run`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import ollama
+import openai
+import pytest
+from conftest import import_models
+from daemon_process import isolated_env, start_daemon, wait_for
+
+GREEDY = {"num_predict": 16, "temperature": 0}
+HELLO = [{"role": "user", "content": "Say hello in five words."}]
+
+
+@pytest.fixture
+def upstream(tmp_path_factory, smollm2_gguf):
+    # A short path (a socket path has 107 bytes); a small context bounds every answer, as
+    # `localllm run` sets no num_predict.
+    env = isolated_env(tmp_path_factory.mktemp("up"), LOCALLLM_CONTEXT_LENGTH="512")
+    import_models(env, {"smollm2": smollm2_gguf})
+    d = start_daemon(env)
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def proxy(tmp_path_factory):
+    """A daemon with no model file at all, only remote entries."""
+    d = start_daemon(isolated_env(tmp_path_factory.mktemp("px")))
+    yield d
+    d.stop()
+
+
+def add_remote(proxy, name: str, url: str, model: str = "smollm2") -> None:
+    done = proxy.cli("remote", "add", name, "--url", url, "--model", model)
+    assert done.returncode == 0, done.stderr
+    assert f"added {name}:latest" in done.stdout
+
+
+def post(daemon, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(daemon.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_remote_model_answers_through_both_clients(upstream, proxy):
+    add_remote(proxy, "far", upstream.url)  # no path: /v1 is added
+    assert "far:latest" in [m["name"] for m in proxy.get("/api/tags")["models"]]
+    ai = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused")
+    assert "far:latest" in [m.id for m in ai.models.list()]
+    listed = proxy.cli("list")
+    assert listed.returncode == 0 and "far:latest" in listed.stdout
+
+    # The same greedy request straight to the upstream and through the proxy: same text.
+    direct = ollama.Client(host=upstream.url).chat(model="smollm2", messages=HELLO,
+                                                   options=GREEDY)
+    oc = ollama.Client(host=proxy.url)
+    r = oc.chat(model="far", messages=HELLO, options=GREEDY)
+    assert r.message.content == direct.message.content and r.message.content.strip()
+    assert r.eval_count == direct.eval_count and r.prompt_eval_count == direct.prompt_eval_count
+    assert r.eval_duration > 0 and r.prompt_eval_duration > 0 and r.total_duration > 0
+    parts = list(oc.chat(model="far", messages=HELLO, options=GREEDY, stream=True))
+    assert len(parts) > 2 and parts[-1].done and not any(p.done for p in parts[:-1])
+    assert "".join(p.message.content for p in parts) == direct.message.content
+    assert parts[-1].eval_count == direct.eval_count
+
+    request = urllib.request.Request(
+        proxy.url + "/api/chat", headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": "far", "messages": HELLO, "options": GREEDY}).encode())
+    with urllib.request.urlopen(request, timeout=60) as stream:
+        last = [json.loads(line) for line in stream][-1]
+    assert last["done"] and last["stats"]["eval_count"] == direct.eval_count  # for the TUI
+    assert last["stats"]["context_used"] == direct.eval_count + direct.prompt_eval_count
+
+    g = oc.generate(model="far", prompt="Say hello in five words.", options=GREEDY)
+    assert g.response == direct.message.content  # generate applies the chat template too
+    raw = oc.generate(model="far", prompt="The capital of France is", raw=True, options=GREEDY)
+    raw_direct = ollama.Client(host=upstream.url).generate(
+        model="smollm2", prompt="The capital of France is", raw=True, options=GREEDY)
+    assert raw.response == raw_direct.response and raw.eval_count == raw_direct.eval_count
+
+    c = ai.chat.completions.create(model="far", messages=HELLO, max_tokens=16, temperature=0)
+    assert c.model == "far:latest" and c.choices[0].message.content == direct.message.content
+    assert c.usage.completion_tokens == direct.eval_count
+    chunks = list(ai.chat.completions.create(model="far", messages=HELLO, max_tokens=16,
+                                             temperature=0, stream=True,
+                                             stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == direct.message.content
+    assert chunks[-1].usage.completion_tokens == direct.eval_count
+    assert all(ch.model == "far:latest" for ch in chunks)
+    comp = ai.completions.create(model="far", prompt="The capital of France is", max_tokens=16,
+                                 temperature=0)
+    assert comp.choices[0].text == raw_direct.response
+
+    status, shown = post(proxy, "/api/show", {"model": "far"})
+    assert status == 200 and shown["model_info"]["remote.model"] == "smollm2"
+    described = proxy.cli("show", "far")
+    assert described.returncode == 0 and f"smollm2 at {upstream.url}/v1" in described.stdout
+
+    run = proxy.cli("run", "far", "Say hello.")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip()
+
+    # rm removes the entry only: the upstream keeps its model.
+    assert proxy.cli("rm", "far").returncode == 0
+    assert proxy.get("/api/tags")["models"] == []
+    assert "smollm2:latest" in [m["name"] for m in upstream.get("/api/tags")["models"]]
+
+
+def test_upstream_failures_are_502_and_504(upstream, proxy):
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    add_remote(proxy, "gone", f"http://127.0.0.1:{port}/v1")
+    add_remote(proxy, "wrong", upstream.url + "/v1", model="no-such-model")
+
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama.Client(host=proxy.url).chat(model="gone", messages=HELLO)
+    assert e.value.status_code == 502 and "cannot connect" in str(e.value)
+    ai = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e2:
+        ai.chat.completions.create(model="wrong", messages=HELLO, stream=True)
+    assert e2.value.status_code == 502 and "no-such-model" in str(e2.value)  # upstream's words
+    status, body = post(proxy, "/api/generate", {"model": "wrong", "prompt": "hi"})
+    assert status == 502 and "404" in body["error"]
+
+    # A server that accepts the connection and never answers: 504 after remote_timeout, which
+    # the daemon reads from its config file on each request.
+    config = Path(proxy.env["XDG_CONFIG_HOME"]) / "localllm" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text("remote_timeout = 3\n")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    add_remote(proxy, "silent", f"http://127.0.0.1:{silent.getsockname()[1]}/v1")
+    try:
+        status, body = post(proxy, "/v1/chat/completions", {"model": "silent",
+                                                            "messages": HELLO})
+    finally:
+        silent.close()
+    assert status == 504 and "no answer within 3 s" in body["error"]["message"]
+    assert proxy.get("/api/version")["version"]
+
+
+def test_upstream_dying_mid_answer_gives_an_error_and_the_daemon_stays_up(upstream, proxy):
+    add_remote(proxy, "far", upstream.url)
+    story = [{"role": "user", "content": "Write a very long story about a dragon."}]
+    stream = ollama.Client(host=proxy.url).chat(
+        model="far", messages=story, stream=True,
+        options={"num_predict": 4000, "temperature": 0.8, "seed": 3})
+    first = next(stream)
+    assert first.message.content and not first.done
+    upstream.proc.send_signal(signal.SIGKILL)  # the upstream dies with the answer under way
+    upstream.proc.wait()
+    with pytest.raises(ollama.ResponseError) as e:
+        for part in stream:
+            assert not part.done, "the answer cannot finish: its upstream is gone"
+    assert "remote model far" in str(e.value)
+
+    ai = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e2:
+        ai.chat.completions.create(model="far", messages=HELLO)
+    assert e2.value.status_code == 502
+    assert proxy.proc.poll() is None and proxy.get("/api/version")["version"]
+
+
+def test_openai_stream_breaking_off_ends_in_an_error_event(upstream, proxy):
+    add_remote(proxy, "far", upstream.url)
+    request = urllib.request.Request(
+        proxy.url + "/v1/completions", headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": "far", "prompt": "Once upon a time", "max_tokens": 4000,
+                         "stream": True, "temperature": 0.8, "seed": 5}).encode())
+    lines: list[str] = []
+    with urllib.request.urlopen(request, timeout=60) as r:
+        lines.append(r.readline().decode())
+        killer = threading.Thread(target=lambda: (upstream.proc.kill(), upstream.proc.wait()))
+        killer.start()
+        lines += [line.decode() for line in r]
+        killer.join()
+    events = [json.loads(x[5:]) for x in lines if x.startswith("data: {")]
+    assert events[0]["model"] == "far:latest"
+    assert "error" in events[-1] and "data: [DONE]\n" not in lines
+    wait_for(lambda: proxy.get("/api/version"), 10, what="the proxy answering")
+
+
+def test_remote_add_refuses_bad_input(proxy):
+    for args, words in ((["../x", "--url", "http://h/v1"], "invalid model name"),
+                        (["ok", "--url", "ftp://h"], "http:// or https://"),
+                        (["ok", "--url", "http://h:99999/v1"], "invalid port"),
+                        (["ok", "--url", "http://h/v1", "--api-key-env", "A-B"],
+                         "environment variable name")):
+        done = proxy.cli("remote", "add", *args)
+        assert done.returncode == 1 and words in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+    assert proxy.get("/api/tags")["models"] == []
+
+
+def test_api_key_comes_from_the_daemons_environment(tmp_path_factory, smollm2_gguf):
+    up_env = isolated_env(tmp_path_factory.mktemp("key"), LOCALLLM_API_KEY="s3cret",
+                          LOCALLLM_CONTEXT_LENGTH="512")
+    import_models(up_env, {"smollm2": smollm2_gguf})
+    up = start_daemon(up_env)
+    with_key = start_daemon(isolated_env(tmp_path_factory.mktemp("pk"), UPSTREAM_KEY="s3cret"))
+    try:
+        done = with_key.cli("remote", "add", "locked", "--url", up.url, "--model", "smollm2",
+                            "--api-key-env", "UPSTREAM_KEY")
+        assert done.returncode == 0, done.stderr
+        r = ollama.Client(host=with_key.url).generate(model="locked", prompt="Hi",
+                                                      options=GREEDY)
+        assert r.response.strip() and r.eval_count > 0
+        # The same entry in a daemon whose environment lacks the key: 502 that says so.
+        without = start_daemon(isolated_env(tmp_path_factory.mktemp("nk")))
+        try:
+            assert without.cli("remote", "add", "locked", "--url", up.url, "--model", "smollm2",
+                               "--api-key-env", "UPSTREAM_KEY").returncode == 0
+            status, body = post(without, "/api/chat", {"model": "locked", "messages": HELLO})
+            assert status == 502 and "UPSTREAM_KEY" in body["error"]
+        finally:
+            without.stop()
+        # A wrong key: the upstream's 401 comes back as 502 with its message.
+        wrong = start_daemon(isolated_env(tmp_path_factory.mktemp("wk"), UPSTREAM_KEY="nope"))
+        try:
+            assert wrong.cli("remote", "add", "locked", "--url", up.url, "--model", "smollm2",
+                             "--api-key-env", "UPSTREAM_KEY").returncode == 0
+            status, body = post(wrong, "/api/chat", {"model": "locked", "messages": HELLO})
+            assert status == 502 and "401" in body["error"] and "API key" in body["error"]
+        finally:
+            wrong.stop()
+    finally:
+        with_key.stop()
+        up.stop()
