@@ -222,7 +222,8 @@ def plan_for_workers(shape: ModelShape, card: Card, request: Request, endpoints:
         log.warning("RPC workers not used: %s", e)
         plan = local_planner(shape, card, request)
         return replace(plan, reasons=(*plan.reasons, f"RPC workers not used: {e}"))
-    local_request = replace(request, n_gpu_layers=None)
+    # Workers take whole blocks: the local plan they start from must leave whole blocks in RAM.
+    local_request = replace(request, n_gpu_layers=None, ffn_split=False)
     try:
         local = local_planner(shape, card, local_request)
     except NoPlanFits as e:  # too big for this machine alone: the workers may hold it

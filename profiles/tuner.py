@@ -63,6 +63,7 @@ class Request:
     measured_kl: Mapping[str, float] = field(default_factory=dict)  # `localllm eval` results
     expected_fill: float = 0.5  # config expected_fill: the part of the context a user fills
     num_parallel: int | None = 1  # slots: a cap; None = auto (as many as fit, at most 4)
+    ffn_split: bool = True  # may a block's FFN sit in RAM apart from its attention
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,8 @@ class _Evaluator:
                 if n:
                     out.append(self.option(
                         Placement(n, n_cpu_expert_layers=costs.n_blocks), settings))
-        elif any(costs.ffn_bytes) and (layers is None or layers < n_all):
+        elif any(costs.ffn_bytes) and self.request.ffn_split and (layers is None
+                                                                   or layers < n_all):
             out += self._ffn_splits(settings, layers or 0)
         return out
 

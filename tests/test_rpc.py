@@ -3,6 +3,8 @@ which plans a model across them and this machine and answers as it does alone.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import socket
 import struct
@@ -200,7 +202,7 @@ def big_shape(tmp_path_factory):
 def test_plan_moves_what_the_card_cannot_hold_to_the_workers(big_shape):
     card = load_card("rtx3060-12g").with_host(64 << 30, 8, 50.0)
     request = Request(n_ctx=8192)
-    local = tune(big_shape, card, request)
+    local = tune(big_shape, card, replace(request, ffn_split=False))  # workers take blocks
     assert local.n_gpu_layers < big_shape.n_layer + 1  # the card alone leaves layers in RAM
     plan = plan_with_workers(big_shape, card, request,
                              [worker("a:1", 8), worker("b:2", 4)], local)
@@ -262,7 +264,7 @@ def test_rpc_workers_setting_from_file_env_and_command(tmp_path):
 def test_a_worker_slower_than_ram_is_left_out_unless_num_gpu_asks(big_shape):
     card = load_card("rtx3060-12g").with_host(64 << 30, 8, 50.0)
     request = Request(n_ctx=8192)
-    local = tune(big_shape, card, request)
+    local = tune(big_shape, card, replace(request, ffn_split=False))  # workers take blocks
     # "slow" reads weights at 5 GB/s over a 10 MB/s link: its layers cost more than RAM's.
     workers = [worker("fast:1", 16, compute_gbs=900), worker("slow:2", 16, 0.01, 5, 5)]
     plan = plan_with_workers(big_shape, card, request, workers, local)
