@@ -22,7 +22,14 @@ import time
 import traceback
 from dataclasses import replace
 
-from .protocol import Failure, GenerationRequest, Token, event_to_wire
+from .protocol import (
+    EmbedRequest,
+    Failure,
+    GenerationRequest,
+    Token,
+    TokenCount,
+    event_to_wire,
+)
 
 log = logging.getLogger("localllm.runner")
 
@@ -59,8 +66,12 @@ class TokenCoalescer:
     def __call__(self, event) -> None:
         if isinstance(event, Token):
             if self.pending is not None:
+                logprobs = event.logprobs
+                if self.pending.logprobs is not None:
+                    logprobs = self.pending.logprobs + (event.logprobs or ())
                 event = replace(event, text=self.pending.text + event.text,
-                                n_tokens=self.pending.n_tokens + event.n_tokens)
+                                n_tokens=self.pending.n_tokens + event.n_tokens,
+                                logprobs=logprobs)
             now = time.monotonic()
             if now - self.last_sent >= self.EMIT_INTERVAL_S:
                 self.send(event)
@@ -72,6 +83,21 @@ class TokenCoalescer:
             self.send(self.pending)
             self.pending = None
         self.send(event)
+
+
+def answer_once(engine, message: dict):
+    """A request with one answer: a token count or embeddings (or the Failure instead)."""
+    from .embedding import EmbedInputError
+
+    try:
+        if message["op"] == "tokenize":
+            return TokenCount(engine.count_tokens(message["text"]))
+        return engine.embed(EmbedRequest.from_wire(message))
+    except (EmbedInputError, ValueError) as e:  # too long, or a reranker asked to embed
+        return Failure(str(e), status=400)
+    except Exception as e:  # a llama.cpp error ends this request, not the runner
+        log.error("%s %s failed: %s", message["op"], message["id"], traceback.format_exc())
+        return Failure(f"{message['op']} failed: {e}")
 
 
 def main() -> int:
@@ -122,6 +148,11 @@ def main() -> int:
     threading.Thread(target=read_commands, daemon=True).start()
 
     while (message := requests.get()) is not None:
+        if message.get("op") in ("tokenize", "embed"):
+            channel.send(event_to_wire(message["id"], answer_once(engine, message)))
+            with flags_lock:
+                cancel_flags.pop(message["id"], None)
+            continue
         request = GenerationRequest.from_wire(message)
         with flags_lock:
             cancelled = cancel_flags[request.id]

@@ -16,10 +16,11 @@ from collections.abc import Callable
 
 import llama_cpp
 from llama_cpp import Llama
+from llama_cpp.llama_grammar import LlamaGrammar
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from localllm.profiles.plan import Plan
 
-from .protocol import Done, Event, Failure, GenerationRequest, Token
+from .protocol import Done, EmbedRequest, Embeddings, Event, Failure, GenerationRequest, Token
 
 GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
               "bf16": 30, "iq4_nl": 20}
@@ -98,6 +99,7 @@ class Engine:
             bos = self._piece(self.llm.token_bos())
             self.formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
         self.add_bos = self.llm._model.add_bos_token()
+        self.embedder = None  # made on the first embed request
         self.tokens_generated = 0  # over the runner's life, for its log
 
     def _piece(self, token: int) -> str:
@@ -115,7 +117,29 @@ class Engine:
             return self._templated(messages + [{"role": "user", "content": prompt}])
         if request.system and not request.raw:
             prompt = f"{request.system}\n\n{prompt}"
-        return self.llm.tokenize(prompt.encode(), add_bos=self.add_bos, special=True)
+        return self.raw_tokens(prompt)
+
+    def raw_tokens(self, text: str) -> list[int]:
+        """A raw prompt: special tokens parsed; BOS added when the model adds one and the text
+        (a template the chat layer rendered, say) does not already start with it."""
+        bos = self._piece(self.llm.token_bos())
+        add_bos = self.add_bos and not (bos and text.startswith(bos))
+        return self.llm.tokenize(text.encode(), add_bos=add_bos, special=True)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.raw_tokens(text))
+
+    def embed(self, request: EmbedRequest) -> Embeddings:
+        """Embeddings in a context of their own, made on first use (see embedding.py)."""
+        if self.embedder is None:
+            from .embedding import Embedder
+
+            arch = self.llm.metadata.get("general.architecture", "")
+            pooling = self.llm.metadata.get(f"{arch}.pooling_type")
+            self.embedder = Embedder(self.llm._model.model, self.n_ctx, self.plan.n_threads,
+                                     self.plan.n_threads_batch,
+                                     int(pooling) if pooling is not None else None)
+        return self.embedder.embed(request)
 
     def _templated(self, messages: list[dict]) -> list[int]:
         if self.formatter is None:
@@ -174,6 +198,7 @@ class Engine:
             top_k=opts.top_k, top_p=opts.top_p, min_p=opts.min_p, typical_p=opts.typical_p,
             temp=opts.temperature, repeat_penalty=opts.repeat_penalty,
             frequency_penalty=opts.frequency_penalty, presence_penalty=opts.presence_penalty,
+            grammar=LlamaGrammar.from_string(request.grammar) if request.grammar else None,
         )
         limit = opts.num_predict if opts.num_predict >= 0 else self.n_ctx
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -182,9 +207,12 @@ class Engine:
         reason = "length"
         t1 = time.perf_counter_ns()
         pending_tokens = 0
+        pending_logprobs: list[dict] = []
 
         def token_event(text: str, n_tokens: int) -> Token:
-            return Token(text, n_tokens, eval_count=len(answer),
+            logprobs = tuple(pending_logprobs) if request.logprobs is not None else None
+            pending_logprobs.clear()
+            return Token(text, n_tokens, logprobs=logprobs, eval_count=len(answer),
                          eval_duration_ns=time.perf_counter_ns() - t1,
                          prompt_eval_count=len(tokens) - cached,
                          prompt_eval_duration_ns=prompt_ns,
@@ -197,6 +225,9 @@ class Engine:
             if self.llm.n_tokens >= self.n_ctx:
                 break  # context full
             token = sampler.sample(self.llm._ctx, -1)
+            if request.logprobs is not None and not llama_cpp.llama_vocab_is_eog(self.vocab,
+                                                                                token):
+                pending_logprobs.append(self._logprobs(token, request.logprobs))
             if llama_cpp.llama_vocab_is_eog(self.vocab, token):
                 reason = "stop"
                 break
@@ -230,9 +261,30 @@ class Engine:
         ))
 
     def _token_bytes(self, token: int) -> bytes:
+        # special=True: control tokens the chat layer parses (<think>, gpt-oss's <|channel|>)
+        # must reach it as text; end-of-generation tokens never get here.
         buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
         return buf.raw[:n]
+
+    def _logprobs(self, token: int, top_n: int) -> dict:
+        """The sampled token's log-probability under the model (before sampling settings)
+        and the `top_n` most likely tokens: OpenAI's logprobs entry."""
+        import numpy as np
+
+        n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1),
+                                       shape=(n_vocab,)).astype(np.float64)
+        top = logits.max()
+        logprobs = logits - (top + np.log(np.exp(logits - top).sum()))
+
+        def entry(t: int) -> dict:
+            data = self._token_bytes(t)
+            return {"token": data.decode("utf-8", errors="replace"),
+                    "logprob": float(logprobs[t]), "bytes": list(data)}
+
+        best = np.argsort(-logprobs[:])[:top_n] if top_n > 0 else []
+        return {**entry(token), "top_logprobs": [entry(int(t)) for t in best]}

@@ -19,7 +19,17 @@ from pathlib import Path
 
 from localllm.profiles.plan import Plan
 
-from .protocol import Done, Event, Failure, GenerationRequest, Token, event_from_wire
+from .protocol import (
+    Done,
+    EmbedRequest,
+    Embeddings,
+    Event,
+    Failure,
+    GenerationRequest,
+    Token,
+    TokenCount,
+    event_from_wire,
+)
 
 log = logging.getLogger("localllm.runner.process")
 # Protocol lines can be long (a Done event carries the whole token context).
@@ -28,6 +38,14 @@ STREAM_LIMIT = 64 * 1024 * 1024
 
 class LoadError(Exception):
     """The runner could not load the model (message from llama.cpp, or how it died)."""
+
+
+class RunnerRequestFailed(Exception):
+    """The runner answered a tokenize or embed request with a Failure (status from it)."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(failure.message)
+        self.status = failure.status
 
 
 class RunnerProcess:
@@ -129,6 +147,37 @@ class RunnerProcess:
                 await self._drain(queue)
             self._events.pop(request.id, None)
             self.busy = False
+
+    async def _ask(self, message: dict, request_id: str) -> Event:
+        """One request with one answer (tokenize, embed): the answer event or a Failure."""
+        if not self.alive:
+            return Failure(f"the runner for {self.model_name} is not running", status=500)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._events[request_id] = queue
+        self.busy = True
+        try:
+            self._send(message)
+            return await queue.get()
+        finally:
+            self._events.pop(request_id, None)
+            self.busy = False
+
+    async def count_tokens(self, text: str) -> int:
+        """How many tokens `text` is as a raw prompt (special tokens parsed, BOS as the model
+        adds it); the chat layer measures prompts with it to drop turns that do not fit."""
+        request_id = new_request_id()
+        event = await self._ask({"op": "tokenize", "id": request_id, "text": text}, request_id)
+        if isinstance(event, TokenCount):
+            return event.count
+        raise RunnerRequestFailed(event if isinstance(event, Failure) else
+                                  Failure(f"unexpected answer to tokenize: {event}"))
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        event = await self._ask(request.to_wire(), request.id)
+        if isinstance(event, Embeddings):
+            return event
+        raise RunnerRequestFailed(event if isinstance(event, Failure) else
+                                  Failure(f"unexpected answer to embed: {event}"))
 
     async def _drain(self, queue: asyncio.Queue) -> None:
         """After a cancel, wait for the runner to end the request, so the next starts clean."""
