@@ -191,3 +191,18 @@ def get_tools(body: dict) -> tuple[dict, ...]:
                               "tools")
         out.append({"type": "function", "function": function})
     return tuple(out)
+
+
+def get_tool_choice(body: dict):
+    """OpenAI's `tool_choice` (also taken on /api/chat, a localllm addition): "auto", "none",
+    "required" or a named function, which the chat layer enforces with a grammar."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict) and isinstance(
+            choice["function"].get("name"), str):
+        return {"name": choice["function"]["name"]}
+    raise bad_request("tool_choice must be 'auto', 'none', 'required' or "
+                      "{'type': 'function', 'function': {'name': ...}}", "tool_choice")

@@ -35,6 +35,7 @@ from .common import (
     get_number,
     get_stop,
     get_str,
+    get_tool_choice,
     get_tools,
     has_images,
     read_json,
@@ -272,7 +273,8 @@ async def api_chat(request: web.Request) -> web.StreamResponse:
     common = await parse_common(request.app, body)
     if body.get("messages") in (None, []):
         return await _load_only(request, common)
-    chat = _chat_request(common, body, messages=get_messages(body), tools=get_tools(body))
+    chat = _chat_request(common, body, messages=get_messages(body), tools=get_tools(body),
+                         tool_choice=get_tool_choice(body))
     return await _respond(request, common, chat, chat_fields, lambda done: {},
                           truncate=get_truncate(body))
 

@@ -24,6 +24,7 @@ from .common import (
     get_number,
     get_stop,
     get_str,
+    get_tool_choice,
     get_tools,
     has_images,
     read_json,
@@ -66,19 +67,6 @@ def usage(done: Done) -> dict:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.eval_count,
             "total_tokens": done.prompt_tokens + done.eval_count,
             "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
-
-
-def parse_tool_choice(body: dict):
-    choice = body.get("tool_choice")
-    if choice is None:
-        return "auto"
-    if choice in ("auto", "none", "required"):
-        return choice
-    if isinstance(choice, dict) and isinstance(choice.get("function"), dict) and isinstance(
-            choice["function"].get("name"), str):
-        return {"name": choice["function"]["name"]}
-    raise bad_request("tool_choice must be 'auto', 'none', 'required' or "
-                      "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
 
 
 def parse_response_format(body: dict):
@@ -257,7 +245,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     chat_request = ChatRequest(
         id=new_request_id(), model_name=get_str(body, "model", required=True),
         options=parse_sampling(body), messages=get_messages(body), tools=get_tools(body),
-        tool_choice=parse_tool_choice(body), format=parse_response_format(body),
+        tool_choice=get_tool_choice(body), format=parse_response_format(body),
         think=parse_think(body), has_images=has_images(body),
         logprobs=parse_logprobs(body, chat=True))
     return await _complete(request, body, chat_request, chat=True)

@@ -117,6 +117,7 @@ class OutputParser:
         self.mode = "thinking" if in_thinking and self.think_tags else "content"
         self.buffer = ""
         self.started = False  # any non-space content seen (Llama 3 calls must come first)
+        self.after_think = False  # the blank lines after </think> are not the answer
         self.calls = 0
 
     # ---- public --------------------------------------------------------------------------
@@ -157,8 +158,7 @@ class OutputParser:
             self.buffer = after
             if marker:
                 self.mode = "content"
-                after_think = self.buffer.lstrip("\n")
-                self.buffer = after_think
+                self.after_think = True
             if not before and marker is None:
                 return None
             return Parsed(thinking=before if self.keep_thinking else "")
@@ -168,7 +168,7 @@ class OutputParser:
                 return None
             self.buffer = after if marker else ""
             self.mode = "content"
-            return self._calls_or_text(before, "<tool_call>" + before)
+            return self._calls_or_text(before, "<tool_call>" + before + (marker or ""))
         if self.mode == "tail":  # Llama 3 / Mistral: the rest of the answer is the call(s)
             if not final:
                 return None
@@ -177,6 +177,11 @@ class OutputParser:
         return self._content(final)
 
     def _content(self, final: bool) -> Parsed | None:
+        if self.after_think:
+            self.buffer = self.buffer.lstrip("\n")
+            if not self.buffer:
+                return None
+            self.after_think = False
         if (not self.started and self.tool_format in (LLAMA3, JSON_CALLS)):
             stripped = self.buffer.lstrip()
             if not stripped:
