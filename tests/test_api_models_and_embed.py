@@ -215,3 +215,32 @@ def test_long_chat_drops_the_oldest_turns_or_refuses(md, oc):
     short = oc.chat(model="smollm2", messages=[system, messages[-1]], options=options)
     # The kept prompt holds the system prompt and the last question, and more than those alone.
     assert r.prompt_eval_count > short.prompt_eval_count
+
+
+# ---- the editors' checklist ----------------------------------------------------------------
+@pytest.mark.parametrize("model", ["smollm2", "smollm2-tools"])
+def test_check_clients_script_passes(md, model):
+    """scripts/check_clients.py, as CI runs it: every case passes, for a model without tools
+    and FIM (the 400s) and for one with them (the calls and the insert)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "check_clients.py"
+    done = subprocess.run([sys.executable, str(script), "--url", md.url, "--model", model],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("PASS") == 14 and "FAIL" not in done.stdout
+
+
+def test_check_clients_script_reports_failures(md):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "check_clients.py"
+    done = subprocess.run([sys.executable, str(script), "--url", md.url, "--model", "ghost"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "FAIL  /api/show {name} parameters parse" in done.stdout
+    assert "PASS  GET / says 'Ollama is running'" in done.stdout
