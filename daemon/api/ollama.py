@@ -373,6 +373,8 @@ async def api_show(request: web.Request) -> web.Response:
         for item in value if isinstance(value, list) else [value]:
             modelfile += f"PARAMETER {key} {json.dumps(item) if isinstance(item, str) else item}\n"
     info = dict(model.info)
+    if request.headers.get("User-Agent", "").startswith("GitHubCopilotChat/"):
+        info["general.basename"] = str(entry.name)  # what Ollama does: Copilot shows this name
     return web.json_response({
         "license": str(model.info.get("general.license", "")),
         "modelfile": modelfile,
