@@ -286,5 +286,8 @@ class Engine:
             return {"token": data.decode("utf-8", errors="replace"),
                     "logprob": float(logprobs[t]), "bytes": list(data)}
 
-        best = np.argsort(-logprobs[:])[:top_n] if top_n > 0 else []
+        best = []
+        if top_n > 0:  # a partial sort: the whole vocabulary per token would cost more
+            best = np.argpartition(-logprobs, top_n)[:top_n]
+            best = best[np.argsort(-logprobs[best])]
         return {**entry(token), "top_logprobs": [entry(int(t)) for t in best]}
