@@ -181,6 +181,8 @@ class Engine:
     def _generate(self, request, cancelled, emit) -> None:
         opts = request.options
         tokens = self.prompt_tokens(request)
+        if request.grammar:
+            self._check_grammar(request.grammar)
         if len(tokens) >= self.n_ctx:
             raise RequestError(
                 f"the prompt is {len(tokens)} tokens but the context is {self.n_ctx}; "
@@ -259,6 +261,14 @@ class Engine:
             n_ctx=self.n_ctx,
             context=tuple(tokens + answer),
         ))
+
+    def _check_grammar(self, grammar: str) -> None:
+        """llama.cpp returns no sampler for a grammar it cannot parse, and a chain holding that
+        crashes the runner: try it alone first."""
+        sampler = llama_cpp.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
+        if not sampler:
+            raise RequestError("llama.cpp rejected the grammar made for this request's format")
+        llama_cpp.llama_sampler_free(sampler)
 
     def _token_bytes(self, token: int) -> bytes:
         # special=True: control tokens the chat layer parses (<think>, gpt-oss's <|channel|>)
