@@ -300,3 +300,16 @@ def test_openai_logprobs(ai):
                                         temperature=0, logprobs=2, stream=True))
     tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert "".join(tokens) == "".join(c.choices[0].text for c in chunks)
+
+
+def test_ollama_logprobs(chat_daemon):
+    body = {"model": "smollm2", "messages": ASK, "logprobs": True, "top_logprobs": 2,
+            "options": {"temperature": 0, "num_predict": 5}}
+    code, text = post(chat_daemon, "/api/chat", {**body, "stream": False})
+    whole = json.loads(text)
+    assert code == 200 and len(whole["logprobs"]) == whole["eval_count"]
+    assert "".join(e["token"] for e in whole["logprobs"]) == whole["message"]["content"]
+    lines = ndjson(post(chat_daemon, "/api/chat", {**body, "stream": True})[1])
+    streamed = [e for line in lines for e in line.get("logprobs", [])]
+    assert [e["token"] for e in streamed] == [e["token"] for e in whole["logprobs"]]
+    assert all(len(e["top_logprobs"]) == 2 for e in streamed)

@@ -208,10 +208,11 @@ async def _respond(request: web.Request, common: Common, chat: ChatRequest, shap
                       common.keep_alive, truncate=truncate, custom=common.custom) as run:
         gen = run.gen
         if not common.stream:
-            parsed, done, _ = await run.whole()
+            parsed, done, logprobs = await run.whole()
+            extra = {"logprobs": logprobs} if chat.logprobs is not None else {}
             return web.json_response({"model": model, "created_at": now_iso(),
                                       **shape(parsed), "done": True, **final_extra(done),
-                                      **metrics(gen, done)})
+                                      **metrics(gen, done), **extra})
         response = web.StreamResponse(headers={"Content-Type": NDJSON})
         parts = run.parts()
         part = await anext(parts)
@@ -223,6 +224,8 @@ async def _respond(request: web.Request, common: Common, chat: ChatRequest, shap
             if isinstance(event, Token):
                 lines.append({"model": model, "created_at": now_iso(), **shape(part.parsed),
                               "done": False, "stats": live_stats(event, gen.runner.n_ctx, ttft_ns)})
+                if chat.logprobs is not None:
+                    lines[-1]["logprobs"] = part.logprobs
             elif isinstance(event, Failure):
                 lines.append({"error": event.message})
             else:
@@ -244,10 +247,17 @@ async def _respond(request: web.Request, common: Common, chat: ChatRequest, shap
         return response
 
 
+def get_logprobs(body: dict) -> int | None:
+    """Ollama's `logprobs: true` with `top_logprobs: N` (0-20): None when not asked."""
+    if not get_bool(body, "logprobs", False):
+        return None
+    return get_number(body, "top_logprobs", int, 0, 20) or 0
+
+
 def _chat_request(common: Common, body: dict, **fields) -> ChatRequest:
     return ChatRequest(id=new_request_id(), model_name=str(common.entry.name),
                        options=common.sampling, format=get_format(body), think=get_think(body),
-                       has_images=has_images(body), **fields)
+                       has_images=has_images(body), logprobs=get_logprobs(body), **fields)
 
 
 @routes.post("/api/generate")
