@@ -313,3 +313,11 @@ def test_ollama_logprobs(chat_daemon):
     streamed = [e for line in lines for e in line.get("logprobs", [])]
     assert [e["token"] for e in streamed] == [e["token"] for e in whole["logprobs"]]
     assert all(len(e["top_logprobs"]) == 2 for e in streamed)
+
+
+def test_format_on_a_thinking_model_turns_thinking_off(oc):
+    r = oc.chat(model="smollm2-thinking", format=PERSON,
+                options={"temperature": 0, "num_predict": 120},
+                messages=[{"role": "user", "content": "Invent a person with a pet."}])
+    assert not r.message.thinking
+    jsonschema.validate(json.loads(r.message.content), PERSON)
