@@ -29,11 +29,14 @@ def drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
 
 async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepared, runner,
                          truncate: bool) -> Prepared:
-    """`prepared`, or the same request with its oldest turns dropped until the prompt fits."""
+    """`prepared`, or the same request with its oldest turns dropped until the prompt fits.
+    A plain prompt (generate, completions) that is too long gets the runner's own 400."""
     limit = room_for_prompt(runner.n_ctx, request.options.num_predict)
+    if request.messages is None or len(prepared.prompt.encode()) + 1 <= limit:
+        return prepared  # no token is shorter than a byte: it fits without asking the runner
     count = await runner.count_tokens(prepared.prompt)
-    if count <= limit or request.messages is None:
-        return prepared  # a plain prompt that is too long gets the runner's own 400
+    if count <= limit:
+        return prepared
     if not truncate:
         raise ChatError(f"the prompt is {count} tokens but the context is {runner.n_ctx}; "
                         f"shorten the conversation, load the model with a larger num_ctx, or "
