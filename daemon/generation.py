@@ -68,10 +68,14 @@ def find_model(app: web.Application, name: str) -> ModelEntry:
 @contextlib.asynccontextmanager
 async def generate(app: web.Application, entry: ModelEntry, request: GenerationRequest,
                    n_ctx: int | None, load_options: dict,
-                   keep_alive="default") -> AsyncIterator[Generation]:
+                   keep_alive="default", fit=None) -> AsyncIterator[Generation]:
+    """`fit(runner)`, when given, may replace the request once the runner is held (the chat
+    layer drops old turns that do not fit the loaded context)."""
     started, started_wall = time.perf_counter_ns(), time.time()
     async with app[SCHEDULER].use(entry, n_ctx, load_options, keep_alive) as runner:
         load_ns = runner.load_duration_ns if runner.loaded_at >= started_wall else 0
+        if fit is not None:
+            request = await fit(runner)
         async with contextlib.aclosing(runner.generate(request)) as events:
             yield Generation(entry, runner, events, load_ns, started)
 

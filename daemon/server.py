@@ -26,12 +26,13 @@ from localllm.config import Config, config_file
 from localllm.errors import UserError
 
 from . import security
-from .api import ollama, openai, stats
+from .api import create, embed, ollama, openai, stats
 from .api.common import MAX_BODY_BYTES, ApiError
+from .chat.request import ChatError
 from .config_watch import watch_config, watch_profiles
 from .logging_setup import setup_logging
 from .generation import GenerationFailed
-from .runner.process import LoadError
+from .runner.process import LoadError, RunnerRequestFailed
 from .scheduler import QueueFull, Scheduler
 from .state import CONFIG, SCHEDULER, STORE
 from .systemd import listen_fds, notify
@@ -47,8 +48,10 @@ def error_status(error: BaseException) -> tuple[int, str] | None:
         return 404, str(error)
     if isinstance(error, (BadModelName, StoreError, UserError)):
         return 400, str(error)
-    if isinstance(error, GenerationFailed):
+    if isinstance(error, (GenerationFailed, RunnerRequestFailed)):
         return error.status, str(error)
+    if isinstance(error, ChatError):
+        return 400, str(error)
     if isinstance(error, QueueFull):
         return 503, str(error)
     if isinstance(error, LoadError):
@@ -86,7 +89,8 @@ async def error_middleware(request: web.Request, handler):
 
 
 async def root(request: web.Request) -> web.Response:
-    return web.Response(text="localllm is running")
+    # Clients probe for the exact text Ollama answers (see docs on the API).
+    return web.Response(text="Ollama is running")
 
 
 def create_app(config: Config, store: ModelStore | None = None) -> web.Application:
@@ -103,6 +107,8 @@ def create_app(config: Config, store: ModelStore | None = None) -> web.Applicati
     app.add_routes(ollama.routes)
     app.add_routes(openai.routes)
     app.add_routes(stats.routes)
+    app.add_routes(embed.routes)
+    app.add_routes(create.routes)
     with contextlib.suppress(ImportError):
         from .api import pull
 

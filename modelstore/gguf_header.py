@@ -164,3 +164,35 @@ def _check_complete(header: GGUFHeader, path: Path) -> None:
             f"{path} is truncated: its tensors need {end} bytes but the file has "
             f"{header.file_size}; download or copy it again"
         )
+
+
+def read_token_pieces(path: str | Path, ids: set[int]) -> dict[int, str]:
+    """The vocabulary strings of a few token ids (BOS, EOS, FIM markers), read from the header
+    without keeping the whole vocabulary. Ids outside the vocabulary are left out."""
+    path = Path(path)
+    wanted: dict[int, str] = {}
+    with path.open("rb") as f:
+        r = _Reader(f, path)
+        if f.read(4) != GGUF_MAGIC:
+            raise GGUFError(f"{path} is not a GGUF model file (wrong magic bytes)")
+        r.unpack("<I")
+        r.unpack("<Q")
+        n_kv = r.unpack("<Q")
+        for _ in range(n_kv):
+            key = r.string()
+            vtype = r.unpack("<I")
+            if key != "tokenizer.ggml.tokens" or vtype != _ARRAY:
+                r.value(vtype, key, {})
+                continue
+            r.unpack("<I")
+            count = r.unpack("<Q")
+            last = max(ids, default=-1)
+            for i in range(count):
+                if i > last:
+                    return wanted
+                if i in ids:
+                    wanted[i] = r.string()
+                else:
+                    r.skip_strings(1)
+            return wanted
+    return wanted

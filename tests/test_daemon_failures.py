@@ -46,8 +46,9 @@ def test_a_client_that_disconnects_stops_generation_within_a_second(fresh_daemon
                        "messages": [{"role": "user", "content": "Write a long story."}]})
     host, port = fresh_daemon.url.removeprefix("http://").split(":")
     conn = socket.create_connection((host, int(port)))
-    conn.sendall((f"POST /api/chat HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+    conn.sendall((f"POST /api/chat HTTP/1.1\r\nHost: localhost\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                  f"{body}").encode())
     received = b""
     while received.count(b'"done": false') < 5:
         received += conn.recv(65536)

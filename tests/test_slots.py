@@ -73,7 +73,8 @@ def test_cancelling_during_a_long_prompt_stops_the_runner_within_a_second(parall
                        "options": {"num_ctx": 4096, "num_predict": 8}}).encode()
     host, port = parallel_daemon.url.removeprefix("http://").split(":")
     conn = socket.create_connection((host, int(port)), timeout=60)
-    conn.sendall(b"POST /api/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    conn.sendall(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\n"
+                 b"Content-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     received = b""
     deadline = time.monotonic() + 120

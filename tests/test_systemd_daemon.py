@@ -43,7 +43,7 @@ async def test_localllm_serve_takes_the_sockets_systemd_passes(home, tmp_path):
         async with over_unix as s, s.get("http://localllm/api/version") as response:
             assert response.status == 200 and "version" in await response.json()
         async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/") as response:
-            assert await response.text() == "localllm is running"
+            assert await response.text() == "Ollama is running"
         assert not (tmp_path / "not-this.sock").exists()
 
         daemon.send_signal(signal.SIGTERM)

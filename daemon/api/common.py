@@ -151,25 +151,117 @@ def get_stop(body: dict, key: str = "stop") -> tuple[str, ...]:
 
 
 def get_messages(body: dict) -> tuple[dict, ...]:
+    """Ollama or OpenAI messages in the shape Hugging Face chat templates read: `content` a
+    string, assistant `tool_calls` as [{"type", "id", "function": {"name", "arguments": {}}}],
+    tool results with `tool_call_id` and `name`, earlier thinking as `reasoning_content`."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise bad_request("field 'messages' must be a list of {role, content} objects", "messages")
-    out = []
-    for i, message in enumerate(messages):
+    return tuple(_message(i, message) for i, message in enumerate(messages))
+
+
+def _message(i: int, message) -> dict:
+    if not isinstance(message, dict):
+        raise bad_request(f"messages[{i}] must be an object", "messages")
+    role = message.get("role")
+    if role not in ("system", "user", "assistant", "tool", "developer"):
+        raise bad_request(f"messages[{i}].role must be system, user, assistant or tool",
+                          "messages")
+    content = message.get("content", "")
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        if not all(isinstance(p, dict) for p in content):
+            raise bad_request(f"messages[{i}].content parts must be objects", "messages")
+        content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise bad_request(f"messages[{i}].content must be a string", "messages")
+    out: dict = {"role": "system" if role == "developer" else role, "content": content}
+    calls = message.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise bad_request(f"messages[{i}].tool_calls must be a list of objects", "messages")
+        out["tool_calls"] = [_tool_call(i, j, c) for j, c in enumerate(calls)]
+    if role == "tool":
+        name = message.get("tool_name") or message.get("name")
+        if name is not None:
+            out["name"] = str(name)
+        if message.get("tool_call_id") is not None:
+            out["tool_call_id"] = str(message["tool_call_id"])
+    thinking = message.get("thinking") or message.get("reasoning_content")
+    if isinstance(thinking, str) and thinking:
+        out["reasoning_content"] = thinking
+        out["thinking"] = thinking
+    return out
+
+
+def _tool_call(i: int, j: int, call: dict) -> dict:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request(f"messages[{i}].tool_calls[{j}].function needs a name", "messages")
+    arguments = function.get("arguments") or {}
+    if isinstance(arguments, str):  # OpenAI sends the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments is not "
+                              f"valid JSON", "messages") from None
+    if not isinstance(arguments, dict):
+        raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments must be an "
+                          f"object", "messages")
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if call.get("id"):
+        out["id"] = str(call["id"])
+    return out
+
+
+def has_images(body: dict) -> bool:
+    """Whether any message carries an image (Ollama `images`, OpenAI `image_url` parts)."""
+    for message in body.get("messages") or []:
         if not isinstance(message, dict):
-            raise bad_request(f"messages[{i}] must be an object", "messages")
-        role = message.get("role")
-        if role not in ("system", "user", "assistant", "tool", "developer"):
-            raise bad_request(f"messages[{i}].role must be system, user, assistant or tool",
-                              "messages")
-        content = message.get("content", "")
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            if not all(isinstance(p, dict) for p in content):
-                raise bad_request(f"messages[{i}].content parts must be objects", "messages")
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise bad_request(f"messages[{i}].content must be a string", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+            continue
+        if message.get("images"):
+            return True
+        content = message.get("content")
+        if isinstance(content, list) and any(
+                isinstance(p, dict) and p.get("type") in ("image_url", "input_image")
+                for p in content):
+            return True
+    return bool(body.get("images"))
+
+
+def get_tools(body: dict) -> tuple[dict, ...]:
+    """`tools` in the OpenAI shape, which Ollama shares: [{"type": "function", "function":
+    {"name", "description", "parameters"}}]."""
+    tools = body.get("tools")
+    if tools is None:
+        return ()
+    if not isinstance(tools, list):
+        raise bad_request("field 'tools' must be a list", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                              f"{{\"name\": ...}}}}", "tools")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
+                              "tools")
+        out.append({"type": "function", "function": function})
     return tuple(out)
+
+
+def get_tool_choice(body: dict):
+    """OpenAI's `tool_choice` (also taken on /api/chat, a localllm addition): "auto", "none",
+    "required" or a named function, which the chat layer enforces with a grammar."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict) and isinstance(
+            choice["function"].get("name"), str):
+        return {"name": choice["function"]["name"]}
+    raise bad_request("tool_choice must be 'auto', 'none', 'required' or "
+                      "{'type': 'function', 'function': {'name': ...}}", "tool_choice")

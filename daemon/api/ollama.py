@@ -14,17 +14,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
-from localllm.modelstore.shape import read_shape
 from localllm.modelstore.store import ModelEntry
 
 from localllm import __version__
 from localllm.config import ConfigError, parse_duration
 
 from .. import remote
-from ..runner.protocol import Done, Failure, GenerationRequest, Progress, SamplingOptions, Token
-from ..generation import Generation, collect, find_model, first_event, generate, hold
+from ..chat.answer import answer, model_for
+from ..chat.custom import Customization, capabilities, read_customization
+from ..chat.parse import Parsed
+from ..chat.request import THINK_LEVELS, ChatRequest
+from ..generation import Generation, find_model, hold
+from ..runner.protocol import Done, Failure, Progress, SamplingOptions, Token
 from ..runner.process import new_request_id
-from ..state import SCHEDULER, STORE
+from ..state import CONFIG, SCHEDULER, STORE
 from .common import (
     bad_request,
     get_bool,
@@ -33,6 +36,9 @@ from .common import (
     get_number,
     get_stop,
     get_str,
+    get_tool_choice,
+    get_tools,
+    has_images,
     read_json,
 )
 
@@ -40,6 +46,7 @@ routes = web.RouteTableDef()
 NDJSON = "application/x-ndjson"  # Ollama streams one JSON object a line
 FOREVER = "2318-08-12T00:00:00Z"
 STARTED_AT = time.time()  # what Ollama reports for a model kept loaded forever
+OLLAMA_API_LEVEL = "0.12.10"  # the Ollama release whose API these routes follow
 
 
 def now_iso() -> str:
@@ -51,11 +58,14 @@ def iso(ts: float) -> str:
 
 
 # ---- request parsing -----------------------------------------------------------------------
-def parse_options(body: dict) -> tuple[SamplingOptions, int | None, dict]:
-    """Ollama `options` -> sampling options, requested n_ctx, and load-time options."""
+def parse_options(body: dict, stored: dict | None = None
+                  ) -> tuple[SamplingOptions, int | None, dict]:
+    """Ollama `options` -> sampling options, requested n_ctx, and load-time options; `stored`
+    are a Modelfile's PARAMETERs, which the request's own options override."""
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise bad_request("field 'options' must be an object", "options")
+    options = {**(stored or {}), **options}
     num = lambda key, kind=float, lo=None, hi=None: get_number(options, key, kind, lo, hi)
     defaults = SamplingOptions()
     sampling = SamplingOptions(
@@ -106,13 +116,16 @@ class Common:
     load: dict
     keep_alive: float | None | str
     stream: bool
+    custom: Customization
 
 
-def parse_common(app: web.Application, body: dict) -> Common:
-    sampling, n_ctx, load = parse_options(body)
-    return Common(entry=find_model(app, get_str(body, "model", required=True)),
-                  sampling=sampling, n_ctx=n_ctx, load=load,
-                  keep_alive=parse_keep_alive(body), stream=get_bool(body, "stream", True))
+async def parse_common(app: web.Application, body: dict) -> Common:
+    entry = find_model(app, get_str(body, "model", required=True))
+    custom = await asyncio.to_thread(read_customization, app[STORE], entry)
+    sampling, n_ctx, load = parse_options(body, custom.parameters)
+    return Common(entry=entry, sampling=sampling, n_ctx=n_ctx, load=load,
+                  keep_alive=parse_keep_alive(body), stream=get_bool(body, "stream", True),
+                  custom=custom)
 
 
 def metrics(gen: Generation, done: Done) -> dict:
@@ -149,46 +162,108 @@ def live_stats(event: Token | Done, n_ctx: int, ttft_ns: int) -> dict:
 
 
 # ---- generate and chat -----------------------------------------------------------------
-async def _respond(request: web.Request, common: Common, gen_request: GenerationRequest,
-                   shape_chunk, final_extra) -> web.StreamResponse:
-    """Run a generation and answer as NDJSON (stream) or one object (stream:false)."""
+def get_think(body: dict):
+    """`think`: absent/null, true/false, or an effort level (Zed sends null, LiteLLM levels)."""
+    value = body.get("think")
+    if value is None or isinstance(value, bool) or value in THINK_LEVELS:
+        return value
+    raise bad_request('field \'think\' must be true, false, "low", "medium" or "high"', "think")
+
+
+def get_format(body: dict):
+    value = body.get("format")
+    if value in (None, "", "json") or isinstance(value, dict):
+        return value
+    raise bad_request(f'invalid format: {json.dumps(value)[:80]}; expected "json" or a valid '
+                      f"JSON Schema object", "format")
+
+
+def tool_calls_json(parsed: Parsed) -> list[dict]:
+    """Ollama's shape: arguments as an object, an id, and the call's index."""
+    return [{"id": call.id, "function": {"index": call.index, "name": call.name,
+                                         "arguments": call.arguments}}
+            for call in parsed.tool_calls]
+
+
+def chat_fields(parsed: Parsed) -> dict:
+    message: dict = {"role": "assistant", "content": parsed.content}
+    if parsed.thinking:
+        message["thinking"] = parsed.thinking
+    if parsed.tool_calls:
+        message["tool_calls"] = tool_calls_json(parsed)
+    return {"message": message}
+
+
+def generate_fields(parsed: Parsed) -> dict:
+    fields: dict = {"response": parsed.content}
+    if parsed.thinking:
+        fields["thinking"] = parsed.thinking
+    return fields
+
+
+async def _respond(request: web.Request, common: Common, chat: ChatRequest, shape,
+                   final_extra, truncate: bool = True) -> web.StreamResponse:
+    """Run a chat request and answer as NDJSON (stream) or one object (stream:false)."""
     model = str(common.entry.name)
-    async with generate(request.app, common.entry, gen_request, common.n_ctx, common.load,
-                        common.keep_alive) as gen:
+    async with answer(request.app, common.entry, chat, common.n_ctx, common.load,
+                      common.keep_alive, truncate=truncate, custom=common.custom) as run:
+        gen = run.gen
         if not common.stream:
-            text, done = await collect(gen)
+            parsed, done, logprobs = await run.whole()
+            extra = {"logprobs": logprobs} if chat.logprobs is not None else {}
             return web.json_response({"model": model, "created_at": now_iso(),
-                                      **shape_chunk(text), "done": True, **final_extra(done),
-                                      **metrics(gen, done)})
+                                      **shape(parsed), "done": True, **final_extra(done),
+                                      **metrics(gen, done), **extra})
         response = web.StreamResponse(headers={"Content-Type": NDJSON})
-        first = await first_event(gen)
+        parts = run.parts()
+        part = await anext(parts)
         await response.prepare(request)
-        event = first
         ttft_ns = 0  # request received -> first answer text, set at the first token
         while True:
+            event = part.event
+            lines = []
             if isinstance(event, Token):
                 ttft_ns = ttft_ns or gen.total_duration_ns()
-                line = {"model": model, "created_at": now_iso(), **shape_chunk(event.text),
-                        "done": False, "stats": live_stats(event, gen.runner.n_ctx, ttft_ns)}
+                lines.append({"model": model, "created_at": now_iso(), **shape(part.parsed),
+                              "done": False, "stats": live_stats(event, gen.runner.n_ctx, ttft_ns)})
+                if chat.logprobs is not None:
+                    lines[-1]["logprobs"] = part.logprobs
             elif isinstance(event, Progress):  # a long prompt is being read (localllm addition)
-                line = {"model": model, "created_at": now_iso(), **shape_chunk(""),
-                        "done": False, "progress": {"prompt_read": event.prompt_read,
-                                                    "prompt_total": event.prompt_total}}
+                lines.append({"model": model, "created_at": now_iso(), **shape(Parsed()),
+                              "done": False, "progress": {"prompt_read": event.prompt_read,
+                                                          "prompt_total": event.prompt_total}})
             elif isinstance(event, Failure):
-                line = {"error": event.message}
+                lines.append({"error": event.message})
             else:
-                line = {"model": model, "created_at": now_iso(), **shape_chunk(""), "done": True,
-                        **final_extra(event), **metrics(gen, event),
-                        "stats": live_stats(event, event.n_ctx, ttft_ns)}
+                if part.parsed:  # what the parser held back until the end (a call, a tail)
+                    lines.append({"model": model, "created_at": now_iso(), **shape(part.parsed),
+                                  "done": False})
+                lines.append({"model": model, "created_at": now_iso(), **shape(Parsed()),
+                              "done": True, **final_extra(event), **metrics(gen, event),
+                              "stats": live_stats(event, event.n_ctx, ttft_ns)})
             try:
-                await response.write(json.dumps(line).encode() + b"\n")
+                for line in lines:
+                    await response.write(json.dumps(line).encode() + b"\n")
             except ConnectionError:
                 return response  # client went away: leaving `generate` cancels the runner
             if not isinstance(event, (Token, Progress)):
                 break
-            event = await anext(gen.events)
+            part = await anext(parts)
         await response.write_eof()
         return response
+
+
+def get_logprobs(body: dict) -> int | None:
+    """Ollama's `logprobs: true` with `top_logprobs: N` (0-20): None when not asked."""
+    if not get_bool(body, "logprobs", False):
+        return None
+    return get_number(body, "top_logprobs", int, 0, 20) or 0
+
+
+def _chat_request(common: Common, body: dict, **fields) -> ChatRequest:
+    return ChatRequest(id=new_request_id(), model_name=str(common.entry.name),
+                       options=common.sampling, format=get_format(body), think=get_think(body),
+                       has_images=has_images(body), logprobs=get_logprobs(body), **fields)
 
 
 @routes.post("/api/generate")
@@ -197,14 +272,16 @@ async def api_generate(request: web.Request) -> web.StreamResponse:
     if (remote_model := remote.remote_entry(request.app, body)) is not None:
         return await remote.ollama(request, body, remote_model)
     prompt = get_str(body, "prompt", default="")
-    common = parse_common(request.app, body)
-    if not prompt:
+    suffix = get_str(body, "suffix")
+    raw = get_bool(body, "raw", False)
+    common = await parse_common(request.app, body)
+    if not prompt and not suffix:
         return await _load_only(request, common)
-    gen_request = GenerationRequest(
-        id=new_request_id(), prompt=prompt, system=get_str(body, "system"),
-        raw=get_bool(body, "raw", False), options=common.sampling,
-    )
-    return await _respond(request, common, gen_request, lambda text: {"response": text},
+    if raw and (body.get("template") or body.get("system") or body.get("context")):
+        raise bad_request("raw mode does not take a template, system or context", "raw")
+    chat = _chat_request(common, body, prompt=prompt, system=get_str(body, "system"),
+                         suffix=suffix or None, raw=raw)
+    return await _respond(request, common, chat, generate_fields,
                           lambda done: {"context": list(done.context)})
 
 
@@ -213,14 +290,23 @@ async def api_chat(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     if (remote_model := remote.remote_entry(request.app, body)) is not None:
         return await remote.ollama(request, body, remote_model)
-    common = parse_common(request.app, body)
+    common = await parse_common(request.app, body)
     if body.get("messages") in (None, []):
         return await _load_only(request, common)
-    gen_request = GenerationRequest(id=new_request_id(), messages=get_messages(body),
-                                    options=common.sampling)
-    return await _respond(request, common, gen_request,
-                          lambda text: {"message": {"role": "assistant", "content": text}},
-                          lambda done: {})
+    chat = _chat_request(common, body, messages=get_messages(body), tools=get_tools(body),
+                         tool_choice=get_tool_choice(body))
+    return await _respond(request, common, chat, chat_fields, lambda done: {},
+                          truncate=get_truncate(body))
+
+
+def get_truncate(body: dict) -> bool:
+    """`options.truncate` (or top-level `truncate`): false refuses a chat longer than the
+    context instead of dropping its oldest turns."""
+    options = body.get("options") if isinstance(body.get("options"), dict) else {}
+    value = options.get("truncate", body.get("truncate", True))
+    if not isinstance(value, bool):
+        raise bad_request("field 'truncate' must be true or false", "truncate")
+    return value
 
 
 async def _load_only(request: web.Request, common: Common) -> web.Response:
@@ -248,7 +334,9 @@ def _model_json(entry) -> dict:
 
 @routes.get("/api/version")
 async def api_version(request: web.Request) -> web.Response:
-    return web.json_response({"version": __version__})
+    """The Ollama API level these routes match (clients gate features on it; VS Code refuses
+    anything below 0.6.4), and localllm's own version beside it."""
+    return web.json_response({"version": OLLAMA_API_LEVEL, "localllm_version": __version__})
 
 
 @routes.get("/api/status")
@@ -257,6 +345,7 @@ async def api_status(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER]
     return web.json_response({
         "version": __version__,
+        "ollama_api": OLLAMA_API_LEVEL,
         "pid": os.getpid(),
         "started_at": iso(STARTED_AT),
         "loaded": [{"model": name, "runner_pid": slot.runner.pid, "busy": slot.busy,
@@ -272,37 +361,52 @@ async def api_tags(request: web.Request) -> web.Response:
     return web.json_response({"models": [_model_json(e) for e in request.app[STORE].list()]})
 
 
+def show_parameters(num_ctx: int, stops: list[str], stored: dict) -> str:
+    """Ollama's `parameters` text: one `name value` line each, strings quoted (Continue reads
+    `num_ctx` and JSON-parses each `stop`)."""
+    lines = [("num_ctx", str(num_ctx))]
+    for key, value in stored.items():
+        if key in ("num_ctx", "stop"):
+            continue
+        lines.append((key, json.dumps(value) if isinstance(value, str) else str(value)))
+    lines += [("stop", json.dumps(stop)) for stop in stored.get("stop", stops)]
+    return "\n".join(f"{key:<30} {value}" for key, value in lines)
+
+
 @routes.post("/api/show")
 async def api_show(request: web.Request) -> web.Response:
     body = await read_json(request)
-    name = get_model_field(body)
-    entry = find_model(request.app, name)
+    entry = find_model(request.app, get_model_field(body))
     if entry.remote is not None:
         return web.json_response(remote.show(entry))
-    shape = await asyncio.to_thread(read_shape, entry.model_path)
-    arch = shape.architecture
-    info = {
-        "general.architecture": arch,
-        "general.name": shape.name,
-        "general.parameter_count": shape.n_params,
-        "general.file_type": shape.file_type,
-        f"{arch}.context_length": shape.context_length,
-        f"{arch}.block_count": shape.n_layer,
-        f"{arch}.embedding_length": shape.embedding_length,
-        f"{arch}.attention.head_count": shape.n_head,
-        f"{arch}.attention.sliding_window": shape.sliding_window,
-        f"{arch}.nextn_predict_layers": shape.n_nextn,
-        f"{arch}.expert_count": shape.expert_count,
-    }
-    capabilities = ["completion"] + (["chat"] if shape.chat_template else [])
+    model = await model_for(entry)
+    custom = await asyncio.to_thread(read_customization, request.app[STORE], entry)
+    slot = request.app[SCHEDULER].models.get(str(entry.name))
+    num_ctx = custom.parameters.get("num_ctx") or (
+        slot.runner.n_ctx if slot else request.app[CONFIG].default_ctx)
+    template = custom.template or model.template or ""
+    details = {key: value if isinstance(value, list) else str(value)
+               for key, value in {"parent_model": "", **entry.details}.items()}
+    modelfile = f"FROM {entry.model_path}\n"
+    if custom.template:
+        modelfile += f'TEMPLATE """{custom.template}"""\n'
+    if custom.system:
+        modelfile += f'SYSTEM """{custom.system}"""\n'
+    for key, value in custom.parameters.items():
+        for item in value if isinstance(value, list) else [value]:
+            modelfile += f"PARAMETER {key} {json.dumps(item) if isinstance(item, str) else item}\n"
+    info = dict(model.info)
+    if request.headers.get("User-Agent", "").startswith("GitHubCopilotChat/"):
+        info["general.basename"] = str(entry.name)  # what Ollama does: Copilot shows this name
     return web.json_response({
-        "license": "",
-        "modelfile": f"FROM {entry.model_path}\n",
-        "parameters": "",
-        "template": shape.chat_template or "",
-        "details": entry.details,
+        "license": str(model.info.get("general.license", "")),
+        "modelfile": modelfile,
+        "parameters": show_parameters(num_ctx, model.stop_pieces, custom.parameters),
+        "template": template,
+        "system": custom.system or "",
+        "details": details,
         "model_info": info,
-        "capabilities": capabilities,
+        "capabilities": capabilities(model, custom),
         "modified_at": entry.modified_at,
     })
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -9,9 +10,13 @@ import uuid
 from aiohttp import web
 
 from .. import remote
-from ..runner.protocol import Done, Failure, GenerationRequest, Progress, SamplingOptions, Token
-from ..generation import collect, find_model, first_event, generate
+from ..chat.answer import answer
+from ..chat.custom import read_customization
+from ..chat.parse import Parsed
+from ..chat.request import THINK_LEVELS, ChatRequest
+from ..generation import find_model
 from ..runner.process import new_request_id
+from ..runner.protocol import Done, Failure, Progress, SamplingOptions, Token
 from ..state import STORE
 from .common import (
     bad_request,
@@ -20,6 +25,9 @@ from .common import (
     get_number,
     get_stop,
     get_str,
+    get_tool_choice,
+    get_tools,
+    has_images,
     read_json,
 )
 
@@ -49,7 +57,9 @@ def parse_sampling(body: dict) -> SamplingOptions:
     )
 
 
-def finish_reason(done: Done) -> str:
+def finish_reason(done: Done, parsed_calls: bool) -> str:
+    if parsed_calls:
+        return "tool_calls"
     return "length" if done.done_reason == "length" else "stop"
 
 
@@ -60,7 +70,80 @@ def usage(done: Done) -> dict:
             "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
-async def _complete(request: web.Request, body: dict, gen_request: GenerationRequest,
+def parse_response_format(body: dict):
+    """OpenAI `response_format` -> the chat layer's `format` (None, "json" or a schema)."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                              "response_format")
+        return schema
+    raise bad_request("response_format.type must be 'text', 'json_object' or 'json_schema'",
+                      "response_format")
+
+
+def parse_logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: `logprobs: true` with `top_logprobs: N`; completions: `logprobs: N`."""
+    if chat:
+        if not get_bool(body, "logprobs", False):
+            if body.get("top_logprobs") is not None:
+                raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return get_number(body, "top_logprobs", int, 0, 20) or 0
+    return get_number(body, "logprobs", int, 0, 5)
+
+
+def parse_think(body: dict):
+    effort = get_str(body, "reasoning_effort")
+    if effort is None:
+        return None
+    if effort == "none":
+        return False
+    if effort not in THINK_LEVELS:
+        raise bad_request("reasoning_effort must be 'none', 'low', 'medium' or 'high'",
+                          "reasoning_effort")
+    return effort
+
+
+def tool_calls_json(calls, streamed: bool) -> list[dict]:
+    out = []
+    for call in calls:
+        item = {"id": call.id, "type": "function",
+                "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+        if streamed:
+            item["index"] = call.index
+        out.append(item)
+    return out
+
+
+def chat_logprobs(entries: list[dict]) -> dict:
+    return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
+                         "top_logprobs": e.get("top_logprobs", [])} for e in entries]}
+
+
+def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
+    """The legacy completions shape: parallel lists."""
+    tokens = [e["token"] for e in entries]
+    offsets, at = [], offset
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+async def _complete(request: web.Request, body: dict, chat_request: ChatRequest,
                     chat: bool) -> web.StreamResponse:
     app = request.app
     entry = find_model(app, get_str(body, "model", required=True))
@@ -70,45 +153,71 @@ async def _complete(request: web.Request, body: dict, gen_request: GenerationReq
         raise bad_request("field 'stream_options' must be an object", "stream_options")
     include_usage = bool(stream_options.get("include_usage"))
     model = str(entry.name)
-    prefix = "chatcmpl" if chat else "cmpl"
-    ident = f"{prefix}-{uuid.uuid4().hex[:24]}"
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
-    obj = "chat.completion" if chat else "text_completion"
+    want_logprobs = chat_request.logprobs is not None
+    custom = await asyncio.to_thread(read_customization, app[STORE], entry)
 
-    def choice(text: str, reason: str | None, first: bool = False) -> dict:
-        if chat and stream:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": 0, "delta": delta, "finish_reason": reason}
-        if chat:
-            return {"index": 0, "message": {"role": "assistant", "content": text},
-                    "finish_reason": reason}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-
-    async with generate(app, entry, gen_request, None, {}) as gen:
+    async with answer(app, entry, chat_request, None, {}, custom=custom) as run:
         if not stream:
-            text, done = await collect(gen)
+            parsed, done, logprobs = await run.whole()
+            reason = finish_reason(done, bool(parsed.tool_calls))
+            if chat:
+                message: dict = {"role": "assistant",
+                                 "content": parsed.content or (None if parsed.tool_calls
+                                                               else "")}
+                if parsed.thinking:
+                    message["reasoning_content"] = parsed.thinking
+                if parsed.tool_calls:
+                    message["tool_calls"] = tool_calls_json(parsed.tool_calls, False)
+                choice = {"index": 0, "message": message, "finish_reason": reason,
+                          "logprobs": chat_logprobs(logprobs) if want_logprobs else None}
+            else:
+                choice = {"index": 0, "text": parsed.content, "finish_reason": reason,
+                          "logprobs": completion_logprobs(logprobs) if want_logprobs else None}
             return web.json_response({
-                "id": ident, "object": obj, "created": created, "model": model,
-                "choices": [choice(text, finish_reason(done))],
+                "id": ident, "object": "chat.completion" if chat else "text_completion",
+                "created": created, "model": model, "choices": [choice],
                 "usage": usage(done), "system_fingerprint": "localllm",
             })
-        first_event_ = await first_event(gen)
+        parts = run.parts()
+        part = await anext(parts)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": ident, "object": chunk_obj, "created": created, "model": model,
+                "system_fingerprint": "localllm"}
+        first, any_calls, text_offset = True, False, 0
 
         async def send(data) -> None:
             payload = data if isinstance(data, str) else json.dumps(data)
             await response.write(f"data: {payload}\n\n".encode())
 
-        event, first = first_event_, True
+        def choice(parsed, reason, logprobs) -> dict:
+            nonlocal text_offset
+            if not chat:
+                out = {"index": 0, "text": parsed.content, "finish_reason": reason,
+                       "logprobs": completion_logprobs(logprobs, text_offset)
+                       if want_logprobs else None}
+                text_offset += len(parsed.content)
+                return out
+            delta: dict = {"role": "assistant"} if first else {}
+            if parsed.content or not (parsed.thinking or parsed.tool_calls):
+                delta["content"] = parsed.content
+            if parsed.thinking:
+                delta["reasoning_content"] = parsed.thinking
+            if parsed.tool_calls:
+                delta["tool_calls"] = tool_calls_json(parsed.tool_calls, True)
+            return {"index": 0, "delta": delta, "finish_reason": reason,
+                    "logprobs": chat_logprobs(logprobs) if want_logprobs and logprobs else None}
+
         try:
             while True:
-                base = {"id": ident, "object": chunk_obj, "created": created, "model": model,
-                        "system_fingerprint": "localllm"}
+                event = part.event
+                any_calls = any_calls or bool(part.parsed.tool_calls)
                 if isinstance(event, Token):
-                    await send({**base, "choices": [choice(event.text, None, first)]})
+                    await send({**base, "choices": [choice(part.parsed, None, part.logprobs)]})
                     first = False
                 elif isinstance(event, Progress):  # an SSE comment: clients skip it
                     await response.write(
@@ -118,12 +227,16 @@ async def _complete(request: web.Request, body: dict, gen_request: GenerationReq
                                           "param": None, "code": None}})
                     break
                 else:
-                    await send({**base, "choices": [choice("", finish_reason(event), first)]})
+                    if part.parsed:
+                        await send({**base, "choices": [choice(part.parsed, None, [])]})
+                        first = False
+                    await send({**base, "choices": [choice(Parsed(), finish_reason(
+                        event, any_calls), [])]})
                     if include_usage:
                         await send({**base, "choices": [], "usage": usage(event)})
                     await send("[DONE]")
                     break
-                event = await anext(gen.events)
+                part = await anext(parts)
         except ConnectionError:
             return response  # client went away: leaving `generate` cancels the runner
         await response.write_eof()
@@ -135,9 +248,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     if (remote_model := remote.remote_entry(request.app, body)) is not None:
         return await remote.openai(request, body, remote_model)
-    gen_request = GenerationRequest(id=new_request_id(), messages=get_messages(body),
-                                    options=parse_sampling(body))
-    return await _complete(request, body, gen_request, chat=True)
+    chat_request = ChatRequest(
+        id=new_request_id(), model_name=get_str(body, "model", required=True),
+        options=parse_sampling(body), messages=get_messages(body), tools=get_tools(body),
+        tool_choice=get_tool_choice(body), format=parse_response_format(body),
+        think=parse_think(body), has_images=has_images(body),
+        logprobs=parse_logprobs(body, chat=True))
+    return await _complete(request, body, chat_request, chat=True)
 
 
 @routes.post("/v1/completions")
@@ -150,9 +267,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise bad_request("field 'prompt' must be a string", "prompt")
-    gen_request = GenerationRequest(id=new_request_id(), prompt=prompt, raw=True,
-                                    options=parse_sampling(body))
-    return await _complete(request, body, gen_request, chat=False)
+    chat_request = ChatRequest(
+        id=new_request_id(), model_name=get_str(body, "model", required=True),
+        options=parse_sampling(body), prompt=prompt, raw=True,
+        suffix=get_str(body, "suffix") or None, logprobs=parse_logprobs(body, chat=False))
+    return await _complete(request, body, chat_request, chat=False)
 
 
 @routes.get("/v1/models")

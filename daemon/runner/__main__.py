@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 
-from .protocol import GenerationRequest, TokenCoalescer, event_to_wire
+from .protocol import EmbedRequest, GenerationRequest, TokenCoalescer, event_to_wire
 
 log = logging.getLogger("localllm.runner")
 
@@ -55,11 +55,18 @@ def read_commands(engine, channel: Channel) -> None:
             if flag is not None:
                 flag.set()
             continue
+        send = (lambda event, rid=request_id: channel.send(event_to_wire(rid, event)))
+        if op == "tokenize":
+            text = str(message.get("text", ""))
+            engine.ask(lambda text=text: engine.count_tokens(text), send)
+            continue
+        if op == "embed":
+            engine.ask(lambda m=message: engine.embed(EmbedRequest.from_wire(m)), send)
+            continue
         if op != "generate":
             log.error("unknown op %r; stopping", op)
             break
         flag = flags[request_id] = threading.Event()
-        send = (lambda event, rid=request_id: channel.send(event_to_wire(rid, event)))
         try:
             request = GenerationRequest.from_wire(message)
         except (TypeError, ValueError) as e:

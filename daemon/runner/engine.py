@@ -26,7 +26,17 @@ from localllm.profiles.plan import Plan
 
 from . import model as llama
 from .prompt import Prompter
-from .protocol import Done, Event, Failure, GenerationRequest, Progress, Token
+from .protocol import (
+    Done,
+    EmbedRequest,
+    Embeddings,
+    Event,
+    Failure,
+    GenerationRequest,
+    Progress,
+    Token,
+    TokenCount,
+)
 from .sampling import RequestError, Sampler, log_probs
 from .slots import Slot, Work
 
@@ -39,6 +49,14 @@ class Submission:
     request: GenerationRequest
     emit: Callable[[Event], None]
     cancelled: threading.Event
+
+
+@dataclass
+class Question:
+    """A request with one answer, served between two decode steps: a token count or
+    embeddings (llama.cpp contexts are driven from the engine's thread only)."""
+    answer: Callable[[], Event]
+    emit: Callable[[Event], None]
 
 
 class Engine:
@@ -56,6 +74,7 @@ class Engine:
         self.tokens_generated = 0  # over the runner's life, for its log
         self._closing = False
         self._prompt_chunk = self.lm.n_batch
+        self._embedder = None
 
     # ---- requests in ---------------------------------------------------------------------
     def submit(self, request: GenerationRequest, emit: Callable[[Event], None],
@@ -63,9 +82,28 @@ class Engine:
         """Thread-safe: queue a request for the loop."""
         self.inbox.put(Submission(request, emit, cancelled))
 
+    def ask(self, answer: Callable[[], Event], emit: Callable[[Event], None]) -> None:
+        """Thread-safe: compute `answer()` in the loop's thread and emit it."""
+        self.inbox.put(Question(answer, emit))
+
     def close(self) -> None:
         """Thread-safe: finish what is in flight, then leave `run`."""
         self.inbox.put(None)
+
+    def count_tokens(self, text: str) -> TokenCount:
+        return TokenCount(len(self.tokenizer.tokenize(text)))
+
+    def embed(self, request: EmbedRequest) -> Embeddings:
+        """Embeddings in a context of their own, made on first use (see embedding.py)."""
+        if self._embedder is None:
+            from .embedding import Embedder
+
+            arch = self.tokenizer.metadata("general.architecture") or ""
+            pooling = self.tokenizer.metadata(f"{arch}.pooling_type")
+            self._embedder = Embedder(self.lm.model, self.n_ctx, self.plan.n_threads,
+                                      self.plan.n_threads_batch,
+                                      int(pooling) if pooling is not None else None)
+        return self._embedder.embed(request)
 
     def _take_inbox(self, block: bool) -> None:
         while True:
@@ -76,8 +114,22 @@ class Engine:
             block = False
             if item is None:
                 self._closing = True
+            elif isinstance(item, Question):
+                self._answer(item)
             else:
                 self.backlog.append(item)
+
+    def _answer(self, question: Question) -> None:
+        from .embedding import EmbedInputError
+
+        try:
+            event = question.answer()
+        except (EmbedInputError, ValueError) as e:  # too long, or a reranker asked to embed
+            event = Failure(str(e), status=400)
+        except Exception as e:  # a llama.cpp error ends this request, not the runner
+            log.exception("request failed")
+            event = Failure(f"{type(e).__name__}: {e}")
+        question.emit(event)
 
     def _admit(self) -> None:
         """Move waiting requests into free slots (first come, first served)."""
@@ -265,7 +317,7 @@ class Engine:
         chosen, top = log_probs(logits, token, work.request.logprobs or 0)
 
         def entry(t: int, lp: float) -> dict:
-            raw = self.tokenizer.token_bytes(t)
+            raw = self.tokenizer.token_bytes(t, special=True)
             return {"token": raw.decode("utf-8", errors="replace"), "logprob": lp,
                     "bytes": list(raw)}
 
@@ -275,7 +327,9 @@ class Engine:
         """Decode one answer token into text; hold back what may start a stop string."""
         work = slot.work
         work.pending_tokens += 1
-        text = work.decoder.decode(self.tokenizer.token_bytes(token))
+        # special=True: control tokens the chat layer parses (<think>, gpt-oss's <|channel|>)
+        # must reach it as text; end-of-generation tokens never get here.
+        text = work.decoder.decode(self.tokenizer.token_bytes(token, special=True))
         text, hit = work.stops.feed(text)
         if text:
             work.emit(self._token_event(slot, text))

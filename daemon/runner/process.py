@@ -30,6 +30,7 @@ from .protocol import (
     Failure,
     GenerationRequest,
     Token,
+    TokenCount,
     event_from_wire,
 )
 
@@ -41,6 +42,14 @@ RUNNER_COMMAND = (sys.executable, "-m", "localllm.daemon.runner")
 
 class LoadError(Exception):
     """The runner could not load the model (message from llama.cpp, or how it died)."""
+
+
+class RunnerRequestFailed(Exception):
+    """The runner answered a tokenize or embed request with a Failure (status from it)."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(failure.message)
+        self.status = failure.status
 
 
 class RunnerProcess:
@@ -163,12 +172,25 @@ class RunnerProcess:
         async for event in self._exchange(request.id, request.to_wire(), silence_s):
             yield event
 
+    async def _ask(self, request_id: str, message: dict, silence_s: float) -> Event:
+        """A request with one answer (tokenize, embed): that answer, else RunnerRequestFailed."""
+        async for event in self._exchange(request_id, message, silence_s):
+            if isinstance(event, Failure):
+                raise RunnerRequestFailed(event)
+            return event
+        raise RunnerRequestFailed(Failure("the runner ended the request without an answer"))
+
     async def embed(self, request: EmbedRequest,
-                    silence_s: float = RUNNER_SILENCE_S) -> Embeddings | Failure:
-        async for event in self._exchange(request.id, request.to_wire(), silence_s):
-            if isinstance(event, (Embeddings, Failure)):
-                return event
-        return Failure("the runner ended the embedding without an answer")
+                    silence_s: float = RUNNER_SILENCE_S) -> Embeddings:
+        return await self._ask(request.id, request.to_wire(), silence_s)
+
+    async def count_tokens(self, text: str, silence_s: float = RUNNER_SILENCE_S) -> int:
+        """How many tokens `text` is as a raw prompt (special tokens parsed, BOS as the model
+        adds it); the chat layer measures prompts with it to drop turns that do not fit."""
+        request_id = new_request_id()
+        event = await self._ask(request_id, {"op": "tokenize", "id": request_id, "text": text},
+                                silence_s)
+        return event.count
 
     async def _exchange(self, request_id: str, message: dict,
                         silence_s: float) -> AsyncIterator[Event]:
@@ -182,7 +204,7 @@ class RunnerProcess:
             self._send(message)
             while True:
                 event = await self._next(queue, silence_s)
-                if isinstance(event, (Done, Failure, Embeddings)):
+                if isinstance(event, (Done, Failure, Embeddings, TokenCount)):
                     finished = True  # before yielding: the consumer may stop at this event
                     if isinstance(event, Done):
                         self.last_done = event
@@ -201,7 +223,7 @@ class RunnerProcess:
     async def _drain(self, queue: asyncio.Queue) -> None:
         while True:
             event = await queue.get()
-            if isinstance(event, (Done, Failure, Embeddings)):
+            if isinstance(event, (Done, Failure, Embeddings, TokenCount)):
                 if isinstance(event, Done):
                     self.last_done = event
                 return

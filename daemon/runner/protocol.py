@@ -134,14 +134,20 @@ class Embeddings:
 
 
 @dataclass(frozen=True)
+class TokenCount:
+    """The answer to {"op": "tokenize", "id", "text"}: tokens the text is as a raw prompt."""
+    count: int
+
+
+@dataclass(frozen=True)
 class Failure:
     message: str
     status: int = 500  # 400 when the request itself was at fault (prompt too long, no template)
 
 
-Event = Token | Done | Failure | Progress | Embeddings
+Event = Token | Done | Failure | Progress | Embeddings | TokenCount
 EVENT_KINDS = {Token: "token", Done: "done", Failure: "error", Progress: "progress",
-               Embeddings: "embeddings"}
+               Embeddings: "embeddings", TokenCount: "tokens"}
 
 
 def event_to_wire(request_id: str, event: Event) -> dict:
@@ -166,6 +172,8 @@ def event_from_wire(data: dict) -> Event:
     if kind == "embeddings":
         data["vectors"] = tuple(tuple(v) for v in data["vectors"])
         return Embeddings(**data)
+    if kind == "tokens":
+        return TokenCount(**data)
     return Failure(**data)
 
 

@@ -1,0 +1,220 @@
+"""/api/create (a model from a Modelfile subset, or Ollama's JSON fields) and /api/blobs.
+
+    FROM <model name | sha256:<digest> of an uploaded blob | /path/to/file.gguf>
+    PARAMETER <name> <value>        (repeat `stop` for several)
+    TEMPLATE \"\"\"<Jinja chat template>\"\"\"
+    SYSTEM \"\"\"<system prompt>\"\"\"
+
+The new model shares the base's GGUF blob; what the Modelfile adds is stored as small blobs
+(chat/custom.py). Ollama's JSON form (`from`, `files`, `template`, `system`, `parameters`) maps
+onto the same thing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from localllm.modelstore.gguf_header import GGUFError, read_header
+from localllm.modelstore.names import parse_name
+from localllm.modelstore.shape import shape_from_header
+from localllm.modelstore.store import MODEL_LAYER, Layer, ModelStore, StoreError, model_details
+
+from ..chat.custom import (
+    CUSTOM_LAYERS,
+    PARAMS_LAYER,
+    SYSTEM_LAYER,
+    TEMPLATE_LAYER,
+    ModelfileError,
+    check_template,
+    parameter_value,
+    text_layer,
+)
+from ..state import STORE
+from .common import ApiError, bad_request, get_bool, get_model_field, get_str, read_json
+
+routes = web.RouteTableDef()
+_DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
+
+
+@dataclass
+class Recipe:
+    base: str = ""  # model name, blob digest or file path
+    parameters: dict = field(default_factory=dict)
+    template: str | None = None
+    system: str | None = None
+
+
+def parse_modelfile(text: str) -> Recipe:
+    recipe = Recipe()
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        i += 1
+        if not line or line.startswith("#"):
+            continue
+        command, _, rest = line.partition(" ")
+        command, rest = command.upper(), rest.strip()
+        if command in ("TEMPLATE", "SYSTEM") and rest.startswith('"""'):
+            body = rest[3:]
+            while '"""' not in body and i < len(lines):
+                body += "\n" + lines[i]
+                i += 1
+            if '"""' not in body:
+                raise ModelfileError(f'{command} opens """ but never closes it')
+            rest = body[: body.index('"""')]
+        elif command in ("TEMPLATE", "SYSTEM") and len(rest) > 1 and rest[0] == rest[-1] == '"':
+            rest = rest[1:-1]
+        if command == "FROM":
+            recipe.base = rest
+        elif command == "PARAMETER":
+            key, _, value = rest.partition(" ")
+            value = parameter_value(key.strip(), value.strip())
+            if key == "stop":
+                recipe.parameters.setdefault("stop", []).append(value)
+            else:
+                recipe.parameters[key] = value
+        elif command == "TEMPLATE":
+            recipe.template = check_template(rest)
+        elif command == "SYSTEM":
+            recipe.system = rest
+        else:
+            raise ModelfileError(f"{command} is not supported; localllm's Modelfile takes FROM, "
+                                 f"PARAMETER, TEMPLATE and SYSTEM")
+    return recipe
+
+
+def recipe_from_json(body: dict) -> Recipe:
+    modelfile = get_str(body, "modelfile")
+    recipe = parse_modelfile(modelfile) if modelfile else Recipe()
+    base = get_str(body, "from")
+    files = body.get("files")
+    if files is not None:
+        if not isinstance(files, dict) or len(files) != 1 or not all(
+                isinstance(v, str) for v in files.values()):
+            raise bad_request("field 'files' must map one GGUF file name to its blob digest",
+                              "files")
+        base = next(iter(files.values()))
+    if base:
+        recipe.base = base
+    params = body.get("parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise bad_request("field 'parameters' must be an object", "parameters")
+        for key, value in params.items():
+            if key == "stop":
+                stops = value if isinstance(value, list) else [value]
+                recipe.parameters["stop"] = [parameter_value("stop", s) for s in stops]
+            else:
+                recipe.parameters[key] = parameter_value(key, value)
+    if get_str(body, "template") is not None:
+        recipe.template = check_template(body["template"])
+    if get_str(body, "system") is not None:
+        recipe.system = body["system"]
+    for unsupported in ("adapters", "quantize", "messages", "license"):
+        if body.get(unsupported):
+            raise bad_request(f"field '{unsupported}' is not supported by localllm's create",
+                              unsupported)
+    if not recipe.base:
+        raise bad_request("a model needs a base: FROM in the modelfile, or 'from' / 'files'",
+                          "from")
+    return recipe
+
+
+def _gguf_layer(store: ModelStore, digest: str) -> tuple[Layer, dict]:
+    path = store.blob_path(digest)
+    if not path.is_file():
+        raise StoreError(f"blob {digest} is not in the store; upload it with POST "
+                         f"/api/blobs/{digest} first")
+    try:
+        shape = shape_from_header(read_header(path), str(path))
+    except GGUFError as e:
+        raise StoreError(f"blob {digest} is not a GGUF model: {e}") from None
+    return Layer(MODEL_LAYER, digest, path.stat().st_size), model_details(shape)
+
+
+def build(store: ModelStore, name: str, recipe: Recipe) -> None:
+    """Blocking (hashes and writes files): run it off the event loop."""
+    target = parse_name(name)
+    match = _DIGEST.match(recipe.base)
+    if match:
+        layer, details = _gguf_layer(store, f"sha256:{match.group(1)}")
+        layers, source = [layer], f"create:{recipe.base}"
+    elif recipe.base.startswith(("/", "~", "./")):
+        path = Path(recipe.base).expanduser()
+        entry = store.import_gguf(path, name)  # names the GGUF; the custom layers follow
+        layers, details, source = list(entry.layers), entry.details, entry.source
+    else:
+        base = store.get(recipe.base)
+        layers = list(base.layers)
+        details, source = base.details, f"create:{base.name}"
+    # A Modelfile's additions replace the base's, and inherit those it does not set.
+    inherited = {layer.media_type: layer for layer in layers if layer.media_type in CUSTOM_LAYERS}
+    layers = [layer for layer in layers if layer.media_type not in CUSTOM_LAYERS]
+    if recipe.parameters:
+        old = {}
+        if PARAMS_LAYER in inherited:
+            old = json.loads(store.blob_path(inherited[PARAMS_LAYER].digest).read_text())
+        inherited[PARAMS_LAYER] = text_layer(store, PARAMS_LAYER,
+                                             json.dumps({**old, **recipe.parameters}))
+    if recipe.template is not None:
+        inherited[TEMPLATE_LAYER] = text_layer(store, TEMPLATE_LAYER, recipe.template)
+    if recipe.system is not None:
+        inherited[SYSTEM_LAYER] = text_layer(store, SYSTEM_LAYER, recipe.system)
+    store.write_manifest(target, layers + list(inherited.values()), details, source)
+
+
+@routes.post("/api/create")
+async def api_create(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    name = get_model_field(body)
+    try:
+        recipe = recipe_from_json(body)
+    except ModelfileError as e:
+        raise bad_request(str(e), "modelfile") from None
+    await asyncio.to_thread(build, request.app[STORE], name, recipe)
+    if not get_bool(body, "stream", True):
+        return web.json_response({"status": "success"})
+    lines = [{"status": "using existing layers"}, {"status": "writing manifest"},
+             {"status": "success"}]
+    return web.Response(text="".join(json.dumps(x) + "\n" for x in lines),
+                        content_type="application/x-ndjson")
+
+
+@routes.head("/api/blobs/{digest}")
+async def blob_exists(request: web.Request) -> web.Response:
+    digest = request.match_info["digest"].replace("sha256-", "sha256:")
+    has = request.app[STORE].has_blob(digest)
+    return web.Response(status=200 if has else 404)
+
+
+@routes.post("/api/blobs/{digest}")
+async def blob_upload(request: web.Request) -> web.Response:
+    """The body is the file; it is kept only when its sha256 is the digest in the path."""
+    store: ModelStore = request.app[STORE]
+    digest = request.match_info["digest"].replace("sha256-", "sha256:")
+    match = _DIGEST.match(digest)
+    if not match:
+        raise bad_request(f"invalid blob digest {digest!r}; expected sha256:<64 hex digits>")
+    if store.has_blob(digest):
+        return web.Response(status=200)
+    staged = store.staging_file("upload-")
+    hasher = hashlib.sha256()
+    try:
+        with staged.open("wb") as f:
+            async for chunk in request.content.iter_chunked(1 << 20):
+                hasher.update(chunk)
+                await asyncio.to_thread(f.write, chunk)
+        if hasher.hexdigest() != match.group(1):
+            raise ApiError(400, f"digest mismatch: the upload's sha256 is {hasher.hexdigest()}, "
+                                f"not {match.group(1)}")
+        store.publish_blob(staged, match.group(1))
+    finally:
+        staged.unlink(missing_ok=True)
+    return web.Response(status=201)

@@ -1,0 +1,98 @@
+"""Embedding routes: Ollama's /api/embed and legacy /api/embeddings, OpenAI's /v1/embeddings.
+
+All three read unit-length vectors from the runner's embedding context (runner/embedding.py):
+the GGUF's pooling, or mean pooling for a causal model, so any stored model embeds.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+
+from aiohttp import web
+
+from ..generation import find_model, hold
+from ..runner.process import new_request_id
+from ..runner.protocol import EmbedRequest, Embeddings
+from .common import bad_request, get_bool, get_model_field, get_number, get_str, read_json
+from .ollama import parse_keep_alive, parse_options
+
+routes = web.RouteTableDef()
+
+
+def get_inputs(body: dict, key: str) -> tuple[str, ...]:
+    value = body.get(key)
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise bad_request(f"invalid input type: field '{key}' must be a string or a list of "
+                      f"strings", key)
+
+
+async def _embed(request: web.Request, body: dict, inputs: tuple[str, ...], truncate: bool,
+                 dimensions: int | None) -> tuple[Embeddings, int, int]:
+    """(embeddings, load ns, total ns) of `inputs` with the body's model."""
+    started, started_wall = time.perf_counter_ns(), time.time()
+    entry = find_model(request.app, get_model_field(body))
+    _, n_ctx, load = parse_options(body)
+    async with hold(request.app, entry, n_ctx, load, parse_keep_alive(body)) as runner:
+        load_ns = runner.load_duration_ns if runner.loaded_at >= started_wall else 0
+        result = await runner.embed(EmbedRequest(id=new_request_id(), inputs=inputs,
+                                                 truncate=truncate, dimensions=dimensions))
+    return result, load_ns, time.perf_counter_ns() - started
+
+
+@routes.post("/api/embed")
+async def api_embed(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    inputs = get_inputs(body, "input")
+    name = get_model_field(body)
+    if not inputs:
+        find_model(request.app, name)  # an unknown model is still a 404
+        return web.json_response({"model": name, "embeddings": []})
+    dimensions = get_number(body, "dimensions", int, 1)
+    result, load_ns, total_ns = await _embed(request, body, inputs,
+                                             get_bool(body, "truncate", True), dimensions)
+    return web.json_response({"model": name, "embeddings": [list(v) for v in result.vectors],
+                              "total_duration": total_ns, "load_duration": load_ns,
+                              "prompt_eval_count": result.prompt_tokens})
+
+
+@routes.post("/api/embeddings")
+async def api_embeddings(request: web.Request) -> web.Response:
+    """The legacy route: one `prompt`, one `embedding`."""
+    body = await read_json(request)
+    prompt = get_str(body, "prompt", default="")
+    if not prompt:
+        find_model(request.app, get_model_field(body))
+        return web.json_response({"embedding": []})
+    result, _, _ = await _embed(request, body, (prompt,), True, None)
+    return web.json_response({"embedding": list(result.vectors[0])})
+
+
+@routes.post("/v1/embeddings")
+async def v1_embeddings(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    inputs = get_inputs(body, "input")
+    if not inputs:
+        raise bad_request("field 'input' must be a non-empty string or list of strings", "input")
+    encoding = get_str(body, "encoding_format", default="float")
+    if encoding not in ("float", "base64"):
+        raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")
+    dimensions = get_number(body, "dimensions", int, 1)
+    result, _, _ = await _embed(request, body, inputs, True, dimensions)
+
+    def encode(vector: tuple[float, ...]):
+        if encoding == "float":
+            return list(vector)
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+    data = [{"object": "embedding", "index": i, "embedding": encode(v)}
+            for i, v in enumerate(result.vectors)]
+    return web.json_response({"object": "list", "data": data, "model": get_model_field(body),
+                              "usage": {"prompt_tokens": result.prompt_tokens,
+                                        "total_tokens": result.prompt_tokens}})

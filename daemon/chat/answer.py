@@ -1,0 +1,110 @@
+"""Run a `ChatRequest` and read its answer as parsed parts: what both API families share.
+
+A route builds the ChatRequest, opens `answer(...)`, and either takes `whole()` or iterates
+`parts()`; it only turns the parts into its own wire format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from aiohttp import web
+from localllm.modelstore.store import ModelEntry
+
+from ..generation import Generation, GenerationFailed, first_event, generate
+from ..runner.protocol import Done, Failure, Progress, Token
+from .custom import Customization, customized
+from .model import ChatModel, chat_model
+from .parse import Parsed
+from .request import ChatRequest, Prepared, prepare
+from .truncate import fit_to_context
+
+
+@dataclass
+class Part:
+    """Parsed text of one or more tokens, with the runner's event it came with."""
+    parsed: Parsed
+    event: Token | Done | Failure | Progress
+    logprobs: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Answer:
+    gen: Generation
+    prepared: Prepared
+    model: ChatModel
+
+    async def whole(self) -> tuple[Parsed, Done, list[dict]]:
+        parser = self.prepared.parser
+        out, logprobs = Parsed(), []
+        async for event in self.gen.events:
+            if isinstance(event, Token):
+                out.add(parser.feed(event.text))
+                logprobs += event.logprobs or []
+            elif isinstance(event, Failure):
+                raise GenerationFailed(event)
+            elif isinstance(event, Done):
+                out.add(parser.finish())
+                return out, event, logprobs
+        raise GenerationFailed(Failure("the runner ended the answer without finishing it"))
+
+    async def parts(self) -> AsyncIterator[Part]:
+        """Parts as they come; the first event is read before anything is sent, so a failure
+        there can still be an HTTP error. The last part carries the Done (or a Failure)."""
+        parser = self.prepared.parser
+        event = await first_event(self.gen)
+        while True:
+            if isinstance(event, Token):
+                parsed = parser.feed(event.text)
+                if parsed or event.logprobs:
+                    yield Part(parsed, event, list(event.logprobs or []))
+            elif isinstance(event, Done):
+                yield Part(parser.finish(), event)
+                return
+            elif isinstance(event, (Failure,)):
+                yield Part(Parsed(), event)
+                return
+            elif isinstance(event, Progress):  # a long prompt is being read
+                yield Part(Parsed(), event)
+            event = await anext(self.gen.events)
+
+
+def with_default_system(request: ChatRequest, system: str | None) -> ChatRequest:
+    if not system:
+        return request
+    if request.messages is not None:
+        if any(m["role"] == "system" for m in request.messages):
+            return request
+        return replace(request, messages=({"role": "system", "content": system},
+                                          *request.messages))
+    return request if request.system or request.raw else replace(request, system=system)
+
+
+async def model_for(entry: ModelEntry) -> ChatModel:
+    return await chat_model(entry.digest, entry.model_path)
+
+
+@contextlib.asynccontextmanager
+async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
+                 n_ctx: int | None, load_options: dict, keep_alive="default",
+                 truncate: bool = True,
+                 custom: Customization | None = None) -> AsyncIterator[Answer]:
+    """Check and render the request (400s come from here, before the model loads), then run it.
+    A chat longer than the context drops its oldest turns, or with `truncate` False is a 400.
+    `custom` is what a Modelfile added: its template and its default system prompt."""
+    model = await model_for(entry)
+    if custom is not None:
+        model = customized(model, custom)
+        request = with_default_system(request, custom.system)
+    prepared = prepare(model, request)
+
+    async def fit(runner):
+        nonlocal prepared
+        prepared = await fit_to_context(model, request, prepared, runner, truncate)
+        return prepared.generation
+
+    async with generate(app, entry, prepared.generation, n_ctx, load_options, keep_alive,
+                        fit=fit) as gen:
+        yield Answer(gen, prepared, model)

@@ -1,0 +1,98 @@
+"""What a Modelfile adds to a model (/api/create): default parameters, a chat template, a system
+prompt. Each is a small blob in the model's manifest beside the GGUF, so `copy` and `rm` treat
+it like any other layer, and requests read it back here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field, replace
+
+from localllm.modelstore.store import Layer, ModelEntry, ModelStore
+
+from .model import ChatModel
+from .template import template_style
+
+PARAMS_LAYER = "application/vnd.localllm.params"
+TEMPLATE_LAYER = "application/vnd.localllm.template"
+SYSTEM_LAYER = "application/vnd.localllm.system"
+CUSTOM_LAYERS = (PARAMS_LAYER, TEMPLATE_LAYER, SYSTEM_LAYER)
+
+INT_PARAMETERS = {"num_ctx", "top_k", "num_predict", "seed", "repeat_last_n", "num_gpu",
+                  "num_thread", "num_batch"}
+FLOAT_PARAMETERS = {"temperature", "top_p", "min_p", "typical_p", "repeat_penalty",
+                    "presence_penalty", "frequency_penalty"}
+
+
+class ModelfileError(ValueError):
+    """A Modelfile line or create field localllm cannot take (400; the message says which)."""
+
+
+@dataclass(frozen=True)
+class Customization:
+    parameters: dict = field(default_factory=dict)
+    template: str | None = None
+    system: str | None = None
+
+
+def parameter_value(key: str, value):
+    """A PARAMETER's value in its type (Modelfile text or JSON from /api/create)."""
+    try:
+        if key in INT_PARAMETERS:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if key in FLOAT_PARAMETERS:
+            return float(value)
+    except (TypeError, ValueError):
+        raise ModelfileError(f"PARAMETER {key} needs a number, not {value!r}") from None
+    if key == "stop":
+        if isinstance(value, str):
+            return value.strip('"') if value.startswith('"') else value
+        raise ModelfileError("PARAMETER stop needs a string")
+    raise ModelfileError(f"unknown PARAMETER {key!r}; localllm takes "
+                         f"{', '.join(sorted(INT_PARAMETERS | FLOAT_PARAMETERS | {'stop'}))}")
+
+
+def check_template(template: str) -> str:
+    if re.search(r"\{\{-?\s*\.", template):
+        raise ModelfileError("TEMPLATE is a Go template; localllm renders Jinja (Hugging Face) "
+                             "chat templates: give one with `messages`, as in the GGUF")
+    return template
+
+
+def read_customization(store: ModelStore, entry: ModelEntry) -> Customization:
+    """Blocking (reads blobs): call it off the event loop."""
+    def text(media_type: str) -> str | None:
+        layer = entry.companion(media_type)
+        return store.blob_path(layer.digest).read_text() if layer else None
+
+    params = text(PARAMS_LAYER)
+    return Customization(parameters=json.loads(params) if params else {},
+                         template=text(TEMPLATE_LAYER), system=text(SYSTEM_LAYER))
+
+
+def text_layer(store: ModelStore, media_type: str, text: str) -> Layer:
+    """Store `text` as a blob and return its manifest layer."""
+    data = text.encode()
+    hexdigest = hashlib.sha256(data).hexdigest()
+    digest = f"sha256:{hexdigest}"
+    if not store.has_blob(digest):
+        staged = store.staging_file("text-")
+        staged.write_bytes(data)
+        store.publish_blob(staged, hexdigest)
+    return Layer(media_type, digest, len(data))
+
+
+def customized(model: ChatModel, custom: Customization) -> ChatModel:
+    """The model as a request sees it: a Modelfile TEMPLATE replaces the GGUF's."""
+    if not custom.template:
+        return model
+    return replace(model, template=custom.template,
+                   style=template_style(custom.template, model.architecture))
+
+
+def capabilities(model: ChatModel, custom: Customization) -> list[str]:
+    return customized(model, custom).capabilities

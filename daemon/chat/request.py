@@ -1,0 +1,140 @@
+"""One internal request for both API families, and how it becomes a runner request.
+
+The Ollama and OpenAI routes translate their JSON into a `ChatRequest`; `prepare` checks it
+against what the model can do, renders the prompt (template with tools, or fill-in-the-middle),
+compiles `format` / a forced tool into a grammar, and returns the `GenerationRequest` together
+with the parser that splits the answer into content, thinking and tool calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..runner.protocol import GenerationRequest, SamplingOptions
+from .grammar import BadFormat, format_grammar, tool_call_grammar
+from .model import ChatModel
+from .parse import make_parser
+from .template import HARMONY, THINK_TAGS, TemplateFailed, render
+
+THINK_LEVELS = ("low", "medium", "high")
+
+
+class ChatError(Exception):
+    """The request asks for something this model cannot do (status 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    id: str
+    model_name: str
+    options: SamplingOptions
+    messages: tuple[dict, ...] | None = None  # chat: HF-shaped (tool_calls, tool results)
+    prompt: str | None = None  # generate / completions
+    system: str | None = None
+    suffix: str | None = None  # fill-in-the-middle: the text after the cursor
+    raw: bool = False
+    tools: tuple[dict, ...] = ()  # OpenAI-shaped {"type": "function", "function": {...}}
+    tool_choice: str | dict = "auto"  # "auto", "none", "required" or {"name": ...}
+    format: object = None  # None, "json" or a JSON schema
+    think: bool | str | None = None
+    has_images: bool = False
+    logprobs: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Prepared:
+    generation: GenerationRequest
+    parser: object  # OutputParser or HarmonyParser: feed(text) / finish() -> Parsed
+    prompt: str
+
+
+def _check(model: ChatModel, request: ChatRequest) -> None:
+    name = request.model_name
+    if request.has_images and not model.has_vision:
+        raise ChatError(f"{name} does not support images (it has no vision projector)",
+                        "images")
+    if request.suffix and model.fim is None:
+        raise ChatError(f"{name} does not support insert", "suffix")
+    if request.tools and request.tool_choice != "none" and not model.style.tools:
+        raise ChatError(f"{name} does not support tools", "tools")
+    think = request.think
+    if think is not None and not isinstance(think, bool) and think not in THINK_LEVELS:
+        raise ChatError('think must be true, false, "low", "medium" or "high"', "think")
+    if think not in (None, False) and not model.style.thinking:
+        raise ChatError(f'"{name}" does not support thinking', "think")
+
+
+def _forced_tools(request: ChatRequest) -> list[dict] | None:
+    """The tools a call must come from when the request forces one, else None."""
+    choice = request.tool_choice
+    if not request.tools or choice in ("auto", "none"):
+        return None
+    if choice == "required":
+        return list(request.tools)
+    wanted = choice.get("name") if isinstance(choice, dict) else None
+    chosen = [t for t in request.tools if (t.get("function") or {}).get("name") == wanted]
+    if not chosen:
+        raise ChatError(f"tool_choice names {wanted!r}, which is not among the tools",
+                        "tool_choice")
+    return chosen
+
+
+def prepare(model: ChatModel, request: ChatRequest) -> Prepared:
+    _check(model, request)
+    tools = list(request.tools) if request.tool_choice != "none" else []
+    think = request.think
+    if think is None and model.style.thinking:
+        think = True  # Ollama: thinking models think unless told not to
+    if request.format not in (None, "") and model.style.thinking == THINK_TAGS:
+        think = False  # the grammar would forbid the <think> block
+    raw = True
+    if request.suffix is not None and model.fim is not None and request.prompt is not None:
+        fim = model.fim
+        prompt = f"{fim.prefix}{request.prompt}{fim.suffix}{request.suffix}{fim.middle}"
+    elif request.messages is not None:
+        prompt = _render(model, list(request.messages), tools, think)
+    elif request.raw or model.template is None:
+        prompt = request.prompt or ""
+        if request.system and not request.raw:
+            prompt = f"{request.system}\n\n{prompt}"
+    else:
+        messages = [{"role": "system", "content": request.system}] if request.system else []
+        messages.append({"role": "user", "content": request.prompt or ""})
+        prompt = _render(model, messages, tools, think)
+    forced = _forced_tools(request)
+    try:
+        if forced:
+            grammar = tool_call_grammar(forced, model.style.tool_format)
+        else:
+            grammar = format_grammar(request.format)
+    except BadFormat as e:
+        raise ChatError(str(e), "format") from None
+    if forced and model.style.tool_format == HARMONY:
+        grammar = None  # harmony calls pass through control tokens a grammar cannot name
+    generation = GenerationRequest(id=request.id, prompt=prompt, raw=raw,
+                                   options=request.options, grammar=grammar,
+                                   logprobs=request.logprobs)
+    in_thinking = model.style.thinking == THINK_TAGS and prompt.rstrip().endswith("<think>")
+    parser = make_parser(model.style.tool_format, model.style.thinking, tools=bool(tools),
+                         in_thinking=in_thinking and think is not False,
+                         keep_thinking=think is not False)
+    if forced and model.style.thinking == THINK_TAGS:
+        parser.mode = "content"  # the grammar starts the answer with the call
+    return Prepared(generation, parser, prompt)
+
+
+def _render(model: ChatModel, messages: list[dict], tools: list[dict],
+            think: bool | str | None) -> str:
+    if model.template is None:
+        raise ChatError("this model has no chat template; use /api/generate or "
+                        "/v1/completions with a plain prompt", "messages")
+    try:
+        return render(model.template, messages, tools=tools or None, bos=model.bos,
+                      eos=model.eos, think=think if model.style.thinking else None)
+    except TemplateFailed as e:
+        raise ChatError(str(e), "messages") from None

@@ -1,0 +1,112 @@
+"""Hugging Face chat templates, rendered in the daemon with jinja2, and what a template tells
+about its model: whether it takes tools, in which format its model writes tool calls, and how it
+separates thinking from the answer.
+
+Templates get the variables HF's `apply_chat_template` passes: `messages`, `tools`,
+`add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`, `strftime_now`, plus the
+thinking switches templates read (`enable_thinking`, `reasoning_effort`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Tool-call formats (how the model writes a call) and thinking formats.
+HERMES, LLAMA3, MISTRAL, HARMONY, JSON_CALLS = "hermes", "llama3", "mistral", "harmony", "json"
+THINK_TAGS, CHANNELS = "think_tags", "channels"
+
+
+class TemplateFailed(ValueError):
+    """The template raised or could not be compiled (a 400: the messages do not fit it)."""
+
+
+@dataclass(frozen=True)
+class TemplateStyle:
+    tools: bool  # the template renders a `tools` list
+    tool_format: str | None  # HERMES, LLAMA3, MISTRAL, HARMONY or JSON_CALLS
+    thinking: str | None  # THINK_TAGS, CHANNELS or None
+    stops: tuple[str, ...] = ()  # end-of-turn markers the template writes
+
+
+def template_style(template: str | None, architecture: str = "") -> TemplateStyle:
+    if not template:
+        return TemplateStyle(tools=False, tool_format=None, thinking=None)
+    harmony = "<|channel|>" in template or architecture == "gpt-oss"
+    tools = "tools" in template or "tool_call" in template
+    if harmony:
+        tool_format = HARMONY
+    elif "<tool_call>" in template:
+        tool_format = HERMES
+    elif "[TOOL_CALLS]" in template:
+        tool_format = MISTRAL
+    elif "<|python_tag|>" in template or "ipython" in template:
+        tool_format = LLAMA3
+    else:
+        tool_format = JSON_CALLS
+    if harmony:
+        thinking = CHANNELS
+    elif "<think>" in template and "</think>" in template:
+        thinking = THINK_TAGS
+    else:
+        thinking = None
+    stops = tuple(s for s in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>",
+                              "<end_of_turn>", "<|endoftext|>") if s in template)
+    return TemplateStyle(tools=tools, tool_format=tool_format if tools else None,
+                         thinking=thinking, stops=stops)
+
+
+def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False, separators=None):
+    # HF's tojson: no HTML escaping (jinja2's default would turn "<" into "\u003c").
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys,
+                      separators=separators)
+
+
+def _raise(message: str):
+    raise TemplateFailed(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return dt.datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except TemplateError as e:
+        raise TemplateFailed(f"the model's chat template does not compile: {e}") from None
+
+
+def render(template: str, messages: list[dict], *, tools: list[dict] | None = None,
+           bos: str = "", eos: str = "", think: bool | str | None = None,
+           add_generation_prompt: bool = True) -> str:
+    """The prompt text for `messages`; `think` is None (the template's default), a bool, or
+    an effort level ("low", "medium", "high")."""
+    variables = {
+        "messages": messages,
+        "tools": tools or None,
+        "add_generation_prompt": add_generation_prompt,
+        "bos_token": bos,
+        "eos_token": eos,
+    }
+    if think is not None:
+        variables["enable_thinking"] = bool(think)
+        if isinstance(think, str):
+            variables["reasoning_effort"] = think
+    try:
+        return _compile(template).render(**variables)
+    except TemplateFailed:
+        raise
+    except Exception as e:  # a template may fail on any jinja error; the client gets a 400
+        raise TemplateFailed(f"the chat template rejected these messages: {e}") from None

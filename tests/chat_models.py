@@ -1,0 +1,78 @@
+"""Test models for the chat layer: copies of the real SmolLM2 GGUF whose metadata gives them a
+Qwen2.5-style tool template (plus FIM token ids), or a Qwen3-style thinking template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gguf_edit import with_metadata
+
+# Written after Qwen2.5's template: tools listed in the system turn, calls in <tool_call> tags,
+# tool results folded into a user turn in <tool_response> tags.
+QWEN_TOOL_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}\
+{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n\
+You are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
+{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and \
+arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \
+\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+{%- if messages[0]['role'] == 'system' %}\
+{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\
+{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}
+{%- endif %}
+{%- for message in messages %}
+{%- if (message.role == "user") or (message.role == "system" and not loop.first) \
+or (message.role == "assistant" and not message.tool_calls) %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == "assistant" %}
+{{- '<|im_start|>' + message.role }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls %}
+{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}\
+{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == "tool" %}
+{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\
+{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}
+{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+# Written after Qwen3's: the generation prompt opens a <think> block unless thinking is off,
+# in which case it writes an empty one.
+THINKING_TEMPLATE = """\
+{%- for message in messages %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}\
+{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}
+{%- endif %}
+"""
+
+# SmolLM2's vocabulary has no FIM tokens; three of its special tokens stand in for them, so the
+# prompt a FIM request renders can be counted and checked.
+FIM_IDS = {"tokenizer.ggml.fim_pre_token_id": 3, "tokenizer.ggml.fim_suf_token_id": 4,
+           "tokenizer.ggml.fim_mid_token_id": 5}
+FIM_PIECES = ("<repo_name>", "<reponame>", "<file_sep>")
+
+
+def tool_model(smollm2: Path, directory: Path) -> Path:
+    return with_metadata(smollm2, directory / "smollm2-tools.gguf",
+                         {"tokenizer.chat_template": QWEN_TOOL_TEMPLATE, **FIM_IDS})
+
+
+def thinking_model(smollm2: Path, directory: Path) -> Path:
+    return with_metadata(smollm2, directory / "smollm2-thinking.gguf",
+                         {"tokenizer.chat_template": THINKING_TEMPLATE})
