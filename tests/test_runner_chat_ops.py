@@ -35,11 +35,11 @@ async def events(runner, request) -> list:
 
 
 async def test_grammar_constrains_and_a_rejected_one_is_a_400(runner):
-    bad = await events(runner, GenerationRequest(id="a", prompt="Yes or no?", raw=True,
+    bad = await events(runner, GenerationRequest(id="a", prompt="Yes or no?",
                                                  grammar="root ::= ("))
     assert isinstance(bad[-1], Failure) and bad[-1].status == 400
     good = await events(runner, GenerationRequest(
-        id="b", prompt="Is the sky blue? Answer:", raw=True,
+        id="b", prompt="Is the sky blue? Answer:",
         grammar='root ::= " yes" | " no"', options=SamplingOptions(temperature=0)))
     assert isinstance(good[-1], Done) and good[-1].done_reason == "stop"
     assert "".join(e.text for e in good if isinstance(e, Token)) in (" yes", " no")
@@ -55,7 +55,7 @@ async def test_tokenize_counts_a_raw_prompt_with_one_bos(runner, gemma_gguf):
 
 async def test_logprobs_come_with_each_token(runner):
     got = await events(runner, GenerationRequest(
-        id="c", prompt="1, 2, 3,", raw=True, logprobs=2,
+        id="c", prompt="1, 2, 3,", logprobs=2,
         options=SamplingOptions(temperature=0, num_predict=5)))
     entries = [lp for e in got if isinstance(e, Token) for lp in e.logprobs]
     assert len(entries) == got[-1].eval_count == 5
@@ -64,7 +64,7 @@ async def test_logprobs_come_with_each_token(runner):
 
 async def test_embeddings_in_their_own_context(runner):
     before = await events(runner, GenerationRequest(
-        id="d", prompt="Once upon a time", raw=True,
+        id="d", prompt="Once upon a time",
         options=SamplingOptions(temperature=0, num_predict=4)))
     result = await runner.embed(EmbedRequest(id="e", inputs=("a cat", "a dog"), dimensions=100))
     assert len(result.vectors) == 2 and all(len(v) == 100 for v in result.vectors)
@@ -74,7 +74,7 @@ async def test_embeddings_in_their_own_context(runner):
     assert e.value.status == 400
     # The generating context kept its cache: the same prompt is read from it again.
     again = await events(runner, GenerationRequest(
-        id="g", prompt="Once upon a time", raw=True,
+        id="g", prompt="Once upon a time",
         options=SamplingOptions(temperature=0, num_predict=4)))
     assert again[-1].cached_tokens > 0
     assert "".join(e.text for e in again if isinstance(e, Token)) == \

@@ -36,7 +36,7 @@ class FirstPlanFails(Planner):
 
 
 async def generate_once(scheduler, entry):
-    request = GenerationRequest(id="t", prompt="Hello", raw=True,
+    request = GenerationRequest(id="t", prompt="Hello",
                                 options=SamplingOptions(num_predict=3, temperature=0))
     async with scheduler.use(entry, 1024, {}) as runner:
         events = [e async for e in runner.generate(request)]

@@ -100,18 +100,18 @@ def test_a_prefix_past_the_sliding_window_is_read_again_not_reused(parallel_daem
     client = ollama.Client(host=parallel_daemon.url)
     words = [f"w{i}" for i in range(600)]
     options = {"temperature": 0, "num_predict": 16, "num_ctx": 4096}
-    first = client.generate(model="gemma3-270m", prompt=" ".join(words) + " end.", raw=True,
+    first = client.generate(model="gemma3-270m", prompt=" ".join(words) + " end.",
                             options=options)
     assert first.prompt_eval_count > 2000
     second_prompt = " ".join(words[:250]) + " Then the story turned: once upon a time"
-    warm = client.generate(model="gemma3-270m", prompt=second_prompt, raw=True,
+    warm = client.generate(model="gemma3-270m", prompt=second_prompt,
                            options=options)
     # A prefix within the window is reused: the same prompt again reads one token.
-    again = client.generate(model="gemma3-270m", prompt=second_prompt, raw=True,
+    again = client.generate(model="gemma3-270m", prompt=second_prompt,
                             options=options)
     assert again.prompt_eval_count <= 2 and again.response == warm.response
     assert parallel_daemon.cli("stop", "gemma3-270m").returncode == 0
-    cold = client.generate(model="gemma3-270m", prompt=second_prompt, raw=True,
+    cold = client.generate(model="gemma3-270m", prompt=second_prompt,
                            options=options)
     assert warm.prompt_eval_count == cold.prompt_eval_count  # nothing stale was reused
     assert warm.response == cold.response
@@ -132,7 +132,7 @@ async def test_a_runner_that_writes_garbage_fails_the_request_and_the_next_one_l
     await scheduler.start()
 
     async def answer() -> tuple[list, int]:
-        request = GenerationRequest(id="g", prompt="Once upon a time", raw=True,
+        request = GenerationRequest(id="g", prompt="Once upon a time",
                                     options=SamplingOptions(num_predict=40, temperature=0))
         async with scheduler.use(entry, 1024, {}) as runner:
             return [e async for e in runner.generate(request)], runner.pid

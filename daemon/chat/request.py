@@ -92,7 +92,6 @@ def prepare(model: ChatModel, request: ChatRequest) -> Prepared:
         think = True  # Ollama: thinking models think unless told not to
     if request.format not in (None, "") and model.style.thinking == THINK_TAGS:
         think = False  # the grammar would forbid the <think> block
-    raw = True
     if request.suffix is not None and model.fim is not None and request.prompt is not None:
         fim = model.fim
         prompt = f"{fim.prefix}{request.prompt}{fim.suffix}{request.suffix}{fim.middle}"
@@ -116,7 +115,7 @@ def prepare(model: ChatModel, request: ChatRequest) -> Prepared:
         raise ChatError(str(e), "format") from None
     if forced and model.style.tool_format == HARMONY:
         grammar = None  # harmony calls pass through control tokens a grammar cannot name
-    generation = GenerationRequest(id=request.id, prompt=prompt, raw=raw,
+    generation = GenerationRequest(id=request.id, prompt=prompt,
                                    options=request.options, grammar=grammar,
                                    logprobs=request.logprobs)
     in_thinking = model.style.thinking == THINK_TAGS and prompt.rstrip().endswith("<think>")

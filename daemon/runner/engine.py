@@ -25,7 +25,6 @@ import llama_cpp
 from localllm.profiles.plan import Plan
 
 from . import model as llama
-from .prompt import Prompter
 from .protocol import (
     Done,
     EmbedRequest,
@@ -64,7 +63,6 @@ class Engine:
         self.plan = plan
         self.lm = llama.load(model_path, plan)
         self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
-        self.prompter = Prompter(self.tokenizer)
         self.n_ctx = self.lm.n_ctx_seq  # what one request may use
         self.slots = [Slot(i) for i in range(self.lm.n_seq)]
         self.batch_capacity = self.lm.n_batch + self.lm.n_seq
@@ -148,7 +146,7 @@ class Engine:
 
     def _start(self, sub: Submission, free: list[Slot]) -> None:
         request = sub.request
-        tokens = self.prompter.tokens(request)
+        tokens = self.tokenizer.tokenize(request.prompt)
         if not tokens:
             raise RequestError("the prompt is empty")
         if len(tokens) >= self.n_ctx:

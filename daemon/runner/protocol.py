@@ -36,10 +36,9 @@ class SamplingOptions:
 @dataclass(frozen=True)
 class GenerationRequest:
     id: str
-    prompt: str | None = None  # completion: raw text, or templated when `templated` is set
-    messages: tuple[dict, ...] | None = None  # chat: rendered with the model's template
-    system: str | None = None  # Ollama generate's `system`, used when templating a prompt
-    raw: bool = False  # Ollama generate `raw`: no template, prompt as given
+    # The whole prompt as text, templates already applied by the chat layer: special tokens in
+    # it are parsed, and a BOS is added when the model wants one and the text lacks it.
+    prompt: str = ""
     options: SamplingOptions = field(default_factory=SamplingOptions)
     grammar: str | None = None  # GBNF (root rule "root") constraining the answer
     logprobs: int | None = None  # None: off; N >= 0: each token's logprob and the top N
@@ -53,13 +52,9 @@ class GenerationRequest:
     def from_wire(cls, data: dict) -> GenerationRequest:
         options = dict(data.get("options") or {})
         options["stop"] = tuple(options.get("stop") or ())
-        messages = data.get("messages")
         return cls(
             id=data["id"],
-            prompt=data.get("prompt"),
-            messages=tuple(messages) if messages is not None else None,
-            system=data.get("system"),
-            raw=bool(data.get("raw")),
+            prompt=str(data.get("prompt") or ""),
             options=SamplingOptions(**options),
             grammar=data.get("grammar"),
             logprobs=data.get("logprobs"),
