@@ -1,20 +1,29 @@
 #!/usr/bin/env python3
-"""Decode speed of the default model through the daemon's streaming HTTP API vs llama-cpp-python
-in one process, same model, same threads, same prompt, greedy. Prints both and the ratio.
+"""Decode speed through localllm's streaming API beside llama.cpp's own tools, in one run.
 
-    python scripts/bench_api.py [--tokens 256] [--rounds 3] [--model PATH]
+    python scripts/bench_api.py                       # CPU: the default model, 1 and 4 streams
+    python scripts/bench_api.py --model M.gguf [--model M2.gguf ...] [--tokens 256]
 
-The API figure is measured by the client: tokens received over the time from the first
-streamed token to the last, so it includes the runner pipe, the daemon and HTTP. Target: >= 0.95.
+For each model: llama-bench `tg` (when llama-bench is on PATH), llama-server (when on PATH) and
+the localllm daemon, each greedy and with Ollama's default sampling (temperature 0.8, top_k 40,
+top_p 0.9, repeat_penalty 1.1), one stream; and the aggregate of 4 concurrent streams
+(llama-server `-np 4`, the daemon with num_parallel 4). Speeds are measured by the client:
+tokens over the time from the first streamed chunk to the last (one stream), or over the wall
+time of all four requests (aggregate). Prints a table and writes it to $OUT/bench_api.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -30,99 +39,225 @@ checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402, F401
 
 PROMPT = "Here is a long story about a lighthouse keeper and the sea. Once upon a time"
+GREEDY = {"temperature": 0, "top_k": 1, "repeat_penalty": 1.0}
+OLLAMA_DEFAULT = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1,
+                  "repeat_last_n": 64, "min_p": 0.0}
 
 
-def direct_tps(model: Path, n_tokens: int, plan: dict) -> tuple[float, int]:
-    """The binding's own loop, loaded with the plan the daemon chose (layers, KV, threads)."""
-    from llama_cpp import Llama
-
-    kv = {"f16": 1, "q8_0": 8, "q4_0": 2}
-    llm = Llama(str(model), n_ctx=plan["context_length"], n_gpu_layers=plan["gpu_layers"],
-                flash_attn=plan["flash_attn"], type_k=kv[plan["kv_type"]],
-                type_v=kv[plan["kv_type"]], n_threads=plan["threads"],
-                n_threads_batch=plan["threads"], verbose=False)
-    tokens = llm.tokenize(PROMPT.encode())
-    count, start = 0, None
-    for token in llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
-                              repeat_penalty=1.0):
-        if start is None:
-            start = time.perf_counter()  # first token: prompt done, decode timing starts
-        if llm.token_eos() == token:
-            break
-        count += 1
-        if count >= n_tokens:
-            break
-    elapsed = time.perf_counter() - start
-    return (count - 1) / elapsed, count
-
-
-def api_tps(url: str, n_tokens: int) -> tuple[float, int, float]:
+# ---- clients -------------------------------------------------------------------------------
+def stream_localllm(url: str, n: int, sampling: dict) -> tuple[int, float, float]:
+    """(tokens, first chunk time, last chunk time) of one streamed /api/generate."""
     body = json.dumps({"model": "bench", "prompt": PROMPT, "raw": True, "stream": True,
-                       "options": {"num_predict": n_tokens, "temperature": 0, "top_k": 1}})
+                       "options": {"num_predict": n, "seed": 1, **sampling}})
     req = urllib.request.Request(url + "/api/generate", data=body.encode(),
                                  headers={"Content-Type": "application/json"})
-    first = last = None
-    final = {}
-    with urllib.request.urlopen(req, timeout=600) as resp:
+    first = last = 0.0
+    count = 0
+    with urllib.request.urlopen(req, timeout=900) as resp:
         for line in resp:
             data = json.loads(line)
             if data.get("done"):
-                final = data
+                count = data["eval_count"]
                 break
-            now = time.perf_counter()
-            first = first or now
-            last = now
-    if first is None or final["eval_count"] < 2:
-        raise SystemExit(f"the model stopped after {final['eval_count']} tokens; a synthetic "
-                         f"model needs random weights (synth_gguf.py --fill random)")
-    daemon_rate = final["eval_count"] / (final["eval_duration"] / 1e9)
-    # Chunks may carry several tokens (the runner merges tokens faster than 40 a second):
-    # count tokens, from the first chunk's arrival (one token) to the last chunk's.
-    return (final["eval_count"] - 1) / (last - first), final["eval_count"], daemon_rate
+            if data.get("response"):
+                last = time.perf_counter()
+                first = first or last
+    return count, first, last
+
+
+def stream_server(url: str, n: int, sampling: dict) -> tuple[int, float, float]:
+    """The same against llama-server's /completion (SSE, a token an event)."""
+    params = {"prompt": PROMPT, "n_predict": n, "stream": True, "seed": 1, "cache_prompt": True,
+              "temperature": sampling["temperature"], "top_k": sampling["top_k"],
+              "top_p": sampling.get("top_p", 1.0), "min_p": sampling.get("min_p", 0.0),
+              "repeat_penalty": sampling["repeat_penalty"],
+              "repeat_last_n": sampling.get("repeat_last_n", 64)}
+    req = urllib.request.Request(url + "/completion", data=json.dumps(params).encode(),
+                                 headers={"Content-Type": "application/json"})
+    first = last = 0.0
+    count = 0
+    with urllib.request.urlopen(req, timeout=900) as resp:
+        for raw in resp:
+            if not raw.startswith(b"data: "):
+                continue
+            data = json.loads(raw[6:])
+            if data.get("stop"):
+                count = data.get("tokens_predicted", count)
+                break
+            if data.get("content"):
+                last = time.perf_counter()
+                first = first or last
+    return count, first, last
+
+
+def one_stream(stream, url: str, n: int, sampling: dict, rounds: int) -> float:
+    rates = []
+    for _ in range(rounds):
+        count, first, last = stream(url, n, sampling)
+        if count < 2 or last <= first:
+            raise SystemExit(f"{url}: the model stopped after {count} tokens (a synthetic model "
+                             f"needs random weights: synth_gguf.py --fill random)")
+        rates.append((count - 1) / (last - first))
+    return statistics.median(rates)
+
+
+def concurrent(stream, url: str, n: int, sampling: dict, streams: int = 4) -> float:
+    """Aggregate tok/s of `streams` requests sent together (wall time of all of them)."""
+    counts: list[int] = []
+
+    def run() -> None:
+        counts.append(stream(url, n, sampling)[0])
+
+    threads = [threading.Thread(target=run) for _ in range(streams)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - start)
+
+
+# ---- servers ---------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("server did not come up")
+
+
+def llama_server(model: Path, plan: dict, parallel: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    args = ["llama-server", "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "-ngl", str(plan["gpu_layers"]), "-c", str(plan["context_length"] * parallel),
+            "-np", str(parallel), "-t", str(plan["threads"]), "-fa",
+            "on" if plan["flash_attn"] else "off", "-ctk", plan["kv_type"], "-ctv",
+            plan["kv_type"], "--no-warmup"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url, proc)
+    return proc, url
+
+
+def llama_bench(model: Path, plan: dict, n: int) -> float | None:
+    if not shutil.which("llama-bench"):
+        return None
+    out = subprocess.run(
+        ["llama-bench", "-m", str(model), "-p", "0", "-n", str(n), "-r", "3", "-o", "json",
+         "-ngl", str(plan["gpu_layers"]), "-t", str(plan["threads"]),
+         "-fa", "1" if plan["flash_attn"] else "0", "-ctk", plan["kv_type"], "-ctv",
+         plan["kv_type"]], capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        print(out.stderr[-2000:], file=sys.stderr)
+        return None
+    return json.loads(out.stdout)[0]["avg_ts"]
+
+
+# ---- one model -------------------------------------------------------------------------
+def bench_model(model: Path, n: int, rounds: int) -> dict:
+    from daemon_process import isolated_env, start_daemon
+
+    from localllm.modelstore.store import ModelStore
+
+    row: dict = {"model": model.name}
+    with tempfile.TemporaryDirectory() as tmp:
+        env = isolated_env(Path(tmp), LOCALLLM_NUM_PARALLEL="4")
+        ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
+        daemon = start_daemon(env)
+        try:
+            stream_localllm(daemon.url, 16, GREEDY)  # load and warm up
+            [plan] = daemon.get("/api/ps")["models"]
+            row["plan"] = (f"{plan['processor']}, {plan['gpu_layers']} layers, {plan['kv_type']} "
+                           f"KV, FA {plan['flash_attn']}, {plan['threads']} threads, "
+                           f"ctx {plan['context_length']} x {plan['num_parallel']} slots")
+            row["ours_greedy"] = one_stream(stream_localllm, daemon.url, n, GREEDY, rounds)
+            row["ours_default"] = one_stream(stream_localllm, daemon.url, n, OLLAMA_DEFAULT,
+                                             rounds)
+            row["ours_x4"] = concurrent(stream_localllm, daemon.url, n, GREEDY)
+        finally:
+            daemon.stop()
+    row["bench_tg"] = llama_bench(model, plan, n)
+    if shutil.which("llama-server"):
+        proc, url = llama_server(model, plan, 1)
+        try:
+            stream_server(url, 16, GREEDY)
+            row["server_greedy"] = one_stream(stream_server, url, n, GREEDY, rounds)
+            row["server_default"] = one_stream(stream_server, url, n, OLLAMA_DEFAULT, rounds)
+        finally:
+            proc.terminate()
+            proc.wait()
+        proc, url = llama_server(model, plan, 4)
+        try:
+            stream_server(url, 16, GREEDY)
+            row["server_x4"] = concurrent(stream_server, url, n, GREEDY)
+        finally:
+            proc.terminate()
+            proc.wait()
+    # Aggregate of 4 streams over one stream, through our API.
+    row["ours_x4_over_1"] = row["ours_x4"] / row["ours_greedy"]
+    return row
+
+
+def fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "" if not a or not b else f"{a / b:.2f}"
+
+
+def table(rows: list[dict], n: int) -> str:
+    lines = [f"Decode tok/s, {n} tokens, client-side (median of rounds; x4 = aggregate of 4 "
+             f"concurrent streams)", "",
+             "| model | llama-bench tg | server greedy | ours greedy | ours/bench | ours/server "
+             "| server default | ours default | ours/server | server x4 | ours x4 | ours x4/server"
+             " x4 | ours x4/ours x1 |",
+             "|" + " --- |" * 14]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {fmt(r.get('bench_tg'))} | {fmt(r.get('server_greedy'))} | "
+            f"{fmt(r['ours_greedy'])} | {ratio(r['ours_greedy'], r.get('bench_tg'))} | "
+            f"{ratio(r['ours_greedy'], r.get('server_greedy'))} | "
+            f"{fmt(r.get('server_default'))} | {fmt(r['ours_default'])} | "
+            f"{ratio(r['ours_default'], r.get('server_default'))} | {fmt(r.get('server_x4'))} | "
+            f"{fmt(r['ours_x4'])} | {ratio(r['ours_x4'], r.get('server_x4'))} | "
+            f"{r['ours_x4_over_1']:.2f} |")
+    lines += [""] + [f"- {r['model']}: {r['plan']}" for r in rows]
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", type=Path)
+    parser.add_argument("--model", type=Path, action="append")
     args = parser.parse_args()
-
-    from daemon_process import isolated_env, start_daemon
-
-    from localllm.modelstore.store import ModelStore
-
-    if args.model:
-        model = args.model
-    else:
+    models = args.model
+    if not models:
         import fetch_test_models
 
-        model = fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")
-    with tempfile.TemporaryDirectory() as tmp:
-        env = isolated_env(Path(tmp))
-        ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
-        daemon = start_daemon(env)
-        try:
-            api_tps(daemon.url, 16)  # load the model and warm up
-            [plan] = daemon.get("/api/ps")["models"]
-            print(f"daemon plan: {plan['processor']}, {plan['gpu_layers']} GPU layers, "
-                  f"{plan['kv_type']} KV, flash attention {plan['flash_attn']}, "
-                  f"{plan['threads']} threads, context {plan['context_length']}")
-            direct, api, reported = [], [], []
-            for _ in range(args.rounds):  # interleaved, so drift hits both alike
-                d, n_direct = direct_tps(model, args.tokens, plan)
-                a, n_api, r = api_tps(daemon.url, args.tokens)
-                direct.append(d)
-                api.append(a)
-                reported.append(r)
-        finally:
-            daemon.stop()
-    d, a, r = statistics.median(direct), statistics.median(api), statistics.median(reported)
-    print(f"model: {model.name}  tokens: {args.tokens}  rounds: {args.rounds}")
-    print(f"llama-cpp-python in-process (Llama.generate): {d:8.1f} tok/s  ({n_direct} tokens)")
-    print(f"daemon, streamed over HTTP (client-side):      {a:8.1f} tok/s  ({n_api} tokens)")
-    print(f"daemon, its own eval rate (eval_count/eval_duration): {r:8.1f} tok/s")
-    print(f"ratio API / direct: {a / d:.3f}  (target >= 0.95)")
+        models = [fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")]
+    rows = []
+    for model in models:
+        rows.append(bench_model(model.resolve(), args.tokens, args.rounds))
+        print(table(rows[-1:], args.tokens), flush=True)
+    text = table(rows, args.tokens)
+    print("\n" + text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_api.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -146,3 +146,22 @@ async def test_a_runner_that_writes_garbage_fails_the_request_and_the_next_one_l
         assert second_pid != first_pid
     finally:
         await scheduler.close()
+
+
+def test_the_sampler_chain_takes_every_ollama_option(parallel_daemon):
+    """Ollama's default sampling (with a repeat penalty fed the prompt) and a strong penalty
+    that must change a greedy answer that repeats itself."""
+    client = ollama.Client(host=parallel_daemon.url)
+    prompt = "Write a haiku about rust."
+    sampled = client.generate(model="smollm2", prompt=prompt, options={
+        "temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "typical_p": 0.95,
+        "repeat_penalty": 1.1, "repeat_last_n": 64, "presence_penalty": 0.5,
+        "frequency_penalty": 0.5, "seed": 7, "num_predict": 24})
+    assert sampled.eval_count == 24
+    plain = client.generate(model="smollm2", prompt=prompt, options={**GREEDY, "num_predict": 40})
+    penalized = client.generate(model="smollm2", prompt=prompt, options={
+        **GREEDY, "num_predict": 40, "repeat_penalty": 2.0, "repeat_last_n": -1})
+    assert plain.response != penalized.response
+    no_penalty_window = client.generate(model="smollm2", prompt=prompt, options={
+        **GREEDY, "num_predict": 40, "repeat_penalty": 2.0, "repeat_last_n": 0})
+    assert no_penalty_window.response == plain.response  # Ollama: repeat_last_n 0 disables it

@@ -143,6 +143,9 @@ class Engine:
                 self._start(sub, free)
             except RequestError as e:
                 sub.emit(Failure(str(e), status=400))
+            except Exception as e:  # this request fails, not the runner
+                log.exception("request %s could not start", sub.request.id)
+                sub.emit(Failure(f"{type(e).__name__}: {e}"))
 
     def _start(self, sub: Submission, free: list[Slot]) -> None:
         request = sub.request

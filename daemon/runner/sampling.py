@@ -35,7 +35,7 @@ class Sampler:
         self.fast_greedy = self.greedy and not penalize and not grammar
         if penalize:
             penalties = llama_cpp.llama_sampler_init_penalties(
-                last_n, options.repeat_penalty, options.frequency_penalty,
+                n_vocab, last_n, options.repeat_penalty, options.frequency_penalty,
                 options.presence_penalty)
             for token in prompt[-last_n:]:
                 llama_cpp.llama_sampler_accept(penalties, token)
