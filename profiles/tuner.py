@@ -268,11 +268,10 @@ class _Evaluator:
         for kv in kv_types or self.kv_candidates():
             type_k, type_v = split_kv(kv)
             for ub in ubatches:
-                # Flash attention on the GPU: a quantized V needs it, and it keeps the compute
-                # buffer from growing with n_ctx x n_head. The CPU-only plan keeps llama.cpp's
-                # defaults (see cpu_plan) unless a pinned quantized cache needs it.
-                flash = gpu or type_k != "f16" or type_v != "f16"
-                settings = ContextSettings(n_ctx, type_k, type_v, flash_attn=flash, n_ubatch=ub)
+                # Flash attention everywhere: a quantized V needs it, it keeps the compute buffer
+                # from growing with n_ctx x n_head, and on the CPU it is faster too (SmolLM2 on
+                # 2 cores, llama_decode: 131 vs 93 tok/s for one sequence, 211 vs 140 for four).
+                settings = ContextSettings(n_ctx, type_k, type_v, flash_attn=True, n_ubatch=ub)
                 options.extend(self.placements(settings))
         feasible = [o for o in options if o.fits]
         if self.request.n_gpu_layers is not None and not feasible:

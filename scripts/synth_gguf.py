@@ -53,10 +53,11 @@ class ShapeConfig:
 
 
 SHAPES: dict[str, ShapeConfig] = {
-    # TinyLlama-1.1B: the "1B" of the H200 baselines.
+    # Llama 3.2 1B: the "1B" of the H200 comparisons with llama-bench and llama-server.
     "llama-1b": ShapeConfig(
-        "llama-1b", "llama", n_layer=22, n_embd=2048, n_ff=5632, n_head=32, n_head_kv=4,
-        head_dim=64, n_vocab=32000, context_length=2048, rope_base=10000.0),
+        "llama-1b", "llama", n_layer=16, n_embd=2048, n_ff=8192, n_head=32, n_head_kv=8,
+        head_dim=64, n_vocab=128256, context_length=131072, tied_embeddings=True,
+        rope_base=500000.0),
     "llama-8b": ShapeConfig(
         "llama-8b", "llama", n_layer=32, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8,
         head_dim=128, n_vocab=128256, context_length=131072, rope_base=500000.0),

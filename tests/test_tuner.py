@@ -173,7 +173,7 @@ def test_cpu_only_plan_matches_cpu_plan_defaults(shapes):
     cpu = load_card("cpu-only")
     plan = tune(shapes["llama-8b"], cpu)
     assert plan.n_gpu_layers == 0 and plan.n_ctx == 4096 and plan.type_k == "f16"
-    assert not plan.flash_attn and not plan.tensor_overrides
+    assert plan.flash_attn and not plan.tensor_overrides  # faster on the CPU too
     assert [m.device for m in plan.memory] == ["CPU"]
     assert plan.n_threads == cpu.cores
 
