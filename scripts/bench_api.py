@@ -54,12 +54,11 @@ def stream_localllm(url: str, n: int, sampling: dict) -> tuple[int, float, float
     first = last = 0.0
     count = 0
     with urllib.request.urlopen(req, timeout=900) as resp:
-        for line in resp:
-            data = json.loads(line)
-            if data.get("done"):
-                count = data["eval_count"]
+        for line in resp:  # parsed only at the end: the client shares the machine's cores
+            if b'"done": true' in line:
+                count = json.loads(line)["eval_count"]
                 break
-            if data.get("response"):
+            if b'"response": ""' not in line:
                 last = time.perf_counter()
                 first = first or last
     return count, first, last
@@ -80,11 +79,10 @@ def stream_server(url: str, n: int, sampling: dict) -> tuple[int, float, float]:
         for raw in resp:
             if not raw.startswith(b"data: "):
                 continue
-            data = json.loads(raw[6:])
-            if data.get("stop"):
-                count = data.get("tokens_predicted", count)
+            if b'"stop":true' in raw or b'"stop": true' in raw:
+                count = json.loads(raw[6:]).get("tokens_predicted", count)
                 break
-            if data.get("content"):
+            if b'"content":""' not in raw and b'"content": ""' not in raw:
                 last = time.perf_counter()
                 first = first or last
     return count, first, last
@@ -174,7 +172,9 @@ def bench_model(model: Path, n: int, rounds: int) -> dict:
 
     row: dict = {"model": model.name}
     with tempfile.TemporaryDirectory() as tmp:
-        env = isolated_env(Path(tmp), LOCALLLM_NUM_PARALLEL="4")
+        # A fixed 4096-token context per slot: the same KV for llama-server, and loads that
+        # do not allocate 128K-token caches.
+        env = isolated_env(Path(tmp), LOCALLLM_NUM_PARALLEL="4", LOCALLLM_CONTEXT_POLICY="fixed")
         ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
         daemon = start_daemon(env)
         try:
