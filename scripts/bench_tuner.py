@@ -210,7 +210,7 @@ def run_fit(path: Path, ctx: int, budget_mib: int, threads: int, tokens: int, kv
     port = _free_port()
     cmd = ["llama-server", "-m", str(path), "-c", str(ctx), "--fit", "on", "--fit-target",
            str(target), "-t", str(threads), "-np", "1", "-fa", "on", "-ctk", kv, "-ctv", kv,
-           "--port", str(port), "--host", "127.0.0.1", "--no-mmap"]
+           "--port", str(port), "--host", "127.0.0.1", "--load-mode", "none"]
     if fill:
         cmd += ["--slot-save-path", str(fill.parent)]
     with sampler as mem, open(log, "w") as logf:
