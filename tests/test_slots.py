@@ -8,6 +8,8 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import ollama
@@ -165,3 +167,34 @@ def test_the_sampler_chain_takes_every_ollama_option(parallel_daemon):
     no_penalty_window = client.generate(model="smollm2", prompt=prompt, options={
         **GREEDY, "num_predict": 40, "repeat_penalty": 2.0, "repeat_last_n": 0})
     assert no_penalty_window.response == plain.response  # Ollama: repeat_last_n 0 disables it
+
+
+CODE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(20))
+
+
+def test_prompt_lookup_drafts_from_the_prompt_and_reports_it(parallel_daemon):
+    """Asked to repeat a listing, the runner drafts from the prompt and the model accepts
+    many drafts; the counts come back on every chunk and in the final object. Without the
+    option nothing is drafted, and the modes not built yet are refused."""
+    messages = [{"role": "user", "content": f"Repeat this code exactly:\n{CODE}"}]
+    options = {**GREEDY, "num_predict": 160}
+
+    def chat(extra: dict) -> list[dict]:
+        body = json.dumps({"model": "smollm2", "messages": messages,
+                           "options": {**options, **extra}}).encode()
+        req = urllib.request.Request(parallel_daemon.url + "/api/chat", data=body)
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return [json.loads(line) for line in resp]
+
+    parts = chat({"speculative": "lookup"})
+    final = parts[-1]
+    drafts = [p["stats"]["draft"] for p in parts[:-1] if "draft" in p.get("stats", {})]
+    assert drafts, "no chunk carried draft statistics"
+    counts = final["stats"]["draft"]
+    assert counts["drafted"] > 0 and 0 < counts["accepted"] <= counts["drafted"]
+    assert final["eval_count"] == 160
+    assert all("draft" not in p.get("stats", {}) for p in chat({}))
+    for mode in ("mtp", "bogus"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            chat({"speculative": mode})
+        assert e.value.code == 400

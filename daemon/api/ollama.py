@@ -81,6 +81,7 @@ def parse_options(body: dict, stored: dict | None = None
         seed=num("seed", int),
         num_predict=_pick(num("num_predict", int, -2), defaults.num_predict),
         stop=get_stop(options),
+        speculative=_speculative(options),
     )
     n_ctx = num("num_ctx", int, 256, 1 << 24)
     load = {}
@@ -89,6 +90,19 @@ def parse_options(body: dict, stored: dict | None = None
         if value is not None:
             load[key] = value
     return sampling, n_ctx, load
+
+
+SPECULATIVE = ("auto", "off", "lookup", "mtp", "draft")
+
+
+def _speculative(options: dict) -> str:
+    """options.speculative (a localllm addition): auto (the plan's choice), off, lookup, mtp,
+    draft."""
+    value = options.get("speculative", "auto")
+    if value not in SPECULATIVE:
+        raise bad_request(f"options.speculative must be one of {', '.join(SPECULATIVE)}",
+                          "speculative")
+    return value
 
 
 def _pick(value, default):
@@ -213,7 +227,8 @@ async def _respond(request: web.Request, common: Common, chat: ChatRequest, shap
             extra = {"logprobs": logprobs} if chat.logprobs is not None else {}
             return web.json_response({"model": model, "created_at": now_iso(),
                                       **shape(parsed), "done": True, **final_extra(done),
-                                      **metrics(gen, done), **extra})
+                                      **metrics(gen, done), **extra,
+                                      "stats": live_stats(done, done.n_ctx, 0)})
         response = web.StreamResponse(headers={"Content-Type": NDJSON})
         parts = run.parts()
         part = await anext(parts)

@@ -38,6 +38,7 @@ from .protocol import (
 )
 from .sampling import RequestError, Sampler, log_probs
 from .slots import Slot, Work
+from .speculation import MAX_DRAFT, Drafting, StepCosts
 
 log = logging.getLogger("localllm.runner")
 STEP_TARGET_S = 0.2
@@ -65,7 +66,7 @@ class Engine:
         self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
         self.n_ctx = self.lm.n_ctx_seq  # what one request may use
         self.slots = [Slot(i) for i in range(self.lm.n_seq)]
-        self.batch_capacity = self.lm.n_batch + self.lm.n_seq
+        self.batch_capacity = self.lm.n_batch + self.lm.n_seq * (1 + MAX_DRAFT)
         self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
         self.inbox: queue.Queue[Submission | None] = queue.Queue()
         self.backlog: collections.deque[Submission] = collections.deque()
@@ -73,6 +74,7 @@ class Engine:
         self._closing = False
         self._prompt_chunk = self.lm.n_batch
         self._embedder = None
+        self.step_costs = StepCosts()
 
     # ---- requests in ---------------------------------------------------------------------
     def submit(self, request: GenerationRequest, emit: Callable[[Event], None],
@@ -165,8 +167,24 @@ class Engine:
         limit = options.num_predict if options.num_predict >= 0 else self.n_ctx
         slot.work = Work(request=request, emit=sub.emit, cancelled=sub.cancelled,
                          prompt=tokens, sampler=sampler, limit=limit, cached=cached)
+        if self._drafts_for(request):
+            work = slot.work
+            work.drafting = Drafting(self.step_costs)
+            work.history = list(tokens)
+            work.drafted, work.draft_accepted = 0, 0
         slot.to_decode = tokens[cached:]
         slot.unread = len(slot.to_decode)
+
+    def _drafts_for(self, request: GenerationRequest) -> bool:
+        """Whether this request drafts by prompt lookup (`options.speculative`; `auto` is the
+        plan's choice). A recurrent state cannot take back rejected drafts: never there."""
+        mode = request.options.speculative
+        if mode in ("mtp", "draft"):
+            raise RequestError(f"speculative '{mode}' is not available in this runner yet; "
+                               f"use 'lookup', 'auto' or 'off'")
+        if mode == "auto":
+            mode = "lookup" if self.plan.speculative in ("prompt-lookup", "lookup") else "off"
+        return mode == "lookup" and not self.lm.recurrent
 
     def _reuse_prefix(self, slot: Slot, tokens: list[int]) -> int:
         """Keep the slot's KV for the longest prefix it shares with `tokens`, if the cache
@@ -219,6 +237,7 @@ class Engine:
         if not rows:
             return
         started = time.perf_counter_ns()
+        n_tokens = self.batch.n_tokens
         code = llama_cpp.llama_decode(self.lm.ctx, self.batch)
         if code != 0:
             self._fail_batch(rows, code)
@@ -241,7 +260,12 @@ class Engine:
                 self._emit_text(slot, token)
         for slot, _, logits_row in rows:
             if slot.work is not None and logits_row >= 0:  # (a stop string may have ended it)
-                self._sample(slot, logits_row)
+                if slot.drafts:
+                    self._verify(slot, logits_row)
+                else:
+                    self._sample(slot, logits_row)
+        if all(not slot.unread for slot, _, _ in rows):  # answering only: what drafts cost
+            self.step_costs.record(n_tokens, (time.perf_counter_ns() - started) / 1e9)
 
     def _fit_prompt_chunk(self, n_tokens: int, elapsed_ns: int) -> None:
         """Size prompt chunks so that one step takes about STEP_TARGET_S: a cancel, a new
@@ -268,6 +292,12 @@ class Engine:
             if len(slot.tokens) + len(slot.to_decode) > self.n_ctx:
                 self._finish(slot, "length")  # context full
                 continue
+            work = slot.work
+            if work.drafting is not None:
+                room = min(self.n_ctx - len(slot.tokens) - 2,
+                           work.limit - len(work.answer) - 1, self.lm.n_batch - n - 1)
+                slot.drafts = work.drafting.propose(work.history, room)
+                slot.to_decode = slot.to_decode[:1] + slot.drafts
             start = n
             for i, token in enumerate(slot.to_decode):
                 n = self._put(n, token, len(slot.tokens) + i, slot.seq_id, True)
@@ -301,10 +331,7 @@ class Engine:
         if self.tokenizer.is_eog(token):
             self._finish(slot, "stop")
             return
-        work.answer.append(token)
-        self.tokens_generated += 1
-        if work.request.logprobs is not None:
-            work.pending_logprobs.append(self._logprob_entry(work, row, token))
+        self._append(work, row, token)
         slot.to_decode = [token]
         if len(work.answer) >= work.limit or len(slot.tokens) + 1 >= self.n_ctx:
             self._emit_text(slot, token)
@@ -312,6 +339,59 @@ class Engine:
                 self._finish(slot, "length")
             return
         slot.fresh = token
+
+    def _append(self, work: Work, row: int, token: int) -> None:
+        work.answer.append(token)
+        if work.drafting is not None:
+            work.history.append(token)
+        self.tokens_generated += 1
+        if work.request.logprobs is not None:
+            work.pending_logprobs.append(self._logprob_entry(work, row, token))
+
+    def _verify(self, slot: Slot, row: int) -> None:
+        """Check the drafts decoded after the slot's last token: sample each position with the
+        request's sampler and keep drafts while they equal the sample; the first sample that
+        differs (or the one after the last draft) is the next token. Cells of rejected drafts
+        leave the KV cache."""
+        work, drafts = slot.work, slot.drafts
+        slot.drafts = []
+        keep = len(slot.tokens) - len(drafts)  # the KV that stays: up to the slot's last token
+        work.drafted += len(drafts)
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            token = work.sampler.sample(self.lm.ctx, row + i)
+            if self.tokenizer.is_eog(token):
+                self._trim(slot, keep)
+                self._finish(slot, "stop")
+                break
+            self._append(work, row + i, token)
+            if i < len(drafts) and token == drafts[i]:
+                accepted += 1
+                work.draft_accepted += 1
+                keep += 1  # already in the cache
+                self._emit_text(slot, token)
+                if slot.work is not None and len(work.answer) >= work.limit:
+                    self._trim(slot, keep)
+                    self._finish(slot, "length")
+                if slot.work is None:
+                    self._trim(slot, keep)
+                    break
+                continue
+            self._trim(slot, keep)
+            slot.to_decode = [token]
+            self._emit_text(slot, token)
+            if slot.work is not None and (len(work.answer) >= work.limit
+                                          or keep + 1 >= self.n_ctx):
+                self._finish(slot, "length")
+            break
+        if drafts:
+            work.drafting.record(len(drafts), accepted)
+
+    def _trim(self, slot: Slot, keep: int) -> None:
+        """Drop the slot's KV cells from position `keep` on (rejected or unused drafts)."""
+        if len(slot.tokens) > keep:
+            llama_cpp.llama_memory_seq_rm(self.lm.memory, slot.seq_id, keep, -1)
+            del slot.tokens[keep:]
 
     def _logprob_entry(self, work: Work, row: int, token: int) -> dict:
         logits = work.sampler.logits(self.lm.ctx, row)

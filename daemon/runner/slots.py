@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .protocol import Event, GenerationRequest
 from .sampling import Sampler
+from .speculation import Drafting
 
 
 class StopMatcher:
@@ -71,8 +72,10 @@ class Work:
     started_ns: int = field(default_factory=time.perf_counter_ns)
     prompt_done_ns: int = 0
     last_progress_ns: int = 0
-    drafted: int | None = None
+    drafted: int | None = None  # set (to 0) when the request drafts
     draft_accepted: int | None = None
+    drafting: Drafting | None = None
+    history: list[int] = field(default_factory=list)  # prompt + answer, for the drafter
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.request.options.stop)
@@ -95,6 +98,7 @@ class Slot:
         self.to_decode: list[int] = []  # tokens to put in the next batch (prompt or answer)
         self.unread: int = 0  # how many of to_decode are prompt tokens still to read
         self.fresh: int | None = None  # sampled and decoded, its text not yet handled
+        self.drafts: list[int] = []  # draft tokens in the batch being decoded
         self.last_used = 0.0
 
     @property

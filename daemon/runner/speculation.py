@@ -1,0 +1,105 @@
+"""Speculative decoding by prompt lookup: draft tokens copied from earlier in the context.
+
+When the last few tokens of the context appeared before, the tokens that followed them then
+are a good guess for what follows now: "rewrite this file", quotes and code edits repeat long
+runs of the prompt. The target model checks the guesses in one pass; sampling each checked
+position with the request's own sampler and keeping guesses while they equal the sample is the
+standard accept/reject rule for a draft that is certain of its tokens, so the output
+distribution is the target model's (and greedy text is unchanged).
+
+How many tokens to draft follows what drafting has earned so far: the acceptance measured on
+this request and the measured cost of a checking pass against a plain step. When no length
+pays, drafting pauses and is tried again later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NGRAM_SIZES = (4, 3, 2)  # longest first: a longer match is a better guess
+MAX_DRAFT = 8
+PAUSE_STEPS = 32  # steps without drafting after drafting stopped paying
+
+
+class PromptLookup:
+    """An index of the context's n-grams to the position after their latest occurrence."""
+
+    def __init__(self):
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
+        self.indexed = 0  # n-grams ending before this position are in the index
+
+    def propose(self, tokens: list[int], n: int) -> list[int]:
+        end = len(tokens) - 1  # the n-gram ending at the last token is the key, not indexed
+        while self.indexed < end:
+            i = self.indexed
+            for size in NGRAM_SIZES:
+                if i + 1 >= size:
+                    self.index[size][tuple(tokens[i + 1 - size:i + 1])] = i + 1
+            self.indexed += 1
+        for size in NGRAM_SIZES:
+            if len(tokens) > size:
+                at = self.index[size].get(tuple(tokens[-size:]))
+                if at is not None:
+                    return tokens[at:at + n]
+        return []
+
+
+@dataclass
+class StepCosts:
+    """Seconds a decode step takes by how many tokens it carries (moving averages), shared by
+    the requests of one engine: the price of checking k drafts against a plain step."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def record(self, n_tokens: int, elapsed: float) -> None:
+        old = self.seconds.get(n_tokens)
+        self.seconds[n_tokens] = elapsed if old is None else 0.8 * old + 0.2 * elapsed
+
+    def ratio(self, n_tokens: int) -> float | None:
+        """Cost of a step of n_tokens over a step of one; None until both were seen."""
+        one, many = self.seconds.get(1), self.seconds.get(n_tokens)
+        if one is None or many is None:
+            return None
+        return many / one
+
+
+@dataclass
+class Drafting:
+    """One request's speculation: its drafter, its draft length and what it has earned."""
+
+    costs: StepCosts
+    lookup: PromptLookup = field(default_factory=PromptLookup)
+    length: int = 4
+    acceptance: float = 0.6  # moving average of accepted / drafted
+    paused: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def propose(self, history: list[int], room: int) -> list[int]:
+        if self.paused > 0:
+            self.paused -= 1
+            return []
+        n = min(self.length, room)
+        return self.lookup.propose(history, n) if n > 0 else []
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / drafted)
+        self.length = self._best_length()
+        if self.length == 0:
+            self.length, self.paused = 2, PAUSE_STEPS
+
+    def _best_length(self) -> int:
+        """The draft length with the most tokens per second of step time: a step with k
+        drafts yields (1 - a^(k+1)) / (1 - a) tokens on average at acceptance a."""
+        a = min(self.acceptance, 0.99)
+        best, best_rate = 0, 1.0  # plain decode: one token per plain step
+        for k in (1, 2, 4, 6, MAX_DRAFT):
+            ratio = self.costs.ratio(1 + k)
+            if ratio is None:
+                ratio = 1.0 + 0.1 * k  # unmeasured: assume a cheap check, and measure it
+            rate = (1 - a ** (k + 1)) / (1 - a) / ratio
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Prompt-lookup speculation through the API: acceptance and speedup against plain decode.
+
+    python scripts/bench_speed.py [--model PATH] [--tokens 400] [--rounds 2]
+
+Two prompts, each answered greedily with `speculative: off` and `lookup` (interleaved rounds,
+medians): repeating a ~400-token code listing with one change (drafts from the prompt should
+pay), and a story (drafts rarely match: adaptive drafting should stay near plain speed). Decode
+speed is the daemon's eval_count / eval_duration. Prints a table, and writes it to
+$OUT/bench_speed.md when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import checkout_imports  # noqa: E402
+
+checkout_imports.bootstrap()
+import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
+
+CODE = "\n".join(f"def scale_{i}(values):\n    return [v * {i} + {i * 3} for v in values]\n"
+                 for i in range(24))
+PROMPTS = {
+    "repeat a code listing with one change":
+        f"Repeat this code exactly, but rename scale_5 to grow_5:\n\n{CODE}",
+    "a story (drafts rarely match)":
+        "Write a long story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def ask(url: str, prompt: str, n: int, mode: str) -> dict:
+    body = json.dumps({"model": "bench", "stream": False,
+                       "messages": [{"role": "user", "content": prompt}],
+                       "options": {"temperature": 0, "num_predict": n, "speculative": mode}})
+    req = urllib.request.Request(url + "/api/chat", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=900) as resp:
+        return json.loads(resp.read())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+
+    from daemon_process import isolated_env, start_daemon
+
+    from localllm.modelstore.store import ModelStore
+
+    model = args.model
+    if model is None:
+        import fetch_test_models
+
+        model = fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")
+    lines = [f"Prompt lookup vs plain greedy decode, {model.name}, {args.tokens} tokens, "
+             f"median of {args.rounds}", "",
+             "| prompt | plain tok/s | lookup tok/s | speedup | drafted | accepted | "
+             "acceptance |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = isolated_env(Path(tmp), LOCALLLM_NUM_PARALLEL="1")
+        ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
+        daemon = start_daemon(env)
+        try:
+            ask(daemon.url, "Hello", 8, "off")  # load
+            for label, prompt in PROMPTS.items():
+                plain, lookup, last = [], [], {}
+                for _ in range(args.rounds):
+                    for mode, rates in (("off", plain), ("lookup", lookup)):
+                        r = ask(daemon.url, prompt, args.tokens, mode)
+                        rates.append(r["eval_count"] / (r["eval_duration"] / 1e9))
+                        if mode == "lookup":
+                            last = r.get("stats", {}).get("draft", {})
+                p, q = statistics.median(plain), statistics.median(lookup)
+                drafted, accepted = last.get("drafted", 0), last.get("accepted", 0)
+                lines.append(f"| {label} | {p:.1f} | {q:.1f} | {q / p:.2f}x | {drafted} | "
+                             f"{accepted} | {accepted / max(drafted, 1):.0%} |")
+                print(lines[-1], flush=True)
+        finally:
+            daemon.stop()
+    text = "\n".join(lines)
+    print("\n" + text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_speed.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
