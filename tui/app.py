@@ -76,6 +76,7 @@ class ChatApp(ChatActions, App[int]):
         self.models: list[str] = []  # stored model names, for /load completion
         self.stored_name = model  # the daemon's name for it ('smollm2' -> 'smollm2:latest')
         self.waiting_since = 0.0
+        self.prompt_progress: tuple[int, int] | None = None  # prompt tokens read, of total
         self._quit_armed_until = 0.0
         self._save_failed = False
         self.keymap, self.key_warnings = keys.read_keymap(config_file())
@@ -206,6 +207,7 @@ class ChatApp(ChatActions, App[int]):
         await self.log_view.mount(view)
         stream = Markdown.get_stream(view.markdown)
         self.streaming, self.turn, self.waiting_since = True, None, time.monotonic()
+        self.prompt_progress = None
         self.rate.reset()
         parts: list[str] = []
         state, last_save, finished = "error", time.monotonic(), False
@@ -222,6 +224,9 @@ class ChatApp(ChatActions, App[int]):
                         await stream.write("".join(unrendered))
                         unrendered.clear()
                         last_render = time.monotonic()
+                if chunk.data.get("progress"):  # a long prompt is being read
+                    self.prompt_progress = (chunk.data["progress"]["prompt_read"],
+                                            chunk.data["progress"]["prompt_total"])
                 if chunk.data.get("stats"):
                     self.turn = TurnStats.from_wire(chunk.data["stats"], chunk.done,
                                                     chunk.data.get("done_reason", ""))
@@ -360,7 +365,10 @@ class ChatApp(ChatActions, App[int]):
         parts = segments(self.turn, self.rate.rate, self.runner, self.streaming)
         if self.streaming and self.turn is None:
             waited = time.monotonic() - self.waiting_since
-            parts = [Segment(f"waiting for the first token… {waited:.1f} s", 0)] + parts
+            read = self.prompt_progress
+            text = (f"reading the prompt: {read[0]:,}/{read[1]:,} tokens… {waited:.1f} s" if read
+                    else f"waiting for the first token… {waited:.1f} s")
+            parts = [Segment(text, 0)] + parts
         if self.stats_line.is_mounted:
             self.stats_line.show(parts)
             self._follow_if_at_bottom()
