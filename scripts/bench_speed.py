@@ -41,10 +41,11 @@ PROMPTS = {
 
 
 def ask(url: str, prompt: str, n: int, mode: str) -> dict:
-    body = json.dumps({"model": "bench", "stream": False,
-                       "messages": [{"role": "user", "content": prompt}],
+    # /api/generate: templated when the model has a chat template, as given when it has none
+    # (the synthetic models of the GPU machine).
+    body = json.dumps({"model": "bench", "stream": False, "prompt": prompt,
                        "options": {"temperature": 0, "num_predict": n, "speculative": mode}})
-    req = urllib.request.Request(url + "/api/chat", data=body.encode(),
+    req = urllib.request.Request(url + "/api/generate", data=body.encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=900) as resp:
         return json.loads(resp.read())
