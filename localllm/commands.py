@@ -399,7 +399,7 @@ def cmd_ps(args) -> int:
         async with Client(_config(args)) as client:
             return await client.request("GET", "/api/ps")
     data = _run(go())
-    rows = [["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "KV", "UNTIL"]]
+    rows = [["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "SLOTS", "KV", "UNTIL"]]
     for m in data["models"]:
         until = m["expires_at"]
         if until.startswith("2318"):
@@ -410,7 +410,8 @@ def cmd_ps(args) -> int:
             until = f"{max(0, int(seconds // 60))} minutes from now" if seconds >= 60 else \
                 f"{max(0, int(seconds))} seconds from now"
         rows.append([m["name"], m["digest"][:12], human_size(m["size"]),
-                     m.get("processor", ""), str(m["context_length"]), m.get("kv_type", ""),
+                     m.get("processor", ""), str(m["context_length"]),
+                     f"{m.get('active', 0)}/{m.get('num_parallel', 1)}", m.get("kv_type", ""),
                      until])
     print(_table(rows))
     for m in data["models"]:  # a model spread over RPC workers: its split, device by device

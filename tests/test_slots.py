@@ -67,6 +67,8 @@ def test_four_parallel_requests_overlap_and_answer_as_they_do_alone(parallel_dae
     assert [texts.get(i) for i in range(4)] == alone
     # Served together, not in turn: every answer had begun before the first one ended.
     assert max(first_token.values()) < min(finished.values())
+    ps = parallel_daemon.cli("ps")
+    assert ps.returncode == 0 and "SLOTS" in ps.stdout and "0/4" in ps.stdout
 
 
 def test_cancelling_during_a_long_prompt_stops_the_runner_within_a_second(parallel_daemon):
