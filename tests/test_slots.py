@@ -110,10 +110,12 @@ def test_a_prefix_past_the_sliding_window_is_read_again_not_reused(parallel_daem
     second_prompt = " ".join(words[:250]) + " Then the story turned: once upon a time"
     warm = client.generate(model="gemma3-270m", prompt=second_prompt,
                            options=options)
-    # A prefix within the window is reused: the same prompt again reads one token.
+    # A prefix within the window is reused: the same prompt again reads one token. (Its text
+    # may differ from warm's: that last token is read alone here, in a chunk there, and
+    # llama.cpp's CPU kernels round the two differently.)
     again = client.generate(model="gemma3-270m", prompt=second_prompt,
                             options=options)
-    assert again.prompt_eval_count <= 2 and again.response == warm.response
+    assert again.prompt_eval_count <= 2
     assert parallel_daemon.cli("stop", "gemma3-270m").returncode == 0
     cold = client.generate(model="gemma3-270m", prompt=second_prompt,
                            options=options)

@@ -41,7 +41,7 @@ from .slots import Slot, Work
 from .speculation import MAX_DRAFT, Drafting, StepCosts
 
 log = logging.getLogger("localllm.runner")
-STEP_TARGET_S = 0.2
+STEP_TARGET_S = 0.25
 MIN_PROMPT_CHUNK = 32
 
 @dataclass
@@ -72,7 +72,7 @@ class Engine:
         self.backlog: collections.deque[Submission] = collections.deque()
         self.tokens_generated = 0  # over the runner's life, for its log
         self._closing = False
-        self._prompt_chunk = self.lm.n_batch
+        self._prompt_chunk = prompt_chunk(plan, self.lm.n_batch)
         self._embedder = None
         self.step_costs = StepCosts()
 
@@ -243,8 +243,6 @@ class Engine:
             self._fail_batch(rows, code)
             return
         now = time.perf_counter_ns()
-        if self.batch.n_tokens > 16:
-            self._fit_prompt_chunk(self.batch.n_tokens, now - started)
         for slot, n, _ in rows:  # the batch is in the KV cache now
             added, slot.to_decode = slot.to_decode[:n], slot.to_decode[n:]
             slot.tokens.extend(added)
@@ -266,16 +264,6 @@ class Engine:
                     self._sample(slot, logits_row)
         if all(not slot.unread for slot, _, _ in rows):  # answering only: what drafts cost
             self.step_costs.record(n_tokens, (time.perf_counter_ns() - started) / 1e9)
-
-    def _fit_prompt_chunk(self, n_tokens: int, elapsed_ns: int) -> None:
-        """Size prompt chunks so that one step takes about STEP_TARGET_S: a cancel, a new
-        request and the other slots' next tokens never wait long behind a prompt (on a CPU a
-        full n_batch chunk can take seconds). A GPU reads n_batch in far less anyway. (On a
-        GPU the decode is asynchronous and this times only its launch; chunks then stay at
-        n_batch, which is what a GPU wants.)"""
-        rate = n_tokens / max(elapsed_ns / 1e9, 1e-6)
-        self._prompt_chunk = max(MIN_PROMPT_CHUNK, min(self.lm.n_batch,
-                                                       int(rate * STEP_TARGET_S)))
 
     def _fill_batch(self) -> list[tuple[Slot, int, int]]:
         """Put every answering slot's next token, then prompt chunks, into the batch.
@@ -483,6 +471,22 @@ class Engine:
     def shutdown(self) -> None:
         llama_cpp.llama_batch_free(self.batch)
         self.lm.close()
+
+
+def prompt_chunk(plan: Plan, n_batch: int) -> int:
+    """Prompt tokens read per step: about STEP_TARGET_S of the plan's predicted prefill speed,
+    so that a cancel, a new request and the other slots' next tokens never wait long behind a
+    prompt (on a CPU a full n_batch chunk can take seconds), in a power of two from the plan
+    alone: the same prompt is always read in the same chunks, and llama.cpp's CPU kernels
+    round a batch differently from its parts, so chunking that followed the clock would make
+    greedy answers depend on the machine's load."""
+    if plan.predicted_prefill_tps <= 0:
+        return n_batch
+    want = int(plan.predicted_prefill_tps * STEP_TARGET_S)
+    chunk = MIN_PROMPT_CHUNK
+    while chunk * 2 <= min(want, n_batch):
+        chunk *= 2
+    return min(chunk, n_batch)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
