@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -136,6 +137,7 @@ def check(path: str, status: int, reply: bytes) -> None:
         assert "error" in json.loads(text), text[:300]
 
 
+SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
 FUZZ = settings(max_examples=40, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
@@ -155,8 +157,12 @@ def test_mutated_bodies_never_make_a_5xx(fuzz_daemon, path, data):
 @given(path=st.sampled_from(list(ROUTES)), raw=st.binary(max_size=200) | st.text(max_size=80)
        .map(lambda t: t.encode("utf-8", "surrogatepass")) | st.builds(
            lambda c: json.dumps({"model": "smollm2", "prompt": "a" + c,
-                                 "messages": [{"role": "user", "content": c}]}).encode(),
-           st.text(st.characters(categories=["Cs"]), min_size=1, max_size=3)))
+                                 "messages": [{"role": "user", "content": c}],
+                                 "options": {"num_predict": 2}}).encode(),
+           # Lone surrogates only: a high one followed by a low one is a valid pair (an
+           # emoji), a request the daemon rightly answers.
+           st.text(st.characters(categories=["Cs"]), min_size=1, max_size=3)
+           .filter(lambda c: not SURROGATE_PAIR.search(c))))
 def test_raw_bytes_and_lone_surrogates_are_4xx(fuzz_daemon, path, raw):
     status, reply = send(fuzz_daemon.url, ROUTES[path][0], path, raw)
     check(path, status, reply)
