@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 
-from .protocol import EmbedRequest, GenerationRequest, TokenCoalescer, event_to_wire
+from .protocol import EmbedRequest, Failure, GenerationRequest, TokenCoalescer, event_to_wire
 
 log = logging.getLogger("localllm.runner")
 
@@ -70,8 +70,6 @@ def read_commands(engine, channel: Channel) -> None:
         try:
             request = GenerationRequest.from_wire(message)
         except (TypeError, ValueError) as e:
-            from .protocol import Failure
-
             send(Failure(f"malformed request: {e}", status=400))
             continue
         engine.submit(request, TokenCoalescer(send, on_end=lambda rid=request_id:

@@ -468,9 +468,6 @@ class Engine:
             llama_cpp.llama_memory_seq_rm(self.lm.memory, slot.seq_id, -1, -1)
             slot.tokens.clear()
 
-    def shutdown(self) -> None:
-        llama_cpp.llama_batch_free(self.batch)
-        self.lm.close()
 
 
 def prompt_chunk(plan: Plan, n_batch: int) -> int:

@@ -35,13 +35,6 @@ class LoadedModel:
     n_swa: int  # sliding window of the SWA layers; 0 when there are none or the cache is full
     recurrent: bool  # recurrent or hybrid: the state cannot be cut back to an earlier position
 
-    def close(self) -> None:
-        if self.ctx:
-            llama_cpp.llama_free(self.ctx)
-            self.ctx = None
-        if self.model:
-            llama_cpp.llama_model_free(self.model)
-            self.model = None
 
 
 def load(model_path: str, plan: Plan) -> LoadedModel:

@@ -1,8 +1,10 @@
 """What the API layer asks of the engine and what the engine answers, free of any wire format.
 
-Routes translate Ollama or OpenAI JSON into a `GenerationRequest`; the runner answers with
-`Token` events and one `Done` (or a `Failure`). These also cross the pipe to the runner process
-as JSON (see `to_wire` / `event_from_wire`).
+The chat layer turns an Ollama or OpenAI request into a `GenerationRequest` (a rendered prompt,
+sampling options, a grammar); the runner answers with `Progress` and `Token` events and one
+`Done` (or a `Failure`). Embedding and tokenize requests get one answer each. All of these cross
+the pipe to the runner process as JSON lines (`to_wire` / `event_from_wire`), and the timeouts
+both sides keep are here too.
 """
 
 from __future__ import annotations

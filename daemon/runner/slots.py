@@ -71,7 +71,6 @@ class Work:
     pending_logprobs: list[dict] = field(default_factory=list)
     started_ns: int = field(default_factory=time.perf_counter_ns)
     prompt_done_ns: int = 0
-    last_progress_ns: int = 0
     drafted: int | None = None  # set (to 0) when the request drafts
     draft_accepted: int | None = None
     drafting: Drafting | None = None
