@@ -27,6 +27,7 @@ from localllm.profiles.plan import Plan
 
 from localllm.config import Config
 
+from .drafting import Speculation, differs, with_speculation
 from .runner.process import RUNNER_COMMAND, LoadError, RunnerProcess
 
 log = logging.getLogger("localllm.scheduler")
@@ -43,6 +44,7 @@ class LoadedModel:
     entry: ModelEntry
     shape: ModelShape  # read once at load; /api/ps and /api/stats use it
     file_id: tuple  # (inode, size, mtime) of the model file when it was loaded
+    speculation: Speculation | None = None  # the drafter it was loaded with
     slots: asyncio.Semaphore = field(init=False)
     active: int = 0  # requests holding a slot
     waiting: int = 0  # requests waiting for a slot
@@ -187,6 +189,8 @@ class Scheduler:
         return bool(model and model.runner.alive and model.entry.digest == entry.digest
                     and (n_ctx is None or n_ctx == model.runner.plan.n_ctx)
                     and not _load_options_differ(model.runner.plan, options)
+                    and not differs(model.speculation or Speculation(model.runner.plan),
+                                    options)
                     and file_id(model.runner.model_path) == model.file_id)
 
     async def _loaded(self, entry: ModelEntry, n_ctx: int | None,
@@ -211,9 +215,11 @@ class Scheduler:
             plan = await asyncio.to_thread(self.planner.choose, shape, name,
                                            context_to_ask(self.config, n_ctx, shape), options)
             path = model_file(self.store, entry)
-            runner = await self._load_stepping_down(name, path, shape, plan)
+            speculation = with_speculation(self.store, entry, shape, plan, options)
+            runner = await self._load_stepping_down(name, path, shape, speculation)
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
-                                keep_alive=self.config.keep_alive_seconds)
+                                keep_alive=self.config.keep_alive_seconds,
+                                speculation=speculation)
             self.models[name] = model
             return model
 
@@ -226,12 +232,14 @@ class Scheduler:
         log.info("unloaded %s", name)
 
     async def _load_stepping_down(self, name: str, path, shape: ModelShape,
-                                  plan: Plan) -> RunnerProcess:
-        """Load with `plan`; when the load fails (out of memory, as a rule, on a GPU), retry
+                                  speculation: Speculation) -> RunnerProcess:
+        """Load with the plan; when the load fails (out of memory, as a rule, on a GPU), retry
         with the planner's next smaller plan, which it records in the saved profile."""
+        plan = speculation.plan
         while True:
             try:
-                return await self._load(name, path, plan)
+                draft = speculation.draft_path if plan.speculative == "draft" else None
+                return await self._load(name, path, plan, draft)
             except LoadError as e:
                 smaller = await asyncio.to_thread(self.planner.step_down, plan, shape, name,
                                                   str(e))
@@ -241,9 +249,9 @@ class Scheduler:
                             name, e, smaller.reasons[-1] if smaller.reasons else "")
                 plan = smaller
 
-    async def _load(self, name: str, path, plan: Plan) -> RunnerProcess:
+    async def _load(self, name: str, path, plan: Plan, draft_path=None) -> RunnerProcess:
         runner = RunnerProcess(name, path, plan, self.log_dir / "runner.log",
-                               command=self.runner_command)
+                               command=self.runner_command, draft_model_path=draft_path)
         log.info("loading %s: %s", name, "; ".join(plan.reasons))
         try:
             await runner.start(timeout=self.config.load_timeout_seconds)

@@ -45,8 +45,9 @@ class Plan:
     n_threads_batch: int = 1
     use_mmap: bool = True
     n_parallel: int = 1  # slots: sequences decoded together, each with n_ctx of KV
-    speculative: str = "none"  # "none", "mtp", "draft", "prompt-lookup"
-    draft_n_max: int = 0
+    speculative: str = "none"  # "none", "lookup", "mtp", "draft" (see daemon/runner/drafters.py)
+    draft_n_max: int = 0  # the longest draft; 0: the runner's default
+    draft_n_gpu_layers: int = 0  # the draft model's layers on the GPU (llama.cpp's -ngld)
     # RPC workers ("host:port") whose devices come before the local GPUs in llama.cpp's device
     # list; tensor_split counts over that list (profiles.rpc_plan makes such plans).
     rpc_workers: tuple[str, ...] = ()
@@ -64,7 +65,8 @@ class Plan:
         return (self.n_ctx, self.n_gpu_layers, self.tensor_overrides, self.tensor_split,
                 self.type_k, self.type_v, self.flash_attn, self.swa_full, self.n_batch,
                 self.n_ubatch, self.n_threads, self.n_threads_batch, self.use_mmap,
-                self.n_parallel, self.speculative, self.draft_n_max, self.rpc_workers)
+                self.n_parallel, self.speculative, self.draft_n_max, self.draft_n_gpu_layers,
+                self.rpc_workers)
 
     def vram_bytes(self) -> int:
         return sum(m.total for m in self.memory if m.device != "CPU")

@@ -234,7 +234,9 @@ def _add_metadata(w: GGUFWriter, c: ShapeConfig, qtype: GGMLQuantizationType) ->
         w.add_expert_feed_forward_length(c.n_ff_expert)
     if c.full_attention_interval:
         w.add_full_attention_interval(c.full_attention_interval)
-        w.add_rope_dimension_sections([11, 11, 10, 0])
+        # M-RoPE sections split the rotated half-dimensions (Qwen3.5: 64 -> 11 + 11 + 10)
+        half = (c.rope_dims or c.head_dim) // 2
+        w.add_rope_dimension_sections([half - 2 * (half // 3), half // 3, half // 3, 0])
         s = c.ssm
         w.add_ssm_conv_kernel(s["d_conv"])
         w.add_ssm_state_size(s["d_state"])
@@ -276,6 +278,24 @@ def _random_row_block(ne0: int, ggml_type: GGMLQuantizationType, rng) -> bytes:
     Quantizing every weight would take minutes for a 27B model; repeating a valid block gives
     finite outputs at disk speed. Types the gguf package cannot quantize fall back to zeros."""
     rows = rng.standard_normal((16, ne0), dtype=np.float32) * 0.02
+    return _encode(rows, ggml_type)
+
+
+def _noise(name: str, dims: tuple[int, ...], ggml_type: GGMLQuantizationType, rng) -> bytes:
+    """Every weight of one tensor drawn at random, scaled so that activations neither vanish
+    nor explode through the blocks: matrices ~ N(0, 1/fan_in), norms near one, the recurrent
+    decay (ssm_a, stored negated as llama.cpp expects) near -1; the output matrix larger."""
+    if len(dims) == 1:
+        center = -1.0 if name.endswith("ssm_a") else 0.0 if name.endswith("bias") else 1.0
+        return (center + 0.1 * rng.standard_normal(dims[0])).astype(np.float32).tobytes()
+    rows = rng.standard_normal((_rows(dims), dims[0]), dtype=np.float32) / np.sqrt(dims[0])
+    if name == "output.weight":  # sharp logits: greedy picks seldom hang on a near-tie
+        rows *= 8.0
+    return _encode(rows, ggml_type)
+
+
+def _encode(rows: np.ndarray, ggml_type: GGMLQuantizationType) -> bytes:
+    rows = rows.astype(np.float32, copy=False)
     if ggml_type == GGMLQuantizationType.F32:
         return rows.tobytes()
     if ggml_type == GGMLQuantizationType.F16:
@@ -283,14 +303,16 @@ def _random_row_block(ne0: int, ggml_type: GGMLQuantizationType, rng) -> bytes:
     try:
         return gguf_quants.quantize(rows, ggml_type).tobytes()
     except (NotImplementedError, gguf_quants.QuantError):
-        return bytes(tensor_bytes((ne0, 16), ggml_type))
+        return bytes(tensor_bytes((rows.shape[1], rows.shape[0]), ggml_type))
 
 
 def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
                fill: str = "sparse", seed: int = 0) -> Path:
-    """Write the model; return its path. `fill` is sparse, random or zeros."""
-    if fill not in ("sparse", "random", "zeros"):
-        raise ValueError(f"fill must be sparse, random or zeros, not {fill!r}")
+    """Write the model; return its path. `fill` is sparse, random, noise or zeros: random tiles
+    a few random rows (disk speed, for big shapes), noise draws every weight (tiny shapes: a
+    model whose logits differ from token to token, for tests of exact greedy output)."""
+    if fill not in ("sparse", "random", "noise", "zeros"):
+        raise ValueError(f"fill must be sparse, random, noise or zeros, not {fill!r}")
     try:
         quant = GGMLQuantizationType[qtype.upper()]
     except KeyError:
@@ -321,6 +343,8 @@ def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
             nbytes = tensor_bytes(dims, ggml_type)
             if fill == "zeros":
                 _write_repeated(f, b"\0" * (1 << 20), nbytes)
+            elif fill == "noise":
+                f.write(_noise(_name, dims, ggml_type, rng))
             else:
                 key = (dims[0], ggml_type)
                 if key not in blocks:
@@ -367,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", nargs="?", help="the .gguf file to write")
     p.add_argument("--type", default="Q4_0",
                    help="ggml type of the matrices (Q4_0, Q8_0, Q4_K, F16...)")
-    p.add_argument("--fill", default="sparse", choices=("sparse", "random", "zeros"))
+    p.add_argument("--fill", default="sparse", choices=("sparse", "random", "noise", "zeros"))
     p.add_argument("--tiny", action="store_true", help="toy dimensions of the same architecture")
     p.add_argument("--list", action="store_true", help="list the shapes")
     args = p.parse_args(argv)

@@ -139,6 +139,28 @@ def get_number(body: dict, key: str, kind: type = float, minimum: float | None =
     return value
 
 
+SPECULATIVE = ("auto", "off", "lookup", "mtp", "draft")
+
+
+def get_speculative(body: dict) -> str:
+    """`speculative` (a localllm addition, in Ollama's options or an OpenAI body): auto (the
+    plan's choice), off, lookup, mtp, draft; mtp and draft load the model with that drafter."""
+    value = body.get("speculative", "auto")
+    if value not in SPECULATIVE:
+        raise bad_request(f"speculative must be one of {', '.join(SPECULATIVE)}", "speculative")
+    return value
+
+
+def speculation_load_options(body: dict) -> dict:
+    """The load options `speculative` and `draft_model` (the name of a stored draft model)."""
+    from ..drafting import load_options
+
+    draft_model = body.get("draft_model")
+    if draft_model is not None and (not isinstance(draft_model, str) or not draft_model):
+        raise bad_request("draft_model must be a model's name", "draft_model")
+    return load_options({**body, "speculative": get_speculative(body)})
+
+
 def get_stop(body: dict, key: str = "stop") -> tuple[str, ...]:
     value = body.get(key)
     if value is None:

@@ -34,12 +34,14 @@ from .common import (
     get_messages,
     get_model_field,
     get_number,
+    get_speculative,
     get_stop,
     get_str,
     get_tool_choice,
     get_tools,
     has_images,
     read_json,
+    speculation_load_options,
 )
 
 routes = web.RouteTableDef()
@@ -81,7 +83,7 @@ def parse_options(body: dict, stored: dict | None = None
         seed=num("seed", int),
         num_predict=_pick(num("num_predict", int, -2), defaults.num_predict),
         stop=get_stop(options),
-        speculative=_speculative(options),
+        speculative=get_speculative(options),
     )
     n_ctx = num("num_ctx", int, 256, 1 << 24)
     load = {}
@@ -89,20 +91,8 @@ def parse_options(body: dict, stored: dict | None = None
         value = num(key, int, -1)
         if value is not None:
             load[key] = value
+    load.update(speculation_load_options(options))
     return sampling, n_ctx, load
-
-
-SPECULATIVE = ("auto", "off", "lookup", "mtp", "draft")
-
-
-def _speculative(options: dict) -> str:
-    """options.speculative (a localllm addition): auto (the plan's choice), off, lookup, mtp,
-    draft."""
-    value = options.get("speculative", "auto")
-    if value not in SPECULATIVE:
-        raise bad_request(f"options.speculative must be one of {', '.join(SPECULATIVE)}",
-                          "speculative")
-    return value
 
 
 def _pick(value, default):

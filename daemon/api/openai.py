@@ -23,11 +23,13 @@ from .common import (
     get_bool,
     get_messages,
     get_number,
+    get_speculative,
     get_stop,
     get_str,
     get_tool_choice,
     get_tools,
     has_images,
+    speculation_load_options,
     read_json,
 )
 
@@ -54,6 +56,7 @@ def parse_sampling(body: dict) -> SamplingOptions:
         seed=get_number(body, "seed", int),
         num_predict=-1 if max_tokens is None else max_tokens,
         stop=get_stop(body),
+        speculative=get_speculative(body),
     )
 
 
@@ -65,9 +68,17 @@ def finish_reason(done: Done, parsed_calls: bool) -> str:
 
 def usage(done: Done) -> dict:
     # prompt_tokens counts the whole prompt, as OpenAI bills it; the cached part is reported too.
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.eval_count,
-            "total_tokens": done.prompt_tokens + done.eval_count,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+    out = {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.eval_count,
+           "total_tokens": done.prompt_tokens + done.eval_count,
+           "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+    if done.drafted is not None:
+        # OpenAI's predicted-output fields are the same numbers: draft tokens the model took
+        # and those it threw away; `draft` is the Ollama side's stats.draft.
+        accepted = done.draft_accepted or 0
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": done.drafted - accepted}
+        out["draft"] = {"drafted": done.drafted, "accepted": accepted}
+    return out
 
 
 def parse_response_format(body: dict):
@@ -158,7 +169,8 @@ async def _complete(request: web.Request, body: dict, chat_request: ChatRequest,
     want_logprobs = chat_request.logprobs is not None
     custom = await asyncio.to_thread(read_customization, app[STORE], entry)
 
-    async with answer(app, entry, chat_request, None, {}, custom=custom) as run:
+    async with answer(app, entry, chat_request, None, speculation_load_options(body),
+                      custom=custom) as run:
         if not stream:
             parsed, done, logprobs = await run.whole()
             reason = finish_reason(done, bool(parsed.tool_calls))

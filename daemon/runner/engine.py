@@ -25,6 +25,7 @@ import llama_cpp
 from localllm.profiles.plan import Plan
 
 from . import model as llama
+from .drafters import DraftModel, MTPDrafter, Want
 from .protocol import (
     Done,
     EmbedRequest,
@@ -43,6 +44,7 @@ from .speculation import MAX_DRAFT, Drafting, StepCosts
 log = logging.getLogger("localllm.runner")
 STEP_TARGET_S = 0.25
 MIN_PROMPT_CHUNK = 32
+MTP_DRAFT = 3
 
 @dataclass
 class Submission:
@@ -60,14 +62,31 @@ class Question:
 
 
 class Engine:
-    def __init__(self, model_path: str, plan: Plan):
+    def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None):
         self.plan = plan
-        self.lm = llama.load(model_path, plan)
+        self.speculative = plan_speculation(plan.speculative)
+        # MTP's acceptance falls fast after the first few drafts (and each draft length is a
+        # recurrent-state snapshot on hybrid models): a shorter default there.
+        default_cap = MTP_DRAFT if self.speculative == "mtp" else MAX_DRAFT
+        self.draft_cap = min(plan.draft_n_max or default_cap, MAX_DRAFT)
+        # A recurrent state takes back rejected drafts from snapshots llama.cpp keeps: as many
+        # as the longest draft (and one for the MTP prefix rule), only when the plan drafts.
+        self.lm = llama.load(model_path, plan,
+                             rollback=self.draft_cap + 1 if self.speculative != "none" else 0)
         self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
         self.n_ctx = self.lm.n_ctx_seq  # what one request may use
         self.slots = [Slot(i) for i in range(self.lm.n_seq)]
         self.batch_capacity = self.lm.n_batch + self.lm.n_seq * (1 + MAX_DRAFT)
         self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
+        self.drafter: MTPDrafter | DraftModel | None = None
+        if self.speculative == "mtp":
+            self.drafter = MTPDrafter(self.lm, plan, self.batch_capacity)
+        elif self.speculative == "draft":
+            if not draft_model_path:
+                raise llama.ModelLoadError("the plan drafts with a draft model but none was "
+                                           "given (pair one: options.draft_model or the "
+                                           "catalog's draft)")
+            self.drafter = DraftModel(draft_model_path, self.lm, plan, self.batch_capacity)
         self.inbox: queue.Queue[Submission | None] = queue.Queue()
         self.backlog: collections.deque[Submission] = collections.deque()
         self.tokens_generated = 0  # over the runner's life, for its log
@@ -167,24 +186,31 @@ class Engine:
         limit = options.num_predict if options.num_predict >= 0 else self.n_ctx
         slot.work = Work(request=request, emit=sub.emit, cancelled=sub.cancelled,
                          prompt=tokens, sampler=sampler, limit=limit, cached=cached)
-        if self._drafts_for(request):
+        mode = self._drafting_mode(request)
+        if mode is not None:
             work = slot.work
-            work.drafting = Drafting(self.step_costs)
+            work.drafting = Drafting(self.step_costs, mode, max_length=self.draft_cap)
             work.history = list(tokens)
             work.drafted, work.draft_accepted = 0, 0
         slot.to_decode = tokens[cached:]
         slot.unread = len(slot.to_decode)
 
-    def _drafts_for(self, request: GenerationRequest) -> bool:
-        """Whether this request drafts by prompt lookup (`options.speculative`; `auto` is the
-        plan's choice). A recurrent state cannot take back rejected drafts: never there."""
+    def _drafting_mode(self, request: GenerationRequest) -> str | None:
+        """Where this request's drafts come from (`options.speculative`; `auto` is the plan's
+        choice), or None. MTP and a draft model must have been loaded with the model (the
+        daemon reloads it when a request asks for them); a recurrent state can take drafts
+        back only when the plan drafts (llama.cpp then keeps snapshots of it)."""
         mode = request.options.speculative
-        if mode in ("mtp", "draft"):
-            raise RequestError(f"speculative '{mode}' is not available in this runner yet; "
-                               f"use 'lookup', 'auto' or 'off'")
         if mode == "auto":
-            mode = "lookup" if self.plan.speculative in ("prompt-lookup", "lookup") else "off"
-        return mode == "lookup" and not self.lm.recurrent
+            mode = self.speculative if self.speculative != "none" else "off"
+        if mode == "off":
+            return None
+        if mode in ("mtp", "draft") and (self.drafter is None or self.drafter.kind != mode):
+            raise RequestError(f"speculative '{mode}': the model was loaded without "
+                               f"{'its MTP layers' if mode == 'mtp' else 'a draft model'}")
+        if self.lm.recurrent and self.lm.n_rollback < self.draft_cap:
+            return None
+        return mode
 
     def _reuse_prefix(self, slot: Slot, tokens: list[int]) -> int:
         """Keep the slot's KV for the longest prefix it shares with `tokens`, if the cache
@@ -193,21 +219,28 @@ class Engine:
         A sliding-window cache keeps only the last `n_swa` positions of its SWA layers: reading
         on from position p needs positions p - n_swa .. p - 1 there, so a prefix whose window
         was overwritten is read again (llama.cpp would accept the cut and read stale cells). A
-        recurrent state cannot be cut back at all: only a pure extension is reused."""
+        recurrent state can be cut back only as far as llama.cpp keeps snapshots of it (none
+        unless the plan drafts): otherwise only a pure extension is reused."""
         mem, seq = self.lm.memory, slot.seq_id
         common = min(_common_prefix(slot.tokens, tokens), len(tokens) - 1)
         if common > 0 and self.lm.n_swa:
             pos_min = llama_cpp.llama_memory_seq_pos_min(mem, seq)
             if pos_min > max(0, common - self.lm.n_swa):
                 common = 0
-        if common > 0 and self.lm.recurrent and common < len(slot.tokens):
+        if self.drafter is not None:
+            common = min(common, self.drafter.reusable(seq, common))
+        if (common > 0 and self.lm.recurrent
+                and len(slot.tokens) - common > self.lm.n_rollback):
             common = 0
         if common > 0 and llama_cpp.llama_memory_seq_rm(mem, seq, common, -1):
             del slot.tokens[common:]
-            return common
-        llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
-        slot.tokens.clear()
-        return 0
+        else:
+            llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+            slot.tokens.clear()
+            common = 0
+        if self.drafter is not None:
+            self.drafter.forget(seq, common)
+        return common
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> None:
@@ -264,6 +297,43 @@ class Engine:
                     self._sample(slot, logits_row)
         if all(not slot.unread for slot, _, _ in rows):  # answering only: what drafts cost
             self.step_costs.record(n_tokens, (time.perf_counter_ns() - started) / 1e9)
+        if isinstance(self.drafter, MTPDrafter):
+            self._feed_mtp(rows, n_tokens)
+        self._prepare_drafts()
+
+    def _feed_mtp(self, rows: list[tuple[Slot, int, int]], n_tokens: int) -> None:
+        """Tell the MTP drafter what this step committed, with the target's hidden states."""
+        self.drafter.start_step(n_tokens)
+        for slot, _, _ in rows:
+            answering = slot.work is not None and not slot.unread and slot.to_decode
+            self.drafter.observe(slot.seq_id, slot.first_pos, slot.tokens[slot.first_pos:],
+                                 slot.batch_row, slot.to_decode[0] if answering else None)
+
+    def _prepare_drafts(self) -> None:
+        """The drafts each answering slot's next step checks (slot.drafts)."""
+        wants = []
+        for slot in self.slots:
+            slot.drafts = []
+            work = slot.work
+            if work is None or work.drafting is None or slot.unread or not slot.to_decode:
+                continue
+            room = min(self.n_ctx - len(slot.tokens) - 2, work.limit - len(work.answer) - 1)
+            n = work.drafting.wanted(room)
+            if n <= 0:
+                continue
+            if work.drafting.mode == "lookup":
+                slot.drafts = work.drafting.lookup.propose(work.history, n)
+            else:
+                wants.append(Want(slot.seq_id, slot.tokens, slot.to_decode[0], n))
+        if self.drafter is None or (not wants and not isinstance(self.drafter, MTPDrafter)):
+            return
+        started = time.perf_counter()
+        drafts = self.drafter.draft(wants)  # MTP: also feeds its cache, drafts or not
+        if drafts:
+            self.step_costs.record_drafting(sum(len(d) for d in drafts.values()),
+                                            time.perf_counter() - started)
+        for slot in self.slots:
+            slot.drafts = drafts.get(slot.seq_id, slot.drafts)
 
     def _fill_batch(self) -> list[tuple[Slot, int, int]]:
         """Put every answering slot's next token, then prompt chunks, into the batch.
@@ -280,22 +350,20 @@ class Engine:
             if len(slot.tokens) + len(slot.to_decode) > self.n_ctx:
                 self._finish(slot, "length")  # context full
                 continue
-            work = slot.work
-            if work.drafting is not None:
-                room = min(self.n_ctx - len(slot.tokens) - 2,
-                           work.limit - len(work.answer) - 1, self.lm.n_batch - n - 1)
-                slot.drafts = work.drafting.propose(work.history, room)
+            if slot.drafts:
+                slot.drafts = slot.drafts[:max(0, self.lm.n_batch - n - 1)]
                 slot.to_decode = slot.to_decode[:1] + slot.drafts
-            start = n
+            slot.first_pos, slot.batch_row = len(slot.tokens), n
             for i, token in enumerate(slot.to_decode):
                 n = self._put(n, token, len(slot.tokens) + i, slot.seq_id, True)
-            rows.append((slot, len(slot.to_decode), start))
+            rows.append((slot, len(slot.to_decode), slot.batch_row))
         budget = min(self.lm.n_batch, self._prompt_chunk) - n
         for slot in reading:
             if budget <= 0:
                 break
             take = min(slot.unread, budget)
             last = take == slot.unread
+            slot.first_pos, slot.batch_row = len(slot.tokens), n
             for i in range(take):
                 n = self._put(n, slot.to_decode[i], len(slot.tokens) + i, slot.seq_id,
                               last and i == take - 1)
@@ -378,7 +446,8 @@ class Engine:
     def _trim(self, slot: Slot, keep: int) -> None:
         """Drop the slot's KV cells from position `keep` on (rejected or unused drafts)."""
         if len(slot.tokens) > keep:
-            llama_cpp.llama_memory_seq_rm(self.lm.memory, slot.seq_id, keep, -1)
+            if not llama_cpp.llama_memory_seq_rm(self.lm.memory, slot.seq_id, keep, -1):
+                raise RuntimeError("llama.cpp could not take back rejected drafts")
             del slot.tokens[keep:]
 
     def _logprob_entry(self, work: Work, row: int, token: int) -> dict:
@@ -454,6 +523,7 @@ class Engine:
         slot.work = None
         slot.to_decode = []
         slot.unread = 0
+        slot.drafts = []
         slot.last_used = time.monotonic()
 
     def _fail_batch(self, rows: list[tuple[Slot, int, int]], code: int | str) -> None:
@@ -467,7 +537,19 @@ class Engine:
             slot.work, slot.fresh, slot.to_decode, slot.unread = None, None, [], 0
             llama_cpp.llama_memory_seq_rm(self.lm.memory, slot.seq_id, -1, -1)
             slot.tokens.clear()
+            slot.drafts = []
+            if self.drafter is not None:
+                self.drafter.forget(slot.seq_id, 0)
 
+
+
+def plan_speculation(mode: str) -> str:
+    """The plan's speculative mode in the runner's words ("prompt-lookup" is an older name)."""
+    mode = {"prompt-lookup": "lookup", "off": "none", "": "none"}.get(mode, mode)
+    if mode not in ("none", "lookup", "mtp", "draft"):
+        raise llama.ModelLoadError(f"unknown speculative mode {mode!r} in the plan; use none, "
+                                   f"lookup, mtp or draft")
+    return mode
 
 
 def prompt_chunk(plan: Plan, n_batch: int) -> int:

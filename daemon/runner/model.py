@@ -34,16 +34,21 @@ class LoadedModel:
     n_vocab: int
     n_swa: int  # sliding window of the SWA layers; 0 when there are none or the cache is full
     recurrent: bool  # recurrent or hybrid: the state cannot be cut back to an earlier position
+    n_rollback: int  # ... except by this many positions (recurrent-state snapshots)
 
 
-
-def load(model_path: str, plan: Plan) -> LoadedModel:
+def load(model_path: str, plan: Plan, rollback: int = 0) -> LoadedModel:
     """The model with the plan's placement and a context of `plan.n_parallel` sequences, each
-    with `plan.n_ctx` cells of its own (non-unified KV: slots never evict each other)."""
+    with `plan.n_ctx` cells of its own (non-unified KV: slots never evict each other).
+
+    With `plan.speculative == "mtp"` the NextN layers are loaded too (llama.cpp skips them
+    otherwise). `rollback`: how many positions a recurrent state must be able to take back
+    (rejected drafts); llama.cpp keeps that many snapshots of it per sequence."""
     llama_cpp.llama_backend_init()
     mparams = llama_cpp.llama_model_default_params()
     mparams.n_gpu_layers = plan.n_gpu_layers
     mparams.use_mmap = plan.use_mmap
+    mparams.load_mtp = plan.speculative == "mtp"
     keep_alive = [apply_tensor_overrides(mparams, plan.tensor_overrides)]
     if plan.tensor_split:
         split = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*plan.tensor_split)
@@ -57,21 +62,8 @@ def load(model_path: str, plan: Plan) -> LoadedModel:
     if not model:
         raise ModelLoadError(f"llama.cpp could not load {model_path} (see the runner log)")
     n_seq = max(1, plan.n_parallel)
-    cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = plan.n_ctx * n_seq
-    cparams.n_batch = plan.n_batch
-    cparams.n_ubatch = plan.n_ubatch
-    cparams.n_seq_max = n_seq
-    cparams.n_threads = plan.n_threads
-    cparams.n_threads_batch = plan.n_threads_batch
-    cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if plan.flash_attn
-                               else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-    cparams.type_k = GGML_TYPES[plan.type_k]
-    cparams.type_v = GGML_TYPES[plan.type_v]
-    cparams.swa_full = plan.swa_full
-    cparams.kv_unified = False
-    cparams.embeddings = False
-    cparams.no_perf = True
+    cparams = context_params(plan, n_seq, plan.n_batch)
+    cparams.n_rs_seq = rollback
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     if not ctx:
         llama_cpp.llama_model_free(model)
@@ -85,8 +77,28 @@ def load(model_path: str, plan: Plan) -> LoadedModel:
         n_ctx_seq=llama_cpp.llama_n_ctx_seq(ctx), n_batch=llama_cpp.llama_n_batch(ctx),
         n_seq=llama_cpp.llama_n_seq_max(ctx), n_vocab=llama_cpp.llama_vocab_n_tokens(vocab),
         n_swa=0 if plan.swa_full else llama_cpp.llama_model_n_swa(model),
-        recurrent=recurrent,
+        recurrent=recurrent, n_rollback=llama_cpp.llama_n_rs_seq(ctx),
     )
+
+
+def context_params(plan: Plan, n_seq: int, n_batch: int):
+    """Context parameters as the plan says: `n_seq` sequences of `plan.n_ctx` cells each."""
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = plan.n_ctx * n_seq
+    cparams.n_batch = n_batch
+    cparams.n_ubatch = min(plan.n_ubatch, n_batch)
+    cparams.n_seq_max = n_seq
+    cparams.n_threads = plan.n_threads
+    cparams.n_threads_batch = plan.n_threads_batch
+    cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if plan.flash_attn
+                               else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    cparams.type_k = GGML_TYPES[plan.type_k]
+    cparams.type_v = GGML_TYPES[plan.type_v]
+    cparams.swa_full = plan.swa_full
+    cparams.kv_unified = False
+    cparams.embeddings = False
+    cparams.no_perf = True
+    return cparams
 
 
 class Tokenizer:

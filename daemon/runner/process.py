@@ -54,9 +54,10 @@ class RunnerRequestFailed(Exception):
 
 class RunnerProcess:
     def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path,
-                 command: Sequence[str] = RUNNER_COMMAND):
+                 command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None):
         self.model_name = model_name
         self.model_path = model_path
+        self.draft_model_path = draft_model_path
         self.plan = plan
         self.log_path = log_path
         self.command = tuple(command)
@@ -93,7 +94,8 @@ class RunnerProcess:
                 limit=STREAM_LIMIT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         self._send({"op": "load", "model_path": str(self.model_path),
-                    "plan": self.plan.to_dict()})
+                    "plan": self.plan.to_dict(),
+                    "draft_model_path": str(self.draft_model_path or "") or None})
         try:
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         except TimeoutError:

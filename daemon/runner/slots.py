@@ -97,7 +97,9 @@ class Slot:
         self.to_decode: list[int] = []  # tokens to put in the next batch (prompt or answer)
         self.unread: int = 0  # how many of to_decode are prompt tokens still to read
         self.fresh: int | None = None  # sampled and decoded, its text not yet handled
-        self.drafts: list[int] = []  # draft tokens in the batch being decoded
+        self.drafts: list[int] = []  # draft tokens for (then in) the batch being decoded
+        self.first_pos = 0  # where this step's tokens start in the sequence
+        self.batch_row = 0  # and in the batch
         self.last_used = 0.0
 
     @property

@@ -1,15 +1,18 @@
-"""Speculative decoding by prompt lookup: draft tokens copied from earlier in the context.
+"""Speculative decoding: how long a draft to ask for, and drafting by prompt lookup.
 
-When the last few tokens of the context appeared before, the tokens that followed them then
-are a good guess for what follows now: "rewrite this file", quotes and code edits repeat long
-runs of the prompt. The target model checks the guesses in one pass; sampling each checked
-position with the request's own sampler and keeping guesses while they equal the sample is the
-standard accept/reject rule for a draft that is certain of its tokens, so the output
-distribution is the target model's (and greedy text is unchanged).
+Drafts come from prompt lookup (here), or from a model (drafters.py: the target's own MTP
+layers, or a small draft model). Prompt lookup: when the last few tokens of the context
+appeared before, the tokens that followed them then are a good guess for what follows now;
+"rewrite this file", quotes and code edits repeat long runs of the prompt.
+
+The target model checks the drafts in one pass. Sampling each checked position with the
+request's own sampler and keeping drafts while they equal the sample is the standard
+accept/reject rule for a draft that is certain of its tokens (lookup, and the greedy drafts of
+a model), so the output distribution is the target model's and greedy text is unchanged.
 
 How many tokens to draft follows what drafting has earned so far: the acceptance measured on
-this request and the measured cost of a checking pass against a plain step. When no length
-pays, drafting pauses and is tried again later.
+this request, the measured cost of a checking pass against a plain step, and what a model
+drafter spends per draft. When no length pays, drafting pauses and is tried again later.
 """
 
 from __future__ import annotations
@@ -47,13 +50,24 @@ class PromptLookup:
 @dataclass
 class StepCosts:
     """Seconds a decode step takes by how many tokens it carries (moving averages), shared by
-    the requests of one engine: the price of checking k drafts against a plain step."""
+    the requests of one engine: the price of checking k drafts against a plain step; and what
+    a model drafter takes per drafted token."""
 
     seconds: dict[int, float] = field(default_factory=dict)
+    per_draft: float = 0.0  # seconds a model drafter spends per draft token
 
     def record(self, n_tokens: int, elapsed: float) -> None:
         old = self.seconds.get(n_tokens)
         self.seconds[n_tokens] = elapsed if old is None else 0.8 * old + 0.2 * elapsed
+
+    def record_drafting(self, n_drafts: int, elapsed: float) -> None:
+        each = elapsed / n_drafts
+        self.per_draft = each if not self.per_draft else 0.8 * self.per_draft + 0.2 * each
+
+    def draft_ratio(self, k: int) -> float:
+        """Drafting k tokens over a plain step (0 for prompt lookup: it costs no decode)."""
+        one = self.seconds.get(1)
+        return k * self.per_draft / one if one else 0.0
 
     def ratio(self, n_tokens: int) -> float | None:
         """Cost of a step of n_tokens over a step of one; None until both were seen."""
@@ -65,9 +79,12 @@ class StepCosts:
 
 @dataclass
 class Drafting:
-    """One request's speculation: its drafter, its draft length and what it has earned."""
+    """One request's speculation: where its drafts come from ("lookup", "mtp", "draft"), its
+    draft length and what drafting has earned."""
 
     costs: StepCosts
+    mode: str = "lookup"
+    max_length: int = MAX_DRAFT
     lookup: PromptLookup = field(default_factory=PromptLookup)
     length: int = 4
     acceptance: float = 0.6  # moving average of accepted / drafted
@@ -75,12 +92,15 @@ class Drafting:
     drafted: int = 0
     accepted: int = 0
 
-    def propose(self, history: list[int], room: int) -> list[int]:
+    def __post_init__(self) -> None:
+        self.length = min(self.length, self.max_length)
+
+    def wanted(self, room: int) -> int:
+        """How many drafts to ask for this step (0 while drafting is paused)."""
         if self.paused > 0:
             self.paused -= 1
-            return []
-        n = min(self.length, room)
-        return self.lookup.propose(history, n) if n > 0 else []
+            return 0
+        return max(0, min(self.length, room))
 
     def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
@@ -88,18 +108,21 @@ class Drafting:
         self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / drafted)
         self.length = self._best_length()
         if self.length == 0:
-            self.length, self.paused = 2, PAUSE_STEPS
+            self.length, self.paused = min(2, self.max_length), PAUSE_STEPS
 
     def _best_length(self) -> int:
         """The draft length with the most tokens per second of step time: a step with k
-        drafts yields (1 - a^(k+1)) / (1 - a) tokens on average at acceptance a."""
+        drafts yields (1 - a^(k+1)) / (1 - a) tokens on average at acceptance a, and costs a
+        check of k + 1 tokens plus, for a model drafter, k draft steps."""
         a = min(self.acceptance, 0.99)
         best, best_rate = 0, 1.0  # plain decode: one token per plain step
-        for k in (1, 2, 4, 6, MAX_DRAFT):
+        for k in (1, 2, 3, 4, 6, MAX_DRAFT):
+            if k > self.max_length:
+                break
             ratio = self.costs.ratio(1 + k)
             if ratio is None:
                 ratio = 1.0 + 0.1 * k  # unmeasured: assume a cheap check, and measure it
-            rate = (1 - a ** (k + 1)) / (1 - a) / ratio
+            rate = (1 - a ** (k + 1)) / (1 - a) / (ratio + self.costs.draft_ratio(k))
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

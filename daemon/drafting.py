@@ -1,0 +1,90 @@
+"""Speculative decoding at load time: which drafter a runner loads, and the draft model's file.
+
+Prompt lookup needs nothing loaded, so any request may ask for it. MTP needs the model's NextN
+layers loaded and a context of their own; a draft model needs its own weights and context: a
+request asking for either (`options.speculative` "mtp" or "draft") loads the model with it, as
+Ollama reloads for a new num_ctx. The draft model is `options.draft_model` (a stored model's
+name), else the catalog's pairing (the `draft` layer pulled with the model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from localllm.errors import UserError
+from localllm.modelstore.pull import find_stored, model_file
+from localllm.modelstore.shape import ModelShape
+from localllm.modelstore.store import DRAFT_LAYER, ModelEntry, ModelNotFound, ModelStore
+from localllm.profiles.plan import Plan
+
+LOAD_MODES = ("mtp", "draft")  # the speculative modes that are load options
+ALL_LAYERS = 999
+
+
+@dataclass(frozen=True)
+class Speculation:
+    plan: Plan
+    draft_path: Path | None = None
+    draft_name: str = ""  # what options.draft_model must equal to reuse this load
+
+
+def load_options(options: dict) -> dict:
+    """The speculation part of a request's load options (see parse_options)."""
+    out = {}
+    if options.get("speculative") in LOAD_MODES:
+        out["speculative"] = options["speculative"]
+    if options.get("draft_model"):
+        out["draft_model"] = options["draft_model"]
+    return out
+
+
+def differs(loaded: Speculation, options: dict) -> bool:
+    """Whether a request's speculation load options need another load than `loaded`."""
+    asked = options.get("speculative")
+    if asked in LOAD_MODES and asked != loaded.plan.speculative:
+        return True
+    return "draft_model" in options and options["draft_model"] != loaded.draft_name
+
+
+def with_speculation(store: ModelStore, entry: ModelEntry, shape: ModelShape, plan: Plan,
+                     options: dict) -> Speculation:
+    """The plan with the speculative mode the request asks for (else the plan's own), and the
+    draft model to load with it. Raises UserError / ModelNotFound for what cannot be done."""
+    asked = options.get("speculative") if options.get("speculative") in LOAD_MODES else None
+    mode = asked or plan.speculative
+    name, path = _draft_model(store, entry, options.get("draft_model"))
+    if mode == "mtp" and shape.n_nextn == 0:
+        if asked:
+            raise UserError(f"{entry.name} has no MTP layers (nextn_predict_layers is 0); use "
+                            f"speculative 'lookup' or 'draft'")
+        mode = "none"
+    if mode == "draft" and path is None:
+        if asked:
+            raise UserError(f"{entry.name} has no draft model paired with it; name one with "
+                            f"options.draft_model (a model with the same vocabulary)")
+        mode = "none"
+    if mode == plan.speculative and not asked:
+        return Speculation(plan, path if mode == "draft" else None, name)
+    changes: dict = {"speculative": mode}
+    said = f"speculative {mode}" + (f" with draft model {name}" if mode == "draft" else "")
+    if mode == "draft" and not plan.draft_n_gpu_layers and plan.n_gpu_layers > 0:
+        changes["draft_n_gpu_layers"] = ALL_LAYERS
+    reason = (f"{said}, from the request's options" if asked
+              else f"{said}: the plan's choice could not be loaded")
+    plan = replace(plan, **changes, reasons=(*plan.reasons, reason))
+    return Speculation(plan, path if mode == "draft" else None, name)
+
+
+def _draft_model(store: ModelStore, entry: ModelEntry,
+                 asked: str | None) -> tuple[str, Path | None]:
+    if asked:
+        draft = find_stored(store, asked)
+        if draft is None or draft.model_path is None:
+            raise ModelNotFound(f"draft model '{asked}' not found; pull it first "
+                                f"(`localllm pull {asked}`)")
+        return asked, model_file(store, draft)
+    layer = entry.companion(DRAFT_LAYER)
+    if layer is None:
+        return "", None
+    return "", store.blob_path(layer.digest)
