@@ -17,19 +17,30 @@ drafter spends per draft. When no length pays, drafting pauses and is tried agai
 
 from __future__ import annotations
 
+import collections
+import statistics
 from dataclasses import dataclass, field
 
-NGRAM_SIZES = (4, 3, 2)  # longest first: a longer match is a better guess
+NGRAM_SIZES = (8, 4, 2)  # longest first: a longer match is a better guess
 MAX_DRAFT = 8
 PAUSE_STEPS = 32  # steps without drafting after drafting stopped paying
+WINDOW = 15  # step times kept per batch size
+GAIN_NEEDED = 1.03  # drafting must promise this much over plain decode (costs are estimates)
 
 
 class PromptLookup:
-    """An index of the context's n-grams to the position after their latest occurrence."""
+    """Where in the context the answer is copying from, found by n-gram and then followed.
+
+    An index maps each n-gram (by hash: a collision only costs a rejected draft) to the
+    position after its latest occurrence. Once a match is found, the answer is followed along
+    it while it keeps copying: in a listing whose lines differ by a number, the last few
+    tokens match every line, but the copy being made is the one being followed."""
 
     def __init__(self):
-        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
+        self.index: dict[int, dict[int, int]] = {n: {} for n in NGRAM_SIZES}
         self.indexed = 0  # n-grams ending before this position are in the index
+        self.cursor = -1  # history[cursor] is the token the followed copy predicts next
+        self.seen = 0  # len(history) when the cursor was last set
 
     def propose(self, tokens: list[int], n: int) -> list[int]:
         end = len(tokens) - 1  # the n-gram ending at the last token is the key, not indexed
@@ -37,44 +48,62 @@ class PromptLookup:
             i = self.indexed
             for size in NGRAM_SIZES:
                 if i + 1 >= size:
-                    self.index[size][tuple(tokens[i + 1 - size:i + 1])] = i + 1
+                    self.index[size][hash(tuple(tokens[i + 1 - size:i + 1]))] = i + 1
             self.indexed += 1
+        if self._still_copying(tokens):
+            return tokens[self.cursor:self.cursor + n]
         for size in NGRAM_SIZES:
             if len(tokens) > size:
-                at = self.index[size].get(tuple(tokens[-size:]))
+                at = self.index[size].get(hash(tuple(tokens[-size:])))
                 if at is not None:
+                    self.cursor, self.seen = at, len(tokens)
                     return tokens[at:at + n]
+        self.cursor = -1
         return []
+
+    def _still_copying(self, tokens: list[int]) -> bool:
+        """Whether the tokens added since the cursor was set are the copy's next ones."""
+        if self.cursor < 0:
+            return False
+        added = len(tokens) - self.seen
+        if tokens[self.seen:] != tokens[self.cursor:self.cursor + added]:
+            return False
+        self.cursor += added
+        self.seen = len(tokens)
+        return self.cursor < len(tokens) - 1
 
 
 @dataclass
 class StepCosts:
-    """Seconds a decode step takes by how many tokens it carries (moving averages), shared by
-    the requests of one engine: the price of checking k drafts against a plain step; and what
-    a model drafter takes per drafted token."""
+    """Seconds a decode step takes by how many tokens it carries, shared by the requests of one
+    engine: the price of checking k drafts against a plain step; and what a model drafter
+    takes per drafted token. Medians of the last few samples: one step slowed by another
+    process on the machine must not turn drafting off (or on) for long."""
 
-    seconds: dict[int, float] = field(default_factory=dict)
-    per_draft: float = 0.0  # seconds a model drafter spends per draft token
+    samples: dict[int, collections.deque] = field(default_factory=dict)
+    drafting: collections.deque = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
 
     def record(self, n_tokens: int, elapsed: float) -> None:
-        old = self.seconds.get(n_tokens)
-        self.seconds[n_tokens] = elapsed if old is None else 0.8 * old + 0.2 * elapsed
+        self.samples.setdefault(n_tokens, collections.deque(maxlen=WINDOW)).append(elapsed)
 
     def record_drafting(self, n_drafts: int, elapsed: float) -> None:
-        each = elapsed / n_drafts
-        self.per_draft = each if not self.per_draft else 0.8 * self.per_draft + 0.2 * each
+        self.drafting.append(elapsed / n_drafts)
 
-    def draft_ratio(self, k: int) -> float:
-        """Drafting k tokens over a plain step (0 for prompt lookup: it costs no decode)."""
-        one = self.seconds.get(1)
-        return k * self.per_draft / one if one else 0.0
+    def seconds(self, n_tokens: int) -> float | None:
+        seen = self.samples.get(n_tokens)
+        return statistics.median(seen) if seen else None
 
     def ratio(self, n_tokens: int) -> float | None:
         """Cost of a step of n_tokens over a step of one; None until both were seen."""
-        one, many = self.seconds.get(1), self.seconds.get(n_tokens)
+        one, many = self.seconds(1), self.seconds(n_tokens)
         if one is None or many is None:
             return None
         return many / one
+
+    def draft_ratio(self, k: int) -> float:
+        """Drafting k tokens over a plain step (0 for prompt lookup: it costs no decode)."""
+        one = self.seconds(1)
+        return k * statistics.median(self.drafting) / one if one and self.drafting else 0.0
 
 
 @dataclass
@@ -115,7 +144,7 @@ class Drafting:
         drafts yields (1 - a^(k+1)) / (1 - a) tokens on average at acceptance a, and costs a
         check of k + 1 tokens plus, for a model drafter, k draft steps."""
         a = min(self.acceptance, 0.99)
-        best, best_rate = 0, 1.0  # plain decode: one token per plain step
+        best, best_rate = 0, GAIN_NEEDED  # plain decode: one token per plain step
         for k in (1, 2, 3, 4, 6, MAX_DRAFT):
             if k > self.max_length:
                 break

@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Speculative decoding on one machine: what a checking pass costs, and what drafting gives.
+
+    python scripts/bench_spec.py --model M.gguf [--ngl 99 --ngl 44] [--draft-other D.gguf]
+
+1. Checking cost: llama_decode of B = 1, 2, 4, 8 tokens at a depth of 256, through the runner's
+   own loader (daemon/runner/model.py) with each placement, beside llama-bench ppB at the same
+   depth (when llama-bench is on PATH); as tokens/s and as the cost of a pass over a pass of 1.
+2. Decode through the daemon's API (/api/generate, eval_count / eval_duration, median of
+   --rounds), per placement: plain; prompt lookup on the model's own greedy text; the model as
+   its own draft (full acceptance: the upper bound of a draft model, drafting at the target's
+   price); a draft model whose drafts never match (--draft-other: adaptive drafting must stay
+   near plain speed); prompt lookup at temperature 1 (drafts seldom match).
+3. The tuner's plan for this machine: its predicted decode (plain and with the speculation it
+   chose) beside what the daemon measures with that plan.
+
+Prints markdown tables; writes them to $OUT/bench_spec.md when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import checkout_imports  # noqa: E402
+
+checkout_imports.bootstrap()
+import llama_cpp  # noqa: E402  (a CUDA build must load before numpy)
+
+BATCHES = (1, 2, 4, 8)
+DEPTH = 256
+
+
+# ---- 1. checking cost ----------------------------------------------------------------------
+def engine_check_cost(model: Path, ngl: int, threads: int, reps: int = 10) -> dict[int, float]:
+    """tokens/s of a llama_decode of B tokens after DEPTH tokens, through the runner's loader."""
+    from localllm.daemon.runner import model as llama
+    from localllm.profiles.plan import cpu_plan
+
+    plan = replace(cpu_plan(2048), n_gpu_layers=ngl, n_threads=threads, n_threads_batch=threads)
+    lm = llama.load(str(model), plan)
+    batch = llama_cpp.llama_batch_init(512, 0, 1)
+
+    def decode(tokens: list[int], start: int) -> None:
+        for i, t in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, start + i, 1
+            batch.seq_id[i][0], batch.logits[i] = 0, True
+        batch.n_tokens = len(tokens)
+        if llama_cpp.llama_decode(lm.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        llama_cpp.llama_synchronize(lm.ctx)
+
+    decode([100 + i % 50 for i in range(DEPTH)], 0)
+    out = {}
+    for b in BATCHES:
+        times = []
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            decode([200 + (r + i) % 50 for i in range(b)], DEPTH)
+            times.append(time.perf_counter() - t0)
+            llama_cpp.llama_memory_seq_rm(lm.memory, 0, DEPTH, -1)
+        out[b] = b / statistics.median(times[1:])
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(lm.ctx)
+    llama_cpp.llama_model_free(lm.model)
+    return out
+
+
+def bench_check_cost(model: Path, ngl: int, threads: int) -> dict[int, float] | None:
+    if not shutil.which("llama-bench"):
+        return None
+    base = ["llama-bench", "-m", str(model), "-n", "0", "-r", "5", "-o", "json", "-ngl",
+            str(ngl), "-t", str(threads), "-fa", "1", "-p", ",".join(map(str, BATCHES)),
+            "-ub", "512"]
+    for extra in (["-d", str(DEPTH)], []):
+        out = subprocess.run(base + extra, capture_output=True, text=True, timeout=900)
+        if out.returncode == 0:
+            return {r["n_prompt"]: r["avg_ts"] for r in json.loads(out.stdout)}
+    print(out.stderr[-1500:], file=sys.stderr)
+    return None
+
+
+# ---- 2. decode through the API -------------------------------------------------------------
+def generate(url: str, options: dict, prompt: str = "Once upon a time") -> dict:
+    body = json.dumps({"model": "bench", "prompt": prompt, "raw": True, "stream": False,
+                       "options": options}).encode()
+    req = urllib.request.Request(url + "/api/generate", data=body)
+    with urllib.request.urlopen(req, timeout=1800) as resp:
+        return json.loads(resp.read())
+
+
+def rate(url: str, options: dict, rounds: int) -> tuple[float, dict]:
+    rates, last = [], {}
+    for _ in range(rounds):
+        r = generate(url, options)
+        rates.append(r["eval_count"] / (r["eval_duration"] / 1e9))
+        last = r.get("stats", {}).get("draft", {})
+    return statistics.median(rates), last
+
+
+def api_modes(args, ngl: int) -> list[tuple[str, float, dict]]:
+    from daemon_process import isolated_env, start_daemon
+
+    from localllm.modelstore.store import ModelStore
+
+    n = args.tokens
+    greedy = {"temperature": 0, "num_predict": n, "num_gpu": ngl, "seed": 1}
+    modes = [("plain", {**greedy, "speculative": "off"}),
+             ("prompt lookup", {**greedy, "speculative": "lookup"}),
+             ("itself as draft model", {**greedy, "speculative": "draft",
+                                        "draft_model": "bench"})]
+    if args.draft_other:
+        modes.append(("a draft that never matches", {**greedy, "speculative": "draft",
+                                                     "draft_model": "other"}))
+    sampled = {**greedy, "temperature": 1.0, "top_k": 40, "top_p": 1.0}
+    modes += [("plain, temperature 1", {**sampled, "speculative": "off"}),
+              ("prompt lookup, temperature 1", {**sampled, "speculative": "lookup"})]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = isolated_env(Path(tmp), LOCALLLM_NUM_PARALLEL="1",
+                           LOCALLLM_CONTEXT_POLICY="fixed", LOCALLLM_DEFAULT_CTX="4096")
+        store = ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models")
+        store.import_gguf(args.model, "bench")
+        if args.draft_other:
+            store.import_gguf(args.draft_other, "other")
+        daemon = start_daemon(env)
+        try:
+            for label, options in modes:
+                generate(daemon.url, {**options, "num_predict": 8})  # load, warm up
+                tps, draft = rate(daemon.url, options, args.rounds)
+                rows.append((label, tps, draft))
+                print(f"  ngl {ngl}: {label}: {tps:.1f} tok/s {draft}", flush=True)
+        finally:
+            daemon.stop()
+    return rows
+
+
+# ---- 3. the tuner's plan -------------------------------------------------------------------
+def tuner_rows(args) -> list[str]:
+    from daemon_process import isolated_env, start_daemon
+
+    from localllm.modelstore.store import ModelStore
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = isolated_env(Path(tmp), LOCALLLM_NUM_PARALLEL="1")
+        store = ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models")
+        store.import_gguf(args.model, "bench")
+        daemon = start_daemon(env)
+        try:
+            generate(daemon.url, {"num_predict": 8})
+            [ps] = daemon.get("/api/ps")["models"]
+            stats = daemon.get("/api/status")
+            plan = {m["model"]: m for m in stats["loaded"]}["bench:latest"]["plan"]
+            measured = {}
+            for label in ("off", "auto"):  # plain; the plan's choice
+                measured[label], draft = rate(daemon.url, {"temperature": 0, "seed": 1,
+                                                           "num_predict": args.tokens,
+                                                           "speculative": label}, args.rounds)
+            out.append(f"| {ps['gpu_layers']}/{plan['layers']} layers on GPU, ctx "
+                       f"{ps['context_length']} | {plan.get('speculative')} "
+                       f"(drafts up to {plan.get('draft_n_max')}) | "
+                       f"{plan.get('predicted_decode_tps', 0):.1f} | {measured['off']:.1f} | "
+                       f"{measured['auto']:.1f} | {draft} |")
+        finally:
+            daemon.stop()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--ngl", type=int, action="append",
+                        help="GPU layers per placement (repeat); default all")
+    parser.add_argument("--draft-other", type=Path,
+                        help="a draft model with the same vocabulary whose drafts never match")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 4)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--skip", default="", help="parts to skip: check,api,tuner")
+    args = parser.parse_args()
+    placements = args.ngl or [999]
+    lines = [f"# Speculative decoding, {args.model.name}", ""]
+    if "check" not in args.skip:
+        lines += ["## Checking B tokens in one pass (tokens/s; cost of the pass / pass of 1)",
+                  "", "| placement | source | " + " | ".join(f"B={b}" for b in BATCHES) + " |",
+                  "| --- | --- |" + " --- |" * len(BATCHES)]
+        for ngl in placements:
+            for source, figures in (("localllm engine", engine_check_cost(args.model, ngl,
+                                                                          args.threads)),
+                                    ("llama-bench ppB", bench_check_cost(args.model, ngl,
+                                                                         args.threads))):
+                if not figures:
+                    continue
+                cells = [f"{figures[b]:.1f} ({b * figures[1] / figures[b]:.2f}x)"
+                         for b in BATCHES]
+                lines.append(f"| ngl {ngl} | {source} | " + " | ".join(cells) + " |")
+                print(lines[-1], flush=True)
+    if "api" not in args.skip:
+        lines += ["", f"## Decode through the API ({args.tokens} tokens, median of "
+                  f"{args.rounds})", "", "| placement | mode | tok/s | vs plain | drafted | "
+                  "accepted |", "| --- | --- | --- | --- | --- | --- |"]
+        for ngl in placements:
+            rows = api_modes(args, ngl)
+            plain = {label: tps for label, tps, _ in rows}
+            for label, tps, draft in rows:
+                base = plain["plain, temperature 1" if "temperature 1" in label else "plain"]
+                lines.append(f"| ngl {ngl} | {label} | {tps:.1f} | {tps / base:.2f}x | "
+                             f"{draft.get('drafted', '')} | {draft.get('accepted', '')} |")
+    if "tuner" not in args.skip:
+        lines += ["", "## The tuner's plan: predicted vs measured decode (tok/s)", "",
+                  "| plan | speculation | predicted | measured plain | measured, plan's choice "
+                  "| drafts |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += tuner_rows(args)
+    text = "\n".join(lines)
+    print("\n" + text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_spec.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
