@@ -3,6 +3,7 @@ per token; the plan says how much and at what rate, and predicts decode with it.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import replace
 
@@ -72,3 +73,43 @@ def test_more_ram_is_never_slower(big):
                    Request(n_ctx=4096)).predicted_decode_tps for ram in (12, 16, 24, 32, 48, 64)]
     assert speeds == sorted(speeds)
     assert speeds[0] < speeds[-1]
+
+
+# ---- tune --calibrate: the disk read rate ------------------------------------------------------
+
+def written_file(path, size: int):
+    with open(path, "wb") as f:
+        for _ in range(size >> 20):
+            f.write(os.urandom(1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def test_disk_read_is_measured_stored_and_used(tmp_path):
+    from localllm.profiles.calibrate import measure_disk_read, store_disk_read
+    from localllm.profiles.measure import calibrated
+
+    model = written_file(tmp_path / "model.gguf", 96 << 20)
+    measured = measure_disk_read(model)
+    assert measured.bytes_read == 96 << 20 and measured.gbs > 0
+    assert measured.how  # says how (or whether) the page cache was kept out
+    path = tmp_path / "calibration.toml"
+    store_disk_read(measured, path)
+    for name in ("rtx3060-12g", "cpu-only"):  # a host figure: every card planned here has it
+        card = calibrated(load_card(name), path)
+        assert card.disk_read_gbs == round(measured.gbs, 2)
+    assert load_card("rtx3060-12g").disk_read_gbs == 0.0  # the profile itself is unchanged
+
+
+def test_disk_read_refuses_files_that_measure_nothing(tmp_path):
+    from localllm.errors import UserError
+    from localllm.profiles.calibrate import measure_disk_read
+
+    sparse = tmp_path / "sparse.gguf"
+    with open(sparse, "wb") as f:
+        f.truncate(1 << 30)
+    with pytest.raises(UserError, match="sparse"):
+        measure_disk_read(sparse)
+    with pytest.raises(UserError, match="too small"):
+        measure_disk_read(written_file(tmp_path / "small.gguf", 1 << 20))
