@@ -188,3 +188,27 @@ def test_catalog_quants_are_listed_and_picked(env, hub, dense_files):
     assert result.returncode == 0, result.stderr
     assert picked(result.stdout) == "Qwen3.6-27B-UD-Q3_K_XL.gguf"
     assert "Q5_K_S" not in result.stdout  # not one of the catalog's quants
+
+
+async def test_a_header_longer_than_the_first_read_is_read_in_growing_ranges(hub, dense_files,
+                                                                             monkeypatch):
+    """The first range holds 64 KiB here, far less than the 152k-token vocabulary: the reader
+    asks again for twice as much until the header parses, and reads no weights."""
+    import aiohttp
+
+    from localllm.modelstore import remote_header
+    from localllm.modelstore.gguf_header import read_header
+    from localllm.modelstore.hub import HubClient, HubSettings
+
+    monkeypatch.setattr(remote_header, "FIRST_BYTES", 64 << 10)
+    serve(hub, DENSE, dense_files)
+    source = dense_files["Dense-27B-Q4_K_M.gguf"]
+    async with aiohttp.ClientSession() as session:
+        client = HubClient(session, HubSettings(hub.url))
+        [remote] = [f for f in await client.list_repo(DENSE)
+                    if f.filename == "Dense-27B-Q4_K_M.gguf"]
+        header, n = await remote_header.read_remote_header(client, remote, "test")
+    local = read_header(source)
+    assert header.tensors == local.tensors and header.data_offset == local.data_offset
+    assert len(hub.cdn_requests) > 2  # it had to grow
+    assert local.data_offset <= n < 2 * local.data_offset + (64 << 10)
