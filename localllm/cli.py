@@ -13,7 +13,7 @@ from . import __version__
 # sets with `set_defaults(func=...)` take the parsed args and return an exit code.
 COMMAND_MODULES = (
     "localllm.commands",  # serve, run, list, show, import, rm, cp, ps, stop
-    "localllm.modelstore.pull_cli",  # pull
+    "localllm.pull_command",  # pull (and the quant pick)
     "localllm.profiles.cli",  # tune
     "localllm.eval_command",  # eval
     "localllm.service_cli",  # service, config

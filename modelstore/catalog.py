@@ -8,6 +8,7 @@ a second way to download.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -54,6 +55,17 @@ class CatalogEntry:
     sha256: str | None
     note: str
     companions: tuple[Companion, ...] = ()
+    # Other quants the source's repo offers (`localllm pull NAME --quant Q`, or `--quant auto`
+    # to let the tuner pick the one for this card); empty for single-file sources.
+    quants: tuple[str, ...] = ()
+
+    @property
+    def repo(self) -> str | None:
+        """OWNER/REPO of a hub source, else None."""
+        from .hub import HubFileRef, HubQuantRef, parse_reference
+
+        reference = parse_reference(self.source)
+        return reference.repo if isinstance(reference, HubQuantRef | HubFileRef) else None
 
     @property
     def names(self) -> tuple[ModelName, ...]:
@@ -61,7 +73,9 @@ class CatalogEntry:
 
 
 _COMPANION_KEYS = {"draft": DRAFT_LAYER, "projector": PROJECTOR_LAYER, "mtp": MTP_LAYER}
-_KNOWN_KEYS = {"name", "aliases", "family", "source", "size", "sha256", "note", *_COMPANION_KEYS}
+_KNOWN_KEYS = {"name", "aliases", "family", "source", "size", "sha256", "note", "quants",
+               *_COMPANION_KEYS}
+_QUANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def parse_catalog(text: str) -> dict[ModelName, CatalogEntry]:
@@ -109,8 +123,14 @@ def _parse_entry(raw: dict, index: int) -> CatalogEntry:
         Companion(media_type, str(raw[key])) for key, media_type in _COMPANION_KEYS.items()
         if key in raw
     )
+    quants = raw.get("quants", [])
+    if not isinstance(quants, list) or not all(isinstance(q, str) and _QUANT.match(q)
+                                               for q in quants):
+        raise CatalogError(f"{where}: quants must be a list of quant names like \"Q4_K_M\"")
+    if quants and not source.startswith(("hf.co/", "huggingface.co/")):
+        raise CatalogError(f"{where}: quants need a hf.co/OWNER/REPO source")
     return CatalogEntry(name, aliases, str(raw.get("family", name.base)), source, size, sha256,
-                        str(raw.get("note", "")), companions)
+                        str(raw.get("note", "")), companions, tuple(quants))
 
 
 _catalog: dict[ModelName, CatalogEntry] | None = None

@@ -30,6 +30,10 @@ class GGUFError(ValueError):
     """The file is not a GGUF model localllm can read; the message says why, for a user."""
 
 
+class HeaderTruncated(GGUFError):
+    """The bytes end inside the header: a partial read (a range request) needs more of them."""
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
@@ -68,7 +72,7 @@ class _Reader:
     def read(self, n: int) -> bytes:
         data = self.f.read(n)
         if len(data) != n:
-            raise GGUFError(f"{self.path} is truncated: its GGUF header ends early")
+            raise HeaderTruncated(f"{self.path} is truncated: its GGUF header ends early")
         return data
 
     def unpack(self, fmt: str) -> Any:
@@ -117,41 +121,48 @@ def read_header(path: str | Path) -> GGUFHeader:
     except OSError as e:
         raise GGUFError(f"cannot read {path}: {e.strerror}") from None
     with f:
-        r = _Reader(f, path)
-        if f.read(4) != GGUF_MAGIC:
-            raise GGUFError(f"{path} is not a GGUF model file (wrong magic bytes)")
-        version = r.unpack("<I")
-        if version not in (2, 3):
-            raise GGUFError(f"{path} has GGUF version {version}; localllm reads versions 2 and 3")
-        n_tensors = r.unpack("<Q")
-        n_kv = r.unpack("<Q")
-        if n_tensors > 1 << 20 or n_kv > 1 << 20:
-            raise GGUFError(f"{path} is corrupt: implausible tensor or key count")
-        metadata: dict[str, Any] = {}
-        array_lengths: dict[str, int] = {}
-        for _ in range(n_kv):
-            key = r.string()
-            vtype = r.unpack("<I")
-            metadata[key] = r.value(vtype, key, array_lengths)
-        tensors = []
-        for _ in range(n_tensors):
-            name = r.string()
-            n_dims = r.unpack("<I")
-            if n_dims > 8:
-                raise GGUFError(f"{path} is corrupt: tensor {name} has {n_dims} dimensions")
-            shape = tuple(r.unpack("<Q") for _ in range(n_dims))
-            raw_type = r.unpack("<I")
-            try:
-                ggml_type = GGMLQuantizationType(raw_type)
-            except ValueError:
-                raise GGUFError(f"{path}: tensor {name} has unknown type {raw_type}") from None
-            tensors.append(TensorEntry(name, ggml_type, shape, r.unpack("<Q")))
-        alignment = int(metadata.get("general.alignment", 32))
-        pos = f.tell()
-        data_offset = (pos + alignment - 1) // alignment * alignment
-    header = GGUFHeader(version, metadata, array_lengths, tuple(tensors), data_offset, file_size)
+        header = parse_header(f, path, file_size)
     _check_complete(header, path)
     return header
+
+
+def parse_header(f: BinaryIO, path: str | Path, file_size: int) -> GGUFHeader:
+    """The header from a file object holding at least the header's bytes (the whole file, or
+    the first bytes of a remote one); HeaderTruncated when they end inside the header. Whether
+    the tensor data is all there is not checked: `file_size` is what the file says it has."""
+    r = _Reader(f, path)
+    if f.read(4) != GGUF_MAGIC:
+        raise GGUFError(f"{path} is not a GGUF model file (wrong magic bytes)")
+    version = r.unpack("<I")
+    if version not in (2, 3):
+        raise GGUFError(f"{path} has GGUF version {version}; localllm reads versions 2 and 3")
+    n_tensors = r.unpack("<Q")
+    n_kv = r.unpack("<Q")
+    if n_tensors > 1 << 20 or n_kv > 1 << 20:
+        raise GGUFError(f"{path} is corrupt: implausible tensor or key count")
+    metadata: dict[str, Any] = {}
+    array_lengths: dict[str, int] = {}
+    for _ in range(n_kv):
+        key = r.string()
+        vtype = r.unpack("<I")
+        metadata[key] = r.value(vtype, key, array_lengths)
+    tensors = []
+    for _ in range(n_tensors):
+        name = r.string()
+        n_dims = r.unpack("<I")
+        if n_dims > 8:
+            raise GGUFError(f"{path} is corrupt: tensor {name} has {n_dims} dimensions")
+        shape = tuple(r.unpack("<Q") for _ in range(n_dims))
+        raw_type = r.unpack("<I")
+        try:
+            ggml_type = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise GGUFError(f"{path}: tensor {name} has unknown type {raw_type}") from None
+        tensors.append(TensorEntry(name, ggml_type, shape, r.unpack("<Q")))
+    alignment = int(metadata.get("general.alignment", 32))
+    pos = f.tell()
+    data_offset = (pos + alignment - 1) // alignment * alignment
+    return GGUFHeader(version, metadata, array_lengths, tuple(tensors), data_offset, file_size)
 
 
 def _check_complete(header: GGUFHeader, path: Path) -> None:

@@ -133,16 +133,29 @@ def split_siblings(filename: str) -> list[str] | None:
     return [f"{prefix}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
 
 
-def pick_quant_files(listing: list[RemoteFile], quant: str | None, repo: str) -> list[RemoteFile]:
-    """The GGUF (all parts, when split) in a repo listing that holds `quant` (pure)."""
-    ggufs = [f for f in listing if f.filename.endswith(".gguf")
-             and "mmproj" not in f.filename.rsplit("/", 1)[-1].lower()]
-    if not ggufs:
-        raise RemoteNotFound(f"hf.co/{repo} has no GGUF files")
+def is_projector(filename: str) -> bool:
+    """Vision projectors (mmproj) are companions of a model, never a model to pull alone."""
+    base = filename.rsplit("/", 1)[-1].lower()
+    return "mmproj" in base or "projector" in base
+
+
+def gguf_groups(listing: list[RemoteFile]) -> dict[str, list[RemoteFile]]:
+    """The models in a repo listing: each key one model (a split GGUF's parts under its stem,
+    in order), projectors left out (pure)."""
     groups: dict[str, list[RemoteFile]] = {}
-    for f in ggufs:
+    for f in listing:
+        if not f.filename.endswith(".gguf") or is_projector(f.filename):
+            continue
         groups.setdefault(file_stem(f.filename) if split_siblings(f.filename) else f.filename,
                           []).append(f)
+    return {key: sorted(files, key=lambda f: f.filename) for key, files in groups.items()}
+
+
+def pick_quant_files(listing: list[RemoteFile], quant: str | None, repo: str) -> list[RemoteFile]:
+    """The GGUF (all parts, when split) in a repo listing that holds `quant` (pure)."""
+    groups = gguf_groups(listing)
+    if not groups:
+        raise RemoteNotFound(f"hf.co/{repo} has no GGUF files")
     wanted = quant or DEFAULT_QUANT
 
     def matches(key: str) -> bool:
@@ -153,13 +166,15 @@ def pick_quant_files(listing: list[RemoteFile], quant: str | None, repo: str) ->
     if not candidates and quant is None and len(groups) == 1:
         candidates = list(groups)
     if not candidates:
-        available = sorted({_quant_label(k) for k in groups})
+        available = sorted({quant_label(k) for k in groups})
         raise RemoteNotFound(f"hf.co/{repo} has no {wanted} GGUF; available: "
                              f"{', '.join(available)} (use hf.co/{repo}:QUANT)")
-    return sorted(groups[candidates[0]], key=lambda f: f.filename)
+    return groups[candidates[0]]
 
 
-def _quant_label(key: str) -> str:
+def quant_label(key: str) -> str:
+    """The quant a file name ends in (`Model-UD-Q3_K_XL.gguf` -> `Q3_K_XL`), as `:QUANT`
+    matches it."""
     stem = file_stem(key)
     return re.split(r"[-.]", stem)[-1] if re.search(r"[-.]", stem) else stem
 
@@ -231,6 +246,26 @@ class HubClient:
                                         int(item.get("size") or lfs.get("size") or 0) or None,
                                         sha if sha and len(sha) == 64 else None))
         return files
+
+    async def read_range(self, url: str, start: int, length: int, label: str) -> bytes:
+        """Bytes start..start+length-1 of a file (fewer at its end), by an HTTP range request."""
+        headers = {**self.headers_for(url), "Range": f"bytes={start}-{start + length - 1}"}
+        try:
+            async with self.session.get(url, headers=headers) as response:
+                if response.status >= 500:
+                    raise server_error(url, response.status)
+                if response.status not in (200, 206):
+                    raise http_error(response.status, label, self.settings.token)
+                # 200: the server ignored the range; read its first bytes and hang up.
+                skip = start if response.status == 200 else 0
+                data = bytearray()
+                async for chunk in response.content.iter_chunked(1 << 20):
+                    data += chunk
+                    if len(data) >= skip + length:
+                        break
+                return bytes(data[skip:skip + length])
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise network_error(url, e) from None
 
     async def describe(self, url: str, label: str) -> RemoteFile:
         """HEAD a file: its size and, where the hub publishes it, its sha256."""

@@ -174,8 +174,10 @@ class _Pull:
         layer = await self.blob(remotes[0], _label(reference, remotes[0]))
         return replace(layer, media_type=companion.media_type)
 
-    async def pull(self, text: str, nested: bool = False) -> ModelEntry:
+    async def pull(self, text: str, nested: bool = False, name: str | None = None) -> ModelEntry:
         plan = plan_pull(text)
+        if name is not None:  # a file chosen for a repo is stored under the repo's name
+            plan = replace(plan, name=parse_name(name))
         if not nested:
             self.reporter.status("pulling manifest")
         layers = await self.files(plan)
@@ -282,14 +284,16 @@ async def _session(session: aiohttp.ClientSession | None, options: DownloadOptio
 
 async def pull_model(store: ModelStore, name: str, progress: ProgressFn | None = None, *,
                      hub: HubSettings | None = None, options: DownloadOptions | None = None,
-                     session: aiohttp.ClientSession | None = None) -> ModelEntry:
+                     session: aiohttp.ClientSession | None = None,
+                     store_as: str | None = None) -> ModelEntry:
     """Pull `name` (catalog name or reference) from its source, even when it is stored already;
-    blobs that are present are not downloaded again."""
+    blobs that are present are not downloaded again. `store_as` names it otherwise in the store
+    than `name` would."""
     options = options or DownloadOptions()
     async with _session(session, options) as http:
         job = _Pull(store, hub or HubSettings.from_environment(), options, _Reporter(progress),
                     http)
-        return await job.pull(name)
+        return await job.pull(name, name=store_as)
 
 
 async def ensure_model_async(store: ModelStore, name: str, progress: ProgressFn | None = None,

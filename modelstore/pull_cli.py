@@ -1,4 +1,5 @@
-"""`localllm pull NAME` and `localllm pull --list`.
+"""The store's side of `localllm pull` (the command is localllm/pull_command.py): the progress
+bars and `--list`.
 
 The CLI pulls straight into the store (no daemon needed); the per-blob lock in the store's tmp/
 makes that safe while the daemon or another `localllm pull` fetches the same model.
@@ -6,49 +7,13 @@ makes that safe while the daemon or another `localllm pull` fetches the same mod
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 from dataclasses import dataclass
 
 from . import catalog
-from .download import DownloadOptions
-from .hub import HubSettings
-from .pull import pull_model
-from .store import default_store
 
 GIB = 1 << 30
 # Room a model needs on the GPU beyond its weights (KV cache at a small context, compute buffers).
 WORKING_ROOM_BYTES = 1 * GIB
-
-
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "pull", help="download a model (catalog name, hf.co/OWNER/REPO:QUANT, or a URL)",
-        description="Download a model into the store, verified. NAME is a catalog name (see "
-                    "--list), hf.co/OWNER/REPO:QUANT, hf.co/OWNER/REPO/FILE.gguf or "
-                    "https://.../FILE.gguf. An interrupted pull resumes when run again. Gated "
-                    "repos need HF_TOKEN; LOCALLLM_HF_ENDPOINT points at another hub.")
-    parser.add_argument("model", nargs="?", metavar="NAME")
-    parser.add_argument("--list", action="store_true",
-                        help="show the catalog with sizes and which models fit this machine")
-    parser.add_argument("--card", metavar="NAME",
-                        help="with --list: judge fit for this card profile instead of the GPU here")
-    parser.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.list:
-        print_catalog(args.card)
-        return 0
-    if not args.model:
-        raise catalog_usage_error()
-    store = default_store()
-    with _ProgressView() as view:
-        entry = asyncio.run(pull_model(store, args.model, view.update,
-                                       hub=HubSettings.from_environment(),
-                                       options=DownloadOptions()))
-    print(f"pulled {entry.name} ({_size(entry.size)}, {entry.digest[:19]})")
-    return 0
 
 
 def catalog_usage_error() -> Exception:
@@ -58,15 +23,15 @@ def catalog_usage_error() -> Exception:
                      "`localllm pull --list` shows the catalog")
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.0f} MiB"
 
 
 # ---- progress -------------------------------------------------------------------------
-class _ProgressView:
+class ProgressView:
     """Ollama's progress objects as rich progress bars (size, speed, ETA), one per blob."""
 
-    def __enter__(self) -> _ProgressView:
+    def __enter__(self) -> ProgressView:
         from rich.console import Console
         from rich.progress import (
             BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
@@ -138,7 +103,7 @@ def catalog_rows(machine: Machine) -> list[tuple[str, ...]]:
     rows = []
     for entry in catalog.entries():
         also = ", ".join(c.reference.rsplit("/", 1)[-1] for c in entry.companions)
-        size = ("" if entry.sha256 else "~") + _size(entry.size)
+        size = ("" if entry.sha256 else "~") + size_text(entry.size)
         rows.append((str(entry.name).removesuffix(":latest"), size,
                      fit_label(entry.size, machine), also, entry.note))
     return rows
@@ -149,7 +114,11 @@ def print_catalog(card_name: str | None) -> None:
     rows = [("NAME", "SIZE", "FIT", "ALSO", "ABOUT"), *catalog_rows(machine)]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     print(f"fit judged for {machine.label} (file size against memory; `localllm tune` plans it)")
+    quants = {str(e.name).removesuffix(":latest"): e.quants for e in catalog.entries()}
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]
         print("  ".join([*cells, row[4]]))
+        if quants.get(row[0]):
+            print(f"    quants: {', '.join(quants[row[0]])} (--quant Q, or --quant auto: the "
+                  "best that fits)")
     print("pull one with `localllm pull NAME`; hf.co/OWNER/REPO:QUANT and https URLs work too")

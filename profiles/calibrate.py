@@ -1,13 +1,16 @@
 """`localllm tune --calibrate`: measure the card's real memory and host-to-device bandwidth with
-torch (the optional extra) and store them with the card's calibration.
+torch (the optional extra) and the host's disk read rate, and store them with the calibration.
 
 Without torch the tuner uses the theoretical figures NVML gives (memory clock x bus width, PCIe
 generation x width: see hardware.card_from_nvml); those are peaks no kernel reaches, which is
-what the measured figures correct.
+what the measured figures correct. The disk rate (plans past RAM read weights from disk, see
+profiles.disk) is the host's, so it is stored under `[host]`, for every card planned here.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -73,6 +76,99 @@ def store_bandwidth(card_name: str, measured: Bandwidth, path: Path | None = Non
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(tomli_w.dumps(doc))
     return entry
+
+
+HOST_KEY = "host"  # the calibration table of this machine's own figures (no card is so named)
+DISK_CHUNK = 8 << 20
+DISK_READ_BYTES = 2 << 30  # enough to get past a drive's own cache and readahead
+
+
+@dataclass(frozen=True)
+class DiskRead:
+    gbs: float
+    bytes_read: int
+    how: str  # how the page cache was kept out of the figure, for the user
+
+
+def measure_disk_read(path: Path, max_bytes: int = DISK_READ_BYTES) -> DiskRead:
+    """Read up to `max_bytes` of `path` sequentially and time it. O_DIRECT reads around the
+    page cache; where the file system refuses it, posix_fadvise(DONTNEED) drops the file's
+    cached pages first (not those another process holds mapped, so the figure may include
+    cache); without either the figure may be the cache's."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise UserError(f"cannot read {path} to time the disk: {e.strerror}") from None
+    if st.st_size < 64 << 20:
+        raise UserError(f"{path} is too small to time the disk (less than 64 MiB)")
+    if st.st_blocks * 512 < st.st_size // 2:
+        raise UserError(f"{path} is mostly holes (a sparse file): reading it does not touch the "
+                        "disk; calibrate with a model that is stored in full")
+    want = min(max_bytes, st.st_size) // DISK_CHUNK * DISK_CHUNK
+    buffer = mmap.mmap(-1, DISK_CHUNK)  # page-aligned, as O_DIRECT needs
+    try:
+        fd, how = _open_direct(path, buffer)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                how = "page cache dropped with posix_fadvise; pages mapped elsewhere may remain"
+            except (OSError, AttributeError):
+                how = "the page cache could not be bypassed: the figure may include it"
+        try:
+            start = time.perf_counter()
+            done = 0
+            while done < want:
+                n = os.preadv(fd, [buffer], done)
+                if n <= 0:
+                    break
+                done += n
+            seconds = time.perf_counter() - start
+        finally:
+            os.close(fd)
+    finally:
+        buffer.close()
+    return DiskRead(done / max(seconds, 1e-9) / GB, done, how)
+
+
+def _open_direct(path: Path, buffer: mmap.mmap) -> tuple[int | None, str]:
+    """An O_DIRECT descriptor, or (None, "") where the OS or file system has none (tmpfs
+    refuses O_DIRECT at open, some others at the first read)."""
+    if not hasattr(os, "O_DIRECT"):
+        return None, ""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return None, ""
+    try:
+        os.preadv(fd, [buffer], 0)
+    except OSError:
+        os.close(fd)
+        return None, ""
+    return fd, "O_DIRECT, around the page cache"
+
+
+def store_disk_read(measured: DiskRead, path: Path | None = None) -> dict:
+    path = path or calibration_file()
+    doc = load_calibration(path)
+    entry = dict(doc.get(HOST_KEY, {}))
+    entry["disk_read_gbs"] = round(measured.gbs, 2)
+    entry["disk_read_how"] = measured.how
+    entry["disk_measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    doc[HOST_KEY] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(doc))
+    return entry
+
+
+def with_measured_disk(card: Card, host: dict) -> Card:
+    """The card with the host's measured disk read rate, when one is stored."""
+    try:
+        value = float(host["disk_read_gbs"])
+    except (KeyError, TypeError, ValueError):
+        return card
+    return replace(card, disk_read_gbs=value) if 0 < value < 1000 else card
 
 
 def with_measured_bandwidth(card: Card, factors: dict) -> Card:

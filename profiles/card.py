@@ -42,6 +42,9 @@ class Card:
     nvml_names: tuple[str, ...] = ()
     # "profile", "probe", or "profile+host" (the card from a profile, the host probed)
     source: str = "profile"
+    # The host's disk read rate, GB/s, from `tune --calibrate` or a profile's [host] disk_gbs;
+    # 0: not measured (plans past RAM assume profiles.disk.ASSUMED_DISK_GBS)
+    disk_read_gbs: float = 0.0
 
     @property
     def has_gpu(self) -> bool:
@@ -94,6 +97,7 @@ def load_card(name: str, directory: Path = CARDS_DIR) -> Card:
             host_bandwidth_gbs=float(host["bandwidth_gbs"]),
             n_gpus=1 if has_gpu else 0,
             nvml_names=tuple(str(n) for n in doc.get("nvml_names", ())),
+            disk_read_gbs=float(host.get("disk_gbs", 0.0)),
         )
     except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as e:
         raise CardError(f"card profile {path} is invalid: {e}") from None

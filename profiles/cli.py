@@ -64,8 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--measure", action="store_true",
                    help="load the plan for real, time prefill and decode, calibrate the model")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure this card's memory and host-to-device bandwidth with torch "
-                   "(the [torch] extra) and use them from now on")
+                   help="measure the disk's read rate (reading the model's file) and this "
+                   "card's memory and host-to-device bandwidth with torch (the [torch] extra), "
+                   "and use them from now on")
     p.add_argument("--no-save", action="store_true", help="do not write the profile")
     p.set_defaults(func=cmd_tune)
 
@@ -95,13 +96,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     shape, model_name = resolve_model(args.model)
     card = calibrated(resolve_card(args.card))
     if args.calibrate:
-        from .calibrate import calibrate
-
-        if args.card != "auto":
-            raise UserError("--calibrate measures this machine's card: leave out --card")
-        measured, card = calibrate(card)
-        print(f"calibrated {card.name}: memory {measured.memory_gbs:.0f} GB/s, host to device "
-              f"{measured.host_to_device_gbs:.1f} GB/s", file=sys.stderr)
+        card = calibrate_machine(card, args.card, Path(shape.path))
     if args.vram is not None:
         card = card.with_vram(args.vram)
     request = request_from_args(args, config_request(model_name, shape.file_size))
@@ -129,6 +124,27 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if saved:
             print(f"\nsaved profile: {saved}")
     return 0
+
+
+def calibrate_machine(card: Card, card_name: str, model_path: Path) -> Card:
+    """--calibrate: the disk read rate (reading the model's file), then, with a GPU, the card's
+    bandwidths; each stored as it is measured."""
+    from .calibrate import calibrate, measure_disk_read, store_disk_read
+
+    if card_name != "auto":
+        raise UserError("--calibrate measures this machine's card: leave out --card")
+    disk = measure_disk_read(model_path)
+    store_disk_read(disk)
+    card = replace(card, disk_read_gbs=round(disk.gbs, 2))
+    print(f"calibrated the disk: {disk.gbs:.2f} GB/s reading {disk.bytes_read / (1 << 20):.0f} "
+          f"MiB of {model_path.name} ({disk.how})", file=sys.stderr)
+    if not card.has_gpu:
+        print("no GPU here: only the disk was measured", file=sys.stderr)
+        return card
+    measured, card = calibrate(card)
+    print(f"calibrated {card.name}: memory {measured.memory_gbs:.0f} GB/s, host to device "
+          f"{measured.host_to_device_gbs:.1f} GB/s", file=sys.stderr)
+    return card
 
 
 def request_from_args(args: argparse.Namespace, base: Request) -> Request:

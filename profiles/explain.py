@@ -11,6 +11,7 @@ from localllm.modelstore.shape import ModelShape
 
 from . import quality
 from .card import GIB, Card
+from .disk import disk_reason
 from .memory import CPU, ContextSettings, Placement
 
 if TYPE_CHECKING:
@@ -24,6 +25,8 @@ def gib(n: float) -> str:
 
 
 def tps(x: float) -> str:
+    if x < 1:  # plans that read from disk
+        return f"{x:.2f} tok/s"
     return f"{x:.1f} tok/s" if x < 100 else f"{x:.0f} tok/s"
 
 
@@ -78,6 +81,8 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
     if not card.has_gpu:
         out.append(f"all {shape.n_layer_main} blocks on the CPU: no GPU; {threads} threads = "
                    "physical cores")
+        if best.disk_bytes:
+            out.append(disk_reason(best.disk_bytes, card))
         out.append(_kv_line(single, chosen, request, evaluator, card))
         out.append(_fill_line(best, request, evaluator))
         out += _slot_lines(best, request, card, slot_note)
@@ -85,6 +90,8 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
     out.append(describe_placement(best, shape) + f": {gib(best.vram_used)} of "
                f"{gib(best.vram_budget)} usable VRAM; predicted "
                f"{tps(best.speed.decode_tps)} decode, {tps(best.speed.prefill_tps)} prefill")
+    if best.disk_bytes:
+        out.append(disk_reason(best.disk_bytes, card))
     if best.placement.n_cpu_ffn_layers:
         out.append("attention stays where its KV is: with every block's attention on the GPU, "
                    "decode keeps its speed as the context fills, where whole blocks in RAM "
@@ -276,7 +283,7 @@ def impossible_message(shape: ModelShape, card: Card, request: Request,
                   if card.has_gpu else f"{gib(leanest.ram_budget)} RAM is")
         need = (f": even with {leanest.settings.type_k} KV it needs "
                 f"{gib(leanest.ram_used + leanest.vram_used)} (weights {gib(weights)}, KV "
-                f"{gib(kv)}) but {usable} usable")
+                f"{gib(kv)}) but {usable} usable, and only weights can stay on disk")
     fits = ""
     smaller = [c for c in (131072, 65536, 32768, 16384, 8192, 4096, 2048)
                if c < asked.n_ctx]

@@ -47,8 +47,13 @@ def load_calibration(path: Path | None = None) -> dict:
 
 
 def calibrated(card: Card, path: Path | None = None) -> Card:
-    """The card with the factors `--measure` stored for it (none: unchanged)."""
-    factors = load_calibration(path).get(card.name, {})
+    """The card with the factors `--measure` stored for it and the host's measured disk rate
+    (none: unchanged)."""
+    from .calibrate import HOST_KEY, with_measured_disk
+
+    doc = load_calibration(path)
+    card = with_measured_disk(card, doc.get(HOST_KEY, {}))
+    factors = doc.get(card.name, {})
     try:
         gpu = float(factors.get("gpu_bandwidth_factor", 1.0))
         host = float(factors.get("host_bandwidth_factor", 1.0))

@@ -24,6 +24,7 @@ from localllm.modelstore.shape import ModelShape
 
 from . import quality
 from .card import GIB, MIB, Card
+from .disk import disk_bytes_per_token, non_weight_ram_fits, with_disk_reads
 from .explain import explain, gib, impossible_message
 from .memory import (
     CPU, ComputeTable, ContextSettings, ModelCosts, Placement, memory_by_device,
@@ -76,6 +77,8 @@ class Option:
     speed: Speed  # decode averaged over the expected fill
     vram_budget: int  # per GPU
     ram_budget: int
+    disk_bytes: int = 0  # weights read from disk per token: past RAM, they stay mmapped
+
 
     @property
     def kv(self) -> str:
@@ -87,7 +90,9 @@ class Option:
 
     @property
     def ram_fits(self) -> bool:
-        return self.ram_used <= self.ram_budget
+        """Weights past the RAM budget are read from the mmapped file (profiles.disk); what is
+        allocated (KV, compute buffers) must fit."""
+        return non_weight_ram_fits(self.memory, self.ram_budget)
 
     @property
     def fits(self) -> bool:
@@ -168,6 +173,8 @@ class _Evaluator:
         self.vram_budget = vram_budget(card, request.margin_bytes)
         self.ram_budget = ram_budget(card)
         self.kv_costs = quality.kv_costs(request.measured_kl)
+        # Per token only the routed experts are read, so only their share of a spill hits disk.
+        self.read_fraction = costs.expert_active_fraction if costs.has_experts else 1.0
 
     def memory(self, placement: Placement, settings: ContextSettings):
         return memory_by_device(self.costs, placement, settings, self.card, self.compute)
@@ -176,14 +183,20 @@ class _Evaluator:
         return all(m.total <= self.vram_budget for m in self.memory(placement, settings)
                    if m.device != CPU)
 
+    def disk_bytes(self, memory: tuple) -> int:
+        return disk_bytes_per_token(memory, self.ram_budget, self.read_fraction)
+
     def speed(self, placement: Placement, settings: ContextSettings, depth: int) -> Speed:
-        return predict_speed(self.costs, placement, settings, self.card, self.request.n_threads,
-                             depth)
+        speed = predict_speed(self.costs, placement, settings, self.card, self.request.n_threads,
+                              depth)
+        disk = self.disk_bytes(self.memory(placement, settings))
+        return with_disk_reads(speed, disk, self.card, settings.n_ubatch)
 
     def option(self, placement: Placement, settings: ContextSettings) -> Option:
         depth = objective_depth(settings.n_ctx, self.request.expected_fill)
-        return Option(placement, settings, self.memory(placement, settings),
-                      self.speed(placement, settings, depth), self.vram_budget, self.ram_budget)
+        memory = self.memory(placement, settings)
+        return Option(placement, settings, memory, self.speed(placement, settings, depth),
+                      self.vram_budget, self.ram_budget, self.disk_bytes(memory))
 
     def placements(self, settings: ContextSettings) -> list[Option]:
         """The placements worth comparing at these settings, each filling the GPU its way."""
@@ -313,7 +326,7 @@ class _Evaluator:
         cap = self.request.num_parallel or AUTO_MAX_PARALLEL
         for n in range(cap, 1, -1):
             o = self.option(best.placement, replace(best.settings, n_seq=n))
-            if o.fits:
+            if o.fits and o.disk_bytes <= best.disk_bytes:  # a slot never costs disk reads
                 return o, ""
         if cap > 1:
             where = "without moving weights off the GPU" if self.card.has_gpu else \
@@ -326,7 +339,7 @@ class _Evaluator:
         if not (chat and self.costs.has_sliding) or best.settings.swa_full:
             return None
         o = self.option(best.placement, replace(best.settings, swa_full=True))
-        return o if o.fits else None
+        return o if o.fits and o.disk_bytes <= best.disk_bytes else None
 
 
 def pick(options: list[Option]) -> Option | None:

@@ -307,10 +307,13 @@ def _encode(rows: np.ndarray, ggml_type: GGMLQuantizationType) -> bytes:
 
 
 def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
-               fill: str = "sparse", seed: int = 0) -> Path:
+               fill: str = "sparse", seed: int = 0, split: tuple[int, int] | None = None) -> Path:
     """Write the model; return its path. `fill` is sparse, random, noise or zeros: random tiles
     a few random rows (disk speed, for big shapes), noise draws every weight (tiny shapes: a
-    model whose logits differ from token to token, for tests of exact greedy output)."""
+    model whose logits differ from token to token, for tests of exact greedy output).
+    `split=(i, n)` writes part i (0-based) of n of a split GGUF as llama-gguf-split lays it
+    out: the tensors shared out in order, the metadata in part 0 only, split.* keys in every
+    part."""
     if fill not in ("sparse", "random", "noise", "zeros"):
         raise ValueError(f"fill must be sparse, random, noise or zeros, not {fill!r}")
     try:
@@ -320,7 +323,15 @@ def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
     path = Path(path)
     table = [(name, dims, tensor_type(name, dims, quant)) for name, dims in tensor_table(config)]
     w = GGUFWriter(path, config.arch)
-    _add_metadata(w, config, quant)
+    if split is None or split[0] == 0:
+        _add_metadata(w, config, quant)
+    if split is not None:
+        index, count = split
+        per_part = -(-len(table) // count)
+        w.add_uint16("split.no", index)
+        w.add_uint16("split.count", count)
+        w.add_int32("split.tensors.count", len(table))
+        table = table[index * per_part:(index + 1) * per_part]
     for name, dims, ggml_type in table:
         nbytes = tensor_bytes(dims, ggml_type)
         # The writer takes numpy order (last ggml dim first) and, for raw types, the byte shape.

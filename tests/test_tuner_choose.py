@@ -143,7 +143,10 @@ def test_tune_cli_prints_explains_and_saves(home, headers, capsys):
     (["tune", "/nonexistent/x.gguf"], "no such model file"),
     (["tune", "MODEL", "--card", "gtx-9999"], "unknown card"),
     (["tune", "MODEL", "--vram", "-2"], "--vram must be"),
-    (["tune", "MODEL", "--card", "rtx4060", "--ctx", "131072", "--vram", "2"], "no plan fits"),
+    # Weights past RAM are read from disk, the KV cache is not: 80 GiB of f32 KV fits no test
+    # machine's RAM.
+    (["tune", "MODEL", "--card", "rtx4060", "--ctx", "131072", "--vram", "2", "--kv", "f32"],
+     "no plan fits"),
 ])
 def test_tune_cli_errors_are_one_line(home, headers, capsys, argv, message):
     argv = [str(headers["70b"]) if a == "MODEL" else a for a in argv]
@@ -171,19 +174,40 @@ def test_calibrate_without_torch_says_what_to_install(smollm2_gguf, home):
     import subprocess
     import sys
 
+    from localllm.profiles.hardware import probe_card
+    from localllm.profiles.measure import load_calibration
+
+    result = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", str(smollm2_gguf),
+                             "--calibrate", "--no-save"], capture_output=True, text=True,
+                            timeout=120)
+    # The disk is measured first, GPU or not, and kept.
+    assert "calibrated the disk" in result.stderr, result.stderr
+    assert load_calibration()["host"]["disk_read_gbs"] > 0
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if not probe_card().has_gpu:
+        assert result.returncode == 0 and "only the disk was measured" in result.stderr
+    elif torch is None:
+        assert result.returncode == 1
+        assert "needs torch" in result.stderr and "Traceback" not in result.stderr
+    elif not torch.cuda.is_available():  # torch without CUDA here: the other clear refusal
+        assert result.returncode == 1 and "CUDA GPU" in result.stderr
+
+
+def test_calibrating_a_gpu_without_torch_says_what_to_install(home):
+    from localllm.errors import UserError
+    from localllm.profiles.calibrate import calibrate
+    from localllm.profiles.card import load_card
+
     try:
         import torch  # noqa: F401
     except ImportError:
-        result = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", str(smollm2_gguf),
-                                 "--calibrate", "--no-save"], capture_output=True, text=True,
-                                timeout=120)
-        assert result.returncode == 1
-        assert "needs torch" in result.stderr and "Traceback" not in result.stderr
-    else:  # torch without CUDA here: the other clear refusal
-        result = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", str(smollm2_gguf),
-                                 "--calibrate", "--no-save"], capture_output=True, text=True,
-                                timeout=120)
-        assert result.returncode == 1 and "CUDA GPU" in result.stderr
+        with pytest.raises(UserError, match="needs torch"):
+            calibrate(load_card("rtx3060-12g"))
+    else:
+        pytest.skip("torch is installed: the refusal without it cannot be seen here")
 
 
 def test_measured_bandwidth_replaces_the_theoretical_one(tmp_path):

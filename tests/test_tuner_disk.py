@@ -1,0 +1,115 @@
+"""Plans past RAM: weights beyond VRAM plus the RAM budget stay mmapped and are read from disk
+per token; the plan says how much and at what rate, and predicts decode with it."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import replace
+
+import pytest
+import synth_gguf
+
+from localllm.modelstore.shape import read_shape
+from localllm.profiles.card import GIB, load_card
+from localllm.profiles.disk import ASSUMED_DISK_GBS
+from localllm.profiles.tuner import Request, ram_budget, tune, vram_budget
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    paths = synth_gguf.ensure_headers(tmp_path_factory.getbasetemp() / "synth-headers")
+    return read_shape(paths["70b"])  # 37 GiB of Q4_0 weights
+
+
+def disk_lines(plan) -> list[str]:
+    return [r for r in plan.reasons if "read from disk per token" in r]
+
+
+def test_weights_past_ram_are_read_from_disk_and_cost_speed(big):
+    small = load_card("rtx3060-12g").with_host(16 * GIB, 8, 40.0)
+    roomy = load_card("rtx3060-12g").with_host(64 * GIB, 8, 40.0)
+    request = Request(n_ctx=4096)
+    spilled, in_ram = tune(big, small, request), tune(big, roomy, request)
+
+    assert not disk_lines(in_ram)
+    [line] = disk_lines(spilled)
+    assert f"at {ASSUMED_DISK_GBS:.1f} GB/s (assumed)" in line
+    # The figure is the CPU's weights beyond what the RAM budget leaves after KV and buffers.
+    cpu = next(m for m in spilled.memory if m.device == "CPU")
+    excess = cpu.total - ram_budget(small)
+    assert excess > 0 and line.startswith(f"{excess / GIB:.1f} GiB read from disk")
+    assert spilled.use_mmap
+    assert spilled.predicted_decode_tps < in_ram.predicted_decode_tps
+    # Reading the excess at the assumed rate alone bounds the speed from above.
+    assert spilled.predicted_decode_tps < ASSUMED_DISK_GBS * 1e9 / excess
+    for plan, card in ((spilled, small), (in_ram, roomy)):
+        for m in plan.memory:
+            if m.device != "CPU":
+                assert m.total <= vram_budget(card, request.margin_bytes)
+
+
+def test_a_measured_disk_rate_is_used_and_named(big):
+    assumed = load_card("rtx3060-12g").with_host(16 * GIB, 8, 40.0)
+    fast = replace(assumed, disk_read_gbs=6.5)
+    slow_plan, fast_plan = tune(big, assumed, Request(n_ctx=4096)), tune(big, fast,
+                                                                         Request(n_ctx=4096))
+    [line] = disk_lines(fast_plan)
+    assert "at 6.5 GB/s (measured by tune --calibrate)" in line
+    assert fast_plan.predicted_decode_tps > slow_plan.predicted_decode_tps
+
+
+def test_cpu_only_host_smaller_than_the_model(big):
+    cpu = load_card("cpu-only").with_host(24 * GIB, 8, 40.0)
+    plan = tune(big, cpu, Request(n_ctx=4096))
+    [line] = disk_lines(plan)
+    gib_read = float(re.match(r"([\d.]+) GiB", line).group(1))
+    assert 37.0 - 24 < gib_read < 37.0  # more than the model's excess over RAM, less than all
+    assert plan.n_gpu_layers == 0 and plan.predicted_decode_tps < 1.0
+
+
+def test_more_ram_is_never_slower(big):
+    speeds = [tune(big, load_card("rtx3060-12g").with_host(ram * GIB, 8, 40.0),
+                   Request(n_ctx=4096)).predicted_decode_tps for ram in (12, 16, 24, 32, 48, 64)]
+    assert speeds == sorted(speeds)
+    assert speeds[0] < speeds[-1]
+
+
+# ---- tune --calibrate: the disk read rate ------------------------------------------------------
+
+def written_file(path, size: int):
+    with open(path, "wb") as f:
+        for _ in range(size >> 20):
+            f.write(os.urandom(1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def test_disk_read_is_measured_stored_and_used(tmp_path):
+    from localllm.profiles.calibrate import measure_disk_read, store_disk_read
+    from localllm.profiles.measure import calibrated
+
+    model = written_file(tmp_path / "model.gguf", 96 << 20)
+    measured = measure_disk_read(model)
+    assert measured.bytes_read == 96 << 20 and measured.gbs > 0
+    assert measured.how  # says how (or whether) the page cache was kept out
+    path = tmp_path / "calibration.toml"
+    store_disk_read(measured, path)
+    for name in ("rtx3060-12g", "cpu-only"):  # a host figure: every card planned here has it
+        card = calibrated(load_card(name), path)
+        assert card.disk_read_gbs == round(measured.gbs, 2)
+    assert load_card("rtx3060-12g").disk_read_gbs == 0.0  # the profile itself is unchanged
+
+
+def test_disk_read_refuses_files_that_measure_nothing(tmp_path):
+    from localllm.errors import UserError
+    from localllm.profiles.calibrate import measure_disk_read
+
+    sparse = tmp_path / "sparse.gguf"
+    with open(sparse, "wb") as f:
+        f.truncate(1 << 30)
+    with pytest.raises(UserError, match="sparse"):
+        measure_disk_read(sparse)
+    with pytest.raises(UserError, match="too small"):
+        measure_disk_read(written_file(tmp_path / "small.gguf", 1 << 20))
