@@ -76,12 +76,22 @@ def plan_candidate(key: str, files: tuple[RemoteFile, ...], shape: ModelShape, c
     return replace(base, plan=plan, disk_bytes=disk)
 
 
+ENOUGH_BITS = 4.5  # past about Q4_K_M, more bits buy little quality for what they cost
+
+
 def choose(candidates: list[Candidate]) -> Candidate | None:
-    """Whole on the GPU first, then the most bits per weight, then the fastest decode."""
+    """Whole on the GPU first, then the most bits per weight, then the fastest decode. When
+    nothing fits whole, bits beyond ENOUGH_BITS count as equal: every extra byte is then read
+    from RAM (or disk) on every token, so a Q8_0 at a third of a Q4_K_M's speed loses."""
     usable = [c for c in candidates if c.plan is not None]
     if not usable:
         return None
-    return min(usable, key=lambda c: (c.tier, -round(c.bits_per_weight, 2), -c.decode_tps))
+
+    def quality(c: Candidate) -> float:
+        bits = round(c.bits_per_weight, 2)
+        return bits if c.tier == 0 else min(bits, ENOUGH_BITS)
+
+    return min(usable, key=lambda c: (c.tier, -quality(c), -c.decode_tps))
 
 
 def pick_line(best: Candidate, candidates: list[Candidate], card: Card) -> str:
@@ -95,6 +105,9 @@ def pick_line(best: Candidate, candidates: list[Candidate], card: Card) -> str:
         up = min(higher, key=lambda c: c.bits_per_weight)
         text += (f"; {up.label} ({up.bits_per_weight:.2f} bits/weight) {TIER_WORDS[up.tier]}, "
                  f"{up.decode_tps:.1f} tok/s")
+        if best.tier != 0 and up.tier == best.tier:
+            text += (f" (when nothing fits wholly on the GPU, past {ENOUGH_BITS} bits/weight "
+                     f"speed decides)")
     elif same_tier:
         text += "; the most bits per weight of those that fit as well"
     return text

@@ -105,16 +105,21 @@ def test_more_vram_never_picks_fewer_bits(env):
     assert ranks == sorted(ranks) and ranks[-1] == 4  # 80 GiB takes the split Q8_0
 
 
-def test_when_nothing_fits_whole_quality_decides(env):
-    """8 GiB: not even Q2_K (8.1 GiB) fits whole, so the most bits per weight that runs from
-    VRAM and RAM wins, as the rule says; the table shows what each would decode at."""
+def test_when_nothing_fits_whole_enough_quality_then_speed_decides(env):
+    """8 GiB: not even Q2_K (8.1 GiB) fits whole. Of the files that run from VRAM and RAM,
+    those with at least ENOUGH_BITS count as equally good, and the fastest of them wins: a Q8_0
+    read from RAM on every token is not worth a third of the speed."""
+    from localllm.quant_pick import ENOUGH_BITS
+
     out = localllm("pull", f"hf.co/{DENSE}", "--card", "rtx4060", "--dry-run", env=env).stdout
     rows = table_rows(out)
     assert not any("whole" in row for row in rows.values())
-    # The host's RAM decides which run without disk reads; of those, the most bits win.
     in_ram = [name for name, row in rows.items() if "part" in row and "disk" not in row]
-    best = max(in_ram, key=lambda name: float(rows[name].split()[-4]))
+    bits = {name: float(rows[name].split()[-4]) for name in in_ram}
+    speed = {name: float(rows[name].split()[-2]) for name in in_ram}
+    best = max(in_ram, key=lambda name: (min(bits[name], ENOUGH_BITS), speed[name]))
     assert picked(out) == best
+    assert bits[best] >= ENOUGH_BITS or bits[best] == max(bits.values())
     line = next(x for x in out.splitlines() if x.startswith("picked "))
     assert "fits in VRAM and RAM" in line
 
