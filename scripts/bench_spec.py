@@ -10,7 +10,8 @@
    --rounds), per placement: plain; prompt lookup on the model's own greedy text; the model as
    its own draft (full acceptance: the upper bound of a draft model, drafting at the target's
    price); a draft model whose drafts never match (--draft-other: adaptive drafting must stay
-   near plain speed); prompt lookup at temperature 1 (drafts seldom match).
+   near plain speed); MTP, when the model has NextN layers; prompt lookup at temperature 1
+   (drafts seldom match).
 3. The tuner's plan for this machine: its predicted decode (plain and with the speculation it
    chose) beside what the daemon measures with that plan.
 
@@ -115,6 +116,7 @@ def rate(url: str, options: dict, rounds: int) -> tuple[float, dict]:
 def api_modes(args, ngl: int) -> list[tuple[str, float, dict]]:
     from daemon_process import isolated_env, start_daemon
 
+    from localllm.modelstore.shape import read_shape
     from localllm.modelstore.store import ModelStore
 
     n = args.tokens
@@ -126,6 +128,8 @@ def api_modes(args, ngl: int) -> list[tuple[str, float, dict]]:
     if args.draft_other:
         modes.append(("a draft that never matches", {**greedy, "speculative": "draft",
                                                      "draft_model": "other"}))
+    if read_shape(args.model).n_nextn:  # random NextN weights: drafts that seldom match
+        modes.append(("MTP", {**greedy, "speculative": "mtp"}))
     sampled = {**greedy, "temperature": 1.0, "top_k": 40, "top_p": 1.0}
     modes += [("plain, temperature 1", {**sampled, "speculative": "off"}),
               ("prompt lookup, temperature 1", {**sampled, "speculative": "lookup"})]
@@ -164,8 +168,8 @@ def tuner_rows(args) -> list[str]:
         try:
             generate(daemon.url, {"num_predict": 8})
             [ps] = daemon.get("/api/ps")["models"]
-            stats = daemon.get("/api/status")
-            plan = {m["model"]: m for m in stats["loaded"]}["bench:latest"]["plan"]
+            [loaded] = daemon.get("/api/stats")["models"]
+            plan = loaded["plan"]
             measured = {}
             for label in ("off", "auto"):  # plain; the plan's choice
                 measured[label], draft = rate(daemon.url, {"temperature": 0, "seed": 1,

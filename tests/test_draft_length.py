@@ -37,7 +37,10 @@ def test_drafts_that_never_match_pause_drafting():
         d.record(max(d.length, 1), 0)
     assert d.paused == PAUSE_STEPS
     assert all(d.wanted(room=100) == 0 for _ in range(PAUSE_STEPS))
-    assert d.wanted(room=100) > 0  # tried again after the pause
+    n = d.wanted(room=100)
+    assert n > 0  # tried again after the pause
+    d.record(n, 0)  # and failed again: a longer pause
+    assert d.paused == 2 * PAUSE_STEPS
 
 
 def test_expensive_checks_ask_for_short_drafts_or_none():

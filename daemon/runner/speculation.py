@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 NGRAM_SIZES = (8, 4, 2)  # longest first: a longer match is a better guess
 MAX_DRAFT = 8
 PAUSE_STEPS = 32  # steps without drafting after drafting stopped paying
+MAX_BACKOFF = 4  # ... doubled for each pause in a row, up to 16 times as long
 WINDOW = 15  # step times kept per batch size
 GAIN_NEEDED = 1.03  # drafting must promise this much over plain decode (costs are estimates)
 
@@ -118,6 +119,7 @@ class Drafting:
     length: int = 4
     acceptance: float = 0.6  # moving average of accepted / drafted
     paused: int = 0
+    pauses: int = 0  # pauses in a row with no good draft between them: each one is longer
     drafted: int = 0
     accepted: int = 0
 
@@ -135,9 +137,13 @@ class Drafting:
         self.drafted += drafted
         self.accepted += accepted
         self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / drafted)
+        if accepted * 2 >= drafted:
+            self.pauses = 0
         self.length = self._best_length()
-        if self.length == 0:
-            self.length, self.paused = min(2, self.max_length), PAUSE_STEPS
+        if self.length == 0:  # try again later, and later still if that try fails too
+            self.length = min(2, self.max_length)
+            self.paused = PAUSE_STEPS << min(self.pauses, MAX_BACKOFF)
+            self.pauses += 1
 
     def _best_length(self) -> int:
         """The draft length with the most tokens per second of step time: a step with k
