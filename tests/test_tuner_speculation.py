@@ -92,6 +92,20 @@ def test_qwen35_on_a_24gb_card_plans_mtp_with_every_block_on_the_gpu(shapes):
     assert gpu.kv > gpu_plain.kv and gpu.total <= vram_budget(c, 512 * MIB)
 
 
+def test_speculation_may_buy_every_block_on_the_gpu_with_a_smaller_kv_type(shapes):
+    """qwen35-27b at 131072 on 24 GiB: plain decode keeps f16 KV; the NextN block and its KV
+    do not fit beside it, and q8_0 KV with MTP beats f16 without. Both compete in one search,
+    and the reasons say what drafting changed."""
+    shape, c = shapes["qwen35-27b"], card("rtx3090")
+    plain = tune(shape, c, Request(n_ctx=131072, speculation=False))
+    plan = tune(shape, c, Request(n_ctx=131072))
+    assert plain.type_k == "f16" and plain.n_gpu_layers == shape.n_layer + 1
+    assert plan.speculative == "mtp" and plan.type_k == "q8_0"
+    assert plan.n_gpu_layers == shape.n_layer + 1 and not plan.tensor_overrides
+    assert plan.predicted_decode_tps >= plain.predicted_decode_tps * 1.05
+    assert any("without it the search would choose" in r and "f16 KV" in r for r in plan.reasons)
+
+
 def test_measured_low_acceptance_turns_mtp_off(shapes):
     plan = tune(shapes["qwen35-27b"], card("rtx3090"),
                 Request(n_ctx=4096, acceptance={"mtp": 0.05}))
