@@ -47,13 +47,33 @@ def differs(loaded: Speculation, options: dict) -> bool:
     return "draft_model" in options and options["draft_model"] != loaded.draft_name
 
 
-def with_speculation(store: ModelStore, entry: ModelEntry, shape: ModelShape, plan: Plan,
-                     options: dict) -> Speculation:
+@dataclass(frozen=True)
+class DraftModel:
+    name: str = ""  # as options.draft_model named it ("" for the catalog's pairing)
+    path: Path | None = None
+
+
+def draft_model(store: ModelStore, entry: ModelEntry, options: dict) -> DraftModel:
+    """The draft model for `entry`: options.draft_model, else the catalog's pairing, else none.
+    Raises ModelNotFound for a named draft model that is not stored."""
+    asked = options.get("draft_model")
+    if asked:
+        draft = find_stored(store, asked)
+        if draft is None or draft.model_path is None:
+            raise ModelNotFound(f"draft model '{asked}' not found; pull it first "
+                                f"(`localllm pull {asked}`)")
+        return DraftModel(asked, model_file(store, draft))
+    layer = entry.companion(DRAFT_LAYER)
+    return DraftModel("", store.blob_path(layer.digest)) if layer else DraftModel()
+
+
+def with_speculation(entry: ModelEntry, shape: ModelShape, plan: Plan, options: dict,
+                     draft: DraftModel) -> Speculation:
     """The plan with the speculative mode the request asks for (else the plan's own), and the
-    draft model to load with it. Raises UserError / ModelNotFound for what cannot be done."""
+    draft model to load with it. Raises UserError for what cannot be done."""
     asked = options.get("speculative") if options.get("speculative") in LOAD_MODES else None
     mode = asked or plan.speculative
-    name, path = _draft_model(store, entry, options.get("draft_model"))
+    name, path = draft.name, draft.path
     if mode == "mtp" and shape.n_nextn == 0:
         if asked:
             raise UserError(f"{entry.name} has no MTP layers (nextn_predict_layers is 0); use "
@@ -74,17 +94,3 @@ def with_speculation(store: ModelStore, entry: ModelEntry, shape: ModelShape, pl
               else f"{said}: the plan's choice could not be loaded")
     plan = replace(plan, **changes, reasons=(*plan.reasons, reason))
     return Speculation(plan, path if mode == "draft" else None, name)
-
-
-def _draft_model(store: ModelStore, entry: ModelEntry,
-                 asked: str | None) -> tuple[str, Path | None]:
-    if asked:
-        draft = find_stored(store, asked)
-        if draft is None or draft.model_path is None:
-            raise ModelNotFound(f"draft model '{asked}' not found; pull it first "
-                                f"(`localllm pull {asked}`)")
-        return asked, model_file(store, draft)
-    layer = entry.companion(DRAFT_LAYER)
-    if layer is None:
-        return "", None
-    return "", store.blob_path(layer.digest)

@@ -27,7 +27,7 @@ from localllm.profiles.plan import Plan
 
 from localllm.config import Config
 
-from .drafting import Speculation, differs, with_speculation
+from .drafting import Speculation, differs, draft_model, with_speculation
 from .runner.process import RUNNER_COMMAND, LoadError, RunnerProcess
 
 log = logging.getLogger("localllm.scheduler")
@@ -69,10 +69,10 @@ class Planner:
     ran out of memory. Tests may pass another planner; the scheduler needs only these two."""
 
     def choose(self, shape: ModelShape, model_name: str, n_ctx: int | None,
-               options: dict) -> Plan:
+               options: dict, draft_shape: ModelShape | None = None) -> Plan:
         from localllm.profiles.choose import choose_plan
 
-        return choose_plan(shape, model_name, n_ctx, options)
+        return choose_plan(shape, model_name, n_ctx, options, draft_shape=draft_shape)
 
     def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
                   error: str) -> Plan | None:
@@ -211,11 +211,14 @@ class Scheduler:
             async with self._room_lock:
                 await self._make_room()
             shape = await asyncio.to_thread(read_shape, entry.model_path)
+            draft = draft_model(self.store, entry, options)
+            draft_shape = await asyncio.to_thread(read_shape, draft.path) if draft.path else None
             # Planning may probe the GPU and dry-run llama.cpp: seconds, off the event loop.
             plan = await asyncio.to_thread(self.planner.choose, shape, name,
-                                           context_to_ask(self.config, n_ctx, shape), options)
+                                           context_to_ask(self.config, n_ctx, shape), options,
+                                           draft_shape)
             path = model_file(self.store, entry)
-            speculation = with_speculation(self.store, entry, shape, plan, options)
+            speculation = with_speculation(entry, shape, plan, options, draft)
             runner = await self._load_stepping_down(name, path, shape, speculation)
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                                 keep_alive=self.config.keep_alive_seconds,

@@ -110,9 +110,10 @@ def _apply_options(plan: Plan, request: Request) -> Plan:
 
 
 def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, options: dict,
-                card: Card | None = None) -> Plan:
+                card: Card | None = None, draft_shape: ModelShape | None = None) -> Plan:
     """The plan the daemon loads `model_name` with; raises NoPlanFits (a UserError) when the
-    model cannot run at that context on this machine."""
+    model cannot run at that context on this machine. `draft_shape`: the draft model paired
+    with it in the catalog, which the tuner may plan speculative decoding with."""
     card = card or probe_card()
     base = config_request(model_name, shape.file_size)
     request = request_from_options(n_ctx, options or {}, base.margin_bytes, base)
@@ -138,19 +139,19 @@ def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, options: 
                      + ("it was tuned for another file" if wrong_file
                         else f"it is for context {saved.plan.n_ctx}, asked {n_ctx}"
                         if wrong_ctx else "it puts layers on a GPU this machine lacks"))
-    plan = tune_checked(shape, card, request)
+    plan = tune_checked(shape, card, request, draft=draft_shape)
     return replace(plan, reasons=(*plan.reasons, *notes)) if notes else plan
 
 
 def tune_checked(shape: ModelShape, card: Card, request: Request,
-                 measure: bool | None = None) -> Plan:
+                 measure: bool | None = None, draft: ModelShape | None = None) -> Plan:
     """The tuner's plan with its compute buffers checked by dry-run loads of llama.cpp.
 
     The formula's error at the measured point (either sign) corrects it everywhere, the search
     runs again, and the new plan is measured in turn, until the plan found is one measured
     exactly. `measure` defaults to a probed card only: a profile planned on another machine has
     nothing here to measure."""
-    plan = tune(shape, card, request)
+    plan = tune(shape, card, request, draft=draft)
     if measure is None:
         measure = card.source == "probe"
     if not card.has_gpu or not measure or not os.path.isfile(shape.path):
@@ -173,7 +174,7 @@ def tune_checked(shape: ModelShape, card: Card, request: Request,
         gpu_fix = max((compute.get(d, 0) - v for d, v in formula.items() if d != CPU), default=0)
         host_fix = compute.get(CPU, 0) - formula.get(CPU, 0)
         table = ComputeTable({**table.measured, key: compute}, gpu_fix, host_fix)
-        plan = tune(shape, card, request, table)
+        plan = tune(shape, card, request, table, draft=draft)
     return replace(plan, reasons=(*plan.reasons,
                                   "compute buffers measured by dry-run loads of llama.cpp"))
 
@@ -199,7 +200,7 @@ def placement_of(plan: Plan, shape: ModelShape) -> Placement:
 
 
 def step_down(plan: Plan, shape: ModelShape, card: Card, model_name: str | None = None,
-              error: str = "out of memory") -> Plan | None:
+              error: str = "out of memory", draft_shape: ModelShape | None = None) -> Plan | None:
     """After a load ran out of memory: the best plan that needs clearly less VRAM (at least
     512 MiB or 10% less than `plan` was predicted to use), all-CPU as the last step, then None.
     With `model_name`, the step is recorded in the saved profile's history."""
@@ -213,7 +214,7 @@ def step_down(plan: Plan, shape: ModelShape, card: Card, model_name: str | None 
                       margin_bytes=margin, n_threads=plan.n_threads,
                       num_parallel=plan.n_parallel)
     try:
-        smaller = tune(shape, card, request)
+        smaller = tune(shape, card, request, draft=draft_shape)
     except NoPlanFits:
         try:  # the last step: every layer on the CPU
             smaller = tune(shape, card, replace(request, n_gpu_layers=0, margin_bytes=0))

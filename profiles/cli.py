@@ -191,6 +191,19 @@ def _row(cells: list[str], widths: list[int]) -> str:
         zip(cells, widths, strict=True)))
 
 
+def speculation_summary(plan: Plan) -> str:
+    """The plan's speculative decoding in one line, with the decode it predicts with and
+    without (the reasons say why)."""
+    plain = plan.predicted_plain_decode_tps or plan.predicted_decode_tps
+    if plan.speculative == "none":
+        return f"speculation: off (predicted decode {plain:.1f} tok/s without it)"
+    what = f"{plan.speculative}, drafts up to {plan.draft_n_max or 8}"
+    if plan.speculative == "draft":
+        what += f", {plan.draft_n_gpu_layers} draft layers on the GPU"
+    return (f"speculation: {what}; predicted decode {plan.predicted_decode_tps:.1f} tok/s with "
+            f"it, {plain:.1f} without")
+
+
 def format_plan(plan: Plan, card: Card, shape: ModelShape, model_name: str) -> str:
     lines = [f"{model_name}: {shape.architecture}, {shape.size_label} {shape.file_type}, "
              f"{gib(shape.weight_bytes)}, {shape.n_layer} blocks, trained context "
@@ -216,6 +229,7 @@ def format_plan(plan: Plan, card: Card, shape: ModelShape, model_name: str) -> s
         lines.append(f"override: {o.pattern} -> {o.device}")
     lines.append(f"predicted: prefill {plan.predicted_prefill_tps:.1f} tok/s, decode "
                  f"{plan.predicted_decode_tps:.1f} tok/s averaged over the expected fill")
+    lines.append(speculation_summary(plan))
     if plan.predicted_decode_by_depth:
         names = ("start", "middle", "end")
         lines.append("predicted decode as the context fills: " + ", ".join(

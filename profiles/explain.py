@@ -70,7 +70,7 @@ def _kv_text(settings: ContextSettings) -> str:
 
 def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
             searches: list[Search], evaluator: _Evaluator, threads: int, single: Option,
-            slot_note: str) -> list[str]:
+            slot_note: str, speculation_notes: list[str] | None = None) -> list[str]:
     """`chosen.best` is the final option (slots and SWA cache included); `single` the option
     the search picked, with one slot."""
     best = chosen.best
@@ -86,6 +86,7 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
         out.append(_kv_line(single, chosen, request, evaluator, card))
         out.append(_fill_line(best, request, evaluator))
         out += _slot_lines(best, request, card, slot_note)
+        out += speculation_lines(shape, card, request, chosen, evaluator, speculation_notes or [])
         return out + _context_alternatives(chosen, searches)
     out.append(describe_placement(best, shape) + f": {gib(best.vram_used)} of "
                f"{gib(best.vram_budget)} usable VRAM; predicted "
@@ -111,6 +112,7 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
     else:
         out.append(f"{threads} threads: the GPU does the work; the CPU only feeds it")
     out += _slot_lines(best, request, card, slot_note)
+    out += speculation_lines(shape, card, request, chosen, evaluator, speculation_notes or [])
     out += _rejected_alternatives(shape, single, chosen, evaluator)
     out += _context_alternatives(chosen, searches)
     return out
@@ -118,7 +120,7 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
 
 def _fill_line(best: Option, request: Request, evaluator: _Evaluator) -> str:
     n = best.settings.n_ctx
-    at = [evaluator.speed(best.placement, best.settings, d).decode_tps for d in (0, n // 2, n)]
+    at = [evaluator.option_speed(best, d).decode_tps for d in (0, n // 2, n)]
     return (f"decode {tps(best.speed.decode_tps)} averaged over filling "
             f"{request.expected_fill:.0%} of the context (expected_fill): {tps(at[0])} at the "
             f"start, {tps(at[1])} at {n // 2} tokens, {tps(at[2])} at {n}")
@@ -200,12 +202,13 @@ def _rejected_alternatives(shape: ModelShape, best: Option, chosen: Search,
     p, s = best.placement, best.settings
     n_all = shape.n_layer + 1
     if p.n_gpu_layers < n_all and not p.n_cpu_expert_layers and not p.n_cpu_ffn_layers:
-        more = evaluate(Placement(p.n_gpu_layers + 1, p.output_on_cpu), s)
+        more = evaluate(Placement(p.n_gpu_layers + 1, p.output_on_cpu), s, best.speculator)
         if not more.gpu_fits:
             out.append(f"{REJECTED}n_gpu_layers={p.n_gpu_layers + 1} needs "
                        f"{gib(more.vram_used)} > {gib(more.vram_budget)} usable VRAM")
     if p.n_cpu_expert_layers:
-        fewer = evaluate(Placement(p.n_gpu_layers, p.output_on_cpu, p.n_cpu_expert_layers - 1), s)
+        fewer = evaluate(Placement(p.n_gpu_layers, p.output_on_cpu, p.n_cpu_expert_layers - 1), s,
+                         best.speculator)
         if not fewer.gpu_fits:
             out.append(f"{REJECTED}experts of {p.n_cpu_expert_layers - 1} blocks in RAM needs "
                        f"{gib(fewer.vram_used)} > {gib(fewer.vram_budget)} usable VRAM")
@@ -242,10 +245,10 @@ def _rejected_alternatives(shape: ModelShape, best: Option, chosen: Search,
             out.append(f"{REJECTED}{what}: does not fit ({limit})")
         else:
             n = o.settings.n_ctx
-            start = evaluator.speed(o.placement, o.settings, 0).decode_tps
+            start = evaluator.option_speed(o, 0).decode_tps
             out.append(f"{REJECTED}{what}: {describe_placement(o, shape)}, "
                        f"{tps(o.speed.decode_tps)} averaged over the fill ({tps(start)} at the "
-                       f"start, {tps(evaluator.speed(o.placement, o.settings, n).decode_tps)} "
+                       f"start, {tps(evaluator.option_speed(o, n).decode_tps)} "
                        f"at {n})")
         if len(seen) >= 4:
             break
@@ -297,3 +300,108 @@ def impossible_message(shape: ModelShape, card: Card, request: Request,
     else:
         fits = "; no context fits: the model is larger than this machine's memory"
     return f"no plan fits {asked.n_ctx} context for {model} on {where}{need}{fits}"
+
+
+# ---- speculative decoding ----------------------------------------------------------------------
+
+SPECULATION = "speculation: "
+SPECULATION_OFF = "speculation off: "
+TYPICAL_CHECK = 4  # tokens of the checking pass quoted when speculation is off (3 drafts)
+
+
+def _acceptance_text(choice) -> str:
+    return f"{choice.acceptance:.2f} acceptance ({'measured' if choice.measured else 'assumed'})"
+
+
+def _cpu_blocks_text(n: int) -> str:
+    return f"with {n} blocks read on the CPU" if n else "with every block on the GPU"
+
+
+def speculation_lines(shape: ModelShape, card: Card, request: Request, chosen: Search,
+                      evaluator: _Evaluator, notes: list[str]) -> list[str]:
+    """Whether the plan drafts, how, what a checking pass costs on its placement and the speed
+    with and without; when it does not, why not (a pass too costly, or no room)."""
+    from . import speculation
+    from .speed import checking_terms
+
+    best = chosen.best
+    assert best is not None
+    if not request.speculation:
+        return [f"{SPECULATION_OFF}not allowed by the request"]
+    if not evaluator.speculators:
+        return [f"{SPECULATION_OFF}{n}" for n in notes] or [
+            f"{SPECULATION_OFF}no way of drafting planned for this model"]
+    s, p = best.settings, best.placement
+    depth = min(s.n_ctx, max(1, int(s.n_ctx * request.expected_fill / 2)))
+    terms = checking_terms(evaluator.costs, p, s, card, request.n_threads, depth)
+    on_cpu = speculation.cpu_blocks(evaluator.costs, p, card)
+    out = []
+    choice = best.speculation
+    if choice is not None:
+        k = choice.draft_n_max
+        what = f"{choice.mode}, drafts up to {k}"
+        if choice.mode == "draft" and best.speculator is not None:
+            what += (f" from {best.speculator.draft_name} ({choice.draft_n_gpu_layers} of its "
+                     "layers on the GPU)" if choice.draft_n_gpu_layers else
+                     f" from {best.speculator.draft_name} (in RAM)")
+        out.append(f"{SPECULATION}{what}; checking {k + 1} tokens costs "
+                   f"{choice.check_ratio:.1f}x one on this placement "
+                   f"({_cpu_blocks_text(on_cpu)}); expected {_acceptance_text(choice)} -> "
+                   f"predicted {tps(best.speed.decode_tps)} vs {tps(choice.plain_tps)} plain")
+        extra = speculation.drafter_memory(best.speculator, p, s, card) \
+            if best.speculator is not None else ()
+        vram = sum(m.total for m in extra if m.device != CPU)
+        ram = sum(m.total for m in extra if m.device == CPU)
+        if extra:
+            holder = "the NextN block, its KV and context" if choice.mode == "mtp" else \
+                "the draft model's weights, KV and context"
+            out.append(f"{SPECULATION}{holder} take {gib(vram)} VRAM and {gib(ram)} RAM, "
+                       "counted in the budget above")
+        plain = [o for o in chosen.options if o.fits and o.speculation is None]
+        plain_best, _ = evaluator.select(plain)
+        if plain_best is not None and (plain_best.placement, plain_best.kv) != (p, best.kv):
+            out.append(f"{SPECULATION}without it the search would choose "
+                       f"{describe_placement(plain_best, shape)} with {plain_best.kv} KV at "
+                       f"{tps(plain_best.speed.decode_tps)}; drafting makes this placement "
+                       "the faster")
+    else:
+        plain_tps = best.speed.decode_tps
+        for mode in dict.fromkeys(x.mode for x in evaluator.speculators):
+            out.append(SPECULATION_OFF + _why_not(mode, best, chosen, evaluator, terms, on_cpu,
+                                                  plain_tps))
+    return out + [f"{SPECULATION}{n}" for n in notes]
+
+
+def _why_not(mode: str, best: Option, chosen: Search, evaluator: _Evaluator, terms, on_cpu: int,
+             plain_tps: float) -> str:
+    """Why drafting by `mode` lost: on the chosen placement (when the drafter fits beside it)
+    the checking pass costs too much; else the best placement that holds the drafter is slower."""
+    from . import speculation
+
+    p, s = best.placement, best.settings
+    if best.disk_bytes:
+        return f"{mode}: weights are read from disk on every token; drafting is not planned there"
+    here = [o for o in (evaluator.option(p, s, x) for x in evaluator.speculators
+                        if x.mode == mode) if o.fits and o.speculation is not None]
+    margin = f"it must gain {speculation.SPECULATION_MARGIN - 1:.0%}"
+    if here:
+        o = max(here, key=lambda o: o.speed.decode_tps)
+        c = o.speculation
+        assert c is not None
+        return (f"{mode}: checking {TYPICAL_CHECK} tokens costs {terms.ratio(TYPICAL_CHECK):.1f}x "
+                f"one {_cpu_blocks_text(on_cpu)}; at {_acceptance_text(c)} drafting would give "
+                f"at best {tps(c.tps)} (drafts up to {c.draft_n_max}) vs {tps(plain_tps)} plain "
+                f"({margin})")
+    elsewhere = [o for o in chosen.options if o.speculator is not None
+                 and o.speculator.mode == mode and o.fits and o.speculation is not None]
+    if not elsewhere:
+        return f"{mode}: the drafter does not fit in the budget with any placement tried"
+    o = max(elsewhere, key=lambda o: o.speed.decode_tps)
+    c = o.speculation
+    assert c is not None
+    n_cpu = speculation.cpu_blocks(evaluator.costs, o.placement, evaluator.card)
+    return (f"{mode}: it does not fit beside this placement; the best placement that holds it "
+            f"({o.kv} KV, n_gpu_layers={o.placement.n_gpu_layers}, {n_cpu} blocks read on the "
+            f"CPU) checks {c.draft_n_max + 1} tokens at {c.check_ratio:.1f}x one and would "
+            f"give {tps(c.tps)} (vs {tps(c.plain_tps)} there without drafting) against "
+            f"{tps(plain_tps)} for this plan")

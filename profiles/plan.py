@@ -45,8 +45,10 @@ class Plan:
     n_threads_batch: int = 1
     use_mmap: bool = True
     n_parallel: int = 1  # slots: sequences decoded together, each with n_ctx of KV
-    speculative: str = "none"  # "none", "lookup", "mtp", "draft" (see daemon/runner/drafters.py)
-    draft_n_max: int = 0  # the longest draft; 0: the runner's default
+    # Speculative decoding: "none", "lookup" (n-grams of the prompt), "mtp" (the model's NextN
+    # layers) or "draft" (the paired draft model). A profile's "prompt-lookup" reads as "lookup".
+    speculative: str = "none"
+    draft_n_max: int = 0  # the longest draft; the runner adapts below it (0: 8, or 3 for mtp)
     draft_n_gpu_layers: int = 0  # the draft model's layers on the GPU (llama.cpp's -ngld)
     # RPC workers ("host:port") whose devices come before the local GPUs in llama.cpp's device
     # list; tensor_split counts over that list (profiles.rpc_plan makes such plans).
@@ -56,6 +58,7 @@ class Plan:
     memory: tuple[DeviceMemory, ...] = ()
     predicted_prefill_tps: float = 0.0
     predicted_decode_tps: float = 0.0  # averaged over the expected fill of the context
+    predicted_plain_decode_tps: float = 0.0  # the same without speculative decoding (0: unknown)
     predicted_decode_by_depth: tuple[tuple[int, float], ...] = ()  # (tokens in context, tok/s)
     reasons: tuple[str, ...] = ()
     source: str = "default"  # "default", "tuner", "profile:<path>"
@@ -88,7 +91,19 @@ class Plan:
         data["predicted_decode_by_depth"] = tuple(
             (int(d), float(t)) for d, t in data.get("predicted_decode_by_depth", ()))
         data["device_layers"] = tuple((str(d), int(n)) for d, n in data.get("device_layers", ()))
+        if "speculative" in data:
+            data["speculative"] = speculative_mode(data["speculative"])
         return cls(**data)
+
+
+SPECULATIVE_MODES = ("none", "lookup", "mtp", "draft")
+SPECULATIVE_ALIASES = {"prompt-lookup": "lookup"}  # the name profiles saved before "lookup"
+
+
+def speculative_mode(value: str) -> str:
+    """A plan's speculative mode under its current name (unknown values are left for the
+    caller to refuse)."""
+    return SPECULATIVE_ALIASES.get(value, value)
 
 
 def physical_cores() -> int:

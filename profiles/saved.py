@@ -21,7 +21,7 @@ from localllm import paths
 from localllm.errors import UserError
 
 from .memory import KV_TYPES
-from .plan import Plan, TensorOverride
+from .plan import SPECULATIVE_ALIASES, SPECULATIVE_MODES, Plan, TensorOverride, speculative_mode
 
 # Fields of Plan a profile may set, with their type; the rest are predictions and reasons.
 EDITABLE: dict[str, type] = {
@@ -128,6 +128,14 @@ def parse_plan_table(path: Path, table: Any) -> Plan:
     for key in ("n_batch", "n_ubatch", "n_threads", "n_threads_batch", "n_parallel"):
         if key in values and values[key] < 1:
             raise ProfileError(f"{path}: plan.{key} must be at least 1")
+    if "speculative" in values:
+        if values["speculative"] not in (*SPECULATIVE_MODES, *SPECULATIVE_ALIASES):
+            raise ProfileError(f"{path}: plan.speculative = {values['speculative']!r} is not one "
+                               f"of {', '.join(SPECULATIVE_MODES)}")
+        values["speculative"] = speculative_mode(values["speculative"])
+    for key in ("draft_n_max", "draft_n_gpu_layers"):
+        if key in values and values[key] < 0:
+            raise ProfileError(f"{path}: plan.{key} must be 0 or more")
     if values.get("type_v", "f16") != "f16" and not values.get("flash_attn", False):
         raise ProfileError(f"{path}: a quantized V cache (type_v = {values['type_v']!r}) needs "
                            "flash_attn = true")

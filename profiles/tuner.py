@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from localllm.errors import UserError
 from localllm.modelstore.shape import ModelShape
 
-from . import quality
+from . import quality, speculation
 from .card import GIB, MIB, Card
 from .disk import disk_bytes_per_token, non_weight_ram_fits, with_disk_reads
 from .explain import explain, gib, impossible_message
@@ -32,6 +32,7 @@ from .memory import (
 )
 from .plan import DeviceMemory, Plan, TensorOverride, cpu_plan
 from .quality import kv_label, kv_rank, split_kv
+from .speculation import SpeculationChoice, Speculator
 from .speed import Speed, predict_speed
 
 MIN_DEFAULT_CTX = 4096
@@ -65,6 +66,10 @@ class Request:
     expected_fill: float = 0.5  # config expected_fill: the part of the context a user fills
     num_parallel: int | None = 1  # slots: a cap; None = auto (as many as fit, at most 4)
     ffn_split: bool = True  # may a block's FFN sit in RAM apart from its attention
+    # Measured acceptance per speculative mode ("mtp", "draft", "lookup"); others are assumed
+    # (profiles.speculation.ASSUMED_ACCEPTANCE).
+    acceptance: Mapping[str, float] = field(default_factory=dict)
+    speculation: bool = True  # may the plan turn speculative decoding on
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,15 @@ class Option:
     vram_budget: int  # per GPU
     ram_budget: int
     disk_bytes: int = 0  # weights read from disk per token: past RAM, they stay mmapped
+    # Speculative decoding: how it drafts (None: plain decode) and what it was priced at; the
+    # memory above includes the drafter's and the speed is the speculative one.
+    speculator: Speculator | None = None
+    speculation: SpeculationChoice | None = None
 
+    @property
+    def pays(self) -> bool:
+        """Plain decode, or speculation that beats plain decode on this placement."""
+        return self.speculation is None or self.speculation.pays
 
     @property
     def kv(self) -> str:
@@ -168,75 +181,104 @@ def objective_depth(n_ctx: int, fill: float) -> int:
 
 class _Evaluator:
     def __init__(self, costs: ModelCosts, card: Card, request: Request,
-                 compute: ComputeTable | None):
+                 compute: ComputeTable | None, speculators: tuple[Speculator, ...] = ()):
         self.costs, self.card, self.request, self.compute = costs, card, request, compute
         self.vram_budget = vram_budget(card, request.margin_bytes)
         self.ram_budget = ram_budget(card)
         self.kv_costs = quality.kv_costs(request.measured_kl)
         # Per token only the routed experts are read, so only their share of a spill hits disk.
         self.read_fraction = costs.expert_active_fraction if costs.has_experts else 1.0
+        self.speculators = speculators
 
-    def memory(self, placement: Placement, settings: ContextSettings):
-        return memory_by_device(self.costs, placement, settings, self.card, self.compute)
+    def memory(self, placement: Placement, settings: ContextSettings,
+               spec: Speculator | None = None):
+        memory = memory_by_device(self.costs, placement, settings, self.card, self.compute)
+        if spec is not None and spec.needs_memory:
+            memory = speculation.with_drafter(memory, speculation.drafter_memory(
+                spec, placement, settings, self.card))
+        return memory
 
-    def gpu_fits(self, placement: Placement, settings: ContextSettings) -> bool:
-        return all(m.total <= self.vram_budget for m in self.memory(placement, settings)
+    def gpu_fits(self, placement: Placement, settings: ContextSettings,
+                 spec: Speculator | None = None) -> bool:
+        return all(m.total <= self.vram_budget for m in self.memory(placement, settings, spec)
                    if m.device != CPU)
 
     def disk_bytes(self, memory: tuple) -> int:
         return disk_bytes_per_token(memory, self.ram_budget, self.read_fraction)
 
-    def speed(self, placement: Placement, settings: ContextSettings, depth: int) -> Speed:
+    def speed(self, placement: Placement, settings: ContextSettings, depth: int,
+              spec: Speculator | None = None) -> Speed:
+        if spec is not None:
+            return self.speculative(placement, settings, depth, spec)[0]
         speed = predict_speed(self.costs, placement, settings, self.card, self.request.n_threads,
                               depth)
         disk = self.disk_bytes(self.memory(placement, settings))
         return with_disk_reads(speed, disk, self.card, settings.n_ubatch)
 
-    def option(self, placement: Placement, settings: ContextSettings) -> Option:
-        depth = objective_depth(settings.n_ctx, self.request.expected_fill)
-        memory = self.memory(placement, settings)
-        return Option(placement, settings, memory, self.speed(placement, settings, depth),
-                      self.vram_budget, self.ram_budget, self.disk_bytes(memory))
+    def speculative(self, placement: Placement, settings: ContextSettings, depth: int,
+                    spec: Speculator) -> tuple[Speed, SpeculationChoice]:
+        return speculation.speculative_speed(spec, self.costs, placement, settings, self.card,
+                                             self.request.n_threads, depth)
 
-    def placements(self, settings: ContextSettings) -> list[Option]:
+    def option_speed(self, option: Option, depth: int) -> Speed:
+        """An option's decode at another depth, drafting as it was planned to."""
+        return self.speed(option.placement, option.settings, depth, option.speculator)
+
+    def option(self, placement: Placement, settings: ContextSettings,
+               spec: Speculator | None = None) -> Option:
+        depth = objective_depth(settings.n_ctx, self.request.expected_fill)
+        memory = self.memory(placement, settings, spec)
+        disk = self.disk_bytes(memory)
+        if spec is None or disk:  # (weights read from disk: speculation is not priced there)
+            return Option(placement, settings, memory, self.speed(placement, settings, depth),
+                          self.vram_budget, self.ram_budget, disk_bytes=disk)
+        speed, choice = self.speculative(placement, settings, depth, spec)
+        # The draft length is chosen here, at the objective depth; later prices keep it.
+        spec = replace(spec, draft_lengths=(choice.draft_n_max,))
+        return Option(placement, settings, memory, speed, self.vram_budget, self.ram_budget,
+                      speculator=spec, speculation=choice)
+
+    def placements(self, settings: ContextSettings,
+                   spec: Speculator | None = None) -> list[Option]:
         """The placements worth comparing at these settings, each filling the GPU its way."""
         costs, n_all = self.costs, self.costs.n_blocks + 1
         if not self.card.has_gpu:
-            return [self.option(Placement(0), settings)]
+            return [self.option(Placement(0), settings, spec)]
         if self.request.n_gpu_layers is not None:
-            return [self.option(Placement(min(self.request.n_gpu_layers, n_all)), settings)]
+            return [self.option(Placement(min(self.request.n_gpu_layers, n_all)), settings, spec)]
 
         def fits(p: Placement) -> bool:
-            return self.gpu_fits(p, settings)
+            return self.gpu_fits(p, settings, spec)
 
         out = []
         layers = _largest(lambda n: fits(Placement(n)), 0, n_all)
-        out.append(self.option(Placement(layers or 0), settings))
+        out.append(self.option(Placement(layers or 0), settings, spec))
         if layers is not None and layers < n_all and costs.output_bytes:
             # Keeping the lm-head in RAM frees room for blocks; it pays only when those blocks
             # would otherwise be read from RAM too.
             n = _largest(lambda n: fits(Placement(n, output_on_cpu=True)), 1, n_all)
             if n is not None and n > layers:
-                out.append(self.option(Placement(n, output_on_cpu=True), settings))
+                out.append(self.option(Placement(n, output_on_cpu=True), settings, spec))
         if costs.has_experts and (layers is None or layers < n_all):
             # Experts are most of an MoE model but few are read per token: keep attention and
             # shared weights of every block on the GPU and the experts of the first blocks in RAM.
             k = _smallest(lambda k: fits(Placement(n_all, n_cpu_expert_layers=k)),
                           0, costs.n_blocks)
             if k is not None:
-                out.append(self.option(Placement(n_all, n_cpu_expert_layers=k), settings))
+                out.append(self.option(Placement(n_all, n_cpu_expert_layers=k), settings, spec))
             else:
                 n = _largest(lambda n: fits(Placement(n, n_cpu_expert_layers=costs.n_blocks)),
                              0, n_all)
                 if n:
                     out.append(self.option(
-                        Placement(n, n_cpu_expert_layers=costs.n_blocks), settings))
+                        Placement(n, n_cpu_expert_layers=costs.n_blocks), settings, spec))
         elif any(costs.ffn_bytes) and self.request.ffn_split and (layers is None
                                                                    or layers < n_all):
-            out += self._ffn_splits(settings, layers or 0)
+            out += self._ffn_splits(settings, layers or 0, spec)
         return out
 
-    def _ffn_splits(self, settings: ContextSettings, whole: int) -> list[Option]:
+    def _ffn_splits(self, settings: ContextSettings, whole: int,
+                    spec: Speculator | None = None) -> list[Option]:
         """Attention and KV on the GPU, the FFN of the fewest last blocks in RAM; mixed with
         whole blocks in RAM where the KV of every block does not fit. The whole-block counts
         are sampled, then the best is refined with its neighbours."""
@@ -246,8 +288,8 @@ class _Evaluator:
         def at(n: int) -> Option | None:
             if n not in tried:
                 k = _smallest(lambda k: self.gpu_fits(Placement(n, n_cpu_ffn_layers=k),
-                                                      settings), 0, n_trunk)
-                tried[n] = self.option(Placement(n, n_cpu_ffn_layers=k), settings) \
+                                                      settings, spec), 0, n_trunk)
+                tried[n] = self.option(Placement(n, n_cpu_ffn_layers=k), settings, spec) \
                     if k else None
             return tried[n]
 
@@ -285,12 +327,33 @@ class _Evaluator:
                 # from growing with n_ctx x n_head, and on the CPU it is faster too (SmolLM2 on
                 # 2 cores, llama_decode: 131 vs 93 tok/s for one sequence, 211 vs 140 for four).
                 settings = ContextSettings(n_ctx, type_k, type_v, flash_attn=True, n_ubatch=ub)
-                options.extend(self.placements(settings))
-        feasible = [o for o in options if o.fits]
+                plain = self.placements(settings)
+                options.extend(plain)
+                options.extend(self.speculative_options(settings, plain))
+        feasible = [o for o in options if o.fits and o.pays]
         if self.request.n_gpu_layers is not None and not feasible:
-            feasible = [o for o in options if o.ram_fits]  # the user's num_gpu is honoured
+            # the user's num_gpu is honoured
+            feasible = [o for o in options if o.ram_fits and o.pays]
         best, note = self.select(feasible)
+        if best is not None and best.speculation is not None:
+            # Speculation has to beat the best plan without it, not only its own placement.
+            plain_best, plain_note = self.select([o for o in feasible if o.speculation is None])
+            if plain_best is not None and best.speed.decode_tps < \
+                    plain_best.speed.decode_tps * speculation.SPECULATION_MARGIN:
+                best, note = plain_best, plain_note
         return Search(n_ctx, best, tuple(options), note)
+
+    def speculative_options(self, settings: ContextSettings, plain: list[Option]) -> list[Option]:
+        """Each way of drafting over the placements that fill the card with it: the plain
+        placements re-priced where drafting needs no memory (lookup), else placements found
+        again with the drafter's weights, KV and compute counted."""
+        out = []
+        for spec in self.speculators:
+            if spec.needs_memory:
+                out += self.placements(settings, spec)
+            else:
+                out += [self.option(o.placement, o.settings, spec) for o in plain]
+        return out
 
     def select(self, feasible: list[Option]) -> tuple[Option | None, str]:
         """The fastest option the quality policy allows, and what the policy had to do."""
@@ -325,7 +388,7 @@ class _Evaluator:
         """The most slots (each a full context of KV) that fit beside the chosen placement."""
         cap = self.request.num_parallel or AUTO_MAX_PARALLEL
         for n in range(cap, 1, -1):
-            o = self.option(best.placement, replace(best.settings, n_seq=n))
+            o = self.option(best.placement, replace(best.settings, n_seq=n), best.speculator)
             if o.fits and o.disk_bytes <= best.disk_bytes:  # a slot never costs disk reads
                 return o, ""
         if cap > 1:
@@ -338,7 +401,7 @@ class _Evaluator:
         """A full-size sliding-window cache, where the VRAM left allows it (chat models)."""
         if not (chat and self.costs.has_sliding) or best.settings.swa_full:
             return None
-        o = self.option(best.placement, replace(best.settings, swa_full=True))
+        o = self.option(best.placement, replace(best.settings, swa_full=True), best.speculator)
         return o if o.fits and o.disk_bytes <= best.disk_bytes else None
 
 
@@ -347,7 +410,8 @@ def pick(options: list[Option]) -> Option | None:
         return None
     fastest = max(o.speed.decode_tps for o in options)
     near = [o for o in options if o.speed.decode_tps >= fastest * NEAR_TIE]
-    return min(near, key=lambda o: (kv_rank(o.kv), -o.speed.prefill_tps, o.vram_used))
+    return min(near, key=lambda o: (kv_rank(o.kv), o.speculation is not None,
+                                    -o.speed.prefill_tps, o.vram_used))
 
 
 def context_ladder(trained: int, wanted: int | None) -> list[int]:
@@ -360,8 +424,11 @@ def context_ladder(trained: int, wanted: int | None) -> list[int]:
 
 
 def tune(shape: ModelShape, card: Card, request: Request | None = None,
-         compute: ComputeTable | None = None) -> Plan:
-    """The plan with the best predicted decode speed that fits; NoPlanFits says what would."""
+         compute: ComputeTable | None = None, draft: ModelShape | None = None) -> Plan:
+    """The plan with the best predicted decode speed that fits; NoPlanFits says what would.
+
+    `draft` is the shape of a draft model paired with this one (same vocabulary): the search
+    then also prices speculative decoding with it, its weights and KV inside the budget."""
     request = request or Request()
     if request.n_ctx is not None and request.n_ctx < 256:
         raise NoPlanFits(f"context {request.n_ctx} is too small: use at least 256")
@@ -369,7 +436,9 @@ def tune(shape: ModelShape, card: Card, request: Request | None = None,
         raise NoPlanFits(f"quality must be one of {', '.join(quality.POLICIES)}, "
                          f"not {request.quality!r}")
     costs = model_costs(shape)
-    evaluator = _Evaluator(costs, card, request, compute)
+    speculators, speculation_notes = speculation.speculators(
+        shape, costs, card, draft, request.acceptance) if request.speculation else ([], [])
+    evaluator = _Evaluator(costs, card, request, compute, tuple(speculators))
     trained = shape.context_length
     if not card.has_gpu and request.n_ctx is None:
         # Without a GPU every context costs host RAM and slows the CPU's attention: start small.
@@ -388,7 +457,7 @@ def tune(shape: ModelShape, card: Card, request: Request | None = None,
     chosen = choose_context(searches, evaluator)
     if chosen is None:
         raise NoPlanFits(impossible_message(shape, card, request, searches, evaluator.search))
-    return build_plan(shape, card, request, chosen, searches, evaluator)
+    return build_plan(shape, card, request, chosen, searches, evaluator, speculation_notes)
 
 
 def choose_context(searches: list[Search], evaluator: _Evaluator) -> Search | None:
@@ -401,7 +470,7 @@ def choose_context(searches: list[Search], evaluator: _Evaluator) -> Search | No
     if len(searches) == 1:
         return fitting[0]
     def shallow(s: Search) -> float:
-        return evaluator.speed(s.best.placement, s.best.settings, 0).decode_tps
+        return evaluator.option_speed(s.best, 0).decode_tps
 
     base = shallow(fitting[0])
     fast = [s for s in fitting if shallow(s) >= base * FAST_ENOUGH]
@@ -428,12 +497,13 @@ def tensor_overrides(shape: ModelShape, placement: Placement) -> tuple[TensorOve
 def decode_by_depth(evaluator: _Evaluator, best: Option) -> tuple[tuple[int, float], ...]:
     """Predicted decode at the start, the middle and the end of the context."""
     n = best.settings.n_ctx
-    return tuple((d, round(evaluator.speed(best.placement, best.settings, d).decode_tps, 2))
+    return tuple((d, round(evaluator.option_speed(best, d).decode_tps, 2))
                  for d in (0, n // 2, n))
 
 
 def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
-               searches: list[Search], evaluator: _Evaluator) -> Plan:
+               searches: list[Search], evaluator: _Evaluator,
+               speculation_notes: list[str] | None = None) -> Plan:
     best = chosen.best
     assert best is not None
     single = best
@@ -461,6 +531,16 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
             n_threads=threads, n_threads_batch=threads,
         )
     chosen = replace(chosen, best=best)
+    spec = best.speculation
+    plan = replace(
+        plan,
+        speculative=spec.mode if spec else "none",
+        draft_n_max=spec.draft_n_max if spec else 0,
+        draft_n_gpu_layers=spec.draft_n_gpu_layers if spec else 0,
+        predicted_plain_decode_tps=round(
+            evaluator.speed(best.placement, best.settings,
+                            objective_depth(s.n_ctx, request.expected_fill)).decode_tps, 2),
+    )
     return replace(
         plan,
         n_parallel=s.n_seq,
@@ -470,7 +550,7 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
         predicted_prefill_tps=round(best.speed.prefill_tps, 1),
         predicted_decode_by_depth=decode_by_depth(evaluator, best),
         reasons=tuple(explain(shape, card, request, chosen, searches, evaluator, threads,
-                              single, slot_note)),
+                              single, slot_note, speculation_notes or [])),
         source="tuner",
     )
 

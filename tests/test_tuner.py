@@ -38,7 +38,8 @@ def pad256(n: int) -> int:
 def expected_bytes(config: synth_gguf.ShapeConfig, plan) -> dict[str, list[int]]:
     """{device: [weights, kv]} from the generator's tensor table, placing tensors as llama.cpp
     does: the last n_gpu_layers of blocks + output on the GPU, token_embd on the CPU (and again
-    as the lm-head when tied), NextN blocks not loaded, override patterns by regex search."""
+    as the lm-head when tied), NextN blocks loaded only for MTP (then with one layer of KV of
+    their own: the MTP context's), override patterns by regex search."""
     out = {"CUDA0": [0, 0], "CPU": [0, 0]}
     n_blocks = config.n_layer + config.n_nextn
     start = n_blocks + 1 - min(plan.n_gpu_layers, n_blocks + 1)
@@ -56,7 +57,7 @@ def expected_bytes(config: synth_gguf.ShapeConfig, plan) -> dict[str, list[int]]
         m = re.match(r"blk\.(\d+)\.", name)
         if m:
             block = int(m.group(1))
-            if block >= config.n_layer:
+            if block >= config.n_layer and plan.speculative != "mtp":
                 continue  # NextN: skipped unless MTP is loaded
             place(name, "CUDA0" if block >= start else "CPU", nbytes)
         elif name == "token_embd.weight":
@@ -79,6 +80,10 @@ def expected_bytes(config: synth_gguf.ShapeConfig, plan) -> dict[str, list[int]]
             cells = min(cells, pad256(config.sliding_window + plan.n_ubatch))
         row = config.n_head_kv * config.head_dim // block_k * block_bytes
         out[device][1] += cells * row * 2
+    if plan.speculative == "mtp":
+        for i in range(config.n_layer, n_blocks):
+            row = config.n_head_kv * config.head_dim // block_k * block_bytes
+            out["CUDA0" if i >= start else "CPU"][1] += pad256(plan.n_ctx) * row * 2
     return out
 
 
