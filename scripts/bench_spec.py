@@ -12,8 +12,9 @@
    price); a draft model whose drafts never match (--draft-other: adaptive drafting must stay
    near plain speed); MTP, when the model has NextN layers; prompt lookup at temperature 1
    (drafts seldom match).
-3. The tuner's plan for this machine: its predicted decode (plain and with the speculation it
-   chose) beside what the daemon measures with that plan.
+3. The tuner's plans for this GPU cut to each --budget: predicted decode (plain, and with the
+   speculation it chose at its assumed acceptance) beside what the engine measures loaded with
+   that plan (plain, and drafting as the plan says, with the acceptance it saw).
 
 Prints markdown tables; writes them to $OUT/bench_spec.md when OUT is set.
 """
@@ -154,34 +155,75 @@ def api_modes(args, ngl: int) -> list[tuple[str, float, dict]]:
 
 
 # ---- 3. the tuner's plan -------------------------------------------------------------------
+def engine_decode(model: Path, plan, mode: str, tokens: int, rounds: int) -> tuple[float, dict]:
+    """Greedy decode tok/s through the runner's engine loaded with `plan` (median of rounds)."""
+    import threading
+
+    from localllm.daemon.runner.engine import Engine
+    from localllm.daemon.runner.protocol import (
+        Done,
+        Failure,
+        GenerationRequest,
+        SamplingOptions,
+    )
+
+    engine = Engine(str(model), plan)
+    loop = threading.Thread(target=engine.run, daemon=True)
+    loop.start()
+    rates, draft = [], {}
+    for r in range(rounds + 1):  # the first is a warm-up
+        finished, events = threading.Event(), []
+
+        def emit(event, events=events, finished=finished):
+            events.append(event)
+            if isinstance(event, (Done, Failure)):
+                finished.set()
+
+        options = SamplingOptions(temperature=0, num_predict=tokens, speculative=mode)
+        engine.submit(GenerationRequest(id=str(r), prompt="Once upon a time", options=options),
+                      emit, threading.Event())
+        finished.wait(1800)
+        done = events[-1]
+        if isinstance(done, Failure):
+            raise RuntimeError(done.message)
+        if r:
+            rates.append(done.eval_count / (done.eval_duration_ns / 1e9))
+            if done.drafted is not None:
+                draft = {"drafted": done.drafted, "accepted": done.draft_accepted}
+    engine.close()
+    loop.join(120)
+    llama_cpp.llama_free(engine.lm.ctx)
+    llama_cpp.llama_model_free(engine.lm.model)
+    return statistics.median(rates), draft
+
+
 def tuner_rows(args) -> list[str]:
-    from daemon_process import isolated_env, start_daemon
+    from bench_tuner import gpu_card
 
-    from localllm.modelstore.store import ModelStore
+    from localllm.modelstore.shape import read_shape
+    from localllm.profiles.choose import tune_checked
+    from localllm.profiles.tuner import NoPlanFits, Request
 
+    shape = read_shape(args.model)
     out = []
-    with tempfile.TemporaryDirectory() as tmp:
-        env = isolated_env(Path(tmp), LOCALLLM_NUM_PARALLEL="1")
-        store = ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models")
-        store.import_gguf(args.model, "bench")
-        daemon = start_daemon(env)
+    for budget in args.budget:
+        card = gpu_card(budget)
         try:
-            generate(daemon.url, {"num_predict": 8})
-            [ps] = daemon.get("/api/ps")["models"]
-            [loaded] = daemon.get("/api/stats")["models"]
-            plan = loaded["plan"]
-            measured = {}
-            for label in ("off", "auto"):  # plain; the plan's choice
-                measured[label], draft = rate(daemon.url, {"temperature": 0, "seed": 1,
-                                                           "num_predict": args.tokens,
-                                                           "speculative": label}, args.rounds)
-            out.append(f"| {ps['gpu_layers']}/{plan['layers']} layers on GPU, ctx "
-                       f"{ps['context_length']} | {plan.get('speculative')} "
-                       f"(drafts up to {plan.get('draft_n_max')}) | "
-                       f"{plan.get('predicted_decode_tps', 0):.1f} | {measured['off']:.1f} | "
-                       f"{measured['auto']:.1f} | {draft} |")
-        finally:
-            daemon.stop()
+            plan = tune_checked(shape, card, Request(n_ctx=args.ctx, num_parallel=1))
+        except NoPlanFits as e:
+            out.append(f"| {budget:g} GiB | no plan: {e} | | | | | |")
+            continue
+        plain, _ = engine_decode(args.model, plan, "off", args.tokens, args.rounds)
+        spec, draft = ((plain, {}) if plan.speculative == "none" else
+                       engine_decode(args.model, plan, "auto", args.tokens, args.rounds))
+        n_all = shape.n_layer + 1
+        out.append(f"| {budget:g} GiB, ctx {plan.n_ctx}: {min(plan.n_gpu_layers, n_all)}/"
+                   f"{n_all} layers on GPU, {plan.type_k} KV | {plan.speculative}"
+                   f"{f', drafts up to {plan.draft_n_max}' if plan.draft_n_max else ''} | "
+                   f"{plan.predicted_plain_decode_tps or plan.predicted_decode_tps:.1f} | "
+                   f"{plain:.1f} | {plan.predicted_decode_tps:.1f} | {spec:.1f} | "
+                   f"{draft.get('accepted', '-')}/{draft.get('drafted', '-')} |")
+        print(out[-1], flush=True)
     return out
 
 
@@ -195,6 +237,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 4)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--budget", type=float, action="append",
+                        help="VRAM budgets (GiB) the tuner plans for (repeat); default 141, 24")
+    parser.add_argument("--ctx", type=int, default=8192, help="context the tuner plans")
     parser.add_argument("--skip", default="", help="parts to skip: check,api,tuner")
     args = parser.parse_args()
     placements = args.ngl or [999]
@@ -226,9 +271,12 @@ def main() -> None:
                 lines.append(f"| ngl {ngl} | {label} | {tps:.1f} | {tps / base:.2f}x | "
                              f"{draft.get('drafted', '')} | {draft.get('accepted', '')} |")
     if "tuner" not in args.skip:
-        lines += ["", "## The tuner's plan: predicted vs measured decode (tok/s)", "",
-                  "| plan | speculation | predicted | measured plain | measured, plan's choice "
-                  "| drafts |", "| --- | --- | --- | --- | --- | --- |"]
+        args.budget = args.budget or [141, 24]
+        lines += ["", "## The tuner's plans: predicted vs measured decode (tok/s, short "
+                  "prompt, the engine loaded with the plan)", "",
+                  "| budget and plan | speculation | predicted plain | measured plain | "
+                  "predicted, plan's choice | measured, plan's choice | accepted/drafted |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         lines += tuner_rows(args)
     text = "\n".join(lines)
     print("\n" + text)
