@@ -217,8 +217,11 @@ def tuner_rows(args) -> list[str]:
         spec, draft = ((plain, {}) if plan.speculative == "none" else
                        engine_decode(args.model, plan, "auto", args.tokens, args.rounds))
         n_all = shape.n_layer + 1
+        in_ram = [o.pattern for o in plan.tensor_overrides if "ffn" in o.pattern]
+        blocks = in_ram[0].split("(")[1].split(")")[0].count("|") + 1 if in_ram else 0
+        ffn = f", FFN of {blocks} blocks in RAM" if in_ram else ""
         out.append(f"| {budget:g} GiB, ctx {plan.n_ctx}: {min(plan.n_gpu_layers, n_all)}/"
-                   f"{n_all} layers on GPU, {plan.type_k} KV | {plan.speculative}"
+                   f"{n_all} layers on GPU{ffn}, {plan.type_k} KV | {plan.speculative}"
                    f"{f', drafts up to {plan.draft_n_max}' if plan.draft_n_max else ''} | "
                    f"{plan.predicted_plain_decode_tps or plan.predicted_decode_tps:.1f} | "
                    f"{plain:.1f} | {plan.predicted_decode_tps:.1f} | {spec:.1f} | "

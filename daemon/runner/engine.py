@@ -65,14 +65,18 @@ class Engine:
     def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None):
         self.plan = plan
         self.speculative = plan_speculation(plan.speculative)
-        # MTP's acceptance falls fast after the first few drafts (and each draft length is a
-        # recurrent-state snapshot on hybrid models): a shorter default there.
-        default_cap = MTP_DRAFT if self.speculative == "mtp" else MAX_DRAFT
-        self.draft_cap = min(plan.draft_n_max or default_cap, MAX_DRAFT)
-        # A recurrent state takes back rejected drafts from snapshots llama.cpp keeps: as many
-        # as the longest draft (and one for the MTP prefix rule), only when the plan drafts.
+        # The longest draft. The plan's draft_n_max bounds what costs memory: recurrent-state
+        # snapshots (llama.cpp keeps one per position a rejected draft may take back, plus one
+        # for the MTP prefix rule) and MTP's chained passes, whose acceptance falls fast after a
+        # few. Prompt lookup and a draft model on an attention model cost nothing to allow
+        # longer: the per-request length adapts to the acceptance measured (the plan chose its
+        # length for an assumed one).
+        planned = min(plan.draft_n_max or (MTP_DRAFT if self.speculative == "mtp"
+                                           else MAX_DRAFT), MAX_DRAFT)
         self.lm = llama.load(model_path, plan,
-                             rollback=self.draft_cap + 1 if self.speculative != "none" else 0)
+                             rollback=planned + 1 if self.speculative != "none" else 0)
+        self.draft_cap = planned if self.speculative == "mtp" or self.lm.recurrent \
+            else MAX_DRAFT
         self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
         self.n_ctx = self.lm.n_ctx_seq  # what one request may use
         self.slots = [Slot(i) for i in range(self.lm.n_seq)]
