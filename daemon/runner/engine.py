@@ -97,7 +97,7 @@ class Engine:
         self._closing = False
         self._prompt_chunk = prompt_chunk(plan, self.lm.n_batch)
         self._embedder = None
-        self.step_costs = StepCosts()
+        self.step_costs = StepCosts(per_token_prior=0.1 if plan.n_gpu_layers > 0 else 0.6)
 
     # ---- requests in ---------------------------------------------------------------------
     def submit(self, request: GenerationRequest, emit: Callable[[Event], None],
@@ -322,12 +322,11 @@ class Engine:
             if work is None or work.drafting is None or slot.unread or not slot.to_decode:
                 continue
             room = min(self.n_ctx - len(slot.tokens) - 2, work.limit - len(work.answer) - 1)
-            n = work.drafting.wanted(room)
-            if n <= 0:
-                continue
             if work.drafting.mode == "lookup":
-                slot.drafts = work.drafting.lookup.propose(work.history, n)
-            else:
+                slot.drafts = work.drafting.propose_lookup(work.history, room)
+                continue
+            n = work.drafting.wanted(room)
+            if n > 0:
                 wants.append(Want(slot.seq_id, slot.tokens, slot.to_decode[0], n))
         if self.drafter is None or (not wants and not isinstance(self.drafter, MTPDrafter)):
             return

@@ -21,12 +21,16 @@ import collections
 import statistics
 from dataclasses import dataclass, field
 
-NGRAM_SIZES = (8, 4, 2)  # longest first: a longer match is a better guess
+# Longest first: a longer match is a better guess. A 2-gram matches somewhere in most free text
+# and its guesses mostly fail: a copy starts from 3 tokens in common.
+NGRAM_SIZES = (8, 4, 3)
 MAX_DRAFT = 8
 PAUSE_STEPS = 32  # steps without drafting after drafting stopped paying
 MAX_BACKOFF = 4  # ... doubled for each pause in a row, up to 16 times as long
 WINDOW = 15  # step times kept per batch size
 GAIN_NEEDED = 1.03  # drafting must promise this much over plain decode (costs are estimates)
+RESUME_STREAK = 8  # tokens copied in a row that resume paused prompt lookup
+RESUMED_ACCEPTANCE = 0.8
 
 
 class PromptLookup:
@@ -41,9 +45,16 @@ class PromptLookup:
         self.index: dict[int, dict[int, int]] = {n: {} for n in NGRAM_SIZES}
         self.indexed = 0  # n-grams ending before this position are in the index
         self.cursor = -1  # history[cursor] is the token the followed copy predicts next
-        self.seen = 0  # len(history) when the cursor was last set
+        self.seen = 0  # len(history) when the cursor was last moved
+        self.streak = 0  # tokens the answer has copied in a row from the followed copy
 
     def propose(self, tokens: list[int], n: int) -> list[int]:
+        """Up to n tokens the followed copy predicts next (following it first)."""
+        self.follow(tokens)
+        return tokens[self.cursor:self.cursor + n] if self.cursor >= 0 and n > 0 else []
+
+    def follow(self, tokens: list[int]) -> None:
+        """Move the cursor along the copy the answer is making, or find one by n-gram."""
         end = len(tokens) - 1  # the n-gram ending at the last token is the key, not indexed
         while self.indexed < end:
             i = self.indexed
@@ -52,18 +63,18 @@ class PromptLookup:
                     self.index[size][hash(tuple(tokens[i + 1 - size:i + 1]))] = i + 1
             self.indexed += 1
         if self._still_copying(tokens):
-            return tokens[self.cursor:self.cursor + n]
+            return
+        self.streak = 0
         for size in NGRAM_SIZES:
             if len(tokens) > size:
                 at = self.index[size].get(hash(tuple(tokens[-size:])))
                 if at is not None:
                     self.cursor, self.seen = at, len(tokens)
-                    return tokens[at:at + n]
+                    return
         self.cursor = -1
-        return []
 
     def _still_copying(self, tokens: list[int]) -> bool:
-        """Whether the tokens added since the cursor was set are the copy's next ones."""
+        """Whether the tokens added since the cursor moved are the copy's next ones."""
         if self.cursor < 0:
             return False
         added = len(tokens) - self.seen
@@ -71,6 +82,7 @@ class PromptLookup:
             return False
         self.cursor += added
         self.seen = len(tokens)
+        self.streak += added
         return self.cursor < len(tokens) - 1
 
 
@@ -81,6 +93,10 @@ class StepCosts:
     takes per drafted token. Medians of the last few samples: one step slowed by another
     process on the machine must not turn drafting off (or on) for long."""
 
+    # What each token a check carries beyond the first is assumed to cost, as a part of a plain
+    # step, until measured: little on a GPU (weights are read once per pass), most of a step
+    # on a CPU (2 cores, SmolLM2: a pass of 2 costs 1.67x one, of 4 2.5x).
+    per_token_prior: float = 0.1
     samples: dict[int, collections.deque] = field(default_factory=dict)
     drafting: collections.deque = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
 
@@ -116,8 +132,8 @@ class Drafting:
     mode: str = "lookup"
     max_length: int = MAX_DRAFT
     lookup: PromptLookup = field(default_factory=PromptLookup)
-    length: int = 4
-    acceptance: float = 0.6  # moving average of accepted / drafted
+    length: int = 2  # short first tries: a failed check costs most where checks are dear
+    acceptance: float = 0.5  # moving average of accepted / drafted
     paused: int = 0
     pauses: int = 0  # pauses in a row with no good draft between them: each one is longer
     drafted: int = 0
@@ -132,6 +148,17 @@ class Drafting:
             self.paused -= 1
             return 0
         return max(0, min(self.length, room))
+
+    def propose_lookup(self, history: list[int], room: int) -> list[int]:
+        """Prompt lookup's drafts. The copy is followed while drafting is paused too: an answer
+        that has copied RESUME_STREAK tokens in a row from it is copying again (past the line
+        it changed), and drafting resumes at once instead of waiting out the pause."""
+        self.lookup.follow(history)
+        if self.paused and self.lookup.streak >= RESUME_STREAK:
+            self.paused, self.pauses = 0, 0
+            self.acceptance = max(self.acceptance, RESUMED_ACCEPTANCE)
+            self.length = max(1, self._best_length())
+        return self.lookup.propose(history, self.wanted(room))
 
     def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
@@ -156,7 +183,7 @@ class Drafting:
                 break
             ratio = self.costs.ratio(1 + k)
             if ratio is None:
-                ratio = 1.0 + 0.1 * k  # unmeasured: assume a cheap check, and measure it
+                ratio = 1.0 + self.costs.per_token_prior * k  # until measured
             rate = (1 - a ** (k + 1)) / (1 - a) / (ratio + self.costs.draft_ratio(k))
             if rate > best_rate:
                 best, best_rate = k, rate
