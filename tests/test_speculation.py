@@ -21,10 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import synth_gguf  # noqa: E402
 
-CODE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(12))
-REPEAT = f"<|im_start|>user\nRepeat this code exactly:\n{CODE}<|im_end|>\n<|im_start|>assistant\n"
-
-
 @pytest.fixture(scope="module")
 def spec_daemon(tmp_path_factory, smollm2_gguf):
     from conftest import import_models
@@ -95,12 +91,12 @@ def test_greedy_text_is_the_target_s_own_with_each_drafter(spec_daemon, mode):
 
 
 def test_stats_draft_rides_on_every_ollama_chunk(spec_daemon):
-    parts = generate(spec_daemon, "smollm2", REPEAT,
+    parts = generate(spec_daemon, "smollm2", ALPHABET,
                      {"temperature": 0, "num_predict": 48, "speculative": "lookup"})
     assert parts[-1]["stats"]["draft"]["drafted"] > 0
     assert all("draft" in p["stats"] for p in parts if "stats" in p)
     assert sum("stats" in p for p in parts) > 4
-    plain = generate(spec_daemon, "smollm2", REPEAT,
+    plain = generate(spec_daemon, "smollm2", ALPHABET,
                      {"temperature": 0, "num_predict": 8, "speculative": "off"})
     assert all("draft" not in p.get("stats", {}) for p in plain)
 
@@ -130,7 +126,7 @@ def test_sampled_tokens_keep_the_model_s_distribution(spec_daemon):
 
 def test_openai_usage_reports_the_draft_counts(spec_daemon):
     client = openai.OpenAI(base_url=spec_daemon.url + "/v1", api_key="unused")
-    done = client.completions.create(model="smollm2", prompt=REPEAT, max_tokens=64,
+    done = client.completions.create(model="smollm2", prompt=ALPHABET, max_tokens=64,
                                      temperature=0, extra_body={"speculative": "lookup"})
     details = done.usage.completion_tokens_details
     extra = done.usage.model_extra["draft"]
