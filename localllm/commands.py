@@ -36,6 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "the answer")
     p.add_argument("--keepalive", help="how long the model stays loaded (e.g. 5m, 0, -1)")
     p.add_argument("--ctx", type=int, help="context length (num_ctx)")
+    p.add_argument("--draft", metavar="MODEL", help="speculative decoding with MODEL drafting "
+                   "(a stored model with the same vocabulary)")
+    p.add_argument("--speculative", choices=("auto", "off", "lookup", "mtp", "draft"),
+                   help="how to draft (default auto: the plan's choice)")
     p.add_argument("--resume", nargs="?", const="", metavar="CHAT",
                    help="reopen a saved chat by name or id (alone: pick from the list)")
     p.set_defaults(func=cmd_run, intermixed="words")  # options anywhere: run M --ctx 8192 hi
@@ -166,13 +170,25 @@ def cmd_run(args) -> int:
     return _run(_run_async(config, model, prompt, args))
 
 
+def run_options(args) -> dict:
+    """The Ollama options `run`'s flags ask for."""
+    options: dict = {}
+    if args.ctx:
+        options["num_ctx"] = args.ctx
+    if args.draft:
+        options.update(speculative="draft", draft_model=args.draft)
+    if args.speculative:
+        options["speculative"] = args.speculative
+    return options
+
+
 async def _run_async(config, model: str, prompt: str, args) -> int:
     async with Client(config) as client:
         await ensure_pulled(client, model)
         extra = {}
         if args.keepalive is not None:
             extra["keep_alive"] = args.keepalive
-        options = {"num_ctx": args.ctx} if args.ctx else None
+        options = run_options(args) or None
         if prompt:
             await _answer(client, model, [{"role": "user", "content": prompt}], options, extra,
                           args.verbose)
@@ -271,6 +287,8 @@ def format_timings(final: dict) -> str:
     def rate(count, ns):
         return f"{count / (ns / 1e9):.2f} tokens/s" if ns else "n/a"
 
+    draft = final.get("stats", {}).get("draft")
+    drafts = [f"drafts accepted:      {draft['accepted']}/{draft['drafted']}"] if draft else []
     return "\n".join([
         f"total duration:       {final.get('total_duration', 0) / 1e9:.3f}s",
         f"load duration:        {final.get('load_duration', 0) / 1e9:.3f}s",
@@ -281,6 +299,7 @@ def format_timings(final: dict) -> str:
         f"eval count:           {final.get('eval_count', 0)} token(s)",
         f"eval duration:        {final.get('eval_duration', 0) / 1e9:.3f}s",
         f"eval rate:            {rate(final.get('eval_count', 0), final.get('eval_duration', 0))}",
+        *drafts,
     ])
 
 

@@ -41,6 +41,18 @@ def test_run_one_shot_streams_the_answer_and_verbose_prints_rates(daemon):
     assert rate > 0
 
 
+def test_run_with_a_draft_model_reports_its_drafts(daemon):
+    """`run --draft MODEL`: the model drafts for itself here, so every draft is accepted."""
+    result = daemon.cli("run", "smollm2", "--draft", "smollm2", "--verbose",
+                        "Count from 1 to 30: 1, 2, 3,", timeout=300)
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stderr.splitlines() if x.startswith("drafts accepted:"))
+    accepted, drafted = map(int, line.split()[-1].split("/"))
+    assert drafted > 0 and accepted >= 0.9 * drafted
+    plain = daemon.cli("run", "smollm2", "--speculative", "off", "--verbose", "Hi", timeout=300)
+    assert "drafts accepted" not in plain.stderr
+
+
 def test_run_reads_lines_from_stdin_as_a_conversation(daemon):
     result = daemon.cli("run", "smollm2", "--verbose",
                         input="/set parameter num_predict 12\n/nonsense\n"

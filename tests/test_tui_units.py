@@ -182,3 +182,17 @@ def test_a_database_from_a_newer_version_is_refused(tmp_path):
     db.close()
     with pytest.raises(sqlite3.DatabaseError, match="newer localllm"):
         ChatStore(path)
+
+
+def test_speculative_parameters_take_one_known_value():
+    from localllm.tui.slash import SlashError, parse_parameter
+
+    assert parse_parameter("speculative", ["lookup"]) == ("speculative", "lookup")
+    assert parse_parameter("draft_model", ["smollm2"]) == ("draft_model", "smollm2")
+    for bad in (["sometimes"], ["lookup", "mtp"]):
+        try:
+            parse_parameter("speculative", bad)
+        except SlashError as e:
+            assert "speculative" in str(e)
+        else:
+            raise AssertionError(f"{bad} was accepted")

@@ -23,7 +23,8 @@ from .slash import Command, SlashError, help_text, parse
 from .stats import TurnStats, answer_footer
 from .widgets import MessageView
 
-LOAD_OPTIONS = ("num_ctx", "num_gpu", "num_thread", "num_batch")
+LOAD_OPTIONS = ("num_ctx", "num_gpu", "num_thread", "num_batch", "draft_model")
+RELOADING_DRAFTERS = ("mtp", "draft")  # speculative modes loaded with the model
 
 
 QUIT_WINDOW_S = 3.0  # a second Ctrl+C within this long quits
@@ -48,7 +49,8 @@ class ChatActions:
         self.options[name] = value
         self._save_options()
         shown = " ".join(value) if isinstance(value, list) else value
-        when = " (the model reloads with the next answer)" if name in LOAD_OPTIONS else ""
+        reloads = name in LOAD_OPTIONS or name == "speculative" and value in RELOADING_DRAFTERS
+        when = " (the model reloads with the next answer)" if reloads else ""
         self.note(f"Set parameter '{name}' to '{shown}'{when}.")
 
     def _cmd_unset_parameter(self, command: Command) -> None:

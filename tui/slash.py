@@ -39,7 +39,11 @@ PARAMETERS: dict[str, Param] = {
     "num_gpu": Param(int, -1, None, "layers on the GPU; reloads the model"),
     "num_thread": Param(int, -1, None, "CPU threads; reloads the model"),
     "num_batch": Param(int, -1, None, "prompt batch size; reloads the model"),
+    "speculative": Param(str, help="drafting: auto, off, lookup, mtp or draft (mtp and draft "
+                         "reload the model)"),
+    "draft_model": Param(str, help="the model that drafts for speculative draft; reloads"),
 }
+SPECULATIVE = ("auto", "off", "lookup", "mtp", "draft")
 
 SHOW_WHAT = ("info", "parameters", "system", "template", "plan")
 
@@ -130,8 +134,14 @@ def parse_parameter(name: str, values: list[str]) -> tuple[str, object]:
     param = PARAMETERS.get(name)
     if param is None:
         raise SlashError(unknown_parameter(name))
-    if param.kind is str:
+    if name == "stop":
         return name, [v.encode().decode("unicode_escape") for v in values]  # "\n" as a stop
+    if param.kind is str:
+        if len(values) != 1:
+            raise SlashError(f"{name} takes one value")
+        if name == "speculative" and values[0] not in SPECULATIVE:
+            raise SlashError(f"speculative must be one of {', '.join(SPECULATIVE)}")
+        return name, values[0]
     if len(values) != 1:
         raise SlashError(f"{name} takes one value")
     text = values[0]
