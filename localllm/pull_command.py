@@ -35,7 +35,8 @@ def register(subparsers) -> None:
                     "--list), hf.co/OWNER/REPO[:QUANT], hf.co/OWNER/REPO/FILE.gguf or "
                     "https://.../FILE.gguf. A repo without a quant has each GGUF planned for "
                     "this card and the best pulled: whole on the GPU first, then the most bits "
-                    "per weight, then the fastest. An interrupted pull resumes when run again. "
+                    "per weight (past 4.5 counting alike when nothing fits whole), then the "
+                    "fastest. An interrupted pull resumes when run again. "
                     "Gated repos need HF_TOKEN; LOCALLLM_HF_ENDPOINT points at another hub.")
     parser.add_argument("model", nargs="?", metavar="NAME")
     parser.add_argument("--list", action="store_true",
