@@ -48,7 +48,10 @@ OLLAMA_DEFAULT = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty
 def stream_localllm(url: str, n: int, sampling: dict) -> tuple[int, float, float]:
     """(tokens, first chunk time, last chunk time) of one streamed /api/generate."""
     body = json.dumps({"model": "bench", "prompt": PROMPT, "raw": True, "stream": True,
-                       "options": {"num_predict": n, "seed": 1, **sampling}})
+                       # no drafting: llama-server and llama-bench decode plainly, and the
+                       # synthetic models' looping text would flatter prompt lookup
+                       "options": {"num_predict": n, "seed": 1, "speculative": "off",
+                                   **sampling}})
     req = urllib.request.Request(url + "/api/generate", data=body.encode(),
                                  headers={"Content-Type": "application/json"})
     first = last = 0.0
