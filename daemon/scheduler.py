@@ -223,6 +223,7 @@ class Scheduler:
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                                 keep_alive=self.config.keep_alive_seconds,
                                 speculation=speculation)
+            runner.on_drafts = DraftCounts(name, shape.file_size).add
             self.models[name] = model
             return model
 
@@ -319,6 +320,30 @@ class Scheduler:
                 await asyncio.wait({woken}, timeout=max(next_check, 0.05))
             finally:
                 woken.cancel()
+
+
+class DraftCounts:
+    """A loaded model's draft acceptance, written for the tuner (profiles/acceptance.py) every
+    FLUSH_DRAFTED drafted tokens per mode rather than after every answer."""
+
+    FLUSH_DRAFTED = 64
+
+    def __init__(self, model: str, file_size: int):
+        self.model, self.file_size = model, file_size
+        self.pending: dict[str, list[int]] = {}
+
+    def add(self, mode: str, drafted: int, accepted: int) -> None:
+        counts = self.pending.setdefault(mode, [0, 0])
+        counts[0] += drafted
+        counts[1] += accepted
+        if counts[0] >= self.FLUSH_DRAFTED:
+            from localllm.profiles.acceptance import record
+
+            try:
+                record(self.model, self.file_size, mode, *counts)
+            except OSError as e:  # a full disk must not fail the answer
+                log.warning("could not save draft acceptance: %s", e)
+            self.pending[mode] = [0, 0]
 
 
 def _load_options_differ(plan: Plan, options: dict) -> bool:

@@ -25,6 +25,7 @@ from .dryrun import dry_run
 from .hardware import probe_card
 from .memory import CPU, ComputeTable, ContextSettings, Placement, memory_by_device, model_costs
 from .plan import Plan
+from .acceptance import measured_acceptance
 from .quality import measured_kl
 from .saved import ProfileError, find_profile, record_event
 from .tuner import NoPlanFits, Request, tune
@@ -70,7 +71,8 @@ def vram_margin_bytes() -> int:
 
 def config_request(model_name: str | None = None, file_size: int = 0) -> Request:
     """The config's tuner settings (quality, expected_fill, kv_cache_type, num_parallel,
-    vram_margin_mib) and the model's `localllm eval` results, as a Request."""
+    vram_margin_mib), the model's `localllm eval` results and the draft acceptance measured
+    while serving it, as a Request."""
     try:
         config = load_config()
     except ConfigError as e:
@@ -84,6 +86,7 @@ def config_request(model_name: str | None = None, file_size: int = 0) -> Request
         expected_fill=config.expected_fill,
         num_parallel=None if config.num_parallel == "auto" else int(config.num_parallel),
         measured_kl=measured_kl(model_name, file_size) if model_name else {},
+        acceptance=measured_acceptance(model_name, file_size) if model_name else {},
     )
 
 

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 from localllm.profiles.plan import Plan
@@ -71,6 +71,8 @@ class RunnerProcess:
         self._events: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self._exit_reason = ""
+        # Called with (mode, drafted, accepted) after each answer that drafted.
+        self.on_drafts: Callable[[str, int, int], None] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -172,6 +174,10 @@ class RunnerProcess:
                        silence_s: float = RUNNER_SILENCE_S) -> AsyncIterator[Event]:
         """Events of one request; cancels it in the runner if the consumer stops early."""
         async for event in self._exchange(request.id, request.to_wire(), silence_s):
+            if isinstance(event, Done) and event.drafted and self.on_drafts is not None:
+                mode = request.options.speculative
+                self.on_drafts(self.plan.speculative if mode == "auto" else mode,
+                               event.drafted, event.draft_accepted or 0)
             yield event
 
     async def _ask(self, request_id: str, message: dict, silence_s: float) -> Event:

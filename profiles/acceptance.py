@@ -1,0 +1,70 @@
+"""Draft acceptance measured while serving, per model file and speculative mode, for the tuner.
+
+The tuner plans speculation at an assumed acceptance per mode (speculation.py) until the model
+has drafted enough here with that mode; then the measured rate plans its next load, so a mode
+that does not pay on what this user asks of this model is turned off (and one that pays more
+than assumed gets longer drafts). Counts are halved past DECAY_AT drafted tokens, so the figure
+follows recent use. Stored in `<config dir>/profiles/acceptance.toml`, one table per model.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import tomli_w
+
+from .saved import profiles_dir
+
+MIN_DRAFTED = 256  # drafted tokens before a measured rate replaces the assumed one
+DECAY_AT = 4096
+MODES = ("lookup", "mtp", "draft")
+
+
+def acceptance_file() -> Path:
+    return profiles_dir() / "acceptance.toml"
+
+
+def _load(path: Path) -> dict:
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(v, dict)}
+
+
+def record(model: str, file_size: int, mode: str, drafted: int, accepted: int,
+           path: Path | None = None) -> None:
+    """Add drafts to the model's counts (a new file of the same name starts them again)."""
+    if mode not in MODES or drafted <= 0:
+        return
+    path = path or acceptance_file()
+    doc = _load(path)
+    entry = doc.get(model, {})
+    if entry.get("file_size") != file_size:
+        entry = {"file_size": file_size}
+    counts = entry.get(mode, {})
+    total = int(counts.get("drafted", 0)) + drafted
+    taken = int(counts.get("accepted", 0)) + min(accepted, drafted)
+    if total > DECAY_AT:
+        total, taken = total // 2, taken // 2
+    entry[mode] = {"drafted": total, "accepted": taken}
+    doc[model] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(tomli_w.dumps(doc))
+    tmp.replace(path)
+
+
+def measured_acceptance(model: str, file_size: int, path: Path | None = None
+                        ) -> dict[str, float]:
+    """{mode: accepted / drafted} for the modes this model file has drafted enough with."""
+    entry = _load(path or acceptance_file()).get(model, {})
+    if entry.get("file_size") != file_size:
+        return {}
+    out = {}
+    for mode in MODES:
+        counts = entry.get(mode)
+        if isinstance(counts, dict) and int(counts.get("drafted", 0)) >= MIN_DRAFTED:
+            out[mode] = int(counts.get("accepted", 0)) / int(counts["drafted"])
+    return out
