@@ -18,6 +18,8 @@ from localllm.modelstore.shape import ModelShape
 from localllm.modelstore.store import DRAFT_LAYER, ModelEntry, ModelNotFound, ModelStore
 from localllm.profiles.plan import Plan
 
+from .runner.protocol import VOCAB_SLACK
+
 LOAD_MODES = ("mtp", "draft")  # the speculative modes that are load options
 ALL_LAYERS = 999
 
@@ -68,12 +70,18 @@ def draft_model(store: ModelStore, entry: ModelEntry, options: dict) -> DraftMod
 
 
 def with_speculation(entry: ModelEntry, shape: ModelShape, plan: Plan, options: dict,
-                     draft: DraftModel) -> Speculation:
+                     draft: DraftModel, draft_shape: ModelShape | None = None) -> Speculation:
     """The plan with the speculative mode the request asks for (else the plan's own), and the
     draft model to load with it. Raises UserError for what cannot be done."""
     asked = options.get("speculative") if options.get("speculative") in LOAD_MODES else None
     mode = asked or plan.speculative
     name, path = draft.name, draft.path
+    if draft_shape is not None and abs(draft_shape.n_vocab - shape.n_vocab) > VOCAB_SLACK:
+        if asked == "draft":
+            raise UserError(f"{draft.name or 'the paired draft model'} cannot draft for "
+                            f"{entry.name}: its vocabulary has {draft_shape.n_vocab} tokens, "
+                            f"the model's {shape.n_vocab}")
+        path = None
     if mode == "mtp" and shape.n_nextn == 0:
         if asked:
             raise UserError(f"{entry.name} has no MTP layers (nextn_predict_layers is 0); use "

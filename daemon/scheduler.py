@@ -218,7 +218,7 @@ class Scheduler:
                                            context_to_ask(self.config, n_ctx, shape), options,
                                            draft_shape)
             path = model_file(self.store, entry)
-            speculation = with_speculation(entry, shape, plan, options, draft)
+            speculation = with_speculation(entry, shape, plan, options, draft, draft_shape)
             runner = await self._load_stepping_down(name, path, shape, speculation)
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                                 keep_alive=self.config.keep_alive_seconds,

@@ -139,8 +139,11 @@ def test_drafters_the_model_cannot_load_are_refused(spec_daemon):
     for model, options, status in (("smollm2", {"speculative": "mtp"}, 400),
                                    ("smollm2", {"speculative": "draft"}, 400),
                                    ("smollm2", {"speculative": "draft",
-                                                "draft_model": "no-such-model"}, 404)):
+                                                "draft_model": "no-such-model"}, 404),
+                                   ("smollm2", {"speculative": "draft",  # another vocabulary
+                                                "draft_model": "qwen35-mtp"}, 400)):
         with pytest.raises(urllib.error.HTTPError) as e:
             generate(spec_daemon, model, "hi", {**options, "num_predict": 2})
         assert e.value.code == status
         assert "error" in json.loads(e.value.read())
+    assert generate(spec_daemon, "smollm2", "hi", {"num_predict": 2})[-1]["done"]  # still up

@@ -29,9 +29,9 @@ import numpy as np
 from localllm.profiles.plan import Plan
 
 from . import model as llama
+from .protocol import VOCAB_SLACK
 
 log = logging.getLogger("localllm.runner")
-VOCAB_SLACK = 128  # llama.cpp's speculative example allows this many extra tokens in one vocab
 
 
 class DraftModelError(Exception):

@@ -18,6 +18,10 @@ DEFAULT_CTX = 4096
 RUNNER_SILENCE_S = 300.0
 
 
+# A draft model's vocabulary may have this many more or fewer tokens than the model's (llama.cpp's
+# speculative example allows as much); the ids they share must mean the same text.
+VOCAB_SLACK = 128
+
 @dataclass(frozen=True)
 class SamplingOptions:
     temperature: float = 0.8
