@@ -131,8 +131,9 @@ def speculators(shape: ModelShape, costs: ModelCosts, card: Card, draft: ModelSh
     recurrent = any(costs.state_bytes)
     if recurrent:
         notes.append(f"lookup and draft-model speculation not planned: {shape.architecture}'s "
-                     "recurrent state cannot be rolled back past a rejected draft"
-                     + (" (MTP can: llama.cpp keeps the state for it)" if shape.n_nextn else ""))
+                     "recurrent state is taken back past a rejected draft only from snapshots "
+                     "llama.cpp keeps, one per draft position"
+                     + (", which MTP's short drafts keep few" if shape.n_nextn else ""))
         return out, notes
     out.append(Speculator("lookup", *acceptance("lookup")))
     if draft is not None:
