@@ -72,6 +72,7 @@ class _BatchDrafter:
         self.capacity = capacity
         self.n_embd = n_embd
         self.batch = llama_cpp.llama_batch_init(capacity, n_embd, 1)
+        self.hidden_out: dict[int, np.ndarray] = {}  # MTP: the state after a seq's last row
         if n_embd:  # llama_batch_init leaves `token` NULL when it allocates embeddings
             self._tokens = (llama_cpp.llama_token * capacity)()
             self.batch.token = self._tokens
@@ -81,7 +82,6 @@ class _BatchDrafter:
         """Decode `inputs` (in batches of `capacity`); the argmax after each input marked for
         logits, by sequence; the block's own hidden state of those rows is kept for chaining."""
         argmax: dict[int, int] = {}
-        self.hidden_out: dict[int, np.ndarray] = {}
         for start in range(0, len(inputs), self.capacity):
             chunk = inputs[start:start + self.capacity]
             b = self.batch
