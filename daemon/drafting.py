@@ -75,7 +75,7 @@ def with_speculation(entry: ModelEntry, shape: ModelShape, plan: Plan, options: 
     draft model to load with it. Raises UserError for what cannot be done."""
     asked = options.get("speculative") if options.get("speculative") in LOAD_MODES else None
     mode = asked or plan.speculative
-    name, path = draft.name, draft.path
+    name, path = draft.name, draft.path  # path dropped below when it cannot draft
     if draft_shape is not None and abs(draft_shape.n_vocab - shape.n_vocab) > VOCAB_SLACK:
         if asked == "draft":
             raise UserError(f"{draft.name or 'the paired draft model'} cannot draft for "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .client import Client
 from .config import load_config
+from .daemon.runner.protocol import SPECULATIVE_CHOICES
 from .errors import UserError
 
 
@@ -38,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ctx", type=int, help="context length (num_ctx)")
     p.add_argument("--draft", metavar="MODEL", help="speculative decoding with MODEL drafting "
                    "(a stored model with the same vocabulary)")
-    p.add_argument("--speculative", choices=("auto", "off", "lookup", "mtp", "draft"),
+    p.add_argument("--speculative", choices=SPECULATIVE_CHOICES,
                    help="how to draft (default auto: the plan's choice)")
     p.add_argument("--resume", nargs="?", const="", metavar="CHAT",
                    help="reopen a saved chat by name or id (alone: pick from the list)")

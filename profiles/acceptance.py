@@ -9,12 +9,9 @@ follows recent use. Stored in `<config dir>/profiles/acceptance.toml`, one table
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
-import tomli_w
-
-from .saved import profiles_dir
+from .saved import profiles_dir, read_tables, write_toml
 
 MIN_DRAFTED = 256  # drafted tokens before a measured rate replaces the assumed one
 DECAY_AT = 4096
@@ -25,21 +22,13 @@ def acceptance_file() -> Path:
     return profiles_dir() / "acceptance.toml"
 
 
-def _load(path: Path) -> dict:
-    try:
-        doc = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return {}
-    return {k: v for k, v in doc.items() if isinstance(v, dict)}
-
-
 def record(model: str, file_size: int, mode: str, drafted: int, accepted: int,
            path: Path | None = None) -> None:
     """Add drafts to the model's counts (a new file of the same name starts them again)."""
     if mode not in MODES or drafted <= 0:
         return
     path = path or acceptance_file()
-    doc = _load(path)
+    doc = read_tables(path)
     entry = doc.get(model, {})
     if entry.get("file_size") != file_size:
         entry = {"file_size": file_size}
@@ -50,16 +39,13 @@ def record(model: str, file_size: int, mode: str, drafted: int, accepted: int,
         total, taken = total // 2, taken // 2
     entry[mode] = {"drafted": total, "accepted": taken}
     doc[model] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(tomli_w.dumps(doc))
-    tmp.replace(path)
+    write_toml(path, doc)
 
 
 def measured_acceptance(model: str, file_size: int, path: Path | None = None
                         ) -> dict[str, float]:
     """{mode: accepted / drafted} for the modes this model file has drafted enough with."""
-    entry = _load(path or acceptance_file()).get(model, {})
+    entry = read_tables(path or acceptance_file()).get(model, {})
     if entry.get("file_size") != file_size:
         return {}
     out = {}

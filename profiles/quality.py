@@ -19,14 +19,11 @@ Measured results live in `<config dir>/profiles/quality.toml`, one table per mod
 from __future__ import annotations
 
 import time
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomli_w
-
-from .saved import profiles_dir
+from .saved import profiles_dir, read_tables, write_toml
 
 KV_LADDER = ("f16", "q8_0", "q8_0/q4_0", "q4_0")  # most precise first
 ASSUMED_KL = {"f16": 0.0, "bf16": 0.0, "q8_0": 0.002, "q8_0/q4_0": 0.01, "q4_0": 0.03}
@@ -94,20 +91,12 @@ def results_file() -> Path:
     return profiles_dir() / "quality.toml"
 
 
-def _load(path: Path) -> dict:
-    try:
-        doc = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return {}
-    return {k: v for k, v in doc.items() if isinstance(v, dict)}
-
-
 def save_result(model: str, file_size: int, setting: str, reference: str, metrics: dict,
                 path: Path | None = None) -> Path:
     """Store one eval result under the model; a result for another file of the same name
     replaces the model's table (the old figures described other weights)."""
     path = path or results_file()
-    doc = _load(path)
+    doc = read_tables(path)
     entry = doc.get(model, {})
     if entry.get("file_size") != file_size:
         entry = {"file_size": file_size}
@@ -119,16 +108,13 @@ def save_result(model: str, file_size: int, setting: str, reference: str, metric
                     "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     entry[table] = results
     doc[model] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(tomli_w.dumps(doc))
-    tmp.replace(path)
+    write_toml(path, doc)
     return path
 
 
 def measured_kl(model: str, file_size: int, path: Path | None = None) -> dict[str, float]:
     """{KV label: mean KL vs f16} measured for this model file; empty when none is."""
-    entry = _load(path or results_file()).get(model, {})
+    entry = read_tables(path or results_file()).get(model, {})
     if not entry or entry.get("file_size") != file_size:
         return {}
     out = {}

@@ -91,11 +91,26 @@ def save_profile(plan: Plan, model_name: str, card_name: str, model_size: int,
         doc["measured"] = dict(measured)
     if history:
         doc["history"] = [dict(h) for h in history]
+    write_toml(path, doc, HEADER)
+    return path
+
+
+def write_toml(path: Path, doc: dict, header: str = "") -> None:
+    """Write a TOML file whole or not at all (a reader never sees half of it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(HEADER + tomli_w.dumps(doc))
+    tmp.write_text(header + tomli_w.dumps(doc))
     tmp.replace(path)
-    return path
+
+
+def read_tables(path: Path) -> dict[str, dict]:
+    """The top-level tables of a per-model results file; a missing or broken file has none
+    (the figures are measured again)."""
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(v, dict)}
 
 
 def _check(path: Path, key: str, value: Any, kind: type) -> Any:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from localllm.daemon.runner.protocol import SPECULATIVE_CHOICES
+
 
 class SlashError(ValueError):
     """A line the user typed that is not a valid command; the message says what is."""
@@ -43,7 +45,6 @@ PARAMETERS: dict[str, Param] = {
                          "reload the model)"),
     "draft_model": Param(str, help="the model that drafts for speculative draft; reloads"),
 }
-SPECULATIVE = ("auto", "off", "lookup", "mtp", "draft")
 
 SHOW_WHAT = ("info", "parameters", "system", "template", "plan")
 
@@ -139,8 +140,8 @@ def parse_parameter(name: str, values: list[str]) -> tuple[str, object]:
     if param.kind is str:
         if len(values) != 1:
             raise SlashError(f"{name} takes one value")
-        if name == "speculative" and values[0] not in SPECULATIVE:
-            raise SlashError(f"speculative must be one of {', '.join(SPECULATIVE)}")
+        if name == "speculative" and values[0] not in SPECULATIVE_CHOICES:
+            raise SlashError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)}")
         return name, values[0]
     if len(values) != 1:
         raise SlashError(f"{name} takes one value")

@@ -11,6 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
+from ..runner.protocol import SPECULATIVE_CHOICES
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
@@ -139,15 +141,13 @@ def get_number(body: dict, key: str, kind: type = float, minimum: float | None =
     return value
 
 
-SPECULATIVE = ("auto", "off", "lookup", "mtp", "draft")
-
-
 def get_speculative(body: dict) -> str:
     """`speculative` (a localllm addition, in Ollama's options or an OpenAI body): auto (the
     plan's choice), off, lookup, mtp, draft; mtp and draft load the model with that drafter."""
     value = body.get("speculative", "auto")
-    if value not in SPECULATIVE:
-        raise bad_request(f"speculative must be one of {', '.join(SPECULATIVE)}", "speculative")
+    if value not in SPECULATIVE_CHOICES:
+        raise bad_request(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)}",
+                          "speculative")
     return value
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import llama_cpp
-from localllm.profiles.plan import Plan
+from localllm.profiles.plan import SPECULATIVE_MODES, Plan
 
 from . import model as llama
 from .drafters import DraftModel, MTPDrafter, Want
@@ -547,11 +547,10 @@ class Engine:
 
 
 def plan_speculation(mode: str) -> str:
-    """The plan's speculative mode in the runner's words ("prompt-lookup" is an older name)."""
-    mode = {"prompt-lookup": "lookup", "off": "none", "": "none"}.get(mode, mode)
-    if mode not in ("none", "lookup", "mtp", "draft"):
-        raise llama.ModelLoadError(f"unknown speculative mode {mode!r} in the plan; use none, "
-                                   f"lookup, mtp or draft")
+    """The plan's speculative mode (Plan.from_dict already renamed older names), checked."""
+    if mode not in SPECULATIVE_MODES:
+        raise llama.ModelLoadError(f"unknown speculative mode {mode!r} in the plan; use "
+                                   f"{', '.join(SPECULATIVE_MODES)}")
     return mode
 
 

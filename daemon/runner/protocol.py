@@ -18,6 +18,10 @@ DEFAULT_CTX = 4096
 RUNNER_SILENCE_S = 300.0
 
 
+# What a request's `speculative` may say: the plan's choice, none, or one drafter (a model that
+# lacks the drafter answers 400; daemon/drafting.py).
+SPECULATIVE_CHOICES = ("auto", "off", "lookup", "mtp", "draft")
+
 # A draft model's vocabulary may have this many more or fewer tokens than the model's (llama.cpp's
 # speculative example allows as much); the ids they share must mean the same text.
 VOCAB_SLACK = 128
@@ -36,7 +40,7 @@ class SamplingOptions:
     seed: int | None = None
     num_predict: int = -1  # -1: until the context is full or the model stops
     stop: tuple[str, ...] = ()
-    speculative: str = "auto"  # "auto" (the plan's choice), "off", "lookup", "mtp", "draft"
+    speculative: str = "auto"  # one of SPECULATIVE_CHOICES
 
 
 @dataclass(frozen=True)
