@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import replace
 
-from localllm.config import ConfigError, load_config
+from localllm.config import ConfigError, load_config, load_config_sources, parse_size
 from localllm.modelstore.shape import ModelShape
 
 from .card import MIB, Card
@@ -29,6 +29,7 @@ from .acceptance import measured_acceptance
 from .quality import measured_kl
 from .saved import ProfileError, find_profile, record_event
 from .tuner import NoPlanFits, Request, tune
+from .workload import from_fill, named
 
 log = logging.getLogger(__name__)
 _EXPERT_BLOCKS = re.compile(r"^\^blk\\\.\(([\d|]+)\)\\\.ffn_\(up\|down\|gate\|gate_up\)_exps")
@@ -70,11 +71,11 @@ def vram_margin_bytes() -> int:
 
 
 def config_request(model_name: str | None = None, file_size: int = 0) -> Request:
-    """The config's tuner settings (quality, expected_fill, kv_cache_type, num_parallel,
-    vram_margin_mib), the model's `localllm eval` results and the draft acceptance measured
-    while serving it, as a Request."""
+    """The config's tuner settings (quality, workload or the older expected_fill,
+    kv_cache_type, num_parallel, vram_margin_mib, ram_budget), the model's `localllm eval`
+    results and the draft acceptance measured while serving it, as a Request."""
     try:
-        config = load_config()
+        config, sources = load_config_sources()
     except ConfigError as e:
         log.warning("config not readable, tuner defaults used: %s", e)
         return Request(num_parallel=None)
@@ -83,7 +84,10 @@ def config_request(model_name: str | None = None, file_size: int = 0) -> Request
         margin_bytes=config.vram_margin_mib * MIB,
         kv_types=pinned,
         quality=config.quality,
-        expected_fill=config.expected_fill,
+        # expected_fill, where a user set it, keeps meaning what it did: one answer filling it
+        workload=from_fill(config.expected_fill) if sources["expected_fill"] != "default"
+        else named(config.workload),
+        ram_budget_bytes=parse_size(config.ram_budget),
         num_parallel=None if config.num_parallel == "auto" else int(config.num_parallel),
         measured_kl=measured_kl(model_name, file_size) if model_name else {},
         acceptance=measured_acceptance(model_name, file_size) if model_name else {},
@@ -183,8 +187,9 @@ def tune_checked(shape: ModelShape, card: Card, request: Request,
 
 
 def settings_of(plan: Plan) -> ContextSettings:
+    snapshots = (plan.draft_n_max or 3) + 1 if plan.speculative != "none" else 0
     return ContextSettings(plan.n_ctx, plan.type_k, plan.type_v, plan.flash_attn, plan.n_ubatch,
-                           plan.swa_full, plan.n_parallel)
+                           plan.swa_full, plan.n_parallel, n_rs_seq=snapshots)
 
 
 def placement_of(plan: Plan, shape: ModelShape) -> Placement:

@@ -31,6 +31,7 @@ from .quality import split_kv
 from .saved import save_profile
 from .speed import predict_speed
 from .tuner import Request
+from .workload import WORKLOADS, from_fill
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,9 +55,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "balanced)")
     p.add_argument("--kv", metavar="TYPE", help="pin the KV cache: f16, q8_0, q4_0 or q8_0/q4_0 "
                    "(default: the config's kv_cache_type, auto)")
+    p.add_argument("--workload", choices=tuple(WORKLOADS),
+                   help="the session to plan for: chat (short prompts) or agent (a 20K-token "
+                   "prompt growing by 2K a turn); the plan minimizes its total time (default: "
+                   "the config's workload, chat)")
     p.add_argument("--fill", type=float, metavar="FRACTION",
-                   help="the part of the context a conversation fills; decode is averaged over "
-                   "it (default: the config's expected_fill, 0.5)")
+                   help="the older form of --workload: one answer filling this part of the "
+                   "context, decode averaged over it")
     p.add_argument("--parallel", metavar="N|auto",
                    help="slots (requests served together), a cap (default: the config's "
                    "num_parallel, auto: up to 4)")
@@ -163,7 +168,9 @@ def request_from_args(args: argparse.Namespace, base: Request) -> Request:
     if args.fill is not None:
         if not 0.05 <= args.fill <= 1:
             raise UserError("--fill must be between 0.05 and 1 (the part of the context filled)")
-        changes["expected_fill"] = args.fill
+        changes["workload"] = from_fill(args.fill)
+    elif args.workload:
+        changes["workload"] = WORKLOADS[args.workload]
     if args.parallel is not None:
         if args.parallel == "auto":
             changes["num_parallel"] = None
@@ -184,6 +191,10 @@ def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card):
     update_calibration(card.name, speed.decode_seconds_gpu, speed.decode_seconds_cpu,
                        measured.decode_tps)
     return measured
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.1f} s" if t < 100 else f"{t:.0f} s"
 
 
 def _row(cells: list[str], widths: list[int]) -> str:
@@ -228,7 +239,12 @@ def format_plan(plan: Plan, card: Card, shape: ModelShape, model_name: str) -> s
     for o in plan.tensor_overrides:
         lines.append(f"override: {o.pattern} -> {o.device}")
     lines.append(f"predicted: prefill {plan.predicted_prefill_tps:.1f} tok/s, decode "
-                 f"{plan.predicted_decode_tps:.1f} tok/s averaged over the expected fill")
+                 f"{plan.predicted_decode_tps:.1f} tok/s averaged over the session's answers")
+    if plan.workload:
+        lines.append(f"session ({plan.workload}): {plan.predicted_session_s:.0f} s predicted")
+    if plan.predicted_ttft:
+        lines.append("predicted time to first token: " + ", ".join(
+            f"{n // 1024}K-token prompt {_seconds(t)}" for n, t in plan.predicted_ttft))
     lines.append(speculation_summary(plan))
     if plan.predicted_decode_by_depth:
         names = ("start", "middle", "end")

@@ -60,6 +60,10 @@ class Plan:
     predicted_decode_tps: float = 0.0  # averaged over the expected fill of the context
     predicted_plain_decode_tps: float = 0.0  # the same without speculative decoding (0: unknown)
     predicted_decode_by_depth: tuple[tuple[int, float], ...] = ()  # (tokens in context, tok/s)
+    # Time to the first token of a prompt read into an empty context: (prompt tokens, seconds)
+    predicted_ttft: tuple[tuple[int, float], ...] = ()
+    workload: str = ""  # the session the plan was made for (profiles.workload)
+    predicted_session_s: float = 0.0  # that session's predicted time, prompts and answers
     reasons: tuple[str, ...] = ()
     source: str = "default"  # "default", "tuner", "profile:<path>"
 
@@ -88,8 +92,8 @@ class Plan:
         data["memory"] = tuple(DeviceMemory(**m) for m in data.get("memory", ()))
         for key in ("tensor_split", "reasons", "rpc_workers"):
             data[key] = tuple(data.get(key, ()))
-        data["predicted_decode_by_depth"] = tuple(
-            (int(d), float(t)) for d, t in data.get("predicted_decode_by_depth", ()))
+        for key in ("predicted_decode_by_depth", "predicted_ttft"):
+            data[key] = tuple((int(d), float(t)) for d, t in data.get(key, ()))
         data["device_layers"] = tuple((str(d), int(n)) for d, n in data.get("device_layers", ()))
         if "speculative" in data:
             data["speculative"] = speculative_mode(data["speculative"])

@@ -5,10 +5,11 @@ never the daemon.
 
 Each step is one `llama_decode` whose batch carries the next token of every slot that is
 answering plus a chunk of any prompt being read (continuous batching: a new request joins at
-the next step). Prompts are read in chunks of at most `n_batch` tokens, so a cancel or a new
-request never waits for a whole long prompt. On a GPU `llama_decode` returns before the device
-finishes; the text of the previous step's tokens (detokenizing, stop strings, sending) is
-handled then, while the device works, and only sampling waits for it.
+the next step). Prompts are read in chunks of at most `n_batch` tokens, whole micro-batches on
+a GPU (see prompt_chunk), so a cancel or a new request never waits for a whole long prompt.
+On a GPU `llama_decode` returns before the device finishes; the text of the previous step's
+tokens (detokenizing, stop strings, sending) is handled then, while the device works, and only
+sampling waits for it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .speculation import MAX_DRAFT, Drafting, StepCosts
 
 log = logging.getLogger("localllm.runner")
 STEP_TARGET_S = 0.25
+CANCEL_BOUND_S = 1.0  # the longest a cancel or a new request waits behind a prompt's step
 MIN_PROMPT_CHUNK = 32
 MTP_DRAFT = 3
 
@@ -555,14 +557,23 @@ def plan_speculation(mode: str) -> str:
 
 
 def prompt_chunk(plan: Plan, n_batch: int) -> int:
-    """Prompt tokens read per step: about STEP_TARGET_S of the plan's predicted prefill speed,
-    so that a cancel, a new request and the other slots' next tokens never wait long behind a
-    prompt (on a CPU a full n_batch chunk can take seconds), in a power of two from the plan
-    alone: the same prompt is always read in the same chunks, and llama.cpp's CPU kernels
-    round a batch differently from its parts, so chunking that followed the clock would make
-    greedy answers depend on the machine's load."""
+    """Prompt tokens read per step, from the plan alone: the same prompt is always read in the
+    same chunks (llama.cpp's CPU kernels round a batch differently from its parts, so chunking
+    that followed the clock would make greedy answers depend on the machine's load).
+
+    With a GPU, whole micro-batches: weights kept in RAM cross to the GPU once per micro-batch
+    (op offload), so a chunk that split one would pay that crossing again for its parts. As
+    many as fit in CANCEL_BOUND_S at the plan's predicted prompt speed (at least one), so that a
+    cancel, a new request and the other slots' next tokens wait about a second at most; one
+    micro-batch runs as a whole on the GPU. On the CPU alone no weights cross: about
+    STEP_TARGET_S of prompt per step, in a power of two (on a CPU a full n_batch chunk can take
+    seconds)."""
     if plan.predicted_prefill_tps <= 0:
         return n_batch
+    ubatch = min(plan.n_ubatch, n_batch)
+    if plan.n_gpu_layers > 0 and ubatch >= MIN_PROMPT_CHUNK:
+        per_step = int(plan.predicted_prefill_tps * CANCEL_BOUND_S) // ubatch
+        return min(n_batch // ubatch, max(1, per_step)) * ubatch
     want = int(plan.predicted_prefill_tps * STEP_TARGET_S)
     chunk = MIN_PROMPT_CHUNK
     while chunk * 2 <= min(want, n_batch):
