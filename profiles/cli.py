@@ -30,7 +30,7 @@ from .plan import Plan
 from .quality import split_kv
 from .saved import save_profile
 from .speed import predict_speed
-from .tuner import Request
+from .tuner import Request, band_plans
 from .workload import WORKLOADS, from_fill
 
 
@@ -120,6 +120,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, card, shape, model_name))
+        bands = band_plans(shape, card, request, plan.n_ctx)
+        if len(bands) > 1:
+            print("\n" + format_bands(bands, shape))
         if measured:
             print(f"\nmeasured: prefill {measured.prefill_tps:.1f} tok/s, decode "
                   f"{measured.decode_tps:.1f} tok/s (predicted {plan.predicted_prefill_tps:.1f} "
@@ -191,6 +194,28 @@ def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card):
     update_calibration(card.name, speed.decode_seconds_gpu, speed.decode_seconds_cpu,
                        measured.decode_tps)
     return measured
+
+
+def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape) -> str:
+    """One line per fill band: its placement, KV, micro-batch, decode at its start and end and
+    the time to first token of its longest prompt shown."""
+    from .choose import placement_of
+
+    lines = ["plans per fill band (the same workload, its session cut where the band ends):"]
+    for band, p in bands:
+        placement = placement_of(p, shape)
+        where = (f"FFN of {placement.n_cpu_ffn_layers} blocks in RAM, n_gpu_layers="
+                 f"{p.n_gpu_layers}" if placement.n_cpu_ffn_layers
+                 else f"n_gpu_layers={p.n_gpu_layers}")
+        depths = dict(p.predicted_decode_by_depth)
+        ttft = ""
+        if p.predicted_ttft:
+            n, t = p.predicted_ttft[-1]
+            ttft = f", {n // 1024}K prompt in {_seconds(t)}"
+        lines.append(f"  up to {band}: {where}, {p.type_k} KV, ubatch {p.n_ubatch}; decode "
+                     f"{depths.get(0, 0):.1f} tok/s at the start, "
+                     f"{depths.get(band, 0):.1f} at {band}{ttft}")
+    return "\n".join(lines)
 
 
 def _seconds(t: float) -> str:

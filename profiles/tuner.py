@@ -35,7 +35,7 @@ from .plan import DeviceMemory, Plan, TensorOverride, cpu_plan
 from .quality import kv_label, kv_rank, split_kv
 from .speculation import SpeculationChoice, Speculator
 from .speed import Speed, predict_speed, prompt_cost
-from .workload import CHAT, Turn, Workload
+from .workload import HALF_FILL, Turn, Workload
 
 MIN_DEFAULT_CTX = 4096
 CTX_LADDER = (4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
@@ -68,7 +68,9 @@ class Request:
     ubatch_sizes: tuple[int, ...] = (2048, 1024, 512, 256)
     quality: str = quality.DEFAULT_POLICY  # config quality: max, balanced, speed
     measured_kl: Mapping[str, float] = field(default_factory=dict)  # `localllm eval` results
-    workload: Workload = CHAT  # the session planned for (config workload or expected_fill)
+    # The session planned for. The daemon and `tune` pass the config's (workload, chat by
+    # default, or the older expected_fill); a bare Request keeps the older half-fill objective.
+    workload: Workload = HALF_FILL
     ram_budget_bytes: int | None = None  # config ram_budget; None: what the card has available
     num_parallel: int | None = 1  # slots: a cap; None = auto (as many as fit, at most 4)
     ffn_split: bool = True  # may a block's FFN sit in RAM apart from its attention
@@ -672,4 +674,22 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
     )
 
 
-__all__ = ["NoPlanFits", "Option", "Request", "Search", "gib", "tune"]
+FILL_BANDS = (8192, 32768)  # plans per fill band: up to each of these, then the whole context
+
+
+def band_plans(shape: ModelShape, card: Card, request: Request,
+               n_ctx: int | None = None) -> list[tuple[int, Plan]]:
+    """A plan per fill band: the best plan for a context of each band's size (less KV: more on
+    the GPU), its session cut where the band ends, then the whole context's. A runner can load
+    the band its first request needs and move to the next as a sequence crosses it."""
+    whole = n_ctx or request.n_ctx or tune(shape, card, request).n_ctx
+    out = []
+    for band in (*[b for b in FILL_BANDS if b < whole], whole):
+        try:
+            out.append((band, tune(shape, card, replace(request, n_ctx=band))))
+        except NoPlanFits:
+            continue
+    return out
+
+
+__all__ = ["NoPlanFits", "Option", "Request", "Search", "band_plans", "gib", "tune"]

@@ -73,6 +73,9 @@ def from_fill(fill: float) -> Workload:
     return Workload(f"fill {fill:g}", 0, 0, 0, 1, fill=fill)
 
 
+HALF_FILL = from_fill(0.5)
+
+
 def named(name: str) -> Workload:
     """A workload by name (chat, agent); ValueError names the known ones."""
     try:
