@@ -113,7 +113,10 @@ class Ours:
                     count += 1
                     text.append(chunk["response"])
         decode = (count - 1) / (last - first) if count > 1 and last > first else 0.0
+        if done.get("eval_count") and done.get("eval_duration"):  # the daemon's own timing
+            decode = done["eval_count"] / (done["eval_duration"] / 1e9)
         return {"ttft": first - start if first else 0.0, "decode_tps": decode,
+                "answer_tokens": done.get("eval_count", count),
                 "prompt_tokens": done.get("prompt_eval_count", 0), "text": "".join(text)}
 
     def plan(self) -> str:
@@ -164,6 +167,7 @@ class Fit:
         per_token = t.get("predicted_ms", 0) / max(1, t.get("predicted_n", 1))
         return {"ttft": max(0.0, wall - t.get("predicted_ms", 0) / 1000 + per_token / 1000),
                 "decode_tps": t.get("predicted_per_second", 0.0),
+                "answer_tokens": t.get("predicted_n", 0),
                 "prompt_tokens": t.get("prompt_n", 0) + t.get("cache_n", 0),
                 "text": out.get("content", "")}
 
@@ -181,9 +185,9 @@ class Fit:
         self.log.close()
 
 
-def calibrate(system, chars_per_token: list[float]) -> float:
+def calibrate(system, chars_per_token: list[float], ctx: int) -> float:
     if not chars_per_token:
-        sample = text_of(4000, 1)
+        sample = text_of(min(4000, ctx // 2), 1)
         n = system.generate(sample, 1)["prompt_tokens"] or 1000
         chars_per_token.append(len(sample) / n)
     return chars_per_token[0]
@@ -199,17 +203,18 @@ def run_system(system, args, record) -> None:
             continue
         if run == "short":
             r = system.generate("The quick brown fox jumps over the lazy dog. " * 6, args.tokens)
-            record({"system": system.name, "run": "short", "decode_tps": round(r["decode_tps"], 2)})
+            record({"system": system.name, "run": "short", "decode_tps": round(r["decode_tps"], 2),
+                    "answer_tokens": r["answer_tokens"]})
         elif run == "prompt":
-            c = calibrate(system, cpt)
+            c = calibrate(system, cpt, args.ctx)
             prompt = text_of(int(args.prompt_tokens * c), 2)
             r = system.generate(prompt, args.tokens)
             record({"system": system.name, "run": "prompt", "prompt_tokens": r["prompt_tokens"],
                     "ttft": round(r["ttft"], 2),
                     "prompt_tps": round(r["prompt_tokens"] / max(1e-9, r["ttft"]), 1),
-                    "decode_tps": round(r["decode_tps"], 2)})
+                    "decode_tps": round(r["decode_tps"], 2), "answer_tokens": r["answer_tokens"]})
         elif run == "agent":
-            c = calibrate(system, cpt)
+            c = calibrate(system, cpt, args.ctx)
             conversation = text_of(int(args.system_tokens * c), 3)
             start = time.perf_counter()
             turns = []
