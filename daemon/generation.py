@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
+from localllm.options import LoadOptions
 
 from .runner.protocol import Done, Event, Failure, GenerationRequest, Token
 from .runner.process import RunnerProcess
@@ -67,12 +68,11 @@ def find_model(app: web.Application, name: str) -> ModelEntry:
 
 @contextlib.asynccontextmanager
 async def generate(app: web.Application, entry: ModelEntry, request: GenerationRequest,
-                   n_ctx: int | None, load_options: dict,
-                   keep_alive="default", fit=None) -> AsyncIterator[Generation]:
+                   load: LoadOptions, keep_alive="default", fit=None) -> AsyncIterator[Generation]:
     """`fit(runner)`, when given, may replace the request once the runner is held (the chat
     layer drops old turns that do not fit the loaded context)."""
     started, started_wall = time.perf_counter_ns(), time.time()
-    async with app[SCHEDULER].use(entry, n_ctx, load_options, keep_alive) as runner:
+    async with app[SCHEDULER].use(entry, load, keep_alive) as runner:
         load_ns = runner.load_duration_ns if runner.loaded_at >= started_wall else 0
         if fit is not None:
             request = await fit(runner)
@@ -81,8 +81,8 @@ async def generate(app: web.Application, entry: ModelEntry, request: GenerationR
 
 
 @contextlib.asynccontextmanager
-async def hold(app: web.Application, entry: ModelEntry, n_ctx: int | None, load_options: dict,
+async def hold(app: web.Application, entry: ModelEntry, load: LoadOptions,
                keep_alive="default") -> AsyncIterator[RunnerProcess]:
     """Load (or keep) the model without generating: Ollama's empty-prompt request."""
-    async with app[SCHEDULER].use(entry, n_ctx, load_options, keep_alive) as runner:
+    async with app[SCHEDULER].use(entry, load, keep_alive) as runner:
         yield runner

@@ -195,7 +195,7 @@ def speculation_summary(plan: Plan) -> str:
     """The plan's speculative decoding in one line, with the decode it predicts with and
     without (the reasons say why)."""
     plain = plan.predicted_plain_decode_tps or plan.predicted_decode_tps
-    if plan.speculative == "none":
+    if plan.speculative == "off":
         return f"speculation: off (predicted decode {plain:.1f} tok/s without it)"
     what = f"{plan.speculative}, drafts up to {plan.draft_n_max or 8}"
     if plan.speculative == "draft":

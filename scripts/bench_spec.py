@@ -214,7 +214,7 @@ def tuner_rows(args) -> list[str]:
             out.append(f"| {budget:g} GiB | no plan: {e} | | | | | |")
             continue
         plain, _ = engine_decode(args.model, plan, "off", args.tokens, args.rounds)
-        spec, draft = ((plain, {}) if plan.speculative == "none" else
+        spec, draft = ((plain, {}) if plan.speculative == "off" else
                        engine_decode(args.model, plan, "auto", args.tokens, args.rounds))
         n_all = shape.n_layer + 1
         in_ram = [o.pattern for o in plan.tensor_overrides if "ffn" in o.pattern]
