@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from localllm.errors import UserError
 from localllm.modelstore.pull import model_file
 from localllm.modelstore.shape import ModelShape, read_shape
 from localllm.modelstore.store import ModelEntry, ModelStore
@@ -34,8 +35,10 @@ from .runner.process import RUNNER_COMMAND, LoadError, RunnerProcess
 log = logging.getLogger("localllm.scheduler")
 
 
-class QueueFull(Exception):
+class QueueFull(UserError):
     """Too many requests are waiting, or one waited too long (status 503, Retry-After)."""
+
+    status = 503
 
 
 @dataclass

@@ -21,9 +21,6 @@ COMMAND_MODULES = (
 )
 
 
-class CLIError(Exception):
-    """An error a user can act on: printed as one line, exit code 1."""
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(

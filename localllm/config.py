@@ -77,8 +77,10 @@ import tomli_w
 
 from . import paths
 
+from .errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A bad setting. `path` and `line` say where, when it came from a file."""
 
     def __init__(self, message: str, *, path: str | None = None, line: int | None = None,

@@ -11,11 +11,12 @@ from typing import Any
 
 from aiohttp import web
 
+from localllm.errors import UserError
 from localllm import options
 from localllm.options import LoadOptions, SamplingOptions
 
 
-class ApiError(Exception):
+class ApiError(UserError):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status = status

@@ -10,6 +10,7 @@ import json
 import re
 from dataclasses import dataclass, field, replace
 
+from localllm.errors import UserError
 from localllm import options
 from localllm.modelstore.store import Layer, ModelEntry, ModelStore
 from localllm.options import OPTIONS
@@ -22,7 +23,7 @@ TEMPLATE_LAYER = "application/vnd.localllm.template"
 SYSTEM_LAYER = "application/vnd.localllm.system"
 CUSTOM_LAYERS = (PARAMS_LAYER, TEMPLATE_LAYER, SYSTEM_LAYER)
 
-class ModelfileError(ValueError):
+class ModelfileError(UserError, ValueError):
     """A Modelfile line or create field localllm cannot take (400; the message says which)."""
 
 
