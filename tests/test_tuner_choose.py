@@ -10,7 +10,7 @@ import llama_cpp
 import pytest
 import synth_gguf
 
-from localllm.cli import main
+from localllm.cli.main import main
 from localllm.modelstore.shape import read_shape
 from localllm.options import LoadOptions
 from localllm.profiles.card import GIB, load_card
