@@ -9,9 +9,10 @@ other programs hold some, and a container may have less than the machine.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import replace
 from functools import lru_cache
+
+from localllm.llama import nvml
 
 from .card import CPU_ONLY, GIB, MIB, Card, load_card, match_card
 from .plan import physical_cores
@@ -109,48 +110,6 @@ def host_card() -> Card:
     )
 
 
-def _nvml_devices() -> list[dict]:
-    """Name, memory, PCIe and clocks of every NVIDIA GPU, or [] where there is none."""
-    try:
-        with warnings.catch_warnings():  # pynvml warns that it is deprecated, on every import
-            warnings.simplefilter("ignore")
-            import pynvml
-    except ImportError:
-        return []
-    try:
-        pynvml.nvmlInit()
-    except Exception:
-        return []
-    devices = []
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            info = {"name": name.decode() if isinstance(name, bytes) else str(name),
-                    "total": int(mem.total), "free": int(mem.free)}
-            facts = {
-                "cc": lambda h: ".".join(map(str, pynvml.nvmlDeviceGetCudaComputeCapability(h))),
-                "pcie_gen": pynvml.nvmlDeviceGetMaxPcieLinkGeneration,
-                "pcie_width": pynvml.nvmlDeviceGetMaxPcieLinkWidth,
-                "mem_clock_mhz":
-                    lambda h: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM),
-                "bus_width": pynvml.nvmlDeviceGetMemoryBusWidth,
-            }
-            for key, call in facts.items():
-                try:
-                    info[key] = call(h)
-                except Exception:  # optional facts; older drivers lack some
-                    pass
-            devices.append(info)
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
-    return devices
-
-
 def card_from_nvml(devices: list[dict], ram_bytes: int, cores: int,
                    ram_available_bytes: int = 0) -> Card:
     """A Card for the GPUs NVML reported: the matching profile with the real memory, or one
@@ -181,7 +140,7 @@ def card_from_nvml(devices: list[dict], ram_bytes: int, cores: int,
 
 @lru_cache(maxsize=1)
 def _probe_devices() -> Card:
-    devices = _nvml_devices()
+    devices = nvml.devices()
     if not devices:
         return host_card()
     cores = physical_cores()
