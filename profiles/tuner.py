@@ -316,7 +316,9 @@ class _Evaluator:
             n_ub = -(-t.prompt // max(1, s.n_ubatch)) if t.prompt else 0
             prompt.append(cost.seconds(t.prompt, s.n_ubatch, t.start) + n_ub * disk_s)
         end = max((t.end for t in turns), default=1)
-        points = {0, end // 2, end}
+        # Plain decode time is linear in depth (KV read and CPU attention grow with the cells),
+        # so its two ends price it; a drafted pass is not, and gets its middle too.
+        points = {0, end} if option.speculator is None else {0, end // 2, end}
         if self.costs.has_sliding and self.costs.sliding_window < end:
             points.add(self.costs.sliding_window)
         depths = sorted(points)
