@@ -201,6 +201,9 @@ def step_down(plan: Plan, shape: ModelShape, card: Card, model_name: str | None 
     request = replace(config_request(model_name, shape.file_size), n_ctx=plan.n_ctx,
                       margin_bytes=margin, n_threads=plan.n_threads,
                       num_parallel=plan.n_parallel)
+    # A step down never grows the micro-batch: its compute buffer is VRAM too.
+    smaller_ub = tuple(u for u in request.ubatch_sizes if u <= plan.n_ubatch)
+    request = replace(request, ubatch_sizes=smaller_ub or (min(request.ubatch_sizes),))
     try:
         smaller = tune(shape, card, request, draft=draft_shape)
     except NoPlanFits:
