@@ -94,3 +94,31 @@ def hub(smollm2_gguf):
     with Hub() as hub:
         hub.add(REPO, FILE, smollm2_gguf)
         yield hub
+
+
+def _log_sizes() -> dict[Path, int]:
+    from daemon_process import DAEMON_LOGS
+
+    return {path: path.stat().st_size if path.exists() else 0 for path in DAEMON_LOGS}
+
+
+@pytest.fixture(autouse=True)
+def no_unexpected_error_logs(request):
+    """No test makes a daemon log an error unless it says so (marker `errors_expected`): an
+    error line nobody caused on purpose is a bug the test happened to walk past."""
+    before = _log_sizes()
+    yield
+    if request.node.get_closest_marker("errors_expected"):
+        return
+    errors = []
+    for path, size in _log_sizes().items():
+        if size <= before.get(path, 0):
+            continue
+        with path.open("rb") as f:
+            f.seek(before.get(path, 0))
+            added = f.read().decode(errors="replace")
+        errors += [line for line in added.splitlines() if "level=error" in line]
+    if errors:
+        pytest.fail("the daemon logged errors this test did not cause on purpose:\n"
+                    + "\n".join(errors[:10]), pytrace=False)
+
