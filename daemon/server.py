@@ -19,7 +19,14 @@ from pathlib import Path
 from aiohttp import web
 from localllm.modelstore.names import BadModelName
 from localllm.profiles.saved import profiles_dir
-from localllm.modelstore.store import ModelNotFound, ModelStore, StoreError, default_store
+from localllm.modelstore.store import (
+    DamagedModel,
+    DiskFull,
+    ModelNotFound,
+    ModelStore,
+    StoreError,
+    default_store,
+)
 
 from localllm import paths
 from localllm.config import Config, config_file
@@ -46,6 +53,10 @@ def error_status(error: BaseException) -> tuple[int, str] | None:
         return error.status, error.message
     if isinstance(error, ModelNotFound):
         return 404, str(error)
+    if isinstance(error, DiskFull):
+        return 507, str(error)
+    if isinstance(error, DamagedModel):
+        return 409, str(error)
     if isinstance(error, (BadModelName, StoreError, UserError)):
         return 400, str(error)
     if isinstance(error, (GenerationFailed, RunnerRequestFailed)):
@@ -94,10 +105,12 @@ async def root(request: web.Request) -> web.Response:
 
 
 def create_app(config: Config, store: ModelStore | None = None) -> web.Application:
-    # Outermost first: who is asking (Host, Origin) before anything runs, errors turned into
-    # JSON around the handlers, the key checked inside so a 401 has the API's error shape.
+    # Outermost first: who is asking (Host, Origin, which local user) before anything runs,
+    # errors turned into JSON around the handlers, the key checked inside so a 401 has the
+    # API's error shape.
     middlewares = [security.host_middleware(config), security.cors_middleware(config),
-                   error_middleware, security.key_middleware(config.api_key)]
+                   security.owner_middleware(config), error_middleware,
+                   security.key_middleware(config.api_key)]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app.on_response_prepare.append(security.cors_headers(config))
     app[CONFIG] = config

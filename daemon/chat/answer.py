@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from aiohttp import web
-from localllm.modelstore.store import ModelEntry
+from localllm.modelstore.gguf_header import GGUFError
+from localllm.modelstore.store import DamagedModel, ModelEntry
 
 from ..generation import Generation, GenerationFailed, first_event, generate
 from ..runner.protocol import Done, Failure, Progress, Token
@@ -83,7 +84,11 @@ def with_default_system(request: ChatRequest, system: str | None) -> ChatRequest
 
 
 async def model_for(entry: ModelEntry) -> ChatModel:
-    return await chat_model(entry.digest, entry.model_path)
+    try:
+        return await chat_model(entry.digest, entry.model_path)
+    except (GGUFError, OSError) as e:
+        raise DamagedModel(entry.name, str(e).replace(str(entry.model_path), "its blob")) \
+            from None
 
 
 @contextlib.asynccontextmanager

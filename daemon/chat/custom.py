@@ -10,7 +10,7 @@ import json
 import re
 from dataclasses import dataclass, field, replace
 
-from localllm.modelstore.store import Layer, ModelEntry, ModelStore
+from localllm.modelstore.store import Layer, ModelEntry, ModelStore, no_room_is_disk_full
 
 from .model import ChatModel
 from .template import template_style
@@ -80,9 +80,13 @@ def text_layer(store: ModelStore, media_type: str, text: str) -> Layer:
     hexdigest = hashlib.sha256(data).hexdigest()
     digest = f"sha256:{hexdigest}"
     if not store.has_blob(digest):
-        staged = store.staging_file("text-")
-        staged.write_bytes(data)
-        store.publish_blob(staged, hexdigest)
+        with no_room_is_disk_full(f"storing the model's {media_type.rpartition('.')[2]}"):
+            staged = store.staging_file("text-")
+            try:
+                staged.write_bytes(data)
+                store.publish_blob(staged, hexdigest)
+            finally:
+                staged.unlink(missing_ok=True)
     return Layer(media_type, digest, len(data))
 
 
