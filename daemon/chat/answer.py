@@ -6,6 +6,7 @@ A route builds the ChatRequest, opens `answer(...)`, and either takes `whole()` 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -103,7 +104,9 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     if custom is not None:
         model = customized(model, custom)
         request = with_default_system(request, custom.system)
-    prepared = prepare(model, request)
+    # Rendering runs the model's template (a worker process, up to its time limit): never on
+    # the event loop, which serves everyone else meanwhile.
+    prepared = await asyncio.to_thread(prepare, model, request)
 
     async def fit(runner):
         nonlocal prepared
