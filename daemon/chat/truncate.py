@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from dataclasses import replace
 
 from .model import ChatModel
 from .request import ChatError, ChatRequest, Prepared, prepare
+
+log = logging.getLogger("localllm.chat")
 
 
 def room_for_prompt(n_ctx: int, num_predict: int) -> int:
@@ -82,6 +86,7 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
         raise ChatError(f"the prompt is {count} tokens but the context is {runner.n_ctx}; "
                         f"shorten the conversation, load the model with a larger num_ctx, or "
                         f"leave truncate on to drop the oldest turns", "messages")
+    started, renders = time.monotonic(), 0
     head, turns = split_turns(list(request.messages))
     head_count, *counted = await runner.count_tokens_each(
         [turn_text(head), *(turn_text(t) for t in turns)])
@@ -94,6 +99,7 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
         kept = [*head, *(m for turn in turns[start:] for m in turn)]
         if start >= len(turns):  # the newest turn alone is too long: its last message only
             kept = [*head, request.messages[-1]]
+        renders += 1
         try:
             candidate = await asyncio.to_thread(prepare, model,
                                                 replace(request, messages=tuple(kept)))
@@ -102,6 +108,9 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
         if candidate is not None:
             count = await runner.count_tokens(candidate.prompt)
             if count <= limit:
+                log.info("dropped the oldest %d of %d turns to fit %d prompt tokens "
+                         "(%d renders, %.0f ms)", start, len(turns), limit, renders,
+                         (time.monotonic() - started) * 1000)
                 return candidate
         if start >= len(turns):
             break
