@@ -30,6 +30,7 @@ from pathlib import Path
 
 from localllm.paths import write_private
 
+from localllm.errors import UserError
 from .gguf_header import GGUFError, read_header
 from .names import ModelName, parse_name
 from .shape import ModelShape, format_param_count, shape_from_header
@@ -42,20 +43,24 @@ COMPANION_LAYERS = (DRAFT_LAYER, MTP_LAYER, PROJECTOR_LAYER)
 _CHUNK = 1 << 22
 
 
-class StoreError(Exception):
+class StoreError(UserError):
     """A store operation failed for a reason the user can act on (message says what to do)."""
 
 
 class ModelNotFound(StoreError):
-    pass
+    status = 404
 
 
 class DiskFull(StoreError):
     """The store's filesystem ran out of room (507): nothing half-written was kept."""
 
+    status = 507
+
 
 class DamagedModel(StoreError):
     """A stored model's file no longer reads as the GGUF it was (409: fetch it again)."""
+
+    status = 409
 
     def __init__(self, name: object, reason: str):
         super().__init__(f"the stored file of model '{name}' is damaged ({reason}); pull or "
