@@ -414,7 +414,8 @@ def test_soak_counts_embeddings_and_sse_comments_as_answers(fresh_daemon):
     import aiohttp
     import soak
 
-    args = argparse.Namespace(duration=60, kill_every=0, timeout=120, clients=1)
+    args = argparse.Namespace(duration=60, kill_every=0, timeout=120, clients=1,
+                              max_requests=10, max_tokens=4, seed=0, store="")
     runner = soak.Soak(fresh_daemon.url, "smollm2", args)
 
     async def drive() -> None:
