@@ -7,8 +7,8 @@
 | api_key           | LOCALLLM_API_KEY           | (none; required off loopback) | restart   |
 | origins           | LOCALLLM_ORIGINS           | (none; localhost only)        | restart   |
 | allowed_hosts     | LOCALLLM_ALLOWED_HOSTS     | (none; localhost only)        | restart   |
-| shared_machine    | LOCALLLM_SHARED_MACHINE    | false                         | restart   |
-| import_dirs       | LOCALLLM_IMPORT_DIRS       | ~ (the user's home)           | live      |
+| shared_machine    | LOCALLLM_SHARED_MACHINE    | False                         | restart   |
+| import_dirs       | LOCALLLM_IMPORT_DIRS       | ('~',)                        | live      |
 | keep_alive        | LOCALLLM_KEEP_ALIVE        | 5m                            | live      |
 | max_loaded_models | LOCALLLM_MAX_LOADED_MODELS | 2                             | live      |
 | num_parallel      | LOCALLLM_NUM_PARALLEL      | auto                          | next load |
@@ -57,7 +57,7 @@
 - shared_machine: where the daemon cannot tell which local user opened a TCP connection (not
   Linux), `true` asks every TCP request for the API key. On Linux another user's loopback
   connection always needs the key, whatever this says.
-- import_dirs: folders whose files a TCP client may name in /api/import and a Modelfile's
+- import_dirs: folders (default `~`, your home) whose files a TCP client may name in /api/import and a Modelfile's
   `FROM /path` (the Unix socket, which only you can open, may name any file you can read).
   A path outside them is refused with the same message as a missing one.
 - rpc_workers: `["host:port", ...]` (comma-separated in the variable): `localllm worker`s whose
