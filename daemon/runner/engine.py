@@ -115,6 +115,10 @@ class Engine:
     def count_tokens(self, text: str) -> TokenCount:
         return TokenCount(len(self.tokenizer.tokenize(text)))
 
+    def count_tokens_each(self, texts: list[str]) -> TokenCount:
+        counts = tuple(len(self.tokenizer.tokenize(t, add_bos=False)) for t in texts)
+        return TokenCount(sum(counts), counts)
+
     def embed(self, request: EmbedRequest) -> Embeddings:
         """Embeddings in a context of their own, made on first use (see embedding.py)."""
         if self._embedder is None:

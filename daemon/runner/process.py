@@ -203,6 +203,15 @@ class RunnerProcess:
                                 silence_s)
         return event.count
 
+    async def count_tokens_each(self, texts: list[str],
+                                silence_s: float = RUNNER_SILENCE_S) -> list[int]:
+        """Each text's tokens (no BOS), in one round trip: truncation counts every turn of a
+        long chat once this way instead of re-counting the whole prompt per dropped turn."""
+        request_id = new_request_id()
+        event = await self._ask(request_id, {"op": "tokenize", "id": request_id,
+                                             "texts": list(texts)}, silence_s)
+        return list(event.counts)
+
     async def _exchange(self, request_id: str, message: dict,
                         silence_s: float) -> AsyncIterator[Event]:
         if not self.alive:
