@@ -16,16 +16,24 @@ import fetch_test_models  # noqa: E402
 from localllm.modelstore.store import ModelStore  # noqa: E402
 
 
+def _test_model(name: str) -> Path:
+    # Ours and 0600, as the store links only such files (others are copied: 100-250 MB a
+    # daemon fixture).
+    path = fetch_test_models.ensure(name)
+    path.chmod(0o600)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct Q4_1: llama architecture with a chat template."""
-    return fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")
+    return _test_model("SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="session")
 def gemma_gguf() -> Path:
     """Gemma 3 270M Q4_K_M: sliding-window layers, no chat template."""
-    return fetch_test_models.ensure("gemma-3-270m-q4_k_m.gguf")
+    return _test_model("gemma-3-270m-q4_k_m.gguf")
 
 
 @pytest.fixture
