@@ -367,13 +367,21 @@ def cmd_show(args) -> int:
         lines.append(("experts", str(info[f"{arch}.expert_count"])))
     if info.get(f"{arch}.nextn_predict_layers"):
         lines.append(("MTP layers", str(info[f"{arch}.nextn_predict_layers"])))
-    lines.append(("chat template", "yes" if data.get("template") else "no"))
+    lines.append(("chat template", chat_template_line(data.get("template", ""))))
     lines.append(("file size", human_size(data.get("size", 0)) if data.get("size") else
                   _file_size(data)))
     print("  Model")
     for key, value in lines:
         print(f"    {key:<20}{value}")
     return 0
+
+
+def chat_template_line(template: str) -> str:
+    """`show`'s chat-template row; the daemon reports Ollama's default template for a model
+    that brings none (a base model), and chat then sends the user messages' text as it is."""
+    if template == "{{ .Prompt }}":
+        return "default ({{ .Prompt }}: chat sends the user messages' text as it is)"
+    return "yes" if template else "no"
 
 
 def _file_size(data: dict) -> str:

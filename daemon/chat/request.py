@@ -14,7 +14,7 @@ from ..runner.protocol import GenerationRequest, SamplingOptions
 from .grammar import BadFormat, format_grammar, tool_call_grammar
 from .model import ChatModel
 from .parse import make_parser
-from .template import HARMONY, THINK_TAGS, TemplateFailed, render
+from .template import HARMONY, THINK_TAGS, TemplateFailed, render, render_default
 
 THINK_LEVELS = ("low", "medium", "high")
 
@@ -129,9 +129,8 @@ def prepare(model: ChatModel, request: ChatRequest) -> Prepared:
 
 def _render(model: ChatModel, messages: list[dict], tools: list[dict],
             think: bool | str | None) -> str:
-    if model.template is None:
-        raise ChatError("this model has no chat template; use /api/generate or "
-                        "/v1/completions with a plain prompt", "messages")
+    if model.template is None:  # a base model: Ollama's default template, as Ollama does
+        return render_default(messages)
     try:
         return render(model.template, messages, tools=tools or None, bos=model.bos,
                       eos=model.eos, think=think if model.style.thinking else None)

@@ -22,6 +22,11 @@ HERMES, LLAMA3, MISTRAL, HARMONY, JSON_CALLS = "hermes", "llama3", "mistral", "h
 THINK_TAGS, CHANNELS = "think_tags", "channels"
 
 
+# Ollama's template for a model that brings none (template/template.go: DefaultTemplate):
+# `/api/show` reports it under this name, and `render_default` renders it.
+DEFAULT_TEMPLATE = "{{ .Prompt }}"
+
+
 class TemplateFailed(ValueError):
     """The template raised or could not be compiled (a 400: the messages do not fit it)."""
 
@@ -110,3 +115,20 @@ def render(template: str, messages: list[dict], *, tools: list[dict] | None = No
         raise
     except Exception as e:  # a template may fail on any jinja error; the client gets a 400
         raise TemplateFailed(f"the chat template rejected these messages: {e}") from None
+
+
+def render_default(messages: list[dict]) -> str:
+    """The prompt Ollama's default template `{{ .Prompt }}` makes of a conversation: the user
+    turns' text, one after another. As Ollama's legacy path does, back-to-back messages of one
+    role are first joined with a blank line, and system and assistant text is left out (the
+    template names only `.Prompt`)."""
+    parts: list[str] = []
+    previous = None
+    for message in messages:
+        role = message.get("role")
+        if role == "user":
+            if previous == "user":
+                parts.append("\n\n")
+            parts.append(message.get("content") or "")
+        previous = role
+    return "".join(parts)
