@@ -43,6 +43,7 @@ class ChatRequest:
     think: bool | str | None = None
     has_images: bool = False
     logprobs: int | None = None
+    echo: bool = False  # completions: the answer starts with the prompt (with its logprobs)
     extra: dict = field(default_factory=dict)
 
 
@@ -117,7 +118,8 @@ def prepare(model: ChatModel, request: ChatRequest) -> Prepared:
         grammar = None  # harmony calls pass through control tokens a grammar cannot name
     generation = GenerationRequest(id=request.id, prompt=prompt,
                                    options=request.options, grammar=grammar,
-                                   logprobs=request.logprobs)
+                                   logprobs=request.logprobs,
+                                   prompt_logprobs=request.echo and request.logprobs is not None)
     in_thinking = model.style.thinking == THINK_TAGS and prompt.rstrip().endswith("<think>")
     parser = make_parser(model.style.tool_format, model.style.thinking, tools=bool(tools),
                          in_thinking=in_thinking and think is not False,

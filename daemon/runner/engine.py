@@ -183,7 +183,7 @@ class Engine:
                 f"shorten it or load the model with a larger num_ctx")
         # The free slot whose cache shares the longest prefix; else the least recently used.
         slot = max(free, key=lambda s: (_common_prefix(s.tokens, tokens), -s.last_used))
-        cached = self._reuse_prefix(slot, tokens)
+        cached = self._reuse_prefix(slot, tokens, reuse=not request.prompt_logprobs)
         options = request.options
         sampler = Sampler(self.lm.vocab, self.lm.n_vocab, options, request.grammar, tokens,
                           self.n_ctx)
@@ -198,6 +198,13 @@ class Engine:
             work.drafted, work.draft_accepted = 0, 0
         slot.to_decode = tokens[cached:]
         slot.unread = len(slot.to_decode)
+        if request.prompt_logprobs:  # the first token has no logprob: nothing comes before it
+            added = (tokens[0] == self.tokenizer.bos and self.tokenizer.add_bos
+                     and not request.prompt.startswith(self.tokenizer.bos_piece))
+            raw = self.tokenizer.token_bytes(tokens[0], special=True)
+            slot.work.prompt_logprobs.append({
+                "token": raw.decode("utf-8", errors="replace"), "logprob": None,
+                "bytes": list(raw), "top_logprobs": [], "added": added})
 
     def _drafting_mode(self, request: GenerationRequest) -> str | None:
         """Where this request's drafts come from (`options.speculative`; `auto` is the plan's
@@ -216,9 +223,9 @@ class Engine:
             return None
         return mode
 
-    def _reuse_prefix(self, slot: Slot, tokens: list[int]) -> int:
+    def _reuse_prefix(self, slot: Slot, tokens: list[int], reuse: bool = True) -> int:
         """Keep the slot's KV for the longest prefix it shares with `tokens`, if the cache
-        still holds all of it; return how many tokens are kept.
+        still holds all of it; return how many tokens are kept (none without `reuse`).
 
         A sliding-window cache keeps only the last `n_swa` positions of its SWA layers: reading
         on from position p needs positions p - n_swa .. p - 1 there, so a prefix whose window
@@ -226,7 +233,7 @@ class Engine:
         recurrent state can be cut back only as far as llama.cpp keeps snapshots of it (none
         unless the plan drafts): otherwise only a pure extension is reused."""
         mem, seq = self.lm.memory, slot.seq_id
-        common = min(_common_prefix(slot.tokens, tokens), len(tokens) - 1)
+        common = min(_common_prefix(slot.tokens, tokens), len(tokens) - 1) if reuse else 0
         if common > 0 and self.lm.n_swa:
             pos_min = llama_cpp.llama_memory_seq_pos_min(mem, seq)
             if pos_min > max(0, common - self.lm.n_swa):
@@ -281,6 +288,8 @@ class Engine:
             return
         now = time.perf_counter_ns()
         for slot, n, _ in rows:  # the batch is in the KV cache now
+            if slot.unread and slot.work.request.prompt_logprobs:
+                self._score_prompt(slot, n)
             added, slot.to_decode = slot.to_decode[:n], slot.to_decode[n:]
             slot.tokens.extend(added)
             if slot.unread:
@@ -295,7 +304,9 @@ class Engine:
                 self._emit_text(slot, token)
         for slot, _, logits_row in rows:
             if slot.work is not None and logits_row >= 0:  # (a stop string may have ended it)
-                if slot.drafts:
+                if slot.work.limit == 0:  # the prompt only (echo with max_tokens 0)
+                    self._finish(slot, "length")
+                elif slot.drafts:
                     self._verify(slot, logits_row)
                 else:
                     self._sample(slot, logits_row)
@@ -367,9 +378,10 @@ class Engine:
             take = min(slot.unread, budget)
             last = take == slot.unread
             slot.first_pos, slot.batch_row = len(slot.tokens), n
+            every = slot.work.request.prompt_logprobs  # logits of every prompt row
             for i in range(take):
                 n = self._put(n, slot.to_decode[i], len(slot.tokens) + i, slot.seq_id,
-                              last and i == take - 1)
+                              every or (last and i == take - 1))
             rows.append((slot, take, n - 1 if last else -1))
             budget -= take
         batch.n_tokens = n
@@ -453,6 +465,17 @@ class Engine:
                 raise RuntimeError("llama.cpp could not take back rejected drafts")
             del slot.tokens[keep:]
 
+    def _score_prompt(self, slot: Slot, n: int) -> None:
+        """The logprobs of the prompt tokens that follow this step's `n` prompt rows (row i's
+        logits predict the token after it; the last prompt row's predict the answer)."""
+        work = slot.work
+        start = len(slot.tokens)
+        for i in range(n):
+            following = start + i + 1
+            if following < len(work.prompt):
+                work.prompt_logprobs.append(
+                    self._logprob_entry(work, slot.batch_row + i, work.prompt[following]))
+
     def _logprob_entry(self, work: Work, row: int, token: int) -> dict:
         logits = work.sampler.logits(self.lm.ctx, row)
         chosen, top = log_probs(logits, token, work.request.logprobs or 0)
@@ -518,6 +541,8 @@ class Engine:
             context=tuple(work.prompt + work.answer),
             drafted=work.drafted,
             draft_accepted=work.draft_accepted,
+            prompt_logprobs=tuple(work.prompt_logprobs) if work.request.prompt_logprobs
+            else None,
         ))
         if reason == "cancelled":
             log.info("request %s cancelled after %d answer tokens", work.request.id,

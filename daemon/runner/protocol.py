@@ -52,6 +52,9 @@ class GenerationRequest:
     options: SamplingOptions = field(default_factory=SamplingOptions)
     grammar: str | None = None  # GBNF (root rule "root") constraining the answer
     logprobs: int | None = None  # None: off; N >= 0: each token's logprob and the top N
+    # With logprobs: the prompt's own tokens' logprobs too (OpenAI's `echo`), on Done. The
+    # whole prompt is then read afresh: a reused prefix has no logits left.
+    prompt_logprobs: bool = False
 
     def to_wire(self) -> dict:
         data = asdict(self)
@@ -68,6 +71,7 @@ class GenerationRequest:
             options=SamplingOptions(**options),
             grammar=data.get("grammar"),
             logprobs=data.get("logprobs"),
+            prompt_logprobs=bool(data.get("prompt_logprobs")),
         )
 
 
@@ -104,6 +108,10 @@ class Done:
     context: tuple[int, ...] = ()  # prompt + answer tokens (Ollama generate's `context`)
     drafted: int | None = None  # speculative decoding totals, as on Token (None: off)
     draft_accepted: int | None = None
+    # With GenerationRequest.prompt_logprobs: one entry per prompt token, as Token.logprobs,
+    # the first with logprob None (nothing comes before it); `added` marks a BOS the
+    # tokenizer put in front of the text (it has no characters in it).
+    prompt_logprobs: tuple[dict, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +179,8 @@ def event_from_wire(data: dict) -> Event:
         return Token(**data)
     if kind == "done":
         data["context"] = tuple(data.get("context") or ())
+        if data.get("prompt_logprobs") is not None:
+            data["prompt_logprobs"] = tuple(data["prompt_logprobs"])
         return Done(**data)
     if kind == "progress":
         return Progress(**data)
