@@ -474,7 +474,9 @@ async def api_ps(request: web.Request) -> web.Response:
             else f"{plan.type_k}/{plan.type_v}",
             "gpu_layers": plan.n_gpu_layers,
             "flash_attn": plan.flash_attn,
-            "threads": plan.n_threads,
+            "threads": runner.n_threads,  # in use: fewer than planned on a busy CPU
+            "planned_threads": plan.n_threads,
+            "threads_reason": runner.threads_reason,
             "runner_pid": runner.pid,
             "busy": slot.busy,
             "num_parallel": runner.n_parallel,

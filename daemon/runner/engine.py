@@ -34,12 +34,14 @@ from .protocol import (
     Failure,
     GenerationRequest,
     Progress,
+    Threads,
     Token,
     TokenCount,
 )
 from .sampling import RequestError, Sampler, log_probs
 from .slots import Slot, Work
 from .speculation import MAX_DRAFT, Drafting, StepCosts
+from .threads import ThreadGovernor
 
 log = logging.getLogger("localllm.runner")
 STEP_TARGET_S = 0.25
@@ -62,7 +64,8 @@ class Question:
 
 
 class Engine:
-    def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None):
+    def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None,
+                 adapt_threads: bool = True):
         self.plan = plan
         self.speculative = plan_speculation(plan.speculative)
         # The longest draft. The plan's draft_n_max bounds what costs memory: recurrent-state
@@ -98,6 +101,12 @@ class Engine:
         self._prompt_chunk = prompt_chunk(plan, self.lm.n_batch)
         self._embedder = None
         self.step_costs = StepCosts(per_token_prior=0.1 if plan.n_gpu_layers > 0 else 0.6)
+        # Fewer decode threads while other processes hold cores (threads.py); each change
+        # goes to `on_threads` (the runner tells the daemon, which shows it in ps).
+        self.threads = ThreadGovernor(plan.n_threads, plan.predicted_decode_tps) \
+            if adapt_threads else None
+        self.n_threads = plan.n_threads
+        self.on_threads: Callable[[Threads], None] | None = None
 
     # ---- requests in ---------------------------------------------------------------------
     def submit(self, request: GenerationRequest, emit: Callable[[Event], None],
@@ -311,10 +320,24 @@ class Engine:
                 else:
                     self._sample(slot, logits_row)
         if all(not slot.unread for slot, _, _ in rows):  # answering only: what drafts cost
-            self.step_costs.record(n_tokens, (time.perf_counter_ns() - started) / 1e9)
+            seconds = (time.perf_counter_ns() - started) / 1e9
+            self.step_costs.record(n_tokens, seconds)
+            if self.threads is not None:
+                self._adapt_threads(seconds)
         if isinstance(self.drafter, MTPDrafter):
             self._feed_mtp(rows, n_tokens)
         self._prepare_drafts()
+
+    def _adapt_threads(self, step_seconds: float) -> None:
+        change = self.threads.observe(step_seconds)
+        if change is None:
+            return
+        self.n_threads = change.n_threads
+        llama_cpp.llama_set_n_threads(self.lm.ctx, change.n_threads,
+                                      min(self.plan.n_threads_batch, change.n_threads))
+        log.info("threads: %s", change.reason)
+        if self.on_threads is not None:
+            self.on_threads(Threads(change.n_threads, change.reason))
 
     def _feed_mtp(self, rows: list[tuple[Slot, int, int]], n_tokens: int) -> None:
         """Tell the MTP drafter what this step committed, with the target's hidden states."""

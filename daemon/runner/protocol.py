@@ -153,14 +153,21 @@ class TokenCount:
 
 
 @dataclass(frozen=True)
+class Threads:
+    """Sent by the runner on its own (no request id) when it changes its decode threads."""
+    n_threads: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Failure:
     message: str
     status: int = 500  # 400 when the request itself was at fault (prompt too long, no template)
 
 
-Event = Token | Done | Failure | Progress | Embeddings | TokenCount
+Event = Token | Done | Failure | Progress | Embeddings | TokenCount | Threads
 EVENT_KINDS = {Token: "token", Done: "done", Failure: "error", Progress: "progress",
-               Embeddings: "embeddings", TokenCount: "tokens"}
+               Embeddings: "embeddings", TokenCount: "tokens", Threads: "threads"}
 
 
 def event_to_wire(request_id: str, event: Event) -> dict:
@@ -189,6 +196,8 @@ def event_from_wire(data: dict) -> Event:
         return Embeddings(**data)
     if kind == "tokens":
         return TokenCount(**data)
+    if kind == "threads":
+        return Threads(**data)
     return Failure(**data)
 
 
