@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import llama_cpp
-from localllm.profiles.plan import SPECULATIVE_MODES, Plan
+from localllm.options import SPECULATIVE_MODES
+from localllm.profiles.plan import Plan
 
 from . import model as llama
 from .drafters import DraftModel, MTPDrafter, Want
@@ -77,7 +78,7 @@ class Engine:
         planned = min(plan.draft_n_max or (MTP_DRAFT if self.speculative == "mtp"
                                            else MAX_DRAFT), MAX_DRAFT)
         self.lm = llama.load(model_path, plan,
-                             rollback=planned + 1 if self.speculative != "none" else 0)
+                             rollback=planned + 1 if self.speculative != "off" else 0)
         self.draft_cap = planned if self.speculative == "mtp" or self.lm.recurrent \
             else MAX_DRAFT
         self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
@@ -222,7 +223,7 @@ class Engine:
         back only when the plan drafts (llama.cpp then keeps snapshots of it)."""
         mode = request.options.speculative
         if mode == "auto":
-            mode = self.speculative if self.speculative != "none" else "off"
+            mode = self.speculative
         if mode == "off":
             return None
         if mode in ("mtp", "draft") and (self.drafter is None or self.drafter.kind != mode):
