@@ -16,7 +16,7 @@ from localllm.options import LoadOptions
 from localllm.profiles.card import GIB, load_card
 from localllm.profiles.choose import choose_plan, placement_of, step_down
 from localllm.profiles.hardware import host_card, probe_card
-from localllm.profiles.llama_overrides import tensor_overrides_applied
+from localllm.llama.overrides import tensor_overrides_applied
 from localllm.profiles.plan import Plan, TensorOverride, physical_cores
 from localllm.profiles.saved import (
     ProfileError, find_profile, load_profile, profile_path, save_profile,
