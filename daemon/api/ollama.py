@@ -24,6 +24,7 @@ from ..chat.answer import answer, model_for
 from ..chat.custom import Customization, capabilities, read_customization
 from ..chat.parse import Parsed
 from ..chat.request import THINK_LEVELS, ChatRequest
+from ..chat.template import DEFAULT_TEMPLATE
 from ..generation import Generation, find_model, hold
 from ..runner.protocol import Done, Failure, Progress, Token
 from ..runner.process import new_request_id
@@ -357,7 +358,8 @@ async def api_show(request: web.Request) -> web.Response:
     slot = request.app[SCHEDULER].models.get(str(entry.name))
     num_ctx = custom.parameters.get("num_ctx") or (
         slot.runner.n_ctx if slot else request.app[CONFIG].default_ctx)
-    template = custom.template or model.template or ""
+    # A model without a template is chatted with through Ollama's default, and shown so.
+    template = custom.template or model.template or DEFAULT_TEMPLATE
     details = {key: value if isinstance(value, list) else str(value)
                for key, value in {"parent_model": "", **entry.details}.items()}
     modelfile = f"FROM {entry.model_path}\n"
@@ -442,7 +444,9 @@ async def api_ps(request: web.Request) -> web.Response:
             else f"{plan.type_k}/{plan.type_v}",
             "gpu_layers": plan.n_gpu_layers,
             "flash_attn": plan.flash_attn,
-            "threads": plan.n_threads,
+            "threads": runner.n_threads,  # in use: fewer than planned on a busy CPU
+            "planned_threads": plan.n_threads,
+            "threads_reason": runner.threads_reason,
             "runner_pid": runner.pid,
             "busy": slot.busy,
             "num_parallel": runner.n_parallel,

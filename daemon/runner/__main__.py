@@ -107,6 +107,7 @@ def main() -> int:
         log.error("load failed: %s", traceback.format_exc())
         channel.send({"event": "load_failed", "message": str(e) or type(e).__name__})
         return 1
+    engine.on_threads = lambda event: channel.send(event_to_wire("", event))
     channel.send({"event": "loaded", "pid": os.getpid(), "load_duration_ns": load_ns,
                   "n_ctx": engine.n_ctx, "n_parallel": len(engine.slots)})
     log.info("loaded %s with %d slots of %d tokens", load["model_path"], len(engine.slots),
