@@ -58,8 +58,9 @@
   Linux), `true` asks every TCP request for the API key. On Linux another user's loopback
   connection always needs the key, whatever this says.
 - import_dirs: folders (default `~`, your home) whose files a TCP client may name in
-  /api/import and a Modelfile's `FROM /path` (the Unix socket, which only you can open, may name any file you can read).
-  A path outside them is refused with the same message as a missing one.
+  /api/import and a Modelfile's `FROM /path` (the Unix socket, which only you can open, may
+  name any file you can read). A path outside them is refused with the same message as a
+  missing one.
 - rpc_workers: `["host:port", ...]` (comma-separated in the variable): `localllm worker`s whose
   devices models may use besides this machine's; the planner measures each one's memory and
   link. RPC has no authentication: trusted networks only.
