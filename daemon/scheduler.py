@@ -82,10 +82,9 @@ class Planner:
 
     def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
                   error: str) -> Plan | None:
-        from localllm.profiles.choose import step_down
-        from localllm.profiles.hardware import probe_card
+        from localllm.profiles.choose import probed_card, step_down
 
-        return step_down(plan, shape, probe_card(), model_name, error)
+        return step_down(plan, shape, probed_card(), model_name, error)
 
 
 def context_to_ask(config: Config, n_ctx: int | None, shape: ModelShape) -> int | None:

@@ -71,6 +71,19 @@ def config_request(model_name: str | None = None, file_size: int = 0) -> Request
     )
 
 
+def gpus_setting() -> str:
+    """The config's gpus (`all`, or indices such as 0,1) that the probe keeps."""
+    try:
+        return load_config().gpus
+    except ConfigError:
+        return "all"
+
+
+def probed_card() -> Card:
+    """This machine, with the GPUs the gpus setting (and CUDA_VISIBLE_DEVICES) leave."""
+    return probe_card(gpus_setting())
+
+
 def _rpc_workers() -> tuple[str, ...]:
     try:
         return load_config().rpc_workers
@@ -98,7 +111,7 @@ def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: Loa
     """The plan the daemon loads `model_name` with; raises NoPlanFits (a UserError) when the
     model cannot run at that context on this machine. `draft_shape`: the draft model paired
     with it in the catalog, which the tuner may plan speculative decoding with."""
-    card = card or probe_card()
+    card = card or probed_card()
     base = config_request(model_name, shape.file_size)
     request = request_from_load(n_ctx, load, base.margin_bytes, base)
     workers = _rpc_workers()
@@ -184,7 +197,9 @@ def placement_of(plan: Plan, shape: ModelShape) -> Placement:
         m = _FFN_BLOCKS.match(o.pattern)
         if m:
             n_ffn = len(m.group(1).split("|"))
-    return Placement(plan.n_gpu_layers, output_on_cpu, n_experts, n_ffn)
+    # local GPUs' layer counts (an RPC plan's tensor_split counts over the workers too)
+    split = () if plan.rpc_workers else tuple(int(k) for k in plan.tensor_split)
+    return Placement(plan.n_gpu_layers, output_on_cpu, n_experts, n_ffn, split)
 
 
 def step_down(plan: Plan, shape: ModelShape, card: Card, model_name: str | None = None,
