@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from localllm.modelstore.shape import (
     EXPERTS, OUTPUT, OUTPUT_NORM, RECURRENT_LAYER, SLIDING, ModelShape,
@@ -116,7 +117,7 @@ class ModelCosts:
     def has_experts(self) -> bool:
         return any(self.expert_bytes)
 
-    @property
+    @cached_property  # asked for every block of every placement tried
     def n_trunk(self) -> int:
         """Blocks that hold weights (NextN blocks are skipped unless MTP is loaded)."""
         return sum(1 for b, e in zip(self.block_bytes, self.expert_bytes, strict=True) if b or e)
