@@ -147,7 +147,9 @@ def prompt_tokens(result) -> int:
 
 def test_piped_stdin_is_added_to_the_prompt(daemon):
     secret = "The secret word is BANANA, and it is written on the blue door of the house.\n"
-    args = ("run", "smollm2", "--num-predict", "4", "--verbose", "Repeat the secret word")
+    # --keepalive 0: each run reads its whole prompt (no cached prefix to reuse)
+    args = ("run", "smollm2", "--num-predict", "4", "--verbose", "--keepalive", "0",
+            "Repeat the secret word")
     alone = prompt_tokens(daemon.cli(*args))
     piped = prompt_tokens(daemon.cli(*args, input=secret))
     assert piped >= alone + 15  # the piped sentence was read by the model
@@ -179,3 +181,54 @@ def test_loop_detection_rules():
     assert repeating_tail("1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 " * 2) == 0
     assert repeating_tail("go " * 5) == 0  # too short to call a loop
     assert repeating_tail(" " * 500) == 0  # padding is not a loop of words
+
+
+# ---- 9. a model's digest names all of it; an unknown route is not a missing model -------------
+def tags_digests(daemon) -> dict:
+    return {m["name"]: m["digest"] for m in daemon.get("/api/tags")["models"]}
+
+
+def test_tags_digest_changes_with_any_layer_and_survives_a_copy(daemon):
+    template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    status, body = post(daemon, "/api/create", {"model": "smollm2-plain", "from": "smollm2",
+                                                "template": template, "stream": False})
+    assert status == 200, body
+    assert post(daemon, "/api/copy", {"source": "smollm2", "destination": "smollm2-same"})[0] \
+        == 200
+    try:
+        digests = tags_digests(daemon)
+        assert digests["smollm2-plain:latest"] != digests["smollm2:latest"]
+        assert digests["smollm2-same:latest"] == digests["smollm2:latest"]
+        assert all(len(d) == 64 for d in digests.values())
+    finally:
+        for name in ("smollm2-plain", "smollm2-same"):
+            request = urllib.request.Request(daemon.url + "/api/delete", method="DELETE",
+                                             data=json.dumps({"model": name}).encode())
+            urllib.request.urlopen(request, timeout=60).close()
+
+
+def test_an_unknown_route_is_not_model_not_found(daemon):
+    status, body = post(daemon, "/v1/no-such-route", {})
+    assert status == 404 and body["error"]["code"] != "model_not_found"
+    status, body = post(daemon, "/v1/chat/completions", {
+        "model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+# ---- 10. small ones ----------------------------------------------------------------------------
+def test_a_non_streamed_generate_reports_its_time_to_first_token(daemon):
+    status, body = post(daemon, "/api/generate", {"model": "smollm2", "prompt": "Hi",
+                                                  "stream": False,
+                                                  "options": {"num_predict": 3}})
+    assert status == 200, body
+    ttft = body["stats"]["time_to_first_token"]
+    assert 0 < ttft <= body["total_duration"]
+
+
+def test_config_show_into_a_closed_pipe_prints_no_error(tmp_path):
+    env = isolated_env(tmp_path)
+    for _ in range(5):  # the race between the reader closing and the writer flushing
+        result = subprocess.run(["bash", "-c", f"{sys.executable} -m localllm.cli config show "
+                                 "| head -1"], env=env, capture_output=True, text=True,
+                                timeout=60)
+        assert result.stdout.startswith("# ") and result.stderr == "", result.stderr
