@@ -232,3 +232,42 @@ def test_config_show_into_a_closed_pipe_prints_no_error(tmp_path):
                                  "| head -1"], env=env, capture_output=True, text=True,
                                 timeout=60)
         assert result.stdout.startswith("# ") and result.stderr == "", result.stderr
+
+
+# ---- 3. tune --measure: --no-save saves nothing, a disturbed figure is not kept -----------------
+def test_tune_measure_no_save_writes_nothing(tmp_path, smollm2_gguf):
+    env = isolated_env(tmp_path)
+    result = localllm(env, "tune", str(smollm2_gguf), "--measure", "--no-save")
+    assert result.returncode == 0, result.stderr
+    assert "measured: prefill" in result.stdout
+    written = [p for p in (tmp_path / "xdg_config_home").rglob("*") if p.is_file()]
+    assert written == []
+
+
+def test_tune_reset_calibration_forgets_measure_and_keeps_calibrate(tmp_path):
+    import tomllib
+
+    env = isolated_env(tmp_path)
+    path = tmp_path / "xdg_config_home" / "localllm" / "profiles" / "calibration.toml"
+    path.parent.mkdir(parents=True)
+    path.write_text('[cpu-only]\nhost_bandwidth_factor = 0.06\nmeasured_decode_tps = 2.4\n'
+                    '[rtx3060-12g]\nmemory_bandwidth_gbs = 340.0\ngpu_bandwidth_factor = 0.5\n')
+    result = localllm(env, "tune", "--reset-calibration")
+    assert result.returncode == 0, result.stderr
+    assert "calibration reset for cpu-only, rtx3060-12g" in result.stdout
+    assert tomllib.loads(path.read_text()) == {"rtx3060-12g": {"memory_bandwidth_gbs": 340.0}}
+    again = localllm(env, "tune", "--reset-calibration")
+    assert "nothing to reset" in again.stdout
+    one_line_error(localllm(env, "tune"), "tune needs a MODEL")
+
+
+def test_a_slow_figure_on_a_busy_machine_is_doubtful():
+    from localllm.profiles.measure import Measurement, doubtful
+
+    def measured(tps, load):
+        return Measurement(prefill_tps=100, decode_tps=tps, vram_bytes=0, prompt_tokens=128,
+                           decoded_tokens=32, other_load=load)
+
+    assert "other processes kept 1.6 CPU cores busy" in doubtful(measured(2.4, 1.6), 36.0)
+    assert doubtful(measured(2.4, 0.1), 36.0) is None  # slow on a quiet machine: the truth
+    assert doubtful(measured(30.0, 1.6), 36.0) is None  # near the prediction: fine
