@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from localllm.cli import build_parser, main
+from localllm.cli.main import build_parser, main
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -11,11 +11,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from . import paths
-from .client import Client
-from .config import load_config
-from .daemon.runner.protocol import SPECULATIVE_CHOICES
-from .errors import UserError
+from localllm import paths
+from localllm.client import Client
+from localllm.config import load_config
+from localllm.options import OptionError, from_text
+from localllm.errors import UserError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,14 +40,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", help="print timings and speeds after "
                    "the answer")
     p.add_argument("--keepalive", help="how long the model stays loaded (e.g. 5m, 0, -1)")
-    p.add_argument("--ctx", type=int, help="context length (num_ctx)")
+    p.add_argument("--ctx", type=option_flag("num_ctx"), help="context length (num_ctx)")
     p.add_argument("--draft", metavar="MODEL", help="speculative decoding with MODEL drafting "
                    "(a stored model with the same vocabulary)")
-    p.add_argument("--speculative", choices=SPECULATIVE_CHOICES,
-                   help="how to draft (default auto: the plan's choice)")
+    p.add_argument("--speculative", type=option_flag("speculative"), metavar="MODE",
+                   help="how to draft: auto (the plan's choice, the default), off, lookup, mtp or "
+                   "draft")
     p.add_argument("--resume", nargs="?", const="", metavar="CHAT",
                    help="reopen a saved chat by name or id (alone: pick from the list)")
-    p.add_argument("--num-predict", type=int, metavar="N",
+    p.add_argument("--num-predict", type=option_flag("num_predict"), metavar="N",
                    help=f"most tokens for a one-shot answer (default {ONE_SHOT_NUM_PREDICT}; "
                    "-1: no cap); an answer that loops is stopped either way")
     p.set_defaults(func=cmd_run, intermixed="words")  # options anywhere: run M --ctx 8192 hi
@@ -188,10 +189,6 @@ def _model_names() -> list[str]:
 
 def cmd_run(args) -> int:
     config = _config(args)
-    if args.ctx is not None and args.ctx < 1:
-        raise UserError(f"--ctx must be a positive number of tokens (e.g. 4096), not {args.ctx}")
-    if args.num_predict is not None and args.num_predict < -1:
-        raise UserError(f"--num-predict must be -1 (no cap) or more, not {args.num_predict}")
     model, prompt = split_model_and_prompt(args.words, config.default_model, _known_model,
                                            _model_names)
     if len(args.words) == 1 and model == config.default_model and prompt:
@@ -200,6 +197,18 @@ def cmd_run(args) -> int:
     if prompt:
         prompt = with_piped_stdin(prompt)
     return _run(_run_async(config, model, prompt, args))
+
+
+def option_flag(name: str):
+    """An argparse type checking a flag's value against the option table (same bounds and
+    message as the API's)."""
+    def parse(text: str):
+        try:
+            return from_text(name, text)
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = name  # argparse names the type in its own messages
+    return parse
 
 
 def with_piped_stdin(prompt: str) -> str:

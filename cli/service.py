@@ -15,7 +15,7 @@ from pathlib import Path
 from localllm.daemon import user_service as us
 from localllm.daemon.logging_setup import log_file
 
-from .config import (
+from localllm.config import (
     ENV,
     RESTART_NEEDED,
     ConfigError,
@@ -26,8 +26,8 @@ from .config import (
     setting_names,
     with_setting,
 )
-from .errors import UserError
-from .paths import listen_address
+from localllm.errors import UserError
+from localllm.paths import listen_address
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
