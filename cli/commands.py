@@ -289,7 +289,8 @@ async def _chat_lines(client: Client, model: str, options: dict, extra: dict,
                 print(f"Error: {e}", file=sys.stderr)
             continue
         history.append({"role": "user", "content": raw.rstrip("\n")})
-        final = await _answer(client, model, history, options or None, extra, verbose)
+        final = await _answer(client, model, history, options or None, extra, verbose,
+                              guard=True)
         history.append({"role": "assistant", "content": final.get("text", "")})
 
 
