@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_worker(args) -> int:
     from localllm.profiles.plan import physical_cores
-    from localllm.profiles.rpc import serve
+    from localllm.llama.rpc import serve
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be between 1 and 65535, not {args.port}")

@@ -82,7 +82,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def resolve_model(model: str) -> tuple[ModelShape, str]:
-    """(shape, profile name) for a store name or a .gguf path."""
+    """(shape, profile name) for a store name or a .gguf path. A store name comes back in the
+    store's own spelling (`smollm2` -> `smollm2:latest`), the name the daemon loads it under,
+    so the profile and eval results saved under it are the ones the daemon reads."""
     path = Path(model).expanduser()
     if path.suffix == ".gguf" or path.is_file():
         if not path.is_file():
@@ -91,7 +93,7 @@ def resolve_model(model: str) -> tuple[ModelShape, str]:
     from localllm.modelstore.store import default_store
 
     entry = default_store().get(model)
-    return read_shape(entry.model_path), model
+    return read_shape(entry.model_path), str(entry.name)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

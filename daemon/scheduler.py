@@ -20,10 +20,11 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from localllm.modelstore.gguf_header import GGUFError
 from localllm.errors import UserError
 from localllm.modelstore.pull import model_file
 from localllm.modelstore.shape import ModelShape, read_shape
-from localllm.modelstore.store import ModelEntry, ModelStore
+from localllm.modelstore.store import DamagedModel, ModelEntry, ModelStore
 from localllm.profiles.plan import Plan
 
 from localllm.config import Config
@@ -206,9 +207,17 @@ class Scheduler:
                 return model
             # What the request asks that cannot be done fails here, before the loaded model
             # is retired: a bad request must not cost a reload.
-            shape = await asyncio.to_thread(read_shape, entry.model_path)
-            draft = draft_model(self.store, entry, load)
-            draft_shape = await asyncio.to_thread(read_shape, draft.path) if draft.path else None
+            try:
+                shape = await asyncio.to_thread(read_shape, entry.model_path)
+                draft = draft_model(self.store, entry, load)
+                draft_shape = await asyncio.to_thread(read_shape, draft.path) if draft.path \
+                    else None
+            except (GGUFError, OSError) as e:  # truncated or rewritten under us
+                if model is not None:  # its runner's file is gone too: retire it
+                    del self.models[name]
+                    await self._retire(name, model)
+                raise DamagedModel(name, str(e).replace(str(entry.model_path), "its blob")) \
+                    from None
             check_speculation(entry, shape, load, draft, draft_shape)
             if model is not None:
                 if model.runner.alive and file_id(model.runner.model_path) != model.file_id:

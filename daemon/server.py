@@ -74,10 +74,12 @@ async def root(request: web.Request) -> web.Response:
 
 
 def create_app(config: Config, store: ModelStore | None = None) -> web.Application:
-    # Outermost first: who is asking (Host, Origin) before anything runs, errors turned into
-    # JSON around the handlers, the key checked inside so a 401 has the API's error shape.
+    # Outermost first: who is asking (Host, Origin, which local user) before anything runs,
+    # errors turned into JSON around the handlers, the key checked inside so a 401 has the
+    # API's error shape.
     middlewares = [security.host_middleware(config), security.cors_middleware(config),
-                   error_middleware, security.key_middleware(config.api_key)]
+                   security.owner_middleware(config), error_middleware,
+                   security.key_middleware(config.api_key)]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app.on_response_prepare.append(security.cors_headers(config))
     app[CONFIG] = config

@@ -55,7 +55,7 @@ def model_params(plan: Plan, metadata_only: bool = False):
         params.tensor_split = split
         keep_alive.append(split)
     if plan.rpc_workers:  # other machines' devices (`localllm worker`), then the local GPUs
-        from localllm.profiles.rpc import apply_devices
+        from .rpc import apply_devices
 
         keep_alive.append(apply_devices(params, plan.rpc_workers))
     return params, keep_alive

@@ -11,7 +11,6 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
@@ -20,11 +19,12 @@ from localllm import __version__
 from localllm.config import ConfigError, parse_duration
 from localllm.options import LoadOptions, SamplingOptions
 
-from .. import remote
+from .. import remote, security
 from ..chat.answer import answer, model_for
 from ..chat.custom import Customization, capabilities, read_customization
 from ..chat.parse import Parsed
 from ..chat.request import THINK_LEVELS, ChatRequest
+from ..chat.template import DEFAULT_TEMPLATE
 from ..generation import Generation, find_model, hold
 from ..runner.protocol import Done, Failure, Progress, Token
 from ..runner.process import new_request_id
@@ -358,7 +358,8 @@ async def api_show(request: web.Request) -> web.Response:
     slot = request.app[SCHEDULER].models.get(str(entry.name))
     num_ctx = custom.parameters.get("num_ctx") or (
         slot.runner.n_ctx if slot else request.app[CONFIG].default_ctx)
-    template = custom.template or model.template or ""
+    # A model without a template is chatted with through Ollama's default, and shown so.
+    template = custom.template or model.template or DEFAULT_TEMPLATE
     details = {key: value if isinstance(value, list) else str(value)
                for key, value in {"parent_model": "", **entry.details}.items()}
     modelfile = f"FROM {entry.model_path}\n"
@@ -403,7 +404,9 @@ async def api_import(request: web.Request) -> web.Response:
     name = get_str(body, "model", required=True)
     path = get_str(body, "path", required=True)
     link = not get_bool(body, "copy", False)
-    entry = await asyncio.to_thread(request.app[STORE].import_gguf, Path(path), name, link)
+    roots = request.app[SCHEDULER].config.import_roots
+    source = await asyncio.to_thread(security.import_source, request, path, roots)
+    entry = await asyncio.to_thread(request.app[STORE].import_gguf, source, name, link)
     return web.json_response(_model_json(entry))
 
 
@@ -441,7 +444,9 @@ async def api_ps(request: web.Request) -> web.Response:
             else f"{plan.type_k}/{plan.type_v}",
             "gpu_layers": plan.n_gpu_layers,
             "flash_attn": plan.flash_attn,
-            "threads": plan.n_threads,
+            "threads": runner.n_threads,  # in use: fewer than planned on a busy CPU
+            "planned_threads": plan.n_threads,
+            "threads_reason": runner.threads_reason,
             "runner_pid": runner.pid,
             "busy": slot.busy,
             "num_parallel": runner.n_parallel,

@@ -36,12 +36,14 @@ from .protocol import (
     Failure,
     GenerationRequest,
     Progress,
+    Threads,
     Token,
     TokenCount,
 )
 from .sampling import RequestError, Sampler, log_probs
 from .slots import Slot, Work
 from .speculation import Drafting, StepCosts
+from .threads import ThreadGovernor
 
 log = logging.getLogger("localllm.runner")
 STEP_TARGET_S = 0.25
@@ -63,7 +65,8 @@ class Question:
 
 
 class Engine:
-    def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None):
+    def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None,
+                 adapt_threads: bool = True):
         self.plan = plan
         self.speculative = known_mode(plan.speculative)
         # The longest draft. The plan's draft_n_max bounds what costs memory: recurrent-state
@@ -97,6 +100,12 @@ class Engine:
         self._prompt_chunk = prompt_chunk(plan, self.lm.n_batch)
         self._embedder = None
         self.step_costs = StepCosts(per_token_prior=0.1 if plan.n_gpu_layers > 0 else 0.6)
+        # Fewer decode threads while other processes hold cores (threads.py); each change
+        # goes to `on_threads` (the runner tells the daemon, which shows it in ps).
+        self.threads = ThreadGovernor(plan.n_threads, plan.predicted_decode_tps) \
+            if adapt_threads else None
+        self.n_threads = plan.n_threads
+        self.on_threads: Callable[[Threads], None] | None = None
 
     # ---- requests in ---------------------------------------------------------------------
     def submit(self, request: GenerationRequest, emit: Callable[[Event], None],
@@ -114,6 +123,10 @@ class Engine:
 
     def count_tokens(self, text: str) -> TokenCount:
         return TokenCount(len(self.tokenizer.tokenize(text)))
+
+    def count_tokens_each(self, texts: list[str]) -> TokenCount:
+        counts = tuple(len(self.tokenizer.tokenize(t, add_bos=False)) for t in texts)
+        return TokenCount(sum(counts), counts)
 
     def embed(self, request: EmbedRequest) -> Embeddings:
         """Embeddings in a context of their own, made on first use (see embedding.py)."""
@@ -182,7 +195,7 @@ class Engine:
                 f"shorten it or load the model with a larger num_ctx")
         # The free slot whose cache shares the longest prefix; else the least recently used.
         slot = max(free, key=lambda s: (_common_prefix(s.tokens, tokens), -s.last_used))
-        cached = self._reuse_prefix(slot, tokens)
+        cached = self._reuse_prefix(slot, tokens, reuse=not request.prompt_logprobs)
         options = request.options
         sampler = Sampler(self.lm.vocab, self.lm.n_vocab, options, request.grammar, tokens,
                           self.n_ctx)
@@ -197,6 +210,13 @@ class Engine:
             work.drafted, work.draft_accepted = 0, 0
         slot.to_decode = tokens[cached:]
         slot.unread = len(slot.to_decode)
+        if request.prompt_logprobs:  # the first token has no logprob: nothing comes before it
+            added = (tokens[0] == self.tokenizer.bos and self.tokenizer.add_bos
+                     and not request.prompt.startswith(self.tokenizer.bos_piece))
+            raw = self.tokenizer.token_bytes(tokens[0], special=True)
+            slot.work.prompt_logprobs.append({
+                "token": raw.decode("utf-8", errors="replace"), "logprob": None,
+                "bytes": list(raw), "top_logprobs": [], "added": added})
 
     def _drafting_mode(self, request: GenerationRequest) -> str | None:
         """Where this request's drafts come from (`options.speculative`; `auto` is the plan's
@@ -215,9 +235,9 @@ class Engine:
             return None
         return mode
 
-    def _reuse_prefix(self, slot: Slot, tokens: list[int]) -> int:
+    def _reuse_prefix(self, slot: Slot, tokens: list[int], reuse: bool = True) -> int:
         """Keep the slot's KV for the longest prefix it shares with `tokens`, if the cache
-        still holds all of it; return how many tokens are kept.
+        still holds all of it; return how many tokens are kept (none without `reuse`).
 
         A sliding-window cache keeps only the last `n_swa` positions of its SWA layers: reading
         on from position p needs positions p - n_swa .. p - 1 there, so a prefix whose window
@@ -225,7 +245,7 @@ class Engine:
         recurrent state can be cut back only as far as llama.cpp keeps snapshots of it (none
         unless the plan drafts): otherwise only a pure extension is reused."""
         mem, seq = self.lm.memory, slot.seq_id
-        common = min(_common_prefix(slot.tokens, tokens), len(tokens) - 1)
+        common = min(_common_prefix(slot.tokens, tokens), len(tokens) - 1) if reuse else 0
         if common > 0 and self.lm.n_swa:
             pos_min = llama_cpp.llama_memory_seq_pos_min(mem, seq)
             if pos_min > max(0, common - self.lm.n_swa):
@@ -280,6 +300,8 @@ class Engine:
             return
         now = time.perf_counter_ns()
         for slot, n, _ in rows:  # the batch is in the KV cache now
+            if slot.unread and slot.work.request.prompt_logprobs:
+                self._score_prompt(slot, n)
             added, slot.to_decode = slot.to_decode[:n], slot.to_decode[n:]
             slot.tokens.extend(added)
             if slot.unread:
@@ -294,15 +316,31 @@ class Engine:
                 self._emit_text(slot, token)
         for slot, _, logits_row in rows:
             if slot.work is not None and logits_row >= 0:  # (a stop string may have ended it)
-                if slot.drafts:
+                if slot.work.limit == 0:  # the prompt only (echo with max_tokens 0)
+                    self._finish(slot, "length")
+                elif slot.drafts:
                     self._verify(slot, logits_row)
                 else:
                     self._sample(slot, logits_row)
         if all(not slot.unread for slot, _, _ in rows):  # answering only: what drafts cost
-            self.step_costs.record(n_tokens, (time.perf_counter_ns() - started) / 1e9)
+            seconds = (time.perf_counter_ns() - started) / 1e9
+            self.step_costs.record(n_tokens, seconds)
+            if self.threads is not None:
+                self._adapt_threads(seconds)
         if isinstance(self.drafter, MTPDrafter):
             self._feed_mtp(rows, n_tokens)
         self._prepare_drafts()
+
+    def _adapt_threads(self, step_seconds: float) -> None:
+        change = self.threads.observe(step_seconds)
+        if change is None:
+            return
+        self.n_threads = change.n_threads
+        llama_cpp.llama_set_n_threads(self.lm.ctx, change.n_threads,
+                                      min(self.plan.n_threads_batch, change.n_threads))
+        log.info("threads: %s", change.reason)
+        if self.on_threads is not None:
+            self.on_threads(Threads(change.n_threads, change.reason))
 
     def _feed_mtp(self, rows: list[tuple[Slot, int, int]], n_tokens: int) -> None:
         """Tell the MTP drafter what this step committed, with the target's hidden states."""
@@ -366,9 +404,10 @@ class Engine:
             take = min(slot.unread, budget)
             last = take == slot.unread
             slot.first_pos, slot.batch_row = len(slot.tokens), n
+            every = slot.work.request.prompt_logprobs  # logits of every prompt row
             for i in range(take):
                 n = self._put(n, slot.to_decode[i], len(slot.tokens) + i, slot.seq_id,
-                              last and i == take - 1)
+                              every or (last and i == take - 1))
             rows.append((slot, take, n - 1 if last else -1))
             budget -= take
         batch.n_tokens = n
@@ -452,6 +491,17 @@ class Engine:
                 raise RuntimeError("llama.cpp could not take back rejected drafts")
             del slot.tokens[keep:]
 
+    def _score_prompt(self, slot: Slot, n: int) -> None:
+        """The logprobs of the prompt tokens that follow this step's `n` prompt rows (row i's
+        logits predict the token after it; the last prompt row's predict the answer)."""
+        work = slot.work
+        start = len(slot.tokens)
+        for i in range(n):
+            following = start + i + 1
+            if following < len(work.prompt):
+                work.prompt_logprobs.append(
+                    self._logprob_entry(work, slot.batch_row + i, work.prompt[following]))
+
     def _logprob_entry(self, work: Work, row: int, token: int) -> dict:
         logits = work.sampler.logits(self.lm.ctx, row)
         chosen, top = log_probs(logits, token, work.request.logprobs or 0)
@@ -517,6 +567,8 @@ class Engine:
             context=tuple(work.prompt + work.answer),
             drafted=work.drafted,
             draft_accepted=work.draft_accepted,
+            prompt_logprobs=tuple(work.prompt_logprobs) if work.request.prompt_logprobs
+            else None,
         ))
         if reason == "cancelled":
             log.info("request %s cancelled after %d answer tokens", work.request.id,

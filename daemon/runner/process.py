@@ -30,6 +30,7 @@ from .protocol import (
     Event,
     Failure,
     GenerationRequest,
+    Threads,
     Token,
     TokenCount,
     event_from_wire,
@@ -68,6 +69,8 @@ class RunnerProcess:
         self.load_duration_ns = 0
         self.n_ctx = plan.n_ctx
         self.n_parallel = plan.n_parallel
+        self.n_threads = plan.n_threads  # decode threads in use (the runner may drop some)
+        self.threads_reason = ""  # why they differ from the plan's
         self.loaded_at = 0.0
         self.last_done: Done | None = None
         self.tokens_generated = 0  # every token the runner produced, cancelled ones included
@@ -141,6 +144,10 @@ class RunnerProcess:
                 data = json.loads(line)
                 queue = self._events.get(data.get("id", ""))
                 event = event_from_wire(data)
+                if isinstance(event, Threads):
+                    self.n_threads, self.threads_reason = event.n_threads, event.reason
+                    log.info("runner for %s: %s", self.model_name, event.reason)
+                    continue
                 if isinstance(event, Token):
                     self.tokens_generated += event.n_tokens
                 if queue is not None:
@@ -202,6 +209,15 @@ class RunnerProcess:
         event = await self._ask(request_id, {"op": "tokenize", "id": request_id, "text": text},
                                 silence_s)
         return event.count
+
+    async def count_tokens_each(self, texts: list[str],
+                                silence_s: float = RUNNER_SILENCE_S) -> list[int]:
+        """Each text's tokens (no BOS), in one round trip: truncation counts every turn of a
+        long chat once this way instead of re-counting the whole prompt per dropped turn."""
+        request_id = new_request_id()
+        event = await self._ask(request_id, {"op": "tokenize", "id": request_id,
+                                             "texts": list(texts)}, silence_s)
+        return list(event.counts)
 
     async def _exchange(self, request_id: str, message: dict,
                         silence_s: float) -> AsyncIterator[Event]:
