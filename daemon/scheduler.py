@@ -30,7 +30,9 @@ from localllm.profiles.plan import Plan
 from localllm.config import Config
 from localllm.options import LoadOptions
 
-from .drafting import Speculation, differs, draft_model, with_speculation
+from .drafting import (
+    Speculation, check_speculation, differs, draft_model, with_speculation,
+)
 from .runner.process import RUNNER_COMMAND, LoadError, RunnerProcess
 
 log = logging.getLogger("localllm.scheduler")
@@ -203,6 +205,20 @@ class Scheduler:
             model = self.models.get(name)
             if self._current(model, entry, load):
                 return model
+            # What the request asks that cannot be done fails here, before the loaded model
+            # is retired: a bad request must not cost a reload.
+            try:
+                shape = await asyncio.to_thread(read_shape, entry.model_path)
+                draft = draft_model(self.store, entry, load)
+                draft_shape = await asyncio.to_thread(read_shape, draft.path) if draft.path \
+                    else None
+            except (GGUFError, OSError) as e:  # truncated or rewritten under us
+                if model is not None:  # its runner's file is gone too: retire it
+                    del self.models[name]
+                    await self._retire(name, model)
+                raise DamagedModel(name, str(e).replace(str(entry.model_path), "its blob")) \
+                    from None
+            check_speculation(entry, shape, load, draft, draft_shape)
             if model is not None:
                 if model.runner.alive and file_id(model.runner.model_path) != model.file_id:
                     log.warning("the file of %s changed under it; loading it again", name)
@@ -210,14 +226,6 @@ class Scheduler:
                 await self._retire(name, model)
             async with self._room_lock:
                 await self._make_room()
-            try:
-                shape = await asyncio.to_thread(read_shape, entry.model_path)
-                draft = draft_model(self.store, entry, load)
-                draft_shape = await asyncio.to_thread(read_shape, draft.path) if draft.path \
-                    else None
-            except (GGUFError, OSError) as e:  # truncated or rewritten under us
-                raise DamagedModel(name, str(e).replace(str(entry.model_path), "its blob")) \
-                    from None
             # Planning may probe the GPU and dry-run llama.cpp: seconds, off the event loop.
             plan = await asyncio.to_thread(self.planner.choose, shape, name,
                                            context_to_ask(self.config, load.num_ctx, shape),

@@ -139,6 +139,15 @@ class ModelEntry:
         return self.model_layer.digest
 
     @property
+    def manifest_digest(self) -> str:
+        """What names this model as a whole, as Ollama's tags digest does: any layer (the
+        template, the parameters, a companion) changes it; a copy keeps it."""
+        if self.remote is not None:
+            return self.digest
+        text = json.dumps([[layer.media_type, layer.digest] for layer in self.layers])
+        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+    @property
     def size(self) -> int:
         return sum(layer.size for layer in self.layers)
 

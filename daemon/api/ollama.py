@@ -186,7 +186,7 @@ async def _respond(request: web.Request, common: Common, chat: ChatRequest, shap
             return web.json_response({"model": model, "created_at": now_iso(),
                                       **shape(parsed), "done": True, **final_extra(done),
                                       **metrics(gen, done), **extra,
-                                      "stats": live_stats(done, done.n_ctx, 0)})
+                                      "stats": live_stats(done, done.n_ctx, run.first_token_ns)})
         response = web.StreamResponse(headers={"Content-Type": NDJSON})
         parts = run.parts()
         part = await anext(parts)
@@ -302,7 +302,7 @@ async def _load_only(request: web.Request, common: Common) -> web.Response:
 # ---- models --------------------------------------------------------------------------------
 def _model_json(entry) -> dict:
     return {"name": str(entry.name), "model": str(entry.name), "modified_at": entry.modified_at,
-            "size": entry.size, "digest": entry.digest.removeprefix("sha256:"),
+            "size": entry.size, "digest": entry.manifest_digest.removeprefix("sha256:"),
             "details": entry.details}
 
 

@@ -37,12 +37,14 @@ class Answer:
     gen: Generation
     prepared: Prepared
     model: ChatModel
+    first_token_ns: int = 0  # request received -> first token, load included (0: none yet)
 
     async def whole(self) -> tuple[Parsed, Done, list[dict]]:
         parser = self.prepared.parser
         out, logprobs = Parsed(), []
         async for event in self.gen.events:
             if isinstance(event, Token):
+                self.first_token_ns = self.first_token_ns or self.gen.total_duration_ns()
                 out.add(parser.feed(event.text))
                 logprobs += event.logprobs or []
             elif isinstance(event, Failure):
