@@ -484,8 +484,10 @@ def write_vision_pair(out_dir: str | Path, shape: str | None = None,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if shape is None:
-        text, proj, fill, qtype = tiny(SHAPES["gemma3-27b"]), None, "noise", "Q8_0"
-        proj = tiny_projector(text)
+        # Untied output (which llama.cpp's gemma3 takes when present): with random weights a
+        # tied one makes the model repeat its last input token, whatever came before it.
+        text = replace(tiny(SHAPES["gemma3-27b"]), tied_embeddings=False)
+        proj, fill, qtype = tiny_projector(text), "noise", "Q8_0"
     else:
         if shape not in PROJECTORS:
             raise ValueError(f"no projector for shape {shape!r}; known: {', '.join(PROJECTORS)}")

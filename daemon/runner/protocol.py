@@ -13,6 +13,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 DEFAULT_CTX = 4096
+# Where an image goes in a prompt: mtmd's default media marker (mtmd_default_marker()).
+IMAGE_MARKER = "<__media__>"
 # A runner serving a request sends something (a token, prompt progress after each chunk) well
 # within this; one that stays silent longer is taken for hung and stopped.
 RUNNER_SILENCE_S = 300.0
@@ -52,6 +54,8 @@ class GenerationRequest:
     options: SamplingOptions = field(default_factory=SamplingOptions)
     grammar: str | None = None  # GBNF (root rule "root") constraining the answer
     logprobs: int | None = None  # None: off; N >= 0: each token's logprob and the top N
+    # Base64 image files, one per IMAGE_MARKER in `prompt`, in order.
+    images: tuple[str, ...] = ()
 
     def to_wire(self) -> dict:
         data = asdict(self)
@@ -68,6 +72,7 @@ class GenerationRequest:
             options=SamplingOptions(**options),
             grammar=data.get("grammar"),
             logprobs=data.get("logprobs"),
+            images=tuple(data.get("images") or ()),
         )
 
 
