@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from localllm.modelstore.pull import model_file
 from localllm.modelstore.shape import ModelShape, read_shape
-from localllm.modelstore.store import ModelEntry, ModelStore
+from localllm.modelstore.store import ModelEntry, ModelStore, projector_path
 from localllm.profiles.plan import Plan
 
 from localllm.config import Config
@@ -219,7 +219,8 @@ class Scheduler:
                                            draft_shape)
             path = model_file(self.store, entry)
             speculation = with_speculation(entry, shape, plan, options, draft, draft_shape)
-            runner = await self._load_stepping_down(name, path, shape, speculation)
+            runner = await self._load_stepping_down(name, path, shape, speculation,
+                                                    projector_path(self.store, entry))
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                                 keep_alive=self.config.keep_alive_seconds,
                                 speculation=speculation)
@@ -236,14 +237,14 @@ class Scheduler:
         log.info("unloaded %s", name)
 
     async def _load_stepping_down(self, name: str, path, shape: ModelShape,
-                                  speculation: Speculation) -> RunnerProcess:
+                                  speculation: Speculation, projector=None) -> RunnerProcess:
         """Load with the plan; when the load fails (out of memory, as a rule, on a GPU), retry
         with the planner's next smaller plan, which it records in the saved profile."""
         plan = speculation.plan
         while True:
             try:
                 draft = speculation.draft_path if plan.speculative == "draft" else None
-                return await self._load(name, path, plan, draft)
+                return await self._load(name, path, plan, draft, projector)
             except LoadError as e:
                 smaller = await asyncio.to_thread(self.planner.step_down, plan, shape, name,
                                                   str(e))
@@ -253,9 +254,11 @@ class Scheduler:
                             name, e, smaller.reasons[-1] if smaller.reasons else "")
                 plan = smaller
 
-    async def _load(self, name: str, path, plan: Plan, draft_path=None) -> RunnerProcess:
+    async def _load(self, name: str, path, plan: Plan, draft_path=None,
+                    projector=None) -> RunnerProcess:
         runner = RunnerProcess(name, path, plan, self.log_dir / "runner.log",
-                               command=self.runner_command, draft_model_path=draft_path)
+                               command=self.runner_command, draft_model_path=draft_path,
+                               projector_path=projector)
         log.info("loading %s: %s", name, "; ".join(plan.reasons))
         try:
             await runner.start(timeout=self.config.load_timeout_seconds)

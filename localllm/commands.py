@@ -59,6 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", type=Path)
     p.add_argument("--name", required=True, help="NAME[:TAG] to store it as")
     p.add_argument("--copy", action="store_true", help="always copy, never hard-link")
+    p.add_argument("--mmproj", type=Path, metavar="PROJ.gguf",
+                   help="the model's vision projector, stored with it (images in chat)")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("rm", help="remove a model (unloading it first)")
@@ -387,7 +389,8 @@ def _file_size(data: dict) -> str:
 def cmd_import(args) -> int:
     from localllm.modelstore.store import default_store
 
-    entry = default_store().import_gguf(args.file, args.name, link=not args.copy)
+    entry = default_store().import_gguf(args.file, args.name, link=not args.copy,
+                                        projector=args.mmproj)
     print(f"imported {entry.name} ({entry.details.get('family')}, "
           f"{entry.details.get('parameter_size')}, {entry.details.get('quantization_level')}, "
           f"{human_size(entry.size)})")

@@ -260,11 +260,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     if (remote_model := remote.remote_entry(request.app, body)) is not None:
         return await remote.openai(request, body, remote_model)
+    images: list = []
     chat_request = ChatRequest(
         id=new_request_id(), model_name=get_str(body, "model", required=True),
-        options=parse_sampling(body), messages=get_messages(body), tools=get_tools(body),
-        tool_choice=get_tool_choice(body), format=parse_response_format(body),
-        think=parse_think(body), has_images=has_images(body),
+        options=parse_sampling(body), messages=get_messages(body, images),
+        tools=get_tools(body), tool_choice=get_tool_choice(body),
+        format=parse_response_format(body), think=parse_think(body),
+        has_images=has_images(body), images=tuple(images),
         logprobs=parse_logprobs(body, chat=True))
     return await _complete(request, body, chat_request, chat=True)
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from aiohttp import web
-from localllm.modelstore.store import ModelEntry
+from localllm.modelstore.store import PROJECTOR_LAYER, ModelEntry
 
 from ..generation import Generation, GenerationFailed, first_event, generate
 from ..runner.protocol import Done, Failure, Progress, Token
@@ -83,7 +83,10 @@ def with_default_system(request: ChatRequest, system: str | None) -> ChatRequest
 
 
 async def model_for(entry: ModelEntry) -> ChatModel:
-    return await chat_model(entry.digest, entry.model_path)
+    """The model as the chat layer sees it; it takes images only when stored with a vision
+    projector (the manifest's projector layer)."""
+    model = await chat_model(entry.digest, entry.model_path)
+    return replace(model, has_vision=entry.companion(PROJECTOR_LAYER) is not None)
 
 
 @contextlib.asynccontextmanager
@@ -98,6 +101,12 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     if custom is not None:
         model = customized(model, custom)
         request = with_default_system(request, custom.system)
+    if request.images and model.has_vision:  # (prepare refuses them for any other model)
+        from ..state import CONFIG
+        from .images import load_images
+
+        data = await load_images(request.images, app[CONFIG].image_urls == "on")
+        request = replace(request, image_data=data)
     prepared = prepare(model, request)
 
     async def fit(runner):
