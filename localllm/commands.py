@@ -193,8 +193,15 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
             extra["keep_alive"] = args.keepalive
         options = run_options(args) or None
         if prompt:
-            await _answer(client, model, [{"role": "user", "content": prompt}], options, extra,
-                          args.verbose)
+            from localllm.image_paths import attach_images
+
+            prompt, images = attach_images(prompt)
+            message: dict = {"role": "user", "content": prompt}
+            if images:
+                message["images"] = [image.base64 for image in images]
+                for image in images:
+                    print(image.line(), file=sys.stderr)
+            await _answer(client, model, [message], options, extra, args.verbose)
             return 0
         if sys.stdin.isatty():
             try:

@@ -236,3 +236,53 @@ def test_image_urls_fetched_refused_and_failing(vdaemon, tmp_path):
         assert status == 400 and "private address" in body["error"]["message"]
     finally:
         server.shutdown()
+
+
+def test_pull_of_a_hub_repo_brings_its_projector_and_show_reports_vision(tmp_path_factory,
+                                                                          pair):
+    """The fake hub's repo holds the model and two projectors: the pull stores the model and
+    the f16 one (not the f32) as its projector layer, and the model then takes images."""
+    from daemon_process import isolated_env, start_daemon
+    from hub_server import Hub
+
+    from localllm.modelstore.store import sha256_file
+
+    model, mmproj = pair
+    tmp_path = tmp_path_factory.mktemp("pull")  # (short: the daemon's socket path must fit)
+    f32 = synth_gguf.write_projector(tmp_path / "mmproj-f32.gguf",
+                                     synth_gguf.tiny_projector(synth_gguf.tiny(
+                                         synth_gguf.SHAPES["gemma3-27b"])), seed=7)
+    with Hub() as hub:
+        hub.add("test/VL-GGUF", "vl-Q8_0.gguf", model)
+        hub.add("test/VL-GGUF", "mmproj-vl-f32.gguf", f32)
+        hub.add("test/VL-GGUF", "mmproj-vl-f16.gguf", mmproj)
+        env = isolated_env(tmp_path, LOCALLLM_HF_ENDPOINT=hub.url)
+        d = start_daemon(env)
+        try:
+            oc = ollama.Client(host=d.url)
+            assert oc.pull("hf.co/test/VL-GGUF").status == "success"
+            name = "hf.co/test/VL-GGUF"
+            assert "vision" in oc.show(name).capabilities
+            store = ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models")
+            entry = store.get(name)
+            assert entry.digest == "sha256:" + sha256_file(model)
+            assert entry.companion(PROJECTOR_LAYER).digest == "sha256:" + sha256_file(mmproj)
+            r = oc.chat(model=name, options=GREEDY,
+                        messages=[{"role": "user", "content": "hi", "images": [RED]}])
+            assert r.prompt_eval_count >= IMAGE_TOKENS
+        finally:
+            d.stop()
+
+
+def test_run_attaches_the_image_files_a_prompt_names(vdaemon, tmp_path):
+    from localllm.image_paths import attach_images
+
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(base64.b64decode(RED))
+    text, images = attach_images("what is in ./photo.png? and missing.png", cwd=tmp_path)
+    assert text == "what is in ? and missing.png" and [i.path for i in images] == [photo]
+    result = vdaemon.cli("run", "vl", f"what is in {photo}?", "--verbose")
+    assert result.returncode == 0, result.stderr
+    assert "added image photo.png" in result.stderr
+    plain = vdaemon.cli("run", "vl", "what is in?", "--verbose")
+    assert plain.returncode == 0 and "added image" not in plain.stderr
