@@ -69,10 +69,21 @@ class Planner:
     ran out of memory. Tests may pass another planner; the scheduler needs only these two."""
 
     def choose(self, shape: ModelShape, model_name: str, n_ctx: int | None,
-               options: dict, draft_shape: ModelShape | None = None) -> Plan:
+               options: dict, draft_shape: ModelShape | None = None,
+               projector=None) -> Plan:
+        """`projector`: a vision model's ProjectorInfo, planned on the card with the model
+        (profiles.vision)."""
         from localllm.profiles.choose import choose_plan
 
-        return choose_plan(shape, model_name, n_ctx, options, draft_shape=draft_shape)
+        if projector is None:
+            return choose_plan(shape, model_name, n_ctx, options, draft_shape=draft_shape)
+        from localllm.profiles.hardware import probe_card
+        from localllm.profiles.vision import plan_with_projector, projector_cost
+
+        return plan_with_projector(
+            probe_card(), projector_cost(projector),
+            lambda card: choose_plan(shape, model_name, n_ctx, options, card=card,
+                                     draft_shape=draft_shape))
 
     def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
                   error: str) -> Plan | None:
@@ -213,14 +224,19 @@ class Scheduler:
             shape = await asyncio.to_thread(read_shape, entry.model_path)
             draft = draft_model(self.store, entry, options)
             draft_shape = await asyncio.to_thread(read_shape, draft.path) if draft.path else None
+            projector = projector_path(self.store, entry)
+            vision = {}  # (a planner without projectors is asked as before)
+            if projector is not None:
+                from localllm.modelstore.projector import projector_info
+
+                vision["projector"] = await asyncio.to_thread(projector_info, projector)
             # Planning may probe the GPU and dry-run llama.cpp: seconds, off the event loop.
             plan = await asyncio.to_thread(self.planner.choose, shape, name,
                                            context_to_ask(self.config, n_ctx, shape), options,
-                                           draft_shape)
+                                           draft_shape, **vision)
             path = model_file(self.store, entry)
             speculation = with_speculation(entry, shape, plan, options, draft, draft_shape)
-            runner = await self._load_stepping_down(name, path, shape, speculation,
-                                                    projector_path(self.store, entry))
+            runner = await self._load_stepping_down(name, path, shape, speculation, projector)
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                                 keep_alive=self.config.keep_alive_seconds,
                                 speculation=speculation)

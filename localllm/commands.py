@@ -449,6 +449,11 @@ def cmd_ps(args) -> int:
             split = ", ".join(f"{d['device']} {d['layers']} layers ({human_size(d['size'])})"
                               for d in m["devices"])
             print(f"{m['name']} split: {split}")
+    for m in data["models"]:  # a vision model: where its projector encodes images
+        if m.get("projector"):
+            p = m["projector"]
+            print(f"{m['name']} vision projector: {p['device']}, about "
+                  f"{p['seconds_per_image']:.2f}s per image")
     return 0
 
 

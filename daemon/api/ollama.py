@@ -489,6 +489,9 @@ async def api_ps(request: web.Request) -> web.Response:
             "num_parallel": runner.n_parallel,
             "active": slot.active,
             "plan_source": plan.source,
+            **({"projector": {"device": "GPU" if plan.projector_on_gpu else "CPU",
+                              "seconds_per_image": round(plan.predicted_image_s, 3)}}
+               if runner.projector_path else {}),
         })
     return web.json_response({"models": models})
 
