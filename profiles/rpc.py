@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from localllm import config
 from localllm.errors import UserError
 
 DEVICE_CPU, DEVICE_GPU = 0, 1
@@ -76,10 +77,10 @@ class Worker:
 
 def parse_endpoint(text: str) -> tuple[str, int]:
     """"host:port" -> (host, port); WorkerError says what is wrong."""
-    host, sep, port = str(text).strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise WorkerError(f"RPC worker {text!r} is not host:port (e.g. 192.168.1.20:50052)")
-    return host.strip("[]"), int(port)
+    try:
+        return config.parse_endpoint(text)
+    except ValueError as e:
+        raise WorkerError(str(e)) from None
 
 
 def is_loopback(host: str) -> bool:

@@ -8,7 +8,7 @@ import os
 import re
 from urllib.parse import urlsplit
 
-from .errors import UserError
+from localllm.errors import UserError
 
 DEFAULT_WORKER_PORT = 50052  # llama.cpp's rpc-server default
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
