@@ -275,7 +275,7 @@ def test_pull_of_a_hub_repo_brings_its_projector_and_show_reports_vision(tmp_pat
 
 
 def test_run_attaches_the_image_files_a_prompt_names(vdaemon, tmp_path):
-    from localllm.image_paths import attach_images
+    from localllm.cli.image_paths import attach_images
 
     photo = tmp_path / "photo.png"
     photo.write_bytes(base64.b64decode(RED))
