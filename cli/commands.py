@@ -68,6 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", required=True, help="NAME[:TAG] to store it as")
     p.add_argument("--copy", action="store_true", help="always copy, never hard-link")
     p.add_argument("--force", action="store_true", help="replace a model already stored as NAME")
+    p.add_argument("--mmproj", type=Path, metavar="PROJ.gguf",
+                   help="the model's vision projector, stored with it (images in chat)")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("rm", help="remove a model (unloading it first)")
@@ -240,10 +242,18 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
             extra["keep_alive"] = args.keepalive
         options = run_options(args) or None
         if prompt:
+            from localllm.cli.image_paths import attach_images
+
+            prompt, images = attach_images(prompt)
+            message: dict = {"role": "user", "content": prompt}
+            if images:
+                message["images"] = [image.base64 for image in images]
+                for image in images:
+                    print(image.line(), file=sys.stderr)
             cap = ONE_SHOT_NUM_PREDICT if args.num_predict is None else args.num_predict
             one_shot = {**(options or {}), "num_predict": cap}
-            final = await _answer(client, model, [{"role": "user", "content": prompt}],
-                                  one_shot, extra, args.verbose, guard=True)
+            final = await _answer(client, model, [message], one_shot, extra, args.verbose,
+                                  guard=True)
             if args.num_predict is None and final.get("done_reason") == "length":
                 print(f"note: stopped at {cap} tokens, a one-shot run's cap; "
                       "--num-predict N (or -1) for longer answers", file=sys.stderr)
@@ -493,7 +503,8 @@ def cmd_import(args) -> int:
     from localllm.modelstore.store import default_store
 
     replaced = refuse_to_replace(args.name, args.force)
-    entry = default_store().import_gguf(args.file, args.name, link=not args.copy)
+    entry = default_store().import_gguf(args.file, args.name, link=not args.copy,
+                                        projector=args.mmproj)
     print(f"imported {entry.name} ({entry.details.get('family')}, "
           f"{entry.details.get('parameter_size')}, {entry.details.get('quantization_level')}, "
           f"{human_size(entry.size)}){replaced}")
@@ -550,6 +561,11 @@ def cmd_ps(args) -> int:
             split = ", ".join(f"{d['device']} {d['layers']} layers ({human_size(d['size'])})"
                               for d in m["devices"])
             print(f"{m['name']} split: {split}")
+    for m in data["models"]:  # a vision model: where its projector encodes images
+        if m.get("projector"):
+            p = m["projector"]
+            print(f"{m['name']} vision projector: {p['device']}, about "
+                  f"{p['seconds_per_image']:.2f}s per image")
     return 0
 
 
