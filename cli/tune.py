@@ -24,7 +24,7 @@ from localllm.profiles.card import MIB, Card, card_names
 from localllm.profiles import quality
 from localllm.profiles.choose import config_request, tune_checked
 from localllm.profiles.explain import REJECTED, gib
-from localllm.profiles.hardware import resolve_card
+from localllm.llama.hardware import resolve_card
 from localllm.profiles.measure import (
     calibrated, doubtful, measure_in_child, reset_calibration, update_calibration,
 )

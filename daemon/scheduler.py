@@ -81,11 +81,12 @@ class Planner:
                projector=None) -> Plan:
         """`projector`: a vision model's ProjectorInfo, planned on the card with the model
         (profiles.vision)."""
+        from localllm.llama.hardware import probe_card
         from localllm.profiles.choose import choose_plan
 
         if projector is None:
-            return choose_plan(shape, model_name, n_ctx, load, draft_shape=draft_shape)
-        from localllm.profiles.hardware import probe_card
+            return choose_plan(shape, model_name, n_ctx, load, probe_card(),
+                               draft_shape=draft_shape)
         from localllm.profiles.vision import plan_with_projector, projector_cost
 
         return plan_with_projector(
@@ -96,7 +97,7 @@ class Planner:
     def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
                   error: str) -> Plan | None:
         from localllm.profiles.choose import step_down
-        from localllm.profiles.hardware import probe_card
+        from localllm.llama.hardware import probe_card
 
         return step_down(plan, shape, probe_card(), model_name, error)
 

@@ -1,7 +1,7 @@
 """Card: the GPU (or its absence) and the host a plan is made for, from a profile or a probe.
 
 `profiles/cards/*.toml` describe the common cards so that any card can be planned for on any
-machine (`localllm tune --card rtx3060-12g`); `localllm.profiles.hardware.probe_card` fills the
+machine (`localllm tune --card rtx3060-12g`); `localllm.llama.hardware.probe_card` fills the
 same type from NVML and the OS.
 """
 

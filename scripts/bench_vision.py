@@ -182,7 +182,7 @@ def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
     from localllm.modelstore.shape import read_shape
     from localllm.profiles.card import load_card
     from localllm.profiles.choose import tune_checked
-    from localllm.profiles.hardware import host_card, probe_card
+    from localllm.llama.hardware import host_card, probe_card
     from localllm.profiles.tuner import Request
     from localllm.profiles.vision import plan_with_projector, projector_cost
 
