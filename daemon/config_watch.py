@@ -69,7 +69,10 @@ async def watch_profiles(directory: Path, log: logging.Logger) -> None:
     directory.mkdir(parents=True, exist_ok=True)
 
     def is_profile(change: watchfiles.Change, changed: str) -> bool:
-        return change != watchfiles.Change.deleted and changed.endswith(".toml")
+        # A tuned profile is <model>@<card>.toml; acceptance.toml and calibration.toml, which
+        # the daemon and the tuner write beside them, are measurements, not profiles.
+        name = Path(changed).name
+        return change != watchfiles.Change.deleted and name.endswith(".toml") and "@" in name
 
     async for changes in watchfiles.awatch(directory, watch_filter=is_profile):
         for _change, changed in changes:

@@ -77,8 +77,10 @@ import tomli_w
 
 from . import paths
 
+from .errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A bad setting. `path` and `line` say where, when it came from a file."""
 
     def __init__(self, message: str, *, path: str | None = None, line: int | None = None,
@@ -288,13 +290,19 @@ def check_setting(name: str, value: int | str) -> None:
     elif name == "hf_endpoint" and not str(value).startswith(("http://", "https://")):
         raise ConfigError(f"hf_endpoint must start with http:// or https://, not {value!r}")
     elif name == "rpc_workers":
-        from localllm.profiles.rpc import WorkerError, parse_endpoint
-
         for endpoint in value:  # type: ignore[union-attr]
             try:
                 parse_endpoint(endpoint)
-            except WorkerError as e:
+            except ValueError as e:
                 raise ConfigError(f"rpc_workers: {e}") from None
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """An RPC worker's "host:port" -> (host, port); ValueError says what is wrong."""
+    host, sep, port = str(text).strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"RPC worker {text!r} is not host:port (e.g. 192.168.1.20:50052)")
+    return host.strip("[]"), int(port)
 
 
 def validate(config: Config) -> None:

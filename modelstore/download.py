@@ -37,13 +37,11 @@ _CHUNK = 1 * MiB
 
 
 class PullError(StoreError):
-    """A pull failed for a reason the user can act on; `http_status` is what /api/pull answers."""
-
-    http_status = 400
+    """A pull failed for a reason the user can act on; `status` is what /api/pull answers."""
 
 
 class RemoteNotFound(PullError):
-    http_status = 404
+    status = 404
 
 
 class AuthRequired(PullError):
@@ -135,7 +133,7 @@ def http_error(status: int, label: str, authenticated: bool | str | None) -> Pul
 class HubUnreachable(PullError):
     """No answer from the host: DNS, a refused or dropped connection, TLS, a timeout or 5xx."""
 
-    http_status = 502  # the daemon is fine; the host behind it is not
+    status = 502  # the daemon is fine; the host behind it is not
 
 
 def _host(url: str) -> str:

@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from localllm.errors import UserError
 from .gguf_header import GGUFError, read_header
 from .names import ModelName, parse_name
 from .shape import ModelShape, format_param_count, shape_from_header
@@ -32,12 +33,12 @@ COMPANION_LAYERS = (DRAFT_LAYER, MTP_LAYER, PROJECTOR_LAYER)
 _CHUNK = 1 << 22
 
 
-class StoreError(Exception):
+class StoreError(UserError):
     """A store operation failed for a reason the user can act on (message says what to do)."""
 
 
 class ModelNotFound(StoreError):
-    pass
+    status = 404
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The daemon's entry points: which plan to load a model with, and what to try after an OOM.
 
-    choose_plan(shape, model_name, n_ctx, options) -> Plan
+    choose_plan(shape, model_name, n_ctx, load) -> Plan
     step_down(plan, shape, card) -> Plan | None
 
 `choose_plan` probes the machine, uses the saved profile for (card, model) when there is a valid
@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from localllm.config import ConfigError, load_config
 from localllm.modelstore.shape import ModelShape
+from localllm.options import LoadOptions
 
 from .card import MIB, Card
 from .dryrun import dry_run
@@ -36,37 +37,13 @@ _FFN_BLOCKS = re.compile(r"^\^blk\\\.\(([\d|]+)\)\\\.ffn_\(up\|gate\|down\)\\\.$
 DRY_RUN_ROUNDS = 3
 
 
-def request_from_options(n_ctx: int | None, options: dict, margin_bytes: int,
-                         base: Request | None = None) -> Request:
-    """Ollama's load options as a tuner request (num_gpu < 0 means "let the tuner decide"),
-    on top of `base` (the config's tuner settings)."""
-    def number(key: str) -> int | None:
-        value = options.get(key)
-        if value is None or isinstance(value, bool):
-            return None
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            return None
+def request_from_load(n_ctx: int | None, load: LoadOptions, margin_bytes: int,
+                      base: Request | None = None) -> Request:
+    """A request's load options as a tuner request, on top of `base` (the config's tuner
+    settings). Options left to the tuner are None in `load` already (localllm/options.py)."""
+    return replace(base or Request(), n_ctx=n_ctx, margin_bytes=margin_bytes,
+                   n_gpu_layers=load.num_gpu, n_threads=load.num_thread, n_batch=load.num_batch)
 
-    num_gpu = number("num_gpu")
-    threads = number("num_thread")
-    batch = number("num_batch")
-    return replace(
-        base or Request(),
-        n_ctx=n_ctx,
-        margin_bytes=margin_bytes,
-        n_gpu_layers=num_gpu if num_gpu is not None and num_gpu >= 0 else None,
-        n_threads=threads if threads and threads > 0 else None,
-        n_batch=batch if batch and batch > 0 else None,
-    )
-
-
-def vram_margin_bytes() -> int:
-    try:
-        return load_config().vram_margin_mib * MIB
-    except ConfigError:
-        return 512 * MIB
 
 
 def config_request(model_name: str | None = None, file_size: int = 0) -> Request:
@@ -112,14 +89,14 @@ def _apply_options(plan: Plan, request: Request) -> Plan:
     return replace(plan, **changes, reasons=(*plan.reasons, f"from the request's options: {said}"))
 
 
-def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, options: dict,
+def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: LoadOptions,
                 card: Card | None = None, draft_shape: ModelShape | None = None) -> Plan:
     """The plan the daemon loads `model_name` with; raises NoPlanFits (a UserError) when the
     model cannot run at that context on this machine. `draft_shape`: the draft model paired
     with it in the catalog, which the tuner may plan speculative decoding with."""
     card = card or probe_card()
     base = config_request(model_name, shape.file_size)
-    request = request_from_options(n_ctx, options or {}, base.margin_bytes, base)
+    request = request_from_load(n_ctx, load, base.margin_bytes, base)
     workers = _rpc_workers()
     if workers:  # other machines' devices too: profiles.rpc_plan (no saved profiles)
         from .rpc_plan import plan_for_workers

@@ -45,9 +45,10 @@ class Plan:
     n_threads_batch: int = 1
     use_mmap: bool = True
     n_parallel: int = 1  # slots: sequences decoded together, each with n_ctx of KV
-    # Speculative decoding: "none", "lookup" (n-grams of the prompt), "mtp" (the model's NextN
-    # layers) or "draft" (the paired draft model). A profile's "prompt-lookup" reads as "lookup".
-    speculative: str = "none"
+    # Speculative decoding: "off", "lookup" (n-grams of the prompt), "mtp" (the model's NextN
+    # layers) or "draft" (the paired draft model). A profile's "prompt-lookup" reads as "lookup",
+    # "none" (the name before requests and plans shared one vocabulary) as "off".
+    speculative: str = "off"
     draft_n_max: int = 0  # the longest draft; the runner adapts below it (0: 8, or 3 for mtp)
     draft_n_gpu_layers: int = 0  # the draft model's layers on the GPU (llama.cpp's -ngld)
     # RPC workers ("host:port") whose devices come before the local GPUs in llama.cpp's device
@@ -96,8 +97,8 @@ class Plan:
         return cls(**data)
 
 
-SPECULATIVE_MODES = ("none", "lookup", "mtp", "draft")
-SPECULATIVE_ALIASES = {"prompt-lookup": "lookup"}  # the name profiles saved before "lookup"
+# Names profiles saved before "lookup", and before plans and requests shared one vocabulary.
+SPECULATIVE_ALIASES = {"prompt-lookup": "lookup", "none": "off"}
 
 
 def speculative_mode(value: str) -> str:

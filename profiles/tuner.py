@@ -534,7 +534,7 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
     spec = best.speculation
     plan = replace(
         plan,
-        speculative=spec.mode if spec else "none",
+        speculative=spec.mode if spec else "off",
         draft_n_max=spec.draft_n_max if spec else 0,
         draft_n_gpu_layers=spec.draft_n_gpu_layers if spec else 0,
         predicted_plain_decode_tps=round(

@@ -88,7 +88,7 @@ async def model_for(entry: ModelEntry) -> ChatModel:
 
 @contextlib.asynccontextmanager
 async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
-                 n_ctx: int | None, load_options: dict, keep_alive="default",
+                 keep_alive="default",
                  truncate: bool = True,
                  custom: Customization | None = None) -> AsyncIterator[Answer]:
     """Check and render the request (400s come from here, before the model loads), then run it.
@@ -105,6 +105,6 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
         prepared = await fit_to_context(model, request, prepared, runner, truncate)
         return prepared.generation
 
-    async with generate(app, entry, prepared.generation, n_ctx, load_options, keep_alive,
+    async with generate(app, entry, prepared.generation, request.load, keep_alive,
                         fit=fit) as gen:
         yield Answer(gen, prepared, model)

@@ -1,4 +1,4 @@
-"""One internal request for both API families, and how it becomes a runner request.
+"""One internal request for every API, and how it becomes a runner request.
 
 The Ollama and OpenAI routes translate their JSON into a `ChatRequest`; `prepare` checks it
 against what the model can do, renders the prompt (template with tools, or fill-in-the-middle),
@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..runner.protocol import GenerationRequest, SamplingOptions
+from localllm.errors import UserError
+from localllm.options import LoadOptions, SamplingOptions
+
+from ..runner.protocol import GenerationRequest
 from .grammar import BadFormat, format_grammar, tool_call_grammar
 from .model import ChatModel
 from .parse import make_parser
@@ -19,7 +22,7 @@ from .template import HARMONY, THINK_TAGS, TemplateFailed, render
 THINK_LEVELS = ("low", "medium", "high")
 
 
-class ChatError(Exception):
+class ChatError(UserError):
     """The request asks for something this model cannot do (status 400)."""
 
     def __init__(self, message: str, param: str | None = None):
@@ -32,6 +35,7 @@ class ChatRequest:
     id: str
     model_name: str
     options: SamplingOptions
+    load: LoadOptions = LoadOptions()  # what the request asks of the loaded model
     messages: tuple[dict, ...] | None = None  # chat: HF-shaped (tool_calls, tool results)
     prompt: str | None = None  # generate / completions
     system: str | None = None

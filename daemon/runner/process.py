@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
+from localllm.errors import UserError
 from localllm.profiles.plan import Plan
 
 from .protocol import (
@@ -40,11 +41,13 @@ STREAM_LIMIT = 64 * 1024 * 1024
 RUNNER_COMMAND = (sys.executable, "-m", "localllm.daemon.runner")
 
 
-class LoadError(Exception):
+class LoadError(UserError):
     """The runner could not load the model (message from llama.cpp, or how it died)."""
 
+    status = 500
 
-class RunnerRequestFailed(Exception):
+
+class RunnerRequestFailed(UserError):
     """The runner answered a tokenize or embed request with a Failure (status from it)."""
 
     def __init__(self, failure: Failure):

@@ -12,36 +12,17 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+from localllm.options import SamplingOptions
+
 DEFAULT_CTX = 4096
 # A runner serving a request sends something (a token, prompt progress after each chunk) well
 # within this; one that stays silent longer is taken for hung and stopped.
 RUNNER_SILENCE_S = 300.0
 
 
-# What a request's `speculative` may say: the plan's choice, none, or one drafter (a model that
-# lacks the drafter answers 400; daemon/drafting.py).
-SPECULATIVE_CHOICES = ("auto", "off", "lookup", "mtp", "draft")
-
 # A draft model's vocabulary may have this many more or fewer tokens than the model's (llama.cpp's
 # speculative example allows as much); the ids they share must mean the same text.
 VOCAB_SLACK = 128
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.9
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    num_predict: int = -1  # -1: until the context is full or the model stops
-    stop: tuple[str, ...] = ()
-    speculative: str = "auto"  # one of SPECULATIVE_CHOICES
-
 
 @dataclass(frozen=True)
 class GenerationRequest:

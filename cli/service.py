@@ -15,7 +15,7 @@ from pathlib import Path
 from localllm.daemon import user_service as us
 from localllm.daemon.logging_setup import log_file
 
-from .config import (
+from localllm.config import (
     ENV,
     RESTART_NEEDED,
     ConfigError,
@@ -26,7 +26,7 @@ from .config import (
     setting_names,
     with_setting,
 )
-from .errors import UserError
+from localllm.errors import UserError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

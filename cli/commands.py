@@ -11,10 +11,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .client import Client
-from .config import load_config
-from .daemon.runner.protocol import SPECULATIVE_CHOICES
-from .errors import UserError
+from localllm.client import Client
+from localllm.config import load_config
+from localllm.options import OptionError, from_text
+from localllm.errors import UserError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,11 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", help="print timings and speeds after "
                    "the answer")
     p.add_argument("--keepalive", help="how long the model stays loaded (e.g. 5m, 0, -1)")
-    p.add_argument("--ctx", type=int, help="context length (num_ctx)")
+    p.add_argument("--ctx", type=option_flag("num_ctx"), help="context length (num_ctx)")
     p.add_argument("--draft", metavar="MODEL", help="speculative decoding with MODEL drafting "
                    "(a stored model with the same vocabulary)")
-    p.add_argument("--speculative", choices=SPECULATIVE_CHOICES,
-                   help="how to draft (default auto: the plan's choice)")
+    p.add_argument("--speculative", type=option_flag("speculative"), metavar="MODE",
+                   help="how to draft: auto (the plan's choice, the default), off, lookup, mtp or "
+                   "draft")
     p.add_argument("--resume", nargs="?", const="", metavar="CHAT",
                    help="reopen a saved chat by name or id (alone: pick from the list)")
     p.set_defaults(func=cmd_run, intermixed="words")  # options anywhere: run M --ctx 8192 hi
@@ -169,6 +170,18 @@ def cmd_run(args) -> int:
     model, prompt = split_model_and_prompt(args.words, config.default_model, _known_model,
                                            _model_names)
     return _run(_run_async(config, model, prompt, args))
+
+
+def option_flag(name: str):
+    """An argparse type checking a flag's value against the option table (same bounds and
+    message as the API's)."""
+    def parse(text: str):
+        try:
+            return from_text(name, text)
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = name  # argparse names the type in its own messages
+    return parse
 
 
 def run_options(args) -> dict:
