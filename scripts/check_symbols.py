@@ -21,10 +21,10 @@ import ast
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PROJECT_DIRS = ("localllm", "daemon", "profiles", "modelstore", "tui", "scripts")
 SYMBOL = re.compile(r"^(ggml|gguf|llama|mtmd)_\w+$")
 
 
@@ -103,6 +103,14 @@ def project_loads(path: Path) -> tuple[set[str], set[str]]:
     return libs, names
 
 
+def project_dirs() -> list[Path]:
+    """The package's folders (pyproject.toml's package-dir) and scripts/."""
+    with open(REPO / "pyproject.toml", "rb") as f:
+        mapping = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    tops = {folder.split("/")[0] for folder in mapping.values()}
+    return [REPO / top for top in sorted(tops | {"scripts"})]
+
+
 def check(lib_dir: Path, package_dir: Path) -> list[str]:
     """Every problem found, one line each; empty when all names are exported."""
     problems: list[str] = []
@@ -119,8 +127,8 @@ def check(lib_dir: Path, package_dir: Path) -> list[str]:
                      for name in sorted(required - symbols)]
         problems += [f"{module}: none of {', '.join(group)} exported by {lib}"
                      for group in any_of if not symbols.intersection(group)]
-    for folder in PROJECT_DIRS:
-        for path in sorted((REPO / folder).rglob("*.py")):
+    for folder in project_dirs():
+        for path in sorted(folder.rglob("*.py")):
             if path == Path(__file__).resolve():
                 continue
             libs, names = project_loads(path)
