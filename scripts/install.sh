@@ -16,7 +16,9 @@ cd "$(dirname "$0")/.."
 want_test=0
 [ "${1:-}" = "--test" ] && want_test=1
 LLAMA_CPP_VERSION=0.3.36
-BUILD_MINUTES="4-6"  # scripts/install.sh's cold build on 2 cores: see README, "Install"
+# The cold build: 414 CPU seconds measured on 2 cores, so about 4 minutes when both are free
+# (README, "Install").
+BUILD_TIME="about 4 minutes on 2 free cores, longer while they are busy"
 
 # GGML_RPC adds llama.cpp's RPC backend (libggml-rpc): `localllm worker` and `rpc_workers`;
 # the trim file leaves out llama-common, which nothing here loads.
@@ -93,7 +95,7 @@ else
   if ! ls "$wheel_dir"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl >/dev/null 2>&1; then
     echo "building llama.cpp once for this machine: llama-cpp-python $LLAMA_CPP_VERSION with"
     echo "  libllama, ggml (CPU, RPC), mtmd; CMAKE_ARGS=${cmake_args# }"
-    echo "  this takes about $BUILD_MINUTES minutes on 2 cores; later venvs reuse the wheel in"
+    echo "  $BUILD_TIME; later venvs reuse the wheel in"
     echo "  $wheel_dir"
     mkdir -p "$wheels"
     build="$(mktemp -d "$wheels/.build-XXXXXX")"
