@@ -73,7 +73,11 @@ fi
 cmake_args="-DGGML_NATIVE=off -DGGML_BACKEND_DL=on -DGGML_CPU_ALL_VARIANTS=on -DGGML_RPC=on"
 cmake_args+=" -DCMAKE_PROJECT_llama.cpp_INCLUDE=$repo/scripts/llama_cmake_trim.cmake"
 cmake_args+=" -DCMAKE_INSTALL_LIBDIR=llama_cpp/lib -DCMAKE_INSTALL_BINDIR=llama_cpp/lib"
-cmake_args+=" -DCMAKE_INSTALL_INCLUDEDIR=llama_cpp/include ${EXTRA_CMAKE_ARGS:-}"
+cmake_args+=" -DCMAKE_INSTALL_INCLUDEDIR=llama_cpp/include"
+# The backend modules (libggml-cpu-*.so, libggml-rpc.so) are installed by ggml's own rules,
+# without llama-cpp-python's $ORIGIN: at run time they find libggml-base.so already loaded,
+# but auditwheel must find it from them.
+cmake_args+=' -DCMAKE_INSTALL_RPATH=$ORIGIN'" ${EXTRA_CMAKE_ARGS:-}"
 echo "CMAKE_ARGS=$cmake_args"
 started=$SECONDS
 rm -rf "$work/raw" "$work/repaired"
@@ -88,7 +92,11 @@ echo "compiled in $(( (SECONDS - started) / 60 )) min $(( (SECONDS - started) % 
 raw=("$work"/raw/localllm_llama_cpp-"$LLAMA_CPP_VERSION"-*.whl)
 # auditwheel names the lowest manylinux level this build's symbol versions allow; the policy of
 # an older glibc needs a build on that system (a manylinux container), see README.
-"$work/venv/bin/auditwheel" repair -w "$work/repaired" "${raw[0]}" >>"$log" 2>&1
+if ! PATH="$work/venv/bin:$PATH" auditwheel repair -w "$work/repaired" "${raw[0]}" >>"$log" 2>&1; then
+  tail -n 20 "$log"
+  echo "error: auditwheel could not repair ${raw[0]}; the whole log is $log" >&2
+  exit 1
+fi
 repaired=("$work"/repaired/localllm_llama_cpp-"$LLAMA_CPP_VERSION"-*.whl)
 "$work/venv/bin/python" - "${repaired[0]}" <<'EOF'
 import collections, hashlib, sys, zipfile
@@ -100,7 +108,7 @@ copies = collections.defaultdict(list)
 for name in libs:
     copies[hashlib.sha256(wheel.read(name)).hexdigest()].append(name)
 twice = [group for group in copies.values() if len(group) > 1]
-notices = [n for n in names if "/licenses/" in n]
+notices = [n for n in names if "/licenses/" in n and not n.endswith("/")]
 assert not stray, f"files outside the package: {stray}"
 assert not twice, f"libraries stored more than once: {twice}"
 assert len(notices) >= 2, f"license notices: {notices}"
