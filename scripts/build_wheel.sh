@@ -11,7 +11,7 @@
 # - both MIT notices, llama-cpp-python's and llama.cpp's, in the .dist-info/licenses folder.
 # With GGML_BACKEND_DL, ggml looks for its backend modules only beside the executable and in
 # the current directory, so the wheel's llama_cpp.py loads them from its own lib folder.
-#   bash scripts/build_wheel.sh          the CPU wheel (about 25 minutes on 2 cores)
+#   bash scripts/build_wheel.sh          the CPU wheel (14 CPU variants: the longest build here)
 # A CUDA variant (README, "Release wheel") adds -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=...
 # through EXTRA_CMAKE_ARGS, on a machine with the CUDA toolkit.
 set -euo pipefail
@@ -55,9 +55,20 @@ addition = '''
 def _load_ggml_backends(folder: pathlib.Path) -> None:
     ggml = ctypes.CDLL(str(folder / "libggml.so"))
     ggml.ggml_backend_reg_count.restype = ctypes.c_size_t
-    if ggml.ggml_backend_reg_count() == 0:
+    if ggml.ggml_backend_reg_count():
+        return
+    # ggml reports each module it loads on stderr, where a source build (linked, not loaded)
+    # says nothing: keep it quiet while loading, then give back its default logger.
+    base = ctypes.CDLL(str(folder / "libggml-base.so"))
+    base.ggml_log_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    quiet = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(
+        lambda level, text, user_data: None)
+    base.ggml_log_set(ctypes.cast(quiet, ctypes.c_void_p), None)
+    try:
         ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
         ggml.ggml_backend_load_all_from_path(str(folder).encode())
+    finally:
+        base.ggml_log_set(None, None)
 
 
 _load_ggml_backends(_base_path)
