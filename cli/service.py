@@ -23,10 +23,13 @@ from localllm.config import (
     load_config,
     load_config_sources,
     parse_config,
+    read_config_text,
     setting_names,
     with_setting,
 )
+from localllm import paths
 from localllm.errors import UserError
+from localllm.paths import listen_address
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -220,20 +223,20 @@ def _write_config(text: str) -> None:
     path = config_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     parse_config(text, str(path))  # never write what the daemon would reject
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    paths.replace_private(path, text)  # 0600: it may hold api_key
 
 
 def _current_text() -> str:
     path = config_file()
-    text = path.read_text() if path.is_file() else ""
+    text = read_config_text(path) if path.is_file() else ""
     parse_config(text, str(path))  # refuse to edit on top of a broken file by line
     return text
 
 
 def cmd_config_set(args: argparse.Namespace) -> int:
     text = with_setting(_current_text(), args.key, args.value, str(config_file()))
+    if args.key == "host":  # what the next `serve` would refuse is refused now
+        listen_address(args.value, load_config().api_key)
     _write_config(text)
     value = getattr(load_config(config_file(), environ={}), args.key)
     shown = ",".join(value) if isinstance(value, tuple) else value
@@ -262,7 +265,7 @@ def _warn_env_override(key: str) -> None:
 
 def cmd_config_edit(args: argparse.Namespace) -> int:
     path = config_file()
-    original = path.read_text() if path.is_file() else ""
+    original = read_config_text(path) if path.is_file() else ""
     editor = shlex.split(os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi")
     with tempfile.TemporaryDirectory(prefix="localllm-config-") as tmp:
         draft = Path(tmp) / "config.toml"  # same name, so editors pick TOML highlighting

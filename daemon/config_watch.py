@@ -51,12 +51,16 @@ async def watch_config(path: Path, apply: Callable[[Config], None], log: logging
 
 
 def _load_or_none(path: Path, log: logging.Logger) -> Config | None:
+    """The config now, or None (logged) when the edit is bad: a bad edit never ends the watch."""
     try:
         return load_config(path)
     except ConfigError as e:
         log.error("config invalid, keeping the last good one: %s", e,
                   extra={"file": e.path or str(path), "line": e.line or "", "reason": e.reason})
-        return None
+    except Exception as e:  # anything else a half-written or odd file raises
+        log.error("config unreadable, keeping the last good one: %s: %s", type(e).__name__, e,
+                  extra={"file": str(path)})
+    return None
 
 
 async def watch_profiles(directory: Path, log: logging.Logger) -> None:

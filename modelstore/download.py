@@ -211,7 +211,7 @@ async def blob_lock(path: Path, on_wait: Callable[[], None] | None = None, poll_
     The lock file is removed on release; a waiter that then wins the lock on the removed inode
     notices (the path no longer names its inode) and locks afresh."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             while True:
                 try:
@@ -298,7 +298,7 @@ class _Transfer:
         if not resumed:
             self.parts = plan_parts(self.remote.size, self.options)
         self.check_disk()
-        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if not resumed and self.remote.size:
                 os.ftruncate(self.fd, self.remote.size)
@@ -429,8 +429,7 @@ async def fetch_blob(session: aiohttp.ClientSession, store: ModelStore, remote: 
     on_bytes = on_bytes or (lambda completed: None)
     if remote.sha256 and store.has_blob(f"sha256:{remote.sha256}"):
         return _existing(store, remote.sha256, on_bytes)
-    for directory in (store.tmp, store.blobs):
-        directory.mkdir(parents=True, exist_ok=True)
+    store.ensure_dirs()
     key = remote.sha256 or hashlib.sha256(remote.url.encode()).hexdigest()
     transfer = _Transfer(session, store, remote, label, headers or {}, on_bytes, options)
 

@@ -31,6 +31,12 @@ class Measurement:
     vram_bytes: int  # this process's GPU memory after the run (NVML), 0 without a GPU
     prompt_tokens: int
     decoded_tokens: int
+    other_load: float = 0.0  # CPU cores other processes kept busy while it ran
+
+
+# What update_calibration writes (reset_calibration removes them).
+_MEASURE_KEYS = ("gpu_bandwidth_factor", "host_bandwidth_factor", "measured_decode_tps",
+                 "measured_at")
 
 
 def calibration_file() -> Path:
@@ -143,12 +149,69 @@ def measure_in_child(model_path: str, plan: Plan, prompt_tokens: int = 128,
 
     request = json.dumps({"path": model_path, "plan": plan.to_dict(), "prompt": prompt_tokens,
                           "tokens": decode_tokens})
+    before = _cpu_seconds()
     proc = subprocess.run([sys.executable, "-c", _CHILD], input=request, text=True,
                           capture_output=True, timeout=timeout)
     if proc.returncode != 0:
         last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
         raise UserError(f"the benchmark load failed (exit {proc.returncode}): {last}")
-    return Measurement(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    after = _cpu_seconds()
+    wall = after[0] - before[0]
+    others = (after[1] - before[1]) - (after[2] - before[2])
+    measured = Measurement(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    return replace(measured, other_load=round(max(0.0, others / wall), 2) if wall > 0 else 0.0)
+
+
+def _cpu_seconds() -> tuple[float, float, float]:
+    """(wall clock, CPU seconds every process on the machine spent busy (/proc/stat), CPU
+    seconds of this process and its finished children); 0 busy where /proc is unreadable."""
+    import os
+
+    own = os.times()
+    mine = own.user + own.system + own.children_user + own.children_system
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return time.monotonic(), mine, mine
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return time.monotonic(), busy, mine
+
+
+DOUBTFUL_RATIO = 0.5  # measured decode under half the prediction...
+BUSY_CORES = 0.5  # ...while other processes kept this much CPU busy: not a figure to keep
+
+
+def doubtful(measured: Measurement, predicted_decode_tps: float) -> str | None:
+    """Why a measurement should not become the calibration (None: it may). A machine busy with
+    other work measures the work, not the card: one such figure once made every plan predict
+    2.3 tok/s for a model that decodes at 36."""
+    if predicted_decode_tps <= 0 or measured.decode_tps >= DOUBTFUL_RATIO * predicted_decode_tps:
+        return None
+    if measured.other_load < BUSY_CORES:
+        return None
+    return (f"measured decode {measured.decode_tps:.1f} tok/s is far below the "
+            f"{predicted_decode_tps:.1f} predicted, while other processes kept "
+            f"{measured.other_load:.1f} CPU cores busy")
+
+
+def reset_calibration(path: Path | None = None) -> list[str]:
+    """Forget what `--measure` stored (the cards' speed factors); what `--calibrate` measured
+    (bandwidths, the disk) stays. Returns the cards whose factors were removed."""
+    from .saved import write_toml
+
+    path = path or calibration_file()
+    doc = load_calibration(path)
+    reset = []
+    for name, entry in doc.items():
+        kept = {k: v for k, v in entry.items() if k not in _MEASURE_KEYS}
+        if kept != entry:
+            reset.append(name)
+            doc[name] = kept
+    if reset:
+        write_toml(path, {k: v for k, v in doc.items() if v})
+    return reset
 
 
 def run_benchmark(model_path: str, plan: Plan, shape: ModelShape | None, prompt_tokens: int = 128,

@@ -43,8 +43,11 @@ class Daemon:
     def cli(self, *args: str, input: str | None = None, timeout: float = 120):
         """Run the `localllm` command against this daemon."""
         env = {**self.env, "LOCALLLM_HOST": self.url.removeprefix("http://")}
+        # No input: stdin is empty, never the test runner's own (run reads a piped stdin).
+        stdin = subprocess.DEVNULL if input is None else None
         return subprocess.run([sys.executable, "-m", "localllm.cli", *args], env=env,
-                              input=input, capture_output=True, text=True, timeout=timeout)
+                              input=input, stdin=stdin, capture_output=True, text=True,
+                              timeout=timeout)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -56,7 +59,13 @@ class Daemon:
                 self.proc.wait()
 
 
+# The log of every daemon the tests started: conftest checks each test added no error line to
+# any of them unless the test says it causes errors on purpose.
+DAEMON_LOGS: list[Path] = []
+
+
 def start_daemon(env: dict, timeout: float = 60) -> Daemon:
+    DAEMON_LOGS.append(Path(env["XDG_STATE_HOME"]) / "localllm" / "logs" / "localllm.log")
     proc = subprocess.Popen([sys.executable, "-m", "localllm.cli", "serve"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + timeout

@@ -56,6 +56,10 @@ def read_commands(engine, channel: Channel) -> None:
                 flag.set()
             continue
         send = (lambda event, rid=request_id: channel.send(event_to_wire(rid, event)))
+        if op == "tokenize" and isinstance(message.get("texts"), list):
+            texts = [str(t) for t in message["texts"]]
+            engine.ask(lambda texts=texts: engine.count_tokens_each(texts), send)
+            continue
         if op == "tokenize":
             text = str(message.get("text", ""))
             engine.ask(lambda text=text: engine.count_tokens(text), send)
@@ -97,12 +101,14 @@ def main() -> int:
 
         t0 = time.perf_counter_ns()
         engine = Engine(load["model_path"], Plan.from_dict(load["plan"]),
-                        load.get("draft_model_path"))
+                        load.get("draft_model_path"),
+                        projector_path=load.get("projector_path"))
         load_ns = time.perf_counter_ns() - t0
     except Exception as e:  # any load failure is reported, then the runner exits
         log.error("load failed: %s", traceback.format_exc())
         channel.send({"event": "load_failed", "message": str(e) or type(e).__name__})
         return 1
+    engine.on_threads = lambda event: channel.send(event_to_wire("", event))
     channel.send({"event": "loaded", "pid": os.getpid(), "load_duration_ns": load_ns,
                   "n_ctx": engine.n_ctx, "n_parallel": len(engine.slots)})
     log.info("loaded %s with %d slots of %d tokens", load["model_path"], len(engine.slots),

@@ -30,6 +30,7 @@ from .protocol import (
     Event,
     Failure,
     GenerationRequest,
+    Threads,
     Token,
     TokenCount,
     event_from_wire,
@@ -57,8 +58,10 @@ class RunnerRequestFailed(UserError):
 
 class RunnerProcess:
     def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path,
-                 command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None):
+                 command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None,
+                 projector_path: Path | None = None):
         self.model_name = model_name
+        self.projector_path = projector_path
         self.model_path = model_path
         self.draft_model_path = draft_model_path
         self.plan = plan
@@ -68,6 +71,8 @@ class RunnerProcess:
         self.load_duration_ns = 0
         self.n_ctx = plan.n_ctx
         self.n_parallel = plan.n_parallel
+        self.n_threads = plan.n_threads  # decode threads in use (the runner may drop some)
+        self.threads_reason = ""  # why they differ from the plan's
         self.loaded_at = 0.0
         self.last_done: Done | None = None
         self.tokens_generated = 0  # every token the runner produced, cancelled ones included
@@ -100,7 +105,8 @@ class RunnerProcess:
             )
         self._send({"op": "load", "model_path": str(self.model_path),
                     "plan": self.plan.to_dict(),
-                    "draft_model_path": str(self.draft_model_path or "") or None})
+                    "draft_model_path": str(self.draft_model_path or "") or None,
+                    "projector_path": str(self.projector_path or "") or None})
         try:
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         except TimeoutError:
@@ -141,6 +147,10 @@ class RunnerProcess:
                 data = json.loads(line)
                 queue = self._events.get(data.get("id", ""))
                 event = event_from_wire(data)
+                if isinstance(event, Threads):
+                    self.n_threads, self.threads_reason = event.n_threads, event.reason
+                    log.info("runner for %s: %s", self.model_name, event.reason)
+                    continue
                 if isinstance(event, Token):
                     self.tokens_generated += event.n_tokens
                 if queue is not None:
@@ -202,6 +212,15 @@ class RunnerProcess:
         event = await self._ask(request_id, {"op": "tokenize", "id": request_id, "text": text},
                                 silence_s)
         return event.count
+
+    async def count_tokens_each(self, texts: list[str],
+                                silence_s: float = RUNNER_SILENCE_S) -> list[int]:
+        """Each text's tokens (no BOS), in one round trip: truncation counts every turn of a
+        long chat once this way instead of re-counting the whole prompt per dropped turn."""
+        request_id = new_request_id()
+        event = await self._ask(request_id, {"op": "tokenize", "id": request_id,
+                                             "texts": list(texts)}, silence_s)
+        return list(event.counts)
 
     async def _exchange(self, request_id: str, message: dict,
                         silence_s: float) -> AsyncIterator[Event]:
