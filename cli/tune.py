@@ -4,6 +4,7 @@
     localllm tune model.gguf --card rtx3060-12g  plan for a card from profiles/cards/
     localllm tune 27b-q3 --ctx 32768 --vram 10   a context, and a smaller memory budget
     localllm tune 27b-q3 --measure               load it, time it, calibrate the speed model
+    localllm tune --reset-calibration            forget what --measure calibrated
     localllm tune 27b-q3 --json                  the plan as JSON
     localllm tune 27b-q3 --calibrate             measure the card's bandwidths first (torch)
 """
@@ -23,8 +24,10 @@ from localllm.profiles.card import MIB, Card, card_names
 from localllm.profiles import quality
 from localllm.profiles.choose import config_request, gpus_setting, tune_checked
 from localllm.profiles.explain import REJECTED, gib
-from localllm.profiles.hardware import resolve_card
-from localllm.profiles.measure import calibrated, measure_in_child, update_calibration
+from localllm.llama.hardware import resolve_card
+from localllm.profiles.measure import (
+    calibrated, doubtful, measure_in_child, reset_calibration, update_calibration,
+)
 from localllm.profiles.memory import model_costs
 from localllm.profiles.plan import Plan, layer_ranges
 from localllm.profiles.quality import split_kv
@@ -40,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Choose GPU layers, tensor placement, context, KV type, batch and threads "
         "for MODEL (a stored model's name or a .gguf file), explain every choice, and save the "
         "plan as an editable profile the daemon loads with.")
-    p.add_argument("model", help="a stored model's name or a path to a .gguf file")
+    p.add_argument("model", nargs="?", help="a stored model's name or a path to a .gguf file")
     p.add_argument("--card", default="auto",
                    help=f"a card profile ({', '.join(card_names())}), several joined by + "
                    "(rtx3090+rtx3060-12g: one box with both), or auto (probe this machine)")
@@ -73,7 +76,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="measure the disk's read rate (reading the model's file) and this "
                    "card's memory and host-to-device bandwidth with torch (the [torch] extra), "
                    "and use them from now on")
-    p.add_argument("--no-save", action="store_true", help="do not write the profile")
+    p.add_argument("--no-save", action="store_true",
+                   help="write nothing: neither the profile nor --measure's calibration")
+    p.add_argument("--save", action="store_true",
+                   help="store --measure's figure even when it looks disturbed (far below the "
+                   "prediction while other processes kept the CPU busy)")
+    p.add_argument("--reset-calibration", action="store_true",
+                   help="forget the speed factors --measure stored (--calibrate's bandwidths "
+                   "stay) and exit")
     p.set_defaults(func=cmd_tune)
 
 
@@ -93,6 +103,15 @@ def resolve_model(model: str) -> tuple[ModelShape, str]:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    if args.reset_calibration:
+        reset = reset_calibration()
+        print(f"calibration reset for {', '.join(reset)}" if reset else
+              "no --measure calibration was stored: nothing to reset")
+        return 0
+    if not args.model:
+        raise UserError("tune needs a MODEL (a stored model's name or a .gguf file)")
+    if args.save and args.no_save:
+        raise UserError("--save and --no-save ask for opposite things: pass one")
     if args.vram is not None and args.vram <= 0:
         raise UserError("--vram must be a positive number of GiB")
     if args.ctx is not None and args.ctx < 256:
@@ -111,7 +130,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     plan = tune_checked(shape, card, request)
     measured = None
     if args.measure:
-        measured = measure_and_calibrate(shape, plan, card)
+        measured = measure_and_calibrate(shape, plan, card, store=not args.no_save,
+                                         force=args.save)
     saved = None
     if not args.no_save and args.vram is None:
         saved = save_profile(plan, model_name, card.name, shape.file_size,
@@ -187,9 +207,19 @@ def request_from_args(args: argparse.Namespace, base: Request) -> Request:
     return replace(base, **changes)
 
 
-def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card):
+def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card, store: bool = True,
+                          force: bool = False):
+    """Time the plan for real; the figure becomes this card's calibration unless `store` is
+    off, or it looks disturbed by other work (`force` stores it anyway)."""
     print(f"measuring {shape.name} with the plan...", file=sys.stderr)
     measured = measure_in_child(shape.path, plan)
+    if not store:
+        return measured
+    why = doubtful(measured, plan.predicted_decode_tps)
+    if why and not force:
+        print(f"warning: {why}; the calibration was not stored (measure again on a quiet "
+              "machine, or pass --save to store it)", file=sys.stderr)
+        return measured
     from localllm.profiles.choose import placement_of, settings_of
 
     speed = predict_speed(model_costs(shape), placement_of(plan, shape), settings_of(plan), card,

@@ -29,6 +29,7 @@
 | log_level         | LOCALLLM_LOG_LEVEL         | info                          | live      |
 | rpc_workers       | LOCALLLM_RPC_WORKERS       | ()                            | next load |
 | remote_timeout    | LOCALLLM_REMOTE_TIMEOUT    | 300                           | live      |
+| image_urls        | LOCALLLM_IMAGE_URLS        | on                            | live      |
 
 - num_parallel: the most requests one loaded model serves at once (llama.cpp sequences, each
   slot with its own KV cache of the full context). `auto`: as many as fit beside the tuner's
@@ -77,6 +78,8 @@
 - rpc_workers: `["host:port", ...]` (comma-separated in the variable): `localllm worker`s whose
   devices models may use besides this machine's; the planner measures each one's memory and
   link. RPC has no authentication: trusted networks only.
+- image_urls: `on` lets an OpenAI `image_url` name an http(s) URL, which the daemon fetches (at
+  most 20 MiB, 10 s, no redirect to a private address); `off` takes only `data:` URLs and base64.
 - remote_timeout: seconds a remote model's server (`localllm remote add`) may take to start
   its answer, and between two parts of it, before the request fails with 504.
 
@@ -142,6 +145,7 @@ class Config:
     log_level: str = "info"
     rpc_workers: tuple[str, ...] = ()
     remote_timeout: int = 300
+    image_urls: str = "on"
 
     @property
     def socket_path(self) -> Path:
@@ -197,6 +201,7 @@ ENV = {
     "log_level": "LOCALLLM_LOG_LEVEL",
     "rpc_workers": "LOCALLLM_RPC_WORKERS",
     "remote_timeout": "LOCALLLM_REMOTE_TIMEOUT",
+    "image_urls": "LOCALLLM_IMAGE_URLS",
 }
 
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
@@ -210,6 +215,7 @@ CHOICES = {
     "quality": ("max", "balanced", "speed"),
     "workload": ("chat", "agent"),
     "log_level": ("debug", "info", "warning", "error"),
+    "image_urls": ("on", "off"),
 }
 
 # Tables of config.toml that belong to one client: [keys] is the chat TUI's key bindings

@@ -1,6 +1,6 @@
 """The daemon's entry points: which plan to load a model with, and what to try after an OOM.
 
-    choose_plan(shape, model_name, n_ctx, load) -> Plan
+    choose_plan(shape, model_name, n_ctx, load, card) -> Plan
     step_down(plan, shape, card) -> Plan | None
 
 `choose_plan` probes the machine, uses the saved profile for (card, model) when there is a valid
@@ -23,7 +23,6 @@ from localllm.options import LoadOptions
 
 from .card import MIB, Card
 from .dryrun import dry_run
-from .hardware import probe_card
 from .memory import CPU, ComputeTable, ContextSettings, Placement, memory_by_device, model_costs
 from .plan import Plan
 from .acceptance import measured_acceptance
@@ -79,11 +78,6 @@ def gpus_setting() -> str:
         return "all"
 
 
-def probed_card() -> Card:
-    """This machine, with the GPUs the gpus setting (and CUDA_VISIBLE_DEVICES) leave."""
-    return probe_card(gpus_setting())
-
-
 def _rpc_workers() -> tuple[str, ...]:
     try:
         return load_config().rpc_workers
@@ -107,11 +101,11 @@ def _apply_options(plan: Plan, request: Request) -> Plan:
 
 
 def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: LoadOptions,
-                card: Card | None = None, draft_shape: ModelShape | None = None) -> Plan:
-    """The plan the daemon loads `model_name` with; raises NoPlanFits (a UserError) when the
-    model cannot run at that context on this machine. `draft_shape`: the draft model paired
-    with it in the catalog, which the tuner may plan speculative decoding with."""
-    card = card or probed_card()
+                card: Card, draft_shape: ModelShape | None = None) -> Plan:
+    """The plan the daemon loads `model_name` with on `card` (probed by the caller:
+    llama/hardware.py); raises NoPlanFits (a UserError) when the model cannot run at that
+    context on this machine. `draft_shape`: the draft model paired with it in the catalog,
+    which the tuner may plan speculative decoding with."""
     base = config_request(model_name, shape.file_size)
     request = request_from_load(n_ctx, load, base.margin_bytes, base)
     workers = _rpc_workers()

@@ -60,6 +60,10 @@ class Plan:
     # CUDA_VISIBLE_DEVICES, so that a `gpus` setting or a probe's view holds; empty: as the
     # daemon's environment has them (a profile planned on another machine)
     gpus: tuple[int, ...] = ()
+    # A vision model's projector (mmproj): on the GPU with the layers, or on the CPU when the
+    # card is short (each image then costs predicted_image_s there).
+    projector_on_gpu: bool = True
+    predicted_image_s: float = 0.0
     memory: tuple[DeviceMemory, ...] = ()
     predicted_prefill_tps: float = 0.0
     predicted_decode_tps: float = 0.0  # averaged over the expected fill of the context
@@ -78,7 +82,7 @@ class Plan:
                 self.type_k, self.type_v, self.flash_attn, self.swa_full, self.n_batch,
                 self.n_ubatch, self.n_threads, self.n_threads_batch, self.use_mmap,
                 self.n_parallel, self.speculative, self.draft_n_max, self.draft_n_gpu_layers,
-                self.rpc_workers, self.gpus)
+                self.rpc_workers, self.projector_on_gpu, self.gpus)
 
     def vram_bytes(self) -> int:
         return sum(m.total for m in self.memory if m.device != "CPU")

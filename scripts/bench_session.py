@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -303,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     if system is not None:
                         system.stop()
+                    logs = Path(tmp) / "xdg_state_home" / "localllm" / "logs"
+                    if name == "ours" and logs.is_dir():  # the daemon's and runner's logs
+                        shutil.copytree(logs, out / f"ours-logs-{args.shape}-{args.ctx}",
+                                        dirs_exist_ok=True)
             record({"system": name, "peak_vram_mib": mem.delta // MIB, "budget_mib": budget_mib})
     (out / "session.md").write_text(markdown(rows) + "\n")
     print(markdown(rows))

@@ -80,13 +80,15 @@ def main() -> int:
     from localllm.daemon.runner.engine import Engine
     from localllm.modelstore.shape import read_shape
     from localllm.options import LoadOptions
+    from localllm.llama.hardware import probe_card
     from localllm.profiles.choose import choose_plan
 
     if args.model is None:
         import fetch_test_models
 
         args.model = fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")
-    plan = replace(choose_plan(read_shape(args.model), "bench-threads", None, LoadOptions()),
+    plan = replace(choose_plan(read_shape(args.model), "bench-threads", None, LoadOptions(),
+                               probe_card()),
                    n_parallel=1)
     print(f"model {args.model.name}: plan {plan.n_threads} threads, predicted decode "
           f"{plan.predicted_decode_tps:.1f} tok/s; {args.seconds:.0f} s per run, "

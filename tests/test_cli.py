@@ -16,8 +16,9 @@ from daemon_process import isolated_env, wait_for
 
 
 def localllm(env, *args, timeout=300, input=None):
+    stdin = subprocess.DEVNULL if input is None else None  # never the test runner's stdin
     return subprocess.run([sys.executable, "-m", "localllm.cli", *args], env=env, input=input,
-                          capture_output=True, text=True, timeout=timeout)
+                          stdin=stdin, capture_output=True, text=True, timeout=timeout)
 
 
 def test_every_command_has_help():

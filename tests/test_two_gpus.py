@@ -20,7 +20,7 @@ from localllm.llama import dryrun
 from localllm.llama.params import model_params
 from localllm.modelstore.shape import read_shape
 from localllm.profiles.card import GIB, MIB, CardError, load_card
-from localllm.profiles.hardware import card_from_nvml, visible_devices
+from localllm.llama.hardware import card_from_nvml, visible_devices
 from localllm.profiles.memory import split_layers
 from localllm.profiles.plan import Plan
 from localllm.profiles.rpc_plan import plan_with_workers

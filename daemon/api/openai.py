@@ -266,11 +266,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await remote.openai(request, body, remote_model)
     entry, custom = await _model(request, body)
     sampling, load = openai_options(body, custom.parameters)
+    images: list = []
     chat_request = ChatRequest(
         id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
-        messages=get_messages(body), tools=get_tools(body),
+        messages=get_messages(body, images), tools=get_tools(body),
         tool_choice=get_tool_choice(body), format=parse_response_format(body),
-        think=parse_think(body), has_images=has_images(body),
+        think=parse_think(body), has_images=has_images(body), images=tuple(images),
         logprobs=parse_logprobs(body, chat=True))
     return await _complete(request, body, entry, custom, chat_request, chat=True)
 

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import llama_cpp
 from localllm.llama.params import MAX_DRAFT, draft_ceiling
@@ -45,6 +45,7 @@ from .sampling import RequestError, Sampler, log_probs
 from .slots import Slot, Work
 from .speculation import Drafting, StepCosts
 from .threads import ThreadGovernor
+from .vision import MediaPrompt, Vision, is_image_token, text_tokens
 
 log = logging.getLogger("localllm.runner")
 STEP_TARGET_S = 0.25
@@ -68,7 +69,9 @@ class Question:
 
 class Engine:
     def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None,
-                 adapt_threads: bool = True):
+                 adapt_threads: bool = True, projector_path: str | None = None):
+        if projector_path:
+            plan = with_room_for_images(plan, projector_path)
         self.plan = plan
         self.speculative = known_mode(plan.speculative)
         # The longest draft. The plan's draft_n_max bounds what costs memory: recurrent-state
@@ -108,6 +111,14 @@ class Engine:
             if adapt_threads else None
         self.n_threads = plan.n_threads
         self.on_threads: Callable[[Threads], None] | None = None
+        self.vision: Vision | None = None
+        if projector_path:
+            try:
+                self.vision = Vision(projector_path, self.lm.model,
+                                     use_gpu=plan.n_gpu_layers > 0 and plan.projector_on_gpu,
+                                     n_threads=plan.n_threads_batch, flash_attn=plan.flash_attn)
+            except ValueError as e:
+                raise llama.ModelLoadError(str(e)) from None
 
     # ---- requests in ---------------------------------------------------------------------
     def submit(self, request: GenerationRequest, emit: Callable[[Event], None],
@@ -188,23 +199,26 @@ class Engine:
 
     def _start(self, sub: Submission, free: list[Slot]) -> None:
         request = sub.request
-        tokens = self.tokenizer.tokenize(request.prompt)
-        if not tokens:
-            raise RequestError("the prompt is empty")
-        if len(tokens) >= self.n_ctx:
-            raise RequestError(
-                f"the prompt is {len(tokens)} tokens but the context is {self.n_ctx}; "
-                f"shorten it or load the model with a larger num_ctx")
-        # The free slot whose cache shares the longest prefix; else the least recently used.
-        slot = max(free, key=lambda s: (_common_prefix(s.tokens, tokens), -s.last_used))
-        cached = self._reuse_prefix(slot, tokens, reuse=not request.prompt_logprobs)
-        options = request.options
-        sampler = Sampler(self.lm.vocab, self.lm.n_vocab, options, request.grammar, tokens,
-                          self.n_ctx)
+        media = self._tokenize_media(request) if request.images else None
+        try:
+            tokens = media.tokens if media else self.tokenizer.tokenize(request.prompt)
+            self._check_prompt(tokens, media)
+            # The free slot whose cache shares the longest prefix; else the least recently used.
+            slot = max(free, key=lambda s: (_common_prefix(s.tokens, tokens), -s.last_used))
+            cached = self._reuse_prefix(slot, tokens, media, reuse=not request.prompt_logprobs)
+            options = request.options
+            sampler = Sampler(self.lm.vocab, self.lm.n_vocab, options, request.grammar,
+                              text_tokens(tokens) if media else tokens, self.n_ctx)
+        except BaseException:
+            if media is not None:
+                media.free()
+            raise
         limit = options.num_predict if options.num_predict >= 0 else self.n_ctx
         slot.work = Work(request=request, emit=sub.emit, cancelled=sub.cancelled,
                          prompt=tokens, sampler=sampler, limit=limit, cached=cached)
-        mode = self._drafting_mode(request)
+        slot.work.media = media
+        # Drafters read token ids: a prompt with image placeholders is answered without them.
+        mode = None if media else self._drafting_mode(request)
         if mode is not None:
             work = slot.work
             work.drafting = Drafting(self.step_costs, mode, max_length=self.draft_cap)
@@ -219,6 +233,29 @@ class Engine:
             slot.work.prompt_logprobs.append({
                 "token": raw.decode("utf-8", errors="replace"), "logprob": None,
                 "bytes": list(raw), "top_logprobs": [], "added": added})
+
+    def _tokenize_media(self, request: GenerationRequest) -> MediaPrompt:
+        if self.vision is None:
+            raise RequestError("this model does not support images (it was loaded without a "
+                               "vision projector)")
+        add_bos = self.tokenizer.add_bos and not (
+            self.tokenizer.bos_piece and request.prompt.startswith(self.tokenizer.bos_piece))
+        return self.vision.tokenize(request.prompt, request.images, add_bos)
+
+    def _check_prompt(self, tokens: list[int], media: MediaPrompt | None) -> None:
+        if not tokens:
+            raise RequestError("the prompt is empty")
+        if len(tokens) >= self.n_ctx:
+            images = ""
+            if media is not None:
+                images = (f" ({media.image_tokens} of them for {len(media.spans)} "
+                          f"image{'s' if len(media.spans) != 1 else ''})")
+            raise RequestError(
+                f"the prompt is {len(tokens)} tokens{images} but the context is {self.n_ctx}; "
+                f"shorten it{', send fewer images' if images else ''} or load the model with "
+                f"a larger num_ctx")
+        if is_image_token(tokens[-1]):
+            raise RequestError("the prompt ends with an image: put text after it")
 
     def _drafting_mode(self, request: GenerationRequest) -> str | None:
         """Where this request's drafts come from (`options.speculative`; `auto` is the plan's
@@ -237,7 +274,8 @@ class Engine:
             return None
         return mode
 
-    def _reuse_prefix(self, slot: Slot, tokens: list[int], reuse: bool = True) -> int:
+    def _reuse_prefix(self, slot: Slot, tokens: list[int],
+                      media: MediaPrompt | None = None, reuse: bool = True) -> int:
         """Keep the slot's KV for the longest prefix it shares with `tokens`, if the cache
         still holds all of it; return how many tokens are kept (none without `reuse`).
 
@@ -254,6 +292,10 @@ class Engine:
                 common = 0
         if self.drafter is not None:
             common = min(common, self.drafter.reusable(seq, common))
+        if media is not None and common > 0:  # an image is kept whole or read again whole
+            span = media.span_at(common)
+            if span is not None:
+                common = span.start
         if (common > 0 and self.lm.recurrent
                 and len(slot.tokens) - common > self.lm.n_rollback):
             common = 0
@@ -291,6 +333,7 @@ class Engine:
 
     def step(self) -> None:
         """One llama_decode over every busy slot, then sampling for those that answer."""
+        self._read_images()
         rows = self._fill_batch()
         if not rows:
             return
@@ -377,6 +420,29 @@ class Engine:
         for slot in self.slots:
             slot.drafts = drafts.get(slot.seq_id, slot.drafts)
 
+    def _read_images(self) -> None:
+        """Each slot whose prompt goes on with an image reads that one image: encoded by the
+        projector, its embeddings decoded into the slot's sequence (its own llama_decode: a
+        batch holds tokens or embeddings, not both)."""
+        for slot in self.slots:
+            work = slot.work
+            if not slot.reading_prompt or not is_image_token(slot.to_decode[0]):
+                continue
+            if work.cancelled.is_set():
+                continue  # the loop's cancel check ends it before the next image
+            pos = len(slot.tokens)
+            span = work.media.spans[pos]
+            try:
+                self.vision.read_image(self.lm.ctx, span, pos, slot.seq_id, self.lm.n_batch)
+            except RuntimeError as e:
+                log.error("request %s: %s", work.request.id, e)
+                self._fail_batch([(slot, 0, -1)], str(e))
+                continue
+            slot.tokens.extend(slot.to_decode[:span.n_tokens])
+            del slot.to_decode[:span.n_tokens]
+            slot.unread -= span.n_tokens
+            work.emit(Progress(len(slot.tokens), len(work.prompt)))
+
     def _fill_batch(self) -> list[tuple[Slot, int, int]]:
         """Put every answering slot's next token, then prompt chunks, into the batch.
 
@@ -403,7 +469,9 @@ class Engine:
         for slot in reading:
             if budget <= 0:
                 break
-            take = min(slot.unread, budget)
+            take = min(slot.unread, budget, _text_run(slot.to_decode, slot.unread))
+            if take == 0:
+                continue  # an image comes next: _read_images reads it before the next step
             last = take == slot.unread
             slot.first_pos, slot.batch_row = len(slot.tokens), n
             every = slot.work.request.prompt_logprobs  # logits of every prompt row
@@ -566,7 +634,8 @@ class Engine:
             cached_tokens=work.cached,
             context_used=len(slot.tokens),
             n_ctx=self.n_ctx,
-            context=tuple(work.prompt + work.answer),
+            context=tuple(text_tokens(work.prompt) if work.media else work.prompt)
+            + tuple(work.answer),
             drafted=work.drafted,
             draft_accepted=work.draft_accepted,
             prompt_logprobs=tuple(work.prompt_logprobs) if work.request.prompt_logprobs
@@ -576,6 +645,8 @@ class Engine:
             log.info("request %s cancelled after %d answer tokens", work.request.id,
                      len(work.answer))
         work.sampler.free()
+        if work.media is not None:
+            work.media.free()
         slot.work = None
         slot.to_decode = []
         slot.unread = 0
@@ -584,11 +655,14 @@ class Engine:
 
     def _fail_batch(self, rows: list[tuple[Slot, int, int]], code: int | str) -> None:
         """llama_decode refused the batch: fail the requests in it and forget their caches."""
-        why = {1: "no room left in the KV cache", 2: "aborted"}.get(code, f"error {code}")
+        why = code if isinstance(code, str) else {
+            1: "no room left in the KV cache", 2: "aborted"}.get(code, f"error {code}")
         for slot, _, _ in rows:
             work = slot.work
             if work is not None:
                 work.sampler.free()
+                if work.media is not None:
+                    work.media.free()
                 work.emit(Failure(f"llama_decode failed: {why}"))
             slot.work, slot.fresh, slot.to_decode, slot.unread = None, None, [], 0
             llama_cpp.llama_memory_seq_rm(self.lm.memory, slot.seq_id, -1, -1)
@@ -605,6 +679,19 @@ def known_mode(mode: str) -> str:
         raise llama.ModelLoadError(f"unknown speculative mode {mode!r} in the plan; use "
                                    f"{', '.join(SPECULATIVE_MODES)}")
     return mode
+
+
+def with_room_for_images(plan: Plan, projector_path: str) -> Plan:
+    """A projector that attends across a whole image (Gemma 3's) needs the image's tokens in
+    one micro-batch: raise n_ubatch (and n_batch) to the tokens of one image where short."""
+    from localllm.modelstore.projector import projector_info
+
+    tokens = projector_info(projector_path).tokens_per_image or 0
+    if tokens <= plan.n_ubatch:
+        return plan
+    return replace(plan, n_ubatch=tokens, n_batch=max(plan.n_batch, tokens),
+                   reasons=plan.reasons + (f"micro-batch raised to {tokens}: one image's "
+                                           f"tokens are read in one",))
 
 
 def prompt_chunk(plan: Plan, n_batch: int) -> int:
@@ -630,6 +717,14 @@ def prompt_chunk(plan: Plan, n_batch: int) -> int:
     while chunk * 2 <= min(want, n_batch):
         chunk *= 2
     return min(chunk, n_batch)
+
+
+def _text_run(tokens: list[int], limit: int) -> int:
+    """How many of the first `limit` tokens come before the first image placeholder."""
+    for i in range(limit):
+        if is_image_token(tokens[i]):
+            return i
+    return limit
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -68,8 +68,10 @@ class RunnerRequestFailed(UserError):
 
 class RunnerProcess:
     def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path,
-                 command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None):
+                 command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None,
+                 projector_path: Path | None = None):
         self.model_name = model_name
+        self.projector_path = projector_path
         self.model_path = model_path
         self.draft_model_path = draft_model_path
         self.plan = plan
@@ -113,7 +115,8 @@ class RunnerProcess:
             )
         self._send({"op": "load", "model_path": str(self.model_path),
                     "plan": self.plan.to_dict(),
-                    "draft_model_path": str(self.draft_model_path or "") or None})
+                    "draft_model_path": str(self.draft_model_path or "") or None,
+                    "projector_path": str(self.projector_path or "") or None})
         try:
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         except TimeoutError:

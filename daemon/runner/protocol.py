@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field, replace
 from localllm.options import SamplingOptions
 
 DEFAULT_CTX = 4096
+# Where an image goes in a prompt: mtmd's default media marker (mtmd_default_marker()).
+IMAGE_MARKER = "<__media__>"
 # A runner serving a request sends something (a token, prompt progress after each chunk) well
 # within this; one that stays silent longer is taken for hung and stopped.
 RUNNER_SILENCE_S = 300.0
@@ -36,6 +38,8 @@ class GenerationRequest:
     # With logprobs: the prompt's own tokens' logprobs too (OpenAI's `echo`), on Done. The
     # whole prompt is then read afresh: a reused prefix has no logits left.
     prompt_logprobs: bool = False
+    # Base64 image files, one per IMAGE_MARKER in `prompt`, in order.
+    images: tuple[str, ...] = ()
 
     def to_wire(self) -> dict:
         data = asdict(self)
@@ -53,6 +57,7 @@ class GenerationRequest:
             grammar=data.get("grammar"),
             logprobs=data.get("logprobs"),
             prompt_logprobs=bool(data.get("prompt_logprobs")),
+            images=tuple(data.get("images") or ()),
         )
 
 

@@ -76,6 +76,7 @@ class Work:
     draft_accepted: int | None = None
     drafting: Drafting | None = None
     history: list[int] = field(default_factory=list)  # prompt + answer, for the drafter
+    media: object | None = None  # vision.MediaPrompt: the prompt's images (freed at the end)
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.request.options.stop)

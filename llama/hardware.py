@@ -12,10 +12,10 @@ import os
 from dataclasses import replace
 from functools import lru_cache
 
-from localllm.llama import nvml
+from localllm.profiles.card import CPU_ONLY, GIB, MIB, Card, Gpu, load_card, match_card
+from localllm.profiles.plan import physical_cores
 
-from .card import CPU_ONLY, GIB, MIB, Card, Gpu, load_card, match_card
-from .plan import physical_cores
+from . import nvml
 
 
 def host_ram_bytes() -> int:
