@@ -100,6 +100,16 @@ class Card:
         return replace(self, vram_bytes=total, free_vram_bytes=total, gpus=gpus,
                        label=f"{self.label}, {gib:g} GiB budget")
 
+    def less_vram(self, nbytes: int) -> Card:
+        """The card with `nbytes` of the first GPU kept for something else (a vision projector,
+        which llama.cpp's mtmd puts on the first GPU)."""
+        gpus = tuple(replace(g, vram_bytes=g.vram_bytes - nbytes,
+                             free_vram_bytes=g.free_vram_bytes - nbytes) if i == 0 else g
+                     for i, g in enumerate(self.gpus))
+        free = min((g.free_vram_bytes for g in gpus), default=self.free_vram_bytes - nbytes)
+        return replace(self, vram_bytes=self.vram_bytes - nbytes, free_vram_bytes=free,
+                       gpus=gpus)
+
     def with_host(self, ram_bytes: int, cores: int, host_bandwidth_gbs: float) -> Card:
         return replace(self, ram_bytes=ram_bytes, cores=cores,
                        host_bandwidth_gbs=host_bandwidth_gbs,

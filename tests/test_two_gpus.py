@@ -160,6 +160,10 @@ def test_cuda_visible_devices_and_the_gpus_setting_restrict_the_probe(shapes):
     both = card_from_nvml(NVML, 64 * GIB, 12)
     assert [(g.device, g.index, g.free_vram_bytes, g.bandwidth_gbs) for g in both.gpu_list] == [
         ("CUDA0", 0, 23 * GIB, 936), ("CUDA1", 1, 11 * GIB, 360)]
+    # room kept on the first GPU (a vision projector) is taken from that GPU's own figures
+    kept = both.less_vram(GIB)
+    assert [g.free_vram_bytes for g in kept.gpu_list] == [22 * GIB, 11 * GIB]
+    assert kept.free_vram_bytes == 11 * GIB
     second = card_from_nvml(visible_devices(NVML, None, "1"), 64 * GIB, 12)
     assert second.name == "rtx3060-12g" and second.devices == ("CUDA0",)
     # A plan for the probed second GPU runs its runner with that GPU alone as CUDA0.
