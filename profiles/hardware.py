@@ -22,6 +22,21 @@ def host_ram_bytes() -> int:
         return 8 * GIB
 
 
+def free_ram_bytes() -> int:
+    """RAM the system could give now without swapping (Linux's MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def estimate_host_bandwidth(cores: int) -> float:
     """GB/s that llama.cpp's CPU layers reach reading weights, before `--measure` calibrates it.
 

@@ -54,13 +54,15 @@ class RunnerRequestFailed(Exception):
 
 class RunnerProcess:
     def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path,
-                 command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None):
+                 command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None,
+                 prompt_cache_bytes: int = 0):
         self.model_name = model_name
         self.model_path = model_path
         self.draft_model_path = draft_model_path
         self.plan = plan
         self.log_path = log_path
         self.command = tuple(command)
+        self.prompt_cache_bytes = prompt_cache_bytes  # RAM for prompts of taken slots
         self.proc: asyncio.subprocess.Process | None = None
         self.load_duration_ns = 0
         self.n_ctx = plan.n_ctx
@@ -97,7 +99,8 @@ class RunnerProcess:
             )
         self._send({"op": "load", "model_path": str(self.model_path),
                     "plan": self.plan.to_dict(),
-                    "draft_model_path": str(self.draft_model_path or "") or None})
+                    "draft_model_path": str(self.draft_model_path or "") or None,
+                    "prompt_cache_bytes": self.prompt_cache_bytes})
         try:
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         except TimeoutError:
