@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "localllm.eval_command",  # eval
     "localllm.service_cli",  # service, config
     "localllm.cluster_cli",  # worker, remote
+    "localllm.launch_command",  # launch
 )
 
 
