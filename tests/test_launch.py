@@ -28,7 +28,8 @@ url = base + "/v1/chat/completions"
 """
 # Codex: the provider's base_url and the model from its -c overrides.
 CODEX = """
-over = dict(a.split("=", 1) for a in sys.argv[2::2])
+args = sys.argv[1:]
+over = dict(args[i + 1].split("=", 1) for i in range(len(args) - 1) if args[i] == "-c")
 base = json.loads(over["model_providers.localllm.base_url"])
 model = json.loads(over["model"])
 token = "none"
