@@ -4,6 +4,7 @@ and the second turn of a long agent prompt after a side request.
 
     python scripts/bench_agents.py                      # llama-8b and dense-27b, synthetic
     python scripts/bench_agents.py --shape llama-8b --agent-tokens 20000 --tokens 128
+    python scripts/bench_agents.py --gguf M.gguf --agent-tokens 1500   # a model file
 
 For each shape (a synthetic Q4_0 GGUF from synth_gguf.py, random weights, given a chat
 template through /api/create): the same short chat streamed through /api/chat,
@@ -155,7 +156,11 @@ def chat_ttft(base: str, model: str, request: Request) -> tuple[float, dict]:
             for t in request.tools]
     sent = time.perf_counter()
     first, text, usage = 0.0, [], {}
-    with urllib.request.urlopen(_post(base + "/v1/chat/completions", body), timeout=900) as r:
+    try:
+        r = urllib.request.urlopen(_post(base + "/v1/chat/completions", body), timeout=900)
+    except urllib.error.HTTPError as e:
+        raise SystemExit(f"/v1/chat/completions: {e.code} {e.read().decode()[:300]}") from None
+    with r:
         for event in _events(r, sse=True):
             for choice in event.get("choices", []):
                 piece = (choice.get("delta") or {}).get("content") or ""
@@ -182,13 +187,14 @@ def agent_session(base: str, model: str, words: int) -> dict:
 
 def words_for(base: str, model: str, tokens: int) -> int:
     """Words of system prompt that make about `tokens` of prompt with the tools."""
-    session = Session(system=system_prompt(2000))
+    sample = 300
+    session = Session(system=system_prompt(sample))
     request = Request(session.system, session.tools, (Message("user", "hi"),), 1)
     _, usage = chat_ttft(base, model, request)
     tools_only = Session(system="x")
     _, bare = chat_ttft(base, model, Request(tools_only.system, tools_only.tools,
                                              (Message("user", "hi"),), 1))
-    per_word = max((usage["prompt_tokens"] - bare["prompt_tokens"]) / 2000, 0.1)
+    per_word = max((usage["prompt_tokens"] - bare["prompt_tokens"]) / sample, 0.1)
     return int(max(100, tokens - bare["prompt_tokens"]) / per_word)
 
 
@@ -215,14 +221,18 @@ def runner_cache_lines(daemon) -> list[str]:
 
 
 def bench_shape(shape: str, tmp: Path, n: int, rounds: int, agent_tokens: int,
-                tiny: bool = False) -> list[str]:
-    gguf = tmp / f"{shape}.gguf"
+                tiny: bool = False, given: Path | None = None) -> list[str]:
     started = time.perf_counter()
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "synth_gguf.py"), shape, str(gguf),
-                    "--type", "Q4_0", "--fill", "random", *(["--tiny"] if tiny else [])],
-                   check=True, stdout=subprocess.DEVNULL)
-    lines = [f"## {shape} (synthetic Q4_0, {gguf.stat().st_size / 2**30:.1f} GiB, written in "
-             f"{time.perf_counter() - started:.0f} s)", ""]
+    if given is not None:
+        gguf = given
+        lines = [f"## {given.name} ({gguf.stat().st_size / 2**30:.2f} GiB)", ""]
+    else:
+        gguf = tmp / f"{shape}.gguf"
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "synth_gguf.py"), shape,
+                        str(gguf), "--type", "Q4_0", "--fill", "random",
+                        *(["--tiny"] if tiny else [])], check=True, stdout=subprocess.DEVNULL)
+        lines = [f"## {shape} (synthetic Q4_0, {gguf.stat().st_size / 2**30:.1f} GiB, written "
+                 f"in {time.perf_counter() - started:.0f} s)", ""]
     n_ctx = max(8192, agent_tokens + 4096)
     daemon = start(tmp, gguf, 1, n_ctx)
     try:
@@ -254,7 +264,8 @@ def bench_shape(shape: str, tmp: Path, n: int, rounds: int, agent_tokens: int,
                      f"{s['turn1_ms']:.0f} ms | {s['turn2_ms']:.0f} ms | "
                      f"{s['share'] * 100:.1f}% | {s['turn2_cached']} of {s['turn2_prompt']} |")
     lines += ["", "runner (1 slot): " + ("; ".join(cache_log) or "no prompt cache lines"), ""]
-    gguf.unlink()
+    if given is None:
+        gguf.unlink()
     return lines
 
 
@@ -272,12 +283,18 @@ def main() -> None:
     parser.add_argument("--agent-tokens", type=int, default=20000)
     parser.add_argument("--tiny", action="store_true",
                         help="toy dimensions of each shape (a quick check of the script)")
+    parser.add_argument("--gguf", type=Path, action="append",
+                        help="bench this model file instead of synthetic shapes")
     parser.add_argument("--dir", type=Path, default=None,
                         help="where the synthetic models go (default: a temp dir)")
     args = parser.parse_args()
     out = ["# bench_agents", ""]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        for shape in args.shape or ["llama-8b", "dense-27b"]:
+        for given in args.gguf or []:
+            out += bench_shape(given.stem, Path(tmp), args.tokens, args.rounds,
+                               args.agent_tokens, given=given)
+            print("\n".join(out), flush=True)
+        for shape in args.shape or ([] if args.gguf else ["llama-8b", "dense-27b"]):
             out += bench_shape(shape, Path(tmp), args.tokens, args.rounds, args.agent_tokens,
                                args.tiny)
             print("\n".join(out), flush=True)
