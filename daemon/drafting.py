@@ -16,11 +16,11 @@ from localllm.errors import UserError
 from localllm.modelstore.pull import find_stored, model_file
 from localllm.modelstore.shape import ModelShape
 from localllm.modelstore.store import DRAFT_LAYER, ModelEntry, ModelNotFound, ModelStore
+from localllm.options import LoadOptions
 from localllm.profiles.plan import Plan
 
 from .runner.protocol import VOCAB_SLACK
 
-LOAD_MODES = ("mtp", "draft")  # the speculative modes that are load options
 ALL_LAYERS = 999
 
 
@@ -31,22 +31,11 @@ class Speculation:
     draft_name: str = ""  # what options.draft_model must equal to reuse this load
 
 
-def load_options(options: dict) -> dict:
-    """The speculation part of a request's load options (see parse_options)."""
-    out = {}
-    if options.get("speculative") in LOAD_MODES:
-        out["speculative"] = options["speculative"]
-    if options.get("draft_model"):
-        out["draft_model"] = options["draft_model"]
-    return out
-
-
-def differs(loaded: Speculation, options: dict) -> bool:
+def differs(loaded: Speculation, load: LoadOptions) -> bool:
     """Whether a request's speculation load options need another load than `loaded`."""
-    asked = options.get("speculative")
-    if asked in LOAD_MODES and asked != loaded.plan.speculative:
+    if load.speculative is not None and load.speculative != loaded.plan.speculative:
         return True
-    return "draft_model" in options and options["draft_model"] != loaded.draft_name
+    return load.draft_model is not None and load.draft_model != loaded.draft_name
 
 
 @dataclass(frozen=True)
@@ -55,10 +44,10 @@ class DraftModel:
     path: Path | None = None
 
 
-def draft_model(store: ModelStore, entry: ModelEntry, options: dict) -> DraftModel:
+def draft_model(store: ModelStore, entry: ModelEntry, load: LoadOptions) -> DraftModel:
     """The draft model for `entry`: options.draft_model, else the catalog's pairing, else none.
     Raises ModelNotFound for a named draft model that is not stored."""
-    asked = options.get("draft_model")
+    asked = load.draft_model
     if asked:
         draft = find_stored(store, asked)
         if draft is None or draft.model_path is None:
@@ -69,11 +58,11 @@ def draft_model(store: ModelStore, entry: ModelEntry, options: dict) -> DraftMod
     return DraftModel("", store.blob_path(layer.digest)) if layer else DraftModel()
 
 
-def with_speculation(entry: ModelEntry, shape: ModelShape, plan: Plan, options: dict,
+def with_speculation(entry: ModelEntry, shape: ModelShape, plan: Plan, load: LoadOptions,
                      draft: DraftModel, draft_shape: ModelShape | None = None) -> Speculation:
     """The plan with the speculative mode the request asks for (else the plan's own), and the
     draft model to load with it. Raises UserError for what cannot be done."""
-    asked = options.get("speculative") if options.get("speculative") in LOAD_MODES else None
+    asked = load.speculative  # "mtp" or "draft" (localllm/options.py), else None
     mode = asked or plan.speculative
     name, path = draft.name, draft.path  # path dropped below when it cannot draft
     if draft_shape is not None and abs(draft_shape.n_vocab - shape.n_vocab) > VOCAB_SLACK:
@@ -86,12 +75,12 @@ def with_speculation(entry: ModelEntry, shape: ModelShape, plan: Plan, options: 
         if asked:
             raise UserError(f"{entry.name} has no MTP layers (nextn_predict_layers is 0); use "
                             f"speculative 'lookup' or 'draft'")
-        mode = "none"
+        mode = "off"
     if mode == "draft" and path is None:
         if asked:
             raise UserError(f"{entry.name} has no draft model paired with it; name one with "
                             f"options.draft_model (a model with the same vocabulary)")
-        mode = "none"
+        mode = "off"
     if mode == plan.speculative and not asked:
         return Speculation(plan, path if mode == "draft" else None, name)
     changes: dict = {"speculative": mode}

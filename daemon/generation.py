@@ -11,9 +11,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from localllm.errors import UserError
 from localllm.modelstore.store import ModelEntry
+from localllm.options import LoadOptions
 
-from .runner.protocol import Done, Event, Failure, GenerationRequest, Token
+from .runner.protocol import Event, Failure, GenerationRequest
 from .runner.process import RunnerProcess
 from .state import SCHEDULER, STORE
 
@@ -30,25 +32,13 @@ class Generation:
         return time.perf_counter_ns() - self.started_ns
 
 
-class GenerationFailed(Exception):
+class GenerationFailed(UserError):
     """The runner answered with a Failure before anything was sent (status from the runner)."""
 
     def __init__(self, failure: Failure):
         super().__init__(failure.message)
         self.status = failure.status
 
-
-async def collect(gen: Generation) -> tuple[str, Done]:
-    """The whole answer of a non-streamed request."""
-    parts = []
-    async for event in gen.events:
-        if isinstance(event, Token):
-            parts.append(event.text)
-        elif isinstance(event, Failure):
-            raise GenerationFailed(event)
-        elif isinstance(event, Done):
-            return "".join(parts), event
-    raise GenerationFailed(Failure("the runner ended the answer without finishing it"))
 
 
 async def first_event(gen: Generation) -> Event:
@@ -67,12 +57,11 @@ def find_model(app: web.Application, name: str) -> ModelEntry:
 
 @contextlib.asynccontextmanager
 async def generate(app: web.Application, entry: ModelEntry, request: GenerationRequest,
-                   n_ctx: int | None, load_options: dict,
-                   keep_alive="default", fit=None) -> AsyncIterator[Generation]:
+                   load: LoadOptions, keep_alive="default", fit=None) -> AsyncIterator[Generation]:
     """`fit(runner)`, when given, may replace the request once the runner is held (the chat
     layer drops old turns that do not fit the loaded context)."""
     started, started_wall = time.perf_counter_ns(), time.time()
-    async with app[SCHEDULER].use(entry, n_ctx, load_options, keep_alive) as runner:
+    async with app[SCHEDULER].use(entry, load, keep_alive) as runner:
         load_ns = runner.load_duration_ns if runner.loaded_at >= started_wall else 0
         if fit is not None:
             request = await fit(runner)
@@ -81,8 +70,8 @@ async def generate(app: web.Application, entry: ModelEntry, request: GenerationR
 
 
 @contextlib.asynccontextmanager
-async def hold(app: web.Application, entry: ModelEntry, n_ctx: int | None, load_options: dict,
+async def hold(app: web.Application, entry: ModelEntry, load: LoadOptions,
                keep_alive="default") -> AsyncIterator[RunnerProcess]:
     """Load (or keep) the model without generating: Ollama's empty-prompt request."""
-    async with app[SCHEDULER].use(entry, n_ctx, load_options, keep_alive) as runner:
+    async with app[SCHEDULER].use(entry, load, keep_alive) as runner:
         yield runner

@@ -22,6 +22,7 @@ from aiohttp import web
 from localllm.modelstore.names import BadModelName
 from localllm.modelstore.store import ModelEntry, StoreError
 
+from localllm import options
 from localllm.config import Config, ConfigError, load_config
 
 from .api.common import ApiError, get_bool, get_messages, get_str
@@ -212,23 +213,27 @@ async def _stream(entry: ModelEntry, path: str, payload: dict,
 
 # ---- Ollama routes -----------------------------------------------------------------------------
 
+# The table's samplers an upstream OpenAI-compatible server takes under the same name; load
+# options (num_ctx, num_gpu...) are the upstream's own business.
+UPSTREAM_SAMPLERS = ("temperature", "top_p", "seed", "stop", "presence_penalty",
+                     "frequency_penalty", "top_k", "min_p", "repeat_penalty")
+
+
 def _openai_options(body: dict) -> dict:
     """Ollama's `options` (and `format`) as OpenAI request fields. Samplers that OpenAI lacks
     (top_k, min_p, repeat_penalty) are passed under their names, which vLLM and llama-server
     read and others ignore."""
-    options = body.get("options") or {}
-    if not isinstance(options, dict):
+    values = body.get("options") or {}
+    if not isinstance(values, dict):
         raise ApiError(400, "field 'options' must be an object", "options")
-    out = {}
-    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
-                         ("stop", "stop"), ("presence_penalty", "presence_penalty"),
-                         ("frequency_penalty", "frequency_penalty"), ("top_k", "top_k"),
-                         ("min_p", "min_p"), ("repeat_penalty", "repeat_penalty")):
-        if options.get(ours) is not None:
-            out[theirs] = options[ours]
-    num_predict = options.get("num_predict")
-    if isinstance(num_predict, int) and not isinstance(num_predict, bool) and num_predict >= 0:
-        out["max_tokens"] = num_predict
+    try:
+        given = options.checked(values)  # the same bounds as a local model's
+    except options.OptionError as e:
+        raise ApiError(400, str(e), e.name) from None
+    out = {name: list(value) if name == "stop" else value
+           for name, value in given.items() if name in UPSTREAM_SAMPLERS}
+    if given.get("num_predict", -1) >= 0:
+        out["max_tokens"] = given["num_predict"]
     fmt = body.get("format")
     if fmt == "json":
         out["response_format"] = {"type": "json_object"}

@@ -20,12 +20,15 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from localllm.modelstore.gguf_header import GGUFError
+from localllm.errors import UserError
 from localllm.modelstore.pull import model_file
 from localllm.modelstore.shape import ModelShape, read_shape
-from localllm.modelstore.store import ModelEntry, ModelStore
+from localllm.modelstore.store import DamagedModel, ModelEntry, ModelStore
 from localllm.profiles.plan import Plan
 
 from localllm.config import Config
+from localllm.options import LoadOptions
 
 from .drafting import Speculation, differs, draft_model, with_speculation
 from .runner.process import RUNNER_COMMAND, LoadError, RunnerProcess
@@ -33,8 +36,10 @@ from .runner.process import RUNNER_COMMAND, LoadError, RunnerProcess
 log = logging.getLogger("localllm.scheduler")
 
 
-class QueueFull(Exception):
+class QueueFull(UserError):
     """Too many requests are waiting, or one waited too long (status 503, Retry-After)."""
+
+    status = 503
 
 
 @dataclass
@@ -45,6 +50,7 @@ class LoadedModel:
     shape: ModelShape  # read once at load; /api/ps and /api/stats use it
     file_id: tuple  # (inode, size, mtime) of the model file when it was loaded
     speculation: Speculation | None = None  # the drafter it was loaded with
+    asked: LoadOptions = LoadOptions()  # the load options the plan was made for
     slots: asyncio.Semaphore = field(init=False)
     active: int = 0  # requests holding a slot
     waiting: int = 0  # requests waiting for a slot
@@ -69,10 +75,10 @@ class Planner:
     ran out of memory. Tests may pass another planner; the scheduler needs only these two."""
 
     def choose(self, shape: ModelShape, model_name: str, n_ctx: int | None,
-               options: dict, draft_shape: ModelShape | None = None) -> Plan:
+               load: LoadOptions, draft_shape: ModelShape | None = None) -> Plan:
         from localllm.profiles.choose import choose_plan
 
-        return choose_plan(shape, model_name, n_ctx, options, draft_shape=draft_shape)
+        return choose_plan(shape, model_name, n_ctx, load, draft_shape=draft_shape)
 
     def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
                   error: str) -> Plan | None:
@@ -100,9 +106,9 @@ def prompt_cache_bytes(config: Config) -> int:
     """The RAM a runner may keep prompts of taken slots in (setting prompt_cache_ram)."""
     if config.prompt_cache_ram != "auto":
         return int(config.prompt_cache_ram) * 2**20
-    from localllm.profiles.hardware import free_ram_bytes
+    from localllm.profiles.hardware import ram_available
 
-    return min(PROMPT_CACHE_AUTO_MAX, free_ram_bytes() // 4)
+    return min(PROMPT_CACHE_AUTO_MAX, ram_available() // 4)
 
 
 def file_id(path) -> tuple:
@@ -150,12 +156,12 @@ class Scheduler:
 
     # ---- use ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def use(self, entry: ModelEntry, n_ctx: int | None, options: dict,
+    async def use(self, entry: ModelEntry, load: LoadOptions,
                   keep_alive: float | None | str = "default") -> AsyncIterator[RunnerProcess]:
         """Hold one slot of the model's runner for one request, loading it as needed."""
         name = str(entry.name)
         keep = self.config.keep_alive_seconds if keep_alive == "default" else keep_alive
-        model = await self._acquire(entry, n_ctx, options)
+        model = await self._acquire(entry, load)
         model.active += 1
         model.expires_at = None
         try:
@@ -171,8 +177,7 @@ class Scheduler:
             if keep == 0 and model.idle and self.models.get(name) is model:
                 asyncio.ensure_future(self._unload_if_idle(name, model))
 
-    async def _acquire(self, entry: ModelEntry, n_ctx: int | None,
-                       options: dict) -> LoadedModel:
+    async def _acquire(self, entry: ModelEntry, load: LoadOptions) -> LoadedModel:
         """A slot of a loaded, current runner for this request (503 past the queue's limits)."""
         if self.queued >= self.config.max_queue:
             raise QueueFull(f"{self.queued} requests are already waiting; try again later")
@@ -180,7 +185,7 @@ class Scheduler:
         deadline = time.monotonic() + self.config.queue_timeout_seconds
         try:
             while True:
-                model = await self._loaded(entry, n_ctx, options)
+                model = await self._loaded(entry, load)
                 model.waiting += 1
                 try:
                     await asyncio.wait_for(model.slots.acquire(),
@@ -196,24 +201,19 @@ class Scheduler:
         finally:
             self.queued -= 1
 
-    def _current(self, model: LoadedModel | None, entry: ModelEntry, n_ctx: int | None,
-                 options: dict) -> bool:
+    def _current(self, model: LoadedModel | None, entry: ModelEntry, load: LoadOptions) -> bool:
         return bool(model and model.runner.alive and model.entry.digest == entry.digest
-                    and (n_ctx is None or n_ctx == model.runner.plan.n_ctx)
-                    and not _load_options_differ(model.runner.plan, options)
-                    and not differs(model.speculation or Speculation(model.runner.plan),
-                                    options)
+                    and serves(model, load)
                     and file_id(model.runner.model_path) == model.file_id)
 
-    async def _loaded(self, entry: ModelEntry, n_ctx: int | None,
-                      options: dict) -> LoadedModel:
+    async def _loaded(self, entry: ModelEntry, load: LoadOptions) -> LoadedModel:
         name = str(entry.name)
         model = self.models.get(name)
-        if self._current(model, entry, n_ctx, options):
+        if self._current(model, entry, load):
             return model  # the common case takes no lock
         async with self._lock(name):
             model = self.models.get(name)
-            if self._current(model, entry, n_ctx, options):
+            if self._current(model, entry, load):
                 return model
             if model is not None:
                 if model.runner.alive and file_id(model.runner.model_path) != model.file_id:
@@ -222,19 +222,24 @@ class Scheduler:
                 await self._retire(name, model)
             async with self._room_lock:
                 await self._make_room()
-            shape = await asyncio.to_thread(read_shape, entry.model_path)
-            draft = draft_model(self.store, entry, options)
-            draft_shape = await asyncio.to_thread(read_shape, draft.path) if draft.path else None
+            try:
+                shape = await asyncio.to_thread(read_shape, entry.model_path)
+                draft = draft_model(self.store, entry, load)
+                draft_shape = await asyncio.to_thread(read_shape, draft.path) if draft.path \
+                    else None
+            except (GGUFError, OSError) as e:  # truncated or rewritten under us
+                raise DamagedModel(name, str(e).replace(str(entry.model_path), "its blob")) \
+                    from None
             # Planning may probe the GPU and dry-run llama.cpp: seconds, off the event loop.
             plan = await asyncio.to_thread(self.planner.choose, shape, name,
-                                           context_to_ask(self.config, n_ctx, shape), options,
-                                           draft_shape)
+                                           context_to_ask(self.config, load.num_ctx, shape),
+                                           load, draft_shape)
             path = model_file(self.store, entry)
-            speculation = with_speculation(entry, shape, plan, options, draft, draft_shape)
+            speculation = with_speculation(entry, shape, plan, load, draft, draft_shape)
             runner = await self._load_stepping_down(name, path, shape, speculation)
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                                 keep_alive=self.config.keep_alive_seconds,
-                                speculation=speculation)
+                                speculation=speculation, asked=load)
             runner.on_drafts = DraftCounts(name, shape.file_size).add
             self.models[name] = model
             return model
@@ -359,10 +364,15 @@ class DraftCounts:
             self.pending[mode] = [0, 0]
 
 
-def _load_options_differ(plan: Plan, options: dict) -> bool:
-    """Ollama's load-time options that, when given, must match the loaded runner."""
-    if "num_gpu" in options and options["num_gpu"] != plan.n_gpu_layers:
-        return True
-    if "num_thread" in options and options["num_thread"] != plan.n_threads:
-        return True
-    return "num_batch" in options and options["num_batch"] != plan.n_batch
+def serves(model: LoadedModel, load: LoadOptions) -> bool:
+    """Whether the loaded model serves a request's load options as it is (Ollama's needsReload,
+    over typed values). Options left to the tuner are None and never reload; a value the
+    planner changed (a num_ctx past the trained context, capped) matches the load it asked for,
+    so asking again does not reload either."""
+    plan = model.runner.plan
+    planned = {"num_ctx": plan.n_ctx, "num_gpu": plan.n_gpu_layers,
+               "num_thread": plan.n_threads, "num_batch": plan.n_batch}
+    for name, value in load.given().items():
+        if name in planned and value not in (planned[name], getattr(model.asked, name)):
+            return False
+    return not differs(model.speculation or Speculation(plan), load)

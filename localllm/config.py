@@ -7,6 +7,8 @@
 | api_key           | LOCALLLM_API_KEY           | (none; required off loopback) | restart   |
 | origins           | LOCALLLM_ORIGINS           | (none; localhost only)        | restart   |
 | allowed_hosts     | LOCALLLM_ALLOWED_HOSTS     | (none; localhost only)        | restart   |
+| shared_machine    | LOCALLLM_SHARED_MACHINE    | False                         | restart   |
+| import_dirs       | LOCALLLM_IMPORT_DIRS       | ('~',)                        | live      |
 | keep_alive        | LOCALLLM_KEEP_ALIVE        | 5m                            | live      |
 | max_loaded_models | LOCALLLM_MAX_LOADED_MODELS | 2                             | live      |
 | num_parallel      | LOCALLLM_NUM_PARALLEL      | auto                          | next load |
@@ -19,7 +21,9 @@
 | kv_cache_type     | LOCALLLM_KV_CACHE_TYPE     | auto                          | next load |
 | quality           | LOCALLLM_QUALITY           | balanced                      | next load |
 | expected_fill     | LOCALLLM_EXPECTED_FILL     | 0.5                           | next load |
+| workload          | LOCALLLM_WORKLOAD          | chat                          | next load |
 | vram_margin_mib   | LOCALLLM_VRAM_MARGIN_MIB   | 512                           | next load |
+| ram_budget        | LOCALLLM_RAM_BUDGET        | auto                          | next load |
 | hf_endpoint       | LOCALLLM_HF_ENDPOINT       | https://huggingface.co        | restart   |
 | log_level         | LOCALLLM_LOG_LEVEL         | info                          | live      |
 | rpc_workers       | LOCALLLM_RPC_WORKERS       | ()                            | next load |
@@ -44,8 +48,15 @@
   `localllm eval` measures (assumed figures until it has): `max` (f16 unless measured as good),
   `balanced` (f16 or q8_0; 4 bits only where no more precise setting keeps the context's KV on
   the GPU) or `speed` (any, the fastest).
-- expected_fill: the part of the context a conversation fills, 0.05 to 1; the tuner maximizes
-  decode speed averaged over it (decode slows as the context fills).
+- workload: the session the tuner plans for, `chat` (short prompts, most conversations stay
+  shallow) or `agent` (a long system prompt that grows by tool results turn after turn); the
+  plan minimizes the session's total time, prompt reading and decode at each depth
+  (profiles.workload has the lengths).
+- expected_fill: the older form of workload, kept: when set (in the file or the environment) the
+  session is one short prompt and an answer that fills this part of the context, 0.05 to 1.
+- ram_budget: host RAM a model may use, `auto` (what is available when it loads: MemAvailable,
+  capped by the cgroup's memory.max) or a size (`24G`, `20000M`); weights past it stay in the
+  mmapped file and are read from disk.
 - log_level: debug, info, warning or error.
 - origins: comma-separated browser origins allowed to call the API (CORS), as OLLAMA_ORIGINS:
   `https://app.example.com,chrome-extension://*`; `*` matches anything. Localhost origins
@@ -53,6 +64,13 @@
 - allowed_hosts: comma-separated extra names the TCP port answers to in the `Host` header
   (`*.lan` wildcards work). Localhost names, loopback IPs and the bound address always pass;
   any other name gets a 403 (protection against DNS rebinding).
+- shared_machine: where the daemon cannot tell which local user opened a TCP connection (not
+  Linux), `true` asks every TCP request for the API key. On Linux another user's loopback
+  connection always needs the key, whatever this says.
+- import_dirs: folders (default `~`, your home) whose files a TCP client may name in
+  /api/import and a Modelfile's `FROM /path` (the Unix socket, which only you can open, may
+  name any file you can read). A path outside them is refused with the same message as a
+  missing one.
 - rpc_workers: `["host:port", ...]` (comma-separated in the variable): `localllm worker`s whose
   devices models may use besides this machine's; the planner measures each one's memory and
   link. RPC has no authentication: trusted networks only.
@@ -83,8 +101,10 @@ import tomli_w
 
 from . import paths
 
+from .errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A bad setting. `path` and `line` say where, when it came from a file."""
 
     def __init__(self, message: str, *, path: str | None = None, line: int | None = None,
@@ -102,6 +122,8 @@ class Config:
     api_key: str = ""
     origins: str = ""
     allowed_hosts: str = ""
+    shared_machine: bool = False
+    import_dirs: tuple[str, ...] = ("~",)
     keep_alive: str = "5m"
     max_loaded_models: int = 2
     num_parallel: int | str = "auto"
@@ -114,7 +136,9 @@ class Config:
     kv_cache_type: str = "auto"
     quality: str = "balanced"
     expected_fill: float = 0.5
+    workload: str = "chat"
     vram_margin_mib: int = 512
+    ram_budget: str = "auto"
     hf_endpoint: str = "https://huggingface.co"
     log_level: str = "info"
     rpc_workers: tuple[str, ...] = ()
@@ -128,6 +152,11 @@ class Config:
     @property
     def tcp(self) -> tuple[str, int]:
         return paths.parse_host(self.host)
+
+    @property
+    def import_roots(self) -> tuple[Path, ...]:
+        """import_dirs as absolute, resolved folders (`~` expanded)."""
+        return tuple(Path(d).expanduser().resolve() for d in self.import_dirs)
 
     @property
     def keep_alive_seconds(self) -> float | None:
@@ -148,6 +177,8 @@ ENV = {
     "api_key": "LOCALLLM_API_KEY",
     "origins": "LOCALLLM_ORIGINS",
     "allowed_hosts": "LOCALLLM_ALLOWED_HOSTS",
+    "shared_machine": "LOCALLLM_SHARED_MACHINE",
+    "import_dirs": "LOCALLLM_IMPORT_DIRS",
     "keep_alive": "LOCALLLM_KEEP_ALIVE",
     "max_loaded_models": "LOCALLLM_MAX_LOADED_MODELS",
     "num_parallel": "LOCALLLM_NUM_PARALLEL",
@@ -160,7 +191,9 @@ ENV = {
     "kv_cache_type": "LOCALLLM_KV_CACHE_TYPE",
     "quality": "LOCALLLM_QUALITY",
     "expected_fill": "LOCALLLM_EXPECTED_FILL",
+    "workload": "LOCALLLM_WORKLOAD",
     "vram_margin_mib": "LOCALLLM_VRAM_MARGIN_MIB",
+    "ram_budget": "LOCALLLM_RAM_BUDGET",
     "hf_endpoint": "LOCALLLM_HF_ENDPOINT",
     "log_level": "LOCALLLM_LOG_LEVEL",
     "rpc_workers": "LOCALLLM_RPC_WORKERS",
@@ -171,12 +204,13 @@ ENV = {
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
 # pull route hold theirs): a change while it runs logs "restart needed".
 RESTART_NEEDED = frozenset({"host", "socket", "api_key", "origins", "allowed_hosts",
-                            "hf_endpoint"})
+                            "shared_machine", "hf_endpoint"})
 
 CHOICES = {
     "context_policy": ("fixed", "fit", "max"),
     "kv_cache_type": ("auto", "f16", "bf16", "q8_0", "q4_0", "q8_0/q4_0"),
     "quality": ("max", "balanced", "speed"),
+    "workload": ("chat", "agent"),
     "log_level": ("debug", "info", "warning", "error"),
 }
 
@@ -200,6 +234,22 @@ LIMITS = {
 _MAX_SOCKET_PATH = 107
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt])?(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: str) -> int | None:
+    """A memory size ("24G", "24GiB", "20000M", bytes as a bare number) in bytes, or None for
+    `auto`; ConfigError otherwise. Units are binary (G = GiB)."""
+    if str(value).strip().lower() == "auto":
+        return None
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ConfigError(f"invalid size {value!r}: use auto or e.g. 24G, 20000M")
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, None: 1}[
+        m.group(2).lower() if m.group(2) else None]
+    return int(float(m.group(1)) * scale)
 
 
 def parse_duration(value: str | float | None) -> float | None:
@@ -234,7 +284,7 @@ def _kind(name: str) -> str:
     return {f.name: f.type for f in fields(Config)}[name]
 
 
-def coerce(name: str, value: object) -> int | float | str | tuple[str, ...]:
+def coerce(name: str, value: object) -> bool | int | float | str | tuple[str, ...]:
     """A raw value (TOML, env or command line) as the setting's type; ConfigError if it is not."""
     if name not in ENV:
         raise ConfigError(f"unknown setting {name!r} (known: {', '.join(setting_names())})")
@@ -247,6 +297,15 @@ def coerce(name: str, value: object) -> int | float | str | tuple[str, ...]:
             return int(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             raise ConfigError(f"{name} must be a whole number or auto, not {value!r}") from None
+    if _kind(name) == "bool":  # TOML true/false, or a word from the env or command line
+        if isinstance(value, bool):
+            return value
+        word = str(value).strip().lower()
+        if word in ("true", "yes", "on", "1"):
+            return True
+        if word in ("false", "no", "off", "0"):
+            return False
+        raise ConfigError(f"{name} must be true or false, not {value!r}")
     if _kind(name) == "float":
         if isinstance(value, bool):
             raise ConfigError(f"{name} must be a number, not {value!r}")
@@ -289,6 +348,10 @@ def check_setting(name: str, value: int | str) -> None:
             raise ConfigError(f"host: {e}") from None
     elif name in ("keep_alive", "queue_timeout", "load_timeout"):
         parse_duration(str(value))
+    elif name == "ram_budget":
+        size = parse_size(str(value))
+        if size is not None and size < 256 << 20:
+            raise ConfigError(f"ram_budget must be auto or at least 256M, not {value!r}")
     elif name == "socket" and value:
         if not os.path.isabs(str(value)):
             raise ConfigError(f"socket must be an absolute path, not {value!r}")
@@ -296,14 +359,24 @@ def check_setting(name: str, value: int | str) -> None:
             raise ConfigError(f"socket path is longer than {_MAX_SOCKET_PATH} bytes: {value}")
     elif name == "hf_endpoint" and not str(value).startswith(("http://", "https://")):
         raise ConfigError(f"hf_endpoint must start with http:// or https://, not {value!r}")
+    elif name == "import_dirs":
+        for directory in value:  # type: ignore[union-attr]
+            if not os.path.isabs(os.path.expanduser(directory)):
+                raise ConfigError(f"import_dirs: {directory!r} is not an absolute path")
     elif name == "rpc_workers":
-        from localllm.profiles.rpc import WorkerError, parse_endpoint
-
         for endpoint in value:  # type: ignore[union-attr]
             try:
                 parse_endpoint(endpoint)
-            except WorkerError as e:
+            except ValueError as e:
                 raise ConfigError(f"rpc_workers: {e}") from None
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """An RPC worker's "host:port" -> (host, port); ValueError says what is wrong."""
+    host, sep, port = str(text).strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"RPC worker {text!r} is not host:port (e.g. 192.168.1.20:50052)")
+    return host.strip("[]"), int(port)
 
 
 def validate(config: Config) -> None:
@@ -343,6 +416,21 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
     return values
 
 
+def read_config_text(path: Path) -> str:
+    """config.toml's text; ConfigError (with the place) when it is not UTF-8 or unreadable."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}", path=str(path)) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        reason = f"not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})"
+        raise ConfigError(f"{path}:{line}: {reason}", path=str(path), line=line,
+                          reason=reason) from None
+
+
 def load_config_sources(path: Path | None = None,
                         environ: dict | None = None) -> tuple[Config, dict[str, str]]:
     """The effective config and where each value came from: 'default', 'file' or the env name."""
@@ -351,7 +439,7 @@ def load_config_sources(path: Path | None = None,
     sources = dict.fromkeys(setting_names(), "default")
     values: dict = {}
     if path.is_file():
-        values.update(parse_config(path.read_text(), str(path)))
+        values.update(parse_config(read_config_text(path), str(path)))
         sources.update(dict.fromkeys(values, "file"))
     for name, env in ENV.items():
         if not environ.get(env):

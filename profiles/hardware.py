@@ -1,15 +1,18 @@
 """The probe: which card and host this machine has (NVML for GPUs, the OS for RAM and cores).
 
 The only place that touches the hardware. Everything it finds becomes a `Card`, so the tuner
-plans for a probed machine and for a profile the same way.
+plans for a probed machine and for a profile the same way. RAM is what is available when the
+model loads (MemAvailable, capped by the cgroup's memory.max), not the machine's physical RAM:
+other programs hold some, and a container may have less than the machine.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import replace
 from functools import lru_cache
+
+from localllm.llama import nvml
 
 from .card import CPU_ONLY, GIB, MIB, Card, load_card, match_card
 from .plan import physical_cores
@@ -22,19 +25,70 @@ def host_ram_bytes() -> int:
         return 8 * GIB
 
 
-def free_ram_bytes() -> int:
-    """RAM the system could give now without swapping (Linux's MemAvailable)."""
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The kernel's MemAvailable: free memory plus the page cache it can drop without swapping
+    (other programs' memory is not in it). None where it cannot be read."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def cgroup_room_bytes(proc_cgroup: str = "/proc/self/cgroup",
+                      root: str = "/sys/fs/cgroup") -> int | None:
+    """What this process's cgroup v2 (and every group above it) still lets it allocate: the
+    tightest memory.max less what that group already holds, its page cache excepted (the
+    kernel reclaims that first). None where no limit applies or cgroup v2 is not mounted."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
+        with open(proc_cgroup) as f:
+            path = next((line.strip()[3:] for line in f if line.startswith("0::")), None)
+    except OSError:
+        return None
+    if path is None:
+        return None
+    room: int | None = None
+    group = path.strip("/")
+    while True:
+        where = os.path.join(root, group) if group else root
+        limit = _read_int(os.path.join(where, "memory.max"))
+        if limit is not None:
+            used = _read_int(os.path.join(where, "memory.current")) or 0
+            cache = _memory_stat(os.path.join(where, "memory.stat")).get("file", 0)
+            left = max(0, limit - max(0, used - cache))
+            room = left if room is None else min(room, left)
+        if not group:
+            return room
+        group = os.path.dirname(group)
+
+
+def _read_int(path: str) -> int | None:
+    """A cgroup file's number; None for "max" (no limit) or a file that is not there."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _memory_stat(path: str) -> dict[str, int]:
+    try:
+        with open(path) as f:
+            return {k: int(v) for k, v in (line.split() for line in f if line.strip())}
+    except (OSError, ValueError):
+        return {}
+
+
+def ram_available() -> int:
+    """RAM a model may take now: MemAvailable, capped by the cgroup's room where one applies
+    (a container's limit, a systemd unit's MemoryMax). 0 where neither can be read (plans then
+    count the physical RAM less a reserve)."""
+    found = [n for n in (mem_available_bytes(), cgroup_room_bytes()) if n is not None]
+    return min(found) if found else 0
 
 
 def estimate_host_bandwidth(cores: int) -> float:
@@ -52,53 +106,12 @@ def host_card() -> Card:
     cores = physical_cores()
     return replace(
         load_card(CPU_ONLY).with_host(host_ram_bytes(), cores, estimate_host_bandwidth(cores)),
-        source="probe",
+        source="probe", ram_available_bytes=ram_available(),
     )
 
 
-def _nvml_devices() -> list[dict]:
-    """Name, memory, PCIe and clocks of every NVIDIA GPU, or [] where there is none."""
-    try:
-        with warnings.catch_warnings():  # pynvml warns that it is deprecated, on every import
-            warnings.simplefilter("ignore")
-            import pynvml
-    except ImportError:
-        return []
-    try:
-        pynvml.nvmlInit()
-    except Exception:
-        return []
-    devices = []
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            info = {"name": name.decode() if isinstance(name, bytes) else str(name),
-                    "total": int(mem.total), "free": int(mem.free)}
-            facts = {
-                "cc": lambda h: ".".join(map(str, pynvml.nvmlDeviceGetCudaComputeCapability(h))),
-                "pcie_gen": pynvml.nvmlDeviceGetMaxPcieLinkGeneration,
-                "pcie_width": pynvml.nvmlDeviceGetMaxPcieLinkWidth,
-                "mem_clock_mhz":
-                    lambda h: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM),
-                "bus_width": pynvml.nvmlDeviceGetMemoryBusWidth,
-            }
-            for key, call in facts.items():
-                try:
-                    info[key] = call(h)
-                except Exception:  # optional facts; older drivers lack some
-                    pass
-            devices.append(info)
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
-    return devices
-
-
-def card_from_nvml(devices: list[dict], ram_bytes: int, cores: int) -> Card:
+def card_from_nvml(devices: list[dict], ram_bytes: int, cores: int,
+                   ram_available_bytes: int = 0) -> Card:
     """A Card for the GPUs NVML reported: the matching profile with the real memory, or one
     built from NVML's clocks and bus width when no profile matches."""
     first = devices[0]
@@ -121,19 +134,25 @@ def card_from_nvml(devices: list[dict], ram_bytes: int, cores: int) -> Card:
     return replace(
         card, vram_bytes=first["total"], free_vram_bytes=free, n_gpus=len(devices),
         ram_bytes=ram_bytes, cores=cores, host_bandwidth_gbs=estimate_host_bandwidth(cores),
-        source="probe",
+        source="probe", ram_available_bytes=ram_available_bytes,
     )
 
 
 @lru_cache(maxsize=1)
-def probe_card() -> Card:
-    """This machine: its GPUs matched to a profile (by name and memory) with real free memory,
-    or the cpu-only profile with real RAM and cores where there is no GPU."""
-    devices = _nvml_devices()
+def _probe_devices() -> Card:
+    devices = nvml.devices()
     if not devices:
         return host_card()
     cores = physical_cores()
     return card_from_nvml(devices, host_ram_bytes(), cores)
+
+
+def probe_card() -> Card:
+    """This machine: its GPUs matched to a profile (by name and memory) with real free memory,
+    or the cpu-only profile with real RAM and cores where there is no GPU. The devices are
+    probed once; the RAM available is read again on every call (each load plans with what
+    other programs left)."""
+    return replace(_probe_devices(), ram_available_bytes=ram_available())
 
 
 def resolve_card(name: str | None) -> Card:
@@ -142,4 +161,5 @@ def resolve_card(name: str | None) -> Card:
         return probe_card()
     card = load_card(name)
     host = host_card()
-    return card.with_host(host.ram_bytes, host.cores, host.host_bandwidth_gbs)
+    return replace(card.with_host(host.ram_bytes, host.cores, host.host_bandwidth_gbs),
+                   ram_available_bytes=host.ram_available_bytes)

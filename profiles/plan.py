@@ -45,9 +45,10 @@ class Plan:
     n_threads_batch: int = 1
     use_mmap: bool = True
     n_parallel: int = 1  # slots: sequences decoded together, each with n_ctx of KV
-    # Speculative decoding: "none", "lookup" (n-grams of the prompt), "mtp" (the model's NextN
-    # layers) or "draft" (the paired draft model). A profile's "prompt-lookup" reads as "lookup".
-    speculative: str = "none"
+    # Speculative decoding: "off", "lookup" (n-grams of the prompt), "mtp" (the model's NextN
+    # layers) or "draft" (the paired draft model). A profile's "prompt-lookup" reads as "lookup",
+    # "none" (the name before requests and plans shared one vocabulary) as "off".
+    speculative: str = "off"
     draft_n_max: int = 0  # the longest draft; the runner adapts below it (0: 8, or 3 for mtp)
     draft_n_gpu_layers: int = 0  # the draft model's layers on the GPU (llama.cpp's -ngld)
     # RPC workers ("host:port") whose devices come before the local GPUs in llama.cpp's device
@@ -60,6 +61,10 @@ class Plan:
     predicted_decode_tps: float = 0.0  # averaged over the expected fill of the context
     predicted_plain_decode_tps: float = 0.0  # the same without speculative decoding (0: unknown)
     predicted_decode_by_depth: tuple[tuple[int, float], ...] = ()  # (tokens in context, tok/s)
+    # Time to the first token of a prompt read into an empty context: (prompt tokens, seconds)
+    predicted_ttft: tuple[tuple[int, float], ...] = ()
+    workload: str = ""  # the session the plan was made for (profiles.workload)
+    predicted_session_s: float = 0.0  # that session's predicted time, prompts and answers
     reasons: tuple[str, ...] = ()
     source: str = "default"  # "default", "tuner", "profile:<path>"
 
@@ -88,16 +93,16 @@ class Plan:
         data["memory"] = tuple(DeviceMemory(**m) for m in data.get("memory", ()))
         for key in ("tensor_split", "reasons", "rpc_workers"):
             data[key] = tuple(data.get(key, ()))
-        data["predicted_decode_by_depth"] = tuple(
-            (int(d), float(t)) for d, t in data.get("predicted_decode_by_depth", ()))
+        for key in ("predicted_decode_by_depth", "predicted_ttft"):
+            data[key] = tuple((int(d), float(t)) for d, t in data.get(key, ()))
         data["device_layers"] = tuple((str(d), int(n)) for d, n in data.get("device_layers", ()))
         if "speculative" in data:
             data["speculative"] = speculative_mode(data["speculative"])
         return cls(**data)
 
 
-SPECULATIVE_MODES = ("none", "lookup", "mtp", "draft")
-SPECULATIVE_ALIASES = {"prompt-lookup": "lookup"}  # the name profiles saved before "lookup"
+# Names profiles saved before "lookup", and before plans and requests shared one vocabulary.
+SPECULATIVE_ALIASES = {"prompt-lookup": "lookup", "none": "off"}
 
 
 def speculative_mode(value: str) -> str:

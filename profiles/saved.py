@@ -21,7 +21,9 @@ from localllm import paths
 from localllm.errors import UserError
 
 from .memory import KV_TYPES
-from .plan import SPECULATIVE_ALIASES, SPECULATIVE_MODES, Plan, TensorOverride, speculative_mode
+from localllm.options import SPECULATIVE_MODES
+
+from .plan import SPECULATIVE_ALIASES, Plan, TensorOverride, speculative_mode
 
 # Fields of Plan a profile may set, with their type; the rest are predictions and reasons.
 EDITABLE: dict[str, type] = {

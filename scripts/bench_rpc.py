@@ -84,6 +84,7 @@ def measure(request: dict) -> dict:
 
     from localllm.daemon.runner.engine import load_llama
     from localllm.modelstore.shape import read_shape
+    from localllm.options import LoadOptions
     from localllm.profiles.choose import choose_plan
     from localllm.profiles.hardware import host_card
     from localllm.profiles.plan import Plan, physical_cores
@@ -100,7 +101,7 @@ def measure(request: dict) -> dict:
         # NVML sees every GPU whatever CUDA_VISIBLE_DEVICES says: plan for this host alone.
         # CPU workers on this same machine are no faster than its RAM, and the planner would
         # leave them out: num_gpu asks for every layer on them.
-        options = {} if request["gpu"] else {"num_gpu": 999}
+        options = LoadOptions() if request["gpu"] else LoadOptions(num_gpu=999)
         plan = choose_plan(shape, "bench", n_ctx, options, card=host_card())
         if not plan.rpc_workers:
             raise SystemExit("the planner did not use the workers: " + "; ".join(plan.reasons))

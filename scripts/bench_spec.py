@@ -137,7 +137,7 @@ def api_modes(args, ngl: int) -> list[tuple[str, float, dict]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         env = isolated_env(Path(tmp), LOCALLLM_NUM_PARALLEL="1",
-                           LOCALLLM_CONTEXT_POLICY="fixed", LOCALLLM_DEFAULT_CTX="4096")
+                           LOCALLLM_CONTEXT_POLICY="fixed", LOCALLLM_CONTEXT_LENGTH="4096")
         store = ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models")
         store.import_gguf(args.model, "bench")
         if args.draft_other:
@@ -214,7 +214,7 @@ def tuner_rows(args) -> list[str]:
             out.append(f"| {budget:g} GiB | no plan: {e} | | | | | |")
             continue
         plain, _ = engine_decode(args.model, plan, "off", args.tokens, args.rounds)
-        spec, draft = ((plain, {}) if plan.speculative == "none" else
+        spec, draft = ((plain, {}) if plan.speculative == "off" else
                        engine_decode(args.model, plan, "auto", args.tokens, args.rounds))
         n_all = shape.n_layer + 1
         in_ram = [o.pattern for o in plan.tensor_overrides if "ffn" in o.pattern]

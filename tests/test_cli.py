@@ -75,7 +75,7 @@ def test_list_show_cp_rm(daemon):
     assert show.returncode == 0
     for fragment in ("gemma3", "268M", "Q4_K_M", "32768", "sliding window", "chat template"):
         assert fragment in show.stdout
-    assert "no" in show.stdout.split("chat template")[1].splitlines()[0]
+    assert "default" in show.stdout.split("chat template")[1].splitlines()[0]
     assert daemon.cli("cp", "smollm2", "smol-copy:v2").returncode == 0
     assert "smol-copy:v2" in daemon.cli("list").stdout
     assert daemon.cli("rm", "smol-copy:v2").returncode == 0

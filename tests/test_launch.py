@@ -169,7 +169,7 @@ def test_an_unknown_model_is_one_line_naming_it(launch_daemon, tmp_path):
 
 
 def test_the_pick_is_the_largest_tool_model_that_fits_else_the_smallest():
-    from localllm.launch_command import pick_model
+    from localllm.cli.launch import pick_model
 
     def m(name, size, tools=True):
         return {"name": name, "size": size, "capabilities": ["tools"] if tools else [],

@@ -11,6 +11,7 @@ from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOpt
 from localllm.daemon.runner.process import LoadError
 from localllm.daemon.scheduler import Planner, Scheduler, context_to_ask
 from localllm.modelstore.shape import read_shape
+from localllm.options import LoadOptions
 from localllm.profiles.plan import cpu_plan
 
 
@@ -38,7 +39,7 @@ class FirstPlanFails(Planner):
 async def generate_once(scheduler, entry):
     request = GenerationRequest(id="t", prompt="Hello",
                                 options=SamplingOptions(num_predict=3, temperature=0))
-    async with scheduler.use(entry, 1024, {}) as runner:
+    async with scheduler.use(entry, LoadOptions(num_ctx=1024)) as runner:
         events = [e async for e in runner.generate(request)]
     return runner, events
 

@@ -129,6 +129,7 @@ async def test_a_runner_that_writes_garbage_fails_the_request_and_the_next_one_l
     from localllm.daemon.runner.protocol import (Done, Failure, GenerationRequest,
                                                  SamplingOptions)
     from localllm.daemon.scheduler import Scheduler
+    from localllm.options import LoadOptions
 
     monkeypatch.setenv("GARBAGE_MARKER", str(tmp_path / "garbage-once"))
     entry = store.import_gguf(smollm2_gguf, "smollm2")
@@ -140,7 +141,7 @@ async def test_a_runner_that_writes_garbage_fails_the_request_and_the_next_one_l
     async def answer() -> tuple[list, int]:
         request = GenerationRequest(id="g", prompt="Once upon a time",
                                     options=SamplingOptions(num_predict=40, temperature=0))
-        async with scheduler.use(entry, 1024, {}) as runner:
+        async with scheduler.use(entry, LoadOptions(num_ctx=1024)) as runner:
             return [e async for e in runner.generate(request)], runner.pid
 
     try:

@@ -10,12 +10,13 @@ import llama_cpp
 import pytest
 import synth_gguf
 
-from localllm.cli import main
+from localllm.cli.main import main
 from localllm.modelstore.shape import read_shape
+from localllm.options import LoadOptions
 from localllm.profiles.card import GIB, load_card
 from localllm.profiles.choose import choose_plan, placement_of, step_down
 from localllm.profiles.hardware import host_card, probe_card
-from localllm.profiles.llama_overrides import tensor_overrides_applied
+from localllm.llama.overrides import tensor_overrides_applied
 from localllm.profiles.plan import Plan, TensorOverride, physical_cores
 from localllm.profiles.saved import (
     ProfileError, find_profile, load_profile, profile_path, save_profile,
@@ -31,12 +32,13 @@ def headers(tmp_path_factory):
 def test_choose_plan_on_a_cpu_only_machine_is_all_cpu(home, smollm2_gguf):
     shape = read_shape(smollm2_gguf)
     card = host_card()  # this machine as it would probe without a GPU, wherever the test runs
-    plan = choose_plan(shape, "smollm2", None, {}, card=card)
+    plan = choose_plan(shape, "smollm2", None, LoadOptions(), card=card)
     assert plan.n_gpu_layers == 0 and not plan.tensor_overrides
     assert plan.n_ctx == min(4096, shape.context_length)
     assert plan.n_threads == physical_cores() and plan.type_k == "f16"
     assert [m.device for m in plan.memory] == ["CPU"] and plan.memory[0].weights > 0
-    asked = choose_plan(shape, "smollm2", 2048, {"num_thread": 1, "num_batch": 64}, card=card)
+    asked = choose_plan(shape, "smollm2", 2048, LoadOptions(num_thread=1, num_batch=64),
+                        card=card)
     assert asked.n_ctx == 2048 and asked.n_threads == 1 and asked.n_batch == 64
     assert asked.n_ubatch <= 64
 
@@ -44,21 +46,21 @@ def test_choose_plan_on_a_cpu_only_machine_is_all_cpu(home, smollm2_gguf):
 def test_saved_profile_is_used_and_bad_edits_are_reported(home, smollm2_gguf):
     shape = read_shape(smollm2_gguf)
     card = probe_card()
-    tuned = choose_plan(shape, "smollm2", 1024, {}, card=card)
+    tuned = choose_plan(shape, "smollm2", 1024, LoadOptions(), card=card)
     path = save_profile(tuned, "smollm2", card.name, shape.file_size)
     assert path == profile_path("smollm2", card.name) and path.is_file()
     text = path.read_text().replace("n_threads = ", "n_threads = 1 #", 1)
     path.write_text(text)
-    plan = choose_plan(shape, "smollm2", None, {}, card=card)
+    plan = choose_plan(shape, "smollm2", None, LoadOptions(), card=card)
     assert plan.source == f"profile:{path}" and plan.n_threads == 1 and plan.n_ctx == 1024
     path.write_text(text.replace('type_k = "f16"', 'type_k = "q3_z"'))
     with pytest.raises(ProfileError, match="q3_z.*is not a KV cache type"):
         load_profile(path)
-    plan = choose_plan(shape, "smollm2", None, {}, card=card)  # reported, not crashed on
+    plan = choose_plan(shape, "smollm2", None, LoadOptions(), card=card)  # reported, not crashed on
     assert plan.source == "tuner"
     assert any("saved profile ignored" in r and "q3_z" in r for r in plan.reasons)
     path.write_text("this is [not toml")
-    assert choose_plan(shape, "smollm2", None, {}, card=card).source == "tuner"
+    assert choose_plan(shape, "smollm2", None, LoadOptions(), card=card).source == "tuner"
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import synth_gguf
 
-from localllm.cli import main
+from localllm.cli.main import main
 from localllm.modelstore.shape import read_shape
 from localllm.profiles import speculation
 from localllm.profiles.card import GIB, MIB, load_card
@@ -85,7 +85,7 @@ def test_qwen35_on_a_24gb_card_plans_mtp_with_every_block_on_the_gpu(shapes):
     # The NextN block's weights are loaded on the GPU beside the trunk (a plan without MTP
     # skips them), and its own KV layer is counted.
     plain = tune(shape, c, Request(n_ctx=4096, speculation=False))
-    assert plain.speculative == "none"
+    assert plain.speculative == "off"
     nextn = sum(t.n_bytes for t in shape.tensors if t.layer == shape.n_layer_main)
     gpu, gpu_plain = plan.memory[0], plain.memory[0]
     assert gpu.weights - gpu_plain.weights == nextn
@@ -109,7 +109,7 @@ def test_speculation_may_buy_every_block_on_the_gpu_with_a_smaller_kv_type(shape
 def test_measured_low_acceptance_turns_mtp_off(shapes):
     plan = tune(shapes["qwen35-27b"], card("rtx3090"),
                 Request(n_ctx=4096, acceptance={"mtp": 0.05}))
-    assert plan.speculative == "none" and plan.draft_n_max == 0
+    assert plan.speculative == "off" and plan.draft_n_max == 0
     assert any(r.startswith("speculation off: mtp") and "(measured)" in r for r in plan.reasons)
 
 
@@ -117,10 +117,10 @@ def test_many_blocks_on_the_cpu_turn_speculation_off_and_say_why(shapes):
     """12 GiB for a 27B model: a third or more of the blocks are read on the CPU, a checking
     pass costs several plain ones, and drafting would lose."""
     qwen = tune(shapes["qwen35-27b"], card("rtx3060-12g"), Request(n_ctx=4096))
-    assert qwen.speculative == "none"
+    assert qwen.speculative == "off"
     assert any(r.startswith("speculation off: mtp") for r in qwen.reasons)
     dense = tune(shapes["dense-27b"], card("rtx3060-12g"), Request(n_ctx=32768))
-    assert dense.speculative == "none"
+    assert dense.speculative == "off"
     why = next(r for r in dense.reasons if r.startswith("speculation off: lookup"))
     ratio = float(why.split("costs ")[1].split("x")[0])
     assert ratio >= 2.0 and "blocks read on the CPU" in why
@@ -131,7 +131,7 @@ def test_lookup_only_where_checking_is_nearly_free(shapes):
     roomy = tune(shapes["dense-27b"], card("rtx3090"), Request(n_ctx=4096))
     tight = tune(shapes["dense-27b"], card("rtx4060"), Request(n_ctx=4096))
     assert roomy.speculative == "lookup" and roomy.n_gpu_layers == shapes["dense-27b"].n_layer + 1
-    assert tight.speculative == "none"
+    assert tight.speculative == "off"
 
 
 @pytest.mark.parametrize("name", [n for n in synth_gguf.SHAPES if n != "qwen35-27b"])
@@ -148,7 +148,7 @@ def test_recurrent_models_never_plan_lookup_or_draft(shapes):
     shape = shapes["qwen35-27b"]
     for card_name in CARDS:
         plan = tune(shape, card(card_name), Request(n_ctx=4096), draft=shape)
-        assert plan.speculative in ("none", "mtp"), card_name
+        assert plan.speculative in ("off", "mtp"), card_name
         assert any("recurrent state is taken back" in r and "not planned" in r
                    for r in plan.reasons)
 
@@ -184,8 +184,8 @@ def test_plans_with_a_drafter_never_exceed_the_budget(shapes, draft_1b, ctx):
             for m in plan.memory:
                 limit = ram_budget(c) if m.device == "CPU" else vram_budget(c, 512 * MIB)
                 assert m.total <= limit, (name, card_name, m)
-            assert plan.speculative in ("none", "lookup", "mtp", "draft")
-            assert (plan.draft_n_max > 0) == (plan.speculative != "none")
+            assert plan.speculative in ("off", "lookup", "mtp", "draft")
+            assert (plan.draft_n_max > 0) == (plan.speculative != "off")
 
 
 def test_a_draft_with_another_vocabulary_is_not_used(shapes):

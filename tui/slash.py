@@ -5,46 +5,17 @@ Pure functions of the typed line; the app carries the parsed `Command` out.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from localllm.daemon.runner.protocol import SPECULATIVE_CHOICES
+from localllm.options import OPTIONS, OptionError, from_text
 
 
 class SlashError(ValueError):
     """A line the user typed that is not a valid command; the message says what is."""
 
 
-@dataclass(frozen=True)
-class Param:
-    kind: type  # int, float or str
-    low: float | None = None
-    high: float | None = None
-    help: str = ""
-
-
-# The Ollama options the daemon reads (daemon/api/ollama.py parse_options), with its bounds.
-PARAMETERS: dict[str, Param] = {
-    "temperature": Param(float, 0, 100, "randomness; 0 always picks the likeliest token"),
-    "top_k": Param(int, 0, None, "sample from the k likeliest tokens"),
-    "top_p": Param(float, 0, 1, "sample from the smallest set with this much probability"),
-    "min_p": Param(float, 0, 1, "drop tokens below this share of the likeliest one"),
-    "typical_p": Param(float, 0, 1, "locally typical sampling"),
-    "repeat_penalty": Param(float, 0, None, "penalise repeating recent tokens"),
-    "repeat_last_n": Param(int, -1, None, "how far back repeat_penalty looks (-1: context)"),
-    "presence_penalty": Param(float, None, None, "penalise tokens already present"),
-    "frequency_penalty": Param(float, None, None, "penalise tokens by how often they appeared"),
-    "seed": Param(int, None, None, "random seed, for repeatable answers"),
-    "num_predict": Param(int, -2, None, "most tokens per answer (-1: until the model stops)"),
-    "stop": Param(str, help="stop strings (several allowed)"),
-    "num_ctx": Param(int, 256, 1 << 24, "context length; reloads the model"),
-    "num_gpu": Param(int, -1, None, "layers on the GPU; reloads the model"),
-    "num_thread": Param(int, -1, None, "CPU threads; reloads the model"),
-    "num_batch": Param(int, -1, None, "prompt batch size; reloads the model"),
-    "speculative": Param(str, help="drafting: auto, off, lookup, mtp or draft (mtp and draft "
-                         "reload the model)"),
-    "draft_model": Param(str, help="the model that drafts for speculative draft; reloads"),
-}
+# The options `/set parameter` takes: the daemon's one option table, with its bounds.
+PARAMETERS = OPTIONS
 
 SHOW_WHAT = ("info", "parameters", "system", "template", "plan")
 
@@ -131,35 +102,16 @@ def unknown_parameter(name: str) -> str:
 
 
 def parse_parameter(name: str, values: list[str]) -> tuple[str, object]:
-    """A parameter's text value(s) -> its typed value, checked against the daemon's bounds."""
-    param = PARAMETERS.get(name)
-    if param is None:
+    """A parameter's text value(s) -> its typed value, checked against the option table."""
+    if name not in PARAMETERS:
         raise SlashError(unknown_parameter(name))
     if name == "stop":
-        return name, [v.encode().decode("unicode_escape") for v in values]  # "\n" as a stop
-    if param.kind is str:
-        if len(values) != 1:
-            raise SlashError(f"{name} takes one value")
-        if name == "speculative" and values[0] not in SPECULATIVE_CHOICES:
-            raise SlashError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)}")
-        return name, values[0]
-    if len(values) != 1:
-        raise SlashError(f"{name} takes one value")
-    text = values[0]
+        values = [v.encode().decode("unicode_escape") for v in values]  # "\n" as a stop
     try:
-        value = param.kind(text)
-        if not math.isfinite(value):
-            raise ValueError(text)
-    except ValueError:
-        kind = "a whole number" if param.kind is int else "a number"
-        raise SlashError(f"{name} must be {kind}, not '{text}'") from None
-    if param.low is not None and value < param.low or \
-            param.high is not None and value > param.high:
-        bounds = f"from {param.low}" if param.high is None else \
-            f"between {param.low} and {param.high}" if param.low is not None else \
-            f"up to {param.high}"
-        raise SlashError(f"{name} must be {bounds}, not {text}")
-    return name, value
+        value = from_text(name, values)
+    except OptionError as e:
+        raise SlashError(str(e)) from None
+    return name, list(value) if name == "stop" else value
 
 
 def completions(text: str, models: list[str] = ()) -> list[str]:

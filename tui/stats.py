@@ -116,7 +116,7 @@ class RunnerStats:
     layers: int = 0
     kv_type: str = ""
     n_ctx: int = 0
-    speculative: str = "none"
+    speculative: str = "off"
     reasons: tuple[str, ...] = ()
     plan_source: str = ""
 
@@ -132,7 +132,7 @@ class RunnerStats:
             layers=int(plan.get("layers", 0)),
             kv_type=str(plan.get("kv_type", "")),
             n_ctx=int(model.get("context_length") or plan.get("n_ctx") or 0),
-            speculative=str(plan.get("speculative", "none")),
+            speculative=str(plan.get("speculative", "off")),
             reasons=tuple(plan.get("reasons") or ()),
             plan_source=str(plan.get("source", "")),
         )

@@ -11,10 +11,12 @@ from typing import Any
 
 from aiohttp import web
 
-from ..runner.protocol import SPECULATIVE_CHOICES
+from localllm.errors import UserError
+from localllm import options
+from localllm.options import LoadOptions, SamplingOptions
 
 
-class ApiError(Exception):
+class ApiError(UserError):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status = status
@@ -141,35 +143,14 @@ def get_number(body: dict, key: str, kind: type = float, minimum: float | None =
     return value
 
 
-def get_speculative(body: dict) -> str:
-    """`speculative` (a localllm addition, in Ollama's options or an OpenAI body): auto (the
-    plan's choice), off, lookup, mtp, draft; mtp and draft load the model with that drafter."""
-    value = body.get("speculative", "auto")
-    if value not in SPECULATIVE_CHOICES:
-        raise bad_request(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)}",
-                          "speculative")
-    return value
-
-
-def speculation_load_options(body: dict) -> dict:
-    """The load options `speculative` and `draft_model` (the name of a stored draft model)."""
-    from ..drafting import load_options
-
-    draft_model = body.get("draft_model")
-    if draft_model is not None and (not isinstance(draft_model, str) or not draft_model):
-        raise bad_request("draft_model must be a model's name", "draft_model")
-    return load_options({**body, "speculative": get_speculative(body)})
-
-
-def get_stop(body: dict, key: str = "stop") -> tuple[str, ...]:
-    value = body.get(key)
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise bad_request(f"field '{key}' must be a string or a list of strings", key)
+def parse_options(values: dict, labels: dict | None = None,
+                  stored: dict | None = None) -> tuple[SamplingOptions, LoadOptions]:
+    """A request's options through the one option table (localllm/options.py), over a
+    Modelfile's stored PARAMETERs; `labels` names an option as the client's format does."""
+    try:
+        return options.parse({**(stored or {}), **values}, labels)
+    except options.OptionError as e:
+        raise bad_request(str(e), e.name) from None
 
 
 def get_messages(body: dict) -> tuple[dict, ...]:

@@ -16,7 +16,7 @@ from ..generation import find_model, hold
 from ..runner.process import new_request_id
 from ..runner.protocol import EmbedRequest, Embeddings
 from .common import bad_request, get_bool, get_model_field, get_number, get_str, read_json
-from .ollama import parse_keep_alive, parse_options
+from .ollama import ollama_options, parse_keep_alive
 
 routes = web.RouteTableDef()
 
@@ -38,8 +38,8 @@ async def _embed(request: web.Request, body: dict, inputs: tuple[str, ...], trun
     """(embeddings, load ns, total ns) of `inputs` with the body's model."""
     started, started_wall = time.perf_counter_ns(), time.time()
     entry = find_model(request.app, get_model_field(body))
-    _, n_ctx, load = parse_options(body)
-    async with hold(request.app, entry, n_ctx, load, parse_keep_alive(body)) as runner:
+    _, load = ollama_options(body)
+    async with hold(request.app, entry, load, parse_keep_alive(body)) as runner:
         load_ns = runner.load_duration_ns if runner.loaded_at >= started_wall else 0
         result = await runner.embed(EmbedRequest(id=new_request_id(), inputs=inputs,
                                                  truncate=truncate, dimensions=dimensions))

@@ -11,21 +11,22 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
 from localllm import __version__
 from localllm.config import ConfigError, parse_duration
+from localllm.options import LoadOptions, SamplingOptions
 
-from .. import remote
+from .. import remote, security
 from ..chat.answer import answer, model_for
 from ..chat.custom import Customization, capabilities, read_customization
 from ..chat.parse import Parsed
 from ..chat.request import THINK_LEVELS, ChatRequest
+from ..chat.template import DEFAULT_TEMPLATE
 from ..generation import Generation, find_model, hold
-from ..runner.protocol import Done, Failure, Progress, SamplingOptions, Token
+from ..runner.protocol import Done, Failure, Progress, Token
 from ..runner.process import new_request_id
 from ..state import CONFIG, SCHEDULER, STORE
 from .common import (
@@ -34,14 +35,12 @@ from .common import (
     get_messages,
     get_model_field,
     get_number,
-    get_speculative,
-    get_stop,
     get_str,
     get_tool_choice,
     get_tools,
     has_images,
     read_json,
-    speculation_load_options,
+    parse_options,
 )
 
 routes = web.RouteTableDef()
@@ -60,43 +59,13 @@ def iso(ts: float) -> str:
 
 
 # ---- request parsing -----------------------------------------------------------------------
-def parse_options(body: dict, stored: dict | None = None
-                  ) -> tuple[SamplingOptions, int | None, dict]:
-    """Ollama `options` -> sampling options, requested n_ctx, and load-time options; `stored`
-    are a Modelfile's PARAMETERs, which the request's own options override."""
-    options = body.get("options") or {}
-    if not isinstance(options, dict):
+def ollama_options(body: dict, stored: dict | None = None
+                   ) -> tuple[SamplingOptions, LoadOptions]:
+    """Ollama `options` (the table's names) over a Modelfile's stored PARAMETERs."""
+    values = body.get("options") or {}
+    if not isinstance(values, dict):
         raise bad_request("field 'options' must be an object", "options")
-    options = {**(stored or {}), **options}
-    num = lambda key, kind=float, lo=None, hi=None: get_number(options, key, kind, lo, hi)
-    defaults = SamplingOptions()
-    sampling = SamplingOptions(
-        temperature=_pick(num("temperature", float, 0, 100), defaults.temperature),
-        top_k=_pick(num("top_k", int, 0), defaults.top_k),
-        top_p=_pick(num("top_p", float, 0, 1), defaults.top_p),
-        min_p=_pick(num("min_p", float, 0, 1), defaults.min_p),
-        typical_p=_pick(num("typical_p", float, 0, 1), defaults.typical_p),
-        repeat_penalty=_pick(num("repeat_penalty", float, 0), defaults.repeat_penalty),
-        repeat_last_n=_pick(num("repeat_last_n", int, -1), defaults.repeat_last_n),
-        presence_penalty=_pick(num("presence_penalty"), defaults.presence_penalty),
-        frequency_penalty=_pick(num("frequency_penalty"), defaults.frequency_penalty),
-        seed=num("seed", int),
-        num_predict=_pick(num("num_predict", int, -2), defaults.num_predict),
-        stop=get_stop(options),
-        speculative=get_speculative(options),
-    )
-    n_ctx = num("num_ctx", int, 256, 1 << 24)
-    load = {}
-    for key in ("num_gpu", "num_thread", "num_batch"):
-        value = num(key, int, -1)
-        if value is not None:
-            load[key] = value
-    load.update(speculation_load_options(options))
-    return sampling, n_ctx, load
-
-
-def _pick(value, default):
-    return default if value is None else value
+    return parse_options(values, stored=stored)
 
 
 def parse_keep_alive(body: dict):
@@ -116,8 +85,7 @@ class Common:
 
     entry: ModelEntry
     sampling: SamplingOptions
-    n_ctx: int | None
-    load: dict
+    load: LoadOptions
     keep_alive: float | None | str
     stream: bool
     custom: Customization
@@ -126,8 +94,8 @@ class Common:
 async def parse_common(app: web.Application, body: dict) -> Common:
     entry = find_model(app, get_str(body, "model", required=True))
     custom = await asyncio.to_thread(read_customization, app[STORE], entry)
-    sampling, n_ctx, load = parse_options(body, custom.parameters)
-    return Common(entry=entry, sampling=sampling, n_ctx=n_ctx, load=load,
+    sampling, load = ollama_options(body, custom.parameters)
+    return Common(entry=entry, sampling=sampling, load=load,
                   keep_alive=parse_keep_alive(body), stream=get_bool(body, "stream", True),
                   custom=custom)
 
@@ -209,8 +177,8 @@ async def _respond(request: web.Request, common: Common, chat: ChatRequest, shap
                    final_extra, truncate: bool = True) -> web.StreamResponse:
     """Run a chat request and answer as NDJSON (stream) or one object (stream:false)."""
     model = str(common.entry.name)
-    async with answer(request.app, common.entry, chat, common.n_ctx, common.load,
-                      common.keep_alive, truncate=truncate, custom=common.custom) as run:
+    async with answer(request.app, common.entry, chat, common.keep_alive, truncate=truncate,
+                      custom=common.custom) as run:
         gen = run.gen
         if not common.stream:
             parsed, done, logprobs = await run.whole()
@@ -267,8 +235,9 @@ def get_logprobs(body: dict) -> int | None:
 
 def _chat_request(common: Common, body: dict, **fields) -> ChatRequest:
     return ChatRequest(id=new_request_id(), model_name=str(common.entry.name),
-                       options=common.sampling, format=get_format(body), think=get_think(body),
-                       has_images=has_images(body), logprobs=get_logprobs(body), **fields)
+                       options=common.sampling, load=common.load, format=get_format(body),
+                       think=get_think(body), has_images=has_images(body),
+                       logprobs=get_logprobs(body), **fields)
 
 
 @routes.post("/api/generate")
@@ -323,7 +292,7 @@ async def _load_only(request: web.Request, common: Common) -> web.Response:
         await app[SCHEDULER].unload(str(entry.name))
         reason = "unload"
     else:
-        async with hold(app, entry, common.n_ctx, common.load, common.keep_alive):
+        async with hold(app, entry, common.load, common.keep_alive):
             pass
         reason = "load"
     return web.json_response({"model": str(entry.name), "created_at": now_iso(), key: empty,
@@ -389,7 +358,8 @@ async def api_show(request: web.Request) -> web.Response:
     slot = request.app[SCHEDULER].models.get(str(entry.name))
     num_ctx = custom.parameters.get("num_ctx") or (
         slot.runner.n_ctx if slot else request.app[CONFIG].default_ctx)
-    template = custom.template or model.template or ""
+    # A model without a template is chatted with through Ollama's default, and shown so.
+    template = custom.template or model.template or DEFAULT_TEMPLATE
     details = {key: value if isinstance(value, list) else str(value)
                for key, value in {"parent_model": "", **entry.details}.items()}
     modelfile = f"FROM {entry.model_path}\n"
@@ -434,7 +404,9 @@ async def api_import(request: web.Request) -> web.Response:
     name = get_str(body, "model", required=True)
     path = get_str(body, "path", required=True)
     link = not get_bool(body, "copy", False)
-    entry = await asyncio.to_thread(request.app[STORE].import_gguf, Path(path), name, link)
+    roots = request.app[SCHEDULER].config.import_roots
+    source = await asyncio.to_thread(security.import_source, request, path, roots)
+    entry = await asyncio.to_thread(request.app[STORE].import_gguf, source, name, link)
     return web.json_response(_model_json(entry))
 
 
@@ -472,7 +444,9 @@ async def api_ps(request: web.Request) -> web.Response:
             else f"{plan.type_k}/{plan.type_v}",
             "gpu_layers": plan.n_gpu_layers,
             "flash_attn": plan.flash_attn,
-            "threads": plan.n_threads,
+            "threads": runner.n_threads,  # in use: fewer than planned on a busy CPU
+            "planned_threads": plan.n_threads,
+            "threads_reason": runner.threads_reason,
             "runner_pid": runner.pid,
             "busy": slot.busy,
             "num_parallel": runner.n_parallel,

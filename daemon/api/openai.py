@@ -8,56 +8,50 @@ import time
 import uuid
 
 from aiohttp import web
+from localllm.modelstore.store import ModelEntry
+from localllm.options import OPTIONS, LoadOptions, SamplingOptions
 
 from .. import remote
 from ..chat.answer import answer
-from ..chat.custom import read_customization
+from ..chat.custom import Customization, read_customization
 from ..chat.parse import Parsed
 from ..chat.request import THINK_LEVELS, ChatRequest
 from ..generation import find_model
 from ..runner.process import new_request_id
-from ..runner.protocol import Done, Failure, Progress, SamplingOptions, Token
+from ..runner.protocol import Done, Failure, Progress, Token
 from ..state import STORE
 from .common import (
     bad_request,
     get_bool,
     get_messages,
     get_number,
-    get_speculative,
-    get_stop,
     get_str,
     get_tool_choice,
     get_tools,
     has_images,
-    speculation_load_options,
+    parse_options,
     read_json,
 )
 
 routes = web.RouteTableDef()
 
 
-def parse_sampling(body: dict) -> SamplingOptions:
-    defaults = SamplingOptions()
-    max_tokens = get_number(body, "max_completion_tokens", int, 0)
-    if max_tokens is None:
-        max_tokens = get_number(body, "max_tokens", int, 0)
-    temperature = get_number(body, "temperature", float, 0, 2)
-    top_p = get_number(body, "top_p", float, 0, 1)
-    presence = get_number(body, "presence_penalty", float, -2, 2)
-    frequency = get_number(body, "frequency_penalty", float, -2, 2)
+# OpenAI's names for the table's options; every other option of the table is taken under its
+# own name (top_k, min_p, repeat_penalty, num_ctx...), as llama-server and vLLM take extras.
+OPENAI_NAMES = {"max_completion_tokens": "num_predict", "max_tokens": "num_predict"}
+
+
+def openai_options(body: dict, stored: dict | None = None
+                   ) -> tuple[SamplingOptions, LoadOptions]:
     n = get_number(body, "n", int, 1)
     if n not in (None, 1):
         raise bad_request("only n=1 is supported", "n")
-    return SamplingOptions(
-        temperature=defaults.temperature if temperature is None else temperature,
-        top_p=defaults.top_p if top_p is None else top_p,
-        presence_penalty=presence or 0.0,
-        frequency_penalty=frequency or 0.0,
-        seed=get_number(body, "seed", int),
-        num_predict=-1 if max_tokens is None else max_tokens,
-        stop=get_stop(body),
-        speculative=get_speculative(body),
-    )
+    values = {k: v for k, v in body.items() if k in OPTIONS}
+    labels = {}
+    for theirs, ours in reversed(OPENAI_NAMES.items()):  # max_completion_tokens wins
+        if body.get(theirs) is not None:
+            values[ours], labels[ours] = body[theirs], theirs
+    return parse_options(values, labels, stored)
 
 
 def finish_reason(done: Done, parsed_calls: bool) -> str:
@@ -142,22 +136,30 @@ def chat_logprobs(entries: list[dict]) -> dict:
 
 
 def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
-    """The legacy completions shape: parallel lists."""
+    """The legacy completions shape: parallel lists. With `echo` the prompt's tokens come
+    first, the very first with logprob None (as OpenAI, and lm-evaluation-harness reads it);
+    a BOS the tokenizer added stands at offset 0 and takes no characters of the text."""
     tokens = [e["token"] for e in entries]
     offsets, at = [], offset
-    for token in tokens:
+    for entry in entries:
         offsets.append(at)
-        at += len(token)
+        if not entry.get("added"):
+            at += len(entry["token"])
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])}
+            "top_logprobs": [None if e["logprob"] is None
+                             else {t["token"]: t["logprob"] for t in e.get("top_logprobs", [])}
                              for e in entries],
             "text_offset": offsets}
 
 
-async def _complete(request: web.Request, body: dict, chat_request: ChatRequest,
-                    chat: bool) -> web.StreamResponse:
+async def _model(request: web.Request, body: dict) -> tuple[ModelEntry, Customization]:
+    entry = find_model(request.app, get_str(body, "model", required=True))
+    return entry, await asyncio.to_thread(read_customization, request.app[STORE], entry)
+
+
+async def _complete(request: web.Request, body: dict, entry: ModelEntry, custom: Customization,
+                    chat_request: ChatRequest, chat: bool) -> web.StreamResponse:
     app = request.app
-    entry = find_model(app, get_str(body, "model", required=True))
     stream = get_bool(body, "stream", False)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
@@ -167,10 +169,8 @@ async def _complete(request: web.Request, body: dict, chat_request: ChatRequest,
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     want_logprobs = chat_request.logprobs is not None
-    custom = await asyncio.to_thread(read_customization, app[STORE], entry)
 
-    async with answer(app, entry, chat_request, None, speculation_load_options(body),
-                      custom=custom) as run:
+    async with answer(app, entry, chat_request, custom=custom) as run:
         if not stream:
             parsed, done, logprobs = await run.whole()
             reason = finish_reason(done, bool(parsed.tool_calls))
@@ -185,7 +185,11 @@ async def _complete(request: web.Request, body: dict, chat_request: ChatRequest,
                 choice = {"index": 0, "message": message, "finish_reason": reason,
                           "logprobs": chat_logprobs(logprobs) if want_logprobs else None}
             else:
-                choice = {"index": 0, "text": parsed.content, "finish_reason": reason,
+                text = parsed.content
+                if chat_request.echo:  # the prompt, then the answer (max_tokens 0: none)
+                    text = (chat_request.prompt or "") + text
+                    logprobs = [*(done.prompt_logprobs or ()), *logprobs]
+                choice = {"index": 0, "text": text, "finish_reason": reason,
                           "logprobs": completion_logprobs(logprobs) if want_logprobs else None}
             return web.json_response({
                 "id": ident, "object": "chat.completion" if chat else "text_completion",
@@ -260,13 +264,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     if (remote_model := remote.remote_entry(request.app, body)) is not None:
         return await remote.openai(request, body, remote_model)
+    entry, custom = await _model(request, body)
+    sampling, load = openai_options(body, custom.parameters)
     chat_request = ChatRequest(
-        id=new_request_id(), model_name=get_str(body, "model", required=True),
-        options=parse_sampling(body), messages=get_messages(body), tools=get_tools(body),
+        id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
+        messages=get_messages(body), tools=get_tools(body),
         tool_choice=get_tool_choice(body), format=parse_response_format(body),
         think=parse_think(body), has_images=has_images(body),
         logprobs=parse_logprobs(body, chat=True))
-    return await _complete(request, body, chat_request, chat=True)
+    return await _complete(request, body, entry, custom, chat_request, chat=True)
 
 
 @routes.post("/v1/completions")
@@ -279,11 +285,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise bad_request("field 'prompt' must be a string", "prompt")
+    echo = get_bool(body, "echo", False)
+    if echo and get_bool(body, "stream", False):
+        raise bad_request("echo is answered whole: leave out stream (or set it false)", "echo")
+    entry, custom = await _model(request, body)
+    sampling, load = openai_options(body, custom.parameters)
     chat_request = ChatRequest(
-        id=new_request_id(), model_name=get_str(body, "model", required=True),
-        options=parse_sampling(body), prompt=prompt, raw=True,
-        suffix=get_str(body, "suffix") or None, logprobs=parse_logprobs(body, chat=False))
-    return await _complete(request, body, chat_request, chat=False)
+        id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
+        prompt=prompt, raw=True,
+        suffix=get_str(body, "suffix") or None, logprobs=parse_logprobs(body, chat=False),
+        echo=echo)
+    return await _complete(request, body, entry, custom, chat_request, chat=False)
 
 
 @routes.get("/v1/models")

@@ -6,12 +6,14 @@ A route builds the ChatRequest, opens `answer(...)`, and either takes `whole()` 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from aiohttp import web
-from localllm.modelstore.store import ModelEntry
+from localllm.modelstore.gguf_header import GGUFError
+from localllm.modelstore.store import DamagedModel, ModelEntry
 
 from ..generation import Generation, GenerationFailed, first_event, generate
 from ..runner.protocol import Done, Failure, Progress, Token
@@ -83,12 +85,16 @@ def with_default_system(request: ChatRequest, system: str | None) -> ChatRequest
 
 
 async def model_for(entry: ModelEntry) -> ChatModel:
-    return await chat_model(entry.digest, entry.model_path)
+    try:
+        return await chat_model(entry.digest, entry.model_path)
+    except (GGUFError, OSError) as e:
+        raise DamagedModel(entry.name, str(e).replace(str(entry.model_path), "its blob")) \
+            from None
 
 
 @contextlib.asynccontextmanager
 async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
-                 n_ctx: int | None, load_options: dict, keep_alive="default",
+                 keep_alive="default",
                  truncate: bool = True,
                  custom: Customization | None = None) -> AsyncIterator[Answer]:
     """Check and render the request (400s come from here, before the model loads), then run it.
@@ -98,13 +104,15 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     if custom is not None:
         model = customized(model, custom)
         request = with_default_system(request, custom.system)
-    prepared = prepare(model, request)
+    # Rendering runs the model's template (a worker process, up to its time limit): never on
+    # the event loop, which serves everyone else meanwhile.
+    prepared = await asyncio.to_thread(prepare, model, request)
 
     async def fit(runner):
         nonlocal prepared
         prepared = await fit_to_context(model, request, prepared, runner, truncate)
         return prepared.generation
 
-    async with generate(app, entry, prepared.generation, n_ctx, load_options, keep_alive,
+    async with generate(app, entry, prepared.generation, request.load, keep_alive,
                         fit=fit) as gen:
         yield Answer(gen, prepared, model)

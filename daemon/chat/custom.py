@@ -10,7 +10,10 @@ import json
 import re
 from dataclasses import dataclass, field, replace
 
-from localllm.modelstore.store import Layer, ModelEntry, ModelStore
+from localllm.errors import UserError
+from localllm import options
+from localllm.modelstore.store import Layer, ModelEntry, ModelStore, no_room_is_disk_full
+from localllm.options import OPTIONS
 
 from .model import ChatModel
 from .template import template_style
@@ -20,13 +23,7 @@ TEMPLATE_LAYER = "application/vnd.localllm.template"
 SYSTEM_LAYER = "application/vnd.localllm.system"
 CUSTOM_LAYERS = (PARAMS_LAYER, TEMPLATE_LAYER, SYSTEM_LAYER)
 
-INT_PARAMETERS = {"num_ctx", "top_k", "num_predict", "seed", "repeat_last_n", "num_gpu",
-                  "num_thread", "num_batch"}
-FLOAT_PARAMETERS = {"temperature", "top_p", "min_p", "typical_p", "repeat_penalty",
-                    "presence_penalty", "frequency_penalty"}
-
-
-class ModelfileError(ValueError):
+class ModelfileError(UserError, ValueError):
     """A Modelfile line or create field localllm cannot take (400; the message says which)."""
 
 
@@ -38,22 +35,21 @@ class Customization:
 
 
 def parameter_value(key: str, value):
-    """A PARAMETER's value in its type (Modelfile text or JSON from /api/create)."""
+    """A PARAMETER's value in its type (Modelfile text or JSON from /api/create), checked by the
+    one option table; `stop` gives one string (a Modelfile repeats the line for more)."""
+    if key not in OPTIONS:
+        raise ModelfileError(f"unknown PARAMETER {key!r}; localllm takes "
+                             f"{', '.join(sorted(OPTIONS))}")
     try:
-        if key in INT_PARAMETERS:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        if key in FLOAT_PARAMETERS:
-            return float(value)
-    except (TypeError, ValueError):
-        raise ModelfileError(f"PARAMETER {key} needs a number, not {value!r}") from None
-    if key == "stop":
-        if isinstance(value, str):
+        if key == "stop":
+            if not isinstance(value, str):
+                raise options.OptionError("stop must be a string", key)
             return value.strip('"') if value.startswith('"') else value
-        raise ModelfileError("PARAMETER stop needs a string")
-    raise ModelfileError(f"unknown PARAMETER {key!r}; localllm takes "
-                         f"{', '.join(sorted(INT_PARAMETERS | FLOAT_PARAMETERS | {'stop'}))}")
+        if isinstance(value, str):
+            return options.from_text(key, value)
+        return options.check(key, value)
+    except options.OptionError as e:
+        raise ModelfileError(str(e)) from None
 
 
 def check_template(template: str) -> str:
@@ -80,9 +76,13 @@ def text_layer(store: ModelStore, media_type: str, text: str) -> Layer:
     hexdigest = hashlib.sha256(data).hexdigest()
     digest = f"sha256:{hexdigest}"
     if not store.has_blob(digest):
-        staged = store.staging_file("text-")
-        staged.write_bytes(data)
-        store.publish_blob(staged, hexdigest)
+        with no_room_is_disk_full(f"storing the model's {media_type.rpartition('.')[2]}"):
+            staged = store.staging_file("text-")
+            try:
+                staged.write_bytes(data)
+                store.publish_blob(staged, hexdigest)
+            finally:
+                staged.unlink(missing_ok=True)
     return Layer(media_type, digest, len(data))
 
 

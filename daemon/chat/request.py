@@ -1,4 +1,4 @@
-"""One internal request for both API families, and how it becomes a runner request.
+"""One internal request for every API, and how it becomes a runner request.
 
 The Ollama and OpenAI routes translate their JSON into a `ChatRequest`; `prepare` checks it
 against what the model can do, renders the prompt (template with tools, or fill-in-the-middle),
@@ -10,16 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..runner.protocol import GenerationRequest, SamplingOptions
+from localllm.errors import UserError
+from localllm.options import LoadOptions, SamplingOptions
+
+from ..runner.protocol import GenerationRequest
 from .grammar import BadFormat, format_grammar, tool_call_grammar
 from .model import ChatModel
 from .parse import make_parser
-from .template import HARMONY, THINK_TAGS, TemplateFailed, render
+from .template import HARMONY, THINK_TAGS, TemplateFailed, render, render_default
 
 THINK_LEVELS = ("low", "medium", "high")
 
 
-class ChatError(Exception):
+class ChatError(UserError):
     """The request asks for something this model cannot do (status 400)."""
 
     def __init__(self, message: str, param: str | None = None):
@@ -32,6 +35,7 @@ class ChatRequest:
     id: str
     model_name: str
     options: SamplingOptions
+    load: LoadOptions = LoadOptions()  # what the request asks of the loaded model
     messages: tuple[dict, ...] | None = None  # chat: HF-shaped (tool_calls, tool results)
     prompt: str | None = None  # generate / completions
     system: str | None = None
@@ -43,6 +47,7 @@ class ChatRequest:
     think: bool | str | None = None
     has_images: bool = False
     logprobs: int | None = None
+    echo: bool = False  # completions: the answer starts with the prompt (with its logprobs)
     extra: dict = field(default_factory=dict)
 
 
@@ -117,7 +122,8 @@ def prepare(model: ChatModel, request: ChatRequest) -> Prepared:
         grammar = None  # harmony calls pass through control tokens a grammar cannot name
     generation = GenerationRequest(id=request.id, prompt=prompt,
                                    options=request.options, grammar=grammar,
-                                   logprobs=request.logprobs)
+                                   logprobs=request.logprobs,
+                                   prompt_logprobs=request.echo and request.logprobs is not None)
     in_thinking = model.style.thinking == THINK_TAGS and prompt.rstrip().endswith("<think>")
     parser = make_parser(model.style.tool_format, model.style.thinking, tools=bool(tools),
                          in_thinking=in_thinking and think is not False,
@@ -129,9 +135,8 @@ def prepare(model: ChatModel, request: ChatRequest) -> Prepared:
 
 def _render(model: ChatModel, messages: list[dict], tools: list[dict],
             think: bool | str | None) -> str:
-    if model.template is None:
-        raise ChatError("this model has no chat template; use /api/generate or "
-                        "/v1/completions with a plain prompt", "messages")
+    if model.template is None:  # a base model: Ollama's default template, as Ollama does
+        return render_default(messages)
     try:
         return render(model.template, messages, tools=tools or None, bos=model.bos,
                       eos=model.eos, think=think if model.style.thinking else None)

@@ -56,6 +56,10 @@ def read_commands(engine, channel: Channel) -> None:
                 flag.set()
             continue
         send = (lambda event, rid=request_id: channel.send(event_to_wire(rid, event)))
+        if op == "tokenize" and isinstance(message.get("texts"), list):
+            texts = [str(t) for t in message["texts"]]
+            engine.ask(lambda texts=texts: engine.count_tokens_each(texts), send)
+            continue
         if op == "tokenize":
             text = str(message.get("text", ""))
             engine.ask(lambda text=text: engine.count_tokens(text), send)
@@ -104,6 +108,7 @@ def main() -> int:
         log.error("load failed: %s", traceback.format_exc())
         channel.send({"event": "load_failed", "message": str(e) or type(e).__name__})
         return 1
+    engine.on_threads = lambda event: channel.send(event_to_wire("", event))
     channel.send({"event": "loaded", "pid": os.getpid(), "load_duration_ns": load_ns,
                   "n_ctx": engine.n_ctx, "n_parallel": len(engine.slots)})
     log.info("loaded %s with %d slots of %d tokens", load["model_path"], len(engine.slots),

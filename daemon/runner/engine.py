@@ -5,10 +5,11 @@ never the daemon.
 
 Each step is one `llama_decode` whose batch carries the next token of every slot that is
 answering plus a chunk of any prompt being read (continuous batching: a new request joins at
-the next step). Prompts are read in chunks of at most `n_batch` tokens, so a cancel or a new
-request never waits for a whole long prompt. On a GPU `llama_decode` returns before the device
-finishes; the text of the previous step's tokens (detokenizing, stop strings, sending) is
-handled then, while the device works, and only sampling waits for it.
+the next step). Prompts are read in chunks of at most `n_batch` tokens, whole micro-batches on
+a GPU (see prompt_chunk), so a cancel or a new request never waits for a whole long prompt.
+On a GPU `llama_decode` returns before the device finishes; the text of the previous step's
+tokens (detokenizing, stop strings, sending) is handled then, while the device works, and only
+sampling waits for it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import llama_cpp
-from localllm.profiles.plan import SPECULATIVE_MODES, Plan
+from localllm.llama.params import MAX_DRAFT, draft_ceiling
+from localllm.options import SPECULATIVE_MODES
+from localllm.profiles.plan import Plan
 
 from . import model as llama
 from .drafters import DraftModel, MTPDrafter, Want
@@ -34,6 +37,7 @@ from .protocol import (
     Failure,
     GenerationRequest,
     Progress,
+    Threads,
     Token,
     TokenCount,
 )
@@ -41,12 +45,13 @@ from . import seqstate
 from .sampling import RequestError, Sampler, log_probs
 from .seqstate import PromptCache, SavedSequence, common_prefix
 from .slots import Slot, Work
-from .speculation import MAX_DRAFT, Drafting, StepCosts
+from .speculation import Drafting, StepCosts
+from .threads import ThreadGovernor
 
 log = logging.getLogger("localllm.runner")
 STEP_TARGET_S = 0.25
+CANCEL_BOUND_S = 1.0  # the longest a cancel or a new request waits behind a prompt's step
 MIN_PROMPT_CHUNK = 32
-MTP_DRAFT = 3
 # A slot taken for another request is saved to the prompt cache when that request would throw
 # away at least this many of its tokens (fewer are cheaper to read again than to copy).
 MIN_SAVED_TOKENS = 64
@@ -70,19 +75,17 @@ class Question:
 
 class Engine:
     def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None,
-                 prompt_cache_bytes: int = 0):
+                 adapt_threads: bool = True, prompt_cache_bytes: int = 0):
         self.plan = plan
-        self.speculative = plan_speculation(plan.speculative)
+        self.speculative = known_mode(plan.speculative)
         # The longest draft. The plan's draft_n_max bounds what costs memory: recurrent-state
         # snapshots (llama.cpp keeps one per position a rejected draft may take back, plus one
         # for the MTP prefix rule) and MTP's chained passes, whose acceptance falls fast after a
         # few. Prompt lookup and a draft model on an attention model cost nothing to allow
         # longer: the per-request length adapts to the acceptance measured (the plan chose its
         # length for an assumed one).
-        planned = min(plan.draft_n_max or (MTP_DRAFT if self.speculative == "mtp"
-                                           else MAX_DRAFT), MAX_DRAFT)
-        self.lm = llama.load(model_path, plan,
-                             rollback=planned + 1 if self.speculative != "none" else 0)
+        planned = draft_ceiling(plan)
+        self.lm = llama.load(model_path, plan)
         self.draft_cap = planned if self.speculative == "mtp" or self.lm.recurrent \
             else MAX_DRAFT
         self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
@@ -112,6 +115,12 @@ class Engine:
         if prompt_cache_bytes > 0 and self.speculative != "mtp":
             self.prompt_cache = PromptCache(
                 prompt_cache_bytes, keep_contained=bool(self.lm.n_swa or self.lm.recurrent))
+        # Fewer decode threads while other processes hold cores (threads.py); each change
+        # goes to `on_threads` (the runner tells the daemon, which shows it in ps).
+        self.threads = ThreadGovernor(plan.n_threads, plan.predicted_decode_tps) \
+            if adapt_threads else None
+        self.n_threads = plan.n_threads
+        self.on_threads: Callable[[Threads], None] | None = None
 
     # ---- requests in ---------------------------------------------------------------------
     def submit(self, request: GenerationRequest, emit: Callable[[Event], None],
@@ -129,6 +138,10 @@ class Engine:
 
     def count_tokens(self, text: str) -> TokenCount:
         return TokenCount(len(self.tokenizer.tokenize(text)))
+
+    def count_tokens_each(self, texts: list[str]) -> TokenCount:
+        counts = tuple(len(self.tokenizer.tokenize(t, add_bos=False)) for t in texts)
+        return TokenCount(sum(counts), counts)
 
     def embed(self, request: EmbedRequest) -> Embeddings:
         """Embeddings in a context of their own, made on first use (see embedding.py)."""
@@ -196,8 +209,10 @@ class Engine:
                 f"the prompt is {len(tokens)} tokens but the context is {self.n_ctx}; "
                 f"shorten it or load the model with a larger num_ctx")
         slot = self._choose_slot(free, tokens)
-        self._swap_in_saved_prompt(slot, tokens)
-        cached = self._reuse_prefix(slot, tokens)
+        reuse = not request.prompt_logprobs  # scoring the prompt reads all of it
+        if reuse:
+            self._swap_in_saved_prompt(slot, tokens)
+        cached = self._reuse_prefix(slot, tokens, reuse=reuse)
         options = request.options
         sampler = Sampler(self.lm.vocab, self.lm.n_vocab, options, request.grammar, tokens,
                           self.n_ctx)
@@ -212,6 +227,13 @@ class Engine:
             work.drafted, work.draft_accepted = 0, 0
         slot.to_decode = tokens[cached:]
         slot.unread = len(slot.to_decode)
+        if request.prompt_logprobs:  # the first token has no logprob: nothing comes before it
+            added = (tokens[0] == self.tokenizer.bos and self.tokenizer.add_bos
+                     and not request.prompt.startswith(self.tokenizer.bos_piece))
+            raw = self.tokenizer.token_bytes(tokens[0], special=True)
+            slot.work.prompt_logprobs.append({
+                "token": raw.decode("utf-8", errors="replace"), "logprob": None,
+                "bytes": list(raw), "top_logprobs": [], "added": added})
 
     def _drafting_mode(self, request: GenerationRequest) -> str | None:
         """Where this request's drafts come from (`options.speculative`; `auto` is the plan's
@@ -220,7 +242,7 @@ class Engine:
         back only when the plan drafts (llama.cpp then keeps snapshots of it)."""
         mode = request.options.speculative
         if mode == "auto":
-            mode = self.speculative if self.speculative != "none" else "off"
+            mode = self.speculative
         if mode == "off":
             return None
         if mode in ("mtp", "draft") and (self.drafter is None or self.drafter.kind != mode):
@@ -313,11 +335,12 @@ class Engine:
         if self.drafter is not None:  # its cache of this sequence held something else
             self.drafter.forget(slot.seq_id, 0)
 
-    def _reuse_prefix(self, slot: Slot, tokens: list[int]) -> int:
+    def _reuse_prefix(self, slot: Slot, tokens: list[int], reuse: bool = True) -> int:
         """Keep the slot's KV for the longest prefix it shares with `tokens` that the model's
-        reuse rules allow (`_usable_prefix`); return how many tokens are kept."""
+        reuse rules allow (`_usable_prefix`); return how many tokens are kept (none without
+        `reuse`)."""
         mem, seq = self.lm.memory, slot.seq_id
-        common = self._slot_prefix(slot, tokens)
+        common = self._slot_prefix(slot, tokens) if reuse else 0
         if common > 0 and llama_cpp.llama_memory_seq_rm(mem, seq, common, -1):
             del slot.tokens[common:]
         else:
@@ -363,6 +386,8 @@ class Engine:
             return
         now = time.perf_counter_ns()
         for slot, n, _ in rows:  # the batch is in the KV cache now
+            if slot.unread and slot.work.request.prompt_logprobs:
+                self._score_prompt(slot, n)
             added, slot.to_decode = slot.to_decode[:n], slot.to_decode[n:]
             slot.tokens.extend(added)
             if slot.unread:
@@ -377,15 +402,31 @@ class Engine:
                 self._emit_text(slot, token)
         for slot, _, logits_row in rows:
             if slot.work is not None and logits_row >= 0:  # (a stop string may have ended it)
-                if slot.drafts:
+                if slot.work.limit == 0:  # the prompt only (echo with max_tokens 0)
+                    self._finish(slot, "length")
+                elif slot.drafts:
                     self._verify(slot, logits_row)
                 else:
                     self._sample(slot, logits_row)
         if all(not slot.unread for slot, _, _ in rows):  # answering only: what drafts cost
-            self.step_costs.record(n_tokens, (time.perf_counter_ns() - started) / 1e9)
+            seconds = (time.perf_counter_ns() - started) / 1e9
+            self.step_costs.record(n_tokens, seconds)
+            if self.threads is not None:
+                self._adapt_threads(seconds)
         if isinstance(self.drafter, MTPDrafter):
             self._feed_mtp(rows, n_tokens)
         self._prepare_drafts()
+
+    def _adapt_threads(self, step_seconds: float) -> None:
+        change = self.threads.observe(step_seconds)
+        if change is None:
+            return
+        self.n_threads = change.n_threads
+        llama_cpp.llama_set_n_threads(self.lm.ctx, change.n_threads,
+                                      min(self.plan.n_threads_batch, change.n_threads))
+        log.info("threads: %s", change.reason)
+        if self.on_threads is not None:
+            self.on_threads(Threads(change.n_threads, change.reason))
 
     def _feed_mtp(self, rows: list[tuple[Slot, int, int]], n_tokens: int) -> None:
         """Tell the MTP drafter what this step committed, with the target's hidden states."""
@@ -449,9 +490,10 @@ class Engine:
             take = min(slot.unread, budget)
             last = take == slot.unread
             slot.first_pos, slot.batch_row = len(slot.tokens), n
+            every = slot.work.request.prompt_logprobs  # logits of every prompt row
             for i in range(take):
                 n = self._put(n, slot.to_decode[i], len(slot.tokens) + i, slot.seq_id,
-                              last and i == take - 1)
+                              every or (last and i == take - 1))
             rows.append((slot, take, n - 1 if last else -1))
             budget -= take
         batch.n_tokens = n
@@ -535,6 +577,17 @@ class Engine:
                 raise RuntimeError("llama.cpp could not take back rejected drafts")
             del slot.tokens[keep:]
 
+    def _score_prompt(self, slot: Slot, n: int) -> None:
+        """The logprobs of the prompt tokens that follow this step's `n` prompt rows (row i's
+        logits predict the token after it; the last prompt row's predict the answer)."""
+        work = slot.work
+        start = len(slot.tokens)
+        for i in range(n):
+            following = start + i + 1
+            if following < len(work.prompt):
+                work.prompt_logprobs.append(
+                    self._logprob_entry(work, slot.batch_row + i, work.prompt[following]))
+
     def _logprob_entry(self, work: Work, row: int, token: int) -> dict:
         logits = work.sampler.logits(self.lm.ctx, row)
         chosen, top = log_probs(logits, token, work.request.logprobs or 0)
@@ -600,6 +653,8 @@ class Engine:
             context=tuple(work.prompt + work.answer),
             drafted=work.drafted,
             draft_accepted=work.draft_accepted,
+            prompt_logprobs=tuple(work.prompt_logprobs) if work.request.prompt_logprobs
+            else None,
         ))
         if reason == "cancelled":
             log.info("request %s cancelled after %d answer tokens", work.request.id,
@@ -628,7 +683,7 @@ class Engine:
 
 
 
-def plan_speculation(mode: str) -> str:
+def known_mode(mode: str) -> str:
     """The plan's speculative mode (Plan.from_dict already renamed older names), checked."""
     if mode not in SPECULATIVE_MODES:
         raise llama.ModelLoadError(f"unknown speculative mode {mode!r} in the plan; use "
@@ -637,14 +692,23 @@ def plan_speculation(mode: str) -> str:
 
 
 def prompt_chunk(plan: Plan, n_batch: int) -> int:
-    """Prompt tokens read per step: about STEP_TARGET_S of the plan's predicted prefill speed,
-    so that a cancel, a new request and the other slots' next tokens never wait long behind a
-    prompt (on a CPU a full n_batch chunk can take seconds), in a power of two from the plan
-    alone: the same prompt is always read in the same chunks, and llama.cpp's CPU kernels
-    round a batch differently from its parts, so chunking that followed the clock would make
-    greedy answers depend on the machine's load."""
+    """Prompt tokens read per step, from the plan alone: the same prompt is always read in the
+    same chunks (llama.cpp's CPU kernels round a batch differently from its parts, so chunking
+    that followed the clock would make greedy answers depend on the machine's load).
+
+    With a GPU, whole micro-batches: weights kept in RAM cross to the GPU once per micro-batch
+    (op offload), so a chunk that split one would pay that crossing again for its parts. As
+    many as fit in CANCEL_BOUND_S at the plan's predicted prompt speed (at least one), so that a
+    cancel, a new request and the other slots' next tokens wait about a second at most; one
+    micro-batch runs as a whole on the GPU. On the CPU alone no weights cross: about
+    STEP_TARGET_S of prompt per step, in a power of two (on a CPU a full n_batch chunk can take
+    seconds)."""
     if plan.predicted_prefill_tps <= 0:
         return n_batch
+    ubatch = min(plan.n_ubatch, n_batch)
+    if plan.n_gpu_layers > 0 and ubatch >= MIN_PROMPT_CHUNK:
+        per_step = int(plan.predicted_prefill_tps * CANCEL_BOUND_S) // ubatch
+        return min(n_batch // ubatch, max(1, per_step)) * ubatch
     want = int(plan.predicted_prefill_tps * STEP_TARGET_S)
     chunk = MIN_PROMPT_CHUNK
     while chunk * 2 <= min(want, n_batch):

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
+from localllm.errors import UserError
 from localllm.profiles.plan import Plan
 
 from .protocol import (
@@ -29,6 +30,7 @@ from .protocol import (
     Event,
     Failure,
     GenerationRequest,
+    Threads,
     Token,
     TokenCount,
     event_from_wire,
@@ -40,11 +42,13 @@ STREAM_LIMIT = 64 * 1024 * 1024
 RUNNER_COMMAND = (sys.executable, "-m", "localllm.daemon.runner")
 
 
-class LoadError(Exception):
+class LoadError(UserError):
     """The runner could not load the model (message from llama.cpp, or how it died)."""
 
+    status = 500
 
-class RunnerRequestFailed(Exception):
+
+class RunnerRequestFailed(UserError):
     """The runner answered a tokenize or embed request with a Failure (status from it)."""
 
     def __init__(self, failure: Failure):
@@ -67,6 +71,8 @@ class RunnerProcess:
         self.load_duration_ns = 0
         self.n_ctx = plan.n_ctx
         self.n_parallel = plan.n_parallel
+        self.n_threads = plan.n_threads  # decode threads in use (the runner may drop some)
+        self.threads_reason = ""  # why they differ from the plan's
         self.loaded_at = 0.0
         self.last_done: Done | None = None
         self.tokens_generated = 0  # every token the runner produced, cancelled ones included
@@ -141,6 +147,10 @@ class RunnerProcess:
                 data = json.loads(line)
                 queue = self._events.get(data.get("id", ""))
                 event = event_from_wire(data)
+                if isinstance(event, Threads):
+                    self.n_threads, self.threads_reason = event.n_threads, event.reason
+                    log.info("runner for %s: %s", self.model_name, event.reason)
+                    continue
                 if isinstance(event, Token):
                     self.tokens_generated += event.n_tokens
                 if queue is not None:
@@ -202,6 +212,15 @@ class RunnerProcess:
         event = await self._ask(request_id, {"op": "tokenize", "id": request_id, "text": text},
                                 silence_s)
         return event.count
+
+    async def count_tokens_each(self, texts: list[str],
+                                silence_s: float = RUNNER_SILENCE_S) -> list[int]:
+        """Each text's tokens (no BOS), in one round trip: truncation counts every turn of a
+        long chat once this way instead of re-counting the whole prompt per dropped turn."""
+        request_id = new_request_id()
+        event = await self._ask(request_id, {"op": "tokenize", "id": request_id,
+                                             "texts": list(texts)}, silence_s)
+        return list(event.counts)
 
     async def _exchange(self, request_id: str, message: dict,
                         silence_s: float) -> AsyncIterator[Event]:

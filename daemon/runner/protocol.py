@@ -12,36 +12,17 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+from localllm.options import SamplingOptions
+
 DEFAULT_CTX = 4096
 # A runner serving a request sends something (a token, prompt progress after each chunk) well
 # within this; one that stays silent longer is taken for hung and stopped.
 RUNNER_SILENCE_S = 300.0
 
 
-# What a request's `speculative` may say: the plan's choice, none, or one drafter (a model that
-# lacks the drafter answers 400; daemon/drafting.py).
-SPECULATIVE_CHOICES = ("auto", "off", "lookup", "mtp", "draft")
-
 # A draft model's vocabulary may have this many more or fewer tokens than the model's (llama.cpp's
 # speculative example allows as much); the ids they share must mean the same text.
 VOCAB_SLACK = 128
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.9
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    num_predict: int = -1  # -1: until the context is full or the model stops
-    stop: tuple[str, ...] = ()
-    speculative: str = "auto"  # one of SPECULATIVE_CHOICES
-
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -52,6 +33,9 @@ class GenerationRequest:
     options: SamplingOptions = field(default_factory=SamplingOptions)
     grammar: str | None = None  # GBNF (root rule "root") constraining the answer
     logprobs: int | None = None  # None: off; N >= 0: each token's logprob and the top N
+    # With logprobs: the prompt's own tokens' logprobs too (OpenAI's `echo`), on Done. The
+    # whole prompt is then read afresh: a reused prefix has no logits left.
+    prompt_logprobs: bool = False
 
     def to_wire(self) -> dict:
         data = asdict(self)
@@ -68,6 +52,7 @@ class GenerationRequest:
             options=SamplingOptions(**options),
             grammar=data.get("grammar"),
             logprobs=data.get("logprobs"),
+            prompt_logprobs=bool(data.get("prompt_logprobs")),
         )
 
 
@@ -104,6 +89,10 @@ class Done:
     context: tuple[int, ...] = ()  # prompt + answer tokens (Ollama generate's `context`)
     drafted: int | None = None  # speculative decoding totals, as on Token (None: off)
     draft_accepted: int | None = None
+    # With GenerationRequest.prompt_logprobs: one entry per prompt token, as Token.logprobs,
+    # the first with logprob None (nothing comes before it); `added` marks a BOS the
+    # tokenizer put in front of the text (it has no characters in it).
+    prompt_logprobs: tuple[dict, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -140,8 +129,18 @@ class Embeddings:
 
 @dataclass(frozen=True)
 class TokenCount:
-    """The answer to {"op": "tokenize", "id", "text"}: tokens the text is as a raw prompt."""
+    """The answer to {"op": "tokenize", "id", "text"}: tokens the text is as a raw prompt; to
+    {"op": "tokenize", "id", "texts": [...]}: each text's count (tokenized without BOS) and
+    their sum."""
     count: int
+    counts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Threads:
+    """Sent by the runner on its own (no request id) when it changes its decode threads."""
+    n_threads: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -150,9 +149,9 @@ class Failure:
     status: int = 500  # 400 when the request itself was at fault (prompt too long, no template)
 
 
-Event = Token | Done | Failure | Progress | Embeddings | TokenCount
+Event = Token | Done | Failure | Progress | Embeddings | TokenCount | Threads
 EVENT_KINDS = {Token: "token", Done: "done", Failure: "error", Progress: "progress",
-               Embeddings: "embeddings", TokenCount: "tokens"}
+               Embeddings: "embeddings", TokenCount: "tokens", Threads: "threads"}
 
 
 def event_to_wire(request_id: str, event: Event) -> dict:
@@ -171,6 +170,8 @@ def event_from_wire(data: dict) -> Event:
         return Token(**data)
     if kind == "done":
         data["context"] = tuple(data.get("context") or ())
+        if data.get("prompt_logprobs") is not None:
+            data["prompt_logprobs"] = tuple(data["prompt_logprobs"])
         return Done(**data)
     if kind == "progress":
         return Progress(**data)
@@ -178,7 +179,10 @@ def event_from_wire(data: dict) -> Event:
         data["vectors"] = tuple(tuple(v) for v in data["vectors"])
         return Embeddings(**data)
     if kind == "tokens":
+        data["counts"] = tuple(data.get("counts") or ())
         return TokenCount(**data)
+    if kind == "threads":
+        return Threads(**data)
     return Failure(**data)
 
 

@@ -69,6 +69,7 @@ class Work:
     answer: list[int] = field(default_factory=list)
     pending_tokens: int = 0  # answer tokens behind text not emitted yet
     pending_logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict] = field(default_factory=list)  # request.prompt_logprobs
     started_ns: int = field(default_factory=time.perf_counter_ns)
     prompt_done_ns: int = 0
     drafted: int | None = None  # set (to 0) when the request drafts

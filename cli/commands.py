@@ -11,10 +11,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .client import Client
-from .config import load_config
-from .daemon.runner.protocol import SPECULATIVE_CHOICES
-from .errors import UserError
+from localllm.client import Client
+from localllm.config import load_config
+from localllm.options import OptionError, from_text
+from localllm.errors import UserError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,11 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", help="print timings and speeds after "
                    "the answer")
     p.add_argument("--keepalive", help="how long the model stays loaded (e.g. 5m, 0, -1)")
-    p.add_argument("--ctx", type=int, help="context length (num_ctx)")
+    p.add_argument("--ctx", type=option_flag("num_ctx"), help="context length (num_ctx)")
     p.add_argument("--draft", metavar="MODEL", help="speculative decoding with MODEL drafting "
                    "(a stored model with the same vocabulary)")
-    p.add_argument("--speculative", choices=SPECULATIVE_CHOICES,
-                   help="how to draft (default auto: the plan's choice)")
+    p.add_argument("--speculative", type=option_flag("speculative"), metavar="MODE",
+                   help="how to draft: auto (the plan's choice, the default), off, lookup, mtp or "
+                   "draft")
     p.add_argument("--resume", nargs="?", const="", metavar="CHAT",
                    help="reopen a saved chat by name or id (alone: pick from the list)")
     p.set_defaults(func=cmd_run, intermixed="words")  # options anywhere: run M --ctx 8192 hi
@@ -169,6 +170,18 @@ def cmd_run(args) -> int:
     model, prompt = split_model_and_prompt(args.words, config.default_model, _known_model,
                                            _model_names)
     return _run(_run_async(config, model, prompt, args))
+
+
+def option_flag(name: str):
+    """An argparse type checking a flag's value against the option table (same bounds and
+    message as the API's)."""
+    def parse(text: str):
+        try:
+            return from_text(name, text)
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = name  # argparse names the type in its own messages
+    return parse
 
 
 def run_options(args) -> dict:
@@ -367,13 +380,21 @@ def cmd_show(args) -> int:
         lines.append(("experts", str(info[f"{arch}.expert_count"])))
     if info.get(f"{arch}.nextn_predict_layers"):
         lines.append(("MTP layers", str(info[f"{arch}.nextn_predict_layers"])))
-    lines.append(("chat template", "yes" if data.get("template") else "no"))
+    lines.append(("chat template", chat_template_line(data.get("template", ""))))
     lines.append(("file size", human_size(data.get("size", 0)) if data.get("size") else
                   _file_size(data)))
     print("  Model")
     for key, value in lines:
         print(f"    {key:<20}{value}")
     return 0
+
+
+def chat_template_line(template: str) -> str:
+    """`show`'s chat-template row; the daemon reports Ollama's default template for a model
+    that brings none (a base model), and chat then sends the user messages' text as it is."""
+    if template == "{{ .Prompt }}":
+        return "default ({{ .Prompt }}: chat sends the user messages' text as it is)"
+    return "yes" if template else "no"
 
 
 def _file_size(data: dict) -> str:
@@ -419,7 +440,7 @@ def cmd_ps(args) -> int:
         async with Client(_config(args)) as client:
             return await client.request("GET", "/api/ps")
     data = _run(go())
-    rows = [["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "SLOTS", "KV", "UNTIL"]]
+    rows = [["NAME", "ID", "SIZE", "PROCESSOR", "THREADS", "CONTEXT", "SLOTS", "KV", "UNTIL"]]
     for m in data["models"]:
         until = m["expires_at"]
         if until.startswith("2318"):
@@ -430,16 +451,27 @@ def cmd_ps(args) -> int:
             until = f"{max(0, int(seconds // 60))} minutes from now" if seconds >= 60 else \
                 f"{max(0, int(seconds))} seconds from now"
         rows.append([m["name"], m["digest"][:12], human_size(m["size"]),
-                     m.get("processor", ""), str(m["context_length"]),
+                     m.get("processor", ""), threads_cell(m), str(m["context_length"]),
                      f"{m.get('active', 0)}/{m.get('num_parallel', 1)}", m.get("kv_type", ""),
                      until])
     print(_table(rows))
+    for m in data["models"]:  # threads the runner dropped on a busy CPU, and why
+        if m.get("threads_reason"):
+            print(f"{m['name']} threads: {m['threads_reason']}")
     for m in data["models"]:  # a model spread over RPC workers: its split, device by device
         if any(d["device"].startswith("RPC") for d in m.get("devices", ())):
             split = ", ".join(f"{d['device']} {d['layers']} layers ({human_size(d['size'])})"
                               for d in m["devices"])
             print(f"{m['name']} split: {split}")
     return 0
+
+
+def threads_cell(model: dict) -> str:
+    """Threads in use, with the plan's count when the runner dropped some (a busy CPU)."""
+    used, planned = model.get("threads"), model.get("planned_threads")
+    if used is None:
+        return ""
+    return f"{used} of {planned}" if planned and planned != used else str(used)
 
 
 def cmd_stop(args) -> int:

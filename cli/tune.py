@@ -19,18 +19,19 @@ from pathlib import Path
 from localllm.errors import UserError
 from localllm.modelstore.shape import ModelShape, read_shape
 
-from .card import MIB, Card, card_names
-from . import quality
-from .choose import config_request, tune_checked
-from .explain import REJECTED, gib
-from .hardware import resolve_card
-from .measure import calibrated, measure_in_child, update_calibration
-from .memory import model_costs
-from .plan import Plan
-from .quality import split_kv
-from .saved import save_profile
-from .speed import predict_speed
-from .tuner import Request
+from localllm.profiles.card import MIB, Card, card_names
+from localllm.profiles import quality
+from localllm.profiles.choose import config_request, tune_checked
+from localllm.profiles.explain import REJECTED, gib
+from localllm.profiles.hardware import resolve_card
+from localllm.profiles.measure import calibrated, measure_in_child, update_calibration
+from localllm.profiles.memory import model_costs
+from localllm.profiles.plan import Plan
+from localllm.profiles.quality import split_kv
+from localllm.profiles.saved import save_profile
+from localllm.profiles.speed import predict_speed
+from localllm.profiles.tuner import Request, band_plans
+from localllm.profiles.workload import WORKLOADS, from_fill
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,9 +55,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "balanced)")
     p.add_argument("--kv", metavar="TYPE", help="pin the KV cache: f16, q8_0, q4_0 or q8_0/q4_0 "
                    "(default: the config's kv_cache_type, auto)")
+    p.add_argument("--workload", choices=tuple(WORKLOADS),
+                   help="the session to plan for: chat (short prompts) or agent (a 20K-token "
+                   "prompt growing by 2K a turn); the plan minimizes its total time (default: "
+                   "the config's workload, chat)")
     p.add_argument("--fill", type=float, metavar="FRACTION",
-                   help="the part of the context a conversation fills; decode is averaged over "
-                   "it (default: the config's expected_fill, 0.5)")
+                   help="the older form of --workload: one answer filling this part of the "
+                   "context, decode averaged over it")
     p.add_argument("--parallel", metavar="N|auto",
                    help="slots (requests served together), a cap (default: the config's "
                    "num_parallel, auto: up to 4)")
@@ -72,7 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def resolve_model(model: str) -> tuple[ModelShape, str]:
-    """(shape, profile name) for a store name or a .gguf path."""
+    """(shape, profile name) for a store name or a .gguf path. A store name comes back in the
+    store's own spelling (`smollm2` -> `smollm2:latest`), the name the daemon loads it under,
+    so the profile and eval results saved under it are the ones the daemon reads."""
     path = Path(model).expanduser()
     if path.suffix == ".gguf" or path.is_file():
         if not path.is_file():
@@ -81,7 +88,7 @@ def resolve_model(model: str) -> tuple[ModelShape, str]:
     from localllm.modelstore.store import default_store
 
     entry = default_store().get(model)
-    return read_shape(entry.model_path), model
+    return read_shape(entry.model_path), str(entry.name)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -115,6 +122,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, card, shape, model_name))
+        bands = band_plans(shape, card, request, plan.n_ctx)
+        if len(bands) > 1:
+            print("\n" + format_bands(bands, shape))
         if measured:
             print(f"\nmeasured: prefill {measured.prefill_tps:.1f} tok/s, decode "
                   f"{measured.decode_tps:.1f} tok/s (predicted {plan.predicted_prefill_tps:.1f} "
@@ -129,7 +139,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def calibrate_machine(card: Card, card_name: str, model_path: Path) -> Card:
     """--calibrate: the disk read rate (reading the model's file), then, with a GPU, the card's
     bandwidths; each stored as it is measured."""
-    from .calibrate import calibrate, measure_disk_read, store_disk_read
+    from localllm.profiles.calibrate import calibrate, measure_disk_read, store_disk_read
 
     if card_name != "auto":
         raise UserError("--calibrate measures this machine's card: leave out --card")
@@ -163,7 +173,9 @@ def request_from_args(args: argparse.Namespace, base: Request) -> Request:
     if args.fill is not None:
         if not 0.05 <= args.fill <= 1:
             raise UserError("--fill must be between 0.05 and 1 (the part of the context filled)")
-        changes["expected_fill"] = args.fill
+        changes["workload"] = from_fill(args.fill)
+    elif args.workload:
+        changes["workload"] = WORKLOADS[args.workload]
     if args.parallel is not None:
         if args.parallel == "auto":
             changes["num_parallel"] = None
@@ -177,13 +189,39 @@ def request_from_args(args: argparse.Namespace, base: Request) -> Request:
 def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card):
     print(f"measuring {shape.name} with the plan...", file=sys.stderr)
     measured = measure_in_child(shape.path, plan)
-    from .choose import placement_of, settings_of
+    from localllm.profiles.choose import placement_of, settings_of
 
     speed = predict_speed(model_costs(shape), placement_of(plan, shape), settings_of(plan), card,
                           plan.n_threads, depth=measured.prompt_tokens)
     update_calibration(card.name, speed.decode_seconds_gpu, speed.decode_seconds_cpu,
                        measured.decode_tps)
     return measured
+
+
+def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape) -> str:
+    """One line per fill band: its placement, KV, micro-batch, decode at its start and end and
+    the time to first token of its longest prompt shown."""
+    from localllm.profiles.choose import placement_of
+
+    lines = ["plans per fill band (the same workload, its session cut where the band ends):"]
+    for band, p in bands:
+        placement = placement_of(p, shape)
+        where = (f"FFN of {placement.n_cpu_ffn_layers} blocks in RAM, n_gpu_layers="
+                 f"{p.n_gpu_layers}" if placement.n_cpu_ffn_layers
+                 else f"n_gpu_layers={p.n_gpu_layers}")
+        depths = dict(p.predicted_decode_by_depth)
+        ttft = ""
+        if p.predicted_ttft:
+            n, t = p.predicted_ttft[-1]
+            ttft = f", {n // 1024}K prompt in {_seconds(t)}"
+        lines.append(f"  up to {band}: {where}, {p.type_k} KV, ubatch {p.n_ubatch}; decode "
+                     f"{depths.get(0, 0):.1f} tok/s at the start, "
+                     f"{depths.get(band, 0):.1f} at {band}{ttft}")
+    return "\n".join(lines)
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.1f} s" if t < 100 else f"{t:.0f} s"
 
 
 def _row(cells: list[str], widths: list[int]) -> str:
@@ -195,7 +233,7 @@ def speculation_summary(plan: Plan) -> str:
     """The plan's speculative decoding in one line, with the decode it predicts with and
     without (the reasons say why)."""
     plain = plan.predicted_plain_decode_tps or plan.predicted_decode_tps
-    if plan.speculative == "none":
+    if plan.speculative == "off":
         return f"speculation: off (predicted decode {plain:.1f} tok/s without it)"
     what = f"{plan.speculative}, drafts up to {plan.draft_n_max or 8}"
     if plan.speculative == "draft":
@@ -228,7 +266,12 @@ def format_plan(plan: Plan, card: Card, shape: ModelShape, model_name: str) -> s
     for o in plan.tensor_overrides:
         lines.append(f"override: {o.pattern} -> {o.device}")
     lines.append(f"predicted: prefill {plan.predicted_prefill_tps:.1f} tok/s, decode "
-                 f"{plan.predicted_decode_tps:.1f} tok/s averaged over the expected fill")
+                 f"{plan.predicted_decode_tps:.1f} tok/s averaged over the session's answers")
+    if plan.workload:
+        lines.append(f"session ({plan.workload}): {plan.predicted_session_s:.0f} s predicted")
+    if plan.predicted_ttft:
+        lines.append("predicted time to first token: " + ", ".join(
+            f"{n // 1024}K-token prompt {_seconds(t)}" for n, t in plan.predicted_ttft))
     lines.append(speculation_summary(plan))
     if plan.predicted_decode_by_depth:
         names = ("start", "middle", "end")
