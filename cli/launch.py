@@ -200,7 +200,7 @@ async def choose_model(client, asked: str | None) -> dict:
             print(f"note: {found['name']} has no tool-calling template; the agent's tool "
                   f"calls may not parse", file=sys.stderr)
         return found
-    from localllm.profiles.hardware import probe_card
+    from localllm.llama.hardware import probe_card
 
     card = probe_card()
     return pick_model(models, card.free_vram_bytes if card.has_gpu else 0)

@@ -120,7 +120,7 @@ def prompt_cache_bytes(config: Config) -> int:
     """The RAM a runner may keep prompts of taken slots in (setting prompt_cache_ram)."""
     if config.prompt_cache_ram != "auto":
         return int(config.prompt_cache_ram) * 2**20
-    from localllm.profiles.hardware import ram_available
+    from localllm.llama.hardware import ram_available
 
     return min(PROMPT_CACHE_AUTO_MAX, ram_available() // 4)
 

@@ -46,7 +46,7 @@ class Card:
     # 0: not measured (plans past RAM assume profiles.disk.ASSUMED_DISK_GBS)
     disk_read_gbs: float = 0.0
     # RAM a model may take when probed: MemAvailable capped by the cgroup's memory.max
-    # (profiles.hardware.ram_available); 0: not probed (plans count ram_bytes less a reserve)
+    # (llama/hardware.py ram_available); 0: not probed (plans count ram_bytes less a reserve)
     ram_available_bytes: int = 0
 
     @property
