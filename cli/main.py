@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "localllm.cli.eval",  # eval
     "localllm.cli.service",  # service, config
     "localllm.cli.cluster",  # worker, remote
+    "localllm.cli.launch",  # launch
 )
 
 

@@ -113,6 +113,18 @@ def context_to_ask(config: Config, n_ctx: int | None, shape: ModelShape) -> int 
     return None  # "fit": the tuner picks the largest context that keeps the model fast
 
 
+PROMPT_CACHE_AUTO_MAX = 8 * 2**30
+
+
+def prompt_cache_bytes(config: Config) -> int:
+    """The RAM a runner may keep prompts of taken slots in (setting prompt_cache_ram)."""
+    if config.prompt_cache_ram != "auto":
+        return int(config.prompt_cache_ram) * 2**20
+    from localllm.llama.hardware import ram_available
+
+    return min(PROMPT_CACHE_AUTO_MAX, ram_available() // 4)
+
+
 def file_id(path) -> tuple:
     try:
         st = os.stat(path)
@@ -288,7 +300,8 @@ class Scheduler:
                     projector=None) -> RunnerProcess:
         runner = RunnerProcess(name, path, plan, self.log_dir / "runner.log",
                                command=self.runner_command, draft_model_path=draft_path,
-                               projector_path=projector)
+                               projector_path=projector,
+                               prompt_cache_bytes=prompt_cache_bytes(self.config))
         log.info("loading %s: %s", name, "; ".join(plan.reasons))
         try:
             await runner.start(timeout=self.config.load_timeout_seconds)

@@ -30,6 +30,7 @@
 | rpc_workers       | LOCALLLM_RPC_WORKERS       | ()                            | next load |
 | remote_timeout    | LOCALLLM_REMOTE_TIMEOUT    | 300                           | live      |
 | image_urls        | LOCALLLM_IMAGE_URLS        | on                            | live      |
+| prompt_cache_ram  | LOCALLLM_PROMPT_CACHE_RAM  | auto                          | next load |
 
 - num_parallel: the most requests one loaded model serves at once (llama.cpp sequences, each
   slot with its own KV cache of the full context). `auto`: as many as fit beside the tuner's
@@ -82,6 +83,11 @@
   most 20 MiB, 10 s, no redirect to a private address); `off` takes only `data:` URLs and base64.
 - remote_timeout: seconds a remote model's server (`localllm remote add`) may take to start
   its answer, and between two parts of it, before the request fails with 504.
+- prompt_cache_ram: MiB of RAM per loaded model for the prompts of slots taken by other
+  requests (an agent's side requests between its turns): the slot's KV is copied there first,
+  and a later request starting with that prompt gets it back instead of reading it again.
+  Least recently used first out. `auto`: a quarter of the RAM free when the model loads, at
+  most 8 GiB; 0 turns it off.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
@@ -146,6 +152,7 @@ class Config:
     rpc_workers: tuple[str, ...] = ()
     remote_timeout: int = 300
     image_urls: str = "on"
+    prompt_cache_ram: int | str = "auto"
 
     @property
     def socket_path(self) -> Path:
@@ -202,6 +209,7 @@ ENV = {
     "rpc_workers": "LOCALLLM_RPC_WORKERS",
     "remote_timeout": "LOCALLLM_REMOTE_TIMEOUT",
     "image_urls": "LOCALLLM_IMAGE_URLS",
+    "prompt_cache_ram": "LOCALLLM_PROMPT_CACHE_RAM",
 }
 
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
@@ -231,6 +239,7 @@ LIMITS = {
     "vram_margin_mib": (0, None),
     "expected_fill": (0.05, 1.0),
     "remote_timeout": (1, None),
+    "prompt_cache_ram": (0, None),
 }
 
 # A Unix socket path must fit sockaddr_un.sun_path (108 bytes with the terminating NUL).

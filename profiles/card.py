@@ -61,7 +61,7 @@ class Card:
     # 0: not measured (plans past RAM assume profiles.disk.ASSUMED_DISK_GBS)
     disk_read_gbs: float = 0.0
     # RAM a model may take when probed: MemAvailable capped by the cgroup's memory.max
-    # (llama.hardware.ram_available); 0: not probed (plans count ram_bytes less a reserve)
+    # (llama/hardware.py ram_available); 0: not probed (plans count ram_bytes less a reserve)
     ram_available_bytes: int = 0
     # The GPUs one by one, where they differ (a mixed box, a probe that read each one's free
     # memory); empty: n_gpus alike, each as the fields above say.

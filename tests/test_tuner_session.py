@@ -15,7 +15,7 @@ import synth_gguf
 from localllm.config import ConfigError, check_setting
 from localllm.daemon.runner.engine import CANCEL_BOUND_S, prompt_chunk
 from localllm.modelstore.shape import read_shape
-from localllm.profiles import hardware
+from localllm.llama import hardware
 from localllm.profiles.card import GIB, MIB, load_card
 from localllm.profiles.choose import config_request, placement_of, settings_of
 from localllm.profiles.memory import (

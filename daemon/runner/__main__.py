@@ -102,7 +102,8 @@ def main() -> int:
         t0 = time.perf_counter_ns()
         engine = Engine(load["model_path"], Plan.from_dict(load["plan"]),
                         load.get("draft_model_path"),
-                        projector_path=load.get("projector_path"))
+                        projector_path=load.get("projector_path"),
+                        prompt_cache_bytes=int(load.get("prompt_cache_bytes") or 0))
         load_ns = time.perf_counter_ns() - t0
     except Exception as e:  # any load failure is reported, then the runner exits
         log.error("load failed: %s", traceback.format_exc())

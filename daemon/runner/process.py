@@ -69,7 +69,7 @@ class RunnerRequestFailed(UserError):
 class RunnerProcess:
     def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path,
                  command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None,
-                 projector_path: Path | None = None):
+                 projector_path: Path | None = None, prompt_cache_bytes: int = 0):
         self.model_name = model_name
         self.projector_path = projector_path
         self.model_path = model_path
@@ -77,6 +77,7 @@ class RunnerProcess:
         self.plan = plan
         self.log_path = log_path
         self.command = tuple(command)
+        self.prompt_cache_bytes = prompt_cache_bytes  # RAM for prompts of taken slots
         self.proc: asyncio.subprocess.Process | None = None
         self.load_duration_ns = 0
         self.n_ctx = plan.n_ctx
@@ -116,7 +117,8 @@ class RunnerProcess:
         self._send({"op": "load", "model_path": str(self.model_path),
                     "plan": self.plan.to_dict(),
                     "draft_model_path": str(self.draft_model_path or "") or None,
-                    "projector_path": str(self.projector_path or "") or None})
+                    "projector_path": str(self.projector_path or "") or None,
+                    "prompt_cache_bytes": self.prompt_cache_bytes})
         try:
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         except TimeoutError:
