@@ -14,6 +14,7 @@ from localllm.errors import UserError
 from localllm.profiles.plan import Plan, physical_cores
 from localllm.profiles.quality import split_kv
 
+from .batch import fill
 from .params import context_params, model_params
 
 
@@ -71,13 +72,7 @@ def _child(request: dict) -> dict:
 
     def logprobs(ctx, chunk: list[int]):
         llama.llama_memory_clear(llama.llama_get_memory(ctx), True)
-        batch.n_tokens = len(chunk)
-        for i, tok in enumerate(chunk):
-            batch.token[i] = tok
-            batch.pos[i] = i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = 1
+        fill(batch, chunk, all_logits=True)
         if llama.llama_decode(ctx, batch) != 0:
             raise UserError("llama_decode failed during the evaluation")
         ptr = llama.llama_get_logits(ctx)

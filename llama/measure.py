@@ -13,18 +13,8 @@ import llama_cpp  # before numpy: with a CUDA build, numpy loaded first crashes 
 from localllm.profiles.plan import Plan
 
 from . import nvml
+from .batch import fill
 from .params import context_params, model_params
-
-
-def fill(batch, tokens: list[int], start: int, logits_last: bool = True) -> None:
-    """One sequence's tokens at positions start.. into `batch` (logits for the last only)."""
-    batch.n_tokens = len(tokens)
-    for i, token in enumerate(tokens):
-        batch.token[i] = token
-        batch.pos[i] = start + i
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = 0
-        batch.logits[i] = 1 if (not logits_last or i == len(tokens) - 1) else 0
 
 
 def run(model_path: str, plan: Plan, prompt_tokens: int = 128, decode_tokens: int = 32) -> dict:

@@ -12,6 +12,7 @@ import math
 import time
 
 import llama_cpp
+from localllm.llama.batch import fill
 
 from .protocol import EmbedRequest, Embeddings
 
@@ -90,13 +91,7 @@ class Embedder:
             return tuple(0.0 for _ in range(dimensions or self.n_embd))
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
         batch = self.batch
-        batch.n_tokens = len(tokens)
-        for pos, token in enumerate(tokens):
-            batch.token[pos] = token
-            batch.pos[pos] = pos
-            batch.n_seq_id[pos] = 1
-            batch.seq_id[pos][0] = 0
-            batch.logits[pos] = 1
+        fill(batch, tokens, all_logits=True)
         run = llama_cpp.llama_encode if self.encoder else llama_cpp.llama_decode
         rc = run(self.ctx, batch)
         if rc != 0:
