@@ -30,7 +30,8 @@ from localllm.config import Config
 
 LOCAL_ORIGIN = re.compile(r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?$")
 ALLOWED_METHODS = "GET, HEAD, POST, DELETE, OPTIONS"
-ALLOWED_HEADERS = "Authorization, Content-Type, Accept, User-Agent, X-Requested-With"
+ALLOWED_HEADERS = ("Authorization, Content-Type, Accept, User-Agent, X-Requested-With, X-Api-Key, "
+                   "Anthropic-Version, Anthropic-Beta")
 OPEN_PATHS = frozenset({"/api/version"})
 
 
@@ -161,13 +162,19 @@ def cors_headers(config: Config):
 def key_middleware(api_key: str):
     expected = f"Bearer {api_key}".encode()
 
+    def key_matches(request: web.Request) -> bool:
+        # Anthropic's clients send the key as x-api-key: every route takes either header.
+        sent = [request.headers.get("Authorization", "").encode("utf-8", "replace")]
+        if "x-api-key" in request.headers:
+            sent.append(f"Bearer {request.headers['x-api-key']}".encode("utf-8", "replace"))
+        return any([hmac.compare_digest(s, expected) for s in sent])
+
     @web.middleware
     async def check_key(request: web.Request, handler):
-        if api_key and not is_unix(request) and request.path not in OPEN_PATHS:
-            sent = request.headers.get("Authorization", "").encode("utf-8", "replace")
-            if not hmac.compare_digest(sent, expected):
-                return _json_error(request, 401, "missing or wrong API key: send "
-                                   "'Authorization: Bearer <key>'")
+        if api_key and not is_unix(request) and request.path not in OPEN_PATHS \
+                and not key_matches(request):
+            return _json_error(request, 401, "missing or wrong API key: send "
+                               "'Authorization: Bearer <key>' or 'x-api-key: <key>'")
         return await handler(request)
     return check_key
 

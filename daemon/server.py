@@ -26,7 +26,7 @@ from localllm.config import Config, config_file
 from localllm.errors import UserError
 
 from . import security
-from .api import create, embed, ollama, openai, stats
+from .api import anthropic, create, embed, ollama, openai, stats
 from .api.common import MAX_BODY_BYTES, ApiError
 from .chat.request import ChatError
 from .config_watch import watch_config, watch_profiles
@@ -59,7 +59,13 @@ def error_status(error: BaseException) -> tuple[int, str] | None:
     return None
 
 
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def error_body(path: str, status: int, message: str, param: str | None = None) -> dict:
+    if is_anthropic(path):
+        return anthropic.error_json(status, message)
     if path.startswith("/v1/"):  # OpenAI's error shape
         kind = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 503: "server_overloaded"}.get(status, "server_error")
@@ -84,6 +90,8 @@ async def error_middleware(request: web.Request, handler):
         status, message = known
         param = getattr(e, "param", None)
         headers = {"Retry-After": "5"} if status == 503 else None
+        if status == 503 and is_anthropic(request.path):
+            status = anthropic.OVERLOADED
         return web.json_response(error_body(request.path, status, message, param),
                                  status=status, headers=headers)
 
@@ -106,6 +114,7 @@ def create_app(config: Config, store: ModelStore | None = None) -> web.Applicati
     app.router.add_get("/", root)  # GET and HEAD, as Ollama answers both
     app.add_routes(ollama.routes)
     app.add_routes(openai.routes)
+    app.add_routes(anthropic.routes)
     app.add_routes(stats.routes)
     app.add_routes(embed.routes)
     app.add_routes(create.routes)

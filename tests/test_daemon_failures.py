@@ -178,6 +178,14 @@ def test_a_full_queue_answers_503_and_the_daemon_keeps_serving(tmp_path, smollm2
         with pytest.raises(ollama.ResponseError) as e:
             client.generate(model="smollm2", prompt="hi", options={"num_predict": 2})
         assert e.value.status_code == 503
+        # Anthropic's clients read a busy server as overloaded_error, 529, and retry later.
+        busy = urllib.request.Request(d.url + "/v1/messages", method="POST", data=json.dumps({
+            "model": "smollm2", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}]}).encode())
+        with pytest.raises(urllib.error.HTTPError) as overloaded:
+            urllib.request.urlopen(busy, timeout=60)
+        assert overloaded.value.code == 529 and overloaded.value.headers["Retry-After"]
+        assert json.loads(overloaded.value.read())["error"]["type"] == "overloaded_error"
         first.close()
         queued.join(timeout=60)
         assert not queued.is_alive()

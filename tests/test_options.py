@@ -133,6 +133,9 @@ def test_an_out_of_range_value_is_the_same_400_on_every_api(daemon):
             "temperature": 101}),
         httpx.post(f"{daemon.url}/v1/completions", json={
             "model": "smollm2", "prompt": "hi", "temperature": 101}),
+        httpx.post(f"{daemon.url}/v1/messages", timeout=120, json={
+            "model": "smollm2", "max_tokens": 5, "temperature": 101,
+            "messages": [{"role": "user", "content": "hi"}]}),
         httpx.post(f"{daemon.url}/api/create", json={
             "model": "too-hot", "modelfile": "FROM smollm2\nPARAMETER temperature 101"}),
     ]

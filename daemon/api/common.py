@@ -1,4 +1,4 @@
-"""Request validation and errors shared by the Ollama and OpenAI routes.
+"""Request validation and errors shared by the routes of every wire format.
 
 Handlers raise `ApiError` (or a known domain error); the error middleware in server.py turns
 it into the right JSON shape for the route's API family. No handler formats an error itself.
@@ -150,6 +150,39 @@ def parse_options(values: dict, labels: dict | None = None,
         return options.parse({**(stored or {}), **values}, labels)
     except options.OptionError as e:
         raise bad_request(str(e), e.name) from None
+
+
+def body_options(body: dict, names: dict[str, str], stored: dict | None = None
+                 ) -> tuple[SamplingOptions, LoadOptions]:
+    """Options sent as top-level fields (OpenAI, Anthropic, Responses): `names` maps the wire
+    format's own names onto the table's (earlier entries win); every other option of the table
+    is taken under its own name (top_k, min_p, num_ctx...), as llama-server and vLLM take
+    extras. An error names the field as the client sent it."""
+    values = {k: v for k, v in body.items() if k in options.OPTIONS}
+    labels = {}
+    for theirs, ours in reversed(names.items()):
+        if body.get(theirs) is not None:
+            values[ours], labels[ours] = body[theirs], theirs
+    return parse_options(values, labels, stored)
+
+
+# OpenAI's reasoning efforts -> the chat layer's think levels ("none" turns thinking off).
+EFFORTS = {"none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high",
+           "xhigh": "high"}
+
+
+def think_from_effort(effort, label: str) -> bool | str | None:
+    if effort is None:
+        return None
+    if effort not in EFFORTS:
+        raise bad_request(f"{label} must be one of {', '.join(repr(e) for e in EFFORTS)}",
+                          label)
+    return EFFORTS[effort]
+
+
+def kept_calls(calls: list, parallel: bool) -> list:
+    """The tool calls an answer returns: only the first when the client asked for one."""
+    return calls if parallel else [c for c in calls if c.index == 0]
 
 
 def get_messages(body: dict) -> tuple[dict, ...]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
-from ..generation import Generation, GenerationFailed, first_event, generate
+from ..generation import Generation, GenerationFailed, first_event, generate, hold
 from ..runner.protocol import Done, Failure, Progress, Token
 from .custom import Customization, customized
 from .model import ChatModel, chat_model
@@ -82,8 +82,10 @@ def with_default_system(request: ChatRequest, system: str | None) -> ChatRequest
     return request if request.system or request.raw else replace(request, system=system)
 
 
-async def model_for(entry: ModelEntry) -> ChatModel:
-    return await chat_model(entry.digest, entry.model_path)
+async def model_for(entry: ModelEntry, custom: Customization | None = None) -> ChatModel:
+    """The model as a request sees it: with a Modelfile's template when `custom` has one."""
+    model = await chat_model(entry.digest, entry.model_path)
+    return customized(model, custom) if custom is not None else model
 
 
 @contextlib.asynccontextmanager
@@ -94,9 +96,8 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     """Check and render the request (400s come from here, before the model loads), then run it.
     A chat longer than the context drops its oldest turns, or with `truncate` False is a 400.
     `custom` is what a Modelfile added: its template and its default system prompt."""
-    model = await model_for(entry)
+    model = await model_for(entry, custom)
     if custom is not None:
-        model = customized(model, custom)
         request = with_default_system(request, custom.system)
     prepared = prepare(model, request)
 
@@ -108,3 +109,14 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     async with generate(app, entry, prepared.generation, request.load, keep_alive,
                         fit=fit) as gen:
         yield Answer(gen, prepared, model)
+
+
+async def count_prompt_tokens(app: web.Application, entry: ModelEntry, request: ChatRequest,
+                              custom: Customization | None = None) -> int:
+    """Tokens the rendered prompt of `request` is, as the runner reads it (loads the model)."""
+    model = await model_for(entry, custom)
+    if custom is not None:
+        request = with_default_system(request, custom.system)
+    prepared = prepare(model, request)
+    async with hold(app, entry, request.load) as runner:
+        return await runner.count_tokens(prepared.prompt)

@@ -519,6 +519,7 @@ class Engine:
             context=tuple(work.prompt + work.answer),
             drafted=work.drafted,
             draft_accepted=work.draft_accepted,
+            stop_sequence=work.stops.hit if stop_hit else None,
         ))
         if reason == "cancelled":
             log.info("request %s cancelled after %d answer tokens", work.request.id,

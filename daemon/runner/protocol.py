@@ -85,6 +85,7 @@ class Done:
     context: tuple[int, ...] = ()  # prompt + answer tokens (Ollama generate's `context`)
     drafted: int | None = None  # speculative decoding totals, as on Token (None: off)
     draft_accepted: int | None = None
+    stop_sequence: str | None = None  # the stop string that ended the answer, if one did
 
 
 @dataclass(frozen=True)
