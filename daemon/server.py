@@ -26,7 +26,7 @@ from localllm.config import Config, config_file
 from localllm.errors import UserError
 
 from . import security
-from .api import anthropic, create, embed, ollama, openai, stats
+from .api import anthropic, create, embed, ollama, openai, responses, stats
 from .api.common import MAX_BODY_BYTES, ApiError
 from .chat.request import ChatError
 from .config_watch import watch_config, watch_profiles
@@ -63,13 +63,14 @@ def is_anthropic(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
-def error_body(path: str, status: int, message: str, param: str | None = None) -> dict:
+def error_body(path: str, status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict:
     if is_anthropic(path):
         return anthropic.error_json(status, message)
     if path.startswith("/v1/"):  # OpenAI's error shape
         kind = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 503: "server_overloaded"}.get(status, "server_error")
-        code = "model_not_found" if status == 404 else None
+        code = code or ("model_not_found" if status == 404 else None)
         return {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return {"error": message}
 
@@ -92,8 +93,8 @@ async def error_middleware(request: web.Request, handler):
         headers = {"Retry-After": "5"} if status == 503 else None
         if status == 503 and is_anthropic(request.path):
             status = anthropic.OVERLOADED
-        return web.json_response(error_body(request.path, status, message, param),
-                                 status=status, headers=headers)
+        body = error_body(request.path, status, message, param, getattr(e, "code", None))
+        return web.json_response(body, status=status, headers=headers)
 
 
 async def root(request: web.Request) -> web.Response:
@@ -115,6 +116,8 @@ def create_app(config: Config, store: ModelStore | None = None) -> web.Applicati
     app.add_routes(ollama.routes)
     app.add_routes(openai.routes)
     app.add_routes(anthropic.routes)
+    app.add_routes(responses.routes)
+    app[responses.STORED] = responses.StoredResponses()
     app.add_routes(stats.routes)
     app.add_routes(embed.routes)
     app.add_routes(create.routes)

@@ -40,6 +40,9 @@ ROUTES = {  # path -> (method, a valid body to mutate)
     "/v1/messages": ("POST", {"model": "smollm2", "max_tokens": 2, "stream": True,
                               "system": "Be brief.",
                               "messages": [{"role": "user", "content": "Hi"}]}),
+    "/v1/responses": ("POST", {"model": "smollm2", "max_output_tokens": 2, "stream": True,
+                               "instructions": "Be brief.",
+                               "input": [{"role": "user", "content": "Hi"}]}),
 }
 GET_ROUTES = ["/api/version", "/api/tags", "/api/ps", "/api/status", "/api/stats", "/v1/models"]
 STORED = {"smollm2", "smollm2:latest"}
@@ -86,10 +89,12 @@ def cheap(path: str, body: dict) -> dict:
         ctx = options.get("num_ctx")
         if isinstance(ctx, int | float) and not isinstance(ctx, bool) and ctx > 2048:
             options["num_ctx"] = 2048
-    for key in ("max_tokens", "max_completion_tokens", "n_predict"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict"):
         if key in body and isinstance(body[key], int) and not isinstance(body[key], bool):
             body[key] = 2
-    if body.get("max_tokens") is None and path.startswith("/v1/"):
+    if path == "/v1/responses":
+        body["max_output_tokens"] = 2
+    elif body.get("max_tokens") is None and path.startswith("/v1/"):
         body["max_tokens"] = 2
     if path.startswith(("/api/generate", "/api/chat")) and not options:
         body["options"] = {"num_predict": 2}  # absent, null or empty: the default runs long

@@ -13,7 +13,6 @@ versioned tools (web_search_..., bash_..., text_editor_...), which are left out 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import uuid
@@ -22,14 +21,12 @@ from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
 from ..chat.answer import answer, count_prompt_tokens, model_for
-from ..chat.custom import Customization, read_customization
+from ..chat.custom import Customization
 from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
-from ..generation import find_model
 from ..runner.process import new_request_id
 from ..runner.protocol import Done, Failure, Progress, Token
-from ..state import STORE
-from .common import bad_request, body_options, get_bool, get_str, kept_calls, read_json
+from .common import bad_request, body_options, get_bool, kept_calls, local_model, read_json
 
 log = logging.getLogger("localllm.daemon")
 routes = web.RouteTableDef()
@@ -248,11 +245,7 @@ def anthropic_format(body: dict) -> dict | None:
 
 async def chat_request(request: web.Request, body: dict, count_only: bool = False
                        ) -> tuple[ModelEntry, Customization, ChatRequest, bool]:
-    entry = find_model(request.app, get_str(body, "model", required=True))
-    if entry.remote is not None:
-        raise bad_request(f"{entry.name} is a remote model: /v1/messages serves local models "
-                          f"only (use /v1/chat/completions)", "model")
-    custom = await asyncio.to_thread(read_customization, request.app[STORE], entry)
+    entry, custom = await local_model(request, body, "/v1/messages")
     if not count_only and body.get("max_tokens") is None:
         raise bad_request("missing required field 'max_tokens'", "max_tokens")
     sampling, load = body_options(body, ANTHROPIC_NAMES, custom.parameters)

@@ -6,21 +6,29 @@ it into the right JSON shape for the route's API family. No handler formats an e
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 from aiohttp import web
+from localllm.modelstore.store import ModelEntry
 
 from localllm import options
 from localllm.options import LoadOptions, SamplingOptions
 
+from ..chat.custom import Customization, read_customization
+from ..generation import find_model
+from ..state import STORE
+
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code  # OpenAI's error code, where one fits better than the status's
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -105,6 +113,17 @@ def get_str(body: dict, key: str, required: bool = False, default: str | None = 
     if not isinstance(value, str):
         raise bad_request(f"field '{key}' must be a string", key)
     return value
+
+
+async def local_model(request: web.Request, body: dict, route: str
+                      ) -> tuple[ModelEntry, Customization]:
+    """The stored local model a request names (404 naming it when there is none) and what its
+    Modelfile added. A remote model is a 400: these routes translate onto the local engine."""
+    entry = find_model(request.app, get_str(body, "model", required=True))
+    if entry.remote is not None:
+        raise bad_request(f"{entry.name} is a remote model: {route} serves local models only "
+                          f"(use /v1/chat/completions or /api/chat)", "model")
+    return entry, await asyncio.to_thread(read_customization, request.app[STORE], entry)
 
 
 def get_model_field(body: dict) -> str:
