@@ -51,12 +51,16 @@ async def watch_config(path: Path, apply: Callable[[Config], None], log: logging
 
 
 def _load_or_none(path: Path, log: logging.Logger) -> Config | None:
+    """The config now, or None (logged) when the edit is bad: a bad edit never ends the watch."""
     try:
         return load_config(path)
     except ConfigError as e:
         log.error("config invalid, keeping the last good one: %s", e,
                   extra={"file": e.path or str(path), "line": e.line or "", "reason": e.reason})
-        return None
+    except Exception as e:  # anything else a half-written or odd file raises
+        log.error("config unreadable, keeping the last good one: %s: %s", type(e).__name__, e,
+                  extra={"file": str(path)})
+    return None
 
 
 async def watch_profiles(directory: Path, log: logging.Logger) -> None:
@@ -69,7 +73,10 @@ async def watch_profiles(directory: Path, log: logging.Logger) -> None:
     directory.mkdir(parents=True, exist_ok=True)
 
     def is_profile(change: watchfiles.Change, changed: str) -> bool:
-        return change != watchfiles.Change.deleted and changed.endswith(".toml")
+        # A tuned profile is <model>@<card>.toml; acceptance.toml and calibration.toml, which
+        # the daemon and the tuner write beside them, are measurements, not profiles.
+        name = Path(changed).name
+        return change != watchfiles.Change.deleted and name.endswith(".toml") and "@" in name
 
     async for changes in watchfiles.awatch(directory, watch_filter=is_profile):
         for _change, changed in changes:

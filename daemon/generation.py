@@ -11,10 +11,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from localllm.errors import UserError
 from localllm.modelstore.store import ModelEntry
 from localllm.options import LoadOptions
 
-from .runner.protocol import Done, Event, Failure, GenerationRequest, Token
+from .runner.protocol import Event, Failure, GenerationRequest
 from .runner.process import RunnerProcess
 from .state import SCHEDULER, STORE
 
@@ -31,25 +32,13 @@ class Generation:
         return time.perf_counter_ns() - self.started_ns
 
 
-class GenerationFailed(Exception):
+class GenerationFailed(UserError):
     """The runner answered with a Failure before anything was sent (status from the runner)."""
 
     def __init__(self, failure: Failure):
         super().__init__(failure.message)
         self.status = failure.status
 
-
-async def collect(gen: Generation) -> tuple[str, Done]:
-    """The whole answer of a non-streamed request."""
-    parts = []
-    async for event in gen.events:
-        if isinstance(event, Token):
-            parts.append(event.text)
-        elif isinstance(event, Failure):
-            raise GenerationFailed(event)
-        elif isinstance(event, Done):
-            return "".join(parts), event
-    raise GenerationFailed(Failure("the runner ended the answer without finishing it"))
 
 
 async def first_event(gen: Generation) -> Event:

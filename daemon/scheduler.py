@@ -20,9 +20,11 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from localllm.modelstore.gguf_header import GGUFError
+from localllm.errors import UserError
 from localllm.modelstore.pull import model_file
 from localllm.modelstore.shape import ModelShape, read_shape
-from localllm.modelstore.store import ModelEntry, ModelStore
+from localllm.modelstore.store import DamagedModel, ModelEntry, ModelStore
 from localllm.profiles.plan import Plan
 
 from localllm.config import Config
@@ -34,8 +36,10 @@ from .runner.process import RUNNER_COMMAND, LoadError, RunnerProcess
 log = logging.getLogger("localllm.scheduler")
 
 
-class QueueFull(Exception):
+class QueueFull(UserError):
     """Too many requests are waiting, or one waited too long (status 503, Retry-After)."""
+
+    status = 503
 
 
 @dataclass
@@ -206,9 +210,14 @@ class Scheduler:
                 await self._retire(name, model)
             async with self._room_lock:
                 await self._make_room()
-            shape = await asyncio.to_thread(read_shape, entry.model_path)
-            draft = draft_model(self.store, entry, load)
-            draft_shape = await asyncio.to_thread(read_shape, draft.path) if draft.path else None
+            try:
+                shape = await asyncio.to_thread(read_shape, entry.model_path)
+                draft = draft_model(self.store, entry, load)
+                draft_shape = await asyncio.to_thread(read_shape, draft.path) if draft.path \
+                    else None
+            except (GGUFError, OSError) as e:  # truncated or rewritten under us
+                raise DamagedModel(name, str(e).replace(str(entry.model_path), "its blob")) \
+                    from None
             # Planning may probe the GPU and dry-run llama.cpp: seconds, off the event loop.
             plan = await asyncio.to_thread(self.planner.choose, shape, name,
                                            context_to_ask(self.config, load.num_ctx, shape),

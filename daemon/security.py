@@ -9,6 +9,11 @@
   `origins` (localhost origins always) get CORS headers and preflight answers; any other origin
   is refused with 403 before a handler runs, so a page cannot make us pull, delete or generate
   even where it could not read the answer (a "simple" POST needs no preflight).
+- Other users (TCP only): on a shared machine anyone can reach 127.0.0.1. A loopback
+  connection from another uid (Linux: read from the kernel's socket table, peer_uid.py) gets
+  a 403 unless it carries the API key; where the uid cannot be told, `shared_machine = true`
+  asks every TCP request for the key. A connection whose owner cannot be found on Linux is
+  treated as another user's.
 - API key (TCP only, when one is set; a non-loopback bind needs one): every route but
   /api/version wants `Authorization: Bearer <key>`. Preflights carry no credentials, so they
   are answered before the key is checked.
@@ -20,13 +25,20 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
 import re
 import socket
+import sys
+import weakref
+from pathlib import Path
 
 from aiohttp import web
 
 from localllm import paths
 from localllm.config import Config
+from localllm.modelstore.store import StoreError
+
+from .peer_uid import peer_uid, plain_ip
 
 LOCAL_ORIGIN = re.compile(r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?$")
 ALLOWED_METHODS = "GET, HEAD, POST, DELETE, OPTIONS"
@@ -158,21 +170,69 @@ def cors_headers(config: Config):
     return add
 
 
+# ---- other users ---------------------------------------------------------------------------
+def _sent_keys(request: web.Request) -> list[bytes]:
+    # Anthropic's clients send the key as x-api-key: every route takes either header.
+    sent = [request.headers.get("Authorization", "").encode("utf-8", "replace")]
+    if "x-api-key" in request.headers:
+        sent.append(f"Bearer {request.headers['x-api-key']}".encode("utf-8", "replace"))
+    return sent
+
+
+def key_matches(request: web.Request, api_key: str) -> bool:
+    expected = f"Bearer {api_key}".encode()
+    return bool(api_key) and any([hmac.compare_digest(sent, expected)
+                                  for sent in _sent_keys(request)])
+
+
+def owner_middleware(config: Config, lookup=peer_uid, platform: str = sys.platform):
+    """403 for a TCP request from another local user that does not carry the API key."""
+    me = os.getuid()
+    known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # transport -> uid
+
+    def uid_of(request: web.Request) -> int | None:
+        transport = request.transport
+        if transport is None:
+            return None
+        if transport not in known:
+            sock = transport.get_extra_info("socket")
+            known[transport] = lookup(sock) if sock is not None else None
+        return known[transport]
+
+    def foreign(request: web.Request) -> tuple[bool, str]:
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        host = peer[0] if peer else ""
+        ip = _ip(str(host).partition("%")[0])
+        if ip is not None and not plain_ip(ip).is_loopback:
+            return False, ""  # off this machine: the API key (required there) decides
+        uid = uid_of(request)
+        if uid is not None:
+            return uid != me, f"uid {uid}"
+        if platform.startswith("linux"):
+            return True, "a user this daemon cannot identify"  # fail closed
+        return config.shared_machine, "another user (shared_machine is on)"
+
+    @web.middleware
+    async def check_owner(request: web.Request, handler):
+        if is_unix(request) or request.path in OPEN_PATHS:
+            return await handler(request)
+        other, who = foreign(request)
+        if other and not key_matches(request, config.api_key):
+            hint = ("send 'Authorization: Bearer <key>' with the owner's API key"
+                    if config.api_key else "the owner has set no API key (api_key), so only "
+                    "they can use it")
+            return _json_error(request, 403, f"this localllm belongs to another user and {who} "
+                               f"is not its owner: {hint}")
+        return await handler(request)
+    return check_owner
+
+
 # ---- API key -------------------------------------------------------------------------------
 def key_middleware(api_key: str):
-    expected = f"Bearer {api_key}".encode()
-
-    def key_matches(request: web.Request) -> bool:
-        # Anthropic's clients send the key as x-api-key: every route takes either header.
-        sent = [request.headers.get("Authorization", "").encode("utf-8", "replace")]
-        if "x-api-key" in request.headers:
-            sent.append(f"Bearer {request.headers['x-api-key']}".encode("utf-8", "replace"))
-        return any([hmac.compare_digest(s, expected) for s in sent])
-
     @web.middleware
     async def check_key(request: web.Request, handler):
         if api_key and not is_unix(request) and request.path not in OPEN_PATHS \
-                and not key_matches(request):
+                and not key_matches(request, api_key):
             return _json_error(request, 401, "missing or wrong API key: send "
                                "'Authorization: Bearer <key>' or 'x-api-key: <key>'")
         return await handler(request)
@@ -187,3 +247,21 @@ def check_bind(config: Config) -> None:
     if not paths.is_loopback(host) and not config.api_key:
         raise UserError(f"refusing to listen on {host} without an API key: set api_key in "
                         f"config.toml or LOCALLLM_API_KEY, or bind 127.0.0.1")
+
+
+# ---- files a TCP client may name ----------------------------------------------------------
+def import_source(request: web.Request, text: str, roots: tuple[Path, ...]) -> Path:
+    """The file a request names for /api/import or `FROM /path`, checked. Over TCP it must be
+    a file under one of `roots` (import_dirs); one outside them gets the same answer as one
+    that does not exist, so the route cannot tell a client which of the owner's paths exist.
+    Over the Unix socket (only the owner can open it) any path passes. Blocking (stat)."""
+    path = Path(text).expanduser()
+    if is_unix(request):
+        return path
+    resolved = path.resolve()  # symlinks and `..` first: the file actually read must be inside
+    inside = any(resolved.is_relative_to(root) for root in roots)
+    if not inside or not resolved.is_file():
+        raise StoreError(f"{text}: no such file in the folders a TCP client may import from "
+                         f"(import_dirs: {', '.join(map(str, roots))}); over the Unix socket "
+                         "any of your files can be imported")
+    return resolved

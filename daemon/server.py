@@ -17,9 +17,8 @@ import socket
 from pathlib import Path
 
 from aiohttp import web
-from localllm.modelstore.names import BadModelName
 from localllm.profiles.saved import profiles_dir
-from localllm.modelstore.store import ModelNotFound, ModelStore, StoreError, default_store
+from localllm.modelstore.store import ModelStore, default_store
 
 from localllm import paths
 from localllm.config import Config, config_file
@@ -27,36 +26,14 @@ from localllm.errors import UserError
 
 from . import security
 from .api import anthropic, create, embed, ollama, openai, responses, stats
-from .api.common import MAX_BODY_BYTES, ApiError
-from .chat.request import ChatError
+from .api.common import MAX_BODY_BYTES
 from .config_watch import watch_config, watch_profiles
 from .logging_setup import setup_logging
-from .generation import GenerationFailed
-from .runner.process import LoadError, RunnerRequestFailed
-from .scheduler import QueueFull, Scheduler
+from .scheduler import Scheduler
 from .state import CONFIG, SCHEDULER, STORE
 from .systemd import listen_fds, notify
 
 log = logging.getLogger("localllm.daemon")
-
-
-def error_status(error: BaseException) -> tuple[int, str] | None:
-    """HTTP status and message for an error a client caused or can act on; None for bugs."""
-    if isinstance(error, ApiError):
-        return error.status, error.message
-    if isinstance(error, ModelNotFound):
-        return 404, str(error)
-    if isinstance(error, (BadModelName, StoreError, UserError)):
-        return 400, str(error)
-    if isinstance(error, (GenerationFailed, RunnerRequestFailed)):
-        return error.status, str(error)
-    if isinstance(error, ChatError):
-        return 400, str(error)
-    if isinstance(error, QueueFull):
-        return 503, str(error)
-    if isinstance(error, LoadError):
-        return 500, str(error)
-    return None
 
 
 def is_anthropic(path: str) -> bool:
@@ -84,11 +61,11 @@ async def error_middleware(request: web.Request, handler):
             raise
         return web.json_response(error_body(request.path, e.status, e.reason), status=e.status)
     except Exception as e:
-        known = error_status(e)
-        if known is None:
+        if isinstance(e, UserError):  # the exception carries its own message and status
+            status, message = e.status, str(e)
+        else:
             log.exception("error serving %s %s", request.method, request.path)
-            known = (500, f"internal error: {type(e).__name__}: {e}")
-        status, message = known
+            status, message = 500, f"internal error: {type(e).__name__}: {e}"
         param = getattr(e, "param", None)
         headers = {"Retry-After": "5"} if status == 503 else None
         if status == 503 and is_anthropic(request.path):
@@ -103,10 +80,12 @@ async def root(request: web.Request) -> web.Response:
 
 
 def create_app(config: Config, store: ModelStore | None = None) -> web.Application:
-    # Outermost first: who is asking (Host, Origin) before anything runs, errors turned into
-    # JSON around the handlers, the key checked inside so a 401 has the API's error shape.
+    # Outermost first: who is asking (Host, Origin, which local user) before anything runs,
+    # errors turned into JSON around the handlers, the key checked inside so a 401 has the
+    # API's error shape.
     middlewares = [security.host_middleware(config), security.cors_middleware(config),
-                   error_middleware, security.key_middleware(config.api_key)]
+                   security.owner_middleware(config), error_middleware,
+                   security.key_middleware(config.api_key)]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app.on_response_prepare.append(security.cors_headers(config))
     app[CONFIG] = config

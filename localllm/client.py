@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -191,12 +190,3 @@ def start_daemon(config: Config) -> subprocess.Popen:
         )
 
 
-def socket_is_live(path: Path) -> bool:
-    probe = socket.socket(socket.AF_UNIX)
-    try:
-        probe.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()

@@ -7,6 +7,8 @@
 | api_key           | LOCALLLM_API_KEY           | (none; required off loopback) | restart   |
 | origins           | LOCALLLM_ORIGINS           | (none; localhost only)        | restart   |
 | allowed_hosts     | LOCALLLM_ALLOWED_HOSTS     | (none; localhost only)        | restart   |
+| shared_machine    | LOCALLLM_SHARED_MACHINE    | False                         | restart   |
+| import_dirs       | LOCALLLM_IMPORT_DIRS       | ('~',)                        | live      |
 | keep_alive        | LOCALLLM_KEEP_ALIVE        | 5m                            | live      |
 | max_loaded_models | LOCALLLM_MAX_LOADED_MODELS | 2                             | live      |
 | num_parallel      | LOCALLLM_NUM_PARALLEL      | auto                          | next load |
@@ -52,6 +54,12 @@
 - allowed_hosts: comma-separated extra names the TCP port answers to in the `Host` header
   (`*.lan` wildcards work). Localhost names, loopback IPs and the bound address always pass;
   any other name gets a 403 (protection against DNS rebinding).
+- shared_machine: where the daemon cannot tell which local user opened a TCP connection (not
+  Linux), `true` asks every TCP request for the API key. On Linux another user's loopback
+  connection always needs the key, whatever this says.
+- import_dirs: folders (default `~`, your home) whose files a TCP client may name in /api/import and a Modelfile's
+  `FROM /path` (the Unix socket, which only you can open, may name any file you can read).
+  A path outside them is refused with the same message as a missing one.
 - rpc_workers: `["host:port", ...]` (comma-separated in the variable): `localllm worker`s whose
   devices models may use besides this machine's; the planner measures each one's memory and
   link. RPC has no authentication: trusted networks only.
@@ -77,8 +85,10 @@ import tomli_w
 
 from . import paths
 
+from .errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A bad setting. `path` and `line` say where, when it came from a file."""
 
     def __init__(self, message: str, *, path: str | None = None, line: int | None = None,
@@ -96,6 +106,8 @@ class Config:
     api_key: str = ""
     origins: str = ""
     allowed_hosts: str = ""
+    shared_machine: bool = False
+    import_dirs: tuple[str, ...] = ("~",)
     keep_alive: str = "5m"
     max_loaded_models: int = 2
     num_parallel: int | str = "auto"
@@ -123,6 +135,11 @@ class Config:
         return paths.parse_host(self.host)
 
     @property
+    def import_roots(self) -> tuple[Path, ...]:
+        """import_dirs as absolute, resolved folders (`~` expanded)."""
+        return tuple(Path(d).expanduser().resolve() for d in self.import_dirs)
+
+    @property
     def keep_alive_seconds(self) -> float | None:
         return parse_duration(self.keep_alive)
 
@@ -141,6 +158,8 @@ ENV = {
     "api_key": "LOCALLLM_API_KEY",
     "origins": "LOCALLLM_ORIGINS",
     "allowed_hosts": "LOCALLLM_ALLOWED_HOSTS",
+    "shared_machine": "LOCALLLM_SHARED_MACHINE",
+    "import_dirs": "LOCALLLM_IMPORT_DIRS",
     "keep_alive": "LOCALLLM_KEEP_ALIVE",
     "max_loaded_models": "LOCALLLM_MAX_LOADED_MODELS",
     "num_parallel": "LOCALLLM_NUM_PARALLEL",
@@ -163,7 +182,7 @@ ENV = {
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
 # pull route hold theirs): a change while it runs logs "restart needed".
 RESTART_NEEDED = frozenset({"host", "socket", "api_key", "origins", "allowed_hosts",
-                            "hf_endpoint"})
+                            "shared_machine", "hf_endpoint"})
 
 CHOICES = {
     "context_policy": ("fixed", "fit", "max"),
@@ -225,7 +244,7 @@ def _kind(name: str) -> str:
     return {f.name: f.type for f in fields(Config)}[name]
 
 
-def coerce(name: str, value: object) -> int | float | str | tuple[str, ...]:
+def coerce(name: str, value: object) -> bool | int | float | str | tuple[str, ...]:
     """A raw value (TOML, env or command line) as the setting's type; ConfigError if it is not."""
     if name not in ENV:
         raise ConfigError(f"unknown setting {name!r} (known: {', '.join(setting_names())})")
@@ -238,6 +257,15 @@ def coerce(name: str, value: object) -> int | float | str | tuple[str, ...]:
             return int(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             raise ConfigError(f"{name} must be a whole number or auto, not {value!r}") from None
+    if _kind(name) == "bool":  # TOML true/false, or a word from the env or command line
+        if isinstance(value, bool):
+            return value
+        word = str(value).strip().lower()
+        if word in ("true", "yes", "on", "1"):
+            return True
+        if word in ("false", "no", "off", "0"):
+            return False
+        raise ConfigError(f"{name} must be true or false, not {value!r}")
     if _kind(name) == "float":
         if isinstance(value, bool):
             raise ConfigError(f"{name} must be a number, not {value!r}")
@@ -287,14 +315,24 @@ def check_setting(name: str, value: int | str) -> None:
             raise ConfigError(f"socket path is longer than {_MAX_SOCKET_PATH} bytes: {value}")
     elif name == "hf_endpoint" and not str(value).startswith(("http://", "https://")):
         raise ConfigError(f"hf_endpoint must start with http:// or https://, not {value!r}")
+    elif name == "import_dirs":
+        for directory in value:  # type: ignore[union-attr]
+            if not os.path.isabs(os.path.expanduser(directory)):
+                raise ConfigError(f"import_dirs: {directory!r} is not an absolute path")
     elif name == "rpc_workers":
-        from localllm.profiles.rpc import WorkerError, parse_endpoint
-
         for endpoint in value:  # type: ignore[union-attr]
             try:
                 parse_endpoint(endpoint)
-            except WorkerError as e:
+            except ValueError as e:
                 raise ConfigError(f"rpc_workers: {e}") from None
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """An RPC worker's "host:port" -> (host, port); ValueError says what is wrong."""
+    host, sep, port = str(text).strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"RPC worker {text!r} is not host:port (e.g. 192.168.1.20:50052)")
+    return host.strip("[]"), int(port)
 
 
 def validate(config: Config) -> None:
@@ -334,6 +372,21 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
     return values
 
 
+def read_config_text(path: Path) -> str:
+    """config.toml's text; ConfigError (with the place) when it is not UTF-8 or unreadable."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}", path=str(path)) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        reason = f"not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})"
+        raise ConfigError(f"{path}:{line}: {reason}", path=str(path), line=line,
+                          reason=reason) from None
+
+
 def load_config_sources(path: Path | None = None,
                         environ: dict | None = None) -> tuple[Config, dict[str, str]]:
     """The effective config and where each value came from: 'default', 'file' or the env name."""
@@ -342,7 +395,7 @@ def load_config_sources(path: Path | None = None,
     sources = dict.fromkeys(setting_names(), "default")
     values: dict = {}
     if path.is_file():
-        values.update(parse_config(path.read_text(), str(path)))
+        values.update(parse_config(read_config_text(path), str(path)))
         sources.update(dict.fromkeys(values, "file"))
     for name, env in ENV.items():
         if not environ.get(env):

@@ -17,6 +17,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from .errors import UserError
+
 SAMPLE, LOAD = "sample", "load"
 
 # What a request's `speculative` may say: the plan's choice (auto), or one mode. A plan says one
@@ -83,7 +85,7 @@ _TABLE = (
 OPTIONS: dict[str, Option] = {o.name: o for o in _TABLE}
 
 
-class OptionError(ValueError):
+class OptionError(UserError, ValueError):
     """An option's value is of the wrong type or out of its bounds (a 400 on the API)."""
 
     def __init__(self, message: str, name: str):
@@ -142,10 +144,6 @@ def from_text(name: str, texts: list[str] | str, label: str | None = None):
         raise OptionError(f"{label} must be {kind}, not {text!r}", label) from None
     return check(name, value, label)
 
-
-def unknown_option(name: str) -> str:
-    close = [o for o in OPTIONS if o.startswith(name[:3])] or list(OPTIONS)
-    return f"unknown option {name!r}; try {', '.join(close)}"
 
 
 @dataclass(frozen=True)

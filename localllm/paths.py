@@ -16,6 +16,30 @@ DEFAULT_TCP_HOST = "127.0.0.1"
 DEFAULT_TCP_PORT = 11435
 
 
+def write_private(path: Path, data: bytes) -> None:
+    """Write `path` 0600 from its creation on (no moment in which another user could open it);
+    an existing file is narrowed to 0600 too. For secrets (config.toml's api_key) and the store."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # O_CREAT keeps an existing file's mode
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def replace_private(path: Path, text: str) -> None:
+    """Atomically replace `path` with `text`, the new file 0600."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write_private(tmp, text.encode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def data_dir() -> Path:
     return Path(platformdirs.user_data_dir(APP))
 

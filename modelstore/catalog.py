@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass
 from importlib import resources
 
+from localllm.errors import UserError
 from .names import BadModelName, ModelName, parse_name
 from .store import DRAFT_LAYER, MTP_LAYER, PROJECTOR_LAYER
 from .wheel_source import (
@@ -21,7 +22,7 @@ from .wheel_source import (
 )
 
 
-class CatalogError(ValueError):
+class CatalogError(UserError, ValueError):
     """catalog.toml is malformed: a packaging bug, reported with the entry at fault."""
 
 

@@ -37,13 +37,11 @@ _CHUNK = 1 * MiB
 
 
 class PullError(StoreError):
-    """A pull failed for a reason the user can act on; `http_status` is what /api/pull answers."""
-
-    http_status = 400
+    """A pull failed for a reason the user can act on; `status` is what /api/pull answers."""
 
 
 class RemoteNotFound(PullError):
-    http_status = 404
+    status = 404
 
 
 class AuthRequired(PullError):
@@ -135,7 +133,7 @@ def http_error(status: int, label: str, authenticated: bool | str | None) -> Pul
 class HubUnreachable(PullError):
     """No answer from the host: DNS, a refused or dropped connection, TLS, a timeout or 5xx."""
 
-    http_status = 502  # the daemon is fine; the host behind it is not
+    status = 502  # the daemon is fine; the host behind it is not
 
 
 def _host(url: str) -> str:
@@ -213,7 +211,7 @@ async def blob_lock(path: Path, on_wait: Callable[[], None] | None = None, poll_
     The lock file is removed on release; a waiter that then wins the lock on the removed inode
     notices (the path no longer names its inode) and locks afresh."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             while True:
                 try:
@@ -300,7 +298,7 @@ class _Transfer:
         if not resumed:
             self.parts = plan_parts(self.remote.size, self.options)
         self.check_disk()
-        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if not resumed and self.remote.size:
                 os.ftruncate(self.fd, self.remote.size)
@@ -431,8 +429,7 @@ async def fetch_blob(session: aiohttp.ClientSession, store: ModelStore, remote: 
     on_bytes = on_bytes or (lambda completed: None)
     if remote.sha256 and store.has_blob(f"sha256:{remote.sha256}"):
         return _existing(store, remote.sha256, on_bytes)
-    for directory in (store.tmp, store.blobs):
-        directory.mkdir(parents=True, exist_ok=True)
+    store.ensure_dirs()
     key = remote.sha256 or hashlib.sha256(remote.url.encode()).hexdigest()
     transfer = _Transfer(session, store, remote, label, headers or {}, on_bytes, options)
 

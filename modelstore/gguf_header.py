@@ -15,6 +15,8 @@ from typing import Any, BinaryIO
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from localllm.errors import UserError
+
 GGUF_MAGIC = b"GGUF"
 # Arrays longer than this are counted, not kept (vocabularies, merges, scores).
 MAX_KEPT_ARRAY = 4096
@@ -26,7 +28,7 @@ _SCALARS = {  # GGUFValueType -> struct format
 _STRING, _ARRAY = 8, 9
 
 
-class GGUFError(ValueError):
+class GGUFError(UserError, ValueError):
     """The file is not a GGUF model localllm can read; the message says why, for a user."""
 
 

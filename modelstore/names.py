@@ -10,12 +10,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from localllm.errors import UserError
+
 DEFAULT_TAG = "latest"
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 
-class BadModelName(ValueError):
+class BadModelName(UserError, ValueError):
     pass
 
 

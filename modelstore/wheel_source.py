@@ -15,8 +15,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from localllm.errors import UserError
 
-class WheelSourceError(Exception):
+
+class WheelSourceError(UserError):
     pass
 
 

@@ -45,12 +45,6 @@ def request_from_load(n_ctx: int | None, load: LoadOptions, margin_bytes: int,
                    n_gpu_layers=load.num_gpu, n_threads=load.num_thread, n_batch=load.num_batch)
 
 
-def vram_margin_bytes() -> int:
-    try:
-        return load_config().vram_margin_mib * MIB
-    except ConfigError:
-        return 512 * MIB
-
 
 def config_request(model_name: str | None = None, file_size: int = 0) -> Request:
     """The config's tuner settings (quality, expected_fill, kv_cache_type, num_parallel,

@@ -7,9 +7,10 @@ plans for a probed machine and for a profile the same way.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import replace
 from functools import lru_cache
+
+from localllm.llama import nvml
 
 from .card import CPU_ONLY, GIB, MIB, Card, load_card, match_card
 from .plan import physical_cores
@@ -39,48 +40,6 @@ def host_card() -> Card:
         load_card(CPU_ONLY).with_host(host_ram_bytes(), cores, estimate_host_bandwidth(cores)),
         source="probe",
     )
-
-
-def _nvml_devices() -> list[dict]:
-    """Name, memory, PCIe and clocks of every NVIDIA GPU, or [] where there is none."""
-    try:
-        with warnings.catch_warnings():  # pynvml warns that it is deprecated, on every import
-            warnings.simplefilter("ignore")
-            import pynvml
-    except ImportError:
-        return []
-    try:
-        pynvml.nvmlInit()
-    except Exception:
-        return []
-    devices = []
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            info = {"name": name.decode() if isinstance(name, bytes) else str(name),
-                    "total": int(mem.total), "free": int(mem.free)}
-            facts = {
-                "cc": lambda h: ".".join(map(str, pynvml.nvmlDeviceGetCudaComputeCapability(h))),
-                "pcie_gen": pynvml.nvmlDeviceGetMaxPcieLinkGeneration,
-                "pcie_width": pynvml.nvmlDeviceGetMaxPcieLinkWidth,
-                "mem_clock_mhz":
-                    lambda h: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM),
-                "bus_width": pynvml.nvmlDeviceGetMemoryBusWidth,
-            }
-            for key, call in facts.items():
-                try:
-                    info[key] = call(h)
-                except Exception:  # optional facts; older drivers lack some
-                    pass
-            devices.append(info)
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
-    return devices
 
 
 def card_from_nvml(devices: list[dict], ram_bytes: int, cores: int) -> Card:
@@ -114,7 +73,7 @@ def card_from_nvml(devices: list[dict], ram_bytes: int, cores: int) -> Card:
 def probe_card() -> Card:
     """This machine: its GPUs matched to a profile (by name and memory) with real free memory,
     or the cpu-only profile with real RAM and cores where there is no GPU."""
-    devices = _nvml_devices()
+    devices = nvml.devices()
     if not devices:
         return host_card()
     cores = physical_cores()

@@ -156,8 +156,8 @@ def run_benchmark(model_path: str, plan: Plan, shape: ModelShape | None, prompt_
     """Load with the plan, prefill a prompt, decode greedily; time both."""
     import llama_cpp
 
-    from .dryrun import GGML_TYPES
-    from .llama_overrides import tensor_overrides_applied
+    from localllm.llama.params import GGML_TYPES
+    from localllm.llama.overrides import tensor_overrides_applied
 
     prompt_tokens = max(8, min(prompt_tokens, plan.n_ctx - decode_tokens - 8))
     kwargs = dict(model_path=model_path, n_gpu_layers=plan.n_gpu_layers, n_ctx=plan.n_ctx,

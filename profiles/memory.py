@@ -39,7 +39,6 @@ KV_TYPES: dict[str, tuple[int, int]] = {
 }
 # K = V pairs that default CUDA builds run inside flash attention, best precision first; other
 # pairs fall back to CPU attention (25-45x slower prefill).
-GPU_KV_TYPES = ("f16", "q8_0", "q4_0")
 CPU = "CPU"
 # The dense FFN matrices of a block, as the FFN override names them (norms stay with the block).
 FFN_TENSOR = re.compile(r"^blk\.\d+\.ffn_(up|gate|down)\.")

@@ -14,7 +14,7 @@ a layer count per device, so the split is exact (llama.cpp cuts at count / total
 Decode speed with the network in it: a token crosses each worker twice (its hidden state in and
 out, n_embd float32 values each way) and waits for about two round trips per worker (the graph
 and the result); a worker's layers take their bytes over the weight-reading speed measured on
-it (profiles.rpc; RPC does not report the hardware, so a worker that could not be measured is
+it (profiles/workers.py; RPC does not report the hardware, so a worker that could not be measured is
 taken as fast as this machine's card, or RAM). The local plan's prediction covers the rest.
 """
 
@@ -29,7 +29,7 @@ from localllm.modelstore.shape import ModelShape
 from .card import GIB, MIB, Card
 from .memory import ContextSettings, block_kv_bytes, model_costs
 from .plan import DeviceMemory, Plan, cpu_plan
-from .rpc import Worker, WorkerError, probe_workers
+from .workers import Worker, WorkerError, probe_workers
 from .tuner import NoPlanFits, Request, ram_budget
 
 log = logging.getLogger(__name__)

@@ -137,7 +137,7 @@ def api_modes(args, ngl: int) -> list[tuple[str, float, dict]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         env = isolated_env(Path(tmp), LOCALLLM_NUM_PARALLEL="1",
-                           LOCALLLM_CONTEXT_POLICY="fixed", LOCALLLM_DEFAULT_CTX="4096")
+                           LOCALLLM_CONTEXT_POLICY="fixed", LOCALLLM_CONTEXT_LENGTH="4096")
         store = ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models")
         store.import_gguf(args.model, "bench")
         if args.draft_other:

@@ -115,8 +115,8 @@ CHILD = r"""
 import llama_cpp
 import ctypes, json, sys, time
 import llama_cpp.llama_cpp as ll
-from localllm.profiles.dryrun import GGML_TYPES
-from localllm.profiles.llama_overrides import tensor_overrides_applied
+from localllm.llama.params import GGML_TYPES
+from localllm.llama.overrides import tensor_overrides_applied
 from localllm.profiles.plan import Plan
 req = json.loads(sys.stdin.read())
 plan = Plan.from_dict(req["plan"])

@@ -24,7 +24,7 @@ import struct
 from pathlib import Path
 
 from localllm.modelstore.shape import RECURRENT_LAYER, SLIDING, ModelShape
-from localllm.profiles.dryrun import GGML_TYPES
+from localllm.llama.params import GGML_TYPES
 from localllm.profiles.memory import kv_row_bytes
 
 MAGIC = 0x67677371  # 'ggsq'

@@ -17,7 +17,8 @@ At the end it prints requests sent, answered, rejected with 503, failed (with re
 latency percentiles, hung, whether the daemon is still up, and whether every blob in the store
 still matches its sha256; as JSON too, to $OUT/soak.json when OUT is set. Exit status 1 when
 something broke a rule: a hang, a 5xx other than 503, traceback text in an answer, a malformed
-request accepted, the daemon down, or a blob that does not verify.
+request accepted, a stream cut with neither its last chunk nor an error line, the daemon down,
+or a blob that does not verify.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class Tally:
     tokens: int = 0  # eval_count of answered Ollama requests
     kills: int = 0
     tracebacks: int = 0
+    streams_ended_by_error: int = 0  # a stream whose last line is an error (a killed runner)
+    streams_cut_silently: int = 0  # a stream that stopped with neither its end nor an error
 
     def fail(self, reason: str) -> None:
         self.failures[reason] += 1
@@ -199,7 +202,8 @@ class Soak:
             if response.status != 200:
                 text = await self.read_error(response)
                 raise Broke(f"HTTP {response.status} on {path}: {text[:120]}")
-            streamed = body.get("stream", True)
+            # Embeddings answer one JSON object and take no `stream`; every other kind says.
+            streamed = kind != "embed" and body.get("stream", True)
             if not streamed:
                 text = await response.text()
                 self.check_text(text)
@@ -230,21 +234,26 @@ class Soak:
                     return
                 self.tally.first_token.append(time.monotonic() - started)
             if path.startswith("/v1/"):
+                if not line.startswith("data:"):
+                    continue  # SSE comments (`: prompt N/M` while a long prompt is read), events
                 payload = line.removeprefix("data:").strip()
                 if payload == "[DONE]":
                     done = True
                     break
                 chunk = json.loads(payload)
                 if "error" in chunk:
+                    self.tally.streams_ended_by_error += 1
                     raise Broke(f"error in stream: {_short(chunk['error'])}")
                 continue
             chunk = json.loads(line)
             if "error" in chunk:
+                self.tally.streams_ended_by_error += 1
                 raise Broke(f"error in stream: {_short(chunk['error'])}")
             if chunk.get("done"):
                 self.tally.tokens += int(chunk.get("eval_count") or 0)
                 done = True
         if not done:
+            self.tally.streams_cut_silently += 1
             raise Broke("stream ended without its last chunk")
 
     async def read_error(self, response: aiohttp.ClientResponse) -> str:
@@ -335,8 +344,11 @@ class Soak:
             "by_kind": dict(t.by_kind),
             "daemon_up": up, "store_verified": store_ok, "blobs_checked": blobs,
             "blobs_bad": bad,
+            "streams_ended_by_error": t.streams_ended_by_error,
+            "streams_cut_silently": t.streams_cut_silently,
             "ok": bool(up and store_ok and not t.hung and not server_errors
-                       and not t.tracebacks and not accepted_malformed),
+                       and not t.tracebacks and not accepted_malformed
+                       and not t.streams_cut_silently),
         }
 
 
@@ -402,6 +414,8 @@ def print_summary(s: dict) -> None:
           f"{s['cancelled_by_client']}, failed {s['failed']}, hung {s['hung']}")
     for reason, count in s["failures"].items():
         print(f"    failed {count:>5}  {reason}")
+    print(f"  streams that ended with an error line: {s['streams_ended_by_error']}; streams cut "
+          f"with neither their last chunk nor an error: {s['streams_cut_silently']}")
     print(f"  latency of answered requests (s): {s['latency_s']}")
     print(f"  first streamed chunk (s): {s['first_chunk_s']}")
     bad = f", bad: {', '.join(s['blobs_bad'])}" if s["blobs_bad"] else ""

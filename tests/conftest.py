@@ -16,16 +16,24 @@ import fetch_test_models  # noqa: E402
 from localllm.modelstore.store import ModelStore  # noqa: E402
 
 
+def _test_model(name: str) -> Path:
+    # Ours and 0600, as the store links only such files (others are copied: 100-250 MB a
+    # daemon fixture).
+    path = fetch_test_models.ensure(name)
+    path.chmod(0o600)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct Q4_1: llama architecture with a chat template."""
-    return fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")
+    return _test_model("SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="session")
 def gemma_gguf() -> Path:
     """Gemma 3 270M Q4_K_M: sliding-window layers, no chat template."""
-    return fetch_test_models.ensure("gemma-3-270m-q4_k_m.gguf")
+    return _test_model("gemma-3-270m-q4_k_m.gguf")
 
 
 @pytest.fixture
@@ -111,3 +119,31 @@ def agent_daemon(tmp_path_factory, smollm2_gguf):
     d = start_daemon(env)
     yield d
     d.stop()
+
+
+def _log_sizes() -> dict[Path, int]:
+    from daemon_process import DAEMON_LOGS
+
+    return {path: path.stat().st_size if path.exists() else 0 for path in DAEMON_LOGS}
+
+
+@pytest.fixture(autouse=True)
+def no_unexpected_error_logs(request):
+    """No test makes a daemon log an error unless it says so (marker `errors_expected`): an
+    error line nobody caused on purpose is a bug the test happened to walk past."""
+    before = _log_sizes()
+    yield
+    if request.node.get_closest_marker("errors_expected"):
+        return
+    errors = []
+    for path, size in _log_sizes().items():
+        if size <= before.get(path, 0):
+            continue
+        with path.open("rb") as f:
+            f.seek(before.get(path, 0))
+            added = f.read().decode(errors="replace")
+        errors += [line for line in added.splitlines() if "level=error" in line]
+    if errors:
+        pytest.fail("the daemon logged errors this test did not cause on purpose:\n"
+                    + "\n".join(errors[:10]), pytrace=False)
+

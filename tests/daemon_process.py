@@ -56,7 +56,13 @@ class Daemon:
                 self.proc.wait()
 
 
+# The log of every daemon the tests started: conftest checks each test added no error line to
+# any of them unless the test says it causes errors on purpose.
+DAEMON_LOGS: list[Path] = []
+
+
 def start_daemon(env: dict, timeout: float = 60) -> Daemon:
+    DAEMON_LOGS.append(Path(env["XDG_STATE_HOME"]) / "localllm" / "logs" / "localllm.log")
     proc = subprocess.Popen([sys.executable, "-m", "localllm.cli", "serve"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + timeout

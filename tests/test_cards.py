@@ -7,7 +7,8 @@ import os
 import pytest
 
 from localllm.profiles.card import GIB, MIB, CardError, card_names, load_card, match_card
-from localllm.profiles.hardware import _nvml_devices, card_from_nvml, probe_card, resolve_card
+from localllm.llama.nvml import devices as nvml_devices
+from localllm.profiles.hardware import card_from_nvml, probe_card, resolve_card
 from localllm.profiles.plan import physical_cores
 
 CARDS = ["rtx3060-12g", "rtx3080", "rtx4060", "rtx4060ti-16g", "rtx4070", "rtx4070tis",
@@ -86,7 +87,7 @@ def test_probe_on_this_machine_reports_real_host():
     assert card.source == "probe"
     assert card.cores == physical_cores()
     assert card.ram_bytes == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if not _nvml_devices():  # the test machines have no GPU: the cpu-only profile
+    if not nvml_devices():  # the test machines have no GPU: the cpu-only profile
         assert card.name == "cpu-only" and not card.has_gpu
 
 

@@ -11,7 +11,7 @@ from dataclasses import fields
 import pytest
 
 from localllm import config as cfg
-from localllm.cli import main
+from localllm.cli.main import main
 from localllm.config import Config, ConfigError, load_config, load_config_sources, with_setting
 
 

@@ -109,7 +109,7 @@ def test_when_nothing_fits_whole_enough_quality_then_speed_decides(env):
     """8 GiB: not even Q2_K (8.1 GiB) fits whole. Of the files that run from VRAM and RAM,
     those with at least ENOUGH_BITS count as equally good, and the fastest of them wins: a Q8_0
     read from RAM on every token is not worth a third of the speed."""
-    from localllm.quant_pick import ENOUGH_BITS
+    from localllm.cli.quant_pick import ENOUGH_BITS
 
     out = localllm("pull", f"hf.co/{DENSE}", "--card", "rtx4060", "--dry-run", env=env).stdout
     rows = table_rows(out)

@@ -81,7 +81,7 @@ def test_hash_headers_and_http_errors():
     assert sha256_from_headers({"ETag": '"' + "a" * 40 + '"'}) is None  # a git sha1, not LFS
     assert "HF_TOKEN" in str(http_error(401, "x", False))
     assert "refused the token" in str(http_error(403, "x", True))
-    assert http_error(404, "x", False).http_status == 404
+    assert http_error(404, "x", False).status == 404
 
 
 def test_parts_cover_the_file_exactly():

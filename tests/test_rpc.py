@@ -19,7 +19,7 @@ from daemon_process import isolated_env, start_daemon, wait_for
 
 from localllm.modelstore.shape import read_shape
 from localllm.profiles.card import load_card
-from localllm.profiles.rpc import Worker, WorkerDevice, WorkerError, probe_workers
+from localllm.profiles.workers import Worker, WorkerDevice, WorkerError, probe_workers
 from localllm.profiles.rpc_plan import plan_with_workers
 from localllm.profiles.tuner import NoPlanFits, Request, tune
 

@@ -10,13 +10,13 @@ import llama_cpp
 import pytest
 import synth_gguf
 
-from localllm.cli import main
+from localllm.cli.main import main
 from localllm.modelstore.shape import read_shape
 from localllm.options import LoadOptions
 from localllm.profiles.card import GIB, load_card
 from localllm.profiles.choose import choose_plan, placement_of, step_down
 from localllm.profiles.hardware import host_card, probe_card
-from localllm.profiles.llama_overrides import tensor_overrides_applied
+from localllm.llama.overrides import tensor_overrides_applied
 from localllm.profiles.plan import Plan, TensorOverride, physical_cores
 from localllm.profiles.saved import (
     ProfileError, find_profile, load_profile, profile_path, save_profile,

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import synth_gguf
 
-from localllm.cli import main
+from localllm.cli.main import main
 from localllm.modelstore.shape import read_shape
 from localllm.profiles import speculation
 from localllm.profiles.card import GIB, MIB, load_card

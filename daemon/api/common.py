@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
+from localllm.errors import UserError
 from localllm import options
 from localllm.options import LoadOptions, SamplingOptions
 
@@ -21,7 +22,7 @@ from ..generation import find_model
 from ..state import STORE
 
 
-class ApiError(Exception):
+class ApiError(UserError):
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None):
         super().__init__(message)

@@ -23,7 +23,14 @@ from aiohttp import web
 from localllm.modelstore.gguf_header import GGUFError, read_header
 from localllm.modelstore.names import parse_name
 from localllm.modelstore.shape import shape_from_header
-from localllm.modelstore.store import MODEL_LAYER, Layer, ModelStore, StoreError, model_details
+from localllm.modelstore.store import (
+    MODEL_LAYER,
+    Layer,
+    ModelStore,
+    StoreError,
+    model_details,
+    no_room_is_disk_full,
+)
 
 from ..chat.custom import (
     CUSTOM_LAYERS,
@@ -35,7 +42,8 @@ from ..chat.custom import (
     parameter_value,
     text_layer,
 )
-from ..state import STORE
+from .. import security
+from ..state import SCHEDULER, STORE
 from .common import ApiError, bad_request, get_bool, get_model_field, get_str, read_json
 
 routes = web.RouteTableDef()
@@ -139,6 +147,11 @@ def _gguf_layer(store: ModelStore, digest: str) -> tuple[Layer, dict]:
     return Layer(MODEL_LAYER, digest, path.stat().st_size), model_details(shape)
 
 
+def is_path(base: str) -> bool:
+    """Whether FROM names a file rather than a model or a blob."""
+    return base.startswith(("/", "~", "./", "../"))
+
+
 def build(store: ModelStore, name: str, recipe: Recipe) -> None:
     """Blocking (hashes and writes files): run it off the event loop."""
     target = parse_name(name)
@@ -146,7 +159,7 @@ def build(store: ModelStore, name: str, recipe: Recipe) -> None:
     if match:
         layer, details = _gguf_layer(store, f"sha256:{match.group(1)}")
         layers, source = [layer], f"create:{recipe.base}"
-    elif recipe.base.startswith(("/", "~", "./")):
+    elif is_path(recipe.base):
         path = Path(recipe.base).expanduser()
         entry = store.import_gguf(path, name)  # names the GGUF; the custom layers follow
         layers, details, source = list(entry.layers), entry.details, entry.source
@@ -178,6 +191,10 @@ async def api_create(request: web.Request) -> web.Response:
         recipe = recipe_from_json(body)
     except ModelfileError as e:
         raise bad_request(str(e), "modelfile") from None
+    if is_path(recipe.base):
+        roots = request.app[SCHEDULER].config.import_roots
+        source = await asyncio.to_thread(security.import_source, request, recipe.base, roots)
+        recipe.base = str(source)
     await asyncio.to_thread(build, request.app[STORE], name, recipe)
     if not get_bool(body, "stream", True):
         return web.json_response({"status": "success"})
@@ -204,10 +221,11 @@ async def blob_upload(request: web.Request) -> web.Response:
         raise bad_request(f"invalid blob digest {digest!r}; expected sha256:<64 hex digits>")
     if store.has_blob(digest):
         return web.Response(status=200)
-    staged = store.staging_file("upload-")
+    with no_room_is_disk_full(f"storing the upload of {digest}"):
+        staged = store.staging_file("upload-")
     hasher = hashlib.sha256()
     try:
-        with staged.open("wb") as f:
+        with no_room_is_disk_full(f"storing the upload of {digest}"), staged.open("wb") as f:
             async for chunk in request.content.iter_chunked(1 << 20):
                 hasher.update(chunk)
                 await asyncio.to_thread(f.write, chunk)

@@ -11,7 +11,6 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
@@ -20,7 +19,7 @@ from localllm import __version__
 from localllm.config import ConfigError, parse_duration
 from localllm.options import LoadOptions, SamplingOptions
 
-from .. import remote
+from .. import remote, security
 from ..chat.answer import answer, model_for
 from ..chat.custom import Customization, capabilities, read_customization
 from ..chat.parse import Parsed
@@ -403,7 +402,9 @@ async def api_import(request: web.Request) -> web.Response:
     name = get_str(body, "model", required=True)
     path = get_str(body, "path", required=True)
     link = not get_bool(body, "copy", False)
-    entry = await asyncio.to_thread(request.app[STORE].import_gguf, Path(path), name, link)
+    roots = request.app[SCHEDULER].config.import_roots
+    source = await asyncio.to_thread(security.import_source, request, path, roots)
+    entry = await asyncio.to_thread(request.app[STORE].import_gguf, source, name, link)
     return web.json_response(_model_json(entry))
 
 

@@ -33,7 +33,7 @@ _DONE = object()
 
 
 def _api_error(error: PullError) -> ApiError:
-    return ApiError(getattr(error, "http_status", 400), str(error))
+    return ApiError(error.status, str(error))
 
 
 @routes.post("/api/pull")

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-import warnings
 from pathlib import Path
 
 from aiohttp import web
+from localllm.llama import nvml
 
 from ..state import SCHEDULER
 
@@ -35,47 +35,7 @@ def process_rss(pid: int | None, proc: Path = Path("/proc")) -> int | None:
     return None
 
 
-class GpuMemory:
-    """GPU memory used per process, summed over the NVIDIA GPUs; None where there are none.
-
-    NVML is initialised once and kept: a stats poll several times a second should not pay
-    nvmlInit each time.
-    """
-
-    def __init__(self) -> None:
-        self._nvml = None
-        self._tried = False
-
-    def _init(self):
-        if not self._tried:
-            self._tried = True
-            try:
-                with warnings.catch_warnings():  # pynvml warns that it is deprecated
-                    warnings.simplefilter("ignore")
-                    import pynvml
-                pynvml.nvmlInit()
-                self._nvml = pynvml
-            except Exception:  # no library, no driver, no GPU: all mean "no GPU memory"
-                self._nvml = None
-        return self._nvml
-
-    def by_pid(self) -> dict[int, int] | None:
-        nvml = self._init()
-        if nvml is None:
-            return None
-        used: dict[int, int] = {}
-        try:
-            for i in range(nvml.nvmlDeviceGetCount()):
-                handle = nvml.nvmlDeviceGetHandleByIndex(i)
-                for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    if p.usedGpuMemory is not None:  # None: the driver does not say
-                        used[p.pid] = used.get(p.pid, 0) + int(p.usedGpuMemory)
-        except Exception:
-            return None
-        return used
-
-
-GPU = GpuMemory()
+GPU = nvml.GpuMemory()
 
 
 def kv_type(plan) -> str:

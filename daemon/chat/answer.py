@@ -6,12 +6,14 @@ A route builds the ChatRequest, opens `answer(...)`, and either takes `whole()` 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from aiohttp import web
-from localllm.modelstore.store import ModelEntry
+from localllm.modelstore.gguf_header import GGUFError
+from localllm.modelstore.store import DamagedModel, ModelEntry
 
 from ..generation import Generation, GenerationFailed, first_event, generate, hold
 from ..runner.protocol import Done, Failure, Progress, Token
@@ -84,7 +86,11 @@ def with_default_system(request: ChatRequest, system: str | None) -> ChatRequest
 
 async def model_for(entry: ModelEntry, custom: Customization | None = None) -> ChatModel:
     """The model as a request sees it: with a Modelfile's template when `custom` has one."""
-    model = await chat_model(entry.digest, entry.model_path)
+    try:
+        model = await chat_model(entry.digest, entry.model_path)
+    except (GGUFError, OSError) as e:
+        raise DamagedModel(entry.name, str(e).replace(str(entry.model_path), "its blob")) \
+            from None
     return customized(model, custom) if custom is not None else model
 
 
@@ -99,7 +105,9 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     model = await model_for(entry, custom)
     if custom is not None:
         request = with_default_system(request, custom.system)
-    prepared = prepare(model, request)
+    # Rendering runs the model's template (a worker process, up to its time limit): never on
+    # the event loop, which serves everyone else meanwhile.
+    prepared = await asyncio.to_thread(prepare, model, request)
 
     async def fit(runner):
         nonlocal prepared

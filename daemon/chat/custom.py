@@ -10,8 +10,9 @@ import json
 import re
 from dataclasses import dataclass, field, replace
 
+from localllm.errors import UserError
 from localllm import options
-from localllm.modelstore.store import Layer, ModelEntry, ModelStore
+from localllm.modelstore.store import Layer, ModelEntry, ModelStore, no_room_is_disk_full
 from localllm.options import OPTIONS
 
 from .model import ChatModel
@@ -22,7 +23,7 @@ TEMPLATE_LAYER = "application/vnd.localllm.template"
 SYSTEM_LAYER = "application/vnd.localllm.system"
 CUSTOM_LAYERS = (PARAMS_LAYER, TEMPLATE_LAYER, SYSTEM_LAYER)
 
-class ModelfileError(ValueError):
+class ModelfileError(UserError, ValueError):
     """A Modelfile line or create field localllm cannot take (400; the message says which)."""
 
 
@@ -75,9 +76,13 @@ def text_layer(store: ModelStore, media_type: str, text: str) -> Layer:
     hexdigest = hashlib.sha256(data).hexdigest()
     digest = f"sha256:{hexdigest}"
     if not store.has_blob(digest):
-        staged = store.staging_file("text-")
-        staged.write_bytes(data)
-        store.publish_blob(staged, hexdigest)
+        with no_room_is_disk_full(f"storing the model's {media_type.rpartition('.')[2]}"):
+            staged = store.staging_file("text-")
+            try:
+                staged.write_bytes(data)
+                store.publish_blob(staged, hexdigest)
+            finally:
+                staged.unlink(missing_ok=True)
     return Layer(media_type, digest, len(data))
 
 

@@ -14,8 +14,6 @@ from localllm.modelstore.gguf_header import read_header, read_token_pieces
 from .template import TemplateStyle, template_style
 
 # llama.cpp's enum llama_pooling_type
-POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
-
 
 @dataclass(frozen=True)
 class FimTokens:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from localllm.errors import UserError
 from localllm.options import LoadOptions, SamplingOptions
 
 from ..runner.protocol import GenerationRequest
@@ -21,7 +22,7 @@ from .template import HARMONY, THINK_TAGS, TemplateFailed, render
 THINK_LEVELS = ("low", "medium", "high")
 
 
-class ChatError(Exception):
+class ChatError(UserError):
     """The request asks for something this model cannot do (status 400)."""
 
     def __init__(self, message: str, param: str | None = None):

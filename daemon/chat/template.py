@@ -1,4 +1,5 @@
-"""Hugging Face chat templates, rendered in the daemon with jinja2, and what a template tells
+"""Hugging Face chat templates, rendered with jinja2 in a sandboxed worker process under time,
+size and memory limits (template_worker.py, template_process.py), and what a template tells
 about its model: whether it takes tools, in which format its model writes tool calls, and how it
 separates thinking from the answer.
 
@@ -9,13 +10,9 @@ thinking switches templates read (`enable_thinking`, `reasoning_effort`).
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 from dataclasses import dataclass
-from functools import lru_cache
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from .template_process import RenderError, render_in_worker
 
 # Tool-call formats (how the model writes a call) and thinking formats.
 HERMES, LLAMA3, MISTRAL, HARMONY, JSON_CALLS = "hermes", "llama3", "mistral", "harmony", "json"
@@ -23,7 +20,12 @@ THINK_TAGS, CHANNELS = "think_tags", "channels"
 
 
 class TemplateFailed(ValueError):
-    """The template raised or could not be compiled (a 400: the messages do not fit it)."""
+    """The template raised, could not be compiled, or broke a limit (`limit`: "time", "size"
+    or "memory"): a 400."""
+
+    def __init__(self, message: str, limit: str | None = None):
+        super().__init__(message)
+        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -61,33 +63,6 @@ def template_style(template: str | None, architecture: str = "") -> TemplateStyl
                          thinking=thinking, stops=stops)
 
 
-def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False, separators=None):
-    # HF's tojson: no HTML escaping (jinja2's default would turn "<" into "\u003c").
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys,
-                      separators=separators)
-
-
-def _raise(message: str):
-    raise TemplateFailed(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return dt.datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=32)
-def _compile(template: str):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(template)
-    except TemplateError as e:
-        raise TemplateFailed(f"the model's chat template does not compile: {e}") from None
-
-
 def render(template: str, messages: list[dict], *, tools: list[dict] | None = None,
            bos: str = "", eos: str = "", think: bool | str | None = None,
            add_generation_prompt: bool = True) -> str:
@@ -105,8 +80,6 @@ def render(template: str, messages: list[dict], *, tools: list[dict] | None = No
         if isinstance(think, str):
             variables["reasoning_effort"] = think
     try:
-        return _compile(template).render(**variables)
-    except TemplateFailed:
-        raise
-    except Exception as e:  # a template may fail on any jinja error; the client gets a 400
-        raise TemplateFailed(f"the chat template rejected these messages: {e}") from None
+        return render_in_worker(template, variables)
+    except RenderError as e:  # a template may fail on any jinja error; the client gets a 400
+        raise TemplateFailed(str(e), e.limit) from None

@@ -1,12 +1,24 @@
 """A chat longer than the context: keep the system prompt and the latest turns, drop the oldest
-(what Ollama does), or refuse with a 400 when the request says `truncate: false`."""
+(what Ollama does), or refuse with a 400 when the request says `truncate: false`.
+
+Each turn's tokens are counted once (one runner round trip for all of them); the turns that fit
+are chosen from those counts, and the chosen prompt is rendered and measured to confirm. A long
+chat costs a few renders, not one render and tokenization of the whole prompt per dropped turn
+(1,001 turns used to take minutes before the first token).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import time
 from dataclasses import replace
 
 from .model import ChatModel
 from .request import ChatError, ChatRequest, Prepared, prepare
+
+log = logging.getLogger("localllm.chat")
 
 
 def room_for_prompt(n_ctx: int, num_predict: int) -> int:
@@ -27,6 +39,39 @@ def drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
     return messages[:first] + messages[end:]
 
 
+def split_turns(messages: list[dict]) -> tuple[list[dict], list[list[dict]]]:
+    """(the leading system messages, the turns after them): a turn runs from a message to just
+    before the next user message, so a question travels with its calls and their results."""
+    first = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    turns: list[list[dict]] = []
+    for message in messages[first:]:
+        if not turns or message["role"] == "user":
+            turns.append([])
+        turns[-1].append(message)
+    return messages[:first], turns
+
+
+def turn_text(turn: list[dict]) -> str:
+    """What a turn puts into the prompt besides the template's markers (for counting)."""
+    parts = []
+    for m in turn:
+        content = m.get("content")
+        parts.append(content if isinstance(content, str) else json.dumps(content))
+        if m.get("tool_calls"):
+            parts.append(json.dumps(m["tool_calls"]))
+    return "\n".join(parts)
+
+
+def first_kept(costs: list[float], budget: float) -> int:
+    """The index of the oldest turn to keep so that it and every newer one fit `budget`; the
+    newest turn is kept even when it alone does not."""
+    total, start = 0.0, len(costs)
+    while start > 0 and total + costs[start - 1] <= budget:
+        total += costs[start - 1]
+        start -= 1
+    return min(start, len(costs) - 1)
+
+
 async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepared, runner,
                          truncate: bool) -> Prepared:
     """`prepared`, or the same request with its oldest turns dropped until the prompt fits.
@@ -41,15 +86,41 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
         raise ChatError(f"the prompt is {count} tokens but the context is {runner.n_ctx}; "
                         f"shorten the conversation, load the model with a larger num_ctx, or "
                         f"leave truncate on to drop the oldest turns", "messages")
-    messages = list(request.messages)
-    while (messages := drop_oldest_turn(messages)) is not None:
+    started, renders = time.monotonic(), 0
+    head, turns = split_turns(list(request.messages))
+    head_count, *counted = await runner.count_tokens_each(
+        [turn_text(head), *(turn_text(t) for t in turns)])
+    # What the template adds around the turns' text, spread over them: the whole prompt's
+    # count less the text's own (the template's fixed parts are in it too).
+    overhead = max(0.0, (count - head_count - sum(counted)) / max(len(turns), 1))
+    costs = [c + overhead for c in counted]
+    start = first_kept(costs, limit - head_count)
+    while True:
+        kept = [*head, *(m for turn in turns[start:] for m in turn)]
+        if start >= len(turns):  # the newest turn alone is too long: its last message only
+            kept = [*head, request.messages[-1]]
+        renders += 1
         try:
-            candidate = prepare(model, replace(request, messages=tuple(messages)))
+            candidate = await asyncio.to_thread(prepare, model,
+                                                replace(request, messages=tuple(kept)))
         except ChatError:
-            continue  # some templates refuse a history that starts mid-conversation
-        count = await runner.count_tokens(candidate.prompt)
-        if count <= limit:
-            return candidate
+            candidate = None  # some templates refuse a history that starts mid-conversation
+        if candidate is not None:
+            count = await runner.count_tokens(candidate.prompt)
+            if count <= limit:
+                log.info("dropped the oldest %d of %d turns to fit %d prompt tokens "
+                         "(%d renders, %.0f ms)", start, len(turns), limit, renders,
+                         (time.monotonic() - started) * 1000)
+                return candidate
+        if start >= len(turns):
+            break
+        # Over by `excess`: drop as many more of the oldest kept turns as cover it (one at
+        # least), so a few renders settle even when the estimate was off.
+        excess = count - limit if candidate is not None else 0
+        freed = 0.0
+        while start < len(turns) and (freed < excess or freed == 0):
+            freed += costs[start]
+            start += 1
     raise ChatError(f"the system prompt and the last message alone are {count} tokens, more "
                     f"than the context of {runner.n_ctx} leaves room for; shorten them or load "
                     f"the model with a larger num_ctx", "messages")

@@ -56,6 +56,10 @@ def read_commands(engine, channel: Channel) -> None:
                 flag.set()
             continue
         send = (lambda event, rid=request_id: channel.send(event_to_wire(rid, event)))
+        if op == "tokenize" and isinstance(message.get("texts"), list):
+            texts = [str(t) for t in message["texts"]]
+            engine.ask(lambda texts=texts: engine.count_tokens_each(texts), send)
+            continue
         if op == "tokenize":
             text = str(message.get("text", ""))
             engine.ask(lambda text=text: engine.count_tokens(text), send)

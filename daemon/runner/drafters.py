@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import llama_cpp
 import numpy as np
+from localllm.llama.params import context_params
 from localllm.profiles.plan import Plan
 
 from . import model as llama
@@ -140,7 +141,8 @@ class MTPDrafter(_BatchDrafter):
 
     def __init__(self, lm: llama.LoadedModel, plan: Plan, capacity: int):
         ext = llama_cpp_ext()
-        cparams = llama.context_params(plan, lm.n_seq, capacity)
+        cparams = context_params(plan, lm.n_seq, capacity)
+        cparams.n_rs_seq = 0  # the target's state keeps the snapshots, not the drafter's
         cparams.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
         cparams.ctx_other = lm.ctx
         ctx = llama_cpp.llama_init_from_model(lm.model, cparams)
@@ -230,8 +232,9 @@ class DraftModel(_BatchDrafter):
         except DraftModelError:
             llama_cpp.llama_model_free(model)
             raise
-        ctx = llama_cpp.llama_init_from_model(model, llama.context_params(plan, target.n_seq,
-                                                                          capacity))
+        cparams = context_params(plan, target.n_seq, capacity)
+        cparams.n_rs_seq = 0  # drafts are taken back by common prefix, not by snapshots
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             llama_cpp.llama_model_free(model)
             raise DraftModelError("llama.cpp could not create the draft model's context")

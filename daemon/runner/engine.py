@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import llama_cpp
+from localllm.llama.params import MAX_DRAFT, draft_ceiling
 from localllm.options import SPECULATIVE_MODES
 from localllm.profiles.plan import Plan
 
@@ -40,12 +41,11 @@ from .protocol import (
 )
 from .sampling import RequestError, Sampler, log_probs
 from .slots import Slot, Work
-from .speculation import MAX_DRAFT, Drafting, StepCosts
+from .speculation import Drafting, StepCosts
 
 log = logging.getLogger("localllm.runner")
 STEP_TARGET_S = 0.25
 MIN_PROMPT_CHUNK = 32
-MTP_DRAFT = 3
 
 @dataclass
 class Submission:
@@ -65,17 +65,15 @@ class Question:
 class Engine:
     def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None):
         self.plan = plan
-        self.speculative = plan_speculation(plan.speculative)
+        self.speculative = known_mode(plan.speculative)
         # The longest draft. The plan's draft_n_max bounds what costs memory: recurrent-state
         # snapshots (llama.cpp keeps one per position a rejected draft may take back, plus one
         # for the MTP prefix rule) and MTP's chained passes, whose acceptance falls fast after a
         # few. Prompt lookup and a draft model on an attention model cost nothing to allow
         # longer: the per-request length adapts to the acceptance measured (the plan chose its
         # length for an assumed one).
-        planned = min(plan.draft_n_max or (MTP_DRAFT if self.speculative == "mtp"
-                                           else MAX_DRAFT), MAX_DRAFT)
-        self.lm = llama.load(model_path, plan,
-                             rollback=planned + 1 if self.speculative != "off" else 0)
+        planned = draft_ceiling(plan)
+        self.lm = llama.load(model_path, plan)
         self.draft_cap = planned if self.speculative == "mtp" or self.lm.recurrent \
             else MAX_DRAFT
         self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
@@ -116,6 +114,10 @@ class Engine:
 
     def count_tokens(self, text: str) -> TokenCount:
         return TokenCount(len(self.tokenizer.tokenize(text)))
+
+    def count_tokens_each(self, texts: list[str]) -> TokenCount:
+        counts = tuple(len(self.tokenizer.tokenize(t, add_bos=False)) for t in texts)
+        return TokenCount(sum(counts), counts)
 
     def embed(self, request: EmbedRequest) -> Embeddings:
         """Embeddings in a context of their own, made on first use (see embedding.py)."""
@@ -548,7 +550,7 @@ class Engine:
 
 
 
-def plan_speculation(mode: str) -> str:
+def known_mode(mode: str) -> str:
     """The plan's speculative mode (Plan.from_dict already renamed older names), checked."""
     if mode not in SPECULATIVE_MODES:
         raise llama.ModelLoadError(f"unknown speculative mode {mode!r} in the plan; use "

@@ -11,11 +11,8 @@ import ctypes
 from dataclasses import dataclass
 
 import llama_cpp
-from localllm.profiles.llama_overrides import apply_tensor_overrides
+from localllm.llama.params import context_params, model_params
 from localllm.profiles.plan import Plan
-
-GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
-              "bf16": 30, "iq4_nl": 20}
 
 
 class ModelLoadError(Exception):
@@ -37,34 +34,16 @@ class LoadedModel:
     n_rollback: int  # ... except by this many positions (recurrent-state snapshots)
 
 
-def load(model_path: str, plan: Plan, rollback: int = 0) -> LoadedModel:
+def load(model_path: str, plan: Plan) -> LoadedModel:
     """The model with the plan's placement and a context of `plan.n_parallel` sequences, each
-    with `plan.n_ctx` cells of its own (non-unified KV: slots never evict each other).
-
-    With `plan.speculative == "mtp"` the NextN layers are loaded too (llama.cpp skips them
-    otherwise). `rollback`: how many positions a recurrent state must be able to take back
-    (rejected drafts); llama.cpp keeps that many snapshots of it per sequence."""
+    with `plan.n_ctx` cells of its own (llama/params.py builds both, as dry runs do)."""
     llama_cpp.llama_backend_init()
-    mparams = llama_cpp.llama_model_default_params()
-    mparams.n_gpu_layers = plan.n_gpu_layers
-    mparams.use_mmap = plan.use_mmap
-    mparams.load_mtp = plan.speculative == "mtp"
-    keep_alive = [apply_tensor_overrides(mparams, plan.tensor_overrides)]
-    if plan.tensor_split:
-        split = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*plan.tensor_split)
-        mparams.tensor_split = split
-        keep_alive.append(split)
-    if plan.rpc_workers:  # other machines' devices (`localllm worker`), then the local GPUs
-        from localllm.profiles.rpc import apply_devices
-
-        keep_alive.append(apply_devices(mparams, plan.rpc_workers))
+    mparams, keep_alive = model_params(plan)
     model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
+    del keep_alive  # llama.cpp has copied the patterns and devices while loading
     if not model:
         raise ModelLoadError(f"llama.cpp could not load {model_path} (see the runner log)")
-    n_seq = max(1, plan.n_parallel)
-    cparams = context_params(plan, n_seq, plan.n_batch)
-    cparams.n_rs_seq = rollback
-    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    ctx = llama_cpp.llama_init_from_model(model, context_params(plan))
     if not ctx:
         llama_cpp.llama_model_free(model)
         raise ModelLoadError("llama.cpp could not create the context (out of memory for the "
@@ -79,26 +58,6 @@ def load(model_path: str, plan: Plan, rollback: int = 0) -> LoadedModel:
         n_swa=0 if plan.swa_full else llama_cpp.llama_model_n_swa(model),
         recurrent=recurrent, n_rollback=llama_cpp.llama_n_rs_seq(ctx),
     )
-
-
-def context_params(plan: Plan, n_seq: int, n_batch: int):
-    """Context parameters as the plan says: `n_seq` sequences of `plan.n_ctx` cells each."""
-    cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = plan.n_ctx * n_seq
-    cparams.n_batch = n_batch
-    cparams.n_ubatch = min(plan.n_ubatch, n_batch)
-    cparams.n_seq_max = n_seq
-    cparams.n_threads = plan.n_threads
-    cparams.n_threads_batch = plan.n_threads_batch
-    cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if plan.flash_attn
-                               else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-    cparams.type_k = GGML_TYPES[plan.type_k]
-    cparams.type_v = GGML_TYPES[plan.type_v]
-    cparams.swa_full = plan.swa_full
-    cparams.kv_unified = False
-    cparams.embeddings = False
-    cparams.no_perf = True
-    return cparams
 
 
 class Tokenizer:

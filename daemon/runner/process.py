@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
+from localllm.errors import UserError
 from localllm.profiles.plan import Plan
 
 from .protocol import (
@@ -40,11 +41,13 @@ STREAM_LIMIT = 64 * 1024 * 1024
 RUNNER_COMMAND = (sys.executable, "-m", "localllm.daemon.runner")
 
 
-class LoadError(Exception):
+class LoadError(UserError):
     """The runner could not load the model (message from llama.cpp, or how it died)."""
 
+    status = 500
 
-class RunnerRequestFailed(Exception):
+
+class RunnerRequestFailed(UserError):
     """The runner answered a tokenize or embed request with a Failure (status from it)."""
 
     def __init__(self, failure: Failure):
@@ -199,6 +202,15 @@ class RunnerProcess:
         event = await self._ask(request_id, {"op": "tokenize", "id": request_id, "text": text},
                                 silence_s)
         return event.count
+
+    async def count_tokens_each(self, texts: list[str],
+                                silence_s: float = RUNNER_SILENCE_S) -> list[int]:
+        """Each text's tokens (no BOS), in one round trip: truncation counts every turn of a
+        long chat once this way instead of re-counting the whole prompt per dropped turn."""
+        request_id = new_request_id()
+        event = await self._ask(request_id, {"op": "tokenize", "id": request_id,
+                                             "texts": list(texts)}, silence_s)
+        return list(event.counts)
 
     async def _exchange(self, request_id: str, message: dict,
                         silence_s: float) -> AsyncIterator[Event]:

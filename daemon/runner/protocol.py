@@ -122,8 +122,11 @@ class Embeddings:
 
 @dataclass(frozen=True)
 class TokenCount:
-    """The answer to {"op": "tokenize", "id", "text"}: tokens the text is as a raw prompt."""
+    """The answer to {"op": "tokenize", "id", "text"}: tokens the text is as a raw prompt; to
+    {"op": "tokenize", "id", "texts": [...]}: each text's count (tokenized without BOS) and
+    their sum."""
     count: int
+    counts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ def event_from_wire(data: dict) -> Event:
         data["vectors"] = tuple(tuple(v) for v in data["vectors"])
         return Embeddings(**data)
     if kind == "tokens":
+        data["counts"] = tuple(data.get("counts") or ())
         return TokenCount(**data)
     return Failure(**data)
 

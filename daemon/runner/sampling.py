@@ -77,11 +77,6 @@ class Sampler:
             return int(self.logits(ctx, index).argmax())
         return llama_cpp.llama_sampler_sample(self.chain, ctx, index)
 
-    def accept(self, token: int) -> None:
-        """Record a token the chain did not pick itself (an accepted draft token)."""
-        if not self.fast_greedy:
-            llama_cpp.llama_sampler_accept(self.chain, token)
-
     def free(self) -> None:
         if self.chain:
             llama_cpp.llama_sampler_free(self.chain)

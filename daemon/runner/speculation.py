@@ -21,10 +21,11 @@ import collections
 import statistics
 from dataclasses import dataclass, field
 
+from localllm.llama.params import MAX_DRAFT
+
 # Longest first: a longer match is a better guess. A 2-gram matches somewhere in most free text
 # and its guesses mostly fail: a copy starts from 3 tokens in common.
 NGRAM_SIZES = (8, 4, 3)
-MAX_DRAFT = 8
 PAUSE_STEPS = 32  # steps without drafting after drafting stopped paying
 MAX_BACKOFF = 4  # ... doubled for each pause in a row, up to 16 times as long
 WINDOW = 15  # step times kept per batch size

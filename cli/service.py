@@ -15,7 +15,7 @@ from pathlib import Path
 from localllm.daemon import user_service as us
 from localllm.daemon.logging_setup import log_file
 
-from .config import (
+from localllm.config import (
     ENV,
     RESTART_NEEDED,
     ConfigError,
@@ -23,10 +23,12 @@ from .config import (
     load_config,
     load_config_sources,
     parse_config,
+    read_config_text,
     setting_names,
     with_setting,
 )
-from .errors import UserError
+from localllm import paths
+from localllm.errors import UserError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -220,14 +222,12 @@ def _write_config(text: str) -> None:
     path = config_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     parse_config(text, str(path))  # never write what the daemon would reject
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    paths.replace_private(path, text)  # 0600: it may hold api_key
 
 
 def _current_text() -> str:
     path = config_file()
-    text = path.read_text() if path.is_file() else ""
+    text = read_config_text(path) if path.is_file() else ""
     parse_config(text, str(path))  # refuse to edit on top of a broken file by line
     return text
 
@@ -262,7 +262,7 @@ def _warn_env_override(key: str) -> None:
 
 def cmd_config_edit(args: argparse.Namespace) -> int:
     path = config_file()
-    original = path.read_text() if path.is_file() else ""
+    original = read_config_text(path) if path.is_file() else ""
     editor = shlex.split(os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi")
     with tempfile.TemporaryDirectory(prefix="localllm-config-") as tmp:
         draft = Path(tmp) / "config.toml"  # same name, so editors pick TOML highlighting

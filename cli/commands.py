@@ -11,10 +11,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .client import Client
-from .config import load_config
-from .options import OptionError, from_text
-from .errors import UserError
+from localllm.client import Client
+from localllm.config import load_config
+from localllm.options import OptionError, from_text
+from localllm.errors import UserError
 
 
 def register(sub: argparse._SubParsersAction) -> None:

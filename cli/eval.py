@@ -76,7 +76,7 @@ def _text(path: Path | None) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from localllm.profiles.cli import resolve_model
+    from localllm.cli.tune import resolve_model
     from localllm.profiles.evaluate import evaluate_in_child
     from localllm.profiles.quality import save_result
 

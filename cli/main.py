@@ -1,5 +1,5 @@
-"""The `localllm` command. Each subcommand's parser and handler live with the module that owns
-the feature; this file wires them together and turns known errors into one clear line."""
+"""The `localllm` command. Each subcommand's parser and handler live in a module of this room
+(cli/); this file wires them together and turns known errors into one clear line."""
 
 from __future__ import annotations
 
@@ -7,22 +7,18 @@ import argparse
 import importlib
 import sys
 
-from . import __version__
+from localllm import __version__
 
 # Modules that add their own subcommands: each has `register(subparsers)`, and the handlers it
 # sets with `set_defaults(func=...)` take the parsed args and return an exit code.
 COMMAND_MODULES = (
-    "localllm.commands",  # serve, run, list, show, import, rm, cp, ps, stop
-    "localllm.pull_command",  # pull (and the quant pick)
-    "localllm.profiles.cli",  # tune
-    "localllm.eval_command",  # eval
-    "localllm.service_cli",  # service, config
-    "localllm.cluster_cli",  # worker, remote
+    "localllm.cli.commands",  # serve, run, list, show, import, rm, cp, ps, stop
+    "localllm.cli.pull",  # pull (and the quant pick)
+    "localllm.cli.tune",  # tune
+    "localllm.cli.eval",  # eval
+    "localllm.cli.service",  # service, config
+    "localllm.cli.cluster",  # worker, remote
 )
-
-
-class CLIError(Exception):
-    """An error a user can act on: printed as one line, exit code 1."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print(file=sys.stderr)
         return 130
     except Exception as e:
-        from .errors import user_message
+        from localllm.errors import user_message
 
         message = user_message(e)
         if message is None:

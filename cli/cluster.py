@@ -8,7 +8,7 @@ import os
 import re
 from urllib.parse import urlsplit
 
-from .errors import UserError
+from localllm.errors import UserError
 
 DEFAULT_WORKER_PORT = 50052  # llama.cpp's rpc-server default
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_worker(args) -> int:
     from localllm.profiles.plan import physical_cores
-    from localllm.profiles.rpc import serve
+    from localllm.llama.rpc import serve
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be between 1 and 65535, not {args.port}")

@@ -13,113 +13,26 @@ Facts about this version of ggml-rpc that shape the code:
 from __future__ import annotations
 
 import ctypes
-import ipaddress
 import json
 import os
 import signal
 import socket
-import struct
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from localllm.errors import UserError
+from localllm.profiles.workers import (
+    Worker,
+    WorkerDevice,
+    WorkerError,
+    check_reachable,
+    is_loopback,
+)
 
 DEVICE_CPU, DEVICE_GPU = 0, 1
 GGML_TYPE_F32, GGML_TYPE_Q4_0, GGML_TYPE_I8 = 0, 2, 24
 COMPUTE_MATRIX_ROWS = 16384  # a 16384 x 16384 Q4_0 matrix: 144 MiB, as big as a 27B block
 LINK_SAMPLE_BYTES = 8 << 20  # below ggml-rpc's 10 MiB threshold for hashed (cached) uploads
-PROBE_TIMEOUT_S = 60.0
-RPC_CMD_HELLO, HELLO_CAPS = 14, 24  # ggml-rpc.cpp: the HELLO command, RPC_CONN_CAPS_SIZE
-RPC_PROTO_MAJOR = 7  # ggml-rpc.h of the vendored llama.cpp
-CONNECT_TIMEOUT_S = 3.0
-
-
-class WorkerError(UserError):
-    """A worker that cannot be used: unreachable, busy, or a bad endpoint."""
-
-
-@dataclass(frozen=True)
-class WorkerDevice:
-    endpoint: str  # "host:port"
-    index: int  # device number on that worker
-    free_bytes: int
-    total_bytes: int
-
-
-@dataclass(frozen=True)
-class Worker:
-    endpoint: str
-    devices: tuple[WorkerDevice, ...]
-    link_bytes_per_s: float  # measured: the slower of upload and download
-    rtt_s: float  # measured: one command's round trip
-    compute_bytes_per_s: float = 0.0  # measured: Q4_0 weights its device reads a second in a
-    # matrix-vector chain (decode's work); 0 when it could not be measured
-
-    @property
-    def free_bytes(self) -> int:
-        return sum(d.free_bytes for d in self.devices)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Worker:
-        return cls(data["endpoint"], tuple(WorkerDevice(**d) for d in data["devices"]),
-                   float(data["link_bytes_per_s"]), float(data["rtt_s"]),
-                   float(data.get("compute_bytes_per_s", 0.0)))
-
-
-# ---- endpoints ---------------------------------------------------------------------------------
-
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """"host:port" -> (host, port); WorkerError says what is wrong."""
-    host, sep, port = str(text).strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise WorkerError(f"RPC worker {text!r} is not host:port (e.g. 192.168.1.20:50052)")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_reachable(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
-    """ggml-rpc's HELLO from Python, so that llama.cpp never aborts on a worker that is not
-    there or speaks another protocol, and never waits on one that serves someone else."""
-    host, port = parse_endpoint(endpoint)
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as s:
-            # cmd byte, request size (uint64), the request: transport capabilities, none here
-            s.sendall(struct.pack("<BQ", RPC_CMD_HELLO, HELLO_CAPS) + bytes(HELLO_CAPS))
-            answer = b""
-            while len(answer) < 8 + 4:
-                part = s.recv(64)
-                if not part:
-                    break
-                answer += part
-    except TimeoutError:
-        raise WorkerError(f"RPC worker {endpoint} accepted the connection but did not answer "
-                          f"within {timeout:.0f} s: a worker serves one client at a time; is "
-                          f"another model or program using it?") from None
-    except OSError as e:
-        reason = e.strerror or type(e).__name__
-        raise WorkerError(f"cannot reach RPC worker {endpoint} ({reason}); start "
-                          f"`localllm worker` there or fix rpc_workers") from None
-    if len(answer) < 12:
-        raise WorkerError(f"{endpoint} closed the connection at the RPC handshake: is it a "
-                          f"`localllm worker` of the same version?")
-    major, minor, patch = answer[8], answer[9], answer[10]
-    if major != RPC_PROTO_MAJOR:
-        raise WorkerError(f"RPC worker {endpoint} speaks protocol {major}.{minor}.{patch}, this "
-                          f"build {RPC_PROTO_MAJOR}.x: run the same localllm version on both")
 
 
 # ---- the libraries ----------------------------------------------------------------------------
@@ -361,30 +274,6 @@ def _probe_here(endpoints: list[str]) -> list[dict]:
     return out
 
 
-def probe_workers(endpoints: list[str] | tuple[str, ...],
-                  timeout: float = PROBE_TIMEOUT_S) -> list[Worker]:
-    """Memory and link of each worker, measured from a child process (see the module doc)."""
-    endpoints = list(endpoints)
-    for endpoint in endpoints:
-        check_reachable(endpoint)
-    try:
-        done = subprocess.run([sys.executable, "-m", "localllm.profiles.rpc", *endpoints],
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise WorkerError(
-            f"RPC workers {', '.join(endpoints)} did not answer within {timeout:.0f} s; a "
-            f"worker serves one client at a time: is another model or program using it?"
-        ) from None
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise WorkerError(f"probing RPC workers {', '.join(endpoints)} failed: {tail}")
-    answer = json.loads(lines[-1])
-    if "error" in answer:
-        raise WorkerError(answer["error"])
-    return [Worker.from_dict(w) for w in answer["workers"]]
-
-
 # ---- the client side: loading a model with workers --------------------------------------------
 
 def worker_devices(endpoints: list[str] | tuple[str, ...]) -> list[int]:
@@ -433,7 +322,8 @@ def apply_devices(model_params, endpoints: list[str] | tuple[str, ...]) -> _Keep
 
 
 def main(argv: list[str]) -> int:
-    """`python -m localllm.profiles.rpc HOST:PORT...`: probe, print one JSON line."""
+    """`python -m localllm.llama.rpc HOST:PORT...`: probe, print one JSON line (profiles/workers.py
+    runs it)."""
     import llama_cpp  # noqa: F401  (loads libllama, whose folder holds the ggml libraries)
 
     try:

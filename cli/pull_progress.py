@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import catalog
+from localllm.modelstore import catalog
 
 GIB = 1 << 30
 # Room a model needs on the GPU beyond its weights (KV cache at a small context, compute buffers).

@@ -1,7 +1,7 @@
 """`localllm pull NAME [--quant Q|auto] [--card NAME] [--dry-run]` and `localllm pull --list`.
 
 A hub repo named without a quant (`hf.co/OWNER/REPO`), or a catalog name with `--quant auto`,
-has its GGUF files planned for the card and the best one pulled (localllm.quant_pick); every
+has its GGUF files planned for the card and the best one pulled (localllm.cli.quant_pick); every
 other name pulls what it names (localllm.modelstore.pull).
 """
 
@@ -20,7 +20,7 @@ from localllm.modelstore.hub import (
     HubClient, HubQuantRef, HubSettings, parse_reference, pick_quant_files, store_name,
 )
 from localllm.modelstore.pull import pull_model
-from localllm.modelstore.pull_cli import (
+from localllm.cli.pull_progress import (
     ProgressView, catalog_usage_error, print_catalog, size_text,
 )
 from localllm.modelstore.store import default_store

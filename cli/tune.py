@@ -19,18 +19,18 @@ from pathlib import Path
 from localllm.errors import UserError
 from localllm.modelstore.shape import ModelShape, read_shape
 
-from .card import MIB, Card, card_names
-from . import quality
-from .choose import config_request, tune_checked
-from .explain import REJECTED, gib
-from .hardware import resolve_card
-from .measure import calibrated, measure_in_child, update_calibration
-from .memory import model_costs
-from .plan import Plan
-from .quality import split_kv
-from .saved import save_profile
-from .speed import predict_speed
-from .tuner import Request
+from localllm.profiles.card import MIB, Card, card_names
+from localllm.profiles import quality
+from localllm.profiles.choose import config_request, tune_checked
+from localllm.profiles.explain import REJECTED, gib
+from localllm.profiles.hardware import resolve_card
+from localllm.profiles.measure import calibrated, measure_in_child, update_calibration
+from localllm.profiles.memory import model_costs
+from localllm.profiles.plan import Plan
+from localllm.profiles.quality import split_kv
+from localllm.profiles.saved import save_profile
+from localllm.profiles.speed import predict_speed
+from localllm.profiles.tuner import Request
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -129,7 +129,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def calibrate_machine(card: Card, card_name: str, model_path: Path) -> Card:
     """--calibrate: the disk read rate (reading the model's file), then, with a GPU, the card's
     bandwidths; each stored as it is measured."""
-    from .calibrate import calibrate, measure_disk_read, store_disk_read
+    from localllm.profiles.calibrate import calibrate, measure_disk_read, store_disk_read
 
     if card_name != "auto":
         raise UserError("--calibrate measures this machine's card: leave out --card")
@@ -177,7 +177,7 @@ def request_from_args(args: argparse.Namespace, base: Request) -> Request:
 def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card):
     print(f"measuring {shape.name} with the plan...", file=sys.stderr)
     measured = measure_in_child(shape.path, plan)
-    from .choose import placement_of, settings_of
+    from localllm.profiles.choose import placement_of, settings_of
 
     speed = predict_speed(model_costs(shape), placement_of(plan, shape), settings_of(plan), card,
                           plan.n_threads, depth=measured.prompt_tokens)

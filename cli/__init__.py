@@ -1,0 +1,1 @@
+"""The `localllm` command: every subcommand, on the top floor (nothing imports this room)."""

@@ -1,0 +1,123 @@
+"""Chat templates rendered in worker processes (template_worker.py), with a time limit.
+
+`render_in_worker` is blocking and thread-safe: the chat layer calls it from a worker thread,
+never on the event loop. Each call takes an idle worker (or starts one), sends the template and
+its variables, and waits at most RENDER_SECONDS for the text. A worker past the limit is killed,
+which stops the render for certain (a thread could not be stopped), and the caller gets a
+TemplateLimit naming the limit; a worker that died (its memory cap) the same. Idle workers are
+kept for the next render, so a render costs a pipe round trip, not a process start.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+
+from .template_worker import HEADER, MEMORY_LIMIT_BYTES
+
+RENDER_SECONDS = 2.0
+KEEP_IDLE = 4
+WORKER_COMMAND = (sys.executable, "-m", "localllm.daemon.chat.template_worker")
+
+
+class RenderError(ValueError):
+    """The template raised or could not be compiled; `limit` names a limit it broke, if any."""
+
+    def __init__(self, message: str, limit: str | None = None):
+        super().__init__(message)
+        self.limit = limit
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(WORKER_COMMAND, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+
+    def ask(self, request: bytes, deadline: float) -> dict:
+        """Send one request and read its reply; TimeoutError past the deadline, EOFError when
+        the worker died."""
+        os.write(self.proc.stdin.fileno(), HEADER.pack(len(request)))
+        view = memoryview(request)
+        while view:  # the worker reads as we write, so a full pipe drains
+            view = view[os.write(self.proc.stdin.fileno(), view):]
+        header = self._read(HEADER.size, deadline)
+        return json.loads(self._read(HEADER.unpack(header)[0], deadline))
+
+    def _read(self, n: int, deadline: float) -> bytes:
+        fd, data = self.proc.stdout.fileno(), bytearray()
+        while len(data) < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, min(n - len(data), 1 << 20))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return bytes(data)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            pipe.close()
+
+
+_idle: list[_Worker] = []
+_lock = threading.Lock()
+
+
+def _take() -> _Worker:
+    with _lock:
+        while _idle:
+            worker = _idle.pop()
+            if worker.proc.poll() is None:
+                return worker
+            worker.kill()
+    return _Worker()
+
+
+def _give_back(worker: _Worker) -> None:
+    with _lock:
+        if len(_idle) < KEEP_IDLE:
+            _idle.append(worker)
+            return
+    worker.kill()
+
+
+@atexit.register
+def close_workers() -> None:
+    with _lock:
+        workers, _idle[:] = list(_idle), []
+    for worker in workers:
+        worker.kill()
+
+
+def render_in_worker(template: str, variables: dict, seconds: float = RENDER_SECONDS) -> str:
+    request = json.dumps({"template": template, "variables": variables}, ensure_ascii=False,
+                         default=str).encode("utf-8", "surrogatepass")
+    worker = _take()
+    try:
+        reply = worker.ask(request, time.monotonic() + seconds)
+    except TimeoutError:
+        worker.kill()
+        raise RenderError(f"the chat template ran past its time limit of {seconds:g} s",
+                          "time") from None
+    except (EOFError, OSError, ValueError):
+        worker.kill()
+        raise RenderError(f"the chat template's render stopped (past its memory limit of "
+                          f"{MEMORY_LIMIT_BYTES >> 20} MiB?)", "memory") from None
+    except BaseException:
+        worker.kill()
+        raise
+    _give_back(worker)
+    if "error" in reply:
+        raise RenderError(reply["error"], reply.get("limit"))
+    return reply["text"]

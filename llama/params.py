@@ -1,0 +1,85 @@
+"""llama.cpp's model and context parameters from a Plan, built once for every caller.
+
+The runner loads with them, a dry run creates its metadata-only context with them, and the
+evaluation builds its contexts with them: so the compute buffers a dry run measures are those of
+the context the runner will create (the same sequences, recurrent-state snapshots, MTP layers,
+tensor placement and remote devices).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import llama_cpp
+from localllm.profiles.plan import Plan
+
+from .overrides import apply_tensor_overrides
+
+GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
+              "iq4_nl": 20, "bf16": 30}
+# The longest draft the runner checks in one pass, and MTP's default (its chained passes lose
+# acceptance fast after a few).
+MAX_DRAFT = 8
+MTP_DRAFT = 3
+
+
+def draft_ceiling(plan: Plan) -> int:
+    """The longest draft a plan's drafter may propose: the plan's draft_n_max, else the mode's
+    default, never past MAX_DRAFT; 0 when the plan does not draft."""
+    if plan.speculative == "off":
+        return 0
+    default = MTP_DRAFT if plan.speculative == "mtp" else MAX_DRAFT
+    return min(plan.draft_n_max or default, MAX_DRAFT)
+
+
+def rollback_positions(plan: Plan) -> int:
+    """How many positions a recurrent state must be able to take back (rejected drafts):
+    llama.cpp keeps that many snapshots of it per sequence (n_rs_seq)."""
+    ceiling = draft_ceiling(plan)
+    return ceiling + 1 if ceiling else 0
+
+
+def model_params(plan: Plan, metadata_only: bool = False):
+    """(model params, what must stay alive until the model is loaded). `metadata_only`: read the
+    header and plan the buffers without allocating (a dry run)."""
+    params = llama_cpp.llama_model_default_params()
+    params.n_gpu_layers = plan.n_gpu_layers
+    params.use_mmap = plan.use_mmap
+    params.load_mtp = plan.speculative == "mtp"  # llama.cpp skips the NextN layers otherwise
+    if metadata_only:
+        params.no_alloc = True
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+    keep_alive = [apply_tensor_overrides(params, plan.tensor_overrides)]
+    if plan.tensor_split:
+        split = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*plan.tensor_split)
+        params.tensor_split = split
+        keep_alive.append(split)
+    if plan.rpc_workers:  # other machines' devices (`localllm worker`), then the local GPUs
+        from .rpc import apply_devices
+
+        keep_alive.append(apply_devices(params, plan.rpc_workers))
+    return params, keep_alive
+
+
+def context_params(plan: Plan, n_seq: int | None = None, n_batch: int | None = None):
+    """Context parameters as the plan says: `n_seq` sequences (default: the plan's slots) of
+    `plan.n_ctx` cells each, not unified, so slots never evict each other."""
+    n_seq = max(1, plan.n_parallel) if n_seq is None else n_seq
+    n_batch = plan.n_batch if n_batch is None else n_batch
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = plan.n_ctx * n_seq
+    params.n_batch = n_batch
+    params.n_ubatch = min(plan.n_ubatch, n_batch)
+    params.n_seq_max = n_seq
+    params.n_threads = plan.n_threads
+    params.n_threads_batch = plan.n_threads_batch
+    params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if plan.flash_attn
+                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    params.type_k = GGML_TYPES[plan.type_k]
+    params.type_v = GGML_TYPES[plan.type_v]
+    params.swa_full = plan.swa_full
+    params.kv_unified = False
+    params.n_rs_seq = rollback_positions(plan)
+    params.embeddings = False
+    params.no_perf = True
+    return params

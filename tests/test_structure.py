@@ -1,0 +1,109 @@
+"""The house's rules, read from the code's own imports (no module is imported here):
+
+- the base floor (localllm/: config, paths, errors, options, the client) imports nothing else of
+  ours;
+- nothing imports the commands room (cli/), which stands on the top floor;
+- planning (profiles/) and the store (modelstore/) never touch llama.cpp, NVML or the daemon:
+  those live in the engine room (llama/) and the daemon;
+- no two top-level rooms import each other, directly or around a loop.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Import name -> the folder that holds it (pyproject.toml's package-dir).
+ROOMS = {"localllm.cli": "cli", "localllm.llama": "llama", "localllm.modelstore": "modelstore",
+         "localllm.profiles": "profiles", "localllm.daemon": "daemon", "localllm.tui": "tui",
+         "localllm": "localllm"}
+ENGINE_MODULES = ("llama_cpp", "pynvml", "ctypes")
+
+
+def _package(path: Path) -> str:
+    folder = path.relative_to(ROOT).parts[0]
+    for name, room in ROOMS.items():
+        if room == folder:
+            base = name
+            break
+    else:
+        raise AssertionError(f"{path} is in no room")
+    inner = path.relative_to(ROOT / folder).with_suffix("").parts
+    if inner[-1] == "__init__":
+        inner = inner[:-1]
+    return ".".join((base, *inner))
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, as an absolute dotted name (lazy imports too)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = _package(path)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _room_of(module: str) -> str | None:
+    for name, room in ROOMS.items():  # longest names first in ROOMS
+        if module == name or module.startswith(name + "."):
+            return room
+    return None
+
+
+def _sources() -> dict[Path, set[str]]:
+    return {path: _imports(path) for room in set(ROOMS.values())
+            for path in sorted((ROOT / room).rglob("*.py"))}
+
+
+def test_the_base_floor_imports_nothing_else_of_ours():
+    wrong = [f"{p.relative_to(ROOT)} imports {m}"
+             for p, modules in _sources().items() if p.parts[len(ROOT.parts)] == "localllm"
+             for m in modules if _room_of(m) not in (None, "localllm")]
+    assert not wrong, wrong
+
+
+def test_nothing_imports_the_commands_room():
+    wrong = [f"{p.relative_to(ROOT)} imports {m}"
+             for p, modules in _sources().items() if p.parts[len(ROOT.parts)] != "cli"
+             for m in modules if _room_of(m) == "cli"]
+    assert not wrong, wrong
+
+
+def test_planning_and_the_store_never_touch_the_engine_or_the_daemon():
+    wrong = [f"{p.relative_to(ROOT)} imports {m}"
+             for p, modules in _sources().items()
+             if p.parts[len(ROOT.parts)] in ("profiles", "modelstore")
+             for m in modules
+             if m.split(".")[0] in ENGINE_MODULES or _room_of(m) in ("daemon", "llama")]
+    assert not wrong, wrong
+
+
+def test_no_rooms_import_each_other_around_a_loop():
+    arrows: dict[str, set[str]] = {}
+    for path, modules in _sources().items():
+        room = path.parts[len(ROOT.parts)]
+        arrows.setdefault(room, set()).update(
+            r for m in modules if (r := _room_of(m)) not in (None, room))
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in arrows.get(start, ()):
+            if nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})):
+                return True
+        return False
+
+    loops = sorted(room for room in arrows if reaches(room, room, {room}))
+    assert not loops, {room: sorted(arrows[room]) for room in loops}
