@@ -1,5 +1,6 @@
 """Beyond this machine: `localllm worker` (lend a device to other machines' models over
-llama.cpp's RPC) and `localllm remote add` (a model served by an OpenAI-compatible server)."""
+llama.cpp's RPC) and `localllm remote add|list|rm` (models served by an OpenAI-compatible
+server)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     add.add_argument("--model", help="the server's name for the model (default: NAME)")
     add.add_argument("--api-key-env", default="", metavar="VAR",
                      help="environment variable of the daemon that holds the API key")
+    add.add_argument("--force", action="store_true",
+                     help="replace a model already stored as NAME")
     add.set_defaults(func=cmd_remote_add)
+    listing = remote.add_parser("list", aliases=["ls"], help="list the remote models",
+                                description="The remote models in the store: name, the "
+                                "server's model name, its URL and the key's variable.")
+    listing.set_defaults(func=cmd_remote_list)
+    rm = remote.add_parser("rm", help="remove a remote model's entry",
+                           description="Remove a remote model's entry from the store (the "
+                           "server is not touched). Refuses a name that is a local model: "
+                           "`localllm rm` removes those.")
+    rm.add_argument("names", nargs="+", metavar="NAME")
+    rm.set_defaults(func=cmd_remote_rm)
 
 
 def cmd_worker(args) -> int:
@@ -89,9 +102,43 @@ def cmd_remote_add(args) -> int:
         raise UserError(f"--api-key-env must be an environment variable name, not "
                         f"{args.api_key_env!r}")
     upstream = args.model or name.base
+    from .commands import refuse_to_replace
+
+    replaced = refuse_to_replace(str(name), args.force)
     entry = default_store().add_remote(name, RemoteModel(url, upstream, args.api_key_env))
     note = ""
     if args.api_key_env and args.api_key_env not in os.environ:
         note = f" (set {args.api_key_env} in the daemon's environment)"
-    print(f"added {entry.name}: {upstream} at {url}{note}")
+    print(f"added {entry.name}: {upstream} at {url}{note}{replaced}")
+    return 0
+
+
+def cmd_remote_list(args) -> int:
+    from localllm.modelstore.store import default_store
+
+    from .commands import _table
+
+    rows = [["NAME", "MODEL", "URL", "KEY"]]
+    for entry in default_store().list():
+        if entry.remote is not None:
+            rows.append([str(entry.name), entry.remote.model, entry.remote.url,
+                         entry.remote.api_key_env or "-"])
+    if len(rows) == 1:
+        print("no remote models; add one with `localllm remote add NAME --url URL`")
+    else:
+        print(_table(rows))
+    return 0
+
+
+def cmd_remote_rm(args) -> int:
+    from localllm.modelstore.store import default_store
+
+    store = default_store()
+    for name in args.names:
+        entry = store.get(name)  # ModelNotFound: one line with what to do
+        if entry.remote is None:
+            raise UserError(f"'{entry.name}' is a local model, not a remote one; "
+                            f"`localllm rm {name}` removes it")
+        store.remove(entry.name)
+        print(f"removed remote '{entry.name}'")
     return 0

@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from localllm import paths
 from localllm.client import Client
 from localllm.config import load_config
 from localllm.options import OptionError, from_text
@@ -29,8 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="answer a prompt, or chat, with a model",
                        description="Stream an answer to PROMPT and exit. Without a prompt, "
                        "chat: the full-screen chat in a terminal, a line a turn from stdin "
-                       "otherwise (with /set parameter NAME VALUE, /set system, /bye). With no "
-                       "model, uses the default (smollm2), fetching it on first use.")
+                       "otherwise (with /set parameter NAME VALUE, /set system, /bye). With a "
+                       "prompt, piped stdin is added to it (`cat f.py | localllm run M "
+                       "'explain'`). MODEL is a stored or catalog name, NAME:TAG, OWNER/REPO or "
+                       "hf.co/...; one that is not stored is pulled. With no model, uses the "
+                       "default (smollm2), fetching it on first use.")
     p.add_argument("words", nargs="*", metavar="[MODEL] PROMPT",
                    help="model name (optional) then the prompt")
     p.add_argument("--verbose", action="store_true", help="print timings and speeds after "
@@ -44,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "draft")
     p.add_argument("--resume", nargs="?", const="", metavar="CHAT",
                    help="reopen a saved chat by name or id (alone: pick from the list)")
+    p.add_argument("--num-predict", type=option_flag("num_predict"), metavar="N",
+                   help=f"most tokens for a one-shot answer (default {ONE_SHOT_NUM_PREDICT}; "
+                   "-1: no cap); an answer that loops is stopped either way")
     p.set_defaults(func=cmd_run, intermixed="words")  # options anywhere: run M --ctx 8192 hi
 
     p = sub.add_parser("list", aliases=["ls"], help="list stored models")
@@ -60,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", type=Path)
     p.add_argument("--name", required=True, help="NAME[:TAG] to store it as")
     p.add_argument("--copy", action="store_true", help="always copy, never hard-link")
+    p.add_argument("--force", action="store_true", help="replace a model already stored as NAME")
+    p.add_argument("--mmproj", type=Path, metavar="PROJ.gguf",
+                   help="the model's vision projector, stored with it (images in chat)")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("rm", help="remove a model (unloading it first)")
@@ -69,6 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cp", help="copy a model to a new name")
     p.add_argument("source")
     p.add_argument("destination")
+    p.add_argument("--force", action="store_true", help="replace a model already stored as "
+                   "DESTINATION")
     p.set_defaults(func=cmd_cp)
 
     p = sub.add_parser("ps", help="list loaded models with their memory and plan")
@@ -99,15 +111,21 @@ def cmd_serve(args) -> int:
     from localllm.daemon.server import serve
 
     config = _config(args)
+    paths.listen_address(config.host, config.api_key)  # one line, not a traceback, if bad
     setup_logging(config)  # the journal under systemd, else the log file and stderr
     asyncio.run(serve(config))
     return 0
 
 
 # ---- run ---------------------------------------------------------------------------------
+ONE_SHOT_NUM_PREDICT = 1024  # a one-shot answer's default cap: `run hi > file` must end
+
+
 def split_model_and_prompt(words: list[str], default_model: str, known,
                            candidates=lambda: ()) -> tuple[str, str]:
-    """`run [MODEL] PROMPT`: the first word is a model when it names one we have or can fetch.
+    """`run [MODEL] PROMPT`: the first word is a model when it names one we have or can fetch,
+    or reads like a model reference (`name:tag`, `owner/repo`, `hf.co/...`): that one is
+    pulled on use, as `ollama run` does.
 
     A mistyped model must never be answered by another model, so the first of two or more words
     that reads like a model name and is none is an error, as is a lone word close to a model
@@ -115,13 +133,19 @@ def split_model_and_prompt(words: list[str], default_model: str, known,
     if not words:
         return default_model, ""
     first = words[0]
-    if " " not in first and known(first):
+    if " " not in first and (known(first) or _looks_like_reference(first)):
         return first, " ".join(words[1:])
     if " " not in first and _looks_like_model(first):
         close = difflib.get_close_matches(first.lower(), list(candidates()), n=1, cutoff=0.75)
         if len(words) > 1 or close:
             raise UserError(_no_such_model(first, close[0] if close else None))
     return default_model, " ".join(words)
+
+
+def _looks_like_reference(word: str) -> bool:
+    """`name:tag`, `owner/repo[:quant]` or `hf.co/...`: no prompt is written so."""
+    return ((":" in word or "/" in word) and not word.startswith(("/", ".", ":"))
+            and not word.endswith((":", "/")) and _looks_like_model(word))
 
 
 def _looks_like_model(word: str) -> bool:
@@ -169,6 +193,11 @@ def cmd_run(args) -> int:
     config = _config(args)
     model, prompt = split_model_and_prompt(args.words, config.default_model, _known_model,
                                            _model_names)
+    if len(args.words) == 1 and model == config.default_model and prompt:
+        print(f"note: no model is named {prompt!r}; {model} answers the prompt "
+              f"{prompt!r}", file=sys.stderr)
+    if prompt:
+        prompt = with_piped_stdin(prompt)
     return _run(_run_async(config, model, prompt, args))
 
 
@@ -182,6 +211,15 @@ def option_flag(name: str):
             raise argparse.ArgumentTypeError(str(e)) from None
     parse.__name__ = name  # argparse names the type in its own messages
     return parse
+
+
+def with_piped_stdin(prompt: str) -> str:
+    """`cat notes.txt | localllm run M "summarize"`: what is piped in is part of the prompt, as
+    with `ollama run` (the typed words first, the piped text after them)."""
+    if sys.stdin is None or sys.stdin.isatty():
+        return prompt
+    piped = sys.stdin.read()
+    return f"{prompt}\n\n{piped.rstrip()}" if piped.strip() else prompt
 
 
 def run_options(args) -> dict:
@@ -204,8 +242,21 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
             extra["keep_alive"] = args.keepalive
         options = run_options(args) or None
         if prompt:
-            await _answer(client, model, [{"role": "user", "content": prompt}], options, extra,
-                          args.verbose)
+            from localllm.cli.image_paths import attach_images
+
+            prompt, images = attach_images(prompt)
+            message: dict = {"role": "user", "content": prompt}
+            if images:
+                message["images"] = [image.base64 for image in images]
+                for image in images:
+                    print(image.line(), file=sys.stderr)
+            cap = ONE_SHOT_NUM_PREDICT if args.num_predict is None else args.num_predict
+            one_shot = {**(options or {}), "num_predict": cap}
+            final = await _answer(client, model, [message], one_shot, extra, args.verbose,
+                                  guard=True)
+            if args.num_predict is None and final.get("done_reason") == "length":
+                print(f"note: stopped at {cap} tokens, a one-shot run's cap; "
+                      "--num-predict N (or -1) for longer answers", file=sys.stderr)
             return 0
         if sys.stdin.isatty():
             try:
@@ -248,8 +299,9 @@ async def _chat_lines(client: Client, model: str, options: dict, extra: dict,
                 print(f"Error: {e}", file=sys.stderr)
             continue
         history.append({"role": "user", "content": raw.rstrip("\n")})
-        answer = await _answer(client, model, history, options or None, extra, verbose)
-        history.append({"role": "assistant", "content": answer})
+        final = await _answer(client, model, history, options or None, extra, verbose,
+                              guard=True)
+        history.append({"role": "assistant", "content": final.get("text", "")})
 
 
 async def ensure_pulled(client: Client, model: str) -> None:
@@ -280,20 +332,49 @@ async def ensure_pulled(client: Client, model: str) -> None:
 
 
 async def _answer(client: Client, model: str, messages: list[dict], options, extra,
-                  verbose: bool) -> str:
+                  verbose: bool, guard: bool = False) -> dict:
+    """Stream one answer to stdout; the last line's data, with the whole text as `text`.
+    With `guard`, an answer caught in a loop is cut off (closing the stream stops the model)."""
     parts = []
+    tail = ""  # the end of the answer, where a loop shows
     final: dict = {}
+    looping = 0
     async for chunk in client.chat(model, messages, options, **extra):
         if chunk.text:
             parts.append(chunk.text)
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
+            tail = (tail + chunk.text)[-4 * LOOP_SPAN:]
         if chunk.done:
             final = chunk.data
+        elif guard and chunk.text and (looping := repeating_tail(tail)):
+            break
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    if looping:
+        print(f"note: stopped: the answer kept repeating the same {looping} characters",
+              file=sys.stderr)
     if verbose and final:
         print(format_timings(final), file=sys.stderr)
-    return "".join(parts)
+    return {**final, "text": "".join(parts)}
+
+
+LOOP_SPAN = 240  # characters a repeated stretch must cover before it counts as a loop
+LOOP_REPEATS = 4  # and the fewest times its unit must repeat
+
+
+def repeating_tail(text: str, longest: int = 200) -> int:
+    """The length of the unit the end of `text` repeats (`1 1 1 1 ...`, the same sentence over
+    and over), when it covers LOOP_SPAN characters and LOOP_REPEATS units; else 0."""
+    for period in range(1, longest + 1):
+        repeats = max(LOOP_REPEATS, -(-LOOP_SPAN // period))
+        span = period * repeats
+        if span > len(text):
+            break
+        unit = text[-period:]
+        if unit.strip() and text[-span:] == unit * repeats:
+            return period
+    return 0
 
 
 def format_timings(final: dict) -> str:
@@ -380,13 +461,21 @@ def cmd_show(args) -> int:
         lines.append(("experts", str(info[f"{arch}.expert_count"])))
     if info.get(f"{arch}.nextn_predict_layers"):
         lines.append(("MTP layers", str(info[f"{arch}.nextn_predict_layers"])))
-    lines.append(("chat template", "yes" if data.get("template") else "no"))
+    lines.append(("chat template", chat_template_line(data.get("template", ""))))
     lines.append(("file size", human_size(data.get("size", 0)) if data.get("size") else
                   _file_size(data)))
     print("  Model")
     for key, value in lines:
         print(f"    {key:<20}{value}")
     return 0
+
+
+def chat_template_line(template: str) -> str:
+    """`show`'s chat-template row; the daemon reports Ollama's default template for a model
+    that brings none (a base model), and chat then sends the user messages' text as it is."""
+    if template == "{{ .Prompt }}":
+        return "default ({{ .Prompt }}: chat sends the user messages' text as it is)"
+    return "yes" if template else "no"
 
 
 def _file_size(data: dict) -> str:
@@ -397,13 +486,28 @@ def _file_size(data: dict) -> str:
         return "?"
 
 
+def refuse_to_replace(name: str, force: bool) -> str:
+    """Names are never replaced by accident: without --force a stored name is an error; with
+    it, the words that say what was replaced ("" when the name was free)."""
+    from localllm.modelstore.store import default_store
+
+    if not default_store().exists(name):
+        return ""
+    if not force:
+        raise UserError(f"'{name}' already exists; pass --force to replace it, or pick "
+                        "another name")
+    return f" (replaced the model that was '{name}')"
+
+
 def cmd_import(args) -> int:
     from localllm.modelstore.store import default_store
 
-    entry = default_store().import_gguf(args.file, args.name, link=not args.copy)
+    replaced = refuse_to_replace(args.name, args.force)
+    entry = default_store().import_gguf(args.file, args.name, link=not args.copy,
+                                        projector=args.mmproj)
     print(f"imported {entry.name} ({entry.details.get('family')}, "
           f"{entry.details.get('parameter_size')}, {entry.details.get('quantization_level')}, "
-          f"{human_size(entry.size)})")
+          f"{human_size(entry.size)}){replaced}")
     return 0
 
 
@@ -418,12 +522,14 @@ def cmd_rm(args) -> int:
 
 
 def cmd_cp(args) -> int:
+    replaced = refuse_to_replace(args.destination, args.force)
+
     async def go():
         async with Client(_config(args)) as client:
             await client.request("POST", "/api/copy",
                                  {"source": args.source, "destination": args.destination})
     _run(go())
-    print(f"copied '{args.source}' to '{args.destination}'")
+    print(f"copied '{args.source}' to '{args.destination}'{replaced}")
     return 0
 
 
@@ -432,7 +538,7 @@ def cmd_ps(args) -> int:
         async with Client(_config(args)) as client:
             return await client.request("GET", "/api/ps")
     data = _run(go())
-    rows = [["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "SLOTS", "KV", "UNTIL"]]
+    rows = [["NAME", "ID", "SIZE", "PROCESSOR", "THREADS", "CONTEXT", "SLOTS", "KV", "UNTIL"]]
     for m in data["models"]:
         until = m["expires_at"]
         if until.startswith("2318"):
@@ -443,16 +549,32 @@ def cmd_ps(args) -> int:
             until = f"{max(0, int(seconds // 60))} minutes from now" if seconds >= 60 else \
                 f"{max(0, int(seconds))} seconds from now"
         rows.append([m["name"], m["digest"][:12], human_size(m["size"]),
-                     m.get("processor", ""), str(m["context_length"]),
+                     m.get("processor", ""), threads_cell(m), str(m["context_length"]),
                      f"{m.get('active', 0)}/{m.get('num_parallel', 1)}", m.get("kv_type", ""),
                      until])
     print(_table(rows))
+    for m in data["models"]:  # threads the runner dropped on a busy CPU, and why
+        if m.get("threads_reason"):
+            print(f"{m['name']} threads: {m['threads_reason']}")
     for m in data["models"]:  # a model spread over RPC workers: its split, device by device
         if any(d["device"].startswith("RPC") for d in m.get("devices", ())):
             split = ", ".join(f"{d['device']} {d['layers']} layers ({human_size(d['size'])})"
                               for d in m["devices"])
             print(f"{m['name']} split: {split}")
+    for m in data["models"]:  # a vision model: where its projector encodes images
+        if m.get("projector"):
+            p = m["projector"]
+            print(f"{m['name']} vision projector: {p['device']}, about "
+                  f"{p['seconds_per_image']:.2f}s per image")
     return 0
+
+
+def threads_cell(model: dict) -> str:
+    """Threads in use, with the plan's count when the runner dropped some (a busy CPU)."""
+    used, planned = model.get("threads"), model.get("planned_threads")
+    if used is None:
+        return ""
+    return f"{used} of {planned}" if planned and planned != used else str(used)
 
 
 def cmd_stop(args) -> int:

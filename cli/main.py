@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "localllm.cli.eval",  # eval
     "localllm.cli.service",  # service, config
     "localllm.cli.cluster",  # worker, remote
+    "localllm.cli.launch",  # launch
 )
 
 
@@ -53,10 +54,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handling below
+        return code
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `localllm config show | head`: the reader has all it wanted
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the flush at exit does not complain
+        return 0
     except Exception as e:
         from localllm.errors import user_message
 

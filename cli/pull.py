@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 def pick(target: Target, hub: HubSettings, card_name: str | None) -> Target:
     """Plan the repo's candidates, print them and the pick; the Target that pulls it."""
-    from localllm.profiles.hardware import resolve_card
+    from localllm.llama.hardware import resolve_card
     from localllm.profiles.measure import calibrated
 
     from .quant_pick import candidates_from_hub, choose, pick_line, table

@@ -24,7 +24,8 @@ def catalog_usage_error() -> Exception:
 
 
 def size_text(n: int) -> str:
-    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.0f} MiB"
+    """Sizes as `list` and Ollama print them: decimal GB and MB."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
 # ---- progress -------------------------------------------------------------------------
@@ -53,14 +54,22 @@ class ProgressView:
                 self.console.print(status)
             return
         task = self.tasks.get(status)
-        if not self.tasks:  # bars start with the first byte: an early error stays one line
+        if task is None and event["completed"] >= event["total"] and not self.tasks:
+            # Stored already (a pull again): a line, not a bar with no speed to show.
+            self.console.print(f"{status}: already stored ({size_text(event['total'])})")
+            self.tasks[status] = -1
+            return
+        if task == -1:
+            return
+        if not any(t != -1 for t in self.tasks.values()):
+            # bars start with the first byte: an early error stays one line
             self.progress.start()
         if task is None:
             task = self.tasks[status] = self.progress.add_task(status, total=event["total"])
         self.progress.update(task, total=event["total"], completed=event["completed"])
 
     def __exit__(self, *exc) -> None:
-        if self.tasks:
+        if any(t != -1 for t in self.tasks.values()):
             self.progress.stop()
 
 
@@ -75,7 +84,7 @@ class Machine:
 def detect_machine(card_name: str | None) -> Machine:
     """The GPU(s) to judge fit against: the tuner's probe where it exists, else CPU only."""
     try:
-        from localllm.profiles.hardware import resolve_card
+        from localllm.llama.hardware import resolve_card
     except ImportError:
         return Machine("cpu only (no hardware probe available)", 0, 0)
     card = resolve_card(card_name)

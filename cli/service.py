@@ -29,6 +29,7 @@ from localllm.config import (
 )
 from localllm import paths
 from localllm.errors import UserError
+from localllm.paths import listen_address
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -234,6 +235,8 @@ def _current_text() -> str:
 
 def cmd_config_set(args: argparse.Namespace) -> int:
     text = with_setting(_current_text(), args.key, args.value, str(config_file()))
+    if args.key == "host":  # what the next `serve` would refuse is refused now
+        listen_address(args.value, load_config().api_key)
     _write_config(text)
     value = getattr(load_config(config_file(), environ={}), args.key)
     shown = ",".join(value) if isinstance(value, tuple) else value

@@ -4,6 +4,7 @@
     localllm tune model.gguf --card rtx3060-12g  plan for a card from profiles/cards/
     localllm tune 27b-q3 --ctx 32768 --vram 10   a context, and a smaller memory budget
     localllm tune 27b-q3 --measure               load it, time it, calibrate the speed model
+    localllm tune --reset-calibration            forget what --measure calibrated
     localllm tune 27b-q3 --json                  the plan as JSON
     localllm tune 27b-q3 --calibrate             measure the card's bandwidths first (torch)
 """
@@ -23,14 +24,17 @@ from localllm.profiles.card import MIB, Card, card_names
 from localllm.profiles import quality
 from localllm.profiles.choose import config_request, tune_checked
 from localllm.profiles.explain import REJECTED, gib
-from localllm.profiles.hardware import resolve_card
-from localllm.profiles.measure import calibrated, measure_in_child, update_calibration
+from localllm.llama.hardware import resolve_card
+from localllm.profiles.measure import (
+    calibrated, doubtful, measure_in_child, reset_calibration, update_calibration,
+)
 from localllm.profiles.memory import model_costs
 from localllm.profiles.plan import Plan
 from localllm.profiles.quality import split_kv
 from localllm.profiles.saved import save_profile
 from localllm.profiles.speed import predict_speed
-from localllm.profiles.tuner import Request
+from localllm.profiles.tuner import Request, band_plans
+from localllm.profiles.workload import WORKLOADS, from_fill
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Choose GPU layers, tensor placement, context, KV type, batch and threads "
         "for MODEL (a stored model's name or a .gguf file), explain every choice, and save the "
         "plan as an editable profile the daemon loads with.")
-    p.add_argument("model", help="a stored model's name or a path to a .gguf file")
+    p.add_argument("model", nargs="?", help="a stored model's name or a path to a .gguf file")
     p.add_argument("--card", default="auto",
                    help=f"a card profile ({', '.join(card_names())}) or auto (probe this machine)")
     p.add_argument("--ctx", type=int, help="the context length to plan for (default: the "
@@ -54,9 +58,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "balanced)")
     p.add_argument("--kv", metavar="TYPE", help="pin the KV cache: f16, q8_0, q4_0 or q8_0/q4_0 "
                    "(default: the config's kv_cache_type, auto)")
+    p.add_argument("--workload", choices=tuple(WORKLOADS),
+                   help="the session to plan for: chat (short prompts) or agent (a 20K-token "
+                   "prompt growing by 2K a turn); the plan minimizes its total time (default: "
+                   "the config's workload, chat)")
     p.add_argument("--fill", type=float, metavar="FRACTION",
-                   help="the part of the context a conversation fills; decode is averaged over "
-                   "it (default: the config's expected_fill, 0.5)")
+                   help="the older form of --workload: one answer filling this part of the "
+                   "context, decode averaged over it")
     p.add_argument("--parallel", metavar="N|auto",
                    help="slots (requests served together), a cap (default: the config's "
                    "num_parallel, auto: up to 4)")
@@ -67,12 +75,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="measure the disk's read rate (reading the model's file) and this "
                    "card's memory and host-to-device bandwidth with torch (the [torch] extra), "
                    "and use them from now on")
-    p.add_argument("--no-save", action="store_true", help="do not write the profile")
+    p.add_argument("--no-save", action="store_true",
+                   help="write nothing: neither the profile nor --measure's calibration")
+    p.add_argument("--save", action="store_true",
+                   help="store --measure's figure even when it looks disturbed (far below the "
+                   "prediction while other processes kept the CPU busy)")
+    p.add_argument("--reset-calibration", action="store_true",
+                   help="forget the speed factors --measure stored (--calibrate's bandwidths "
+                   "stay) and exit")
     p.set_defaults(func=cmd_tune)
 
 
 def resolve_model(model: str) -> tuple[ModelShape, str]:
-    """(shape, profile name) for a store name or a .gguf path."""
+    """(shape, profile name) for a store name or a .gguf path. A store name comes back in the
+    store's own spelling (`smollm2` -> `smollm2:latest`), the name the daemon loads it under,
+    so the profile and eval results saved under it are the ones the daemon reads."""
     path = Path(model).expanduser()
     if path.suffix == ".gguf" or path.is_file():
         if not path.is_file():
@@ -81,10 +98,19 @@ def resolve_model(model: str) -> tuple[ModelShape, str]:
     from localllm.modelstore.store import default_store
 
     entry = default_store().get(model)
-    return read_shape(entry.model_path), model
+    return read_shape(entry.model_path), str(entry.name)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    if args.reset_calibration:
+        reset = reset_calibration()
+        print(f"calibration reset for {', '.join(reset)}" if reset else
+              "no --measure calibration was stored: nothing to reset")
+        return 0
+    if not args.model:
+        raise UserError("tune needs a MODEL (a stored model's name or a .gguf file)")
+    if args.save and args.no_save:
+        raise UserError("--save and --no-save ask for opposite things: pass one")
     if args.vram is not None and args.vram <= 0:
         raise UserError("--vram must be a positive number of GiB")
     if args.ctx is not None and args.ctx < 256:
@@ -103,7 +129,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     plan = tune_checked(shape, card, request)
     measured = None
     if args.measure:
-        measured = measure_and_calibrate(shape, plan, card)
+        measured = measure_and_calibrate(shape, plan, card, store=not args.no_save,
+                                         force=args.save)
     saved = None
     if not args.no_save and args.vram is None:
         saved = save_profile(plan, model_name, card.name, shape.file_size,
@@ -115,6 +142,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, card, shape, model_name))
+        bands = band_plans(shape, card, request, plan.n_ctx)
+        if len(bands) > 1:
+            print("\n" + format_bands(bands, shape))
         if measured:
             print(f"\nmeasured: prefill {measured.prefill_tps:.1f} tok/s, decode "
                   f"{measured.decode_tps:.1f} tok/s (predicted {plan.predicted_prefill_tps:.1f} "
@@ -163,7 +193,9 @@ def request_from_args(args: argparse.Namespace, base: Request) -> Request:
     if args.fill is not None:
         if not 0.05 <= args.fill <= 1:
             raise UserError("--fill must be between 0.05 and 1 (the part of the context filled)")
-        changes["expected_fill"] = args.fill
+        changes["workload"] = from_fill(args.fill)
+    elif args.workload:
+        changes["workload"] = WORKLOADS[args.workload]
     if args.parallel is not None:
         if args.parallel == "auto":
             changes["num_parallel"] = None
@@ -174,9 +206,19 @@ def request_from_args(args: argparse.Namespace, base: Request) -> Request:
     return replace(base, **changes)
 
 
-def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card):
+def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card, store: bool = True,
+                          force: bool = False):
+    """Time the plan for real; the figure becomes this card's calibration unless `store` is
+    off, or it looks disturbed by other work (`force` stores it anyway)."""
     print(f"measuring {shape.name} with the plan...", file=sys.stderr)
     measured = measure_in_child(shape.path, plan)
+    if not store:
+        return measured
+    why = doubtful(measured, plan.predicted_decode_tps)
+    if why and not force:
+        print(f"warning: {why}; the calibration was not stored (measure again on a quiet "
+              "machine, or pass --save to store it)", file=sys.stderr)
+        return measured
     from localllm.profiles.choose import placement_of, settings_of
 
     speed = predict_speed(model_costs(shape), placement_of(plan, shape), settings_of(plan), card,
@@ -184,6 +226,32 @@ def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card):
     update_calibration(card.name, speed.decode_seconds_gpu, speed.decode_seconds_cpu,
                        measured.decode_tps)
     return measured
+
+
+def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape) -> str:
+    """One line per fill band: its placement, KV, micro-batch, decode at its start and end and
+    the time to first token of its longest prompt shown."""
+    from localllm.profiles.choose import placement_of
+
+    lines = ["plans per fill band (the same workload, its session cut where the band ends):"]
+    for band, p in bands:
+        placement = placement_of(p, shape)
+        where = (f"FFN of {placement.n_cpu_ffn_layers} blocks in RAM, n_gpu_layers="
+                 f"{p.n_gpu_layers}" if placement.n_cpu_ffn_layers
+                 else f"n_gpu_layers={p.n_gpu_layers}")
+        depths = dict(p.predicted_decode_by_depth)
+        ttft = ""
+        if p.predicted_ttft:
+            n, t = p.predicted_ttft[-1]
+            ttft = f", {n // 1024}K prompt in {_seconds(t)}"
+        lines.append(f"  up to {band}: {where}, {p.type_k} KV, ubatch {p.n_ubatch}; decode "
+                     f"{depths.get(0, 0):.1f} tok/s at the start, "
+                     f"{depths.get(band, 0):.1f} at {band}{ttft}")
+    return "\n".join(lines)
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.1f} s" if t < 100 else f"{t:.0f} s"
 
 
 def _row(cells: list[str], widths: list[int]) -> str:
@@ -228,7 +296,12 @@ def format_plan(plan: Plan, card: Card, shape: ModelShape, model_name: str) -> s
     for o in plan.tensor_overrides:
         lines.append(f"override: {o.pattern} -> {o.device}")
     lines.append(f"predicted: prefill {plan.predicted_prefill_tps:.1f} tok/s, decode "
-                 f"{plan.predicted_decode_tps:.1f} tok/s averaged over the expected fill")
+                 f"{plan.predicted_decode_tps:.1f} tok/s averaged over the session's answers")
+    if plan.workload:
+        lines.append(f"session ({plan.workload}): {plan.predicted_session_s:.0f} s predicted")
+    if plan.predicted_ttft:
+        lines.append("predicted time to first token: " + ", ".join(
+            f"{n // 1024}K-token prompt {_seconds(t)}" for n, t in plan.predicted_ttft))
     lines.append(speculation_summary(plan))
     if plan.predicted_decode_by_depth:
         names = ("start", "middle", "end")

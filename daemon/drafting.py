@@ -58,28 +58,37 @@ def draft_model(store: ModelStore, entry: ModelEntry, load: LoadOptions) -> Draf
     return DraftModel("", store.blob_path(layer.digest)) if layer else DraftModel()
 
 
+def check_speculation(entry: ModelEntry, shape: ModelShape, load: LoadOptions,
+                      draft: DraftModel, draft_shape: ModelShape | None = None) -> None:
+    """Raise UserError for a speculative mode the request asks that this model cannot do; no
+    plan is needed for it, so the scheduler asks before it unloads anything."""
+    asked = load.speculative
+    if asked == "draft" and draft_shape is not None and \
+            abs(draft_shape.n_vocab - shape.n_vocab) > VOCAB_SLACK:
+        raise UserError(f"{draft.name or 'the paired draft model'} cannot draft for "
+                        f"{entry.name}: its vocabulary has {draft_shape.n_vocab} tokens, "
+                        f"the model's {shape.n_vocab}")
+    if asked == "mtp" and shape.n_nextn == 0:
+        raise UserError(f"{entry.name} has no MTP layers (nextn_predict_layers is 0); use "
+                        f"speculative 'lookup' or 'draft'")
+    if asked == "draft" and draft.path is None:
+        raise UserError(f"{entry.name} has no draft model paired with it; name one with "
+                        f"options.draft_model (a model with the same vocabulary)")
+
+
 def with_speculation(entry: ModelEntry, shape: ModelShape, plan: Plan, load: LoadOptions,
                      draft: DraftModel, draft_shape: ModelShape | None = None) -> Speculation:
     """The plan with the speculative mode the request asks for (else the plan's own), and the
     draft model to load with it. Raises UserError for what cannot be done."""
+    check_speculation(entry, shape, load, draft, draft_shape)
     asked = load.speculative  # "mtp" or "draft" (localllm/options.py), else None
     mode = asked or plan.speculative
     name, path = draft.name, draft.path  # path dropped below when it cannot draft
     if draft_shape is not None and abs(draft_shape.n_vocab - shape.n_vocab) > VOCAB_SLACK:
-        if asked == "draft":
-            raise UserError(f"{draft.name or 'the paired draft model'} cannot draft for "
-                            f"{entry.name}: its vocabulary has {draft_shape.n_vocab} tokens, "
-                            f"the model's {shape.n_vocab}")
         path = None
     if mode == "mtp" and shape.n_nextn == 0:
-        if asked:
-            raise UserError(f"{entry.name} has no MTP layers (nextn_predict_layers is 0); use "
-                            f"speculative 'lookup' or 'draft'")
         mode = "off"
     if mode == "draft" and path is None:
-        if asked:
-            raise UserError(f"{entry.name} has no draft model paired with it; name one with "
-                            f"options.draft_model (a model with the same vocabulary)")
         mode = "off"
     if mode == plan.speculative and not asked:
         return Speculation(plan, path if mode == "draft" else None, name)

@@ -24,13 +24,15 @@ from localllm.modelstore.gguf_header import GGUFError
 from localllm.errors import UserError
 from localllm.modelstore.pull import model_file
 from localllm.modelstore.shape import ModelShape, read_shape
-from localllm.modelstore.store import DamagedModel, ModelEntry, ModelStore
+from localllm.modelstore.store import DamagedModel, ModelEntry, ModelStore, projector_path
 from localllm.profiles.plan import Plan
 
 from localllm.config import Config
 from localllm.options import LoadOptions
 
-from .drafting import Speculation, differs, draft_model, with_speculation
+from .drafting import (
+    Speculation, check_speculation, differs, draft_model, with_speculation,
+)
 from .runner.process import RUNNER_COMMAND, LoadError, RunnerProcess
 
 log = logging.getLogger("localllm.scheduler")
@@ -75,15 +77,27 @@ class Planner:
     ran out of memory. Tests may pass another planner; the scheduler needs only these two."""
 
     def choose(self, shape: ModelShape, model_name: str, n_ctx: int | None,
-               load: LoadOptions, draft_shape: ModelShape | None = None) -> Plan:
+               load: LoadOptions, draft_shape: ModelShape | None = None,
+               projector=None) -> Plan:
+        """`projector`: a vision model's ProjectorInfo, planned on the card with the model
+        (profiles.vision)."""
+        from localllm.llama.hardware import probe_card
         from localllm.profiles.choose import choose_plan
 
-        return choose_plan(shape, model_name, n_ctx, load, draft_shape=draft_shape)
+        if projector is None:
+            return choose_plan(shape, model_name, n_ctx, load, probe_card(),
+                               draft_shape=draft_shape)
+        from localllm.profiles.vision import plan_with_projector, projector_cost
+
+        return plan_with_projector(
+            probe_card(), projector_cost(projector),
+            lambda card: choose_plan(shape, model_name, n_ctx, load, card=card,
+                                     draft_shape=draft_shape))
 
     def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
                   error: str) -> Plan | None:
         from localllm.profiles.choose import step_down
-        from localllm.profiles.hardware import probe_card
+        from localllm.llama.hardware import probe_card
 
         return step_down(plan, shape, probe_card(), model_name, error)
 
@@ -97,6 +111,18 @@ def context_to_ask(config: Config, n_ctx: int | None, shape: ModelShape) -> int 
     if config.context_policy == "max":
         return shape.context_length or config.default_ctx
     return None  # "fit": the tuner picks the largest context that keeps the model fast
+
+
+PROMPT_CACHE_AUTO_MAX = 8 * 2**30
+
+
+def prompt_cache_bytes(config: Config) -> int:
+    """The RAM a runner may keep prompts of taken slots in (setting prompt_cache_ram)."""
+    if config.prompt_cache_ram != "auto":
+        return int(config.prompt_cache_ram) * 2**20
+    from localllm.llama.hardware import ram_available
+
+    return min(PROMPT_CACHE_AUTO_MAX, ram_available() // 4)
 
 
 def file_id(path) -> tuple:
@@ -203,6 +229,20 @@ class Scheduler:
             model = self.models.get(name)
             if self._current(model, entry, load):
                 return model
+            # What the request asks that cannot be done fails here, before the loaded model
+            # is retired: a bad request must not cost a reload.
+            try:
+                shape = await asyncio.to_thread(read_shape, entry.model_path)
+                draft = draft_model(self.store, entry, load)
+                draft_shape = await asyncio.to_thread(read_shape, draft.path) if draft.path \
+                    else None
+            except (GGUFError, OSError) as e:  # truncated or rewritten under us
+                if model is not None:  # its runner's file is gone too: retire it
+                    del self.models[name]
+                    await self._retire(name, model)
+                raise DamagedModel(name, str(e).replace(str(entry.model_path), "its blob")) \
+                    from None
+            check_speculation(entry, shape, load, draft, draft_shape)
             if model is not None:
                 if model.runner.alive and file_id(model.runner.model_path) != model.file_id:
                     log.warning("the file of %s changed under it; loading it again", name)
@@ -210,21 +250,19 @@ class Scheduler:
                 await self._retire(name, model)
             async with self._room_lock:
                 await self._make_room()
-            try:
-                shape = await asyncio.to_thread(read_shape, entry.model_path)
-                draft = draft_model(self.store, entry, load)
-                draft_shape = await asyncio.to_thread(read_shape, draft.path) if draft.path \
-                    else None
-            except (GGUFError, OSError) as e:  # truncated or rewritten under us
-                raise DamagedModel(name, str(e).replace(str(entry.model_path), "its blob")) \
-                    from None
+            projector = projector_path(self.store, entry)
+            vision = {}  # (a planner without projectors is asked as before)
+            if projector is not None:
+                from localllm.modelstore.projector import projector_info
+
+                vision["projector"] = await asyncio.to_thread(projector_info, projector)
             # Planning may probe the GPU and dry-run llama.cpp: seconds, off the event loop.
             plan = await asyncio.to_thread(self.planner.choose, shape, name,
                                            context_to_ask(self.config, load.num_ctx, shape),
-                                           load, draft_shape)
+                                           load, draft_shape, **vision)
             path = model_file(self.store, entry)
             speculation = with_speculation(entry, shape, plan, load, draft, draft_shape)
-            runner = await self._load_stepping_down(name, path, shape, speculation)
+            runner = await self._load_stepping_down(name, path, shape, speculation, projector)
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                                 keep_alive=self.config.keep_alive_seconds,
                                 speculation=speculation, asked=load)
@@ -241,14 +279,14 @@ class Scheduler:
         log.info("unloaded %s", name)
 
     async def _load_stepping_down(self, name: str, path, shape: ModelShape,
-                                  speculation: Speculation) -> RunnerProcess:
+                                  speculation: Speculation, projector=None) -> RunnerProcess:
         """Load with the plan; when the load fails (out of memory, as a rule, on a GPU), retry
         with the planner's next smaller plan, which it records in the saved profile."""
         plan = speculation.plan
         while True:
             try:
                 draft = speculation.draft_path if plan.speculative == "draft" else None
-                return await self._load(name, path, plan, draft)
+                return await self._load(name, path, plan, draft, projector)
             except LoadError as e:
                 smaller = await asyncio.to_thread(self.planner.step_down, plan, shape, name,
                                                   str(e))
@@ -258,9 +296,12 @@ class Scheduler:
                             name, e, smaller.reasons[-1] if smaller.reasons else "")
                 plan = smaller
 
-    async def _load(self, name: str, path, plan: Plan, draft_path=None) -> RunnerProcess:
+    async def _load(self, name: str, path, plan: Plan, draft_path=None,
+                    projector=None) -> RunnerProcess:
         runner = RunnerProcess(name, path, plan, self.log_dir / "runner.log",
-                               command=self.runner_command, draft_model_path=draft_path)
+                               command=self.runner_command, draft_model_path=draft_path,
+                               projector_path=projector,
+                               prompt_cache_bytes=prompt_cache_bytes(self.config))
         log.info("loading %s: %s", name, "; ".join(plan.reasons))
         try:
             await runner.start(timeout=self.config.load_timeout_seconds)

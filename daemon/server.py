@@ -18,7 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 from localllm.profiles.saved import profiles_dir
-from localllm.modelstore.store import ModelStore, default_store
+from localllm.modelstore.store import ModelNotFound, ModelStore, default_store
 
 from localllm import paths
 from localllm.config import Config, config_file
@@ -42,12 +42,13 @@ def is_anthropic(path: str) -> bool:
 
 def error_body(path: str, status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict:
+    """The API's error shape; `code` is OpenAI's (`model_not_found` only for a missing
+    model, not for a route that does not exist)."""
     if is_anthropic(path):
         return anthropic.error_json(status, message)
     if path.startswith("/v1/"):  # OpenAI's error shape
         kind = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 503: "server_overloaded"}.get(status, "server_error")
-        code = code or ("model_not_found" if status == 404 else None)
         return {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return {"error": message}
 
@@ -70,8 +71,10 @@ async def error_middleware(request: web.Request, handler):
         headers = {"Retry-After": "5"} if status == 503 else None
         if status == 503 and is_anthropic(request.path):
             status = anthropic.OVERLOADED
-        body = error_body(request.path, status, message, param, getattr(e, "code", None))
-        return web.json_response(body, status=status, headers=headers)
+        code = getattr(e, "code", None) or (
+            "model_not_found" if isinstance(e, ModelNotFound) else None)
+        return web.json_response(error_body(request.path, status, message, param, code),
+                                 status=status, headers=headers)
 
 
 async def root(request: web.Request) -> web.Response:

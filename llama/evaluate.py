@@ -31,7 +31,8 @@ def _child(request: dict) -> dict:
     threads = physical_cores()
 
     def load(path: str):
-        mparams, keep_alive = model_params(Plan(n_gpu_layers=int(request["n_gpu_layers"])))
+        mparams, keep_alive = model_params(Plan(n_ctx=n_ctx,
+                                                n_gpu_layers=int(request["n_gpu_layers"])))
         model = llama.llama_model_load_from_file(path.encode(), mparams)
         del keep_alive
         if not model:

@@ -86,3 +86,31 @@ class GpuMemory:
         except Exception:
             return None
         return used
+
+
+def process_vram_bytes() -> int:
+    """GPU memory this process holds, summed over GPUs (NVML), 0 without NVML or a GPU."""
+    import os
+
+    try:
+        with warnings.catch_warnings():  # pynvml warns that it is deprecated, on every import
+            warnings.simplefilter("ignore")
+            import pynvml
+        pynvml.nvmlInit()
+    except Exception:  # no driver, no GPU
+        return 0
+    try:
+        total = 0
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == os.getpid() and proc.usedGpuMemory:
+                    total += int(proc.usedGpuMemory)
+        return total
+    except Exception:
+        return 0
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass

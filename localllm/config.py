@@ -21,11 +21,15 @@
 | kv_cache_type     | LOCALLLM_KV_CACHE_TYPE     | auto                          | next load |
 | quality           | LOCALLLM_QUALITY           | balanced                      | next load |
 | expected_fill     | LOCALLLM_EXPECTED_FILL     | 0.5                           | next load |
+| workload          | LOCALLLM_WORKLOAD          | chat                          | next load |
 | vram_margin_mib   | LOCALLLM_VRAM_MARGIN_MIB   | 512                           | next load |
+| ram_budget        | LOCALLLM_RAM_BUDGET        | auto                          | next load |
 | hf_endpoint       | LOCALLLM_HF_ENDPOINT       | https://huggingface.co        | restart   |
 | log_level         | LOCALLLM_LOG_LEVEL         | info                          | live      |
 | rpc_workers       | LOCALLLM_RPC_WORKERS       | ()                            | next load |
 | remote_timeout    | LOCALLLM_REMOTE_TIMEOUT    | 300                           | live      |
+| image_urls        | LOCALLLM_IMAGE_URLS        | on                            | live      |
+| prompt_cache_ram  | LOCALLLM_PROMPT_CACHE_RAM  | auto                          | next load |
 
 - num_parallel: the most requests one loaded model serves at once (llama.cpp sequences, each
   slot with its own KV cache of the full context). `auto`: as many as fit beside the tuner's
@@ -45,8 +49,15 @@
   `localllm eval` measures (assumed figures until it has): `max` (f16 unless measured as good),
   `balanced` (f16 or q8_0; 4 bits only where no more precise setting keeps the context's KV on
   the GPU) or `speed` (any, the fastest).
-- expected_fill: the part of the context a conversation fills, 0.05 to 1; the tuner maximizes
-  decode speed averaged over it (decode slows as the context fills).
+- workload: the session the tuner plans for, `chat` (short prompts, most conversations stay
+  shallow) or `agent` (a long system prompt that grows by tool results turn after turn); the
+  plan minimizes the session's total time, prompt reading and decode at each depth
+  (profiles.workload has the lengths).
+- expected_fill: the older form of workload, kept: when set (in the file or the environment) the
+  session is one short prompt and an answer that fills this part of the context, 0.05 to 1.
+- ram_budget: host RAM a model may use, `auto` (what is available when it loads: MemAvailable,
+  capped by the cgroup's memory.max) or a size (`24G`, `20000M`); weights past it stay in the
+  mmapped file and are read from disk.
 - log_level: debug, info, warning or error.
 - origins: comma-separated browser origins allowed to call the API (CORS), as OLLAMA_ORIGINS:
   `https://app.example.com,chrome-extension://*`; `*` matches anything. Localhost origins
@@ -57,14 +68,22 @@
 - shared_machine: where the daemon cannot tell which local user opened a TCP connection (not
   Linux), `true` asks every TCP request for the API key. On Linux another user's loopback
   connection always needs the key, whatever this says.
-- import_dirs: folders (default `~`, your home) whose files a TCP client may name in /api/import and a Modelfile's
-  `FROM /path` (the Unix socket, which only you can open, may name any file you can read).
-  A path outside them is refused with the same message as a missing one.
+- import_dirs: folders (default `~`, your home) whose files a TCP client may name in
+  /api/import and a Modelfile's `FROM /path` (the Unix socket, which only you can open, may
+  name any file you can read). A path outside them is refused with the same message as a
+  missing one.
 - rpc_workers: `["host:port", ...]` (comma-separated in the variable): `localllm worker`s whose
   devices models may use besides this machine's; the planner measures each one's memory and
   link. RPC has no authentication: trusted networks only.
+- image_urls: `on` lets an OpenAI `image_url` name an http(s) URL, which the daemon fetches (at
+  most 20 MiB, 10 s, no redirect to a private address); `off` takes only `data:` URLs and base64.
 - remote_timeout: seconds a remote model's server (`localllm remote add`) may take to start
   its answer, and between two parts of it, before the request fails with 504.
+- prompt_cache_ram: MiB of RAM per loaded model for the prompts of slots taken by other
+  requests (an agent's side requests between its turns): the slot's KV is copied there first,
+  and a later request starting with that prompt gets it back instead of reading it again.
+  Least recently used first out. `auto`: a quarter of the RAM free when the model loads, at
+  most 8 GiB; 0 turns it off.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
@@ -120,11 +139,15 @@ class Config:
     kv_cache_type: str = "auto"
     quality: str = "balanced"
     expected_fill: float = 0.5
+    workload: str = "chat"
     vram_margin_mib: int = 512
+    ram_budget: str = "auto"
     hf_endpoint: str = "https://huggingface.co"
     log_level: str = "info"
     rpc_workers: tuple[str, ...] = ()
     remote_timeout: int = 300
+    image_urls: str = "on"
+    prompt_cache_ram: int | str = "auto"
 
     @property
     def socket_path(self) -> Path:
@@ -172,11 +195,15 @@ ENV = {
     "kv_cache_type": "LOCALLLM_KV_CACHE_TYPE",
     "quality": "LOCALLLM_QUALITY",
     "expected_fill": "LOCALLLM_EXPECTED_FILL",
+    "workload": "LOCALLLM_WORKLOAD",
     "vram_margin_mib": "LOCALLLM_VRAM_MARGIN_MIB",
+    "ram_budget": "LOCALLLM_RAM_BUDGET",
     "hf_endpoint": "LOCALLLM_HF_ENDPOINT",
     "log_level": "LOCALLLM_LOG_LEVEL",
     "rpc_workers": "LOCALLLM_RPC_WORKERS",
     "remote_timeout": "LOCALLLM_REMOTE_TIMEOUT",
+    "image_urls": "LOCALLLM_IMAGE_URLS",
+    "prompt_cache_ram": "LOCALLLM_PROMPT_CACHE_RAM",
 }
 
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
@@ -188,7 +215,9 @@ CHOICES = {
     "context_policy": ("fixed", "fit", "max"),
     "kv_cache_type": ("auto", "f16", "bf16", "q8_0", "q4_0", "q8_0/q4_0"),
     "quality": ("max", "balanced", "speed"),
+    "workload": ("chat", "agent"),
     "log_level": ("debug", "info", "warning", "error"),
+    "image_urls": ("on", "off"),
 }
 
 # Tables of config.toml that belong to one client: [keys] is the chat TUI's key bindings
@@ -204,12 +233,29 @@ LIMITS = {
     "vram_margin_mib": (0, None),
     "expected_fill": (0.05, 1.0),
     "remote_timeout": (1, None),
+    "prompt_cache_ram": (0, None),
 }
 
 # A Unix socket path must fit sockaddr_un.sun_path (108 bytes with the terminating NUL).
 _MAX_SOCKET_PATH = 107
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt])?(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: str) -> int | None:
+    """A memory size ("24G", "24GiB", "20000M", bytes as a bare number) in bytes, or None for
+    `auto`; ConfigError otherwise. Units are binary (G = GiB)."""
+    if str(value).strip().lower() == "auto":
+        return None
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ConfigError(f"invalid size {value!r}: use auto or e.g. 24G, 20000M")
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, None: 1}[
+        m.group(2).lower() if m.group(2) else None]
+    return int(float(m.group(1)) * scale)
 
 
 def parse_duration(value: str | float | None) -> float | None:
@@ -308,6 +354,10 @@ def check_setting(name: str, value: int | str) -> None:
             raise ConfigError(f"host: {e}") from None
     elif name in ("keep_alive", "queue_timeout", "load_timeout"):
         parse_duration(str(value))
+    elif name == "ram_budget":
+        size = parse_size(str(value))
+        if size is not None and size < 256 << 20:
+            raise ConfigError(f"ram_budget must be auto or at least 256M, not {value!r}")
     elif name == "socket" and value:
         if not os.path.isabs(str(value)):
             raise ConfigError(f"socket must be an absolute path, not {value!r}")

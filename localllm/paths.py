@@ -11,9 +11,15 @@ from pathlib import Path
 
 import platformdirs
 
+from .errors import UserError
+
 APP = "localllm"
 DEFAULT_TCP_HOST = "127.0.0.1"
 DEFAULT_TCP_PORT = 11435
+
+
+class BadHost(UserError, ValueError):
+    """A host value that cannot be listened on; the message says why."""
 
 
 def write_private(path: Path, data: bytes) -> None:
@@ -98,11 +104,34 @@ def parse_host(value: str) -> tuple[str, int]:
     try:
         port_number = int(port) if port else DEFAULT_TCP_PORT
     except ValueError:
-        raise ValueError(f"bad host address {value!r}: port must be a number") from None
+        raise BadHost(f"bad host address {value!r}: the port must be a number") from None
     if not 0 <= port_number < 65536:
-        raise ValueError(f"bad host address {value!r}: port out of range")
+        raise BadHost(f"bad host address {value!r}: the port must be 0 to 65535")
     return host or DEFAULT_TCP_HOST, port_number
 
 
 def is_loopback(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+def listen_address(value: str, api_key: str = "") -> tuple[str, int]:
+    """The (host, port) `serve` binds for a host value, checked once here for `serve --host`,
+    LOCALLLM_HOST and `config set host`: a port in range, a host that is an IP address or a
+    name this machine resolves, and an API key for any address but loopback."""
+    import ipaddress
+    import socket
+
+    host, port = parse_host(value)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            raise BadHost(f"bad host address {value!r}: {host} is neither an IP address nor "
+                          "a name this machine resolves") from None
+    if not is_loopback(host) and not api_key:
+        raise BadHost(f"refusing to listen on {host} without an API key: set one first "
+                      "(`localllm config set api_key KEY` or LOCALLLM_API_KEY), or bind "
+                      "127.0.0.1")
+    return host, port

@@ -139,6 +139,30 @@ def is_projector(filename: str) -> bool:
     return "mmproj" in base or "projector" in base
 
 
+# Projector precisions, best first: a tight card takes the smaller file, a roomy one the
+# exact one. Names that say none rank after these.
+_PROJECTOR_SMALL_FIRST = ("f16", "bf16", "q8_0", "f32")
+_PROJECTOR_EXACT_FIRST = ("f32", "f16", "bf16", "q8_0")
+
+
+def pick_projector(listing: list[RemoteFile], model_path: str,
+                   tight: bool = True) -> RemoteFile | None:
+    """The repo's vision projector to pair with the model at `model_path` (pure): one in the
+    model's folder before one elsewhere, then by precision (f16 over f32 when `tight`)."""
+    folder = model_path.rpartition("/")[0]
+    found = [f for f in listing if f.filename.endswith(".gguf") and is_projector(f.filename)]
+    if not found:
+        return None
+    order = _PROJECTOR_SMALL_FIRST if tight else _PROJECTOR_EXACT_FIRST
+
+    def precision(name: str) -> int:
+        parts = re.split(r"[-._/]", name.lower())
+        return next((i for i, p in enumerate(order) if p in parts), len(order))
+
+    return min(found, key=lambda f: (f.filename.rpartition("/")[0] != folder,
+                                     precision(f.filename), f.filename))
+
+
 def gguf_groups(listing: list[RemoteFile]) -> dict[str, list[RemoteFile]]:
     """The models in a repo listing: each key one model (a split GGUF's parts under its stem,
     in order), projectors left out (pure)."""

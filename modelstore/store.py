@@ -38,7 +38,8 @@ from .shape import ModelShape, format_param_count, shape_from_header
 MODEL_LAYER = "application/vnd.localllm.model"
 DRAFT_LAYER = "application/vnd.localllm.draft"
 MTP_LAYER = "application/vnd.localllm.mtp"
-PROJECTOR_LAYER = "application/vnd.localllm.projector"
+PROJECTOR_LAYER = "application/vnd.ollama.image.projector"  # Ollama's name for an mmproj
+_LEGACY_LAYERS = {"application/vnd.localllm.projector": PROJECTOR_LAYER}  # read as the above
 COMPANION_LAYERS = (DRAFT_LAYER, MTP_LAYER, PROJECTOR_LAYER)
 _CHUNK = 1 << 22
 
@@ -137,6 +138,15 @@ class ModelEntry:
             text = json.dumps([self.remote.url, self.remote.model])
             return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
         return self.model_layer.digest
+
+    @property
+    def manifest_digest(self) -> str:
+        """What names this model as a whole, as Ollama's tags digest does: any layer (the
+        template, the parameters, a companion) changes it; a copy keeps it."""
+        if self.remote is not None:
+            return self.digest
+        text = json.dumps([[layer.media_type, layer.digest] for layer in self.layers])
+        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
     @property
     def size(self) -> int:
@@ -291,7 +301,8 @@ class ModelStore:
             if "remote" in doc:
                 return self._remote_entry(name, path, doc)
             layers = tuple(
-                Layer(d["mediaType"], d["digest"], int(d["size"])) for d in doc["layers"]
+                Layer(_LEGACY_LAYERS.get(d["mediaType"], d["mediaType"]), d["digest"],
+                      int(d["size"])) for d in doc["layers"]
             )
             model_layer = next(x for x in layers if x.media_type == MODEL_LAYER)
         except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
@@ -391,9 +402,11 @@ class ModelStore:
 
     # ---- import ------------------------------------------------------------------------
     def import_gguf(self, source: Path, name: str, link: bool = True,
-                    source_label: str | None = None) -> ModelEntry:
-        """Verify `source` is a whole GGUF, store it, and name it; on an error the store is
-        untouched."""
+                    source_label: str | None = None,
+                    projector: Path | None = None) -> ModelEntry:
+        """Verify `source` is a whole GGUF, store it, and name it; with `projector` (a vision
+        projector, mmproj GGUF) store that as the manifest's second layer. On an error the
+        store is untouched."""
         model = parse_name(name)
         source = Path(source)
         if not source.is_file():
@@ -406,11 +419,39 @@ class ModelStore:
             raise StoreError(str(e)) from None
         except OSError as e:
             raise StoreError(f"cannot read {source}: {e.strerror or e}") from None
+        if header.metadata.get("general.architecture") == "clip":
+            raise StoreError(f"{source} is a vision projector, not a model: import the model "
+                             f"and pass this file as --mmproj")
+        if projector is not None:
+            check_projector(Path(projector))
         shape = shape_from_header(header, str(source))
         digest, size = self.add_blob(source, link=link)
         layers = [Layer(MODEL_LAYER, digest, size)]
+        if projector is not None:
+            proj_digest, proj_size = self.add_blob(Path(projector), link=link)
+            layers.append(Layer(PROJECTOR_LAYER, proj_digest, proj_size))
         return self.write_manifest(model, layers, model_details(shape),
                                    source_label or f"import:{source.resolve()}")
+
+
+def check_projector(path: Path) -> None:
+    """A vision projector GGUF (general.architecture "clip" with a vision encoder), or a
+    StoreError saying what the file is instead."""
+    if not path.is_file():
+        raise StoreError(f"{path} does not exist or is not a file")
+    try:
+        md = read_header(path).metadata
+    except GGUFError as e:
+        raise StoreError(f"{path}: {e}") from None
+    if md.get("general.architecture") != "clip" or not md.get("clip.has_vision_encoder"):
+        raise StoreError(f"{path} is not a vision projector (an mmproj GGUF has "
+                         f"general.architecture 'clip' and a vision encoder)")
+
+
+def projector_path(store: ModelStore, entry: ModelEntry) -> Path | None:
+    """The model's vision projector file, when its manifest has one."""
+    layer = entry.companion(PROJECTOR_LAYER)
+    return store.blob_path(layer.digest) if layer is not None else None
 
 
 def default_store() -> ModelStore:

@@ -1,7 +1,7 @@
 """Card: the GPU (or its absence) and the host a plan is made for, from a profile or a probe.
 
 `profiles/cards/*.toml` describe the common cards so that any card can be planned for on any
-machine (`localllm tune --card rtx3060-12g`); `localllm.profiles.hardware.probe_card` fills the
+machine (`localllm tune --card rtx3060-12g`); `localllm.llama.hardware.probe_card` fills the
 same type from NVML and the OS.
 """
 
@@ -45,6 +45,9 @@ class Card:
     # The host's disk read rate, GB/s, from `tune --calibrate` or a profile's [host] disk_gbs;
     # 0: not measured (plans past RAM assume profiles.disk.ASSUMED_DISK_GBS)
     disk_read_gbs: float = 0.0
+    # RAM a model may take when probed: MemAvailable capped by the cgroup's memory.max
+    # (llama/hardware.py ram_available); 0: not probed (plans count ram_bytes less a reserve)
+    ram_available_bytes: int = 0
 
     @property
     def has_gpu(self) -> bool:

@@ -1,6 +1,6 @@
 """The daemon's entry points: which plan to load a model with, and what to try after an OOM.
 
-    choose_plan(shape, model_name, n_ctx, load) -> Plan
+    choose_plan(shape, model_name, n_ctx, load, card) -> Plan
     step_down(plan, shape, card) -> Plan | None
 
 `choose_plan` probes the machine, uses the saved profile for (card, model) when there is a valid
@@ -17,19 +17,19 @@ import os
 import re
 from dataclasses import replace
 
-from localllm.config import ConfigError, load_config
+from localllm.config import ConfigError, load_config, load_config_sources, parse_size
 from localllm.modelstore.shape import ModelShape
 from localllm.options import LoadOptions
 
 from .card import MIB, Card
 from .dryrun import dry_run
-from .hardware import probe_card
 from .memory import CPU, ComputeTable, ContextSettings, Placement, memory_by_device, model_costs
 from .plan import Plan
 from .acceptance import measured_acceptance
 from .quality import measured_kl
 from .saved import ProfileError, find_profile, record_event
 from .tuner import NoPlanFits, Request, tune
+from .workload import from_fill, named
 
 log = logging.getLogger(__name__)
 _EXPERT_BLOCKS = re.compile(r"^\^blk\\\.\(([\d|]+)\)\\\.ffn_\(up\|down\|gate\|gate_up\)_exps")
@@ -47,11 +47,11 @@ def request_from_load(n_ctx: int | None, load: LoadOptions, margin_bytes: int,
 
 
 def config_request(model_name: str | None = None, file_size: int = 0) -> Request:
-    """The config's tuner settings (quality, expected_fill, kv_cache_type, num_parallel,
-    vram_margin_mib), the model's `localllm eval` results and the draft acceptance measured
-    while serving it, as a Request."""
+    """The config's tuner settings (quality, workload or the older expected_fill,
+    kv_cache_type, num_parallel, vram_margin_mib, ram_budget), the model's `localllm eval`
+    results and the draft acceptance measured while serving it, as a Request."""
     try:
-        config = load_config()
+        config, sources = load_config_sources()
     except ConfigError as e:
         log.warning("config not readable, tuner defaults used: %s", e)
         return Request(num_parallel=None)
@@ -60,7 +60,10 @@ def config_request(model_name: str | None = None, file_size: int = 0) -> Request
         margin_bytes=config.vram_margin_mib * MIB,
         kv_types=pinned,
         quality=config.quality,
-        expected_fill=config.expected_fill,
+        # expected_fill, where a user set it, keeps meaning what it did: one answer filling it
+        workload=from_fill(config.expected_fill) if sources["expected_fill"] != "default"
+        else named(config.workload),
+        ram_budget_bytes=parse_size(config.ram_budget),
         num_parallel=None if config.num_parallel == "auto" else int(config.num_parallel),
         measured_kl=measured_kl(model_name, file_size) if model_name else {},
         acceptance=measured_acceptance(model_name, file_size) if model_name else {},
@@ -90,11 +93,11 @@ def _apply_options(plan: Plan, request: Request) -> Plan:
 
 
 def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: LoadOptions,
-                card: Card | None = None, draft_shape: ModelShape | None = None) -> Plan:
-    """The plan the daemon loads `model_name` with; raises NoPlanFits (a UserError) when the
-    model cannot run at that context on this machine. `draft_shape`: the draft model paired
-    with it in the catalog, which the tuner may plan speculative decoding with."""
-    card = card or probe_card()
+                card: Card, draft_shape: ModelShape | None = None) -> Plan:
+    """The plan the daemon loads `model_name` with on `card` (probed by the caller:
+    llama/hardware.py); raises NoPlanFits (a UserError) when the model cannot run at that
+    context on this machine. `draft_shape`: the draft model paired with it in the catalog,
+    which the tuner may plan speculative decoding with."""
     base = config_request(model_name, shape.file_size)
     request = request_from_load(n_ctx, load, base.margin_bytes, base)
     workers = _rpc_workers()
@@ -160,8 +163,12 @@ def tune_checked(shape: ModelShape, card: Card, request: Request,
 
 
 def settings_of(plan: Plan) -> ContextSettings:
+    # The runner's recurrent-state snapshots (llama.params.rollback_positions: the longest
+    # draft + 1; MTP's default draft 3, others 8)
+    longest = min(plan.draft_n_max or (3 if plan.speculative == "mtp" else 8), 8)
+    snapshots = longest + 1 if plan.speculative != "off" else 0
     return ContextSettings(plan.n_ctx, plan.type_k, plan.type_v, plan.flash_attn, plan.n_ubatch,
-                           plan.swa_full, plan.n_parallel)
+                           plan.swa_full, plan.n_parallel, n_rs_seq=snapshots)
 
 
 def placement_of(plan: Plan, shape: ModelShape) -> Placement:
@@ -193,6 +200,9 @@ def step_down(plan: Plan, shape: ModelShape, card: Card, model_name: str | None 
     request = replace(config_request(model_name, shape.file_size), n_ctx=plan.n_ctx,
                       margin_bytes=margin, n_threads=plan.n_threads,
                       num_parallel=plan.n_parallel)
+    # A step down never grows the micro-batch: its compute buffer is VRAM too.
+    smaller_ub = tuple(u for u in request.ubatch_sizes if u <= plan.n_ubatch)
+    request = replace(request, ubatch_sizes=smaller_ub or (min(request.ubatch_sizes),))
     try:
         smaller = tune(shape, card, request, draft=draft_shape)
     except NoPlanFits:

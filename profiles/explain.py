@@ -102,9 +102,7 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
     out.append("flash attention on: the quantized V cache needs it and it keeps the compute "
                "buffer small at long context" if s.type_v != "f16" else
                "flash attention on: it keeps the compute buffer small at long context")
-    if s.n_ubatch < max(request.ubatch_sizes):
-        out.append(f"ubatch {s.n_ubatch}: a smaller compute buffer buys room on the GPU "
-                   "(prompt processing is a little slower)")
+    out += _ubatch_lines(best, chosen)
     cpu_weights = next((m.weights for m in best.memory if m.device == CPU), 0)
     if cpu_weights > shape.embedding_bytes * 1.5:
         out.append(f"{threads} threads = physical cores: {gib(cpu_weights)} of weights stay in "
@@ -118,12 +116,48 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
     return out
 
 
+def seconds(t: float) -> str:
+    return f"{t:.1f} s" if t < 100 else f"{t:.0f} s"
+
+
 def _fill_line(best: Option, request: Request, evaluator: _Evaluator) -> str:
     n = best.settings.n_ctx
     at = [evaluator.option_speed(best, d).decode_tps for d in (0, n // 2, n)]
-    return (f"decode {tps(best.speed.decode_tps)} averaged over filling "
-            f"{request.expected_fill:.0%} of the context (expected_fill): {tps(at[0])} at the "
-            f"start, {tps(at[1])} at {n // 2} tokens, {tps(at[2])} at {n}")
+    line = (f"decode {tps(best.speed.decode_tps)} averaged over the session's answers: "
+            f"{tps(at[0])} at the start, {tps(at[1])} at {n // 2} tokens, {tps(at[2])} at {n}")
+    session = best.session
+    if session is None or not session.turns:
+        return line
+    turns = session.turns
+    first = turns[0]
+    line += (f"; the session ({request.workload.describe()}) takes {seconds(session.total)}: "
+             f"{seconds(session.prompt_total)} reading prompts")
+    if first.prompt:
+        line += f" (the first, {first.prompt} tokens, {seconds(session.prompt_seconds[0])})"
+    deepest = turns[-1].end
+    return line + (f", {seconds(session.decode_total)} decoding answers at 0-{deepest} tokens "
+                   "of context")
+
+
+def moments(best: Option, other: Option) -> str:
+    """Where in the session `best` gains over `other` and where it loses: the first prompt,
+    later prompts, answers early or late (by depth)."""
+    a, b = best.session, other.session
+    if a is None or b is None or len(a.turns) != len(b.turns) or not a.turns:
+        return ""
+    parts = {"the first prompt": b.prompt_seconds[0] - a.prompt_seconds[0],
+             "later prompts": sum(b.prompt_seconds[1:]) - sum(a.prompt_seconds[1:])}
+    half = max(1, len(a.turns) // 2)
+    early, late = a.turns[:half], a.turns[half:]
+    parts[f"answers up to {early[-1].end} tokens"] = \
+        sum(b.decode_seconds[:half]) - sum(a.decode_seconds[:half])
+    if late:
+        parts[f"answers at {late[0].start}-{late[-1].end} tokens"] = \
+            sum(b.decode_seconds[half:]) - sum(a.decode_seconds[half:])
+    gains = [f"{name} ({seconds(d)} faster)" for name, d in parts.items() if d > 0.05]
+    losses = [f"{name} ({seconds(-d)} slower)" for name, d in parts.items() if d < -0.05]
+    text = "serves " + (", ".join(gains) if gains else "nothing the other does not")
+    return text + (f"; costs {', '.join(losses)}" if losses else "")
 
 
 def _slot_lines(best: Option, request: Request, card: Card, slot_note: str) -> list[str]:
@@ -168,6 +202,43 @@ def _kv_line(best: Option, chosen: Search, request: Request, evaluator: _Evaluat
         text += ("; q8_0 K with q4_0 V is not tried: this CUDA build has flash-attention "
                  "kernels only for matching K and V types, and the pair would attend on the CPU")
     return text
+
+
+def _ubatch_lines(best: Option, chosen: Search) -> list[str]:
+    """Why this micro-batch: against the best option of the same KV and kind of placement at
+    each other micro-batch, which moments of the session it serves."""
+    s = best.settings
+
+    def same_kind(o: Option) -> bool:
+        p, q = o.placement, best.placement
+        return (o.kv == best.kv and o.fits and o.speculator == best.speculator
+                and bool(p.n_cpu_ffn_layers) == bool(q.n_cpu_ffn_layers)
+                and p.output_on_cpu == q.output_on_cpu
+                and bool(p.n_cpu_expert_layers) == bool(q.n_cpu_expert_layers))
+
+    others: dict[int, Option] = {}
+    for o in chosen.options:
+        ub = o.settings.n_ubatch
+        if ub != s.n_ubatch and same_kind(o) and o.settings.n_seq == 1 and \
+                (ub not in others or o.session_seconds < others[ub].session_seconds):
+            others[ub] = o
+    if not others:
+        return [f"ubatch {s.n_ubatch}"]
+    text = [f"ubatch {s.n_ubatch} (n_batch {max(2048, s.n_ubatch)}): the prompt is read "
+            f"{s.n_ubatch} tokens per pass, weights in RAM crossing to the GPU once per pass"]
+    for ub, o in sorted(others.items()):
+        text.append(f"over ubatch {ub} ({describe_layers(o)}, session "
+                    f"{seconds(o.session_seconds)}) it {moments(best, o)}")
+    return ["; ".join(text)]
+
+
+def describe_layers(o: Option) -> str:
+    p = o.placement
+    if p.n_cpu_ffn_layers:
+        return f"FFN of {p.n_cpu_ffn_layers} blocks in RAM"
+    if p.n_cpu_expert_layers:
+        return f"experts of {p.n_cpu_expert_layers} blocks in RAM"
+    return f"n_gpu_layers={p.n_gpu_layers}"
 
 
 def _budget_line(card: Card, request: Request, best: Option) -> str:
@@ -218,7 +289,7 @@ def _rejected_alternatives(shape: ModelShape, best: Option, chosen: Search,
 
     # The fastest of each kind of placement first (so the one the winner beat is always
     # shown), then the other KV settings.
-    ranked = sorted(chosen.options, key=lambda o: -o.speed.decode_tps)
+    ranked = sorted(chosen.options, key=lambda o: o.session_seconds)
     first_of_kind = {}
     for o in ranked:
         first_of_kind.setdefault(kind(o), o)
@@ -247,9 +318,10 @@ def _rejected_alternatives(shape: ModelShape, best: Option, chosen: Search,
             n = o.settings.n_ctx
             start = evaluator.option_speed(o, 0).decode_tps
             out.append(f"{REJECTED}{what}: {describe_placement(o, shape)}, "
-                       f"{tps(o.speed.decode_tps)} averaged over the fill ({tps(start)} at the "
-                       f"start, {tps(evaluator.option_speed(o, n).decode_tps)} "
-                       f"at {n})")
+                       f"{tps(o.speed.decode_tps)} averaged over the session ({tps(start)} at "
+                       f"the start, {tps(evaluator.option_speed(o, n).decode_tps)} "
+                       f"at {n}), session {seconds(o.session_seconds)}; the plan "
+                       + moments(best, o))
         if len(seen) >= 4:
             break
     return out
@@ -332,7 +404,9 @@ def speculation_lines(shape: ModelShape, card: Card, request: Request, chosen: S
         return [f"{SPECULATION_OFF}{n}" for n in notes] or [
             f"{SPECULATION_OFF}no way of drafting planned for this model"]
     s, p = best.settings, best.placement
-    depth = min(s.n_ctx, max(1, int(s.n_ctx * request.expected_fill / 2)))
+    from .tuner import objective_depth
+
+    depth = min(s.n_ctx, objective_depth(s.n_ctx, request.workload))
     terms = checking_terms(evaluator.costs, p, s, card, request.n_threads, depth)
     on_cpu = speculation.cpu_blocks(evaluator.costs, p, card)
     out = []

@@ -16,7 +16,6 @@ from pathlib import Path
 import tomli_w
 
 from localllm.errors import UserError
-from localllm.modelstore.shape import ModelShape
 
 from .card import Card
 from .plan import Plan
@@ -31,6 +30,12 @@ class Measurement:
     vram_bytes: int  # this process's GPU memory after the run (NVML), 0 without a GPU
     prompt_tokens: int
     decoded_tokens: int
+    other_load: float = 0.0  # CPU cores other processes kept busy while it ran
+
+
+# What update_calibration writes (reset_calibration removes them).
+_MEASURE_KEYS = ("gpu_bandwidth_factor", "host_bandwidth_factor", "measured_decode_tps",
+                 "measured_at")
 
 
 def calibration_file() -> Path:
@@ -93,48 +98,6 @@ def update_calibration(card_name: str, gpu_seconds: float, cpu_seconds: float,
     return entry
 
 
-def process_vram_bytes() -> int:
-    """GPU memory this process holds, summed over GPUs (NVML), 0 without NVML or a GPU."""
-    import os
-    import warnings
-
-    try:
-        with warnings.catch_warnings():  # pynvml warns that it is deprecated, on every import
-            warnings.simplefilter("ignore")
-            import pynvml
-        pynvml.nvmlInit()
-    except Exception:  # no driver, no GPU
-        return 0
-    try:
-        total = 0
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid == os.getpid() and proc.usedGpuMemory:
-                    total += int(proc.usedGpuMemory)
-        return total
-    except Exception:
-        return 0
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
-
-
-# The benchmark runs in a child that imports llama_cpp before anything that imports numpy: with
-# a CUDA build, numpy loaded first makes the model load segfault (seen on an H200).
-_CHILD = r"""
-import llama_cpp
-import json, sys
-from localllm.profiles.measure import run_benchmark
-from localllm.profiles.plan import Plan
-req = json.loads(sys.stdin.read())
-m = run_benchmark(req["path"], Plan.from_dict(req["plan"]), None, req["prompt"], req["tokens"])
-print(json.dumps(m.__dict__))
-"""
-
-
 def measure_in_child(model_path: str, plan: Plan, prompt_tokens: int = 128,
                      decode_tokens: int = 32, timeout: float = 600) -> Measurement:
     import json
@@ -143,53 +106,67 @@ def measure_in_child(model_path: str, plan: Plan, prompt_tokens: int = 128,
 
     request = json.dumps({"path": model_path, "plan": plan.to_dict(), "prompt": prompt_tokens,
                           "tokens": decode_tokens})
-    proc = subprocess.run([sys.executable, "-c", _CHILD], input=request, text=True,
-                          capture_output=True, timeout=timeout)
+    before = _cpu_seconds()
+    # llama/measure.py: llama.cpp in a child, so a CUDA context never stays in this process.
+    proc = subprocess.run([sys.executable, "-m", "localllm.llama.measure"], input=request,
+                          text=True, capture_output=True, timeout=timeout)
     if proc.returncode != 0:
         last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
         raise UserError(f"the benchmark load failed (exit {proc.returncode}): {last}")
-    return Measurement(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    after = _cpu_seconds()
+    wall = after[0] - before[0]
+    others = (after[1] - before[1]) - (after[2] - before[2])
+    measured = Measurement(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    return replace(measured, other_load=round(max(0.0, others / wall), 2) if wall > 0 else 0.0)
 
 
-def run_benchmark(model_path: str, plan: Plan, shape: ModelShape | None, prompt_tokens: int = 128,
-                  decode_tokens: int = 32) -> Measurement:
-    """Load with the plan, prefill a prompt, decode greedily; time both."""
-    import llama_cpp
+def _cpu_seconds() -> tuple[float, float, float]:
+    """(wall clock, CPU seconds every process on the machine spent busy (/proc/stat), CPU
+    seconds of this process and its finished children); 0 busy where /proc is unreadable."""
+    import os
 
-    from localllm.llama.params import GGML_TYPES
-    from localllm.llama.overrides import tensor_overrides_applied
-
-    prompt_tokens = max(8, min(prompt_tokens, plan.n_ctx - decode_tokens - 8))
-    kwargs = dict(model_path=model_path, n_gpu_layers=plan.n_gpu_layers, n_ctx=plan.n_ctx,
-                  n_batch=plan.n_batch, n_ubatch=plan.n_ubatch, n_threads=plan.n_threads,
-                  n_threads_batch=plan.n_threads_batch, flash_attn=plan.flash_attn,
-                  swa_full=plan.swa_full, type_k=GGML_TYPES[plan.type_k],
-                  type_v=GGML_TYPES[plan.type_v], use_mmap=plan.use_mmap, verbose=False)
-    if plan.tensor_split:
-        kwargs["tensor_split"] = list(plan.tensor_split)
-    with tensor_overrides_applied(plan.tensor_overrides):
-        llm = llama_cpp.Llama(**kwargs)
+    own = os.times()
+    mine = own.user + own.system + own.children_user + own.children_system
     try:
-        vocab = llm.n_vocab()
-        # Ordinary token ids past the specials: any text-like sequence times the same.
-        tokens = [(7 + 31 * i) % max(1, vocab - 300) + 259 for i in range(prompt_tokens)]
-        start = time.perf_counter()
-        llm.eval(tokens)
-        prefill_s = time.perf_counter() - start
-        # The evaluated prompt is reused as a prefix, so the first token comes from logits
-        # already computed: time from it, over the tokens that each took a forward pass.
-        n = 0
-        first = time.perf_counter()
-        for _ in llm.generate(tokens, temp=0.0):
-            if n == 0:
-                first = time.perf_counter()
-            n += 1
-            if n > decode_tokens:
-                break
-        decode_s = time.perf_counter() - first
-        n -= 1
-        vram = process_vram_bytes()
-    finally:
-        llm.close()
-    return Measurement(prefill_tps=prompt_tokens / prefill_s, decode_tps=n / decode_s,
-                       vram_bytes=vram, prompt_tokens=prompt_tokens, decoded_tokens=n)
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return time.monotonic(), mine, mine
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return time.monotonic(), busy, mine
+
+
+DOUBTFUL_RATIO = 0.5  # measured decode under half the prediction...
+BUSY_CORES = 0.5  # ...while other processes kept this much CPU busy: not a figure to keep
+
+
+def doubtful(measured: Measurement, predicted_decode_tps: float) -> str | None:
+    """Why a measurement should not become the calibration (None: it may). A machine busy with
+    other work measures the work, not the card: one such figure once made every plan predict
+    2.3 tok/s for a model that decodes at 36."""
+    if predicted_decode_tps <= 0 or measured.decode_tps >= DOUBTFUL_RATIO * predicted_decode_tps:
+        return None
+    if measured.other_load < BUSY_CORES:
+        return None
+    return (f"measured decode {measured.decode_tps:.1f} tok/s is far below the "
+            f"{predicted_decode_tps:.1f} predicted, while other processes kept "
+            f"{measured.other_load:.1f} CPU cores busy")
+
+
+def reset_calibration(path: Path | None = None) -> list[str]:
+    """Forget what `--measure` stored (the cards' speed factors); what `--calibrate` measured
+    (bandwidths, the disk) stays. Returns the cards whose factors were removed."""
+    from .saved import write_toml
+
+    path = path or calibration_file()
+    doc = load_calibration(path)
+    reset = []
+    for name, entry in doc.items():
+        kept = {k: v for k, v in entry.items() if k not in _MEASURE_KEYS}
+        if kept != entry:
+            reset.append(name)
+            doc[name] = kept
+    if reset:
+        write_toml(path, {k: v for k, v in doc.items() if v})
+    return reset

@@ -10,7 +10,8 @@ llama-cpp-python 0.3.36):
 - KV follows its layer's attention: full-attention layers hold n_ctx cells (padded to 256) per
   sequence, sliding-window layers pad(min(n_ctx, window + n_ubatch), 256) per sequence with
   swa_full=False (the runner's cache is not unified: one stream of cells per slot), recurrent
-  layers a fixed f32 state per sequence. A K or V row of n elements takes n / block *
+  layers a fixed f32 state per sequence, and one more per snapshot kept for taking back
+  rejected drafts (n_rs_seq). A K or V row of n elements takes n / block *
   block_bytes.
 - A block's attention (with its KV) and its FFN may sit on different devices: the FFN matrices
   of the last `n_cpu_ffn_layers` blocks stay in RAM through a tensor override, as llama.cpp's
@@ -72,6 +73,7 @@ class ContextSettings:
     n_ubatch: int = 512
     swa_full: bool = False
     n_seq: int = 1
+    n_rs_seq: int = 0  # recurrent-state snapshots per sequence (drafts taken back), llama.cpp's
 
 
 @dataclass(frozen=True)
@@ -211,7 +213,8 @@ def kv_cells(kind: str, settings: ContextSettings, window: int) -> int:
 def block_kv_bytes(costs: ModelCosts, i: int, settings: ContextSettings) -> int:
     """KV (or recurrent state) bytes of block i."""
     if costs.state_bytes[i]:
-        return costs.state_bytes[i] * settings.n_seq
+        # llama.cpp allocates (1 + n_rs_seq) rows of state per sequence (llama-memory-recurrent)
+        return costs.state_bytes[i] * settings.n_seq * (1 + settings.n_rs_seq)
     if not costs.kv_k_elements[i]:
         return 0
     cells = kv_cells(costs.kinds[i], settings, costs.sliding_window) * settings.n_seq

@@ -56,11 +56,19 @@ class Plan:
     rpc_workers: tuple[str, ...] = ()
     # Layers per device ("CPU", "RPC[host:port]#0", "CUDA0"; the output layer counted), for ps.
     device_layers: tuple[tuple[str, int], ...] = ()
+    # A vision model's projector (mmproj): on the GPU with the layers, or on the CPU when the
+    # card is short (each image then costs predicted_image_s there).
+    projector_on_gpu: bool = True
+    predicted_image_s: float = 0.0
     memory: tuple[DeviceMemory, ...] = ()
     predicted_prefill_tps: float = 0.0
     predicted_decode_tps: float = 0.0  # averaged over the expected fill of the context
     predicted_plain_decode_tps: float = 0.0  # the same without speculative decoding (0: unknown)
     predicted_decode_by_depth: tuple[tuple[int, float], ...] = ()  # (tokens in context, tok/s)
+    # Time to the first token of a prompt read into an empty context: (prompt tokens, seconds)
+    predicted_ttft: tuple[tuple[int, float], ...] = ()
+    workload: str = ""  # the session the plan was made for (profiles.workload)
+    predicted_session_s: float = 0.0  # that session's predicted time, prompts and answers
     reasons: tuple[str, ...] = ()
     source: str = "default"  # "default", "tuner", "profile:<path>"
 
@@ -70,7 +78,7 @@ class Plan:
                 self.type_k, self.type_v, self.flash_attn, self.swa_full, self.n_batch,
                 self.n_ubatch, self.n_threads, self.n_threads_batch, self.use_mmap,
                 self.n_parallel, self.speculative, self.draft_n_max, self.draft_n_gpu_layers,
-                self.rpc_workers)
+                self.rpc_workers, self.projector_on_gpu)
 
     def vram_bytes(self) -> int:
         return sum(m.total for m in self.memory if m.device != "CPU")
@@ -89,8 +97,8 @@ class Plan:
         data["memory"] = tuple(DeviceMemory(**m) for m in data.get("memory", ()))
         for key in ("tensor_split", "reasons", "rpc_workers"):
             data[key] = tuple(data.get(key, ()))
-        data["predicted_decode_by_depth"] = tuple(
-            (int(d), float(t)) for d, t in data.get("predicted_decode_by_depth", ()))
+        for key in ("predicted_decode_by_depth", "predicted_ttft"):
+            data[key] = tuple((int(d), float(t)) for d, t in data.get(key, ()))
         data["device_layers"] = tuple((str(d), int(n)) for d, n in data.get("device_layers", ()))
         if "speculative" in data:
             data["speculative"] = speculative_mode(data["speculative"])

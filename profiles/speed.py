@@ -37,7 +37,7 @@ CROSSING_SECONDS = 0.1e-3  # hidden state between GPU and CPU, and the sync it f
 # batch 1: f16 streams well, quantized K/V are dequantized in the vector kernel.
 GPU_KV_EFFICIENCY = {"f16": 0.5, "bf16": 0.5, "f32": 0.5, "q8_0": 0.09, "q4_0": 0.05}
 CPU_QUANTIZED_KV_PENALTY = 2.0  # the CPU dequantizes K/V rows as it attends
-PREFILL_GPU_EFFICIENCY = 0.35  # of the card's FP16 tensor TFLOPS, quantized matmuls included
+PREFILL_GPU_EFFICIENCY = 0.18  # of the card's FP16 tensor TFLOPS, quantized matmuls included
 CPU_GFLOPS_PER_CORE = 40.0  # prompt matmuls on CPU cores (AVX2/AVX-512, quantized weights)
 UBATCH_BLOCK_SECONDS = 60e-6  # per block and ubatch: launches and syncs, why bigger ubatches win
 # The lm-head in RAM reads slower than its bytes: a tied one (the token table) cannot use the
@@ -95,8 +95,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     gpu_bw = card.bandwidth_gbs * 1e9 * card.decode_efficiency
     depth = min(depth, settings.n_ctx)
     gpu_s = cpu_s = 0.0
-    gpu_flops = cpu_flops = 0.0
-    cpu_weight_bytes = 0  # weights a prompt batch copies to the GPU
+    cpu_flops = 0.0
     crossings = 0
     previous = CPU  # token embeddings are looked up on the CPU
     for i in range(costs.n_blocks):
@@ -114,60 +113,136 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
                 cpu_s += CPU_MOE_BLOCK_SECONDS
             cpu_s += _attention_seconds(costs, i, settings, depth, False, card, threads)
             cpu_flops += 2 * active_params
-            cpu_weight_bytes += costs.block_bytes[i] + costs.expert_bytes[i]
         else:
             ffn_cpu = costs.ffn_bytes[i] if costs.ffn_on_cpu(placement, i) else 0
             gpu_s += (costs.block_bytes[i] - ffn_cpu) / gpu_bw + GPU_BLOCK_SECONDS
             gpu_s += _attention_seconds(costs, i, settings, depth, True, card, threads)
             if ffn_cpu:
                 cpu_s += ffn_cpu / host_bw
-                cpu_weight_bytes += ffn_cpu
                 crossings += 1
                 ffn_params = active_params * ffn_cpu / max(1, costs.block_bytes[i])
                 cpu_flops += 2 * ffn_params
-                gpu_flops += 2 * (active_params - ffn_params)
                 active_params = 0
             if experts_on_cpu:
                 cpu_s += expert_read / host_bw
-                cpu_weight_bytes += costs.expert_bytes[i]
                 crossings += 2
             else:
                 gpu_s += expert_read / gpu_bw
-            gpu_flops += 2 * active_params
         crossings += d != previous
         previous = d
     output_device = CPU if placement.output_on_cpu else devices[-1]
     if output_device == CPU:
         cpu_s += costs.output_bytes * (CPU_OUTPUT_PENALTY if card.has_gpu else 1.0) / host_bw
-        cpu_weight_bytes += costs.output_bytes
         cpu_flops += 2 * costs.output_params
     else:
         gpu_s += costs.output_bytes / gpu_bw
-        gpu_flops += 2 * costs.output_params
     crossings += output_device != previous
     decode_s = gpu_s + cpu_s + TOKEN_SECONDS + CROSSING_SECONDS * max(0, crossings - 1)
     return Speed(
         decode_tps=1.0 / decode_s,
-        prefill_tps=_prefill_tps(settings, card, gpu_flops, cpu_flops, cpu_weight_bytes, threads,
-                                 costs.n_blocks),
+        prefill_tps=prefill_tps(costs, placement, settings, card, threads),
         decode_seconds_gpu=gpu_s,
         decode_seconds_cpu=cpu_s,
         decode_flops_cpu=cpu_flops,
     )
 
 
-def _prefill_tps(settings: ContextSettings, card: Card, gpu_flops: float, cpu_flops: float,
-                 cpu_weight_bytes: int, threads: int, n_blocks: int) -> float:
-    """Tokens per second over one ubatch of the prompt."""
+# ---- reading a prompt -------------------------------------------------------------------------
+#
+# llama.cpp reads a prompt in micro-batches (n_ubatch tokens). On a GPU, for a micro-batch of 32
+# tokens or more, every weight the placement keeps in RAM is copied to the GPU and multiplied
+# there (op offload), once per micro-batch; attention runs on the GPU too, and the KV rows of
+# blocks whose cache lives in RAM cross with it. So a micro-batch costs a fixed crossing plus
+# its tokens' FLOPs: bigger micro-batches share the crossing over more tokens, at the price of a
+# compute buffer that grows with them. Fitted to llama-bench pp4096 on the H200 (dense-27b Q4_0,
+# q8_0 KV, 16 threads): the FFN of blocks 25-65 in RAM (7.3 GB) read 258 / 425 / 835 / 1219 tok/s
+# at ubatch 256 / 512 / 1024 / 2048, whole blocks 0-26 in RAM (5.7 GB) 485 at 512 and 1398 at
+# 2048: about 0.93 s per micro-batch for the crossing (7 GB/s: the weights are in pageable
+# memory and repacked for the CPU) and 0.3 ms per token (54 GFLOP at 18% of the FP16 peak).
+OFFLOAD_GBS_FRACTION = 0.14  # of the card's pcie_gbs (H200: 50 GB/s -> 7 GB/s)
+
+
+@dataclass(frozen=True)
+class PromptCost:
+    """What reading a prompt costs on one placement, so that any length at any depth is priced
+    without walking the blocks again."""
+
+    flops_per_token: float  # the weights' matmuls
+    crossing_bytes: int  # weights in RAM that cross to the GPU per micro-batch
+    fixed_seconds: float  # launches and syncs per micro-batch
+    flops_rate: float  # FLOP/s of the device that multiplies (the GPU, or the CPU's cores)
+    on_gpu: bool
+    attention_flops_per_cell: float = 0.0  # full-attention blocks, per token and cell
+    sliding_flops_per_cell: float = 0.0  # sliding-window blocks (cells capped at the window)
+    sliding_window: int = 0
+    crossing_kv_per_cell: float = 0.0  # KV bytes of blocks cached in RAM, per cell of context
+    offload_bps: float = 1.0
+
+    def seconds(self, n_tokens: int, n_ubatch: int, start: int = 0) -> float:
+        """Reading `n_tokens` after `start` tokens of context, `n_ubatch` at a time."""
+        if n_tokens <= 0:
+            return 0.0
+        n_ub = -(-n_tokens // max(1, n_ubatch))
+        middle = start + n_tokens / 2  # the average depth a token attends over
+        window = min(middle, self.sliding_window) if self.sliding_window else middle
+        flops = n_tokens * (self.flops_per_token + self.attention_flops_per_cell * middle
+                            + self.sliding_flops_per_cell * window)
+        seconds = flops / self.flops_rate + n_ub * self.fixed_seconds
+        if self.on_gpu and n_ubatch >= 32:
+            crossed = n_ub * (self.crossing_bytes + self.crossing_kv_per_cell * middle)
+            seconds += crossed / self.offload_bps
+        return seconds
+
+
+def prefill_tps(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,
+                n_threads: int | None = None) -> float:
+    """Tokens per second over one micro-batch at the start of the context."""
     ub = settings.n_ubatch
-    if card.has_gpu:
-        # CPU-resident weights travel over PCIe once per ubatch and are multiplied on the GPU.
-        gpu_rate = card.fp16_tflops * 1e12 * PREFILL_GPU_EFFICIENCY
-        seconds = (gpu_flops + cpu_flops) * ub / gpu_rate + cpu_weight_bytes / (card.pcie_gbs * 1e9)
-    else:
-        seconds = cpu_flops * ub / (threads * CPU_GFLOPS_PER_CORE * 1e9)
-    seconds += n_blocks * UBATCH_BLOCK_SECONDS
+    seconds = prompt_cost(costs, placement, settings, card, n_threads).seconds(ub, ub)
     return ub / seconds if seconds > 0 else 0.0
+
+
+def _prompt_rate(card: Card, threads: int) -> float:
+    if card.has_gpu:
+        return card.fp16_tflops * 1e12 * PREFILL_GPU_EFFICIENCY
+    return threads * CPU_GFLOPS_PER_CORE * 1e9
+
+
+def prompt_cost(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,
+                n_threads: int | None = None) -> PromptCost:
+    """The terms of reading a prompt with this placement (see the notes above)."""
+    devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
+    threads = min(n_threads or card.cores, card.cores)
+    flops = 2.0 * costs.output_params
+    crossing = costs.output_bytes if placement.output_on_cpu or devices[-1] == CPU else 0
+    full = sliding = kv_crossing = 0.0
+    for i in range(costs.n_blocks):
+        if not costs.block_bytes[i] and not costs.expert_bytes[i]:
+            continue
+        flops += 2.0 * costs.block_params[i]
+        if devices[i] == CPU:
+            crossing += costs.block_bytes[i] + costs.expert_bytes[i]
+        else:
+            if costs.ffn_on_cpu(placement, i):
+                crossing += costs.ffn_bytes[i]
+            if i < placement.n_cpu_expert_layers:
+                crossing += costs.expert_bytes[i]
+        if not costs.kv_k_elements[i]:
+            continue
+        if costs.kinds[i] == SLIDING and costs.sliding_window:
+            sliding += costs.attention_flops[i]
+        else:
+            full += costs.attention_flops[i]
+            if devices[i] == CPU:
+                kv_crossing += (kv_row_bytes(settings.type_k, costs.kv_k_elements[i])
+                                + kv_row_bytes(settings.type_v, costs.kv_v_elements[i]))
+    return PromptCost(
+        flops_per_token=flops, crossing_bytes=int(crossing),
+        fixed_seconds=costs.n_blocks * UBATCH_BLOCK_SECONDS, flops_rate=_prompt_rate(card, threads),
+        on_gpu=card.has_gpu, attention_flops_per_cell=full, sliding_flops_per_cell=sliding,
+        sliding_window=costs.sliding_window, crossing_kv_per_cell=kv_crossing,
+        offload_bps=max(1.0, card.pcie_gbs * OFFLOAD_GBS_FRACTION * 1e9),
+    )
 
 
 # ---- checking passes (speculative decoding) ---------------------------------------------------

@@ -5,10 +5,11 @@ order it works: for each context it tries, for each KV setting and ubatch, it fi
 placements that fill the card (the most whole blocks on the GPU; the lm-head kept on the CPU;
 every block's attention and KV on the GPU with the FFN of the last blocks in RAM, alone or mixed
 with whole blocks; for MoE the experts of the first blocks on the CPU), predicts their memory per
-device and their decode speed averaged over the part of the context the user will fill
-(`expected_fill`), keeps those that fit the card and the host, and lets the quality policy say
-which KV settings may compete (profiles.quality). The fastest wins; a near tie (within 1%) goes
-to the better KV precision, then to faster prefill. Slots (`num_parallel`) and a full-size
+device and the time of a whole session of the workload (profiles.workload: each turn's prompt
+read in micro-batches at the depth the context has reached, each answer decoded at its depth),
+keeps those that fit the card and the host, and lets the quality policy say which KV settings
+may compete (profiles.quality). The shortest session wins; a near tie (within 1%) goes to the
+better KV precision, then to faster prefill. Slots (`num_parallel`) and a full-size
 sliding-window cache then take what VRAM is left, never a layer. Measurements (dry-run compute
 buffers, NVML's free memory, `localllm eval` results) come in through the `Card`, the
 `ComputeTable` and the `Request`, so every test can call it with numbers.
@@ -24,7 +25,7 @@ from localllm.modelstore.shape import ModelShape
 
 from . import quality, speculation
 from .card import GIB, MIB, Card
-from .disk import disk_bytes_per_token, non_weight_ram_fits, with_disk_reads
+from .disk import disk_bytes_per_token, disk_read_gbs, non_weight_ram_fits, with_disk_reads
 from .explain import explain, gib, impossible_message
 from .memory import (
     CPU, ComputeTable, ContextSettings, ModelCosts, Placement, memory_by_device,
@@ -33,11 +34,13 @@ from .memory import (
 from .plan import DeviceMemory, Plan, TensorOverride, cpu_plan
 from .quality import kv_label, kv_rank, split_kv
 from .speculation import SpeculationChoice, Speculator
-from .speed import Speed, predict_speed
+from .speed import Speed, predict_speed, prompt_cost
+from .workload import HALF_FILL, Turn, Workload
 
 MIN_DEFAULT_CTX = 4096
 CTX_LADDER = (4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
-NEAR_TIE = 0.99  # decode within 1%: below what the speed model can tell apart
+NEAR_TIE = 0.99  # a session within 1%: below what the speed model can tell apart
+RAM_RESERVE = 1 * GIB  # of the RAM available at load: the runner's own memory, CUDA's pinned
 FAST_ENOUGH = 0.9  # the default context may cost at most 10% of decode speed
 AUTO_MAX_PARALLEL = 4  # num_parallel = auto: at most this many slots
 MIX_POINTS = 10  # whole-block counts tried under the attention-on-GPU placement
@@ -60,10 +63,15 @@ class Request:
     n_gpu_layers: int | None = None  # Ollama's num_gpu
     n_threads: int | None = None  # num_thread
     n_batch: int | None = None  # num_batch
-    ubatch_sizes: tuple[int, ...] = (512, 256)
+    # Micro-batches compared: bigger ones read a prompt faster where weights in RAM cross to
+    # the GPU per micro-batch, and take a bigger compute buffer.
+    ubatch_sizes: tuple[int, ...] = (2048, 1024, 512, 256)
     quality: str = quality.DEFAULT_POLICY  # config quality: max, balanced, speed
     measured_kl: Mapping[str, float] = field(default_factory=dict)  # `localllm eval` results
-    expected_fill: float = 0.5  # config expected_fill: the part of the context a user fills
+    # The session planned for. The daemon and `tune` pass the config's (workload, chat by
+    # default, or the older expected_fill); a bare Request keeps the older half-fill objective.
+    workload: Workload = HALF_FILL
+    ram_budget_bytes: int | None = None  # config ram_budget; None: what the card has available
     num_parallel: int | None = 1  # slots: a cap; None = auto (as many as fit, at most 4)
     ffn_split: bool = True  # may a block's FFN sit in RAM apart from its attention
     # Measured acceptance per speculative mode ("mtp", "draft", "lookup"); others are assumed
@@ -79,7 +87,7 @@ class Option:
     placement: Placement
     settings: ContextSettings
     memory: tuple[DeviceMemory, ...]
-    speed: Speed  # decode averaged over the expected fill
+    speed: Speed  # decode averaged over the session's answers (prefill: one micro-batch)
     vram_budget: int  # per GPU
     ram_budget: int
     disk_bytes: int = 0  # weights read from disk per token: past RAM, they stay mmapped
@@ -87,6 +95,11 @@ class Option:
     # memory above includes the drafter's and the speed is the speculative one.
     speculator: Speculator | None = None
     speculation: SpeculationChoice | None = None
+    session: SessionTime | None = None  # the workload's session on this option
+
+    @property
+    def session_seconds(self) -> float:
+        return self.session.total if self.session is not None else float("inf")
 
     @property
     def pays(self) -> bool:
@@ -127,6 +140,32 @@ class Option:
 
 
 @dataclass(frozen=True)
+class SessionTime:
+    """A session of the workload on one option: seconds reading prompts and decoding, per turn."""
+
+    turns: tuple[Turn, ...]
+    prompt_seconds: tuple[float, ...]
+    decode_seconds: tuple[float, ...]
+
+    @property
+    def total(self) -> float:
+        return sum(self.prompt_seconds) + sum(self.decode_seconds)
+
+    @property
+    def prompt_total(self) -> float:
+        return sum(self.prompt_seconds)
+
+    @property
+    def decode_total(self) -> float:
+        return sum(self.decode_seconds)
+
+    @property
+    def decode_tps(self) -> float:
+        answered = sum(t.answer for t in self.turns)
+        return answered / self.decode_total if self.decode_total > 0 else 0.0
+
+
+@dataclass(frozen=True)
 class Search:
     """Everything the search saw at one context: the winner, the alternatives, and what the
     quality policy did (a sentence, empty when it simply allowed the winner)."""
@@ -142,8 +181,15 @@ def vram_budget(card: Card, margin: int) -> int:
     return max(0, card.free_vram_bytes - margin) if card.has_gpu else 0
 
 
-def ram_budget(card: Card) -> int:
-    """Host RAM the plan may use: the system keeps 10% and at least 2 GiB for itself."""
+def ram_budget(card: Card, request: Request | None = None) -> int:
+    """Host RAM the plan may use: the config's ram_budget where set; else what was available
+    when the card was probed (MemAvailable capped by the cgroup) less a reserve for the
+    runner itself; for a card that was not probed, the physical RAM less 10% (at least 2 GiB)
+    that the system keeps."""
+    if request is not None and request.ram_budget_bytes:
+        return request.ram_budget_bytes
+    if card.ram_available_bytes:
+        return max(0, card.ram_available_bytes - RAM_RESERVE)
     return max(0, card.ram_bytes - max(2 * GIB, card.ram_bytes // 10))
 
 
@@ -173,10 +219,15 @@ def _smallest(pred: Callable[[int], bool], lo: int, hi: int) -> int | None:
     return lo
 
 
-def objective_depth(n_ctx: int, fill: float) -> int:
-    """Decode time grows linearly with depth, so tokens over time while the context fills from
-    0 to fill x n_ctx equal the speed at half that depth."""
-    return max(1, int(n_ctx * fill / 2))
+def objective_depth(n_ctx: int, workload: Workload) -> int:
+    """The depth whose decode speed stands for the session's: decode time grows linearly with
+    depth, so the answers' tokens over their time equal the speed at their mean depth."""
+    turns = workload.session(n_ctx)
+    answered = sum(t.answer for t in turns)
+    if not answered:
+        return 1
+    mean = sum(t.answer * (t.start + t.prompt + t.answer / 2) for t in turns) / answered
+    return max(1, int(mean))
 
 
 class _Evaluator:
@@ -184,7 +235,7 @@ class _Evaluator:
                  compute: ComputeTable | None, speculators: tuple[Speculator, ...] = ()):
         self.costs, self.card, self.request, self.compute = costs, card, request, compute
         self.vram_budget = vram_budget(card, request.margin_bytes)
-        self.ram_budget = ram_budget(card)
+        self.ram_budget = ram_budget(card, request)
         self.kv_costs = quality.kv_costs(request.measured_kl)
         # Per token only the routed experts are read, so only their share of a spill hits disk.
         self.read_fraction = costs.expert_active_fraction if costs.has_experts else 1.0
@@ -192,6 +243,10 @@ class _Evaluator:
 
     def memory(self, placement: Placement, settings: ContextSettings,
                spec: Speculator | None = None):
+        if spec is not None and any(self.costs.state_bytes):
+            # The runner keeps one recurrent-state snapshot per position a draft may take back
+            # (llama.cpp's n_rs_seq = the longest draft + 1): priced at the longest tried.
+            settings = replace(settings, n_rs_seq=max(spec.draft_lengths) + 1)
         memory = memory_by_device(self.costs, placement, settings, self.card, self.compute)
         if spec is not None and spec.needs_memory:
             memory = speculation.with_drafter(memory, speculation.drafter_memory(
@@ -226,17 +281,59 @@ class _Evaluator:
 
     def option(self, placement: Placement, settings: ContextSettings,
                spec: Speculator | None = None) -> Option:
-        depth = objective_depth(settings.n_ctx, self.request.expected_fill)
+        depth = objective_depth(settings.n_ctx, self.request.workload)
         memory = self.memory(placement, settings, spec)
         disk = self.disk_bytes(memory)
         if spec is None or disk:  # (weights read from disk: speculation is not priced there)
-            return Option(placement, settings, memory, self.speed(placement, settings, depth),
-                          self.vram_budget, self.ram_budget, disk_bytes=disk)
+            return self.priced(Option(placement, settings, memory,
+                                      self.speed(placement, settings, depth),
+                                      self.vram_budget, self.ram_budget, disk_bytes=disk))
         speed, choice = self.speculative(placement, settings, depth, spec)
         # The draft length is chosen here, at the objective depth; later prices keep it.
         spec = replace(spec, draft_lengths=(choice.draft_n_max,))
-        return Option(placement, settings, memory, speed, self.vram_budget, self.ram_budget,
-                      speculator=spec, speculation=choice)
+        memory = self.memory(placement, settings, spec)
+        return self.priced(Option(placement, settings, memory, speed, self.vram_budget,
+                                  self.ram_budget, speculator=spec, speculation=choice))
+
+    def priced(self, option: Option) -> Option:
+        """The option with its session timed and its speed the session's averages."""
+        session = self.session_time(option)
+        speed = replace(option.speed, decode_tps=session.decode_tps or option.speed.decode_tps)
+        return replace(option, session=session, speed=speed)
+
+    def session_time(self, option: Option) -> SessionTime:
+        """The workload's session on this option: each turn's prompt read in whole
+        micro-batches after the context so far (weights in RAM, and those read from disk,
+        cross once per micro-batch), each answer decoded at its depth. Decode time per token
+        is linear in depth between the points it is priced at."""
+        s = option.settings
+        turns = self.request.workload.session(s.n_ctx)
+        cost = prompt_cost(self.costs, option.placement, s, self.card, self.request.n_threads)
+        disk_s = option.disk_bytes / (disk_read_gbs(self.card)[0] * 1e9) if option.disk_bytes \
+            else 0.0
+        prompt = []
+        for t in turns:
+            n_ub = -(-t.prompt // max(1, s.n_ubatch)) if t.prompt else 0
+            prompt.append(cost.seconds(t.prompt, s.n_ubatch, t.start) + n_ub * disk_s)
+        end = max((t.end for t in turns), default=1)
+        # Plain decode time is linear in depth (KV read and CPU attention grow with the cells),
+        # so its two ends price it; a drafted pass is not, and gets its middle too.
+        points = {0, end} if option.speculator is None else {0, end // 2, end}
+        if self.costs.has_sliding and self.costs.sliding_window < end:
+            points.add(self.costs.sliding_window)
+        depths = sorted(points)
+        per_token = [1.0 / max(1e-9, self.option_speed(option, d).decode_tps) for d in depths]
+
+        def seconds_at(d: float) -> float:
+            for (d0, s0), (d1, s1) in zip(zip(depths, per_token, strict=True),
+                                          zip(depths[1:], per_token[1:], strict=True),
+                                          strict=False):
+                if d <= d1:
+                    return s0 + (s1 - s0) * (d - d0) / max(1, d1 - d0)
+            return per_token[-1]
+
+        decode = [t.answer * seconds_at(t.start + t.prompt + t.answer / 2) for t in turns]
+        return SessionTime(turns, tuple(prompt), tuple(decode))
 
     def placements(self, settings: ContextSettings,
                    spec: Speculator | None = None) -> list[Option]:
@@ -303,7 +400,7 @@ class _Evaluator:
             found = [o for o in tried.values() if o is not None]
             if not found:
                 break
-            best = max(found, key=lambda o: o.speed.decode_tps).placement.n_gpu_layers
+            best = min(found, key=lambda o: o.session_seconds).placement.n_gpu_layers
             step //= 2
             for n in (best - step, best + step):
                 if lo <= n <= n_all:
@@ -338,8 +435,8 @@ class _Evaluator:
         if best is not None and best.speculation is not None:
             # Speculation has to beat the best plan without it, not only its own placement.
             plain_best, plain_note = self.select([o for o in feasible if o.speculation is None])
-            if plain_best is not None and best.speed.decode_tps < \
-                    plain_best.speed.decode_tps * speculation.SPECULATION_MARGIN:
+            if plain_best is not None and best.session_seconds * \
+                    speculation.SPECULATION_MARGIN > plain_best.session_seconds:
                 best, note = plain_best, plain_note
         return Search(n_ctx, best, tuple(options), note)
 
@@ -408,8 +505,8 @@ class _Evaluator:
 def pick(options: list[Option]) -> Option | None:
     if not options:
         return None
-    fastest = max(o.speed.decode_tps for o in options)
-    near = [o for o in options if o.speed.decode_tps >= fastest * NEAR_TIE]
+    shortest = min(o.session_seconds for o in options)
+    near = [o for o in options if o.session_seconds * NEAR_TIE <= shortest]
     return min(near, key=lambda o: (kv_rank(o.kv), o.speculation is not None,
                                     -o.speed.prefill_tps, o.vram_used))
 
@@ -501,6 +598,27 @@ def decode_by_depth(evaluator: _Evaluator, best: Option) -> tuple[tuple[int, flo
                  for d in (0, n // 2, n))
 
 
+TTFT_PROMPTS = (1024, 4096, 16384, 65536)
+
+
+def time_to_first_token(evaluator: _Evaluator, best: Option) -> tuple[tuple[int, float], ...]:
+    """Predicted seconds to the first token of prompts of a few lengths, read into an empty
+    context in the plan's micro-batches (and one decode step)."""
+    s = best.settings
+    cost = prompt_cost(evaluator.costs, best.placement, s, evaluator.card,
+                       evaluator.request.n_threads)
+    disk_s = best.disk_bytes / (disk_read_gbs(evaluator.card)[0] * 1e9) if best.disk_bytes \
+        else 0.0
+    out = []
+    for n in TTFT_PROMPTS:
+        if n >= s.n_ctx:
+            break
+        n_ub = -(-n // max(1, s.n_ubatch))
+        first = 1.0 / max(1e-9, evaluator.option_speed(best, n).decode_tps)
+        out.append((n, round(cost.seconds(n, s.n_ubatch) + n_ub * disk_s + first, 2)))
+    return tuple(out)
+
+
 def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
                searches: list[Search], evaluator: _Evaluator,
                speculation_notes: list[str] | None = None) -> Plan:
@@ -539,7 +657,7 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
         draft_n_gpu_layers=spec.draft_n_gpu_layers if spec else 0,
         predicted_plain_decode_tps=round(
             evaluator.speed(best.placement, best.settings,
-                            objective_depth(s.n_ctx, request.expected_fill)).decode_tps, 2),
+                            objective_depth(s.n_ctx, request.workload)).decode_tps, 2),
     )
     return replace(
         plan,
@@ -549,10 +667,31 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
         predicted_decode_tps=round(best.speed.decode_tps, 2),
         predicted_prefill_tps=round(best.speed.prefill_tps, 1),
         predicted_decode_by_depth=decode_by_depth(evaluator, best),
+        predicted_ttft=time_to_first_token(evaluator, best),
+        workload=request.workload.describe(),
+        predicted_session_s=round(best.session_seconds, 1),
         reasons=tuple(explain(shape, card, request, chosen, searches, evaluator, threads,
                               single, slot_note, speculation_notes or [])),
         source="tuner",
     )
 
 
-__all__ = ["NoPlanFits", "Option", "Request", "Search", "gib", "tune"]
+FILL_BANDS = (8192, 32768)  # plans per fill band: up to each of these, then the whole context
+
+
+def band_plans(shape: ModelShape, card: Card, request: Request,
+               n_ctx: int | None = None) -> list[tuple[int, Plan]]:
+    """A plan per fill band: the best plan for a context of each band's size (less KV: more on
+    the GPU), its session cut where the band ends, then the whole context's. A runner can load
+    the band its first request needs and move to the next as a sequence crosses it."""
+    whole = n_ctx or request.n_ctx or tune(shape, card, request).n_ctx
+    out = []
+    for band in (*[b for b in FILL_BANDS if b < whole], whole):
+        try:
+            out.append((band, tune(shape, card, replace(request, n_ctx=band))))
+        except NoPlanFits:
+            continue
+    return out
+
+
+__all__ = ["NoPlanFits", "Option", "Request", "Search", "band_plans", "gib", "tune"]

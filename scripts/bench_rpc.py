@@ -86,7 +86,7 @@ def measure(request: dict) -> dict:
     from localllm.modelstore.shape import read_shape
     from localllm.options import LoadOptions
     from localllm.profiles.choose import choose_plan
-    from localllm.profiles.hardware import host_card
+    from localllm.llama.hardware import host_card
     from localllm.profiles.plan import Plan, physical_cores
 
     n_ctx = request["prompt"] + request["tokens"] + 64

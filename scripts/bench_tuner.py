@@ -51,7 +51,7 @@ import synth_gguf  # noqa: E402
 from localllm.modelstore.shape import read_shape  # noqa: E402
 from localllm.profiles.card import load_card  # noqa: E402
 from localllm.profiles.choose import tune_checked  # noqa: E402
-from localllm.profiles.hardware import host_card, probe_card  # noqa: E402
+from localllm.llama.hardware import host_card, probe_card  # noqa: E402
 from localllm.profiles.tuner import NoPlanFits, Request  # noqa: E402
 
 # (shape, budget GiB, context, measure after filling half the context too)

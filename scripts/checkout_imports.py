@@ -26,7 +26,7 @@ def bootstrap() -> None:
     pkg = shim / "localllm"
     if not pkg.exists():
         shutil.copytree(ROOT / "localllm", pkg)
-        for name in ("modelstore", "profiles", "daemon"):
+        for name in ("modelstore", "profiles", "daemon", "tui", "cli", "llama"):
             (pkg / name).symlink_to(ROOT / name)
     sys.path.insert(0, str(shim))
     # Children (the runner's load, dry runs) put their working directory first on sys.path,

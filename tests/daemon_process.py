@@ -43,8 +43,11 @@ class Daemon:
     def cli(self, *args: str, input: str | None = None, timeout: float = 120):
         """Run the `localllm` command against this daemon."""
         env = {**self.env, "LOCALLLM_HOST": self.url.removeprefix("http://")}
+        # No input: stdin is empty, never the test runner's own (run reads a piped stdin).
+        stdin = subprocess.DEVNULL if input is None else None
         return subprocess.run([sys.executable, "-m", "localllm.cli", *args], env=env,
-                              input=input, capture_output=True, text=True, timeout=timeout)
+                              input=input, stdin=stdin, capture_output=True, text=True,
+                              timeout=timeout)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

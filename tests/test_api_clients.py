@@ -77,9 +77,6 @@ def test_second_turn_evaluates_only_the_new_tokens(oc, smollm2_gguf):
 def test_ollama_generate_with_gemma_which_has_no_template(oc):
     r = oc.generate(model="gemma3-270m", prompt="The capital of France is", options=QUICK)
     assert r.response.strip() and r.eval_count > 0 and r.context
-    with pytest.raises(ollama.ResponseError) as e:
-        oc.chat(model="gemma3-270m", messages=[{"role": "user", "content": "hi"}])
-    assert e.value.status_code == 400 and "no chat template" in e.value.error
 
 
 def test_stop_strings_end_the_answer_before_the_stop(oc):
@@ -196,7 +193,7 @@ def test_bad_requests_get_clear_ollama_errors(daemon, path, body, status, fragme
 @pytest.mark.parametrize("body,status,fragment", [
     (b"{oops", 400, "invalid JSON"),
     (b'{"model": "smollm2", "messages": [], "max_tokens": "ten"}', 400, "max_tokens"),
-    (b'{"model": "smollm2", "messages": [], "temperature": 9}', 400, "temperature"),
+    (b'{"model": "smollm2", "messages": [], "temperature": 101}', 400, "temperature"),
     (b'{"model": "ghost", "messages": [{"role": "user", "content": "a"}]}', 404, "not found"),
 ])
 def test_bad_requests_get_openai_shaped_errors(daemon, body, status, fragment):

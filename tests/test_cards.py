@@ -8,7 +8,7 @@ import pytest
 
 from localllm.profiles.card import GIB, MIB, CardError, card_names, load_card, match_card
 from localllm.llama.nvml import devices as nvml_devices
-from localllm.profiles.hardware import card_from_nvml, probe_card, resolve_card
+from localllm.llama.hardware import card_from_nvml, probe_card, resolve_card
 from localllm.profiles.plan import physical_cores
 
 CARDS = ["rtx3060-12g", "rtx3080", "rtx4060", "rtx4060ti-16g", "rtx4070", "rtx4070tis",

@@ -16,8 +16,9 @@ from daemon_process import isolated_env, wait_for
 
 
 def localllm(env, *args, timeout=300, input=None):
+    stdin = subprocess.DEVNULL if input is None else None  # never the test runner's stdin
     return subprocess.run([sys.executable, "-m", "localllm.cli", *args], env=env, input=input,
-                          capture_output=True, text=True, timeout=timeout)
+                          stdin=stdin, capture_output=True, text=True, timeout=timeout)
 
 
 def test_every_command_has_help():
@@ -75,7 +76,7 @@ def test_list_show_cp_rm(daemon):
     assert show.returncode == 0
     for fragment in ("gemma3", "268M", "Q4_K_M", "32768", "sliding window", "chat template"):
         assert fragment in show.stdout
-    assert "no" in show.stdout.split("chat template")[1].splitlines()[0]
+    assert "default" in show.stdout.split("chat template")[1].splitlines()[0]
     assert daemon.cli("cp", "smollm2", "smol-copy:v2").returncode == 0
     assert "smol-copy:v2" in daemon.cli("list").stdout
     assert daemon.cli("rm", "smol-copy:v2").returncode == 0

@@ -35,6 +35,16 @@ def test_pull_prints_progress_and_lands(store, env, smollm2_gguf):
     assert store.get(f"hf.co/{REPO}:Q4_1").digest == "sha256:" + sha256_file(smollm2_gguf)
 
 
+def test_pulling_a_stored_model_again_says_so_in_order(store, env):
+    assert localllm("pull", f"hf.co/{REPO}:Q4_1", env=env).returncode == 0
+    again = localllm("pull", f"hf.co/{REPO}:Q4_1", env=env)
+    assert again.returncode == 0, again.stderr
+    lines = [line.strip() for line in again.stderr.splitlines() if line.strip()]
+    stored = next(i for i, line in enumerate(lines) if "already stored (98 MB)" in line)
+    assert lines.index("writing manifest") > stored
+    assert "?" not in again.stderr
+
+
 def test_killed_pull_resumes(store, env, hub, smollm2_gguf):
     digest = sha256_file(smollm2_gguf)
     state = store.root / "tmp" / f"download-{digest}.json"
@@ -95,7 +105,7 @@ def test_list_shows_catalog_sizes_and_fit(env):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     row = next(line for line in lines if line.split()[:1] == ["smollm2"])
-    assert "94 MiB" in row and "fits on GPU" in row
+    assert "98 MB" in row and "fits on GPU" in row  # decimal units, as `list` and Ollama
     row = next(line for line in lines if line.split()[:1] == ["llama3.3-70b"])
-    assert "~39.6 GiB" in row and ("partly" in row or "too big" in row)
+    assert "~42.5 GB" in row and ("partly" in row or "too big" in row)
     assert any(line.split()[:1] == ["27b-q3"] for line in lines)

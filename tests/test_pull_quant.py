@@ -165,8 +165,9 @@ def test_errors_are_one_line(store, env, hub, tmp_path, args, words):
 
 def test_repo_pull_plans_then_downloads_the_pick(store, env, hub, smollm2_gguf):
     """A real pull: the local hub's SmolLM2 repo (one model and a projector) lands verified
-    under the repo's own name, so `localllm run hf.co/OWNER/REPO` finds it."""
-    hub.add(REPO, "mmproj-SmolLM2-f16.gguf", smollm2_gguf, published_sha256="ab" * 32)
+    under the repo's own name, so `localllm run hf.co/OWNER/REPO` finds it; the projector is
+    no candidate but comes with the pick, as its companion."""
+    hub.add(REPO, "mmproj-SmolLM2-f16.gguf", smollm2_gguf)
     result = localllm("pull", f"hf.co/{REPO}", env=env)
     assert result.returncode == 0, result.stderr
     assert "picked Q4_1" in result.stdout
@@ -176,6 +177,9 @@ def test_repo_pull_plans_then_downloads_the_pick(store, env, hub, smollm2_gguf):
     from localllm.modelstore.store import sha256_file
 
     assert entry.digest == "sha256:" + sha256_file(smollm2_gguf)
+    from localllm.modelstore.store import PROJECTOR_LAYER
+
+    assert entry.companion(PROJECTOR_LAYER) is not None
 
 
 def test_catalog_quants_are_listed_and_picked(env, hub, dense_files):

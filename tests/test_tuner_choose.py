@@ -15,7 +15,7 @@ from localllm.modelstore.shape import read_shape
 from localllm.options import LoadOptions
 from localllm.profiles.card import GIB, load_card
 from localllm.profiles.choose import choose_plan, placement_of, step_down
-from localllm.profiles.hardware import host_card, probe_card
+from localllm.llama.hardware import host_card, probe_card
 from localllm.llama.overrides import tensor_overrides_applied
 from localllm.profiles.plan import Plan, TensorOverride, physical_cores
 from localllm.profiles.saved import (
@@ -177,7 +177,7 @@ def test_calibrate_without_torch_says_what_to_install(smollm2_gguf, home):
     import subprocess
     import sys
 
-    from localllm.profiles.hardware import probe_card
+    from localllm.llama.hardware import probe_card
     from localllm.profiles.measure import load_calibration
 
     result = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", str(smollm2_gguf),

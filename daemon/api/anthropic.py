@@ -26,7 +26,15 @@ from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
 from ..runner.process import new_request_id
 from ..runner.protocol import Done, Failure, Progress, Token
-from .common import bad_request, body_options, get_bool, kept_calls, local_model, read_json
+from .common import (
+    bad_request,
+    body_options,
+    get_bool,
+    kept_calls,
+    local_model,
+    message_images,
+    read_json,
+)
 
 log = logging.getLogger("localllm.daemon")
 routes = web.RouteTableDef()
@@ -249,7 +257,7 @@ async def chat_request(request: web.Request, body: dict, count_only: bool = Fals
     if not count_only and body.get("max_tokens") is None:
         raise bad_request("missing required field 'max_tokens'", "max_tokens")
     sampling, load = body_options(body, ANTHROPIC_NAMES, custom.parameters)
-    messages = anthropic_messages(body)
+    messages, images = message_images(anthropic_messages(body))
     tool_choice, parallel = anthropic_tool_choice(body)
     think = anthropic_think(body)
     if think and not (await model_for(entry, custom)).style.thinking:

@@ -205,17 +205,57 @@ def kept_calls(calls: list, parallel: bool) -> list:
     return calls if parallel else [c for c in calls if c.index == 0]
 
 
-def get_messages(body: dict) -> tuple[dict, ...]:
+def get_messages(body: dict, images: list | None = None) -> tuple[dict, ...]:
     """Ollama or OpenAI messages in the shape Hugging Face chat templates read: `content` a
     string, assistant `tool_calls` as [{"type", "id", "function": {"name", "arguments": {}}}],
-    tool results with `tool_call_id` and `name`, earlier thinking as `reasoning_content`."""
+    tool results with `tool_call_id` and `name`, earlier thinking as `reasoning_content`.
+
+    Images (Ollama `images`, OpenAI `image_url` parts) are appended to `images` as
+    ImageSources, their slot written in the content where each stands (chat/images.py)."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise bad_request("field 'messages' must be a list of {role, content} objects", "messages")
-    return tuple(_message(i, message) for i, message in enumerate(messages))
+    images = [] if images is None else images
+    return tuple(_message(i, message, images) for i, message in enumerate(messages))
 
 
-def _message(i: int, message) -> dict:
+def get_prompt_images(body: dict, images: list) -> str:
+    """/api/generate's `images` (base64) as ImageSources; returns their slots, which go
+    before the prompt as Ollama places them."""
+    return _ollama_images(body.get("images"), "images", images)
+
+
+def _ollama_images(value, where: str, images: list) -> str:
+    from ..chat.images import ImageSource, slot
+
+    if value is None:
+        return ""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise bad_request(f"{where} must be a list of base64 strings", "images")
+    slots = ""
+    for j, data in enumerate(value):
+        slots += slot(len(images))
+        images.append(ImageSource(f"{where}[{j}]", data=data))
+    return slots
+
+
+def _image_part(i: int, j: int, part: dict, images: list) -> str:
+    """An OpenAI `image_url` part: {"image_url": {"url": "data:..." | "https://..."}} (or the
+    URL as a bare string)."""
+    from ..chat.images import ImageSource, slot
+
+    where = f"messages[{i}].content[{j}].image_url"
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{where} needs a url (a data: URL or http(s))", "messages")
+    source = ImageSource(where, data=url) if url.startswith("data:") else ImageSource(where,
+                                                                                     url=url)
+    images.append(source)
+    return slot(len(images) - 1)
+
+
+def _message(i: int, message, images: list) -> dict:
     if not isinstance(message, dict):
         raise bad_request(f"messages[{i}] must be an object", "messages")
     role = message.get("role")
@@ -223,14 +263,18 @@ def _message(i: int, message) -> dict:
         raise bad_request(f"messages[{i}].role must be system, user, assistant or tool",
                           "messages")
     content = message.get("content", "")
-    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+    if isinstance(content, list):  # OpenAI content parts: text, and images where they stand
         if not all(isinstance(p, dict) for p in content):
             raise bad_request(f"messages[{i}].content parts must be objects", "messages")
-        content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        content = "".join(
+            p.get("text", "") if p.get("type") == "text"
+            else _image_part(i, j, p, images) if p.get("type") == "image_url" else ""
+            for j, p in enumerate(content))
     if content is None:
         content = ""
     if not isinstance(content, str):
         raise bad_request(f"messages[{i}].content must be a string", "messages")
+    content = _ollama_images(message.get("images"), f"messages[{i}].images", images) + content
     out: dict = {"role": "system" if role == "developer" else role, "content": content}
     calls = message.get("tool_calls")
     if calls:
@@ -268,6 +312,29 @@ def _tool_call(i: int, j: int, call: dict) -> dict:
     if call.get("id"):
         out["id"] = str(call["id"])
     return out
+
+
+def message_images(messages: tuple[dict, ...]) -> tuple[tuple[dict, ...], tuple]:
+    """Messages carrying `images` (base64, data: or http(s) URLs, as the Anthropic and
+    Responses routes collect them) -> the messages with each image's slot written at the start
+    of its content, and the ImageSources (chat/images.py), as get_messages gives them."""
+    from ..chat.images import ImageSource, slot
+
+    images: list = []
+    out = []
+    for i, message in enumerate(messages):
+        if not message.get("images"):
+            out.append(message)
+            continue
+        slots = ""
+        for j, value in enumerate(message["images"]):
+            where = f"messages[{i}].images[{j}]"
+            slots += slot(len(images))
+            images.append(ImageSource(where, url=value) if value.startswith(
+                ("http://", "https://")) else ImageSource(where, data=value))
+        out.append({**{k: v for k, v in message.items() if k != "images"},
+                    "content": slots + message["content"]})
+    return tuple(out), tuple(images)
 
 
 def has_images(body: dict) -> bool:

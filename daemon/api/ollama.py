@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 
 from aiohttp import web
-from localllm.modelstore.store import ModelEntry
+from localllm.modelstore.projector import projector_info, show_info
+from localllm.modelstore.store import ModelEntry, projector_path
 
 from localllm import __version__
 from localllm.config import ConfigError, parse_duration
@@ -24,6 +25,7 @@ from ..chat.answer import answer, model_for
 from ..chat.custom import Customization, capabilities, read_customization
 from ..chat.parse import Parsed
 from ..chat.request import THINK_LEVELS, ChatRequest
+from ..chat.template import DEFAULT_TEMPLATE
 from ..generation import Generation, find_model, hold
 from ..runner.protocol import Done, Failure, Progress, Token
 from ..runner.process import new_request_id
@@ -37,6 +39,7 @@ from .common import (
     get_str,
     get_tool_choice,
     get_tools,
+    get_prompt_images,
     has_images,
     read_json,
     parse_options,
@@ -185,7 +188,7 @@ async def _respond(request: web.Request, common: Common, chat: ChatRequest, shap
             return web.json_response({"model": model, "created_at": now_iso(),
                                       **shape(parsed), "done": True, **final_extra(done),
                                       **metrics(gen, done), **extra,
-                                      "stats": live_stats(done, done.n_ctx, 0)})
+                                      "stats": live_stats(done, done.n_ctx, run.first_token_ns)})
         response = web.StreamResponse(headers={"Content-Type": NDJSON})
         parts = run.parts()
         part = await anext(parts)
@@ -252,8 +255,10 @@ async def api_generate(request: web.Request) -> web.StreamResponse:
         return await _load_only(request, common)
     if raw and (body.get("template") or body.get("system") or body.get("context")):
         raise bad_request("raw mode does not take a template, system or context", "raw")
+    images: list = []
+    prompt = get_prompt_images(body, images) + prompt
     chat = _chat_request(common, body, prompt=prompt, system=get_str(body, "system"),
-                         suffix=suffix or None, raw=raw)
+                         suffix=suffix or None, raw=raw, images=tuple(images))
     return await _respond(request, common, chat, generate_fields,
                           lambda done: {"context": list(done.context)})
 
@@ -266,8 +271,10 @@ async def api_chat(request: web.Request) -> web.StreamResponse:
     common = await parse_common(request.app, body)
     if body.get("messages") in (None, []):
         return await _load_only(request, common)
-    chat = _chat_request(common, body, messages=get_messages(body), tools=get_tools(body),
-                         tool_choice=get_tool_choice(body))
+    images: list = []
+    chat = _chat_request(common, body, messages=get_messages(body, images),
+                         tools=get_tools(body), tool_choice=get_tool_choice(body),
+                         images=tuple(images))
     return await _respond(request, common, chat, chat_fields, lambda done: {},
                           truncate=get_truncate(body))
 
@@ -301,7 +308,7 @@ async def _load_only(request: web.Request, common: Common) -> web.Response:
 # ---- models --------------------------------------------------------------------------------
 def _model_json(entry) -> dict:
     return {"name": str(entry.name), "model": str(entry.name), "modified_at": entry.modified_at,
-            "size": entry.size, "digest": entry.digest.removeprefix("sha256:"),
+            "size": entry.size, "digest": entry.manifest_digest.removeprefix("sha256:"),
             "details": entry.details}
 
 
@@ -357,7 +364,8 @@ async def api_show(request: web.Request) -> web.Response:
     slot = request.app[SCHEDULER].models.get(str(entry.name))
     num_ctx = custom.parameters.get("num_ctx") or (
         slot.runner.n_ctx if slot else request.app[CONFIG].default_ctx)
-    template = custom.template or model.template or ""
+    # A model without a template is chatted with through Ollama's default, and shown so.
+    template = custom.template or model.template or DEFAULT_TEMPLATE
     details = {key: value if isinstance(value, list) else str(value)
                for key, value in {"parent_model": "", **entry.details}.items()}
     modelfile = f"FROM {entry.model_path}\n"
@@ -371,7 +379,12 @@ async def api_show(request: web.Request) -> web.Response:
     info = dict(model.info)
     if request.headers.get("User-Agent", "").startswith("GitHubCopilotChat/"):
         info["general.basename"] = str(entry.name)  # what Ollama does: Copilot shows this name
-    return web.json_response({
+    projector = projector_path(request.app[STORE], entry)
+    extra = {}
+    if projector is not None:  # Ollama's projector_info: the mmproj's clip.* keys
+        found = await asyncio.to_thread(projector_info, projector)
+        extra["projector_info"] = show_info(found)
+    return web.json_response({**extra,
         "license": str(model.info.get("general.license", "")),
         "modelfile": modelfile,
         "parameters": show_parameters(num_ctx, model.stop_pieces, custom.parameters),
@@ -442,12 +455,17 @@ async def api_ps(request: web.Request) -> web.Response:
             else f"{plan.type_k}/{plan.type_v}",
             "gpu_layers": plan.n_gpu_layers,
             "flash_attn": plan.flash_attn,
-            "threads": plan.n_threads,
+            "threads": runner.n_threads,  # in use: fewer than planned on a busy CPU
+            "planned_threads": plan.n_threads,
+            "threads_reason": runner.threads_reason,
             "runner_pid": runner.pid,
             "busy": slot.busy,
             "num_parallel": runner.n_parallel,
             "active": slot.active,
             "plan_source": plan.source,
+            **({"projector": {"device": "GPU" if plan.projector_on_gpu else "CPU",
+                              "seconds_per_image": round(plan.predicted_image_s, 3)}}
+               if runner.projector_path else {}),
         })
     return web.json_response({"models": models})
 

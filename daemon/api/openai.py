@@ -123,14 +123,18 @@ def chat_logprobs(entries: list[dict]) -> dict:
 
 
 def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
-    """The legacy completions shape: parallel lists."""
+    """The legacy completions shape: parallel lists. With `echo` the prompt's tokens come
+    first, the very first with logprob None (as OpenAI, and lm-evaluation-harness reads it);
+    a BOS the tokenizer added stands at offset 0 and takes no characters of the text."""
     tokens = [e["token"] for e in entries]
     offsets, at = [], offset
-    for token in tokens:
+    for entry in entries:
         offsets.append(at)
-        at += len(token)
+        if not entry.get("added"):
+            at += len(entry["token"])
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])}
+            "top_logprobs": [None if e["logprob"] is None
+                             else {t["token"]: t["logprob"] for t in e.get("top_logprobs", [])}
                              for e in entries],
             "text_offset": offsets}
 
@@ -168,7 +172,11 @@ async def _complete(request: web.Request, body: dict, entry: ModelEntry, custom:
                 choice = {"index": 0, "message": message, "finish_reason": reason,
                           "logprobs": chat_logprobs(logprobs) if want_logprobs else None}
             else:
-                choice = {"index": 0, "text": parsed.content, "finish_reason": reason,
+                text = parsed.content
+                if chat_request.echo:  # the prompt, then the answer (max_tokens 0: none)
+                    text = (chat_request.prompt or "") + text
+                    logprobs = [*(done.prompt_logprobs or ()), *logprobs]
+                choice = {"index": 0, "text": text, "finish_reason": reason,
                           "logprobs": completion_logprobs(logprobs) if want_logprobs else None}
             return web.json_response({
                 "id": ident, "object": "chat.completion" if chat else "text_completion",
@@ -245,11 +253,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await remote.openai(request, body, remote_model)
     entry, custom = await _model(request, body)
     sampling, load = openai_options(body, custom.parameters)
+    images: list = []
     chat_request = ChatRequest(
         id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
-        messages=get_messages(body), tools=get_tools(body),
+        messages=get_messages(body, images), tools=get_tools(body),
         tool_choice=get_tool_choice(body), format=parse_response_format(body),
-        think=parse_think(body), has_images=has_images(body),
+        think=parse_think(body), has_images=has_images(body), images=tuple(images),
         logprobs=parse_logprobs(body, chat=True))
     return await _complete(request, body, entry, custom, chat_request, chat=True)
 
@@ -264,12 +273,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise bad_request("field 'prompt' must be a string", "prompt")
+    echo = get_bool(body, "echo", False)
+    if echo and get_bool(body, "stream", False):
+        raise bad_request("echo is answered whole: leave out stream (or set it false)", "echo")
     entry, custom = await _model(request, body)
     sampling, load = openai_options(body, custom.parameters)
     chat_request = ChatRequest(
         id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
         prompt=prompt, raw=True,
-        suffix=get_str(body, "suffix") or None, logprobs=parse_logprobs(body, chat=False))
+        suffix=get_str(body, "suffix") or None, logprobs=parse_logprobs(body, chat=False),
+        echo=echo)
     return await _complete(request, body, entry, custom, chat_request, chat=False)
 
 

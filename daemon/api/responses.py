@@ -37,6 +37,7 @@ from .common import (
     get_str,
     kept_calls,
     local_model,
+    message_images,
     read_json,
     think_from_effort,
 )
@@ -320,8 +321,8 @@ async def read_turn(request: web.Request, body: dict) -> Turn:
     if not history:
         raise bad_request("field 'input' is missing or empty", "input")
     instructions = get_str(body, "instructions")
-    messages = ((({"role": "system", "content": instructions},) if instructions else ())
-                + history)
+    messages, images = message_images(
+        (({"role": "system", "content": instructions},) if instructions else ()) + history)
     tools, custom_tools = responses_tools(body)
     think = reasoning_effort(body)
     if think and not (await model_for(entry, custom)).style.thinking:
@@ -331,7 +332,7 @@ async def read_turn(request: web.Request, body: dict) -> Turn:
         id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
         messages=messages, tools=tools, tool_choice=responses_tool_choice(body),
         format=text_format(body), think=think,
-        has_images=any(m.get("images") for m in messages))
+        has_images=bool(images), images=images)
     echo = {"instructions": instructions, "previous_response_id": previous,
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": parallel, "temperature": body.get("temperature"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 from localllm.modelstore.gguf_header import GGUFError
-from localllm.modelstore.store import DamagedModel, ModelEntry
+from localllm.modelstore.store import PROJECTOR_LAYER, DamagedModel, ModelEntry
 
 from ..generation import Generation, GenerationFailed, first_event, generate, hold
 from ..runner.protocol import Done, Failure, Progress, Token
@@ -37,12 +37,14 @@ class Answer:
     gen: Generation
     prepared: Prepared
     model: ChatModel
+    first_token_ns: int = 0  # request received -> first token, load included (0: none yet)
 
     async def whole(self) -> tuple[Parsed, Done, list[dict]]:
         parser = self.prepared.parser
         out, logprobs = Parsed(), []
         async for event in self.gen.events:
             if isinstance(event, Token):
+                self.first_token_ns = self.first_token_ns or self.gen.total_duration_ns()
                 out.add(parser.feed(event.text))
                 logprobs += event.logprobs or []
             elif isinstance(event, Failure):
@@ -85,12 +87,14 @@ def with_default_system(request: ChatRequest, system: str | None) -> ChatRequest
 
 
 async def model_for(entry: ModelEntry, custom: Customization | None = None) -> ChatModel:
-    """The model as a request sees it: with a Modelfile's template when `custom` has one."""
+    """The model as the chat layer sees it: with a Modelfile's template when `custom` has one;
+    it takes images only when stored with a vision projector (the manifest's projector layer)."""
     try:
         model = await chat_model(entry.digest, entry.model_path)
     except (GGUFError, OSError) as e:
         raise DamagedModel(entry.name, str(e).replace(str(entry.model_path), "its blob")) \
             from None
+    model = replace(model, has_vision=entry.companion(PROJECTOR_LAYER) is not None)
     return customized(model, custom) if custom is not None else model
 
 
@@ -105,6 +109,12 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     model = await model_for(entry, custom)
     if custom is not None:
         request = with_default_system(request, custom.system)
+    if request.images and model.has_vision:  # (prepare refuses them for any other model)
+        from ..state import CONFIG
+        from .images import load_images
+
+        data = await load_images(request.images, app[CONFIG].image_urls == "on")
+        request = replace(request, image_data=data)
     # Rendering runs the model's template (a worker process, up to its time limit): never on
     # the event loop, which serves everyone else meanwhile.
     prepared = await asyncio.to_thread(prepare, model, request)

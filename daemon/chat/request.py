@@ -17,7 +17,7 @@ from ..runner.protocol import GenerationRequest
 from .grammar import BadFormat, format_grammar, tool_call_grammar
 from .model import ChatModel
 from .parse import make_parser
-from .template import HARMONY, THINK_TAGS, TemplateFailed, render
+from .template import HARMONY, THINK_TAGS, TemplateFailed, render, render_default
 
 THINK_LEVELS = ("low", "medium", "high")
 
@@ -46,7 +46,10 @@ class ChatRequest:
     format: object = None  # None, "json" or a JSON schema
     think: bool | str | None = None
     has_images: bool = False
+    images: tuple = ()  # ImageSource per images.slot(i) written in the text (chat/images.py)
+    image_data: tuple[bytes, ...] = ()  # their bytes, loaded and checked by answer()
     logprobs: int | None = None
+    echo: bool = False  # completions: the answer starts with the prompt (with its logprobs)
     extra: dict = field(default_factory=dict)
 
 
@@ -59,7 +62,7 @@ class Prepared:
 
 def _check(model: ChatModel, request: ChatRequest) -> None:
     name = request.model_name
-    if request.has_images and not model.has_vision:
+    if (request.has_images or request.images) and not model.has_vision:
         raise ChatError(f"{name} does not support images (it has no vision projector)",
                         "images")
     if request.suffix and model.fim is None:
@@ -119,9 +122,13 @@ def prepare(model: ChatModel, request: ChatRequest) -> Prepared:
         raise ChatError(str(e), "format") from None
     if forced and model.style.tool_format == HARMONY:
         grammar = None  # harmony calls pass through control tokens a grammar cannot name
+    from .images import place_images  # (images.py raises ChatError from here)
+
+    prompt, images = place_images(prompt, request.image_data)
     generation = GenerationRequest(id=request.id, prompt=prompt,
                                    options=request.options, grammar=grammar,
-                                   logprobs=request.logprobs)
+                                   logprobs=request.logprobs, images=images,
+                                   prompt_logprobs=request.echo and request.logprobs is not None)
     in_thinking = model.style.thinking == THINK_TAGS and prompt.rstrip().endswith("<think>")
     parser = make_parser(model.style.tool_format, model.style.thinking, tools=bool(tools),
                          in_thinking=in_thinking and think is not False,
@@ -133,9 +140,8 @@ def prepare(model: ChatModel, request: ChatRequest) -> Prepared:
 
 def _render(model: ChatModel, messages: list[dict], tools: list[dict],
             think: bool | str | None) -> str:
-    if model.template is None:
-        raise ChatError("this model has no chat template; use /api/generate or "
-                        "/v1/completions with a plain prompt", "messages")
+    if model.template is None:  # a base model: Ollama's default template, as Ollama does
+        return render_default(messages)
     try:
         return render(model.template, messages, tools=tools or None, bos=model.bos,
                       eos=model.eos, think=think if model.style.thinking else None)

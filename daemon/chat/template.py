@@ -19,6 +19,11 @@ HERMES, LLAMA3, MISTRAL, HARMONY, JSON_CALLS = "hermes", "llama3", "mistral", "h
 THINK_TAGS, CHANNELS = "think_tags", "channels"
 
 
+# Ollama's template for a model that brings none (template/template.go: DefaultTemplate):
+# `/api/show` reports it under this name, and `render_default` renders it.
+DEFAULT_TEMPLATE = "{{ .Prompt }}"
+
+
 class TemplateFailed(ValueError):
     """The template raised, could not be compiled, or broke a limit (`limit`: "time", "size"
     or "memory"): a 400."""
@@ -83,3 +88,20 @@ def render(template: str, messages: list[dict], *, tools: list[dict] | None = No
         return render_in_worker(template, variables)
     except RenderError as e:  # a template may fail on any jinja error; the client gets a 400
         raise TemplateFailed(str(e), e.limit) from None
+
+
+def render_default(messages: list[dict]) -> str:
+    """The prompt Ollama's default template `{{ .Prompt }}` makes of a conversation: the user
+    turns' text, one after another. As Ollama's legacy path does, back-to-back messages of one
+    role are first joined with a blank line, and system and assistant text is left out (the
+    template names only `.Prompt`)."""
+    parts: list[str] = []
+    previous = None
+    for message in messages:
+        role = message.get("role")
+        if role == "user":
+            if previous == "user":
+                parts.append("\n\n")
+            parts.append(message.get("content") or "")
+        previous = role
+    return "".join(parts)

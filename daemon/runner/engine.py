@@ -5,10 +5,11 @@ never the daemon.
 
 Each step is one `llama_decode` whose batch carries the next token of every slot that is
 answering plus a chunk of any prompt being read (continuous batching: a new request joins at
-the next step). Prompts are read in chunks of at most `n_batch` tokens, so a cancel or a new
-request never waits for a whole long prompt. On a GPU `llama_decode` returns before the device
-finishes; the text of the previous step's tokens (detokenizing, stop strings, sending) is
-handled then, while the device works, and only sampling waits for it.
+the next step). Prompts are read in chunks of at most `n_batch` tokens, whole micro-batches on
+a GPU (see prompt_chunk), so a cancel or a new request never waits for a whole long prompt.
+On a GPU `llama_decode` returns before the device finishes; the text of the previous step's
+tokens (detokenizing, stop strings, sending) is handled then, while the device works, and only
+sampling waits for it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import llama_cpp
 from localllm.llama.params import MAX_DRAFT, draft_ceiling
@@ -36,16 +37,27 @@ from .protocol import (
     Failure,
     GenerationRequest,
     Progress,
+    Threads,
     Token,
     TokenCount,
 )
+from . import seqstate
 from .sampling import RequestError, Sampler, log_probs
+from .seqstate import PromptCache, SavedSequence, common_prefix
 from .slots import Slot, Work
 from .speculation import Drafting, StepCosts
+from .threads import ThreadGovernor
+from .vision import MediaPrompt, Vision, is_image_token, text_tokens
 
 log = logging.getLogger("localllm.runner")
 STEP_TARGET_S = 0.25
+CANCEL_BOUND_S = 1.0  # the longest a cancel or a new request waits behind a prompt's step
 MIN_PROMPT_CHUNK = 32
+# A slot taken for another request is saved to the prompt cache when that request would throw
+# away at least this many of its tokens (fewer are cheaper to read again than to copy).
+MIN_SAVED_TOKENS = 64
+# A saved prompt is restored only when it reuses this many more tokens than the slot itself.
+MIN_RESTORE_GAIN = 32
 
 @dataclass
 class Submission:
@@ -63,7 +75,11 @@ class Question:
 
 
 class Engine:
-    def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None):
+    def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None,
+                 adapt_threads: bool = True, projector_path: str | None = None,
+                 prompt_cache_bytes: int = 0):
+        if projector_path:
+            plan = with_room_for_images(plan, projector_path)
         self.plan = plan
         self.speculative = known_mode(plan.speculative)
         # The longest draft. The plan's draft_n_max bounds what costs memory: recurrent-state
@@ -97,6 +113,26 @@ class Engine:
         self._prompt_chunk = prompt_chunk(plan, self.lm.n_batch)
         self._embedder = None
         self.step_costs = StepCosts(per_token_prior=0.1 if plan.n_gpu_layers > 0 else 0.6)
+        # Prompts of slots taken for other requests, in RAM (seqstate.py). Not with MTP: its
+        # own cache of each sequence would have to be saved and restored beside the target's.
+        self.prompt_cache: PromptCache | None = None
+        if prompt_cache_bytes > 0 and self.speculative != "mtp":
+            self.prompt_cache = PromptCache(
+                prompt_cache_bytes, keep_contained=bool(self.lm.n_swa or self.lm.recurrent))
+        # Fewer decode threads while other processes hold cores (threads.py); each change
+        # goes to `on_threads` (the runner tells the daemon, which shows it in ps).
+        self.threads = ThreadGovernor(plan.n_threads, plan.predicted_decode_tps) \
+            if adapt_threads else None
+        self.n_threads = plan.n_threads
+        self.on_threads: Callable[[Threads], None] | None = None
+        self.vision: Vision | None = None
+        if projector_path:
+            try:
+                self.vision = Vision(projector_path, self.lm.model,
+                                     use_gpu=plan.n_gpu_layers > 0 and plan.projector_on_gpu,
+                                     n_threads=plan.n_threads_batch, flash_attn=plan.flash_attn)
+            except ValueError as e:
+                raise llama.ModelLoadError(str(e)) from None
 
     # ---- requests in ---------------------------------------------------------------------
     def submit(self, request: GenerationRequest, emit: Callable[[Event], None],
@@ -177,23 +213,28 @@ class Engine:
 
     def _start(self, sub: Submission, free: list[Slot]) -> None:
         request = sub.request
-        tokens = self.tokenizer.tokenize(request.prompt)
-        if not tokens:
-            raise RequestError("the prompt is empty")
-        if len(tokens) >= self.n_ctx:
-            raise RequestError(
-                f"the prompt is {len(tokens)} tokens but the context is {self.n_ctx}; "
-                f"shorten it or load the model with a larger num_ctx")
-        # The free slot whose cache shares the longest prefix; else the least recently used.
-        slot = max(free, key=lambda s: (_common_prefix(s.tokens, tokens), -s.last_used))
-        cached = self._reuse_prefix(slot, tokens)
-        options = request.options
-        sampler = Sampler(self.lm.vocab, self.lm.n_vocab, options, request.grammar, tokens,
-                          self.n_ctx)
+        media = self._tokenize_media(request) if request.images else None
+        try:
+            tokens = media.tokens if media else self.tokenizer.tokenize(request.prompt)
+            self._check_prompt(tokens, media)
+            slot = self._choose_slot(free, tokens, media)
+            reuse = not request.prompt_logprobs  # scoring the prompt reads all of it
+            if reuse:
+                self._swap_in_saved_prompt(slot, tokens, media)
+            cached = self._reuse_prefix(slot, tokens, media, reuse=reuse)
+            options = request.options
+            sampler = Sampler(self.lm.vocab, self.lm.n_vocab, options, request.grammar,
+                              text_tokens(tokens) if media else tokens, self.n_ctx)
+        except BaseException:
+            if media is not None:
+                media.free()
+            raise
         limit = options.num_predict if options.num_predict >= 0 else self.n_ctx
         slot.work = Work(request=request, emit=sub.emit, cancelled=sub.cancelled,
                          prompt=tokens, sampler=sampler, limit=limit, cached=cached)
-        mode = self._drafting_mode(request)
+        slot.work.media = media
+        # Drafters read token ids: a prompt with image placeholders is answered without them.
+        mode = None if media else self._drafting_mode(request)
         if mode is not None:
             work = slot.work
             work.drafting = Drafting(self.step_costs, mode, max_length=self.draft_cap)
@@ -201,6 +242,36 @@ class Engine:
             work.drafted, work.draft_accepted = 0, 0
         slot.to_decode = tokens[cached:]
         slot.unread = len(slot.to_decode)
+        if request.prompt_logprobs:  # the first token has no logprob: nothing comes before it
+            added = (tokens[0] == self.tokenizer.bos and self.tokenizer.add_bos
+                     and not request.prompt.startswith(self.tokenizer.bos_piece))
+            raw = self.tokenizer.token_bytes(tokens[0], special=True)
+            slot.work.prompt_logprobs.append({
+                "token": raw.decode("utf-8", errors="replace"), "logprob": None,
+                "bytes": list(raw), "top_logprobs": [], "added": added})
+
+    def _tokenize_media(self, request: GenerationRequest) -> MediaPrompt:
+        if self.vision is None:
+            raise RequestError("this model does not support images (it was loaded without a "
+                               "vision projector)")
+        add_bos = self.tokenizer.add_bos and not (
+            self.tokenizer.bos_piece and request.prompt.startswith(self.tokenizer.bos_piece))
+        return self.vision.tokenize(request.prompt, request.images, add_bos)
+
+    def _check_prompt(self, tokens: list[int], media: MediaPrompt | None) -> None:
+        if not tokens:
+            raise RequestError("the prompt is empty")
+        if len(tokens) >= self.n_ctx:
+            images = ""
+            if media is not None:
+                images = (f" ({media.image_tokens} of them for {len(media.spans)} "
+                          f"image{'s' if len(media.spans) != 1 else ''})")
+            raise RequestError(
+                f"the prompt is {len(tokens)} tokens{images} but the context is {self.n_ctx}; "
+                f"shorten it{', send fewer images' if images else ''} or load the model with "
+                f"a larger num_ctx")
+        if is_image_token(tokens[-1]):
+            raise RequestError("the prompt ends with an image: put text after it")
 
     def _drafting_mode(self, request: GenerationRequest) -> str | None:
         """Where this request's drafts come from (`options.speculative`; `auto` is the plan's
@@ -219,26 +290,99 @@ class Engine:
             return None
         return mode
 
-    def _reuse_prefix(self, slot: Slot, tokens: list[int]) -> int:
-        """Keep the slot's KV for the longest prefix it shares with `tokens`, if the cache
-        still holds all of it; return how many tokens are kept.
+    def _usable_prefix(self, common: int, held: int, pos_min: int, prompt: int,
+                       rollback: int) -> int:
+        """How much of a cache holding `held` tokens (the lowest position still there:
+        `pos_min`) a prompt of `prompt` tokens sharing `common` with it may keep. The prompt's
+        last token is always read (its logits are sampled).
 
         A sliding-window cache keeps only the last `n_swa` positions of its SWA layers: reading
         on from position p needs positions p - n_swa .. p - 1 there, so a prefix whose window
         was overwritten is read again (llama.cpp would accept the cut and read stale cells). A
-        recurrent state can be cut back only as far as llama.cpp keeps snapshots of it (none
-        unless the plan drafts): otherwise only a pure extension is reused."""
-        mem, seq = self.lm.memory, slot.seq_id
-        common = min(_common_prefix(slot.tokens, tokens), len(tokens) - 1)
-        if common > 0 and self.lm.n_swa:
-            pos_min = llama_cpp.llama_memory_seq_pos_min(mem, seq)
-            if pos_min > max(0, common - self.lm.n_swa):
-                common = 0
+        recurrent state can be cut back only `rollback` positions, as far as llama.cpp keeps
+        snapshots of it (none unless the plan drafts): otherwise only a pure extension is
+        reused."""
+        common = min(common, prompt - 1)
+        if common <= 0:
+            return 0
+        if self.lm.n_swa and pos_min > max(0, common - self.lm.n_swa):
+            return 0
+        if self.lm.recurrent and held - common > rollback:
+            return 0
+        return common
+
+    def _slot_prefix(self, slot: Slot, tokens: list[int],
+                     media: MediaPrompt | None = None) -> int:
+        pos_min = (llama_cpp.llama_memory_seq_pos_min(self.lm.memory, slot.seq_id)
+                   if self.lm.n_swa and slot.tokens else 0)
+        common = self._usable_prefix(common_prefix(slot.tokens, tokens), len(slot.tokens),
+                                     pos_min, len(tokens), self.lm.n_rollback)
         if self.drafter is not None:
-            common = min(common, self.drafter.reusable(seq, common))
-        if (common > 0 and self.lm.recurrent
-                and len(slot.tokens) - common > self.lm.n_rollback):
-            common = 0
+            common = min(common, self.drafter.reusable(slot.seq_id, common))
+        return max(0, whole_images(common, media))
+
+    def _choose_slot(self, free: list[Slot], tokens: list[int],
+                     media: MediaPrompt | None = None) -> Slot:
+        """The free slot whose cache shares the longest prefix, unless taking it would throw
+        away more than it reuses (another conversation's prompt): then an empty slot, else the
+        least recently used one (whose prompt goes to the prompt cache first)."""
+        kept = {slot.seq_id: self._slot_prefix(slot, tokens, media) for slot in free}
+        best = max(free, key=lambda s: (kept[s.seq_id], -s.last_used))
+        if kept[best.seq_id] >= len(best.tokens) - kept[best.seq_id]:
+            return best
+        return min(free, key=lambda s: (bool(s.tokens), s.last_used))
+
+    def _swap_in_saved_prompt(self, slot: Slot, tokens: list[int],
+                              media: MediaPrompt | None = None) -> None:
+        """Before a request takes `slot`: save what it holds to the prompt cache when the
+        request would throw most of it away, and restore a saved prompt into it when one shares
+        a longer prefix with the request than the slot itself does.
+
+        A continuation (the next turn of the conversation the slot holds) keeps most of it
+        and loses only a tail, which is not worth a copy. A saved prompt is matched by its
+        longest common prefix with the request, so a prompt that differs from it late (a
+        changed line after the tools) still reuses everything before that line."""
+        cache = self.prompt_cache
+        if cache is None:
+            return
+        kept = self._slot_prefix(slot, tokens, media)
+        lost = len(slot.tokens) - kept
+        if lost >= MIN_SAVED_TOKENS and lost > kept // 4 and not cache.covers(slot.tokens):
+            started = time.perf_counter()
+            saved = seqstate.save(self.lm.ctx, slot.seq_id, slot.tokens, limit=cache.budget)
+            if saved is not None and cache.put(saved):
+                log.info("prompt cache: saved %d tokens of slot %d (%.1f MiB) in %.0f ms; "
+                         "%d prompts, %.1f of %.1f MiB", len(saved.tokens), slot.seq_id,
+                         saved.nbytes / 2**20, (time.perf_counter() - started) * 1e3,
+                         len(cache), cache.used / 2**20, cache.budget / 2**20)
+        # Restored into a sequence, a recurrent state is exactly its tokens: no rollback.
+        entry, common = cache.best(tokens, lambda e, n: whole_images(self._usable_prefix(
+            n, len(e.tokens), e.pos_min, len(tokens), rollback=0), media))
+        if entry is None or common < kept + MIN_RESTORE_GAIN:
+            return
+        self._restore(slot, entry, common)
+
+    def _restore(self, slot: Slot, entry: SavedSequence, common: int) -> None:
+        started = time.perf_counter()
+        if not seqstate.restore(self.lm.ctx, slot.seq_id, entry):
+            log.warning("prompt cache: llama.cpp refused a saved prompt of %d tokens",
+                        len(entry.tokens))
+            slot.tokens.clear()
+        else:
+            slot.tokens = list(entry.tokens)
+            log.info("prompt cache: restored %d tokens into slot %d (%d reused) in %.0f ms",
+                     len(entry.tokens), slot.seq_id, common,
+                     (time.perf_counter() - started) * 1e3)
+        if self.drafter is not None:  # its cache of this sequence held something else
+            self.drafter.forget(slot.seq_id, 0)
+
+    def _reuse_prefix(self, slot: Slot, tokens: list[int], media: MediaPrompt | None = None,
+                      reuse: bool = True) -> int:
+        """Keep the slot's KV for the longest prefix it shares with `tokens` that the model's
+        reuse rules allow (`_usable_prefix`); return how many tokens are kept (none without
+        `reuse`)."""
+        mem, seq = self.lm.memory, slot.seq_id
+        common = self._slot_prefix(slot, tokens, media) if reuse else 0
         if common > 0 and llama_cpp.llama_memory_seq_rm(mem, seq, common, -1):
             del slot.tokens[common:]
         else:
@@ -273,6 +417,7 @@ class Engine:
 
     def step(self) -> None:
         """One llama_decode over every busy slot, then sampling for those that answer."""
+        self._read_images()
         rows = self._fill_batch()
         if not rows:
             return
@@ -284,6 +429,8 @@ class Engine:
             return
         now = time.perf_counter_ns()
         for slot, n, _ in rows:  # the batch is in the KV cache now
+            if slot.unread and slot.work.request.prompt_logprobs:
+                self._score_prompt(slot, n)
             added, slot.to_decode = slot.to_decode[:n], slot.to_decode[n:]
             slot.tokens.extend(added)
             if slot.unread:
@@ -298,15 +445,31 @@ class Engine:
                 self._emit_text(slot, token)
         for slot, _, logits_row in rows:
             if slot.work is not None and logits_row >= 0:  # (a stop string may have ended it)
-                if slot.drafts:
+                if slot.work.limit == 0:  # the prompt only (echo with max_tokens 0)
+                    self._finish(slot, "length")
+                elif slot.drafts:
                     self._verify(slot, logits_row)
                 else:
                     self._sample(slot, logits_row)
         if all(not slot.unread for slot, _, _ in rows):  # answering only: what drafts cost
-            self.step_costs.record(n_tokens, (time.perf_counter_ns() - started) / 1e9)
+            seconds = (time.perf_counter_ns() - started) / 1e9
+            self.step_costs.record(n_tokens, seconds)
+            if self.threads is not None:
+                self._adapt_threads(seconds)
         if isinstance(self.drafter, MTPDrafter):
             self._feed_mtp(rows, n_tokens)
         self._prepare_drafts()
+
+    def _adapt_threads(self, step_seconds: float) -> None:
+        change = self.threads.observe(step_seconds)
+        if change is None:
+            return
+        self.n_threads = change.n_threads
+        llama_cpp.llama_set_n_threads(self.lm.ctx, change.n_threads,
+                                      min(self.plan.n_threads_batch, change.n_threads))
+        log.info("threads: %s", change.reason)
+        if self.on_threads is not None:
+            self.on_threads(Threads(change.n_threads, change.reason))
 
     def _feed_mtp(self, rows: list[tuple[Slot, int, int]], n_tokens: int) -> None:
         """Tell the MTP drafter what this step committed, with the target's hidden states."""
@@ -341,6 +504,29 @@ class Engine:
         for slot in self.slots:
             slot.drafts = drafts.get(slot.seq_id, slot.drafts)
 
+    def _read_images(self) -> None:
+        """Each slot whose prompt goes on with an image reads that one image: encoded by the
+        projector, its embeddings decoded into the slot's sequence (its own llama_decode: a
+        batch holds tokens or embeddings, not both)."""
+        for slot in self.slots:
+            work = slot.work
+            if not slot.reading_prompt or not is_image_token(slot.to_decode[0]):
+                continue
+            if work.cancelled.is_set():
+                continue  # the loop's cancel check ends it before the next image
+            pos = len(slot.tokens)
+            span = work.media.spans[pos]
+            try:
+                self.vision.read_image(self.lm.ctx, span, pos, slot.seq_id, self.lm.n_batch)
+            except RuntimeError as e:
+                log.error("request %s: %s", work.request.id, e)
+                self._fail_batch([(slot, 0, -1)], str(e))
+                continue
+            slot.tokens.extend(slot.to_decode[:span.n_tokens])
+            del slot.to_decode[:span.n_tokens]
+            slot.unread -= span.n_tokens
+            work.emit(Progress(len(slot.tokens), len(work.prompt)))
+
     def _fill_batch(self) -> list[tuple[Slot, int, int]]:
         """Put every answering slot's next token, then prompt chunks, into the batch.
 
@@ -367,12 +553,15 @@ class Engine:
         for slot in reading:
             if budget <= 0:
                 break
-            take = min(slot.unread, budget)
+            take = min(slot.unread, budget, _text_run(slot.to_decode, slot.unread))
+            if take == 0:
+                continue  # an image comes next: _read_images reads it before the next step
             last = take == slot.unread
             slot.first_pos, slot.batch_row = len(slot.tokens), n
+            every = slot.work.request.prompt_logprobs  # logits of every prompt row
             for i in range(take):
                 n = self._put(n, slot.to_decode[i], len(slot.tokens) + i, slot.seq_id,
-                              last and i == take - 1)
+                              every or (last and i == take - 1))
             rows.append((slot, take, n - 1 if last else -1))
             budget -= take
         batch.n_tokens = n
@@ -456,6 +645,17 @@ class Engine:
                 raise RuntimeError("llama.cpp could not take back rejected drafts")
             del slot.tokens[keep:]
 
+    def _score_prompt(self, slot: Slot, n: int) -> None:
+        """The logprobs of the prompt tokens that follow this step's `n` prompt rows (row i's
+        logits predict the token after it; the last prompt row's predict the answer)."""
+        work = slot.work
+        start = len(slot.tokens)
+        for i in range(n):
+            following = start + i + 1
+            if following < len(work.prompt):
+                work.prompt_logprobs.append(
+                    self._logprob_entry(work, slot.batch_row + i, work.prompt[following]))
+
     def _logprob_entry(self, work: Work, row: int, token: int) -> dict:
         logits = work.sampler.logits(self.lm.ctx, row)
         chosen, top = log_probs(logits, token, work.request.logprobs or 0)
@@ -518,15 +718,20 @@ class Engine:
             cached_tokens=work.cached,
             context_used=len(slot.tokens),
             n_ctx=self.n_ctx,
-            context=tuple(work.prompt + work.answer),
+            context=tuple(text_tokens(work.prompt) if work.media else work.prompt)
+            + tuple(work.answer),
             drafted=work.drafted,
             draft_accepted=work.draft_accepted,
             stop_sequence=work.stops.hit if stop_hit else None,
+            prompt_logprobs=tuple(work.prompt_logprobs) if work.request.prompt_logprobs
+            else None,
         ))
         if reason == "cancelled":
             log.info("request %s cancelled after %d answer tokens", work.request.id,
                      len(work.answer))
         work.sampler.free()
+        if work.media is not None:
+            work.media.free()
         slot.work = None
         slot.to_decode = []
         slot.unread = 0
@@ -535,11 +740,14 @@ class Engine:
 
     def _fail_batch(self, rows: list[tuple[Slot, int, int]], code: int | str) -> None:
         """llama_decode refused the batch: fail the requests in it and forget their caches."""
-        why = {1: "no room left in the KV cache", 2: "aborted"}.get(code, f"error {code}")
+        why = code if isinstance(code, str) else {
+            1: "no room left in the KV cache", 2: "aborted"}.get(code, f"error {code}")
         for slot, _, _ in rows:
             work = slot.work
             if work is not None:
                 work.sampler.free()
+                if work.media is not None:
+                    work.media.free()
                 work.emit(Failure(f"llama_decode failed: {why}"))
             slot.work, slot.fresh, slot.to_decode, slot.unread = None, None, [], 0
             llama_cpp.llama_memory_seq_rm(self.lm.memory, slot.seq_id, -1, -1)
@@ -558,15 +766,37 @@ def known_mode(mode: str) -> str:
     return mode
 
 
+def with_room_for_images(plan: Plan, projector_path: str) -> Plan:
+    """A projector that attends across a whole image (Gemma 3's) needs the image's tokens in
+    one micro-batch: raise n_ubatch (and n_batch) to the tokens of one image where short."""
+    from localllm.modelstore.projector import projector_info
+
+    tokens = projector_info(projector_path).tokens_per_image or 0
+    if tokens <= plan.n_ubatch:
+        return plan
+    return replace(plan, n_ubatch=tokens, n_batch=max(plan.n_batch, tokens),
+                   reasons=plan.reasons + (f"micro-batch raised to {tokens}: one image's "
+                                           f"tokens are read in one",))
+
+
 def prompt_chunk(plan: Plan, n_batch: int) -> int:
-    """Prompt tokens read per step: about STEP_TARGET_S of the plan's predicted prefill speed,
-    so that a cancel, a new request and the other slots' next tokens never wait long behind a
-    prompt (on a CPU a full n_batch chunk can take seconds), in a power of two from the plan
-    alone: the same prompt is always read in the same chunks, and llama.cpp's CPU kernels
-    round a batch differently from its parts, so chunking that followed the clock would make
-    greedy answers depend on the machine's load."""
+    """Prompt tokens read per step, from the plan alone: the same prompt is always read in the
+    same chunks (llama.cpp's CPU kernels round a batch differently from its parts, so chunking
+    that followed the clock would make greedy answers depend on the machine's load).
+
+    With a GPU, whole micro-batches: weights kept in RAM cross to the GPU once per micro-batch
+    (op offload), so a chunk that split one would pay that crossing again for its parts. As
+    many as fit in CANCEL_BOUND_S at the plan's predicted prompt speed (at least one), so that a
+    cancel, a new request and the other slots' next tokens wait about a second at most; one
+    micro-batch runs as a whole on the GPU. On the CPU alone no weights cross: about
+    STEP_TARGET_S of prompt per step, in a power of two (on a CPU a full n_batch chunk can take
+    seconds)."""
     if plan.predicted_prefill_tps <= 0:
         return n_batch
+    ubatch = min(plan.n_ubatch, n_batch)
+    if plan.n_gpu_layers > 0 and ubatch >= MIN_PROMPT_CHUNK:
+        per_step = int(plan.predicted_prefill_tps * CANCEL_BOUND_S) // ubatch
+        return min(n_batch // ubatch, max(1, per_step)) * ubatch
     want = int(plan.predicted_prefill_tps * STEP_TARGET_S)
     chunk = MIN_PROMPT_CHUNK
     while chunk * 2 <= min(want, n_batch):
@@ -574,9 +804,20 @@ def prompt_chunk(plan: Plan, n_batch: int) -> int:
     return min(chunk, n_batch)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+
+def _text_run(tokens: list[int], limit: int) -> int:
+    """How many of the first `limit` tokens come before the first image placeholder."""
+    for i in range(limit):
+        if is_image_token(tokens[i]):
+            return i
+    return limit
+
+
+def whole_images(common: int, media: MediaPrompt | None) -> int:
+    """A reusable prefix cut back to the start of an image it would split: an image's cells
+    are kept whole or read again whole."""
+    if media is not None and common > 0:
+        span = media.span_at(common)
+        if span is not None:
+            return span.start
+    return common

@@ -30,6 +30,7 @@ from .protocol import (
     Event,
     Failure,
     GenerationRequest,
+    Threads,
     Token,
     TokenCount,
     event_from_wire,
@@ -57,17 +58,22 @@ class RunnerRequestFailed(UserError):
 
 class RunnerProcess:
     def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path,
-                 command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None):
+                 command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None,
+                 projector_path: Path | None = None, prompt_cache_bytes: int = 0):
         self.model_name = model_name
+        self.projector_path = projector_path
         self.model_path = model_path
         self.draft_model_path = draft_model_path
         self.plan = plan
         self.log_path = log_path
         self.command = tuple(command)
+        self.prompt_cache_bytes = prompt_cache_bytes  # RAM for prompts of taken slots
         self.proc: asyncio.subprocess.Process | None = None
         self.load_duration_ns = 0
         self.n_ctx = plan.n_ctx
         self.n_parallel = plan.n_parallel
+        self.n_threads = plan.n_threads  # decode threads in use (the runner may drop some)
+        self.threads_reason = ""  # why they differ from the plan's
         self.loaded_at = 0.0
         self.last_done: Done | None = None
         self.tokens_generated = 0  # every token the runner produced, cancelled ones included
@@ -100,7 +106,9 @@ class RunnerProcess:
             )
         self._send({"op": "load", "model_path": str(self.model_path),
                     "plan": self.plan.to_dict(),
-                    "draft_model_path": str(self.draft_model_path or "") or None})
+                    "draft_model_path": str(self.draft_model_path or "") or None,
+                    "projector_path": str(self.projector_path or "") or None,
+                    "prompt_cache_bytes": self.prompt_cache_bytes})
         try:
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         except TimeoutError:
@@ -141,6 +149,10 @@ class RunnerProcess:
                 data = json.loads(line)
                 queue = self._events.get(data.get("id", ""))
                 event = event_from_wire(data)
+                if isinstance(event, Threads):
+                    self.n_threads, self.threads_reason = event.n_threads, event.reason
+                    log.info("runner for %s: %s", self.model_name, event.reason)
+                    continue
                 if isinstance(event, Token):
                     self.tokens_generated += event.n_tokens
                 if queue is not None:

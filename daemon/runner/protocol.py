@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field, replace
 from localllm.options import SamplingOptions
 
 DEFAULT_CTX = 4096
+# Where an image goes in a prompt: mtmd's default media marker (mtmd_default_marker()).
+IMAGE_MARKER = "<__media__>"
 # A runner serving a request sends something (a token, prompt progress after each chunk) well
 # within this; one that stays silent longer is taken for hung and stopped.
 RUNNER_SILENCE_S = 300.0
@@ -33,6 +35,11 @@ class GenerationRequest:
     options: SamplingOptions = field(default_factory=SamplingOptions)
     grammar: str | None = None  # GBNF (root rule "root") constraining the answer
     logprobs: int | None = None  # None: off; N >= 0: each token's logprob and the top N
+    # With logprobs: the prompt's own tokens' logprobs too (OpenAI's `echo`), on Done. The
+    # whole prompt is then read afresh: a reused prefix has no logits left.
+    prompt_logprobs: bool = False
+    # Base64 image files, one per IMAGE_MARKER in `prompt`, in order.
+    images: tuple[str, ...] = ()
 
     def to_wire(self) -> dict:
         data = asdict(self)
@@ -49,6 +56,8 @@ class GenerationRequest:
             options=SamplingOptions(**options),
             grammar=data.get("grammar"),
             logprobs=data.get("logprobs"),
+            prompt_logprobs=bool(data.get("prompt_logprobs")),
+            images=tuple(data.get("images") or ()),
         )
 
 
@@ -86,6 +95,10 @@ class Done:
     drafted: int | None = None  # speculative decoding totals, as on Token (None: off)
     draft_accepted: int | None = None
     stop_sequence: str | None = None  # the stop string that ended the answer, if one did
+    # With GenerationRequest.prompt_logprobs: one entry per prompt token, as Token.logprobs,
+    # the first with logprob None (nothing comes before it); `added` marks a BOS the
+    # tokenizer put in front of the text (it has no characters in it).
+    prompt_logprobs: tuple[dict, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -130,14 +143,21 @@ class TokenCount:
 
 
 @dataclass(frozen=True)
+class Threads:
+    """Sent by the runner on its own (no request id) when it changes its decode threads."""
+    n_threads: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Failure:
     message: str
     status: int = 500  # 400 when the request itself was at fault (prompt too long, no template)
 
 
-Event = Token | Done | Failure | Progress | Embeddings | TokenCount
+Event = Token | Done | Failure | Progress | Embeddings | TokenCount | Threads
 EVENT_KINDS = {Token: "token", Done: "done", Failure: "error", Progress: "progress",
-               Embeddings: "embeddings", TokenCount: "tokens"}
+               Embeddings: "embeddings", TokenCount: "tokens", Threads: "threads"}
 
 
 def event_to_wire(request_id: str, event: Event) -> dict:
@@ -156,6 +176,8 @@ def event_from_wire(data: dict) -> Event:
         return Token(**data)
     if kind == "done":
         data["context"] = tuple(data.get("context") or ())
+        if data.get("prompt_logprobs") is not None:
+            data["prompt_logprobs"] = tuple(data["prompt_logprobs"])
         return Done(**data)
     if kind == "progress":
         return Progress(**data)
@@ -165,6 +187,8 @@ def event_from_wire(data: dict) -> Event:
     if kind == "tokens":
         data["counts"] = tuple(data.get("counts") or ())
         return TokenCount(**data)
+    if kind == "threads":
+        return Threads(**data)
     return Failure(**data)
 
 

@@ -71,12 +71,14 @@ class Work:
     answer: list[int] = field(default_factory=list)
     pending_tokens: int = 0  # answer tokens behind text not emitted yet
     pending_logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict] = field(default_factory=list)  # request.prompt_logprobs
     started_ns: int = field(default_factory=time.perf_counter_ns)
     prompt_done_ns: int = 0
     drafted: int | None = None  # set (to 0) when the request drafts
     draft_accepted: int | None = None
     drafting: Drafting | None = None
     history: list[int] = field(default_factory=list)  # prompt + answer, for the drafter
+    media: object | None = None  # vision.MediaPrompt: the prompt's images (freed at the end)
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.request.options.stop)

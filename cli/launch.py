@@ -1,0 +1,288 @@
+"""`localllm launch claude | codex`: run a coding agent against the local daemon.
+
+    localllm launch claude                       the best tool-capable model, 64K of context
+    localllm launch codex --model qwen3-coder --ctx 32768 -- --full-auto
+    localllm launch claude --print-env           the environment it would set, nothing run
+
+It starts the daemon when it is not running, picks the model (`--model`, else the largest
+tool-capable stored model whose weights fit this card's free VRAM; the smallest where none
+does), loads it with at least 64K of context where that fits (the model's trained length where
+that is less; otherwise it says what fits and loads that), then runs the agent pointed here:
+
+- Claude Code speaks Anthropic's Messages API: `ANTHROPIC_BASE_URL`, a token
+  (`ANTHROPIC_AUTH_TOKEN`: the daemon's API key, else a placeholder), every model tier set to
+  the local model, and the settings that keep its prompt the same from request to request so
+  the prompt cache can reuse it: no attribution line (`CLAUDE_CODE_ATTRIBUTION_HEADER=0`: it
+  carries a per-request hash at the very start of the system prompt), no telemetry, error
+  reports, surveys or other traffic the local model has no use for.
+- Codex speaks the Responses API: a `localllm` model provider with `wire_api = "responses"`,
+  given as `-c` overrides on its command line; the user's ~/.codex/config.toml is never
+  written.
+
+The agent is sent the model's name as the store lists it, so every request names a model that
+exists (an agent that sends another name gets the API's 404, which names it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, replace
+
+from localllm.errors import UserError
+
+WANTED_CTX = 65536
+PLACEHOLDER_TOKEN = "localllm"  # any non-empty token: the daemon has no API key set
+AGENTS = {
+    "claude": ("Claude Code", "npm i -g @anthropic-ai/claude-code"),
+    "codex": ("Codex", "npm i -g @openai/codex"),
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "launch", help="run Claude Code or Codex against a local model",
+        usage="localllm launch {claude,codex} [--model M] [--ctx N] [--print-env] "
+        "[--print-config] [-- AGENT ARGS]",
+        description="Start the daemon if needed, load a tool-capable model with a long "
+        "context, and run the coding agent pointed at it. Arguments after `--` go to the "
+        "agent.")
+    add_options(p)
+    # The agent, then our options, then `--` and the agent's own arguments: read by
+    # `split_rest` (argparse alone would take the agent's options for ours, and drops a `--`
+    # right after a positional).
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="{claude,codex}",
+                   help="which agent to run")
+    p.set_defaults(func=cmd_launch)
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", help="a stored model (default: the best tool-capable one "
+                   "for this card)")
+    p.add_argument("--ctx", type=int, metavar="N",
+                   help=f"context length to load the model with (default: {WANTED_CTX}, or "
+                   "the model's trained length where that is less)")
+    p.add_argument("--print-env", action="store_true",
+                   help="print the environment and command line the agent would get, and "
+                   "run nothing")
+    p.add_argument("--print-config", action="store_true", help="the same as --print-env")
+
+
+def split_rest(args) -> list[str]:
+    """The agent (into `args.agent`), our options after it (into `args`), and the agent's
+    own arguments (returned)."""
+    rest = list(args.rest)
+    if not rest or rest[0] not in AGENTS:
+        raise UserError(f"launch which agent? {' or '.join(sorted(AGENTS))} "
+                        f"(got {rest[0] if rest else 'nothing'})")
+    args.agent, rest = rest[0], rest[1:]
+    ours, agent_args = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) \
+        if "--" in rest else (rest, [])
+    own = argparse.ArgumentParser(prog=f"localllm launch {args.agent}", add_help=False)
+    add_options(own)
+    own.parse_args(ours, namespace=args)
+    return agent_args
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the agent is run with."""
+    agent: str
+    model: str
+    n_ctx: int
+    env: dict[str, str]  # set on top of the user's environment
+    argv: list[str]  # the agent's command line, its executable first
+
+
+def claude_env(base_url: str, model: str, token: str) -> dict[str, str]:
+    return {
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_AUTH_TOKEN": token,
+        "ANTHROPIC_API_KEY": "",  # a user's real key must not go to the local server
+        "ANTHROPIC_MODEL": model,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+        "ANTHROPIC_SMALL_FAST_MODEL": model,
+        "CLAUDE_CODE_SUBAGENT_MODEL": model,
+        "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_FEEDBACK_COMMAND": "1",
+        "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
+
+
+def codex_args(base_url: str, model: str, n_ctx: int, has_key: bool) -> list[str]:
+    """`-c` overrides (TOML values) that add a provider for this daemon and select it."""
+    overrides = [
+        'model_provider="localllm"',
+        'model_providers.localllm.name="localllm"',
+        f'model_providers.localllm.base_url="{base_url}/v1"',
+        'model_providers.localllm.wire_api="responses"',
+        f'model="{model}"',
+        f"model_context_window={n_ctx}",
+    ]
+    if has_key:
+        overrides.append('model_providers.localllm.env_key="LOCALLLM_API_KEY"')
+    return [arg for o in overrides for arg in ("-c", o)]
+
+
+def make_setup(agent: str, base_url: str, model: str, n_ctx: int, api_key: str,
+               agent_args: list[str]) -> Setup:
+    if agent == "claude":
+        return Setup(agent, model, n_ctx,
+                     claude_env(base_url, model, api_key or PLACEHOLDER_TOKEN),
+                     ["claude", "--model", model, *agent_args])
+    env = {"LOCALLLM_API_KEY": api_key} if api_key else {}
+    return Setup(agent, model, n_ctx, env,
+                 ["codex", *codex_args(base_url, model, n_ctx, bool(api_key)), *agent_args])
+
+
+def tcp_base_url(config) -> str:
+    host, port = config.tcp
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+# ---- the model -----------------------------------------------------------------------------
+async def stored_models(client) -> list[dict]:
+    """Each stored model with its size, capabilities and trained context (from /api/show)."""
+    models = []
+    for m in (await client.request("GET", "/api/tags")).get("models", []):
+        show = await client.request("POST", "/api/show", {"model": m["model"]})
+        info = show.get("model_info") or {}
+        trained = next((v for k, v in info.items() if k.endswith(".context_length")), 0)
+        models.append({"name": m["model"], "size": int(m.get("size") or 0),
+                       "capabilities": show.get("capabilities") or [],
+                       "trained_ctx": int(trained or 0)})
+    return models
+
+
+def pick_model(models: list[dict], free_vram: int) -> dict:
+    """The largest tool-capable model whose weights fit `free_vram`; the smallest when none
+    does (a model mostly in RAM is slow, a smaller one less so)."""
+    tools = [m for m in models if "tools" in m["capabilities"]]
+    if not tools:
+        names = ", ".join(m["name"] for m in models) or "none"
+        raise UserError(f"no stored model can call tools (stored: {names}); pull one, e.g. "
+                        f"`localllm pull qwen3-coder`, or name one with --model")
+    fitting = [m for m in tools if m["size"] <= free_vram]
+    if fitting:
+        return max(fitting, key=lambda m: (m["size"], m["name"]))
+    return min(tools, key=lambda m: (m["size"], m["name"]))
+
+
+async def choose_model(client, asked: str | None) -> dict:
+    models = await stored_models(client)
+    if asked:
+        from localllm.client import DaemonError
+
+        try:
+            show = await client.request("POST", "/api/show", {"model": asked})
+        except DaemonError as e:
+            if e.status == 404:
+                raise UserError(f"model '{asked}' is not stored; pull it with "
+                                f"`localllm pull {asked}` (see `localllm list`)") from None
+            raise
+        found = next((m for m in models if m["name"] in (asked, f"{asked}:latest")), None)
+        if found is None:  # a name the store resolves another way (an alias, a path)
+            found = {"name": asked, "size": 0, "capabilities": show.get("capabilities") or [],
+                     "trained_ctx": 0}
+        if "tools" not in found["capabilities"]:
+            print(f"note: {found['name']} has no tool-calling template; the agent's tool "
+                  f"calls may not parse", file=sys.stderr)
+        return found
+    from localllm.llama.hardware import probe_card
+
+    card = probe_card()
+    return pick_model(models, card.free_vram_bytes if card.has_gpu else 0)
+
+
+def wanted_context(model: dict, asked: int | None) -> tuple[int, str]:
+    """The context to load with and, where it is less than asked, why."""
+    want = asked or WANTED_CTX
+    trained = model["trained_ctx"]
+    if trained and want > trained:
+        return trained, f"{model['name']} was trained on {trained} tokens; using all of them"
+    return want, ""
+
+
+async def load_with_context(client, model: str, n_ctx: int) -> tuple[int, str]:
+    """Load the model with `n_ctx` of context; where that does not fit, with what the tuner
+    says fits. Returns the context loaded and a note when it is less than asked."""
+    from localllm.client import DaemonError
+
+    try:
+        await client.request("POST", "/api/generate", {
+            "model": model, "prompt": "", "stream": False, "options": {"num_ctx": n_ctx}})
+    except DaemonError as e:
+        if e.status not in (400, 500, 507):
+            raise
+        await client.request("POST", "/api/generate", {"model": model, "prompt": "",
+                                                       "stream": False})
+        loaded = await loaded_context(client, model)
+        return loaded, (f"{n_ctx} tokens of context do not fit {model} on this card "
+                        f"({e}); loaded with {loaded}, what fits")
+    return await loaded_context(client, model) or n_ctx, ""
+
+
+async def loaded_context(client, model: str) -> int:
+    for m in (await client.request("GET", "/api/ps")).get("models", []):
+        if m.get("model") == model or m.get("name") == model:
+            return int(m.get("context_length") or 0)
+    return 0
+
+
+# ---- the command ---------------------------------------------------------------------------
+def cmd_launch(args) -> int:
+    from localllm.config import load_config
+
+    agent_args = split_rest(args)
+    dry = args.print_env or args.print_config
+    executable = shutil.which(args.agent)
+    if executable is None and not dry:
+        name, install = AGENTS[args.agent]
+        raise UserError(f"{name} is not installed ({args.agent} is not on PATH); install it "
+                        f"with `{install}`")
+    config = load_config()
+    if os.environ.get("LOCALLLM_HOST"):
+        config = replace(config, host=os.environ["LOCALLLM_HOST"])
+    setup = asyncio.run(_prepare(config, args, agent_args, load=not dry))
+    if dry:
+        print_setup(setup)
+        return 0
+    env = {**os.environ, **setup.env}
+    print(f"launching {AGENTS[setup.agent][0]} with {setup.model} "
+          f"({setup.n_ctx} tokens of context)", file=sys.stderr)
+    os.execvpe(executable, [executable, *setup.argv[1:]], env)
+    return 0  # not reached
+
+
+async def _prepare(config, args, agent_args: list[str], load: bool) -> Setup:
+    from localllm.client import Client
+
+    async with Client(config) as client:
+        await client.connect()
+        model = await choose_model(client, args.model)
+        n_ctx, note = wanted_context(model, args.ctx)
+        if load:
+            n_ctx, load_note = await load_with_context(client, model["name"], n_ctx)
+            note = load_note or note
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+    return make_setup(args.agent, tcp_base_url(config), model["name"], n_ctx, config.api_key,
+                      agent_args)
+
+
+def print_setup(setup: Setup) -> None:
+    for key, value in setup.env.items():
+        print(f"export {key}={shlex.quote(value)}")
+    print(shlex.join(setup.argv))

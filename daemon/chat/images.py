@@ -1,0 +1,217 @@
+"""Images in requests, for every wire format: where each one comes from, its bytes, and where it
+goes in the rendered prompt.
+
+A route records each image as an `ImageSource` (base64 with an optional media type, a `data:`
+URL, or an http(s) URL) and writes `slot(i)` into the message text where the image stands.
+`load_images` turns the sources into checked bytes (400s name the image and the problem);
+`place_images` finds the slots in the rendered prompt, in the order the template wrote them
+(a truncated chat has dropped some), and swaps each for the runner's marker.
+
+Ollama `images`, OpenAI `image_url`, Anthropic `image` blocks and Responses `input_image` all
+come down to `ImageSource(where, data=..., media_type=...)` or `ImageSource(where, url=...)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import ipaddress
+import re
+import socket
+from dataclasses import dataclass
+from urllib.parse import urljoin, urlsplit
+
+from ..runner.protocol import IMAGE_MARKER
+from .request import ChatError
+
+MAX_IMAGE_BYTES = 20 << 20
+FETCH_TIMEOUT_S = 10.0
+MAX_REDIRECTS = 3
+FORMATS = "PNG, JPEG, WebP or GIF"
+_SLOT = re.compile(r"<__localllm_image_(\d+)__>")
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    where: str  # how the error messages name it: "messages[1].images[0]"
+    data: str | None = None  # base64, or a data: URL
+    media_type: str | None = None  # the media type a wire format gave with the base64
+    url: str | None = None  # http(s)
+
+
+def slot(i: int) -> str:
+    """The stand-in for image `i` in message text until the prompt is rendered."""
+    return f"<__localllm_image_{i}__>"
+
+
+def place_images(prompt: str, images: tuple[bytes, ...]) -> tuple[str, tuple[str, ...]]:
+    """The prompt with each image slot swapped for the runner's marker, and the base64 images
+    in the order their markers now stand."""
+    if not images:
+        return prompt, ()
+    prompt = prompt.replace(IMAGE_MARKER, "<__media_>")  # a user's literal marker stays text
+    order: list[int] = []
+
+    def swap(match: re.Match) -> str:
+        i = int(match.group(1))
+        if i >= len(images):
+            return match.group(0)
+        order.append(i)
+        return IMAGE_MARKER
+
+    prompt = _SLOT.sub(swap, prompt)
+    return prompt, tuple(base64.b64encode(images[i]).decode("ascii") for i in order)
+
+
+# ---- bytes, checked ----------------------------------------------------------------------
+def decode_base64(data: str, where: str) -> bytes:
+    """Base64 (whitespace allowed) or a data: URL's payload."""
+    if data.startswith("data:"):
+        head, sep, payload = data.partition(",")
+        if not sep or ";base64" not in head:
+            raise ChatError(f"{where}: a data: URL must be base64 (data:image/png;base64,...)",
+                            "images")
+        data = payload
+    try:
+        raw = base64.b64decode(re.sub(r"\s+", "", data), validate=True)
+    except (binascii.Error, ValueError):
+        raise ChatError(f"{where} is not valid base64", "images") from None
+    if len(raw) > MAX_IMAGE_BYTES:
+        raise ChatError(f"{where} is larger than {MAX_IMAGE_BYTES >> 20} MiB", "images")
+    return raw
+
+
+def image_format(raw: bytes) -> str | None:
+    """The format a file's first bytes name, among the ones mtmd decodes."""
+    if raw.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if raw.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if raw.startswith((b"GIF87a", b"GIF89a")):
+        return "GIF"
+    if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
+        return "WebP"
+    return None
+
+
+_OTHER_FORMATS = ((b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"BM", "BMP"),
+                  (b"%PDF", "PDF"), (b"\x00\x00\x01\x00", "ICO"), (b"<svg", "SVG"),
+                  (b"<?xml", "SVG/XML"))
+
+
+def check_image(raw: bytes, where: str) -> str:
+    """The image's format, or a 400 saying why these bytes are not an image we can read."""
+    if not raw:
+        raise ChatError(f"{where} is empty", "images")
+    kind = image_format(raw)
+    if kind is None:
+        if raw[4:8] == b"ftyp":
+            other = "HEIC/AVIF"
+        else:
+            other = next((name for magic, name in _OTHER_FORMATS if raw.startswith(magic)), None)
+        if other:
+            raise ChatError(f"{where} is a {other} file, an unsupported format (send {FORMATS})",
+                            "images")
+        raise ChatError(f"{where} is not an image (send {FORMATS})", "images")
+    if _truncated(kind, raw):
+        raise ChatError(f"{where} is a truncated {kind} file (it ends before the image does)",
+                        "images")
+    return kind
+
+
+def _truncated(kind: str, raw: bytes) -> bool:
+    tail = raw[-64:].rstrip(b"\x00")
+    if kind == "PNG":
+        return b"IEND" not in tail
+    if kind == "JPEG":
+        return b"\xff\xd9" not in tail
+    if kind == "GIF":
+        return not tail.endswith(b";")
+    if kind == "WebP":
+        return int.from_bytes(raw[4:8], "little") + 8 > len(raw)
+    return False
+
+
+# ---- sources -> bytes ----------------------------------------------------------------------
+async def load_images(sources: tuple[ImageSource, ...], fetch_urls: bool) -> tuple[bytes, ...]:
+    """Every source's bytes, checked; URLs fetched concurrently when `fetch_urls`."""
+    async def one(source: ImageSource) -> bytes:
+        if source.url is not None:
+            if not fetch_urls:
+                raise ChatError(f"{source.where}: image URLs are turned off (config image_urls "
+                                f"= off); send the image as a data: URL", "images")
+            raw = await fetch_image(source.url, source.where)
+        else:
+            raw = decode_base64(source.data or "", source.where)
+        check_image(raw, source.where)
+        return raw
+
+    return tuple(await asyncio.gather(*(one(s) for s in sources)))
+
+
+def _private(host: str) -> bool:
+    """Whether a host resolves to a private, link-local or otherwise internal address."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False  # the fetch itself will fail and say so
+    for info in infos:
+        addr = ipaddress.ip_address(info[4][0].split("%")[0])
+        if addr.is_private or addr.is_link_local or addr.is_reserved or addr.is_multicast \
+                or addr.is_unspecified or addr.is_loopback:
+            return True
+    return False
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback
+                   for i in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False
+
+
+async def fetch_image(url: str, where: str) -> bytes:
+    """GET an image URL: at most MAX_IMAGE_BYTES within FETCH_TIMEOUT_S, redirects followed by
+    hand so that none leads to a private address (a loopback one only from a loopback URL)."""
+    import aiohttp
+
+    def fail(why: str) -> ChatError:
+        return ChatError(f"{where}: could not fetch {url}: {why}", "images")
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise fail("only http and https URLs (or data: URLs) are taken")
+    from_loopback = await asyncio.to_thread(_loopback, parts.hostname)
+    timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)
+    current = url
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for _ in range(MAX_REDIRECTS + 1):
+                async with session.get(current, allow_redirects=False) as response:
+                    if response.status in (301, 302, 303, 307, 308):
+                        target = urljoin(current, response.headers.get("Location", ""))
+                        host = urlsplit(target).hostname or ""
+                        if urlsplit(target).scheme not in ("http", "https") or not host:
+                            raise fail(f"it redirects to {target!r}")
+                        if not (from_loopback and await asyncio.to_thread(_loopback, host)) \
+                                and await asyncio.to_thread(_private, host):
+                            raise fail(f"it redirects to a private address ({host})")
+                        current = target
+                        continue
+                    if response.status != 200:
+                        raise fail(f"HTTP {response.status}")
+                    if (response.content_length or 0) > MAX_IMAGE_BYTES:
+                        raise fail(f"larger than {MAX_IMAGE_BYTES >> 20} MiB")
+                    body = bytearray()
+                    async for chunk in response.content.iter_chunked(1 << 16):
+                        body += chunk
+                        if len(body) > MAX_IMAGE_BYTES:
+                            raise fail(f"larger than {MAX_IMAGE_BYTES >> 20} MiB")
+                    return bytes(body)
+            raise fail(f"more than {MAX_REDIRECTS} redirects")
+    except TimeoutError:
+        raise fail(f"no answer within {FETCH_TIMEOUT_S:.0f}s") from None
+    except aiohttp.ClientError as e:
+        raise fail(str(e) or type(e).__name__) from None

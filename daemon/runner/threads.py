@@ -1,0 +1,143 @@
+"""Decode threads on a shared CPU: fewer threads when other processes take cores.
+
+llama.cpp's threads meet at a barrier after every operation of a decode step, so one thread
+whose core another process holds stalls all the others: on 2 cores with a 1-core hog, SmolLM2
+planned at 2 threads decoded at 0.5-5 tok/s, 1 thread at 46-87. The plan chose its threads for
+an idle machine; this module watches what the host does while the runner decodes.
+
+Once per window of decode steps it compares the measured step time with the plan's predicted
+one, and the host's busy CPU time (/proc/stat, over the cores this process may run on) with
+the runner's own (os.times): what is left is the other processes' load, in cores. When decode
+runs far below the plan while others hold cores, one thread is dropped (never below the cores
+the others leave, at least one); when the others have left for a few windows, one comes back,
+up to the plan's count. Sampling reads two small files per window: nothing per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("localllm.runner")
+
+WINDOW_S = 1.0  # decode time between two looks at the host
+IDLE_RESET_S = 2.0  # a gap longer than this between steps starts a new window (no decode)
+SLOW = 0.5  # decode below this part of the plan's speed is "far below the plan"
+BUSY_CORES = 0.5  # other processes using this many cores or more: the host is busy
+QUIET_WINDOWS = 3  # windows with a core free beside ours before a thread comes back
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    wall_s: float
+    host_busy_s: float  # busy CPU time of our cores, every process together
+    own_s: float  # this process's CPU time (all its threads, spin-waits included)
+
+
+def our_cpus() -> tuple[int, ...]:
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return tuple(range(os.cpu_count() or 1))
+
+
+def read_sample(cpus: tuple[int, ...]) -> CpuSample | None:
+    """Now's counters; None where /proc/stat cannot be read (then nothing adapts)."""
+    wanted = {f"cpu{c}" for c in cpus}
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if name in wanted:
+                    # user nice system idle iowait irq softirq steal: all but idle and iowait
+                    values = [int(x) for x in fields[:8]]
+                    busy += sum(values) - values[3] - values[4]
+    except (OSError, ValueError, IndexError):
+        return None
+    times = os.times()
+    return CpuSample(time.monotonic(), busy / tick, times.user + times.system)
+
+
+def others_cores(before: CpuSample, after: CpuSample) -> float:
+    """Cores other processes kept busy between two samples, on average."""
+    wall = after.wall_s - before.wall_s
+    if wall <= 0:
+        return 0.0
+    theirs = (after.host_busy_s - before.host_busy_s) - (after.own_s - before.own_s)
+    return max(0.0, theirs / wall)
+
+
+@dataclass(frozen=True)
+class ThreadChange:
+    n_threads: int
+    reason: str
+
+
+class ThreadGovernor:
+    """Decides the decode threads from the step times the engine reports (`observe`)."""
+
+    def __init__(self, planned: int, predicted_tps: float,
+                 cpus: tuple[int, ...] | None = None,
+                 sample: Callable[[tuple[int, ...]], CpuSample | None] = read_sample,
+                 clock: Callable[[], float] = time.monotonic):
+        """`sample` and `clock` read the host (tests pass counters of their own)."""
+        self.planned = max(1, planned)
+        self.n_threads = self.planned
+        self.predicted_tps = predicted_tps
+        self.cpus = cpus or our_cpus()
+        self._sample = sample
+        self._clock = clock
+        self._start: CpuSample | None = None
+        self._steps: list[float] = []
+        self._last_step = 0.0
+        self._quiet = 0
+        self._best_tps = 0.0
+
+    def observe(self, step_s: float) -> ThreadChange | None:
+        """One decode step's time; a change of threads when this window ends in one."""
+        now = self._clock()
+        if self._start is None or now - self._last_step > IDLE_RESET_S:
+            self._start, self._steps = self._sample(self.cpus), []
+        self._last_step = now
+        self._steps.append(step_s)
+        if self._start is None or now - self._start.wall_s < WINDOW_S:
+            return None
+        end = self._sample(self.cpus)
+        if end is None:
+            return None
+        measured_tps = 1.0 / max(statistics.median(self._steps), 1e-9)
+        others = others_cores(self._start, end)
+        self._start, self._steps = end, []
+        return self._decide(measured_tps, others)
+
+    def _decide(self, measured_tps: float, others: float) -> ThreadChange | None:
+        self._best_tps = max(self._best_tps, measured_tps)
+        expected = self.predicted_tps if self.predicted_tps > 0 else self._best_tps
+        # The cores the others leave us (a core they use 0.8 of counts as theirs).
+        left = max(1, len(self.cpus) - math.ceil(others - 0.25))
+        if others >= BUSY_CORES and measured_tps < SLOW * expected and self.n_threads > left:
+            self._quiet = 0
+            self.n_threads -= 1
+            return ThreadChange(self.n_threads, (
+                f"decode at {measured_tps:.1f} tok/s, under {SLOW:.0%} of the plan's "
+                f"{expected:.1f}, while other processes use {others:.1f} of "
+                f"{len(self.cpus)} cores: {self.n_threads + 1} -> {self.n_threads} threads"))
+        if self.n_threads < self.planned and left > self.n_threads:
+            self._quiet += 1
+            if self._quiet >= QUIET_WINDOWS:
+                self._quiet = 0
+                self.n_threads += 1
+                return ThreadChange(self.n_threads, (
+                    f"other processes use {others:.1f} of {len(self.cpus)} cores again: "
+                    f"{self.n_threads - 1} -> {self.n_threads} threads (the plan has "
+                    f"{self.planned})"))
+        else:
+            self._quiet = 0
+        return None

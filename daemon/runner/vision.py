@@ -1,0 +1,192 @@
+"""Images in the runner: the model's projector (mmproj) through mtmd, llama.cpp's multimodal
+library that llama-cpp-python ships (`llama_cpp.mtmd_cpp`, libmtmd).
+
+A prompt with images is text with one media marker per image. `Vision.tokenize` turns it into
+one token list the engine can schedule like any other: text tokens as they are, and each image
+as `n_tokens` copies of a negative placeholder derived from the image's content hash. The
+engine's prefix reuse compares those lists, so the same image at the same place keeps its KV
+cells and a different image is read again. When the engine reaches a placeholder it calls
+`read_image`, which encodes that one image with the projector and decodes its embeddings into
+the slot's sequence (between two decode steps: a cancel waits at most one image).
+
+Runs inside the runner process only.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import ctypes
+import hashlib
+import logging
+from dataclasses import dataclass, field
+
+import llama_cpp
+from llama_cpp import mtmd_cpp as mtmd
+
+from .sampling import RequestError
+
+log = logging.getLogger("localllm.runner")
+
+_CHUNK_TEXT = 0  # mtmd_input_chunk_type
+_PLACEHOLDER_SPAN = 1 << 62
+
+
+def placeholder(digest: bytes) -> int:
+    """The negative stand-in token of one image, from its content hash (never a vocab id)."""
+    return -1 - int.from_bytes(digest[:8], "big") % _PLACEHOLDER_SPAN
+
+
+def is_image_token(token: int) -> bool:
+    return token < 0
+
+
+def text_tokens(tokens: list[int]) -> list[int]:
+    """The prompt without its image placeholders (for the sampler's penalties, `context`)."""
+    return [t for t in tokens if t >= 0]
+
+
+@dataclass
+class ImageSpan:
+    start: int  # index in the prompt's token list
+    n_tokens: int
+    chunk: object  # mtmd_input_chunk pointer, owned by the MediaPrompt's chunk list
+
+
+@dataclass
+class MediaPrompt:
+    """A tokenized prompt with images; `free` releases mtmd's chunks (after the request)."""
+
+    tokens: list[int]
+    spans: dict[int, ImageSpan] = field(default_factory=dict)  # by start index
+    chunks: object = None
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(s.n_tokens for s in self.spans.values())
+
+    def span_at(self, index: int) -> ImageSpan | None:
+        """The image whose tokens include prompt index `index`, if any."""
+        for span in self.spans.values():
+            if span.start <= index < span.start + span.n_tokens:
+                return span
+        return None
+
+    def free(self) -> None:
+        if self.chunks is not None:
+            mtmd.mtmd_input_chunks_free(self.chunks)
+            self.chunks = None
+            self.spans.clear()
+
+
+class Vision:
+    """One projector loaded beside the language model; used from the engine's thread only."""
+
+    def __init__(self, projector_path: str, model, *, use_gpu: bool, n_threads: int,
+                 flash_attn: bool):
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu = use_gpu
+        params.n_threads = max(1, n_threads)
+        params.print_timings = False
+        params.warmup = True  # reserve the compute buffer now: an OOM fails the load
+        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                  else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self.ctx = mtmd.mtmd_init_from_file(projector_path.encode(), model, params)
+        if not self.ctx:
+            raise ValueError(f"mtmd could not load the projector {projector_path} with this "
+                             f"model (wrong projector for it? see the runner log)")
+        if not mtmd.mtmd_support_vision(self.ctx):
+            mtmd.mtmd_free(self.ctx)
+            self.ctx = None
+            raise ValueError(f"{projector_path} is not a vision projector")
+        self.marker = mtmd.mtmd_default_marker().decode()
+        self.mrope = bool(mtmd.mtmd_decode_use_mrope(self.ctx))
+        self.on_gpu = use_gpu
+
+    def close(self) -> None:
+        if self.ctx:
+            mtmd.mtmd_free(self.ctx)
+            self.ctx = None
+
+    # ---- prompt -> tokens ----------------------------------------------------------------
+    def tokenize(self, prompt: str, images: tuple[str, ...], add_special: bool) -> MediaPrompt:
+        """The prompt's tokens with each image's placeholders where its marker stands.
+
+        `images` are base64 strings (the wire's), one per marker in order."""
+        n_markers = prompt.count(self.marker)
+        if n_markers != len(images):
+            raise RequestError(f"the prompt has {n_markers} image markers but the request "
+                               f"carries {len(images)} images")
+        if self.mrope:
+            raise RequestError("this projector places images with M-RoPE positions, which "
+                               "localllm does not support yet")
+        bitmaps, digests = [], []
+        try:
+            for i, data in enumerate(images):
+                raw = _decode_base64(data, i)
+                bitmaps.append(self._bitmap(raw, i))
+                digests.append(hashlib.sha256(raw).digest())
+            return self._tokenize(prompt, bitmaps, digests, add_special)
+        finally:
+            for bitmap in bitmaps:
+                mtmd.mtmd_bitmap_free(bitmap)
+
+    def _bitmap(self, raw: bytes, i: int):
+        buf = (ctypes.c_uint8 * len(raw)).from_buffer_copy(raw)
+        bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(raw), False)
+        if not bitmap:
+            raise RequestError(f"image {i + 1} could not be decoded (PNG, JPEG, GIF or BMP; "
+                               f"WebP needs ffmpeg on the runner's PATH)")
+        if mtmd.mtmd_bitmap_is_audio(bitmap):
+            mtmd.mtmd_bitmap_free(bitmap)
+            raise RequestError(f"image {i + 1} is audio, not an image")
+        return bitmap
+
+    def _tokenize(self, prompt: str, bitmaps: list, digests: list[bytes],
+                  add_special: bool) -> MediaPrompt:
+        text = mtmd.mtmd_input_text()
+        encoded = prompt.encode("utf-8", errors="replace")
+        text.text, text.text_len = encoded, len(encoded)
+        text.add_special, text.parse_special = add_special, True
+        chunks = mtmd.mtmd_input_chunks_init()
+        array = (mtmd.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+        code = mtmd.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), array, len(bitmaps))
+        if code != 0:
+            mtmd.mtmd_input_chunks_free(chunks)
+            raise RequestError("the projector could not prepare the images "
+                               f"(mtmd_tokenize returned {code})")
+        out = MediaPrompt(tokens=[], chunks=chunks)
+        image = 0
+        for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+            chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+            if mtmd.mtmd_input_chunk_get_type(chunk) == _CHUNK_TEXT:
+                n = ctypes.c_size_t()
+                ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+                out.tokens.extend(ids[j] for j in range(n.value))
+                continue
+            n_tokens = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+            out.spans[len(out.tokens)] = ImageSpan(len(out.tokens), n_tokens, chunk)
+            out.tokens.extend([placeholder(digests[image])] * n_tokens)
+            image += 1
+        return out
+
+    # ---- an image into a sequence --------------------------------------------------------
+    def read_image(self, lctx, span: ImageSpan, pos: int, seq_id: int, n_batch: int) -> None:
+        """Encode one image and decode its embeddings at positions pos.. of `seq_id`."""
+        code = mtmd.mtmd_encode_chunk(self.ctx, span.chunk)
+        if code != 0:
+            raise RuntimeError(f"the projector failed to encode the image (error {code})")
+        embd = mtmd.mtmd_get_output_embd(self.ctx)
+        new_pos = llama_cpp.llama_pos(0)
+        code = mtmd.mtmd_helper_decode_image_chunk(
+            self.ctx, lctx, span.chunk, embd, pos, seq_id, n_batch, ctypes.byref(new_pos),
+            mtmd.mtmd_helper_post_decode_callback(0), None)
+        if code != 0:
+            raise RuntimeError(f"llama_decode failed on the image's embeddings (error {code})")
+
+
+def _decode_base64(data: str, i: int) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(f"image {i + 1} is not valid base64") from None

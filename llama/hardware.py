@@ -1,0 +1,165 @@
+"""The probe: which card and host this machine has (NVML for GPUs, the OS for RAM and cores).
+
+The only place that touches the hardware. Everything it finds becomes a `Card`, so the tuner
+plans for a probed machine and for a profile the same way. RAM is what is available when the
+model loads (MemAvailable, capped by the cgroup's memory.max), not the machine's physical RAM:
+other programs hold some, and a container may have less than the machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from functools import lru_cache
+
+from localllm.profiles.card import CPU_ONLY, GIB, MIB, Card, load_card, match_card
+from localllm.profiles.plan import physical_cores
+
+from . import nvml
+
+
+def host_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * GIB
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The kernel's MemAvailable: free memory plus the page cache it can drop without swapping
+    (other programs' memory is not in it). None where it cannot be read."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cgroup_room_bytes(proc_cgroup: str = "/proc/self/cgroup",
+                      root: str = "/sys/fs/cgroup") -> int | None:
+    """What this process's cgroup v2 (and every group above it) still lets it allocate: the
+    tightest memory.max less what that group already holds, its page cache excepted (the
+    kernel reclaims that first). None where no limit applies or cgroup v2 is not mounted."""
+    try:
+        with open(proc_cgroup) as f:
+            path = next((line.strip()[3:] for line in f if line.startswith("0::")), None)
+    except OSError:
+        return None
+    if path is None:
+        return None
+    room: int | None = None
+    group = path.strip("/")
+    while True:
+        where = os.path.join(root, group) if group else root
+        limit = _read_int(os.path.join(where, "memory.max"))
+        if limit is not None:
+            used = _read_int(os.path.join(where, "memory.current")) or 0
+            cache = _memory_stat(os.path.join(where, "memory.stat")).get("file", 0)
+            left = max(0, limit - max(0, used - cache))
+            room = left if room is None else min(room, left)
+        if not group:
+            return room
+        group = os.path.dirname(group)
+
+
+def _read_int(path: str) -> int | None:
+    """A cgroup file's number; None for "max" (no limit) or a file that is not there."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _memory_stat(path: str) -> dict[str, int]:
+    try:
+        with open(path) as f:
+            return {k: int(v) for k, v in (line.split() for line in f if line.strip())}
+    except (OSError, ValueError):
+        return {}
+
+
+def ram_available() -> int:
+    """RAM a model may take now: MemAvailable, capped by the cgroup's room where one applies
+    (a container's limit, a systemd unit's MemoryMax). 0 where neither can be read (plans then
+    count the physical RAM less a reserve)."""
+    found = [n for n in (mem_available_bytes(), cgroup_room_bytes()) if n is not None]
+    return min(found) if found else 0
+
+
+def estimate_host_bandwidth(cores: int) -> float:
+    """GB/s that llama.cpp's CPU layers reach reading weights, before `--measure` calibrates it.
+
+    Decode on the CPU is bound by memory and by how many cores stream it: 16 server cores
+    reached about 51 GB/s under a GPU plan (dense-27b with 37 blocks in RAM, 6.1 tok/s) and
+    57 GB/s all on the CPU; a desktop's two channels cap near 60.
+    """
+    return min(3.2 * cores, 60.0)
+
+
+def host_card() -> Card:
+    """No GPU: the cpu-only profile with this machine's RAM and physical cores."""
+    cores = physical_cores()
+    return replace(
+        load_card(CPU_ONLY).with_host(host_ram_bytes(), cores, estimate_host_bandwidth(cores)),
+        source="probe", ram_available_bytes=ram_available(),
+    )
+
+
+def card_from_nvml(devices: list[dict], ram_bytes: int, cores: int,
+                   ram_available_bytes: int = 0) -> Card:
+    """A Card for the GPUs NVML reported: the matching profile with the real memory, or one
+    built from NVML's clocks and bus width when no profile matches."""
+    first = devices[0]
+    free = min(d["free"] for d in devices)
+    profile = match_card(first["name"], first["total"])
+    if profile:
+        card = load_card(profile)
+    else:
+        gen, width = int(first.get("pcie_gen", 4)), int(first.get("pcie_width", 16))
+        # Theoretical peak: double data rate x bus width; PCIe about 2 GB/s per lane per gen 4.
+        bandwidth = 2 * first.get("mem_clock_mhz", 5000) * first.get("bus_width", 256) / 8 / 1000
+        card = Card(
+            name=first["name"].lower().replace("nvidia ", "").replace(" ", "-"),
+            label=first["name"], vram_bytes=first["total"], free_vram_bytes=free,
+            bandwidth_gbs=bandwidth, pcie_gbs=0.8 * 2 ** (gen - 4) * 2 * width,
+            compute_capability=str(first.get("cc", "")), fp16_tflops=50.0,
+            overhead_bytes=500 * MIB, decode_efficiency=0.6, ram_bytes=ram_bytes,
+            cores=cores, host_bandwidth_gbs=estimate_host_bandwidth(cores),
+        )
+    return replace(
+        card, vram_bytes=first["total"], free_vram_bytes=free, n_gpus=len(devices),
+        ram_bytes=ram_bytes, cores=cores, host_bandwidth_gbs=estimate_host_bandwidth(cores),
+        source="probe", ram_available_bytes=ram_available_bytes,
+    )
+
+
+@lru_cache(maxsize=1)
+def _probe_devices() -> Card:
+    devices = nvml.devices()
+    if not devices:
+        return host_card()
+    cores = physical_cores()
+    return card_from_nvml(devices, host_ram_bytes(), cores)
+
+
+def probe_card() -> Card:
+    """This machine: its GPUs matched to a profile (by name and memory) with real free memory,
+    or the cpu-only profile with real RAM and cores where there is no GPU. The devices are
+    probed once; the RAM available is read again on every call (each load plans with what
+    other programs left)."""
+    return replace(_probe_devices(), ram_available_bytes=ram_available())
+
+
+def resolve_card(name: str | None) -> Card:
+    """`--card NAME|auto`: a profile (planned with this machine's host) or the probe."""
+    if not name or name == "auto":
+        return probe_card()
+    card = load_card(name)
+    host = host_card()
+    return replace(card.with_host(host.ram_bytes, host.cores, host.host_bandwidth_gbs),
+                   ram_available_bytes=host.ram_available_bytes)

@@ -1,0 +1,76 @@
+"""`tune --measure`'s benchmark, in a child process (`python -m localllm.llama.measure`, the
+request as JSON on stdin, one JSON line out): the model and context built from the plan by
+llama/params.py, as the runner builds them, then a prompt read and a greedy decode timed over a
+bare llama_decode loop."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import llama_cpp  # before numpy: with a CUDA build, numpy loaded first crashes the model load
+from localllm.profiles.plan import Plan
+
+from . import nvml
+from .params import context_params, model_params
+
+
+def fill(batch, tokens: list[int], start: int, logits_last: bool = True) -> None:
+    """One sequence's tokens at positions start.. into `batch` (logits for the last only)."""
+    batch.n_tokens = len(tokens)
+    for i, token in enumerate(tokens):
+        batch.token[i] = token
+        batch.pos[i] = start + i
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = 0
+        batch.logits[i] = 1 if (not logits_last or i == len(tokens) - 1) else 0
+
+
+def run(model_path: str, plan: Plan, prompt_tokens: int = 128, decode_tokens: int = 32) -> dict:
+    import numpy as np
+
+    llama_cpp.llama_backend_init()
+    mparams, keep_alive = model_params(plan)
+    model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
+    del keep_alive
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {model_path}")
+    ctx = llama_cpp.llama_init_from_model(model, context_params(plan))
+    if not ctx:
+        raise RuntimeError("llama.cpp could not create the context")
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    prompt_tokens = max(8, min(prompt_tokens, plan.n_ctx - decode_tokens - 8))
+    # Ordinary token ids past the specials: any text-like sequence times the same.
+    tokens = [(7 + 31 * i) % max(1, n_vocab - 300) + 259 for i in range(prompt_tokens)]
+    batch = llama_cpp.llama_batch_init(max(plan.n_batch, 1), 0, 1)
+    start = time.perf_counter()
+    for at in range(0, len(tokens), plan.n_batch):
+        fill(batch, tokens[at:at + plan.n_batch], at)
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed while reading the prompt")
+    prefill_s = time.perf_counter() - start
+    position, start = len(tokens), time.perf_counter()
+    for _ in range(decode_tokens):
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+        fill(batch, [int(logits.argmax())], position)
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed while decoding")
+        position += 1
+    decode_s = time.perf_counter() - start
+    vram = nvml.process_vram_bytes()
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+    return {"prefill_tps": prompt_tokens / prefill_s, "decode_tps": decode_tokens / decode_s,
+            "vram_bytes": vram, "prompt_tokens": prompt_tokens, "decoded_tokens": decode_tokens}
+
+
+def main() -> int:
+    req = json.loads(sys.stdin.read())
+    print(json.dumps(run(req["path"], Plan.from_dict(req["plan"]), req["prompt"], req["tokens"])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""A session's moments through the daemon's API beside `llama-server --fit`, on an emulated budget.
+
+    source .device-carry/on-device.sh
+    python3 scripts/bench_session.py --shape dense-27b --ctx 32768 --runs short,prompt \
+        --out $OUT
+    python3 scripts/bench_session.py --tiny --out /tmp/s     # the same code on a CPU, toy model
+
+For one synthetic model (scripts/synth_gguf.py, random Q4_0 weights) and one context, each
+system in turn: the localllm daemon (12 GiB budget: vram_margin_mib = free - budget + margin,
+workload from --workload), `llama-server --fit on --fit-target (free - budget)` with f16 and
+with q8_0 KV. Runs (--runs, in this order):
+  short    decode of --tokens after a short prompt
+  prompt   a --prompt-tokens prompt (default 16384; 65536 with --ctx 131072): time to first
+           token, then decode after it
+  agent    a replay: a --system-tokens system prompt, then --turns turns that each add
+           --turn-tokens of tool results and answer --answer-tokens; total wall time
+Peak VRAM is NVML's for the whole card, above the baseline before each system starts. Every
+measurement is appended to $OUT/session.jsonl as it is made; the table goes to
+$OUT/session.md. Runs that would pass --deadline (seconds since the start) are skipped.
+The prompts are text of a fixed pattern: their token count is calibrated once per system by a
+1-token answer (prompt_eval_count / timings.prompt_n), so both sides read the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import checkout_imports  # noqa: E402
+
+checkout_imports.bootstrap()
+import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
+
+import synth_gguf  # noqa: E402
+from bench_tuner import MemorySampler  # noqa: E402
+
+MIB = 1 << 20
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
+         "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi",
+         "chi", "psi", "omega"]
+
+
+def text_of(n_chars: int, seed: int) -> str:
+    words, i = [], seed
+    while sum(len(w) + 1 for w in words) < n_chars:
+        words.append(WORDS[(i * 7 + len(words) * 3) % len(WORDS)])
+        i += 1
+    return " ".join(words)
+
+
+def post(url: str, body: dict, timeout: float = 900) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class Ours:
+    """The daemon, one model loaded at the context asked, streaming /api/generate (raw)."""
+
+    name = "ours"
+
+    def __init__(self, model: Path, ctx: int, budget_mib: int, margin_mib: int, workload: str,
+                 tmp: Path):
+        from daemon_process import isolated_env, start_daemon
+
+        from localllm.modelstore.store import ModelStore
+
+        free = MemorySampler().free() // MIB
+        margin = max(0, free - budget_mib + margin_mib) if free else 0
+        env = isolated_env(tmp, LOCALLLM_NUM_PARALLEL="1", LOCALLLM_CONTEXT_POLICY="fixed",
+                           LOCALLLM_CONTEXT_LENGTH=str(ctx), LOCALLLM_WORKLOAD=workload,
+                           LOCALLLM_VRAM_MARGIN_MIB=str(margin))
+        ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
+        self.daemon = start_daemon(env)
+        self.url = self.daemon.url
+        self.ctx = ctx
+
+    def generate(self, prompt: str, n: int) -> dict:
+        """{ttft, decode_tps, prompt_tokens, text} of one streamed raw generation."""
+        body = json.dumps({"model": "bench", "prompt": prompt, "raw": True, "stream": True,
+                           "options": {"num_predict": n, "temperature": 0, "seed": 1,
+                                       "speculative": "off", "num_ctx": self.ctx}})
+        req = urllib.request.Request(self.url + "/api/generate", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+        start = time.perf_counter()
+        first = last = 0.0
+        count, text, done = 0, [], {}
+        with urllib.request.urlopen(req, timeout=1800) as resp:
+            for line in resp:
+                chunk = json.loads(line)
+                if chunk.get("done"):
+                    done = chunk
+                    break
+                if chunk.get("response"):
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    count += 1
+                    text.append(chunk["response"])
+        decode = (count - 1) / (last - first) if count > 1 and last > first else 0.0
+        if done.get("eval_count") and done.get("eval_duration"):  # the daemon's own timing
+            decode = done["eval_count"] / (done["eval_duration"] / 1e9)
+        return {"ttft": first - start if first else 0.0, "decode_tps": decode,
+                "answer_tokens": done.get("eval_count", count),
+                "prompt_tokens": done.get("prompt_eval_count", 0), "text": "".join(text)}
+
+    def plan(self) -> str:
+        [m] = self.daemon.get("/api/ps")["models"] or [{}]
+        keys = ("gpu_layers", "kv_type", "context_length", "processor")
+        return ", ".join(f"{k} {m.get(k)}" for k in keys if k in m)
+
+    def stop(self) -> None:
+        self.daemon.stop()
+
+
+class Fit:
+    """llama-server with llama.cpp's own fitting for the same budget, /completion streamed."""
+
+    def __init__(self, model: Path, ctx: int, budget_mib: int, kv: str, threads: int,
+                 log: Path):
+        self.name = f"fit-{kv}"
+        free = MemorySampler().free() // MIB
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = ["llama-server", "-m", str(model), "-c", str(ctx), "--fit", "on", "--fit-target",
+               str(max(0, free - budget_mib)), "-t", str(threads), "-np", "1", "-fa", "on",
+               "-ctk", kv, "-ctv", kv, "--port", str(port), "--host", "127.0.0.1"]
+        self.log = open(log, "w")  # noqa: SIM115 (closed in stop(), after the server)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited {self.proc.returncode} (see {log})")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        raise RuntimeError("llama-server did not start")
+
+    def generate(self, prompt: str, n: int) -> dict:
+        start = time.perf_counter()
+        out = post(self.url + "/completion", {"prompt": prompt, "n_predict": n,
+                                              "temperature": 0, "cache_prompt": True,
+                                              "ignore_eos": True})
+        wall = time.perf_counter() - start
+        t = out.get("timings", {})
+        per_token = t.get("predicted_ms", 0) / max(1, t.get("predicted_n", 1))
+        return {"ttft": max(0.0, wall - t.get("predicted_ms", 0) / 1000 + per_token / 1000),
+                "decode_tps": t.get("predicted_per_second", 0.0),
+                "answer_tokens": t.get("predicted_n", 0),
+                "prompt_tokens": t.get("prompt_n", 0) + t.get("cache_n", 0),
+                "text": out.get("content", "")}
+
+    def plan(self) -> str:
+        return "llama-server --fit"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def calibrate(system, chars_per_token: list[float], ctx: int) -> float:
+    if not chars_per_token:
+        sample = text_of(min(4000, ctx // 2), 1)
+        n = system.generate(sample, 1)["prompt_tokens"] or 1000
+        chars_per_token.append(len(sample) / n)
+    return chars_per_token[0]
+
+
+def run_system(system, args, record) -> None:
+    cpt: list[float] = []
+    warm = system.generate("Hello there. " * 4, 4)  # loads the model (ours) and warms up
+    record({"system": system.name, "plan": system.plan(), "warm_ttft": round(warm["ttft"], 2)})
+    for run in args.runs:
+        if time.monotonic() - args.t0 > args.deadline:
+            record({"system": system.name, "run": run, "skipped": "deadline"})
+            continue
+        if run == "short":
+            r = system.generate("The quick brown fox jumps over the lazy dog. " * 6, args.tokens)
+            record({"system": system.name, "run": "short", "decode_tps": round(r["decode_tps"], 2),
+                    "answer_tokens": r["answer_tokens"]})
+        elif run == "prompt":
+            c = calibrate(system, cpt, args.ctx)
+            prompt = text_of(int(args.prompt_tokens * c), 2)
+            r = system.generate(prompt, args.tokens)
+            record({"system": system.name, "run": "prompt", "prompt_tokens": r["prompt_tokens"],
+                    "ttft": round(r["ttft"], 2),
+                    "prompt_tps": round(r["prompt_tokens"] / max(1e-9, r["ttft"]), 1),
+                    "decode_tps": round(r["decode_tps"], 2), "answer_tokens": r["answer_tokens"]})
+        elif run == "agent":
+            c = calibrate(system, cpt, args.ctx)
+            conversation = text_of(int(args.system_tokens * c), 3)
+            start = time.perf_counter()
+            turns = []
+            for turn in range(args.turns):
+                conversation += "\nTool result:\n" + text_of(int(args.turn_tokens * c), 10 + turn)
+                r = system.generate(conversation, args.answer_tokens)
+                conversation += r["text"]
+                turns.append({"ttft": round(r["ttft"], 2), "decode_tps": round(r["decode_tps"], 2),
+                              "prompt_tokens": r["prompt_tokens"]})
+            record({"system": system.name, "run": "agent",
+                    "wall_s": round(time.perf_counter() - start, 1), "turns": turns})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="dense-27b", choices=tuple(synth_gguf.SHAPES))
+    p.add_argument("--ctx", type=int, default=32768)
+    p.add_argument("--budget", type=float, default=12, metavar="GiB")
+    p.add_argument("--margin", type=int, default=128, metavar="MiB",
+                   help="VRAM the tuner leaves free inside the budget")
+    p.add_argument("--workload", default="agent", choices=("chat", "agent"))
+    p.add_argument("--systems", default="ours,fit-f16,fit-q8_0")
+    p.add_argument("--runs", default="short,prompt")
+    p.add_argument("--tokens", type=int, default=48, help="decoded per decode measurement")
+    p.add_argument("--prompt-tokens", type=int, default=0, help="0: 16384, 65536 at >= 128K")
+    p.add_argument("--system-tokens", type=int, default=20000)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--turn-tokens", type=int, default=2048)
+    p.add_argument("--answer-tokens", type=int, default=256)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 16)
+    p.add_argument("--models", default="/tmp/bench-models")
+    p.add_argument("--deadline", type=float, default=520, help="seconds; later runs skipped")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--tiny", action="store_true", help="a toy model on a CPU, small sizes")
+    args = p.parse_args(argv)
+    args.t0 = time.monotonic()
+    args.runs = args.runs.split(",")
+    if args.tiny:
+        args.ctx, args.budget, args.tokens = 2048, 0.5, 8
+        args.system_tokens, args.turn_tokens, args.answer_tokens, args.turns = 300, 100, 8, 2
+        args.prompt_tokens = args.prompt_tokens or 600
+    if not args.prompt_tokens:
+        args.prompt_tokens = 65536 if args.ctx >= 131072 else 16384
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = synth_gguf.tiny(synth_gguf.SHAPES[args.shape]) if args.tiny \
+        else synth_gguf.SHAPES[args.shape]
+    model = Path(args.models) / f"{config.name}-q4_0.gguf"
+    if not model.exists():
+        model.parent.mkdir(parents=True, exist_ok=True)
+        t = time.monotonic()
+        synth_gguf.write_gguf(model, config, "Q4_0", "random")
+        print(f"wrote {model} in {time.monotonic() - t:.0f} s", flush=True)
+    rows: list[dict] = []
+    with open(out / "session.jsonl", "a") as jsonl:
+        def record(row: dict) -> None:
+            row = {"shape": args.shape, "ctx": args.ctx, "t": round(time.monotonic() - args.t0),
+                   **row}
+            rows.append(row)
+            jsonl.write(json.dumps(row) + "\n")
+            jsonl.flush()
+            print(json.dumps(row), flush=True)
+
+        budget_mib = int(args.budget * 1024)
+        for name in args.systems.split(","):
+            if time.monotonic() - args.t0 > args.deadline:
+                record({"system": name, "skipped": "deadline"})
+                continue
+            with tempfile.TemporaryDirectory() as tmp, MemorySampler() as mem:
+                system = None
+                try:
+                    if name == "ours":
+                        system = Ours(model, args.ctx, budget_mib, args.margin, args.workload,
+                                      Path(tmp))
+                    elif name.startswith("fit-"):
+                        if args.tiny:
+                            record({"system": name, "skipped": "--tiny"})
+                            continue
+                        system = Fit(model, args.ctx, budget_mib, name[4:], args.threads,
+                                     out / f"{name}-{args.shape}-{args.ctx}.log")
+                    else:
+                        raise SystemExit(f"unknown system {name!r}")
+                    run_system(system, args, record)
+                except Exception as e:  # one system failing must not lose the others' rows
+                    record({"system": name, "error": f"{type(e).__name__}: {e}"})
+                finally:
+                    if system is not None:
+                        system.stop()
+                    logs = Path(tmp) / "xdg_state_home" / "localllm" / "logs"
+                    if name == "ours" and logs.is_dir():  # the daemon's and runner's logs
+                        shutil.copytree(logs, out / f"ours-logs-{args.shape}-{args.ctx}",
+                                        dirs_exist_ok=True)
+            record({"system": name, "peak_vram_mib": mem.delta // MIB, "budget_mib": budget_mib})
+    (out / "session.md").write_text(markdown(rows) + "\n")
+    print(markdown(rows))
+    return 0
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| shape | ctx | system | run | figures |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        figures = {k: v for k, v in r.items() if k not in ("shape", "ctx", "system", "run", "t")}
+        lines.append(f"| {r['shape']} | {r['ctx']} | {r.get('system', '')} | {r.get('run', '')} "
+                     f"| {json.dumps(figures)} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Decode threads on a busy CPU: the runner drops a thread when other processes hold cores and
+decode runs far below the plan, says why in its log, and ps shows the threads in use."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ollama
+
+from localllm.daemon.runner.threads import CpuSample, ThreadGovernor, WINDOW_S
+
+HOG = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end: pass\n"
+
+
+def test_a_cpu_hog_makes_the_runner_drop_a_thread_and_ps_shows_it(fresh_daemon):
+    client = ollama.Client(host=fresh_daemon.url)
+    client.generate(model="smollm2", prompt="Hello", options={"num_predict": 2})
+    [loaded] = fresh_daemon.ps()
+    planned = loaded["planned_threads"]
+    assert planned >= 2, "the plan must use at least 2 threads for a thread to be dropped"
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(planned - 1)]
+    try:
+        deadline = time.monotonic() + 150
+        while fresh_daemon.ps()[0]["threads"] >= planned:
+            assert time.monotonic() < deadline, "the runner never dropped a thread"
+            client.generate(model="smollm2", prompt="Write a long story about a dragon.",
+                            options={"num_predict": 48, "temperature": 0})
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    [loaded] = fresh_daemon.ps()
+    assert loaded["threads"] == planned - 1 and loaded["planned_threads"] == planned
+    assert "other processes use" in loaded["threads_reason"]
+    listed = fresh_daemon.cli("ps")
+    assert listed.returncode == 0 and "THREADS" in listed.stdout
+    assert f"{planned - 1} of {planned}" in listed.stdout
+    assert "threads: decode at" in listed.stdout
+    log = Path(fresh_daemon.env["XDG_STATE_HOME"]) / "localllm" / "logs" / "runner.log"
+    assert "threads: decode at" in log.read_text()
+
+
+class Host:
+    """Counters as /proc/stat and os.times would give them, advanced by the test."""
+
+    def __init__(self):
+        self.now = time.monotonic()
+        self.busy = self.own = 0.0
+
+    def run(self, seconds: float, ours: float, others: float) -> None:
+        self.now += seconds
+        self.own += ours * seconds
+        self.busy += (ours + others) * seconds
+
+    def sample(self, cpus) -> CpuSample:
+        return CpuSample(self.now, self.busy, self.own)
+
+    def clock(self) -> float:
+        return self.now
+
+
+def _window(gov: ThreadGovernor, host: Host, step_s: float, ours: float, others: float):
+    """One window of decode steps at `step_s` each; the governor's answer at its end."""
+    start = host.now
+    change = None
+    while change is None and host.now - start <= WINDOW_S + step_s:
+        host.run(step_s, ours, others)
+        change = gov.observe(step_s)
+    return change
+
+
+def test_the_governor_drops_only_when_slow_and_busy_and_comes_back_when_quiet():
+    host = Host()
+    gov = ThreadGovernor(planned=4, predicted_tps=40, cpus=(0, 1, 2, 3), sample=host.sample,
+                         clock=host.clock)
+    assert _window(gov, host, 1 / 38, ours=4, others=1.0) is None  # busy host, decode on plan
+    assert _window(gov, host, 1 / 35, ours=4, others=0.0) is None  # quiet host
+    change = _window(gov, host, 1 / 5, ours=3, others=1.0)  # slow and busy: one thread less
+    assert change.n_threads == 3 and "1.0 of 4 cores" in change.reason
+    assert _window(gov, host, 1 / 5, ours=3, others=1.0) is None  # 3 = the cores left: floor
+    changes = [_window(gov, host, 1 / 30, ours=3, others=0.0) for _ in range(3)]
+    assert changes[:2] == [None, None] and changes[2].n_threads == 4  # quiet three windows
+    two = ThreadGovernor(planned=2, predicted_tps=36, cpus=(0, 1), sample=host.sample,
+                         clock=host.clock)
+    assert _window(two, host, 1 / 2, ours=1.3, others=0.7).n_threads == 1
+    assert two.n_threads == 1 and _window(two, host, 1 / 2, ours=1, others=1.0) is None

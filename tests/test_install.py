@@ -1,0 +1,178 @@
+"""scripts/install.sh: llama.cpp built once per machine and reused by every later venv, the
+trimmed build still exports every C function bound by name, and a release wheel installs and
+answers without a compiler.
+
+The installs run the real script into fresh copies of this checkout, with the compilers on PATH
+replaced by commands that log their call and fail, so "compiles nothing" is checked, not timed.
+They reuse the wheel that this machine's own `scripts/install.sh` built (scripts/test.sh and
+CI run it first); without one they skip rather than compile llama.cpp inside a test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import import_models
+from daemon_process import isolated_env
+
+ROOT = Path(__file__).resolve().parent.parent
+INSTALL = ROOT / "scripts" / "install.sh"
+COMPILERS = ("cc", "gcc", "g++", "c++", "cmake", "ninja", "make", "ld")
+LLAMA_CPP_VERSION = "0.3.36"
+
+
+def checkout_copy(dest: Path) -> Path:
+    """This checkout's files (tracked and new, never ignored ones like .venv): a fresh place for
+    install.sh to make its .venv."""
+    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT,
+                            check=True, capture_output=True, text=True).stdout.split("\0")
+    for name in filter(None, listed):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def no_compiler_env(shims: Path, **extra: str) -> tuple[dict, Path]:
+    """The environment with every compiler command shadowed by one that logs and fails."""
+    shims.mkdir()
+    calls = shims / "calls.log"
+    for name in COMPILERS:
+        shim = shims / name
+        shim.write_text(f'#!/bin/sh\necho "{name} $*" >> "{calls}"\nexit 1\n')
+        shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}",
+           "CC": str(shims / "cc"), "CXX": str(shims / "c++"), **extra}
+    return env, calls
+
+
+def run_install(checkout: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "scripts/install.sh"], cwd=checkout, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def venv_lib_dir(checkout: Path) -> Path:
+    found = sorted((checkout / ".venv").glob("lib/python3*/site-packages/llama_cpp/lib"))
+    assert found, f"no llama_cpp/lib in {checkout / '.venv'}"
+    return found[0]
+
+
+def machine_wheel_dir() -> Path:
+    out = subprocess.run(["bash", str(INSTALL), "--wheel-dir"], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    return Path(out)
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_two_fresh_venvs_install_the_machine_wheel_and_compile_nothing(tmp_path):
+    wheel_dir = machine_wheel_dir()
+    if not list(wheel_dir.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl")):
+        pytest.skip(f"no wheel built on this machine yet in {wheel_dir}: run scripts/install.sh")
+    before = sorted(p.name for p in wheel_dir.iterdir())
+    env, calls = no_compiler_env(tmp_path / "shims")
+    for name in ("first", "second"):
+        checkout = checkout_copy(tmp_path / name)
+        result = run_install(checkout, env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"llama.cpp: {wheel_dir}" in result.stdout
+        assert "building llama.cpp" not in result.stdout
+        assert not calls.exists(), calls.read_text()
+        libs = {p.name for p in venv_lib_dir(checkout).iterdir()}
+        assert {"libllama.so", "libggml.so", "libggml-rpc.so", "libmtmd.so"} <= libs
+        assert "libllama-common.so" not in libs
+        assert "installed: localllm" in result.stdout
+    assert sorted(p.name for p in wheel_dir.iterdir()) == before
+
+
+def test_every_bound_c_function_is_exported():
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_symbols.py")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert " 0 missing" in result.stdout
+
+
+def test_symbol_check_names_what_a_build_without_rpc_misses(tmp_path):
+    import llama_cpp
+
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    for lib in lib_dir.glob("*.so*"):
+        if not lib.name.startswith("libggml-rpc"):
+            shutil.copy2(lib, tmp_path / lib.name)
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_symbols.py"),
+                             str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "llama/rpc.py: loads libggml-rpc.so" in result.stdout
+    assert "llama/rpc.py: ggml_backend_rpc_start_server not exported" in result.stdout
+
+
+def test_the_installed_engine_has_no_llama_common_and_each_library_once():
+    import llama_cpp
+
+    names = sorted(p.name for p in (Path(llama_cpp.__file__).parent / "lib").glob("*.so*"))
+    assert "libllama-common.so" not in names, "built without scripts/llama_cmake_trim.cmake"
+    assert all(name.endswith(".so") for name in names), names
+
+
+def release_wheels() -> list[Path]:
+    house = Path(os.environ.get("LOCALLLM_WHEELHOUSE", ROOT / "dist"))
+    return sorted(house.glob(f"localllm_llama_cpp-{LLAMA_CPP_VERSION}-*.whl"))
+
+
+@pytest.mark.slow
+@pytest.mark.network
+@pytest.mark.skipif(not release_wheels(), reason="no release wheel: scripts/build_wheel.sh")
+def test_release_wheel_installs_and_answers_without_a_compiler(tmp_path, smollm2_gguf):
+    wheel = release_wheels()[-1]
+    house = tmp_path / "wheelhouse"
+    house.mkdir()
+    shutil.copy2(wheel, house)
+    env, calls = no_compiler_env(tmp_path / "shims", LOCALLLM_WHEELHOUSE=str(house))
+    checkout = checkout_copy(tmp_path / "checkout")
+    result = run_install(checkout, env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "llama.cpp: release wheel" in result.stdout
+    assert not calls.exists(), calls.read_text()
+    python = str(checkout / ".venv" / "bin" / "python")
+    checked = subprocess.run([python, str(checkout / "scripts" / "check_symbols.py")],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert checked.returncode == 0, checked.stdout
+
+    daemon_env = isolated_env(tmp_path / "home", PATH=env["PATH"])
+    import_models(daemon_env, {"smollm2": smollm2_gguf})
+    serve = subprocess.Popen([python, "-m", "localllm.cli", "serve"], env=daemon_env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        host = _listening_host(serve, deadline=time.monotonic() + 120)
+        # The default model (smollm2) and a prompt: the README's first command.
+        answer = subprocess.run([str(checkout / ".venv" / "bin" / "localllm"), "run", "hi"],
+                                env={**daemon_env, "LOCALLLM_HOST": host},
+                                capture_output=True, text=True, timeout=300)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=30)
+    assert answer.returncode == 0, answer.stderr
+    assert answer.stdout.strip(), answer.stderr
+
+
+def _listening_host(proc: subprocess.Popen, deadline: float) -> str:
+    import json
+
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"daemon exited with {proc.wait()} before listening")
+        if line.startswith("{"):
+            info = json.loads(line)
+            if info.get("event") == "listening":
+                return f"{info['host']}:{info['port']}"
+    raise AssertionError("daemon did not listen in time")

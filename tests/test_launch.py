@@ -1,0 +1,185 @@
+"""`localllm launch claude | codex`: the setup it prints, and the agents it runs against a real
+daemon. The agents are stand-in scripts on PATH that record their environment and arguments
+and make one request to the URL they were given."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from chat_models import tool_model
+from daemon_process import isolated_env, start_daemon
+
+MODEL = "smollm2-tools:latest"
+
+# Claude Code: ANTHROPIC_BASE_URL, the token and the model from its environment.
+CLAUDE = """
+base = os.environ["ANTHROPIC_BASE_URL"]
+token = os.environ["ANTHROPIC_AUTH_TOKEN"]
+model = os.environ["ANTHROPIC_MODEL"]
+url = base + "/v1/chat/completions"
+"""
+# Codex: the provider's base_url and the model from its -c overrides.
+CODEX = """
+args = sys.argv[1:]
+over = dict(args[i + 1].split("=", 1) for i in range(len(args) - 1) if args[i] == "-c")
+base = json.loads(over["model_providers.localllm.base_url"])
+model = json.loads(over["model"])
+token = "none"
+url = base + "/chat/completions"
+"""
+REQUEST = """
+body = json.dumps({"model": model, "max_tokens": 4,
+                   "messages": [{"role": "user", "content": "Say hi."}]}).encode()
+req = urllib.request.Request(url, data=body, headers={
+    "Authorization": "Bearer " + token, "Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        status, answer = resp.status, json.loads(resp.read())
+except urllib.error.HTTPError as e:
+    status, answer = e.code, e.read().decode()
+with open(os.environ["AGENT_RECORD"], "w") as f:
+    json.dump({"argv": sys.argv[1:], "env": dict(os.environ), "url": url,
+               "status": status, "answer": answer}, f)
+sys.exit(0 if status == 200 else 3)
+"""
+
+
+def stand_in(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text(f"#!{sys.executable}\nimport json, os, sys, urllib.error, urllib.request\n"
+                    + textwrap.dedent(body) + REQUEST)
+    path.chmod(0o755)
+
+
+@pytest.fixture(scope="module")
+def launch_daemon(tmp_path_factory, smollm2_gguf):
+    from conftest import import_models
+
+    root = tmp_path_factory.mktemp("launch")
+    env = isolated_env(root)
+    # Two stored models, one of them tool-capable: launch must pick that one.
+    import_models(env, {"smollm2": smollm2_gguf, "smollm2-tools": tool_model(smollm2_gguf,
+                                                                              root)})
+    d = start_daemon(env)
+    yield d
+    d.stop()
+
+
+def launch(daemon, tmp_path, *args: str, path: str | None = None):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stand_in(bin_dir, "claude", CLAUDE)
+    stand_in(bin_dir, "codex", CODEX)
+    env = {**daemon.env, "LOCALLLM_HOST": daemon.url.removeprefix("http://"),
+           "AGENT_RECORD": str(tmp_path / "record.json"),
+           "PATH": path if path is not None else f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run([sys.executable, "-m", "localllm.cli", "launch", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def exports(stdout: str) -> dict[str, str]:
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("export "):
+            key, _, value = line.removeprefix("export ").partition("=")
+            out[key] = shlex.split(value)[0] if value else ""
+    return out
+
+
+def test_print_env_shows_claude_code_pointed_here_with_every_tier_local(launch_daemon,
+                                                                        tmp_path):
+    r = launch(launch_daemon, tmp_path, "claude", "--print-env")
+    assert r.returncode == 0, r.stderr
+    env = exports(r.stdout)
+    assert env["ANTHROPIC_BASE_URL"] == launch_daemon.url
+    assert env["ANTHROPIC_AUTH_TOKEN"]  # no API key set: a placeholder
+    for tier in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL",
+                 "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+                 "ANTHROPIC_SMALL_FAST_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL"):
+        assert env[tier] == MODEL, tier
+    assert env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
+    assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
+    assert r.stdout.splitlines()[-1] == f"claude --model {MODEL}"
+    assert not (tmp_path / "record.json").exists()  # nothing was run
+    # Every name it gives the agent exists: the daemon shows it.
+    assert launch_daemon.cli("show", MODEL).returncode == 0
+
+
+def test_print_config_shows_a_responses_provider_as_overrides(launch_daemon, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    r = launch(launch_daemon, tmp_path, "codex", "--print-config")
+    assert r.returncode == 0, r.stderr
+    argv = shlex.split(r.stdout.splitlines()[-1])
+    assert argv[0] == "codex"
+    over = dict(a.split("=", 1) for a in argv[2::2])
+    assert set(argv[1::2]) == {"-c"}
+    assert json.loads(over["model_providers.localllm.base_url"]) == launch_daemon.url + "/v1"
+    assert json.loads(over["model_providers.localllm.wire_api"]) == "responses"
+    assert json.loads(over["model_provider"]) == "localllm"
+    assert json.loads(over["model"]) == MODEL
+    assert int(over["model_context_window"]) == 8192  # SmolLM2's trained context
+
+
+def test_launch_runs_each_agent_and_its_request_succeeds(launch_daemon, tmp_path):
+    r = launch(launch_daemon, tmp_path, "claude", "--", "-p", "hello there")
+    assert r.returncode == 0, r.stdout + r.stderr
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["status"] == 200 and record["answer"]["model"] == MODEL
+    assert record["argv"] == ["--model", MODEL, "-p", "hello there"]
+    assert record["env"]["ANTHROPIC_BASE_URL"] == launch_daemon.url
+    assert record["env"]["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
+    # Loaded with the long context it planned (SmolLM2's trained 8,192 < 64K; it said so).
+    assert "trained on 8192" in r.stderr
+    loaded = {m["model"]: m for m in launch_daemon.ps()}
+    assert loaded[MODEL]["context_length"] == 8192
+
+    (tmp_path / "record.json").unlink()
+    r = launch(launch_daemon, tmp_path, "codex", "--model", "smollm2-tools", "--", "exec",
+               "hi")
+    assert r.returncode == 0, r.stdout + r.stderr
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["status"] == 200
+    assert record["url"] == launch_daemon.url + "/v1/chat/completions"
+    assert record["argv"][-2:] == ["exec", "hi"]
+
+
+def test_a_missing_agent_gets_one_line_saying_how_to_install_it(launch_daemon, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for agent, package in (("claude", "@anthropic-ai/claude-code"), ("codex", "@openai/codex")):
+        r = launch(launch_daemon, tmp_path, agent, path=str(empty))
+        assert r.returncode == 1
+        assert len(r.stderr.strip().splitlines()) == 1
+        assert f"npm i -g {package}" in r.stderr
+
+
+def test_an_unknown_model_is_one_line_naming_it(launch_daemon, tmp_path):
+    r = launch(launch_daemon, tmp_path, "claude", "--model", "no-such-model", "--print-env")
+    assert r.returncode == 1
+    assert len(r.stderr.strip().splitlines()) == 1 and "no-such-model" in r.stderr
+
+
+def test_the_pick_is_the_largest_tool_model_that_fits_else_the_smallest():
+    from localllm.cli.launch import pick_model
+
+    def m(name, size, tools=True):
+        return {"name": name, "size": size, "capabilities": ["tools"] if tools else [],
+                "trained_ctx": 0}
+
+    models = [m("big", 40), m("mid", 20), m("small", 5), m("chat", 30, tools=False)]
+    assert pick_model(models, free_vram=25)["name"] == "mid"
+    assert pick_model(models, free_vram=100)["name"] == "big"
+    assert pick_model(models, free_vram=0)["name"] == "small"
+    from localllm.errors import UserError
+
+    with pytest.raises(UserError, match="no stored model can call tools"):
+        pick_model([m("chat", 30, tools=False)], free_vram=100)

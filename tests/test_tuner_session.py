@@ -1,0 +1,232 @@
+"""Issue 21: the tuner plans for the whole session. RAM as it is at load time, prompt reading
+priced per micro-batch (and the engine reading whole micro-batches), a workload in place of one
+fill, recurrent-state snapshots counted, plans per fill band."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import synth_gguf
+
+from localllm.config import ConfigError, check_setting
+from localllm.daemon.runner.engine import CANCEL_BOUND_S, prompt_chunk
+from localllm.modelstore.shape import read_shape
+from localllm.llama import hardware
+from localllm.profiles.card import GIB, MIB, load_card
+from localllm.profiles.choose import config_request, placement_of, settings_of
+from localllm.profiles.memory import (
+    ContextSettings, Placement, block_kv_bytes, memory_by_device, model_costs,
+)
+from localllm.profiles.plan import Plan
+from localllm.profiles.speed import prompt_cost
+from localllm.profiles.tuner import RAM_RESERVE, Request, band_plans, ram_budget, tune
+from localllm.profiles.workload import AGENT, CHAT, from_fill
+
+H200_HOST = dict(ram_bytes=128 * GIB, cores=16, host_bandwidth_gbs=51.2)
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    paths = synth_gguf.ensure_headers(tmp_path_factory.getbasetemp() / "synth-headers")
+    return {name: read_shape(path) for name, path in paths.items()}
+
+
+def h200(gib: float):
+    return load_card("h200").with_host(**H200_HOST).with_vram(gib)
+
+
+# ---- RAM as it really is -----------------------------------------------------------------------
+
+def test_ram_is_memavailable_capped_by_the_cgroup(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       131072000 kB\nMemFree:  1000 kB\n"
+                       "MemAvailable:   100000000 kB\n")
+    assert hardware.mem_available_bytes(str(meminfo)) == 100000000 * 1024
+    # cgroup v2: /proc/self/cgroup names the group; its memory.max less what it holds (page
+    # cache excepted) is the room, and a parent's tighter limit wins.
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/bench/daemon\n")
+    root = tmp_path / "fs"
+    (root / "bench" / "daemon").mkdir(parents=True)
+    (root / "bench" / "daemon" / "memory.max").write_text("max\n")
+    (root / "bench" / "memory.max").write_text(str(24 * GIB) + "\n")
+    (root / "bench" / "memory.current").write_text(str(6 * GIB) + "\n")
+    (root / "bench" / "memory.stat").write_text(f"anon {2 * GIB}\nfile {4 * GIB}\n")
+    assert hardware.cgroup_room_bytes(str(proc), str(root)) == 22 * GIB
+    (root / "bench" / "daemon" / "memory.max").write_text(str(10 * GIB) + "\n")
+    assert hardware.cgroup_room_bytes(str(proc), str(root)) == 10 * GIB
+    # No limit anywhere: no cap.
+    (proc).write_text("0::/\n")
+    assert hardware.cgroup_room_bytes(str(proc), str(root)) is None
+    # This machine: a probe reads MemAvailable, never more than the physical RAM.
+    assert 0 < hardware.ram_available() <= hardware.host_ram_bytes()
+    assert hardware.probe_card().ram_available_bytes > 0
+
+
+def test_plans_count_the_ram_available_and_past_it_read_from_disk(shapes):
+    big = shapes["70b"]  # 37 GiB of weights
+    card = h200(12)
+    roomy = tune(big, replace(card, ram_available_bytes=100 * GIB), Request(n_ctx=8192))
+    boxed = tune(big, replace(card, ram_available_bytes=24 * GIB), Request(n_ctx=8192))
+    assert ram_budget(replace(card, ram_available_bytes=24 * GIB)) == 24 * GIB - RAM_RESERVE
+    assert not any("read from disk per token" in r for r in roomy.reasons)
+    [line] = [r for r in boxed.reasons if "read from disk per token" in r]
+    gib_per_token = float(re.match(r"([\d.]+) GiB read from disk", line).group(1))
+    cpu = next(m for m in boxed.memory if m.device == "CPU")
+    assert gib_per_token == pytest.approx((cpu.total - (24 * GIB - RAM_RESERVE)) / GIB, abs=0.06)
+    assert boxed.predicted_decode_tps < roomy.predicted_decode_tps / 3
+    # The ram_budget setting wins over what the probe saw.
+    set_budget = tune(big, replace(card, ram_available_bytes=100 * GIB),
+                      Request(n_ctx=8192, ram_budget_bytes=24 * GIB))
+    assert any("read from disk per token" in r for r in set_budget.reasons)
+
+
+def test_ram_budget_setting(home, monkeypatch):
+    check_setting("ram_budget", "24G")
+    check_setting("ram_budget", "auto")
+    for bad in ("lots", "12K"):
+        with pytest.raises(ConfigError):
+            check_setting("ram_budget", bad)
+    (home / "xdg_config_home" / "localllm").mkdir(parents=True)
+    (home / "xdg_config_home" / "localllm" / "config.toml").write_text('ram_budget = "20G"\n')
+    assert config_request().ram_budget_bytes == 20 * GIB
+
+
+# ---- prompt reading ----------------------------------------------------------------------------
+
+def test_prompt_cost_reproduces_llama_bench_by_micro_batch(shapes):
+    """llama-bench pp4096 on the H200, dense-27b, q8_0 KV (device notes): the FFN of blocks
+    25-65 in RAM 258/425/835/1219 tok/s at ubatch 256/512/1024/2048; whole blocks (-ngl 40)
+    485 at 512 and 1398 at 2048."""
+    costs = model_costs(shapes["dense-27b"])
+    card = h200(141)
+    measured = {Placement(67, n_cpu_ffn_layers=41): {256: 258, 512: 425, 1024: 835, 2048: 1219},
+                Placement(40): {512: 485, 2048: 1398}}
+    for placement, by_ub in measured.items():
+        for ub, tps in by_ub.items():
+            cost = prompt_cost(costs, placement, ContextSettings(8192, "q8_0", "q8_0", True, ub),
+                               card, 16)
+            assert 4096 / cost.seconds(4096, ub) == pytest.approx(tps, rel=0.12), (placement, ub)
+    # Bigger micro-batches share the crossing: a 16K prompt reads 4x faster at 2048 than 256.
+    ffn = Placement(67, n_cpu_ffn_layers=41)
+    t = {ub: prompt_cost(costs, ffn, ContextSettings(32768, "q8_0", "q8_0", True, ub), card,
+                         16).seconds(16384, ub) for ub in (256, 2048)}
+    assert t[256] > 3.5 * t[2048]
+
+
+def test_engine_reads_whole_micro_batches_within_the_cancel_bound():
+    gpu = Plan(n_ctx=32768, n_gpu_layers=67, n_batch=2048, n_ubatch=1024,
+               predicted_prefill_tps=835)
+    assert prompt_chunk(gpu, 2048) == 1024  # one micro-batch: 1.2 s, never split
+    fast = replace(gpu, n_ubatch=512, predicted_prefill_tps=1400)
+    chunk = prompt_chunk(fast, 2048)
+    assert chunk % 512 == 0 and chunk / 1400 <= CANCEL_BOUND_S
+    on_cpu = Plan(n_ctx=4096, n_batch=512, n_ubatch=512, predicted_prefill_tps=400)
+    assert prompt_chunk(on_cpu, 512) == 64  # a CPU: about a quarter second, no crossing
+
+
+def test_plan_predicts_time_to_first_token_and_tune_shows_it(shapes, home):
+    plan = tune(shapes["dense-27b"], h200(12), Request(n_ctx=32768, workload=AGENT))
+    ttft = dict(plan.predicted_ttft)
+    assert sorted(ttft) == [1024, 4096, 16384]
+    assert ttft[1024] < ttft[4096] < ttft[16384]
+    path = shapes["dense-27b"].path
+    done = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", path, "--card", "h200",
+                           "--vram", "12", "--ctx", "32768", "--workload", "agent"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"time to first token: 1K-token prompt [\d.]+ s, 4K-token prompt [\d.]+ s, "
+                     r"16K-token prompt [\d.]+ s", done.stdout), done.stdout
+    assert "session (agent:" in done.stdout
+    assert re.search(r"up to 8192: .*\n.*up to 32768:", done.stdout), done.stdout
+    bad = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", path, "--card", "h200",
+                          "--workload", "nightly"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "workload" in bad.stderr
+
+
+# ---- a workload in place of one fill -----------------------------------------------------------
+
+def test_agent_workload_buys_prompt_speed_and_depth_where_chat_buys_the_start(shapes):
+    """dense-27b at 32K on 12 GiB: an agent's 20K-token prompt and turns that grow to the end
+    of the context want every block's attention on the GPU and big micro-batches; a chat
+    stays shallow and keeps the small micro-batch's VRAM for weights. The reasons say which
+    moment each choice serves."""
+    shape = shapes["dense-27b"]
+    card = h200(12)
+    chat = tune(shape, card, Request(n_ctx=32768, margin_bytes=128 * MIB, workload=CHAT))
+    agent = tune(shape, card, Request(n_ctx=32768, margin_bytes=128 * MIB, workload=AGENT))
+    assert agent.n_ubatch >= 1024 > chat.n_ubatch
+    assert agent.n_gpu_layers == shape.n_layer + 1  # every block's attention on the GPU
+    assert dict(agent.predicted_ttft)[16384] < dict(chat.predicted_ttft)[16384] / 2
+    # Each plan is the better one for its own session.
+    chat_depths, agent_depths = dict(chat.predicted_decode_by_depth), \
+        dict(agent.predicted_decode_by_depth)
+    assert chat_depths[0] > agent_depths[0] and agent_depths[32768] > chat_depths[32768]
+    [ub_line] = [r for r in agent.reasons if r.startswith(f"ubatch {agent.n_ubatch} ")]
+    assert re.search(r"over ubatch 256 .* serves the first prompt \([\d.]+ s faster\)", ub_line)
+    [session] = [r for r in agent.reasons if "the session (agent:" in r]
+    assert re.search(r"the first, 20000 tokens, [\d.]+ s", session)
+    [chat_ub] = [r for r in chat.reasons if r.startswith(f"ubatch {chat.n_ubatch} ")]
+    assert re.search(r"over ubatch 2048 .* serves [^;]*answers up to \d+ tokens", chat_ub)
+
+
+def test_workload_and_the_older_expected_fill_from_the_config(home):
+    config_dir = home / "xdg_config_home" / "localllm"
+    config_dir.mkdir(parents=True)
+    assert config_request().workload == CHAT  # the default
+    (config_dir / "config.toml").write_text('workload = "agent"\n')
+    assert config_request().workload == AGENT
+    (config_dir / "config.toml").write_text("expected_fill = 0.7\n")  # the older setting
+    assert config_request().workload == from_fill(0.7)
+    with pytest.raises(ConfigError):
+        check_setting("workload", "batch")
+
+
+def test_a_fill_workload_is_the_older_objective(shapes):
+    """expected_fill 0.5 as a workload: decode averaged over half the context, as before."""
+    shape = shapes["dense-27b"]
+    plan = tune(shape, h200(12), Request(n_ctx=32768, workload=from_fill(0.5)))
+    depths = dict(plan.predicted_decode_by_depth)
+    assert depths[32768] < plan.predicted_decode_tps < depths[0]
+    assert plan.predicted_session_s == pytest.approx(16384 / plan.predicted_decode_tps, rel=0.02)
+
+
+# ---- never over budget -------------------------------------------------------------------------
+
+def test_recurrent_state_snapshots_for_drafts_are_counted(shapes):
+    """The runner keeps draft_n_max + 1 snapshots of the recurrent state per sequence
+    (n_rs_seq); the plan's memory counts them, so an MTP plan of the Qwen3.5 shape stays in its
+    budget."""
+    shape = shapes["qwen35-27b"]
+    costs = model_costs(shape)
+    recurrent = next(i for i, b in enumerate(costs.state_bytes) if b)
+    plain = ContextSettings(32768, "q8_0", "q8_0")
+    assert block_kv_bytes(costs, recurrent, replace(plain, n_rs_seq=4)) == \
+        5 * block_kv_bytes(costs, recurrent, plain)
+    # All on the GPU (24 GiB) with a measured high acceptance: the plan drafts with MTP.
+    plan = tune(shape, h200(24), Request(n_ctx=32768, acceptance={"mtp": 0.95}))
+    assert plan.speculative == "mtp", plan.reasons
+    settings = settings_of(plan)
+    assert settings.n_rs_seq == plan.draft_n_max + 1
+    loaded = memory_by_device(model_costs(shape, load_mtp=True), placement_of(plan, shape),
+                              settings, h200(24))
+    gpu_kv = next(m.kv for m in loaded if m.device == "CUDA0")
+    assert next(m.kv for m in plan.memory if m.device == "CUDA0") >= gpu_kv
+
+
+# ---- plans per fill band -----------------------------------------------------------------------
+
+def test_plans_per_fill_band(shapes):
+    shape = shapes["dense-27b"]
+    bands = band_plans(shape, h200(12), Request(n_ctx=131072, margin_bytes=128 * MIB,
+                                                workload=AGENT))
+    assert [b for b, _ in bands] == [8192, 32768, 131072]
+    small, mid, whole = (p for _, p in bands)
+    assert small.n_ctx == 8192 and whole.n_ctx == 131072
+    # A smaller band holds less KV, so it keeps more on the GPU and decodes faster at its start.
+    assert dict(small.predicted_decode_by_depth)[0] > dict(whole.predicted_decode_by_depth)[0]
+    assert all(b.workload for _, b in bands)

@@ -1,0 +1,288 @@
+"""Images through the real `ollama` and `openai` clients, a real daemon and real mtmd, with the
+synthetic Gemma 3 pair (scripts/synth_gguf.py --vision): a tiny language model and a projector
+of the real tensor table, weights drawn at random, 64 image tokens per image."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import ollama
+import openai
+import pytest
+import synth_gguf
+from PIL import Image
+
+from localllm.modelstore.store import PROJECTOR_LAYER, ModelStore
+
+GREEDY = {"num_predict": 8, "temperature": 0, "seed": 1}
+IMAGE_TOKENS = 64  # tiny_projector: 224 px / 14 px patches / 2x2 pooling
+WRAP_TOKENS = 2  # <start_of_image> and <end_of_image>, which mtmd writes around it
+
+
+def image_bytes(color, fmt="PNG", size=(40, 30)) -> bytes:
+    out = io.BytesIO()
+    image = Image.new("RGB", size, color)
+    for x in range(size[0]):  # a gradient: the pooled patches differ from each other
+        image.putpixel((x, x * size[1] // size[0]), (255 - color[0], x * 6 % 256, 99))
+    image.save(out, fmt)
+    return out.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+RED, BLUE = b64(image_bytes((220, 20, 30))), b64(image_bytes((10, 40, 230)))
+GREEN = b64(image_bytes((20, 200, 40), "JPEG"))
+GIF = b64(image_bytes((200, 200, 40), "GIF"))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return synth_gguf.write_vision_pair(tmp_path_factory.mktemp("vl"))
+
+
+@pytest.fixture(scope="module")
+def vdaemon(tmp_path_factory, pair, smollm2_gguf):
+    from daemon_process import isolated_env, start_daemon
+
+    env = isolated_env(tmp_path_factory.mktemp("vision-daemon"), LOCALLLM_NUM_PARALLEL="1")
+    store = ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models")
+    model, mmproj = pair
+    store.import_gguf(model, "vl", projector=mmproj)
+    store.import_gguf(model, "vl-text")  # the same model without its projector
+    d = start_daemon(env)
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def oc(vdaemon):
+    return ollama.Client(host=vdaemon.url)
+
+
+@pytest.fixture(scope="module")
+def ai(vdaemon):
+    return openai.OpenAI(base_url=vdaemon.url + "/v1", api_key="unused")
+
+
+def post(daemon, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(daemon.url + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def ask(oc, images=(), text="What is this?", model="vl", **kw):
+    message = {"role": "user", "content": text}
+    if images:
+        message["images"] = list(images)
+    return oc.chat(model=model, messages=[message], options={**GREEDY, **kw})
+
+
+def test_import_stores_the_projector_and_show_reports_vision(vdaemon, oc, pair):
+    assert "vision" in oc.show("vl").capabilities
+    assert "vision" not in oc.show("vl-text").capabilities
+    _, shown = post(vdaemon, "/api/show", {"model": "vl"})  # (the client drops projector_info)
+    assert shown["projector_info"]["clip.projector_type"] == "gemma3"
+    assert shown["projector_info"]["clip.vision.projection_dim"] == 256
+    assert "projector_info" not in post(vdaemon, "/api/show", {"model": "vl-text"})[1]
+    store = ModelStore(Path(vdaemon.env["XDG_DATA_HOME"]) / "localllm" / "models")
+    layer = store.get("vl").companion(PROJECTOR_LAYER)
+    assert layer.media_type == "application/vnd.ollama.image.projector"
+    assert layer.size == pair[1].stat().st_size
+
+
+def test_an_image_changes_the_greedy_answer_and_counts_its_tokens(oc):
+    without = ask(oc)
+    with_red = ask(oc, [RED])
+    assert with_red.message.content != without.message.content
+    # (prompt_eval_count is what was read: the text before the image came from the cache)
+    assert with_red.prompt_eval_count >= IMAGE_TOKENS + WRAP_TOKENS
+    with_blue = ask(oc, [BLUE])
+    assert with_blue.message.content != with_red.message.content
+
+
+def test_same_image_reuses_the_cache_and_another_is_read_again(oc, vdaemon):
+    first = ask(oc, [RED], text="Describe the colours.")
+    again = ask(oc, [RED], text="Describe the colours.")
+    assert again.message.content == first.message.content
+    # One token is always read again (its logits start the answer); the image is not.
+    assert again.prompt_eval_count == 1
+    other = ask(oc, [BLUE], text="Describe the colours.")
+    assert other.prompt_eval_count >= IMAGE_TOKENS + WRAP_TOKENS
+
+
+def test_openai_image_url_parts_and_usage(ai, oc):
+    def chat(parts):
+        return ai.chat.completions.create(
+            model="vl", messages=[{"role": "user", "content": parts}], max_tokens=8,
+            temperature=0, seed=1)
+
+    text_only = chat([{"type": "text", "text": "What is this?"}])
+    url = f"data:image/png;base64,{RED}"
+    with_image = chat([{"type": "text", "text": "What is this?"},
+                       {"type": "image_url", "image_url": {"url": url}}])
+    assert with_image.usage.prompt_tokens >= text_only.usage.prompt_tokens + IMAGE_TOKENS
+    assert with_image.choices[0].message.content != text_only.choices[0].message.content
+    # Two images in one message, and the same chat as Ollama's `images` reads the same prompt
+    # when the image comes first.
+    two = chat([{"type": "image_url", "image_url": {"url": url}},
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{BLUE}"}},
+                {"type": "text", "text": "Which is red?"}])
+    assert two.usage.prompt_tokens >= text_only.usage.prompt_tokens + 2 * IMAGE_TOKENS
+    first = chat([{"type": "image_url", "image_url": {"url": url}},
+                  {"type": "text", "text": "What is this?"}])
+    via_ollama = ask(oc, [RED])
+    assert first.choices[0].message.content == via_ollama.message.content
+
+
+def test_images_in_earlier_turns_and_generate(oc):
+    history = [{"role": "user", "content": "Look.", "images": [GREEN]},  # (a JPEG)
+               {"role": "assistant", "content": "A green picture."},
+               {"role": "user", "content": "And this?", "images": [GIF]}]
+    r = oc.chat(model="vl", messages=history, options=GREEDY)
+    assert r.prompt_eval_count >= 2 * IMAGE_TOKENS
+    plain = oc.generate(model="vl", prompt="Tell me what this is.", options=GREEDY)
+    g = oc.generate(model="vl", prompt="Tell me what this is.", images=[RED], options=GREEDY)
+    assert g.prompt_eval_count >= IMAGE_TOKENS + WRAP_TOKENS
+    assert g.response != plain.response
+
+
+def truncated_png() -> str:
+    raw = image_bytes((1, 2, 3))
+    return b64(raw[: len(raw) // 2])
+
+
+@pytest.mark.parametrize("image, expected", [
+    (b64(b"hello, this is plain text"), "is not an image"),
+    ("@@not base64@@", "is not valid base64"),
+    (truncated_png(), "truncated PNG"),
+    (b64(b"II*\x00" + bytes(64)), "TIFF file, an unsupported format"),
+])
+def test_bad_images_get_a_400_naming_the_problem(vdaemon, image, expected):
+    status, body = post(vdaemon, "/api/chat", {
+        "model": "vl", "stream": False, "options": GREEDY,
+        "messages": [{"role": "user", "content": "hi", "images": [image]}]})
+    assert status == 400
+    assert expected in body["error"] and "messages[0].images[0]" in body["error"]
+
+
+def test_model_without_projector_and_too_many_images(vdaemon, oc):
+    status, body = post(vdaemon, "/api/chat", {
+        "model": "vl-text", "stream": False,
+        "messages": [{"role": "user", "content": "hi", "images": [RED]}]})
+    assert status == 400
+    assert "vl-text" in body["error"] and "does not support images" in body["error"]
+    # A context too small for the images: the runner refuses it and stays up.
+    status, body = post(vdaemon, "/api/chat", {
+        "model": "vl", "stream": False, "options": {**GREEDY, "num_ctx": 256},
+        "messages": [{"role": "user", "content": "hi", "images": [RED] * 5}]})
+    assert status == 400 and "5 images" in body["error"]
+    after = ask(oc, [RED])  # the daemon and the runner are fine
+    assert after.done and after.prompt_eval_count > 0
+
+
+def test_image_urls_fetched_refused_and_failing(vdaemon, tmp_path):
+    import http.server
+    import threading
+
+    png = base64.b64decode(RED)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/red.png":
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(png)))
+                self.end_headers()
+                self.wfile.write(png)
+            elif self.path == "/private":
+                self.send_response(302)
+                self.send_header("Location", "http://10.1.2.3/x.png")
+                self.end_headers()
+            else:
+                self.send_response(404)
+                self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        def chat(url):
+            return post(vdaemon, "/v1/chat/completions", {
+                "model": "vl", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image_url", "image_url": {"url": url}}]}]})
+
+        status, body = chat(f"{base}/red.png")
+        assert status == 200 and body["usage"]["prompt_tokens"] > IMAGE_TOKENS
+        status, body = chat(f"{base}/missing.png")
+        assert status == 400 and f"{base}/missing.png" in body["error"]["message"]
+        assert "HTTP 404" in body["error"]["message"]
+        status, body = chat(f"{base}/private")
+        assert status == 400 and "private address" in body["error"]["message"]
+    finally:
+        server.shutdown()
+
+
+def test_pull_of_a_hub_repo_brings_its_projector_and_show_reports_vision(tmp_path_factory,
+                                                                          pair):
+    """The fake hub's repo holds the model and two projectors: the pull stores the model and
+    the f16 one (not the f32) as its projector layer, and the model then takes images."""
+    from daemon_process import isolated_env, start_daemon
+    from hub_server import Hub
+
+    from localllm.modelstore.store import sha256_file
+
+    model, mmproj = pair
+    tmp_path = tmp_path_factory.mktemp("pull")  # (short: the daemon's socket path must fit)
+    f32 = synth_gguf.write_projector(tmp_path / "mmproj-f32.gguf",
+                                     synth_gguf.tiny_projector(synth_gguf.tiny(
+                                         synth_gguf.SHAPES["gemma3-27b"])), seed=7)
+    with Hub() as hub:
+        hub.add("test/VL-GGUF", "vl-Q8_0.gguf", model)
+        hub.add("test/VL-GGUF", "mmproj-vl-f32.gguf", f32)
+        hub.add("test/VL-GGUF", "mmproj-vl-f16.gguf", mmproj)
+        env = isolated_env(tmp_path, LOCALLLM_HF_ENDPOINT=hub.url)
+        d = start_daemon(env)
+        try:
+            oc = ollama.Client(host=d.url)
+            assert oc.pull("hf.co/test/VL-GGUF").status == "success"
+            name = "hf.co/test/VL-GGUF"
+            assert "vision" in oc.show(name).capabilities
+            store = ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models")
+            entry = store.get(name)
+            assert entry.digest == "sha256:" + sha256_file(model)
+            assert entry.companion(PROJECTOR_LAYER).digest == "sha256:" + sha256_file(mmproj)
+            r = oc.chat(model=name, options=GREEDY,
+                        messages=[{"role": "user", "content": "hi", "images": [RED]}])
+            assert r.prompt_eval_count >= IMAGE_TOKENS
+        finally:
+            d.stop()
+
+
+def test_run_attaches_the_image_files_a_prompt_names(vdaemon, tmp_path):
+    from localllm.cli.image_paths import attach_images
+
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(base64.b64decode(RED))
+    text, images = attach_images("what is in ./photo.png? and missing.png", cwd=tmp_path)
+    assert text == "what is in ? and missing.png" and [i.path for i in images] == [photo]
+    result = vdaemon.cli("run", "vl", f"what is in {photo}?", "--verbose")
+    assert result.returncode == 0, result.stderr
+    assert "added image photo.png" in result.stderr
+    plain = vdaemon.cli("run", "vl", "what is in?", "--verbose")
+    assert plain.returncode == 0 and "added image" not in plain.stderr
