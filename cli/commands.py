@@ -556,8 +556,9 @@ def cmd_ps(args) -> int:
     for m in data["models"]:  # threads the runner dropped on a busy CPU, and why
         if m.get("threads_reason"):
             print(f"{m['name']} threads: {m['threads_reason']}")
-    for m in data["models"]:  # a model spread over RPC workers: its split, device by device
-        if any(d["device"].startswith("RPC") for d in m.get("devices", ())):
+    for m in data["models"]:  # a model spread over devices: its split, device by device
+        if sum(1 for d in m.get("devices", ()) if d["device"] != "CPU" and d["layers"]) > 1 \
+                or any(d["device"].startswith("RPC") for d in m.get("devices", ())):
             split = ", ".join(f"{d['device']} {d['layers']} layers ({human_size(d['size'])})"
                               for d in m["devices"])
             print(f"{m['name']} split: {split}")

@@ -22,14 +22,14 @@ from localllm.modelstore.shape import ModelShape, read_shape
 
 from localllm.profiles.card import MIB, Card, card_names
 from localllm.profiles import quality
-from localllm.profiles.choose import config_request, tune_checked
+from localllm.profiles.choose import config_request, gpus_setting, tune_checked
 from localllm.profiles.explain import REJECTED, gib
 from localllm.llama.hardware import resolve_card
 from localllm.profiles.measure import (
     calibrated, doubtful, measure_in_child, reset_calibration, update_calibration,
 )
 from localllm.profiles.memory import model_costs
-from localllm.profiles.plan import Plan
+from localllm.profiles.plan import Plan, layer_ranges
 from localllm.profiles.quality import split_kv
 from localllm.profiles.saved import save_profile
 from localllm.profiles.speed import predict_speed
@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "plan as an editable profile the daemon loads with.")
     p.add_argument("model", nargs="?", help="a stored model's name or a path to a .gguf file")
     p.add_argument("--card", default="auto",
-                   help=f"a card profile ({', '.join(card_names())}) or auto (probe this machine)")
+                   help=f"a card profile ({', '.join(card_names())}), several joined by + "
+                   "(rtx3090+rtx3060-12g: one box with both), or auto (probe this machine)")
     p.add_argument("--ctx", type=int, help="the context length to plan for (default: the "
                    "largest up to the trained one that keeps decode fast, at least 4096)")
     p.add_argument("--vram", type=float, metavar="GiB",
@@ -120,7 +121,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise UserError("--threads must be at least 1")
     shape, model_name = resolve_model(args.model)
-    card = calibrated(resolve_card(args.card))
+    card = calibrated(resolve_card(args.card, gpus_setting()))
     if args.calibrate:
         card = calibrate_machine(card, args.card, Path(shape.path))
     if args.vram is not None:
@@ -281,6 +282,8 @@ def format_plan(plan: Plan, card: Card, shape: ModelShape, model_name: str) -> s
     for m in plan.memory:
         if m.device == "CPU":
             free = card.ram_bytes
+        elif m.device in card.devices:
+            free = card.gpu(m.device).free_vram_bytes
         else:
             free = card.free_vram_bytes
         rows.append([m.device, gib(m.weights), gib(m.kv), gib(m.compute),
@@ -293,6 +296,9 @@ def format_plan(plan: Plan, card: Card, shape: ModelShape, model_name: str) -> s
                 f"n_batch={plan.n_batch} n_ubatch={plan.n_ubatch} threads={plan.n_threads} "
                 f"n_parallel={plan.n_parallel} swa_full={plan.swa_full}")
     lines.append(settings)
+    if plan.tensor_split:
+        lines.append("split (tensor_split, by layer): "
+                     + "; ".join(layer_ranges(plan.device_layers)))
     for o in plan.tensor_overrides:
         lines.append(f"override: {o.pattern} -> {o.device}")
     lines.append(f"predicted: prefill {plan.predicted_prefill_tps:.1f} tok/s, decode "

@@ -82,24 +82,24 @@ class Planner:
         """`projector`: a vision model's ProjectorInfo, planned on the card with the model
         (profiles.vision)."""
         from localllm.llama.hardware import probe_card
-        from localllm.profiles.choose import choose_plan
+        from localllm.profiles.choose import choose_plan, gpus_setting
 
+        card = probe_card(gpus_setting())  # the GPUs CUDA_VISIBLE_DEVICES and `gpus` leave
         if projector is None:
-            return choose_plan(shape, model_name, n_ctx, load, probe_card(),
-                               draft_shape=draft_shape)
+            return choose_plan(shape, model_name, n_ctx, load, card, draft_shape=draft_shape)
         from localllm.profiles.vision import plan_with_projector, projector_cost
 
         return plan_with_projector(
-            probe_card(), projector_cost(projector),
+            card, projector_cost(projector),
             lambda card: choose_plan(shape, model_name, n_ctx, load, card=card,
                                      draft_shape=draft_shape))
 
     def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
                   error: str) -> Plan | None:
-        from localllm.profiles.choose import step_down
         from localllm.llama.hardware import probe_card
+        from localllm.profiles.choose import gpus_setting, step_down
 
-        return step_down(plan, shape, probe_card(), model_name, error)
+        return step_down(plan, shape, probe_card(gpus_setting()), model_name, error)
 
 
 def context_to_ask(config: Config, n_ctx: int | None, shape: ModelShape) -> int | None:

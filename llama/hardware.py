@@ -12,7 +12,7 @@ import os
 from dataclasses import replace
 from functools import lru_cache
 
-from localllm.profiles.card import CPU_ONLY, GIB, MIB, Card, load_card, match_card
+from localllm.profiles.card import CPU_ONLY, GIB, MIB, Card, Gpu, load_card, match_card
 from localllm.profiles.plan import physical_cores
 
 from . import nvml
@@ -110,55 +110,88 @@ def host_card() -> Card:
     )
 
 
+def visible_devices(devices: list[dict], cuda_visible: str | None = None,
+                    gpus: str = "all") -> list[dict]:
+    """The NVML devices a runner may use: those CUDA_VISIBLE_DEVICES names (indices in PCI bus
+    order, which the runner sets as CUDA_DEVICE_ORDER, or GPU UUIDs; CUDA stops at the first
+    entry it cannot read, and so does this), narrowed to the `gpus` setting's indices."""
+    out = list(devices)
+    if cuda_visible is not None:
+        chosen = []
+        for token in (t.strip() for t in cuda_visible.split(",")):
+            found = [d for d in devices if token.isdigit() and d.get("index") == int(token)
+                     or token and not token.isdigit()
+                     and str(d.get("uuid", "")).startswith(token)]
+            if not found:
+                break
+            chosen += [d for d in found if d not in chosen]
+        out = chosen
+    if gpus.strip().lower() != "all":
+        wanted = {int(t) for t in gpus.split(",") if t.strip()}
+        out = [d for d in out if d.get("index") in wanted]
+    return out
+
+
+def _gpu_card(device: dict, ram_bytes: int, cores: int) -> Card:
+    """The profile matching one NVML device, or one built from its clocks and bus width."""
+    profile = match_card(device["name"], device["total"])
+    if profile:
+        return load_card(profile)
+    gen, width = int(device.get("pcie_gen", 4)), int(device.get("pcie_width", 16))
+    # Theoretical peak: double data rate x bus width; PCIe about 2 GB/s per lane per gen 4.
+    bandwidth = 2 * device.get("mem_clock_mhz", 5000) * device.get("bus_width", 256) / 8 / 1000
+    return Card(
+        name=device["name"].lower().replace("nvidia ", "").replace(" ", "-"),
+        label=device["name"], vram_bytes=device["total"], free_vram_bytes=device["free"],
+        bandwidth_gbs=bandwidth, pcie_gbs=0.8 * 2 ** (gen - 4) * 2 * width,
+        compute_capability=str(device.get("cc", "")), fp16_tflops=50.0,
+        overhead_bytes=500 * MIB, decode_efficiency=0.6, ram_bytes=ram_bytes,
+        cores=cores, host_bandwidth_gbs=estimate_host_bandwidth(cores),
+    )
+
+
 def card_from_nvml(devices: list[dict], ram_bytes: int, cores: int,
                    ram_available_bytes: int = 0) -> Card:
-    """A Card for the GPUs NVML reported: the matching profile with the real memory, or one
-    built from NVML's clocks and bus width when no profile matches."""
+    """A Card for the GPUs NVML reported, each with its own memory and speed: the first one's
+    profile (or NVML's clocks and bus width where none matches) describes the card, and every
+    GPU its own free memory and bandwidth. Several of one kind keep the profile's name."""
     first = devices[0]
-    free = min(d["free"] for d in devices)
-    profile = match_card(first["name"], first["total"])
-    if profile:
-        card = load_card(profile)
-    else:
-        gen, width = int(first.get("pcie_gen", 4)), int(first.get("pcie_width", 16))
-        # Theoretical peak: double data rate x bus width; PCIe about 2 GB/s per lane per gen 4.
-        bandwidth = 2 * first.get("mem_clock_mhz", 5000) * first.get("bus_width", 256) / 8 / 1000
-        card = Card(
-            name=first["name"].lower().replace("nvidia ", "").replace(" ", "-"),
-            label=first["name"], vram_bytes=first["total"], free_vram_bytes=free,
-            bandwidth_gbs=bandwidth, pcie_gbs=0.8 * 2 ** (gen - 4) * 2 * width,
-            compute_capability=str(first.get("cc", "")), fp16_tflops=50.0,
-            overhead_bytes=500 * MIB, decode_efficiency=0.6, ram_bytes=ram_bytes,
-            cores=cores, host_bandwidth_gbs=estimate_host_bandwidth(cores),
-        )
+    card = _gpu_card(first, ram_bytes, cores)
+    gpus = []
+    for i, d in enumerate(devices):
+        kind = card if d["name"] == first["name"] else _gpu_card(d, ram_bytes, cores)
+        gpus.append(Gpu(f"CUDA{i}", d["name"], d["total"], d["free"], kind.bandwidth_gbs,
+                        kind.fp16_tflops, int(d.get("index", i))))
     return replace(
-        card, vram_bytes=first["total"], free_vram_bytes=free, n_gpus=len(devices),
+        card, vram_bytes=first["total"], free_vram_bytes=min(d["free"] for d in devices),
+        n_gpus=len(devices), gpus=tuple(gpus),
         ram_bytes=ram_bytes, cores=cores, host_bandwidth_gbs=estimate_host_bandwidth(cores),
         source="probe", ram_available_bytes=ram_available_bytes,
     )
 
 
-@lru_cache(maxsize=1)
-def _probe_devices() -> Card:
-    devices = nvml.devices()
+@lru_cache(maxsize=4)
+def _probe_devices(gpus: str = "all") -> Card:
+    devices = visible_devices(nvml.devices(), os.environ.get("CUDA_VISIBLE_DEVICES"), gpus)
     if not devices:
         return host_card()
     cores = physical_cores()
     return card_from_nvml(devices, host_ram_bytes(), cores)
 
 
-def probe_card() -> Card:
-    """This machine: its GPUs matched to a profile (by name and memory) with real free memory,
-    or the cpu-only profile with real RAM and cores where there is no GPU. The devices are
-    probed once; the RAM available is read again on every call (each load plans with what
-    other programs left)."""
-    return replace(_probe_devices(), ram_available_bytes=ram_available())
+def probe_card(gpus: str = "all") -> Card:
+    """This machine: its GPUs (those CUDA_VISIBLE_DEVICES and the `gpus` setting leave) matched
+    to a profile (by name and memory) with real free memory, or the cpu-only profile with real
+    RAM and cores where there is no GPU. The devices are probed once; the RAM available is read
+    again on every call (each load plans with what other programs left)."""
+    return replace(_probe_devices(gpus), ram_available_bytes=ram_available())
 
 
-def resolve_card(name: str | None) -> Card:
-    """`--card NAME|auto`: a profile (planned with this machine's host) or the probe."""
+def resolve_card(name: str | None, gpus: str = "all") -> Card:
+    """`--card NAME|auto`: a profile (planned with this machine's host) or the probe (of the
+    GPUs `gpus` names)."""
     if not name or name == "auto":
-        return probe_card()
+        return probe_card(gpus)
     card = load_card(name)
     host = host_card()
     return replace(card.with_host(host.ram_bytes, host.cores, host.host_bandwidth_gbs),

@@ -25,7 +25,7 @@ def devices() -> list[dict]:
             name = pynvml.nvmlDeviceGetName(h)
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
             info = {"name": name.decode() if isinstance(name, bytes) else str(name),
-                    "total": int(mem.total), "free": int(mem.free)}
+                    "total": int(mem.total), "free": int(mem.free), "index": i}
             facts = {
                 "cc": lambda h: ".".join(map(str, pynvml.nvmlDeviceGetCudaComputeCapability(h))),
                 "pcie_gen": pynvml.nvmlDeviceGetMaxPcieLinkGeneration,
@@ -33,6 +33,7 @@ def devices() -> list[dict]:
                 "mem_clock_mhz":
                     lambda h: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM),
                 "bus_width": pynvml.nvmlDeviceGetMemoryBusWidth,
+                "uuid": lambda h: _text(pynvml.nvmlDeviceGetUUID(h)),
             }
             for key, call in facts.items():
                 try:
@@ -46,6 +47,10 @@ def devices() -> list[dict]:
         except Exception:
             pass
     return devices
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class GpuMemory:

@@ -51,6 +51,9 @@ def model_params(plan: Plan, metadata_only: bool = False):
         params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
     keep_alive = [apply_tensor_overrides(params, plan.tensor_overrides)]
     if plan.tensor_split:
+        # Layers per device (the workers', then the local GPUs'): llama.cpp cuts the GPU
+        # layers at count / total, so whole-layer counts place each layer exactly.
+        params.split_mode = llama_cpp.LLAMA_SPLIT_MODE_LAYER
         split = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*plan.tensor_split)
         params.tensor_split = split
         keep_alive.append(split)

@@ -24,6 +24,7 @@
 | workload          | LOCALLLM_WORKLOAD          | chat                          | next load |
 | vram_margin_mib   | LOCALLLM_VRAM_MARGIN_MIB   | 512                           | next load |
 | ram_budget        | LOCALLLM_RAM_BUDGET        | auto                          | next load |
+| gpus              | LOCALLLM_GPUS              | all                           | next load |
 | hf_endpoint       | LOCALLLM_HF_ENDPOINT       | https://huggingface.co        | restart   |
 | log_level         | LOCALLLM_LOG_LEVEL         | info                          | live      |
 | rpc_workers       | LOCALLLM_RPC_WORKERS       | ()                            | next load |
@@ -58,6 +59,9 @@
 - ram_budget: host RAM a model may use, `auto` (what is available when it loads: MemAvailable,
   capped by the cgroup's memory.max) or a size (`24G`, `20000M`); weights past it stay in the
   mmapped file and are read from disk.
+- gpus: which GPUs models may use, `all` or their indices as nvidia-smi lists them (`0,2`),
+  within what CUDA_VISIBLE_DEVICES leaves visible; the tuner splits layers over them by
+  layer, and may still leave one out where the others run the model faster.
 - log_level: debug, info, warning or error.
 - origins: comma-separated browser origins allowed to call the API (CORS), as OLLAMA_ORIGINS:
   `https://app.example.com,chrome-extension://*`; `*` matches anything. Localhost origins
@@ -142,6 +146,7 @@ class Config:
     workload: str = "chat"
     vram_margin_mib: int = 512
     ram_budget: str = "auto"
+    gpus: str = "all"
     hf_endpoint: str = "https://huggingface.co"
     log_level: str = "info"
     rpc_workers: tuple[str, ...] = ()
@@ -198,6 +203,7 @@ ENV = {
     "workload": "LOCALLLM_WORKLOAD",
     "vram_margin_mib": "LOCALLLM_VRAM_MARGIN_MIB",
     "ram_budget": "LOCALLLM_RAM_BUDGET",
+    "gpus": "LOCALLLM_GPUS",
     "hf_endpoint": "LOCALLLM_HF_ENDPOINT",
     "log_level": "LOCALLLM_LOG_LEVEL",
     "rpc_workers": "LOCALLLM_RPC_WORKERS",
@@ -319,6 +325,8 @@ def coerce(name: str, value: object) -> bool | int | float | str | tuple[str, ..
             return float(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             raise ConfigError(f"{name} must be a number, not {value!r}") from None
+    if name == "gpus" and isinstance(value, (list, tuple)):  # TOML's gpus = [0, 1]
+        value = ",".join(str(v) for v in value)
     if _kind(name).startswith("tuple"):  # a TOML list, or "a,b" from the env or command line
         if isinstance(value, str):
             value = [v for v in (part.strip() for part in value.split(",")) if v]
@@ -358,6 +366,8 @@ def check_setting(name: str, value: int | str) -> None:
         size = parse_size(str(value))
         if size is not None and size < 256 << 20:
             raise ConfigError(f"ram_budget must be auto or at least 256M, not {value!r}")
+    elif name == "gpus":
+        parse_gpus(str(value))
     elif name == "socket" and value:
         if not os.path.isabs(str(value)):
             raise ConfigError(f"socket must be an absolute path, not {value!r}")
@@ -375,6 +385,17 @@ def check_setting(name: str, value: int | str) -> None:
                 parse_endpoint(endpoint)
             except ValueError as e:
                 raise ConfigError(f"rpc_workers: {e}") from None
+
+
+def parse_gpus(value: str) -> tuple[int, ...] | None:
+    """The gpus setting: None for `all`, else the GPU indices (nvidia-smi's); ConfigError for
+    anything else."""
+    if str(value).strip().lower() == "all":
+        return None
+    parts = [t.strip() for t in str(value).split(",")]
+    if not parts or not all(t.isdigit() for t in parts) or len(set(parts)) != len(parts):
+        raise ConfigError(f"gpus must be all or GPU indices such as 0,1, not {value!r}")
+    return tuple(int(t) for t in parts)
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:

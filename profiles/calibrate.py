@@ -181,6 +181,10 @@ def with_measured_bandwidth(card: Card, factors: dict) -> Card:
             continue
         if 0 < value < 100_000:
             changes[field] = value
+    if "bandwidth_gbs" in changes and card.gpus:  # the GPUs of the measured kind with it
+        changes["gpus"] = tuple(
+            replace(g, bandwidth_gbs=changes["bandwidth_gbs"])
+            if g.bandwidth_gbs == card.bandwidth_gbs else g for g in card.gpus)
     return replace(card, **changes) if changes else card
 
 

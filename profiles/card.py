@@ -1,8 +1,10 @@
-"""Card: the GPU (or its absence) and the host a plan is made for, from a profile or a probe.
+"""Card: the GPUs (or their absence) and the host a plan is made for, from a profile or a probe.
 
 `profiles/cards/*.toml` describe the common cards so that any card can be planned for on any
-machine (`localllm tune --card rtx3060-12g`); `localllm.llama.hardware.probe_card` fills the
-same type from NVML and the OS.
+machine (`localllm tune --card rtx3060-12g`); a profile with `base` and `gpus` describes a box of
+several (`2x-rtx3090`), and `A+B` joins two profiles into one mixed box
+(`--card rtx3090+rtx3060-12g`). `localllm.llama.hardware.probe_card` fills the same type from
+NVML and the OS. Each GPU of a card is a `Gpu`, named as llama.cpp names it (CUDA0, CUDA1...).
 """
 
 from __future__ import annotations
@@ -21,6 +23,19 @@ CPU_ONLY = "cpu-only"
 
 class CardError(UserError):
     """An unknown card name or a card profile that cannot be read."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU of a card: what the tuner splits layers over."""
+
+    device: str  # llama.cpp's name among the visible devices: "CUDA0"
+    label: str
+    vram_bytes: int
+    free_vram_bytes: int
+    bandwidth_gbs: float
+    fp16_tflops: float
+    index: int = -1  # NVML's (PCI bus order) index when probed, -1 for a profile
 
 
 @dataclass(frozen=True)
@@ -48,22 +63,52 @@ class Card:
     # RAM a model may take when probed: MemAvailable capped by the cgroup's memory.max
     # (llama/hardware.py ram_available); 0: not probed (plans count ram_bytes less a reserve)
     ram_available_bytes: int = 0
+    # The GPUs one by one, where they differ (a mixed box, a probe that read each one's free
+    # memory); empty: n_gpus alike, each as the fields above say.
+    gpus: tuple[Gpu, ...] = ()
 
     @property
     def has_gpu(self) -> bool:
         return self.n_gpus > 0 and self.vram_bytes > 0
 
     @property
+    def gpu_list(self) -> tuple[Gpu, ...]:
+        """Every GPU, in llama.cpp's device order."""
+        if not self.has_gpu:
+            return ()
+        if self.gpus:
+            return self.gpus
+        return tuple(Gpu(f"CUDA{i}", self.label, self.vram_bytes, self.free_vram_bytes,
+                         self.bandwidth_gbs, self.fp16_tflops) for i in range(self.n_gpus))
+
+    @property
     def devices(self) -> tuple[str, ...]:
         """llama.cpp's device names for the GPUs, in order."""
-        return tuple(f"CUDA{i}" for i in range(self.n_gpus if self.has_gpu else 0))
+        return tuple(g.device for g in self.gpu_list)
+
+    def gpu(self, device: str) -> Gpu:
+        for g in self.gpu_list:
+            if g.device == device:
+                return g
+        raise KeyError(device)
 
     def with_vram(self, gib: float) -> Card:
-        """The same card with a smaller (or larger) memory: `--vram`, or a budget emulated on a
-        bigger card. The usable part is what is free, so both move together."""
+        """The same card with a smaller (or larger) memory on each GPU: `--vram`, or a budget
+        emulated on a bigger card. The usable part is what is free, so both move together."""
         total = int(gib * GIB)
-        return replace(self, vram_bytes=total, free_vram_bytes=total,
+        gpus = tuple(replace(g, vram_bytes=total, free_vram_bytes=total) for g in self.gpus)
+        return replace(self, vram_bytes=total, free_vram_bytes=total, gpus=gpus,
                        label=f"{self.label}, {gib:g} GiB budget")
+
+    def less_vram(self, nbytes: int) -> Card:
+        """The card with `nbytes` of the first GPU kept for something else (a vision projector,
+        which llama.cpp's mtmd puts on the first GPU)."""
+        gpus = tuple(replace(g, vram_bytes=g.vram_bytes - nbytes,
+                             free_vram_bytes=g.free_vram_bytes - nbytes) if i == 0 else g
+                     for i, g in enumerate(self.gpus))
+        free = min((g.free_vram_bytes for g in gpus), default=self.free_vram_bytes - nbytes)
+        return replace(self, vram_bytes=self.vram_bytes - nbytes, free_vram_bytes=free,
+                       gpus=gpus)
 
     def with_host(self, ram_bytes: int, cores: int, host_bandwidth_gbs: float) -> Card:
         return replace(self, ram_bytes=ram_bytes, cores=cores,
@@ -76,12 +121,17 @@ def card_names(directory: Path = CARDS_DIR) -> list[str]:
 
 
 def load_card(name: str, directory: Path = CARDS_DIR) -> Card:
-    """The profile `cards/NAME.toml`; CardError names the known cards when NAME is not one."""
+    """The profile `cards/NAME.toml`, or `A+B`: a box with the GPUs of both profiles (the host
+    of the first); CardError names the known cards when NAME is not one."""
+    if "+" in name:
+        return join_cards([load_card(part, directory) for part in name.split("+")], name)
     path = directory / f"{name}.toml"
     if not path.is_file():
         raise CardError(f"unknown card {name!r}; known cards: {', '.join(card_names(directory))}")
     try:
         doc = tomllib.loads(path.read_text())
+        if "base" in doc:  # several GPUs of one profile in one box
+            return _several(name, doc, load_card(str(doc["base"]), directory))
         host = doc.get("host", {})
         has_gpu = int(doc["vram_mib"]) > 0
         return Card(
@@ -106,6 +156,39 @@ def load_card(name: str, directory: Path = CARDS_DIR) -> Card:
         raise CardError(f"card profile {path} is invalid: {e}") from None
 
 
+def _several(name: str, doc: dict, base: Card) -> Card:
+    """A profile `base = "rtx3090"`, `gpus = 2`: that many of the base card, with the label
+    and [host] of this profile."""
+    count = int(doc["gpus"])
+    if count < 1 or not base.has_gpu:
+        raise ValueError(f"gpus must be at least 1 and base a GPU profile, not {base.name!r}")
+    host = doc.get("host", {})
+    gpus = tuple(replace(base.gpu_list[0], device=f"CUDA{i}") for i in range(count))
+    return replace(
+        base, name=name, label=str(doc.get("label", f"{count} x {base.label}")), n_gpus=count,
+        gpus=gpus,
+        ram_bytes=int(float(host.get("ram_gib", base.ram_bytes / GIB)) * GIB),
+        cores=int(host.get("cores", base.cores)),
+        host_bandwidth_gbs=float(host.get("bandwidth_gbs", base.host_bandwidth_gbs)),
+        disk_read_gbs=float(host.get("disk_gbs", base.disk_read_gbs)),
+    )
+
+
+def join_cards(cards: list[Card], name: str) -> Card:
+    """One box holding the GPUs of every card in order (the host, PCIe, overhead and decode
+    efficiency of the first); the per-card fields above the GPU list are the first GPU's."""
+    gpus = [g for c in cards for g in c.gpu_list]
+    if not gpus:
+        raise CardError(f"card {name!r} has no GPU")
+    gpus = [replace(g, device=f"CUDA{i}") for i, g in enumerate(gpus)]
+    first = next(c for c in cards if c.has_gpu)
+    return replace(first, name=name, label=" + ".join(c.label for c in cards if c.has_gpu),
+                   vram_bytes=gpus[0].vram_bytes, n_gpus=len(gpus),
+                   free_vram_bytes=min(g.free_vram_bytes for g in gpus), gpus=tuple(gpus),
+                   ram_bytes=cards[0].ram_bytes, cores=cards[0].cores,
+                   host_bandwidth_gbs=cards[0].host_bandwidth_gbs)
+
+
 def match_card(device_name: str, total_bytes: int, directory: Path = CARDS_DIR) -> str | None:
     """The profile whose NVML name is `device_name` and whose memory is closest to the card's.
 
@@ -117,7 +200,8 @@ def match_card(device_name: str, total_bytes: int, directory: Path = CARDS_DIR) 
     wanted = device_name.strip().lower()
     for name in card_names(directory):
         card = load_card(name, directory)
-        if wanted not in (n.lower() for n in card.nvml_names) or not card.vram_bytes:
+        if card.n_gpus != 1 or not card.vram_bytes \
+                or wanted not in (n.lower() for n in card.nvml_names):
             continue
         distance = abs(card.vram_bytes - total_bytes) / card.vram_bytes
         if distance <= 0.15 and (best is None or distance < best[0]):

@@ -70,6 +70,14 @@ def config_request(model_name: str | None = None, file_size: int = 0) -> Request
     )
 
 
+def gpus_setting() -> str:
+    """The config's gpus (`all`, or indices such as 0,1) that the probe keeps."""
+    try:
+        return load_config().gpus
+    except ConfigError:
+        return "all"
+
+
 def _rpc_workers() -> tuple[str, ...]:
     try:
         return load_config().rpc_workers
@@ -183,7 +191,9 @@ def placement_of(plan: Plan, shape: ModelShape) -> Placement:
         m = _FFN_BLOCKS.match(o.pattern)
         if m:
             n_ffn = len(m.group(1).split("|"))
-    return Placement(plan.n_gpu_layers, output_on_cpu, n_experts, n_ffn)
+    # local GPUs' layer counts (an RPC plan's tensor_split counts over the workers too)
+    split = () if plan.rpc_workers else tuple(int(k) for k in plan.tensor_split)
+    return Placement(plan.n_gpu_layers, output_on_cpu, n_experts, n_ffn, split)
 
 
 def step_down(plan: Plan, shape: ModelShape, card: Card, model_name: str | None = None,

@@ -88,9 +88,14 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
         out += _slot_lines(best, request, card, slot_note)
         out += speculation_lines(shape, card, request, chosen, evaluator, speculation_notes or [])
         return out + _context_alternatives(chosen, searches)
-    out.append(describe_placement(best, shape) + f": {gib(best.vram_used)} of "
-               f"{gib(best.vram_budget)} usable VRAM; predicted "
+    used, usable = best.vram_used, best.vram_budget
+    if best.device_budgets:  # several GPUs: all of them together
+        used = sum(m.total for m in best.memory if m.device != CPU)
+        usable = sum(b for _, b in best.device_budgets)
+    out.append(describe_placement(best, shape) + f": {gib(used)} of "
+               f"{gib(usable)} usable VRAM; predicted "
                f"{tps(best.speed.decode_tps)} decode, {tps(best.speed.prefill_tps)} prefill")
+    out += split_lines(shape, card, best, chosen)
     if best.disk_bytes:
         out.append(disk_reason(best.disk_bytes, card))
     if best.placement.n_cpu_ffn_layers:
@@ -241,10 +246,50 @@ def describe_layers(o: Option) -> str:
     return f"n_gpu_layers={p.n_gpu_layers}"
 
 
+def split_lines(shape: ModelShape, card: Card, best: Option, chosen: Search) -> list[str]:
+    """Several GPUs: the layers and memory of each, and why a GPU was left out."""
+    if card.n_gpus < 2:
+        return []
+    from .plan import layer_ranges
+    from .tuner import gpu_layers
+
+    layers = gpu_layers(shape, card, best.placement)
+    budgets = dict(best.device_budgets)
+    used = {m.device: m.total for m in best.memory}
+    per_gpu = [f"{r}, {gib(used[d])} of {gib(budgets.get(d, best.vram_budget))}"
+               for (d, k), r in zip([x for x in layers[1:] if x[1]],
+                                    layer_ranges(layers[1:]), strict=True)]
+    first = layers[0][1]
+    out = [f"split over the GPUs by layer (tensor_split {[k for _, k in layers[1:]]}): "
+           + "; ".join(per_gpu) + (f" ({_span(0, first - 1)} in RAM)" if first else "")
+           + "; each GPU holds its layers' KV, the output layer is the last"]
+    left_out = [d for d, k in layers[1:] if not k]
+    if left_out and best.placement.n_gpu_layers:
+        everyone = [o for o in chosen.options if o.fits and o.pays and all(
+            k for _, k in gpu_layers(shape, card, o.placement)[1:])]
+        names = ", ".join(f"{d} ({card.gpu(d).label}, {card.gpu(d).bandwidth_gbs:g} GB/s)"
+                          for d in left_out)
+        if everyone:
+            alt = min(everyone, key=lambda o: o.session_seconds)
+            out.append(f"{names} left out: the best plan using every GPU takes "
+                       f"{seconds(alt.session_seconds)} for the session "
+                       f"({tps(alt.speed.decode_tps)} decode) against "
+                       f"{seconds(best.session_seconds)} ({tps(best.speed.decode_tps)}) without "
+                       f"it; it keeps only its CUDA context ({gib(card.overhead_bytes)})")
+        else:
+            out.append(f"{names} left out: no plan that gives it layers fits")
+    return out
+
+
 def _budget_line(card: Card, request: Request, best: Option) -> str:
     host = f"host {gib(card.ram_bytes)} RAM, {card.cores} cores"
     if not card.has_gpu:
         return f"no GPU ({card.label}); {host}"
+    if card.n_gpus > 1:
+        gpus = "; ".join(f"{g.device} {g.label} {gib(g.free_vram_bytes)} free, "
+                         f"{g.bandwidth_gbs:g} GB/s" for g in card.gpu_list)
+        return (f"{card.n_gpus} GPUs ({gpus}): each less a {gib(request.margin_bytes)} margin "
+                f"is usable, of which {gib(card.overhead_bytes)} go to its CUDA context; {host}")
     gpus = f"{card.n_gpus} x " if card.n_gpus > 1 else ""
     return (f"{gpus}{card.label}: {gib(card.free_vram_bytes)} free less a "
             f"{gib(request.margin_bytes)} margin leaves {gib(best.vram_budget)} usable, of which "

@@ -16,6 +16,12 @@ llama-cpp-python 0.3.36):
 - A block's attention (with its KV) and its FFN may sit on different devices: the FFN matrices
   of the last `n_cpu_ffn_layers` blocks stay in RAM through a tensor override, as llama.cpp's
   `-ot "blk\.(...)\.ffn_(up|gate|down)\.=CPU"`.
+- Several GPUs (split mode layer): the GPU layers are cut into contiguous runs, one per GPU in
+  order, by `tensor_split`; a placement's `gpu_split` holds the count per GPU (llama.cpp cuts
+  at count / total, so the counts are exact), and `split_layers` finds counts that keep every
+  GPU under its own budget. The output layer sits on the last GPU that holds layers; weights
+  kept in RAM are multiplied for prompt batches on the first GPU (ggml's scheduler offloads
+  them to the highest-priority backend), so only that one needs room to copy a block in.
 - Compute buffers come from a dry-run load where one was measured (`ComputeTable`), else from a
   formula that is deliberately on the high side.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from localllm.modelstore.shape import (
     EXPERTS, OUTPUT, OUTPUT_NORM, RECURRENT_LAYER, SLIDING, ModelShape,
@@ -62,6 +69,9 @@ class Placement:
     output_on_cpu: bool = False  # lm-head kept on the CPU by a tensor override
     n_cpu_expert_layers: int = 0  # MoE: the experts of blocks 0..k-1 kept on the CPU
     n_cpu_ffn_layers: int = 0  # dense FFN matrices of the last N trunk blocks kept on the CPU
+    # Several GPUs: layers per GPU in order, summing to n_gpu_layers (llama.cpp's tensor_split);
+    # empty: split evenly (one GPU: all of them)
+    gpu_split: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,7 +117,7 @@ class ModelCosts:
     def has_experts(self) -> bool:
         return any(self.expert_bytes)
 
-    @property
+    @cached_property  # asked for every block of every placement tried
     def n_trunk(self) -> int:
         """Blocks that hold weights (NextN blocks are skipped unless MTP is loaded)."""
         return sum(1 for b, e in zip(self.block_bytes, self.expert_bytes, strict=True) if b or e)
@@ -188,18 +198,99 @@ def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
 
 def block_devices(costs: ModelCosts, placement: Placement, n_gpus: int) -> tuple[str, ...]:
     """The device of each block, then of the output layer (last entry), as llama.cpp assigns
-    them: the last n_gpu_layers of n_blocks + 1, split evenly over identical GPUs in order."""
+    them: the last n_gpu_layers of n_blocks + 1, cut into runs per GPU in order by the
+    placement's gpu_split (evenly over the GPUs without one)."""
     n = costs.n_blocks
     n_gpu = max(0, min(placement.n_gpu_layers, n + 1)) if n_gpus else 0
     start = n + 1 - n_gpu
+    split = placement.gpu_split if len(placement.gpu_split) == n_gpus else ()
+    ends, total = [], 0
+    for k in split:
+        total += k
+        ends.append(total)
     devices = []
     for i in range(n + 1):
         if i < start:
             devices.append(CPU)
+        elif split:
+            gpu = next((g for g, end in enumerate(ends) if i - start < end), n_gpus - 1)
+            devices.append(f"CUDA{gpu}")
         else:
             gpu = min(n_gpus - 1, (i - start) * n_gpus // max(1, n_gpu))
             devices.append(f"CUDA{gpu}")
     return tuple(devices)
+
+
+def layer_gpu_bytes(costs: ModelCosts, placement: Placement,
+                    settings: ContextSettings) -> list[int]:
+    """What each of llama.cpp's n_blocks + 1 layers takes on the GPU that holds it: its weights
+    less what the placement keeps in RAM (FFN, experts, the lm-head), and its KV."""
+    out = []
+    for i in range(costs.n_blocks):
+        ffn = costs.ffn_bytes[i] if costs.ffn_on_cpu(placement, i) else 0
+        experts = 0 if i < placement.n_cpu_expert_layers else costs.expert_bytes[i]
+        out.append(costs.block_bytes[i] - ffn + experts + block_kv_bytes(costs, i, settings))
+    out.append((0 if placement.output_on_cpu else costs.output_bytes) + costs.output_norm_bytes)
+    return out
+
+
+def split_layers(layer_bytes: list[int], rooms: list[int],
+                 shares: list[float]) -> tuple[int, ...] | None:
+    """Counts of consecutive layers per device, in order, so that each device's layers fit its
+    room and the counts follow `shares` as closely as that allows (a device of share 0 takes
+    none); None when the layers do not fit at all.
+
+    Device by device: the share of what is left, but at least what the devices after it cannot
+    hold (they take the tail greedily, each as much as fits) and at most what fits here."""
+    n, k = len(layer_bytes), len(rooms)
+    prefix = [0]
+    for b in layer_bytes:
+        prefix.append(prefix[-1] + b)
+
+    def fits_from(start: int, room: int) -> int:
+        """The most layers from `start` on whose bytes fit `room`."""
+        lo, hi = 0, n - start
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if prefix[start + mid] - prefix[start] <= room:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def tail_cover(first_device: int, start: int) -> int:
+        """How many of the layers [start, n) devices first_device.. can hold, taking the
+        tail back to front."""
+        end = n
+        for d in range(k - 1, first_device - 1, -1):
+            if not shares[d] or end <= start:
+                continue
+            lo, hi = start, end  # the smallest begin whose run [begin, end) fits the room
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if prefix[end] - prefix[mid] <= rooms[d]:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            end = lo
+        return n - end
+
+    counts, start = [], 0
+    for d in range(k):
+        left = n - start
+        if not shares[d]:
+            counts.append(0)
+            continue
+        later = sum(shares[d + 1:])
+        target = round(left * shares[d] / (shares[d] + later)) if later else left
+        most = fits_from(start, rooms[d])
+        # the devices after this one hold the tail: what they cannot is this one's minimum
+        least = max(0, left - tail_cover(d + 1, start)) if d + 1 < k else left
+        if least > most:
+            return None
+        counts.append(min(max(target, least), most))
+        start += counts[-1]
+    return tuple(counts) if start == n else None
 
 
 def kv_cells(kind: str, settings: ContextSettings, window: int) -> int:
@@ -238,12 +329,15 @@ class ComputeTable:
         return (settings.n_ctx, settings.n_ubatch, settings.flash_attn, settings.type_k,
                 settings.type_v, settings.swa_full, settings.n_seq, placement.n_gpu_layers,
                 placement.output_on_cpu, placement.n_cpu_expert_layers,
-                placement.n_cpu_ffn_layers)
+                placement.n_cpu_ffn_layers, placement.gpu_split)
+
+
+PIPELINE_COPIES = 4  # ggml's GGML_SCHED_MAX_COPIES: inputs kept per split when pipelining
 
 
 def compute_formula(costs: ModelCosts, settings: ContextSettings, device: str,
                     holds_output: bool, holds_attention: bool, cpu_blocks: int,
-                    has_gpu: bool) -> int:
+                    has_gpu: bool, offloads: bool = True, pipelined: bool = False) -> int:
     """A high-side estimate of llama.cpp's compute buffer on one device.
 
     The worst point of the reserve graph: the larger of the logits of a full ubatch
@@ -251,7 +345,10 @@ def compute_formula(costs: ModelCosts, settings: ContextSettings, device: str,
     input that lives through the whole graph (flash attention: an f16 mask of n_ctx x n_ubatch;
     without it the n_head x n_ctx x n_ubatch f32 scores). On a GPU with CPU-resident blocks,
     llama.cpp copies a block's weights in to run prompt batches there (op offload): room for one
-    block. Dry runs on a CPU build, measured vs this formula: llama-8b 266 vs 283 MiB at 4096
+    block; `offloads` says whether this GPU is the one that does it (the first). Across several
+    GPUs with every layer on them and no override, llama.cpp pipelines micro-batches and keeps
+    PIPELINE_COPIES of each split's inputs (the hidden state and the mask) on each GPU.
+    Dry runs on a CPU build, measured vs this formula: llama-8b 266 vs 283 MiB at 4096
     (413 at 131072), qwen35-27b 633 vs 660 at 131072, gemma3-27b 533 vs 558 at 4096.
     """
     ub = settings.n_ubatch
@@ -265,8 +362,10 @@ def compute_formula(costs: ModelCosts, settings: ContextSettings, device: str,
     else:
         attention = costs.n_head * ctx * ub * 4 + ctx * ub * 4
     total = max(logits, ffn) + attention
-    if device != CPU and cpu_blocks and ub >= 32:
+    if device != CPU and cpu_blocks and ub >= 32 and offloads:
         total += costs.max_block_bytes
+    if device != CPU and pipelined:
+        total += PIPELINE_COPIES * ub * (costs.n_embd * 4 + ctx * 2)
     if device == CPU and has_gpu and not holds_output and not cpu_blocks:
         total = ub * costs.n_embd * 4 * 2  # only the input embeddings pass through the host
     return int(total * 1.05) + 16 * MIB
@@ -296,6 +395,9 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
     weights[devices[-1]] += costs.output_norm_bytes
     weights[CPU] += costs.embedding_bytes + costs.cpu_other_bytes
     cpu_blocks = sum(1 for d in devices[:-1] if d == CPU) + ffn_cpu_blocks
+    used_gpus = {d for d in devices if d != CPU}
+    pipelined = len(used_gpus) > 1 and CPU not in devices and not placement.output_on_cpu \
+        and not placement.n_cpu_expert_layers and not placement.n_cpu_ffn_layers
     measured = compute.measured.get(ComputeTable.key(settings, placement)) if compute else None
     out = []
     for name in names:
@@ -303,7 +405,8 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
             buffer = int(measured[name])
         else:
             buffer = compute_formula(costs, settings, name, name == output_device,
-                                     holds_attention[name], cpu_blocks, card.has_gpu)
+                                     holds_attention[name], cpu_blocks, card.has_gpu,
+                                     offloads=name == names[0], pipelined=pipelined)
             if compute is not None:
                 buffer += compute.gpu_correction if name != CPU else compute.host_correction
         out.append(DeviceMemory(

@@ -56,6 +56,10 @@ class Plan:
     rpc_workers: tuple[str, ...] = ()
     # Layers per device ("CPU", "RPC[host:port]#0", "CUDA0"; the output layer counted), for ps.
     device_layers: tuple[tuple[str, int], ...] = ()
+    # NVML indices (PCI bus order) of the GPUs that CUDA0, CUDA1... are: the runner's
+    # CUDA_VISIBLE_DEVICES, so that a `gpus` setting or a probe's view holds; empty: as the
+    # daemon's environment has them (a profile planned on another machine)
+    gpus: tuple[int, ...] = ()
     # A vision model's projector (mmproj): on the GPU with the layers, or on the CPU when the
     # card is short (each image then costs predicted_image_s there).
     projector_on_gpu: bool = True
@@ -78,7 +82,7 @@ class Plan:
                 self.type_k, self.type_v, self.flash_attn, self.swa_full, self.n_batch,
                 self.n_ubatch, self.n_threads, self.n_threads_batch, self.use_mmap,
                 self.n_parallel, self.speculative, self.draft_n_max, self.draft_n_gpu_layers,
-                self.rpc_workers, self.projector_on_gpu)
+                self.rpc_workers, self.projector_on_gpu, self.gpus)
 
     def vram_bytes(self) -> int:
         return sum(m.total for m in self.memory if m.device != "CPU")
@@ -95,7 +99,7 @@ class Plan:
         data["tensor_overrides"] = tuple(TensorOverride(**o)
                                          for o in data.get("tensor_overrides", ()))
         data["memory"] = tuple(DeviceMemory(**m) for m in data.get("memory", ()))
-        for key in ("tensor_split", "reasons", "rpc_workers"):
+        for key in ("tensor_split", "reasons", "rpc_workers", "gpus"):
             data[key] = tuple(data.get(key, ()))
         for key in ("predicted_decode_by_depth", "predicted_ttft"):
             data[key] = tuple((int(d), float(t)) for d, t in data.get(key, ()))
@@ -103,6 +107,16 @@ class Plan:
         if "speculative" in data:
             data["speculative"] = speculative_mode(data["speculative"])
         return cls(**data)
+
+
+def layer_ranges(device_layers: tuple[tuple[str, int], ...] | list[tuple[str, int]]) -> list[str]:
+    """`CUDA0: layers 0-39 (40)` for each device that holds layers, in llama.cpp's order."""
+    out, first = [], 0
+    for device, n in device_layers:
+        if n:
+            out.append(f"{device}: layers {first}-{first + n - 1} ({n})")
+        first += n
+    return out
 
 
 # Names profiles saved before "lookup", and before plans and requests shared one vocabulary.

@@ -28,7 +28,7 @@ from localllm.modelstore.shape import ModelShape
 
 from .card import GIB, MIB, Card
 from .memory import ContextSettings, block_kv_bytes, model_costs
-from .plan import DeviceMemory, Plan, cpu_plan
+from .plan import DeviceMemory, Plan, cpu_plan, layer_ranges
 from .workers import Worker, WorkerError, probe_workers
 from .tuner import NoPlanFits, Request, ram_budget
 
@@ -75,15 +75,6 @@ class _Layout:
     n_cpu: int  # layers left in RAM
     token_s: float
     gains: dict[str, float]  # per worker: seconds per token saved over RAM (negative: lost)
-
-
-def _ranges(counts: list[tuple[str, int]]) -> list[str]:
-    out, first = [], 0
-    for device, n in counts:
-        if n:
-            out.append(f"{device}: layers {first}-{first + n - 1} ({n})")
-        first += n
-    return out
 
 
 def plan_with_workers(shape: ModelShape, card: Card, request: Request, workers: list[Worker],
@@ -171,8 +162,13 @@ def plan_with_workers(shape: ModelShape, card: Card, request: Request, workers: 
         split.append((d.name, k))
         first += k
     gpus = list(card.devices)
-    per_gpu = [local_gpu // len(gpus) + (1 if i < local_gpu % len(gpus) else 0)
-               for i in range(len(gpus))] if gpus else []
+    # the local plan's own split over this machine's GPUs, where it has one
+    local_split = {d: k for d, k in local.device_layers if d in gpus}
+    if gpus and sum(local_split.values()) == local_gpu:
+        per_gpu = [local_split.get(d, 0) for d in gpus]
+    else:
+        per_gpu = [local_gpu // len(gpus) + (1 if i < local_gpu % len(gpus) else 0)
+                   for i in range(len(gpus))] if gpus else []
     memory += [m for m in local.memory if m.device != "CPU"]
     split += list(zip(gpus, per_gpu, strict=True))
     used = [d for d, k in zip(remote, counts, strict=True) if k]
@@ -190,7 +186,7 @@ def plan_with_workers(shape: ModelShape, card: Card, request: Request, workers: 
                        f"{w.link_bytes_per_s / 1e9:.2f} GB/s, round trip "
                        f"{w.rtt_s * 1e3:.2f} ms (measured)")
     reasons += dropped
-    reasons.append("split: " + "; ".join(_ranges(split)) + " (the output layer counts as the "
+    reasons.append("split: " + "; ".join(layer_ranges(split)) + " (the output layer counts as the "
                    "last layer; token embeddings stay on the CPU)")
     if n_remote < min(wanted - local_gpu, on_host) and plan_layout.active:
         reasons.append(f"{n_cpu} layers stay in RAM: the workers in use are full "

@@ -68,9 +68,16 @@ class Speed:
     decode_flops_cpu: float = 0.0  # per token, matmul FLOPs of the weights the CPU multiplies
 
 
+def gpu_bandwidths(card: Card) -> dict[str, float]:
+    """Bytes/s batch-1 decode reads weights at on each GPU (a mixed box: each its own)."""
+    return {g.device: g.bandwidth_gbs * 1e9 * card.decode_efficiency for g in card.gpu_list}
+
+
 def _attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, depth: int,
-                       on_gpu: bool, card: Card, threads: int) -> float:
-    """Attention of block i over `depth` cells, on the device that holds its KV."""
+                       on_gpu: bool, card: Card, threads: int,
+                       gpu_peak_gbs: float | None = None) -> float:
+    """Attention of block i over `depth` cells, on the device that holds its KV (a GPU of
+    `gpu_peak_gbs`, the card's by default)."""
     if not costs.kv_k_elements[i]:
         return 0.0
     cells = min(depth, costs.sliding_window) if costs.kinds[i] == SLIDING else depth
@@ -78,7 +85,7 @@ def _attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, dep
            + kv_row_bytes(settings.type_v, costs.kv_v_elements[i]))
     if on_gpu:
         efficiency = GPU_KV_EFFICIENCY.get(settings.type_k, 0.05)
-        return cells * row / (card.bandwidth_gbs * 1e9 * efficiency)
+        return cells * row / ((gpu_peak_gbs or card.bandwidth_gbs) * 1e9 * efficiency)
     quantized = settings.type_k not in CPU_ATTENTION_FLOPS_PER_THREAD
     penalty = CPU_QUANTIZED_KV_PENALTY if quantized else 1.0
     read = cells * row * penalty / (card.host_bandwidth_gbs * 1e9)
@@ -92,7 +99,8 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
     threads = min(n_threads or card.cores, card.cores)
     host_bw = card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
-    gpu_bw = card.bandwidth_gbs * 1e9 * card.decode_efficiency
+    bandwidths = gpu_bandwidths(card)
+    peaks = {g.device: g.bandwidth_gbs for g in card.gpu_list}
     depth = min(depth, settings.n_ctx)
     gpu_s = cpu_s = 0.0
     cpu_flops = 0.0
@@ -114,9 +122,10 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
             cpu_s += _attention_seconds(costs, i, settings, depth, False, card, threads)
             cpu_flops += 2 * active_params
         else:
+            gpu_bw = bandwidths[d]
             ffn_cpu = costs.ffn_bytes[i] if costs.ffn_on_cpu(placement, i) else 0
             gpu_s += (costs.block_bytes[i] - ffn_cpu) / gpu_bw + GPU_BLOCK_SECONDS
-            gpu_s += _attention_seconds(costs, i, settings, depth, True, card, threads)
+            gpu_s += _attention_seconds(costs, i, settings, depth, True, card, threads, peaks[d])
             if ffn_cpu:
                 cpu_s += ffn_cpu / host_bw
                 crossings += 1
@@ -135,7 +144,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
         cpu_s += costs.output_bytes * (CPU_OUTPUT_PENALTY if card.has_gpu else 1.0) / host_bw
         cpu_flops += 2 * costs.output_params
     else:
-        gpu_s += costs.output_bytes / gpu_bw
+        gpu_s += costs.output_bytes / bandwidths[output_device]
     crossings += output_device != previous
     decode_s = gpu_s + cpu_s + TOKEN_SECONDS + CROSSING_SECONDS * max(0, crossings - 1)
     return Speed(
@@ -202,9 +211,11 @@ def prefill_tps(costs: ModelCosts, placement: Placement, settings: ContextSettin
     return ub / seconds if seconds > 0 else 0.0
 
 
-def _prompt_rate(card: Card, threads: int) -> float:
+def _prompt_rate(card: Card, threads: int, device: str | None = None) -> float:
+    """FLOP/s of prompt matmuls on `device` (a GPU: its own rate; None: the card's)."""
     if card.has_gpu:
-        return card.fp16_tflops * 1e12 * PREFILL_GPU_EFFICIENCY
+        tflops = card.gpu(device).fp16_tflops if device else card.fp16_tflops
+        return tflops * 1e12 * PREFILL_GPU_EFFICIENCY
     return threads * CPU_GFLOPS_PER_CORE * 1e9
 
 
@@ -216,10 +227,16 @@ def prompt_cost(costs: ModelCosts, placement: Placement, settings: ContextSettin
     flops = 2.0 * costs.output_params
     crossing = costs.output_bytes if placement.output_on_cpu or devices[-1] == CPU else 0
     full = sliding = kv_crossing = 0.0
+    # Several GPUs run their layers one after another: the rate is the blocks' FLOPs over the
+    # sum of each GPU's time (weights in RAM are multiplied on the first GPU).
+    first_gpu = card.devices[0] if card.has_gpu else CPU
+    by_device: dict[str, float] = {first_gpu: 2.0 * costs.output_params}
     for i in range(costs.n_blocks):
         if not costs.block_bytes[i] and not costs.expert_bytes[i]:
             continue
         flops += 2.0 * costs.block_params[i]
+        where = first_gpu if devices[i] == CPU else devices[i]
+        by_device[where] = by_device.get(where, 0.0) + 2.0 * costs.block_params[i]
         if devices[i] == CPU:
             crossing += costs.block_bytes[i] + costs.expert_bytes[i]
         else:
@@ -238,11 +255,19 @@ def prompt_cost(costs: ModelCosts, placement: Placement, settings: ContextSettin
                                 + kv_row_bytes(settings.type_v, costs.kv_v_elements[i]))
     return PromptCost(
         flops_per_token=flops, crossing_bytes=int(crossing),
-        fixed_seconds=costs.n_blocks * UBATCH_BLOCK_SECONDS, flops_rate=_prompt_rate(card, threads),
+        fixed_seconds=costs.n_blocks * UBATCH_BLOCK_SECONDS,
+        flops_rate=_combined_rate(card, threads, by_device) if card.n_gpus > 1
+        else _prompt_rate(card, threads),
         on_gpu=card.has_gpu, attention_flops_per_cell=full, sliding_flops_per_cell=sliding,
         sliding_window=costs.sliding_window, crossing_kv_per_cell=kv_crossing,
         offload_bps=max(1.0, card.pcie_gbs * OFFLOAD_GBS_FRACTION * 1e9),
     )
+
+
+def _combined_rate(card: Card, threads: int, flops_by_device: dict[str, float]) -> float:
+    total = sum(flops_by_device.values())
+    seconds = sum(f / _prompt_rate(card, threads, d) for d, f in flops_by_device.items() if f)
+    return total / seconds if seconds > 0 else _prompt_rate(card, threads)
 
 
 # ---- checking passes (speculative decoding) ---------------------------------------------------

@@ -28,8 +28,8 @@ from .card import GIB, MIB, Card
 from .disk import disk_bytes_per_token, disk_read_gbs, non_weight_ram_fits, with_disk_reads
 from .explain import explain, gib, impossible_message
 from .memory import (
-    CPU, ComputeTable, ContextSettings, ModelCosts, Placement, memory_by_device,
-    model_costs,
+    CPU, ComputeTable, ContextSettings, ModelCosts, Placement, block_devices, layer_gpu_bytes,
+    memory_by_device, model_costs, split_layers,
 )
 from .plan import DeviceMemory, Plan, TensorOverride, cpu_plan
 from .quality import kv_label, kv_rank, split_kv
@@ -88,7 +88,7 @@ class Option:
     settings: ContextSettings
     memory: tuple[DeviceMemory, ...]
     speed: Speed  # decode averaged over the session's answers (prefill: one micro-batch)
-    vram_budget: int  # per GPU
+    vram_budget: int  # per GPU (several GPUs: the smallest; device_budgets has each)
     ram_budget: int
     disk_bytes: int = 0  # weights read from disk per token: past RAM, they stay mmapped
     # Speculative decoding: how it drafts (None: plain decode) and what it was priced at; the
@@ -96,6 +96,7 @@ class Option:
     speculator: Speculator | None = None
     speculation: SpeculationChoice | None = None
     session: SessionTime | None = None  # the workload's session on this option
+    device_budgets: tuple[tuple[str, int], ...] = ()  # several GPUs: each one's usable VRAM
 
     @property
     def session_seconds(self) -> float:
@@ -112,7 +113,9 @@ class Option:
 
     @property
     def gpu_fits(self) -> bool:
-        return all(m.total <= self.vram_budget for m in self.memory if m.device != CPU)
+        budgets = dict(self.device_budgets)
+        return all(m.total <= budgets.get(m.device, self.vram_budget)
+                   for m in self.memory if m.device != CPU)
 
     @property
     def ram_fits(self) -> bool:
@@ -177,8 +180,46 @@ class Search:
 
 
 def vram_budget(card: Card, margin: int) -> int:
-    """Per GPU: free memory less the user's margin (the CUDA overhead is counted per device)."""
-    return max(0, card.free_vram_bytes - margin) if card.has_gpu else 0
+    """Per GPU: free memory less the user's margin (the CUDA overhead is counted per device);
+    several GPUs: the smallest of theirs."""
+    return min(vram_budgets(card, margin).values(), default=0)
+
+
+def vram_budgets(card: Card, margin: int) -> dict[str, int]:
+    """Each GPU's free memory less the user's margin."""
+    return {g.device: max(0, g.free_vram_bytes - margin) for g in card.gpu_list}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which GPUs take layers, and the shares the split follows: by free memory (as llama.cpp
+    splits when told nothing), or the fastest GPU filled first."""
+
+    name: str
+    shares: tuple[float, ...]
+
+
+def gpu_layouts(card: Card, budgets: dict[str, int]) -> tuple[Layout, ...]:
+    """The layouts worth pricing on several GPUs: every set of them (alike GPUs counted once),
+    each split by free memory, and fastest first where their speeds differ. Leaving a GPU out
+    pays where the model fits the others and the slow card would only slow it down."""
+    gpus = card.gpu_list
+    out, seen = [], set()
+    for mask in sorted(range(1, 1 << len(gpus)), key=lambda m: (-bin(m).count("1"), m)):
+        chosen = [g for i, g in enumerate(gpus) if mask >> i & 1]
+        kinds = tuple(sorted((g.free_vram_bytes, g.bandwidth_gbs, g.fp16_tflops) for g in chosen))
+        if kinds in seen:
+            continue
+        seen.add(kinds)
+        names = "+".join(g.device for g in chosen)
+        out.append(Layout(f"{names} by free memory", tuple(
+            float(budgets[g.device]) if mask >> i & 1 else 0.0 for i, g in enumerate(gpus))))
+        fastest = max(g.bandwidth_gbs for g in chosen)
+        if any(g.bandwidth_gbs != fastest for g in chosen):
+            out.append(Layout(f"{names} fastest first", tuple(
+                (1e6 if g.bandwidth_gbs == fastest else 1.0) if mask >> i & 1 else 0.0
+                for i, g in enumerate(gpus))))
+    return tuple(out)
 
 
 def ram_budget(card: Card, request: Request | None = None) -> int:
@@ -235,6 +276,11 @@ class _Evaluator:
                  compute: ComputeTable | None, speculators: tuple[Speculator, ...] = ()):
         self.costs, self.card, self.request, self.compute = costs, card, request, compute
         self.vram_budget = vram_budget(card, request.margin_bytes)
+        self.budgets = vram_budgets(card, request.margin_bytes)
+        self.device_budgets = tuple(self.budgets.items()) if card.n_gpus > 1 else ()
+        # Several GPUs: each placement is tried under each layout (None: one GPU, no split)
+        self.layouts: tuple[Layout | None, ...] = \
+            gpu_layouts(card, self.budgets) if card.has_gpu and card.n_gpus > 1 else (None,)
         self.ram_budget = ram_budget(card, request)
         self.kv_costs = quality.kv_costs(request.measured_kl)
         # Per token only the routed experts are read, so only their share of a spill hits disk.
@@ -255,8 +301,33 @@ class _Evaluator:
 
     def gpu_fits(self, placement: Placement, settings: ContextSettings,
                  spec: Speculator | None = None) -> bool:
-        return all(m.total <= self.vram_budget for m in self.memory(placement, settings, spec)
-                   if m.device != CPU)
+        return all(m.total <= self.budgets.get(m.device, self.vram_budget)
+                   for m in self.memory(placement, settings, spec) if m.device != CPU)
+
+    def placed(self, placement: Placement, settings: ContextSettings, spec: Speculator | None,
+               layout: Layout | None) -> Placement | None:
+        """The placement with its GPU layers split by the layout so that every GPU stays in its
+        budget; None where no split does. One GPU: the placement itself, if it fits."""
+        if layout is None:
+            return placement if self.gpu_fits(placement, settings, spec) else None
+        costs, n_all = self.costs, self.costs.n_blocks + 1
+        n = max(0, min(placement.n_gpu_layers, n_all))
+        per_layer = layer_gpu_bytes(costs, placement, settings)
+        # What each GPU holds besides its layers (overhead, compute buffer, a drafter's share),
+        # from a first split in proportion to the shares.
+        first = replace(placement, n_gpu_layers=n, gpu_split=_proportional(n, layout.shares))
+        devices = block_devices(costs, first, self.card.n_gpus)
+        held = dict.fromkeys(self.card.devices, 0)
+        for d, b in zip(devices, per_layer, strict=True):
+            if d != CPU:
+                held[d] += b
+        memory = {m.device: m.total for m in self.memory(first, settings, spec)}
+        rooms = [self.budgets[d] - (memory[d] - held[d]) for d in self.card.devices]
+        split = split_layers(per_layer[n_all - n:], rooms, list(layout.shares))
+        if split is None:
+            return None
+        out = replace(first, gpu_split=split)
+        return out if self.gpu_fits(out, settings, spec) else None
 
     def disk_bytes(self, memory: tuple) -> int:
         return disk_bytes_per_token(memory, self.ram_budget, self.read_fraction)
@@ -287,13 +358,15 @@ class _Evaluator:
         if spec is None or disk:  # (weights read from disk: speculation is not priced there)
             return self.priced(Option(placement, settings, memory,
                                       self.speed(placement, settings, depth),
-                                      self.vram_budget, self.ram_budget, disk_bytes=disk))
+                                      self.vram_budget, self.ram_budget, disk_bytes=disk,
+                                      device_budgets=self.device_budgets))
         speed, choice = self.speculative(placement, settings, depth, spec)
         # The draft length is chosen here, at the objective depth; later prices keep it.
         spec = replace(spec, draft_lengths=(choice.draft_n_max,))
         memory = self.memory(placement, settings, spec)
         return self.priced(Option(placement, settings, memory, speed, self.vram_budget,
-                                  self.ram_budget, speculator=spec, speculation=choice))
+                                  self.ram_budget, speculator=spec, speculation=choice,
+                                  device_budgets=self.device_budgets))
 
     def priced(self, option: Option) -> Option:
         """The option with its session timed and its speed the session's averages."""
@@ -337,45 +410,65 @@ class _Evaluator:
 
     def placements(self, settings: ContextSettings,
                    spec: Speculator | None = None) -> list[Option]:
-        """The placements worth comparing at these settings, each filling the GPU its way."""
+        """The placements worth comparing at these settings, each filling the GPUs its way
+        (several GPUs: under each layout of them)."""
+        out = []
+        for layout in self.layouts:
+            out += self._placements(settings, spec, layout)
+        return out
+
+    def _placements(self, settings: ContextSettings, spec: Speculator | None,
+                    layout: Layout | None) -> list[Option]:
         costs, n_all = self.costs, self.costs.n_blocks + 1
         if not self.card.has_gpu:
             return [self.option(Placement(0), settings, spec)]
         if self.request.n_gpu_layers is not None:
-            return [self.option(Placement(min(self.request.n_gpu_layers, n_all)), settings, spec)]
+            if layout is not None and layout is not self.layouts[0]:
+                return []  # the user's num_gpu: split once, by free memory over every GPU
+            asked = Placement(min(self.request.n_gpu_layers, n_all))
+            if layout is not None:
+                asked = self.placed(asked, settings, spec, layout) or replace(
+                    asked, gpu_split=_proportional(asked.n_gpu_layers, layout.shares))
+            return [self.option(asked, settings, spec)]
+
+        def fit(p: Placement) -> Placement | None:
+            return self.placed(p, settings, spec, layout)
 
         def fits(p: Placement) -> bool:
-            return self.gpu_fits(p, settings, spec)
+            return fit(p) is not None
+
+        def option(p: Placement) -> Option:
+            return self.option(fit(p) or p, settings, spec)
 
         out = []
         layers = _largest(lambda n: fits(Placement(n)), 0, n_all)
-        out.append(self.option(Placement(layers or 0), settings, spec))
+        out.append(option(Placement(layers or 0)))
         if layers is not None and layers < n_all and costs.output_bytes:
             # Keeping the lm-head in RAM frees room for blocks; it pays only when those blocks
             # would otherwise be read from RAM too.
             n = _largest(lambda n: fits(Placement(n, output_on_cpu=True)), 1, n_all)
             if n is not None and n > layers:
-                out.append(self.option(Placement(n, output_on_cpu=True), settings, spec))
+                out.append(option(Placement(n, output_on_cpu=True)))
         if costs.has_experts and (layers is None or layers < n_all):
             # Experts are most of an MoE model but few are read per token: keep attention and
             # shared weights of every block on the GPU and the experts of the first blocks in RAM.
             k = _smallest(lambda k: fits(Placement(n_all, n_cpu_expert_layers=k)),
                           0, costs.n_blocks)
             if k is not None:
-                out.append(self.option(Placement(n_all, n_cpu_expert_layers=k), settings, spec))
+                out.append(option(Placement(n_all, n_cpu_expert_layers=k)))
             else:
                 n = _largest(lambda n: fits(Placement(n, n_cpu_expert_layers=costs.n_blocks)),
                              0, n_all)
                 if n:
-                    out.append(self.option(
-                        Placement(n, n_cpu_expert_layers=costs.n_blocks), settings, spec))
+                    out.append(option(Placement(n, n_cpu_expert_layers=costs.n_blocks)))
         elif any(costs.ffn_bytes) and self.request.ffn_split and (layers is None
                                                                    or layers < n_all):
-            out += self._ffn_splits(settings, layers or 0, spec)
+            out += self._ffn_splits(settings, layers or 0, spec, layout)
         return out
 
     def _ffn_splits(self, settings: ContextSettings, whole: int,
-                    spec: Speculator | None = None) -> list[Option]:
+                    spec: Speculator | None = None,
+                    layout: Layout | None = None) -> list[Option]:
         """Attention and KV on the GPU, the FFN of the fewest last blocks in RAM; mixed with
         whole blocks in RAM where the KV of every block does not fit. The whole-block counts
         are sampled, then the best is refined with its neighbours."""
@@ -384,10 +477,12 @@ class _Evaluator:
 
         def at(n: int) -> Option | None:
             if n not in tried:
-                k = _smallest(lambda k: self.gpu_fits(Placement(n, n_cpu_ffn_layers=k),
-                                                      settings, spec), 0, n_trunk)
-                tried[n] = self.option(Placement(n, n_cpu_ffn_layers=k), settings, spec) \
-                    if k else None
+                k = _smallest(lambda k: self.placed(Placement(n, n_cpu_ffn_layers=k),
+                                                    settings, spec, layout) is not None,
+                              0, n_trunk)
+                placed = self.placed(Placement(n, n_cpu_ffn_layers=k), settings, spec,
+                                     layout) if k else None
+                tried[n] = self.option(placed, settings, spec) if placed else None
             return tried[n]
 
         lo = whole + 1
@@ -502,6 +597,19 @@ class _Evaluator:
         return o if o.fits and o.disk_bytes <= best.disk_bytes else None
 
 
+def _proportional(n: int, shares: tuple[float, ...]) -> tuple[int, ...]:
+    """n layers over the devices in proportion to the shares (largest remainders)."""
+    total = sum(shares)
+    if not total:
+        return tuple(0 for _ in shares)
+    exact = [n * s / total for s in shares]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(shares)), key=lambda i: exact[i] - counts[i],
+                    reverse=True)[:n - sum(counts)]:
+        counts[i] += 1
+    return tuple(counts)
+
+
 def pick(options: list[Option]) -> Option | None:
     if not options:
         return None
@@ -591,6 +699,15 @@ def tensor_overrides(shape: ModelShape, placement: Placement) -> tuple[TensorOve
     return tuple(out)
 
 
+def gpu_layers(shape: ModelShape, card: Card,
+               placement: Placement) -> tuple[tuple[str, int], ...]:
+    """llama.cpp's layers per device, the CPU's first, then each GPU's (the output layer
+    counted as the last layer): the plan's device_layers, and its tensor_split after the CPU."""
+    costs = model_costs(shape)
+    devices = block_devices(costs, placement, card.n_gpus)
+    return tuple((d, devices.count(d)) for d in (CPU, *card.devices))
+
+
 def decode_by_depth(evaluator: _Evaluator, best: Option) -> tuple[tuple[int, float], ...]:
     """Predicted decode at the start, the middle and the end of the context."""
     n = best.settings.n_ctx
@@ -642,7 +759,10 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
             n_ctx=s.n_ctx,
             n_gpu_layers=best.placement.n_gpu_layers,
             tensor_overrides=tensor_overrides(shape, best.placement),
-            tensor_split=tuple(1.0 for _ in range(card.n_gpus)) if card.n_gpus > 1 else (),
+            tensor_split=tuple(float(k) for _, k in gpu_layers(shape, card, best.placement)[1:])
+            if card.n_gpus > 1 else (),
+            device_layers=gpu_layers(shape, card, best.placement),
+            gpus=tuple(g.index for g in card.gpu_list) if card.source == "probe" else (),
             type_k=s.type_k, type_v=s.type_v, flash_attn=s.flash_attn,
             n_batch=request.n_batch or max(2048, s.n_ubatch),
             n_ubatch=min(s.n_ubatch, request.n_batch or s.n_ubatch),

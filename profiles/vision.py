@@ -60,8 +60,7 @@ def plan_with_projector(card: Card, cost: ProjectorCost,
         return _placed(plan_for(card), cost, card, on_gpu=False, why="no GPU")
     room = card.free_vram_bytes - cost.total
     if room > 0:
-        with_room = plan_for(replace(card, free_vram_bytes=room,
-                                     vram_bytes=card.vram_bytes - cost.total))
+        with_room = plan_for(card.less_vram(cost.total))
         whole = plan_for(card)
         if with_room.n_gpu_layers >= whole.n_gpu_layers:
             return _placed(with_room, cost, card, on_gpu=True,

@@ -10,6 +10,7 @@ import re
 import pytest
 import synth_gguf
 
+from localllm.llama.params import rollback_positions
 from localllm.modelstore.shape import read_shape
 from localllm.profiles.card import GIB, MIB, load_card
 from localllm.profiles.memory import ComputeTable, ContextSettings, Placement
@@ -72,8 +73,10 @@ def expected_bytes(config: synth_gguf.ShapeConfig, plan) -> dict[str, list[int]]
         if config.full_attention_interval and (i + 1) % config.full_attention_interval:
             s = config.ssm
             d_inner = s["d_state"] * s["dt_rank"]
+            # llama.cpp keeps 1 + n_rs_seq copies of a recurrent state (snapshots for drafts).
+            copies = 1 + rollback_positions(plan)
             out[device][1] += ((s["d_conv"] - 1) * (d_inner + 2 * s["n_group"] * s["d_state"])
-                               + s["d_state"] * d_inner) * 4
+                               + s["d_state"] * d_inner) * 4 * copies
             continue
         cells = pad256(plan.n_ctx)
         if config.sliding_window and i % 6 < 5:

@@ -51,7 +51,10 @@ def pair(tmp_path_factory):
 def vdaemon(tmp_path_factory, pair, smollm2_gguf):
     from daemon_process import isolated_env, start_daemon
 
-    env = isolated_env(tmp_path_factory.mktemp("vision-daemon"), LOCALLLM_NUM_PARALLEL="1")
+    # The slot's own cache only: the RAM prompt cache would give back images read by earlier
+    # tests, and these count what one request reads (tests/test_prompt_cache.py covers it).
+    env = isolated_env(tmp_path_factory.mktemp("vision-daemon"), LOCALLLM_NUM_PARALLEL="1",
+                       LOCALLLM_PROMPT_CACHE_RAM="0")
     store = ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models")
     model, mmproj = pair
     store.import_gguf(model, "vl", projector=mmproj)

@@ -42,6 +42,16 @@ STREAM_LIMIT = 64 * 1024 * 1024
 RUNNER_COMMAND = (sys.executable, "-m", "localllm.daemon.runner")
 
 
+def runner_env(plan: Plan) -> dict[str, str]:
+    """The runner's environment: the daemon's, with the plan's GPUs as CUDA_VISIBLE_DEVICES in
+    NVML's (PCI bus) order, so that CUDA0, CUDA1... are the GPUs the plan was made for."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if plan.gpus:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in plan.gpus)
+    return env
+
+
 class LoadError(UserError):
     """The runner could not load the model (message from llama.cpp, or how it died)."""
 
@@ -102,7 +112,7 @@ class RunnerProcess:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.command,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr,
-                limit=STREAM_LIMIT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                limit=STREAM_LIMIT, env=runner_env(self.plan),
             )
         self._send({"op": "load", "model_path": str(self.model_path),
                     "plan": self.plan.to_dict(),

@@ -22,12 +22,27 @@ import logging
 from dataclasses import dataclass, field
 
 import llama_cpp
-from llama_cpp import mtmd_cpp as mtmd
 
 from .sampling import RequestError
 
 log = logging.getLogger("localllm.runner")
 
+class _LazyMtmd:
+    """llama-cpp-python's mtmd binding, loaded on first use: importing it loads libmtmd, which
+    a text model never needs (and a build may lack). With LLAMA_CPP_LIB_PATH (a build of one's
+    own, CUDA say) libmtmd comes from the same folder, as libllama does."""
+
+    def __getattr__(self, name: str):
+        import os
+
+        if os.environ.get("LLAMA_CPP_LIB_PATH") and not os.environ.get("MTMD_CPP_LIB"):
+            os.environ["MTMD_CPP_LIB"] = os.environ["LLAMA_CPP_LIB_PATH"]
+        from llama_cpp import mtmd_cpp
+
+        return getattr(mtmd_cpp, name)
+
+
+mtmd = _LazyMtmd()
 _CHUNK_TEXT = 0  # mtmd_input_chunk_type
 _PLACEHOLDER_SPAN = 1 << 62
 
