@@ -42,7 +42,8 @@ from .peer_uid import peer_uid, plain_ip
 
 LOCAL_ORIGIN = re.compile(r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?$")
 ALLOWED_METHODS = "GET, HEAD, POST, DELETE, OPTIONS"
-ALLOWED_HEADERS = "Authorization, Content-Type, Accept, User-Agent, X-Requested-With"
+ALLOWED_HEADERS = ("Authorization, Content-Type, Accept, User-Agent, X-Requested-With, X-Api-Key, "
+                   "Anthropic-Version, Anthropic-Beta")
 OPEN_PATHS = frozenset({"/api/version"})
 
 
@@ -170,12 +171,18 @@ def cors_headers(config: Config):
 
 
 # ---- other users ---------------------------------------------------------------------------
-def _sent_key(request: web.Request) -> bytes:
-    return request.headers.get("Authorization", "").encode("utf-8", "replace")
+def _sent_keys(request: web.Request) -> list[bytes]:
+    # Anthropic's clients send the key as x-api-key: every route takes either header.
+    sent = [request.headers.get("Authorization", "").encode("utf-8", "replace")]
+    if "x-api-key" in request.headers:
+        sent.append(f"Bearer {request.headers['x-api-key']}".encode("utf-8", "replace"))
+    return sent
 
 
 def key_matches(request: web.Request, api_key: str) -> bool:
-    return bool(api_key) and hmac.compare_digest(_sent_key(request), f"Bearer {api_key}".encode())
+    expected = f"Bearer {api_key}".encode()
+    return bool(api_key) and any([hmac.compare_digest(sent, expected)
+                                  for sent in _sent_keys(request)])
 
 
 def owner_middleware(config: Config, lookup=peer_uid, platform: str = sys.platform):
@@ -227,7 +234,7 @@ def key_middleware(api_key: str):
         if api_key and not is_unix(request) and request.path not in OPEN_PATHS \
                 and not key_matches(request, api_key):
             return _json_error(request, 401, "missing or wrong API key: send "
-                               "'Authorization: Bearer <key>'")
+                               "'Authorization: Bearer <key>' or 'x-api-key: <key>'")
         return await handler(request)
     return check_key
 

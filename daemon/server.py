@@ -25,7 +25,7 @@ from localllm.config import Config, config_file
 from localllm.errors import UserError
 
 from . import security
-from .api import create, embed, ollama, openai, stats
+from .api import anthropic, create, embed, ollama, openai, responses, stats
 from .api.common import MAX_BODY_BYTES
 from .config_watch import watch_config, watch_profiles
 from .logging_setup import setup_logging
@@ -36,10 +36,16 @@ from .systemd import listen_fds, notify
 log = logging.getLogger("localllm.daemon")
 
 
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def error_body(path: str, status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict:
     """The API's error shape; `code` is OpenAI's (`model_not_found` only for a missing
     model, not for a route that does not exist)."""
+    if is_anthropic(path):
+        return anthropic.error_json(status, message)
     if path.startswith("/v1/"):  # OpenAI's error shape
         kind = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 503: "server_overloaded"}.get(status, "server_error")
@@ -63,7 +69,10 @@ async def error_middleware(request: web.Request, handler):
             status, message = 500, f"internal error: {type(e).__name__}: {e}"
         param = getattr(e, "param", None)
         headers = {"Retry-After": "5"} if status == 503 else None
-        code = "model_not_found" if isinstance(e, ModelNotFound) else None
+        if status == 503 and is_anthropic(request.path):
+            status = anthropic.OVERLOADED
+        code = getattr(e, "code", None) or (
+            "model_not_found" if isinstance(e, ModelNotFound) else None)
         return web.json_response(error_body(request.path, status, message, param, code),
                                  status=status, headers=headers)
 
@@ -88,6 +97,9 @@ def create_app(config: Config, store: ModelStore | None = None) -> web.Applicati
     app.router.add_get("/", root)  # GET and HEAD, as Ollama answers both
     app.add_routes(ollama.routes)
     app.add_routes(openai.routes)
+    app.add_routes(anthropic.routes)
+    app.add_routes(responses.routes)
+    app[responses.STORED] = responses.StoredResponses()
     app.add_routes(stats.routes)
     app.add_routes(embed.routes)
     app.add_routes(create.routes)

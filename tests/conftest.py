@@ -104,6 +104,23 @@ def hub(smollm2_gguf):
         yield hub
 
 
+@pytest.fixture(scope="session")
+def agent_daemon(tmp_path_factory, smollm2_gguf):
+    """A daemon for the agents' APIs (/v1/messages, /v1/responses): SmolLM2 as published, a
+    copy with a tool template and a copy with a thinking template (tests/chat_models.py)."""
+    from chat_models import thinking_model, tool_model
+    from daemon_process import isolated_env, start_daemon
+
+    root = tmp_path_factory.mktemp("agents")
+    env = isolated_env(root / "home")
+    import_models(env, {"smollm2": smollm2_gguf,
+                        "smollm2-tools": tool_model(smollm2_gguf, root),
+                        "smollm2-thinking": thinking_model(smollm2_gguf, root)})
+    d = start_daemon(env)
+    yield d
+    d.stop()
+
+
 def _log_sizes() -> dict[Path, int]:
     from daemon_process import DAEMON_LOGS
 

@@ -41,6 +41,31 @@ def test_killing_the_runner_mid_answer_fails_only_that_answer(fresh_daemon):
     assert again.load_duration > 0, "the model was loaded again"
 
 
+def test_a_runner_dying_mid_stream_ends_the_agents_streams_with_an_error(fresh_daemon):
+    """Claude Code and Codex hear of a failure mid-answer as an event, never as silence."""
+    import anthropic
+    import openai
+
+    story = [{"role": "user", "content": "Write a long story."}]
+    claude = anthropic.Anthropic(base_url=fresh_daemon.url, api_key="x", max_retries=0)
+    events = claude.messages.create(model="smollm2", max_tokens=2000, messages=story,
+                                    stream=True, extra_body={"temperature": 0.9})
+    assert next(iter(events)).type == "message_start"
+    os.kill(loaded(fresh_daemon)["runner_pid"], signal.SIGKILL)
+    with pytest.raises(anthropic.APIStatusError, match="stopped mid-answer"):
+        for _ in events:
+            pass
+    codex = openai.OpenAI(base_url=fresh_daemon.url + "/v1", api_key="x", max_retries=0)
+    stream = iter(codex.responses.create(model="smollm2", max_output_tokens=2000, input=story,
+                                         stream=True, temperature=0.9))
+    assert next(stream).type == "response.created"
+    wait_for(lambda: loaded(fresh_daemon), timeout=60, what="the model to load again")
+    os.kill(loaded(fresh_daemon)["runner_pid"], signal.SIGKILL)
+    last = list(stream)[-1]
+    assert last.type == "response.failed" and "stopped mid-answer" in last.response.error.message
+    assert fresh_daemon.proc.poll() is None, "the daemon stays up"
+
+
 def test_a_client_that_disconnects_stops_generation_within_a_second(fresh_daemon):
     body = json.dumps({"model": "smollm2", "options": LONG,
                        "messages": [{"role": "user", "content": "Write a long story."}]})
@@ -178,6 +203,14 @@ def test_a_full_queue_answers_503_and_the_daemon_keeps_serving(tmp_path, smollm2
         with pytest.raises(ollama.ResponseError) as e:
             client.generate(model="smollm2", prompt="hi", options={"num_predict": 2})
         assert e.value.status_code == 503
+        # Anthropic's clients read a busy server as overloaded_error, 529, and retry later.
+        busy = urllib.request.Request(d.url + "/v1/messages", method="POST", data=json.dumps({
+            "model": "smollm2", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}]}).encode())
+        with pytest.raises(urllib.error.HTTPError) as overloaded:
+            urllib.request.urlopen(busy, timeout=60)
+        assert overloaded.value.code == 529 and overloaded.value.headers["Retry-After"]
+        assert json.loads(overloaded.value.read())["error"]["type"] == "overloaded_error"
         first.close()
         queued.join(timeout=60)
         assert not queued.is_alive()

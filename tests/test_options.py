@@ -133,6 +133,11 @@ def test_an_out_of_range_value_is_the_same_400_on_every_api(daemon):
             "temperature": 101}),
         httpx.post(f"{daemon.url}/v1/completions", json={
             "model": "smollm2", "prompt": "hi", "temperature": 101}),
+        httpx.post(f"{daemon.url}/v1/messages", timeout=120, json={
+            "model": "smollm2", "max_tokens": 5, "temperature": 101,
+            "messages": [{"role": "user", "content": "hi"}]}),
+        httpx.post(f"{daemon.url}/v1/responses", timeout=120, json={
+            "model": "smollm2", "input": "hi", "temperature": 101}),
         httpx.post(f"{daemon.url}/api/create", json={
             "model": "too-hot", "modelfile": "FROM smollm2\nPARAMETER temperature 101"}),
     ]
@@ -143,3 +148,6 @@ def test_an_out_of_range_value_is_the_same_400_on_every_api(daemon):
     assert httpx.post(f"{daemon.url}/v1/completions", json={
         "model": "smollm2", "prompt": "hi", "max_tokens": -5}).json()["error"]["message"] == \
         "max_tokens must be between -2 and 16777216, not -5"
+    assert httpx.post(f"{daemon.url}/v1/responses", json={
+        "model": "smollm2", "input": "hi", "max_output_tokens": -5}).json()["error"]["message"] \
+        == "max_output_tokens must be between -2 and 16777216, not -5"

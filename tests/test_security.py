@@ -156,16 +156,22 @@ def test_the_key_is_enforced_on_a_non_loopback_bind(tmp_path):
         for method, path, body in (("GET", "/api/tags", None), ("GET", "/", None),
                                    ("GET", "/api/ps", None), ("GET", "/v1/models", None),
                                    ("POST", "/api/chat", b"{}"), ("POST", "/api/pull", b"{}"),
-                                   ("GET", "/api/stats", None), ("GET", "/api/status", None)):
+                                   ("GET", "/api/stats", None), ("GET", "/api/status", None),
+                                   ("POST", "/v1/messages", b"{}")):
             status, _, reply = call(url, method, path, body)
             assert status == 401, path
             assert "API key" in json.dumps(json.loads(reply)), path
             wrong = call(url, method, path, body, {"Authorization": "Bearer s3cret-kez"})
             assert wrong[0] == 401, path
+            assert call(url, method, path, body, {"x-api-key": "s3cret-kez"})[0] == 401, path
         assert call(url, "GET", "/api/version")[0] == 200  # the one open route
         status, _, reply = call(url, "GET", "/api/tags", headers={
             "Authorization": "Bearer s3cret-key"})
         assert status == 200 and json.loads(reply) == {"models": []}
+        # Anthropic's clients send the key as x-api-key; a 401 there has Anthropic's shape.
+        assert call(url, "GET", "/api/tags", headers={"x-api-key": "s3cret-key"})[0] == 200
+        status, _, reply = call(url, "POST", "/v1/messages", b"{}")
+        assert json.loads(reply)["error"]["type"] == "authentication_error"
         # A LAN client reaches it by IP: any IP literal passes the Host check on 0.0.0.0.
         assert call(url, "GET", "/api/version", headers={"Host": "192.168.7.7:1"})[0] == 200
     finally:

@@ -289,3 +289,26 @@ def test_run_attaches_the_image_files_a_prompt_names(vdaemon, tmp_path):
     assert "added image photo.png" in result.stderr
     plain = vdaemon.cli("run", "vl", "what is in?", "--verbose")
     assert plain.returncode == 0 and "added image" not in plain.stderr
+
+
+def test_anthropic_image_blocks_and_responses_input_image(vdaemon, oc):
+    """The agents' wire formats hand their images to the same chat layer: an image first and
+    the same text read the same prompt, and give the same greedy answer, as Ollama's `images`."""
+    import anthropic
+
+    via_ollama = ask(oc, [RED])
+    claude = anthropic.Anthropic(base_url=vdaemon.url, api_key="x", max_retries=0)
+    m = claude.messages.create(model="vl", max_tokens=8, extra_body={"temperature": 0, "seed": 1},
+                               messages=[{"role": "user", "content": [
+                                   {"type": "image", "source": {
+                                       "type": "base64", "media_type": "image/png", "data": RED}},
+                                   {"type": "text", "text": "What is this?"}]}])
+    assert m.content[0].text == via_ollama.message.content
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens >= IMAGE_TOKENS
+    codex = openai.OpenAI(base_url=vdaemon.url + "/v1", api_key="x", max_retries=0)
+    r = codex.responses.create(model="vl", max_output_tokens=8, temperature=0,
+                               extra_body={"seed": 1}, input=[{"role": "user", "content": [
+                                   {"type": "input_image",
+                                    "image_url": f"data:image/png;base64,{RED}"},
+                                   {"type": "input_text", "text": "What is this?"}]}])
+    assert r.output_text == via_ollama.message.content

@@ -1,4 +1,4 @@
-"""Request validation and errors shared by the Ollama and OpenAI routes.
+"""Request validation and errors shared by the routes of every wire format.
 
 Handlers raise `ApiError` (or a known domain error); the error middleware in server.py turns
 it into the right JSON shape for the route's API family. No handler formats an error itself.
@@ -6,22 +6,30 @@ it into the right JSON shape for the route's API family. No handler formats an e
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 from aiohttp import web
+from localllm.modelstore.store import ModelEntry
 
 from localllm.errors import UserError
 from localllm import options
 from localllm.options import LoadOptions, SamplingOptions
 
+from ..chat.custom import Customization, read_customization
+from ..generation import find_model
+from ..state import STORE
+
 
 class ApiError(UserError):
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code  # OpenAI's error code, where one fits better than the status's
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -108,6 +116,17 @@ def get_str(body: dict, key: str, required: bool = False, default: str | None = 
     return value
 
 
+async def local_model(request: web.Request, body: dict, route: str
+                      ) -> tuple[ModelEntry, Customization]:
+    """The stored local model a request names (404 naming it when there is none) and what its
+    Modelfile added. A remote model is a 400: these routes translate onto the local engine."""
+    entry = find_model(request.app, get_str(body, "model", required=True))
+    if entry.remote is not None:
+        raise bad_request(f"{entry.name} is a remote model: {route} serves local models only "
+                          f"(use /v1/chat/completions or /api/chat)", "model")
+    return entry, await asyncio.to_thread(read_customization, request.app[STORE], entry)
+
+
 def get_model_field(body: dict) -> str:
     """The model a request names: `model`, or `name` as older Ollama clients send it."""
     name = get_str(body, "model") or get_str(body, "name")
@@ -151,6 +170,39 @@ def parse_options(values: dict, labels: dict | None = None,
         return options.parse({**(stored or {}), **values}, labels)
     except options.OptionError as e:
         raise bad_request(str(e), e.name) from None
+
+
+def body_options(body: dict, names: dict[str, str], stored: dict | None = None
+                 ) -> tuple[SamplingOptions, LoadOptions]:
+    """Options sent as top-level fields (OpenAI, Anthropic, Responses): `names` maps the wire
+    format's own names onto the table's (earlier entries win); every other option of the table
+    is taken under its own name (top_k, min_p, num_ctx...), as llama-server and vLLM take
+    extras. An error names the field as the client sent it."""
+    values = {k: v for k, v in body.items() if k in options.OPTIONS}
+    labels = {}
+    for theirs, ours in reversed(names.items()):
+        if body.get(theirs) is not None:
+            values[ours], labels[ours] = body[theirs], theirs
+    return parse_options(values, labels, stored)
+
+
+# OpenAI's reasoning efforts -> the chat layer's think levels ("none" turns thinking off).
+EFFORTS = {"none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high",
+           "xhigh": "high"}
+
+
+def think_from_effort(effort, label: str) -> bool | str | None:
+    if effort is None:
+        return None
+    if effort not in EFFORTS:
+        raise bad_request(f"{label} must be one of {', '.join(repr(e) for e in EFFORTS)}",
+                          label)
+    return EFFORTS[effort]
+
+
+def kept_calls(calls: list, parallel: bool) -> list:
+    """The tool calls an answer returns: only the first when the client asked for one."""
+    return calls if parallel else [c for c in calls if c.index == 0]
 
 
 def get_messages(body: dict, images: list | None = None) -> tuple[dict, ...]:
@@ -260,6 +312,29 @@ def _tool_call(i: int, j: int, call: dict) -> dict:
     if call.get("id"):
         out["id"] = str(call["id"])
     return out
+
+
+def message_images(messages: tuple[dict, ...]) -> tuple[tuple[dict, ...], tuple]:
+    """Messages carrying `images` (base64, data: or http(s) URLs, as the Anthropic and
+    Responses routes collect them) -> the messages with each image's slot written at the start
+    of its content, and the ImageSources (chat/images.py), as get_messages gives them."""
+    from ..chat.images import ImageSource, slot
+
+    images: list = []
+    out = []
+    for i, message in enumerate(messages):
+        if not message.get("images"):
+            out.append(message)
+            continue
+        slots = ""
+        for j, value in enumerate(message["images"]):
+            where = f"messages[{i}].images[{j}]"
+            slots += slot(len(images))
+            images.append(ImageSource(where, url=value) if value.startswith(
+                ("http://", "https://")) else ImageSource(where, data=value))
+        out.append({**{k: v for k, v in message.items() if k != "images"},
+                    "content": slots + message["content"]})
+    return tuple(out), tuple(images)
 
 
 def has_images(body: dict) -> bool:

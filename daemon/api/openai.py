@@ -9,19 +9,20 @@ import uuid
 
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
-from localllm.options import OPTIONS, LoadOptions, SamplingOptions
+from localllm.options import LoadOptions, SamplingOptions
 
 from .. import remote
 from ..chat.answer import answer
 from ..chat.custom import Customization, read_customization
 from ..chat.parse import Parsed
-from ..chat.request import THINK_LEVELS, ChatRequest
+from ..chat.request import ChatRequest
 from ..generation import find_model
 from ..runner.process import new_request_id
 from ..runner.protocol import Done, Failure, Progress, Token
 from ..state import STORE
 from .common import (
     bad_request,
+    body_options,
     get_bool,
     get_messages,
     get_number,
@@ -29,15 +30,14 @@ from .common import (
     get_tool_choice,
     get_tools,
     has_images,
-    parse_options,
     read_json,
+    think_from_effort,
 )
 
 routes = web.RouteTableDef()
 
 
-# OpenAI's names for the table's options; every other option of the table is taken under its
-# own name (top_k, min_p, repeat_penalty, num_ctx...), as llama-server and vLLM take extras.
+# OpenAI's names for the table's options (max_completion_tokens wins over max_tokens).
 OPENAI_NAMES = {"max_completion_tokens": "num_predict", "max_tokens": "num_predict"}
 
 
@@ -46,12 +46,7 @@ def openai_options(body: dict, stored: dict | None = None
     n = get_number(body, "n", int, 1)
     if n not in (None, 1):
         raise bad_request("only n=1 is supported", "n")
-    values = {k: v for k, v in body.items() if k in OPTIONS}
-    labels = {}
-    for theirs, ours in reversed(OPENAI_NAMES.items()):  # max_completion_tokens wins
-        if body.get(theirs) is not None:
-            values[ours], labels[ours] = body[theirs], theirs
-    return parse_options(values, labels, stored)
+    return body_options(body, OPENAI_NAMES, stored)
 
 
 def finish_reason(done: Done, parsed_calls: bool) -> str:
@@ -108,15 +103,7 @@ def parse_logprobs(body: dict, chat: bool) -> int | None:
 
 
 def parse_think(body: dict):
-    effort = get_str(body, "reasoning_effort")
-    if effort is None:
-        return None
-    if effort == "none":
-        return False
-    if effort not in THINK_LEVELS:
-        raise bad_request("reasoning_effort must be 'none', 'low', 'medium' or 'high'",
-                          "reasoning_effort")
-    return effort
+    return think_from_effort(get_str(body, "reasoning_effort"), "reasoning_effort")
 
 
 def tool_calls_json(calls, streamed: bool) -> list[dict]:

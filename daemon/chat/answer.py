@@ -15,7 +15,7 @@ from aiohttp import web
 from localllm.modelstore.gguf_header import GGUFError
 from localllm.modelstore.store import PROJECTOR_LAYER, DamagedModel, ModelEntry
 
-from ..generation import Generation, GenerationFailed, first_event, generate
+from ..generation import Generation, GenerationFailed, first_event, generate, hold
 from ..runner.protocol import Done, Failure, Progress, Token
 from .custom import Customization, customized
 from .model import ChatModel, chat_model
@@ -86,15 +86,16 @@ def with_default_system(request: ChatRequest, system: str | None) -> ChatRequest
     return request if request.system or request.raw else replace(request, system=system)
 
 
-async def model_for(entry: ModelEntry) -> ChatModel:
-    """The model as the chat layer sees it; it takes images only when stored with a vision
-    projector (the manifest's projector layer)."""
+async def model_for(entry: ModelEntry, custom: Customization | None = None) -> ChatModel:
+    """The model as the chat layer sees it: with a Modelfile's template when `custom` has one;
+    it takes images only when stored with a vision projector (the manifest's projector layer)."""
     try:
         model = await chat_model(entry.digest, entry.model_path)
     except (GGUFError, OSError) as e:
         raise DamagedModel(entry.name, str(e).replace(str(entry.model_path), "its blob")) \
             from None
-    return replace(model, has_vision=entry.companion(PROJECTOR_LAYER) is not None)
+    model = replace(model, has_vision=entry.companion(PROJECTOR_LAYER) is not None)
+    return customized(model, custom) if custom is not None else model
 
 
 @contextlib.asynccontextmanager
@@ -105,9 +106,8 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     """Check and render the request (400s come from here, before the model loads), then run it.
     A chat longer than the context drops its oldest turns, or with `truncate` False is a 400.
     `custom` is what a Modelfile added: its template and its default system prompt."""
-    model = await model_for(entry)
+    model = await model_for(entry, custom)
     if custom is not None:
-        model = customized(model, custom)
         request = with_default_system(request, custom.system)
     if request.images and model.has_vision:  # (prepare refuses them for any other model)
         from ..state import CONFIG
@@ -127,3 +127,14 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     async with generate(app, entry, prepared.generation, request.load, keep_alive,
                         fit=fit) as gen:
         yield Answer(gen, prepared, model)
+
+
+async def count_prompt_tokens(app: web.Application, entry: ModelEntry, request: ChatRequest,
+                              custom: Customization | None = None) -> int:
+    """Tokens the rendered prompt of `request` is, as the runner reads it (loads the model)."""
+    model = await model_for(entry, custom)
+    if custom is not None:
+        request = with_default_system(request, custom.system)
+    prepared = prepare(model, request)
+    async with hold(app, entry, request.load) as runner:
+        return await runner.count_tokens(prepared.prompt)

@@ -722,6 +722,7 @@ class Engine:
             + tuple(work.answer),
             drafted=work.drafted,
             draft_accepted=work.draft_accepted,
+            stop_sequence=work.stops.hit if stop_hit else None,
             prompt_logprobs=tuple(work.prompt_logprobs) if work.request.prompt_logprobs
             else None,
         ))

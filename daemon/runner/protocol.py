@@ -94,6 +94,7 @@ class Done:
     context: tuple[int, ...] = ()  # prompt + answer tokens (Ollama generate's `context`)
     drafted: int | None = None  # speculative decoding totals, as on Token (None: off)
     draft_accepted: int | None = None
+    stop_sequence: str | None = None  # the stop string that ended the answer, if one did
     # With GenerationRequest.prompt_logprobs: one entry per prompt token, as Token.logprobs,
     # the first with logprob None (nothing comes before it); `added` marks a BOS the
     # tokenizer put in front of the text (it has no characters in it).

@@ -28,15 +28,17 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
         self.pending = ""
+        self.hit: str | None = None  # the stop string that ended the answer
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
         if not self.stops:
             return text, False
         self.pending += text
-        hits = [at for at in (self.pending.find(stop) for stop in self.stops) if at >= 0]
+        hits = [(at, stop) for stop in self.stops if (at := self.pending.find(stop)) >= 0]
         if hits:
-            out, self.pending = self.pending[:min(hits)], ""
+            at, self.hit = min(hits, key=lambda hit: hit[0])
+            out, self.pending = self.pending[:at], ""
             return out, True
         keep = 0
         for stop in self.stops:

@@ -1,0 +1,581 @@
+"""OpenAI's Responses API (/v1/responses), as Codex and Copilot CLI speak it.
+
+A request becomes the one `ChatRequest`: `instructions` and the input items become HF-shaped
+messages (function_call / custom_tool_call -> an assistant's tool_calls, their outputs -> tool
+messages, reasoning items -> reasoning_content), `function` tools pass as they are, `custom`
+tools (free-form input) are offered as tools taking one string `input` and come back as
+custom_tool_call items, and hosted tools this server cannot run (web_search, file_search,
+code_interpreter, computer use, image generation, mcp, local_shell...) are left out of the
+prompt. Answers are kept in memory, bounded, for `previous_response_id` and GET.
+Accepted and ignored: `metadata`, `user`, `include`, `prompt_cache_key`, `service_tier`,
+`reasoning.summary`, `text.verbosity`, encrypted reasoning content.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from aiohttp import web
+from localllm.modelstore.store import ModelEntry
+
+from ..chat.answer import answer, model_for
+from ..chat.custom import Customization
+from ..chat.parse import Parsed, ToolCall
+from ..chat.request import ChatRequest
+from ..runner.process import new_request_id
+from ..runner.protocol import Done, Failure, Progress
+from .common import (
+    ApiError,
+    bad_request,
+    body_options,
+    get_bool,
+    get_str,
+    kept_calls,
+    local_model,
+    message_images,
+    read_json,
+    think_from_effort,
+)
+
+log = logging.getLogger("localllm.daemon")
+routes = web.RouteTableDef()
+
+# The Responses names for the table's options; temperature and top_p share the table's.
+RESPONSES_NAMES = {"max_output_tokens": "num_predict"}
+# Items of hosted tools' calls that may come back in `input`: nothing here can read them.
+HOSTED_ITEMS = ("web_search_call", "file_search_call", "computer_call",
+                "computer_call_output", "code_interpreter_call", "image_generation_call",
+                "local_shell_call", "local_shell_call_output", "mcp_call", "mcp_list_tools",
+                "mcp_approval_request", "mcp_approval_response", "item_reference")
+
+
+# ---- stored responses ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stored:
+    response: dict  # what GET answers
+    history: tuple[dict, ...]  # the conversation so far, as messages, without instructions
+    size: int
+
+
+class StoredResponses:
+    """Answers kept for previous_response_id and GET, oldest dropped first past either bound.
+    They live in the daemon's memory only: a restart forgets them."""
+
+    def __init__(self, max_count: int = 1000, max_bytes: int = 256 << 20):
+        self.max_count, self.max_bytes = max_count, max_bytes
+        self.items: OrderedDict[str, Stored] = OrderedDict()
+        self.size = 0
+
+    def put(self, response: dict, history: tuple[dict, ...]) -> None:
+        size = len(json.dumps(response)) + len(json.dumps(history))
+        self.items[response["id"]] = Stored(response, history, size)
+        self.size += size
+        while len(self.items) > self.max_count or (self.size > self.max_bytes
+                                                   and len(self.items) > 1):
+            _, dropped = self.items.popitem(last=False)
+            self.size -= dropped.size
+
+    def get(self, response_id: str, param: str | None = None) -> Stored:
+        stored = self.items.get(response_id)
+        if stored is None:
+            raise ApiError(404, f"response '{response_id}' is not stored here: it was sent with "
+                           f"store false, or dropped (the daemon keeps the latest "
+                           f"{self.max_count} responses, at most {self.max_bytes >> 20} MiB, "
+                           f"until it restarts); send the whole conversation as input",
+                           param, code="response_not_found")
+        return stored
+
+    def delete(self, response_id: str) -> None:
+        self.size -= self.get(response_id).size
+        del self.items[response_id]
+
+
+STORED = web.AppKey("stored_responses", StoredResponses)
+
+
+# ---- request -------------------------------------------------------------------------------
+def image_from_part(part: dict, where: str) -> str:
+    """An `input_image` part as the chat layer carries images: its URL (data: or http)."""
+    url = part.get("image_url")
+    if isinstance(url, dict):  # the chat-completions shape, which some clients send here
+        url = url.get("url")
+    if not isinstance(url, str):
+        raise bad_request(f"{where}.image_url must be a URL (file_id is not supported)",
+                          "input")
+    return url
+
+
+def _content(content, where: str) -> tuple[str, list[str]]:
+    """A message's or a tool output's content as (text, images)."""
+    if content is None:
+        return "", []
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+        raise bad_request(f"{where}.content must be a string or a list of parts", "input")
+    texts, images = [], []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+            texts.append(str(part.get("text") or ""))
+        elif kind == "refusal":
+            texts.append(str(part.get("refusal") or ""))
+        elif kind == "input_image":
+            images.append(image_from_part(part, f"{where}.content[{j}]"))
+        else:
+            raise bad_request(f"{where}.content[{j}]: a part of type {kind!r} is not supported "
+                              f"(input_text, output_text and input_image are)", "input")
+    return "\n".join(texts), images
+
+
+def _call_arguments(item: dict, where: str) -> dict:
+    if item["type"] == "custom_tool_call":
+        return {"input": str(item.get("input") or "")}
+    arguments = item.get("arguments") or "{}"
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        raise bad_request(f"{where}.arguments is not valid JSON", "input") from None
+    if not isinstance(value, dict):
+        raise bad_request(f"{where}.arguments must be a JSON object", "input")
+    return value
+
+
+def input_messages(value) -> list[dict]:
+    """`input` (a string or items) as HF-shaped messages (see common.get_messages)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise bad_request("field 'input' must be a string or a list of items", "input")
+    out: list[dict] = []
+    reasoning: list[str] = []  # a reasoning item belongs to the assistant turn after it
+
+    def assistant() -> dict:
+        """The assistant message a call or text joins: the last one, unless a turn passed."""
+        if not out or out[-1]["role"] != "assistant":
+            out.append({"role": "assistant", "content": ""})
+        if reasoning:
+            out[-1]["reasoning_content"] = out[-1]["thinking"] = "\n".join(reasoning)
+            reasoning.clear()
+        return out[-1]
+
+    names: dict[str, str] = {}  # call_id -> tool name, for the outputs that follow
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise bad_request(f"{where}.role must be user, system, developer or assistant",
+                                  "input")
+            text, images = _content(item.get("content"), where)
+            if role == "assistant":
+                message = assistant()
+                message["content"] += text
+            else:
+                message = {"role": "system" if role == "developer" else role, "content": text}
+                out.append(message)
+            if images:
+                message["images"] = images
+        elif kind in ("function_call", "custom_tool_call"):
+            call_id, name = item.get("call_id"), item.get("name")
+            if not isinstance(call_id, str) or not isinstance(name, str):
+                raise bad_request(f"{where} needs a call_id and a name", "input")
+            names[call_id] = name
+            assistant().setdefault("tool_calls", []).append({
+                "type": "function", "id": call_id,
+                "function": {"name": name, "arguments": _call_arguments(item, where)}})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise bad_request(f"{where} needs a call_id", "input")
+            text, images = _content(item.get("output"), where)
+            result = {"role": "tool", "content": text, "tool_call_id": call_id}
+            if call_id in names:
+                result["name"] = names[call_id]
+            if images:
+                result["images"] = images
+            out.append(result)
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            text, _ = _content(parts, where)
+            if text:
+                reasoning.append(text)
+        elif kind in HOSTED_ITEMS:
+            continue
+        else:
+            raise bad_request(f"{where}: an item of type {kind!r} is not supported", "input")
+    return out
+
+
+CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}},
+                "required": ["input"]}
+
+
+def responses_tools(body: dict) -> tuple[tuple[dict, ...], frozenset[str]]:
+    """(function tools in the chat layer's shape, the names of the custom ones)."""
+    tools = body.get("tools")
+    if tools is None:
+        return (), frozenset()
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise bad_request("field 'tools' must be a list of tool objects", "tools")
+    out, custom = [], set()
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind not in ("function", "custom"):
+            continue  # a hosted tool: nothing here runs it, and the model is not told of it
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"tools[{i}].name must be a string", "tools")
+        description = str(tool.get("description") or "")
+        if kind == "function":
+            parameters = tool.get("parameters") or {"type": "object", "properties": {}}
+            if not isinstance(parameters, dict):
+                raise bad_request(f"tools[{i}].parameters must be a JSON schema object",
+                                  "tools")
+        else:
+            custom.add(name)
+            parameters = CUSTOM_INPUT
+            spec = tool.get("format")
+            if isinstance(spec, dict) and spec.get("type") == "grammar":
+                description += (f"\n\nThe input must follow this {spec.get('syntax', '')} "
+                                f"grammar:\n{spec.get('definition', '')}")
+        out.append({"type": "function", "function": {
+            "name": name, "description": description, "parameters": parameters}})
+    return tuple(out), frozenset(custom)
+
+
+def responses_tool_choice(body: dict) -> str | dict:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "none", "required"):
+        return choice
+    if not isinstance(choice, dict):
+        raise bad_request("tool_choice must be 'auto', 'none', 'required' or a tool object",
+                          "tool_choice")
+    kind = choice.get("type")
+    if kind in ("function", "custom"):
+        if not isinstance(choice.get("name"), str):
+            raise bad_request(f"tool_choice of type {kind} needs a name", "tool_choice")
+        return {"name": choice["name"]}
+    if kind == "allowed_tools":
+        return "required" if choice.get("mode") == "required" else "auto"
+    return "auto"  # a hosted tool: the model cannot be made to call it here
+
+
+def text_format(body: dict):
+    """`text.format` -> the chat layer's format (None, "json" or a JSON schema)."""
+    text = body.get("text")
+    spec = text.get("format") if isinstance(text, dict) else None
+    if spec is None:
+        return None
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        if not isinstance(spec.get("schema"), dict):
+            raise bad_request("text.format.schema must be a JSON schema object", "text")
+        return spec["schema"]
+    raise bad_request("text.format.type must be 'text', 'json_object' or 'json_schema'", "text")
+
+
+def reasoning_effort(body: dict) -> bool | str | None:
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise bad_request("field 'reasoning' must be an object", "reasoning")
+    return think_from_effort(reasoning.get("effort"), "reasoning.effort")
+
+
+@dataclass
+class Turn:
+    """One Responses request, translated."""
+    entry: ModelEntry
+    custom: Customization
+    chat: ChatRequest
+    history: tuple[dict, ...]  # the conversation before the answer, without instructions
+    custom_tools: frozenset[str]
+    parallel: bool
+    store: bool
+    echo: dict  # the request's fields the response object repeats
+
+
+async def read_turn(request: web.Request, body: dict) -> Turn:
+    entry, custom = await local_model(request, body, "/v1/responses")
+    sampling, load = body_options(body, RESPONSES_NAMES, custom.parameters)
+    previous = get_str(body, "previous_response_id")
+    history = request.app[STORED].get(previous, "previous_response_id").history \
+        if previous else ()
+    history = (*history, *input_messages(body.get("input")))
+    if not history:
+        raise bad_request("field 'input' is missing or empty", "input")
+    instructions = get_str(body, "instructions")
+    messages, images = message_images(
+        (({"role": "system", "content": instructions},) if instructions else ()) + history)
+    tools, custom_tools = responses_tools(body)
+    think = reasoning_effort(body)
+    if think and not (await model_for(entry, custom)).style.thinking:
+        think = None  # Codex always sends an effort: a model that cannot think just answers
+    parallel = get_bool(body, "parallel_tool_calls", True)
+    chat = ChatRequest(
+        id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
+        messages=messages, tools=tools, tool_choice=responses_tool_choice(body),
+        format=text_format(body), think=think,
+        has_images=bool(images), images=images)
+    echo = {"instructions": instructions, "previous_response_id": previous,
+            "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
+            "parallel_tool_calls": parallel, "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"), "max_output_tokens": body.get("max_output_tokens"),
+            "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"),
+                          "summary": None},
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "truncation": body.get("truncation") or "disabled",
+            "metadata": body.get("metadata") or {}, "user": body.get("user")}
+    return Turn(entry, custom, chat, history, custom_tools, parallel,
+                get_bool(body, "store", True), echo)
+
+
+# ---- answer --------------------------------------------------------------------------------
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if text else []}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [],
+                         "logprobs": []}] if status == "completed" else []}
+
+
+def call_item(call: ToolCall, custom_tools: frozenset[str], status: str = "completed") -> dict:
+    done = status == "completed"
+    if call.name in custom_tools:
+        value = call.arguments.get("input")
+        text = value if isinstance(value, str) else json.dumps(call.arguments)
+        return {"type": "custom_tool_call", "id": _id("ctc"), "call_id": call.id,
+                "name": call.name, "input": text if done else "", "status": status}
+    return {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
+            "arguments": json.dumps(call.arguments) if done else "", "status": status}
+
+
+def output_items(parsed: Parsed, turn: Turn) -> list[dict]:
+    calls = kept_calls(parsed.tool_calls, turn.parallel)
+    items = [reasoning_item(_id("rs"), parsed.thinking)] if parsed.thinking else []
+    if parsed.content.strip() or (parsed.content and not calls):
+        items.append(message_item(_id("msg"), parsed.content))
+    return items + [call_item(call, turn.custom_tools) for call in calls]
+
+
+def usage(done: Done) -> dict:
+    # input_tokens counts the whole prompt, as OpenAI bills it; the cached part is reported too.
+    return {"input_tokens": done.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": done.cached_tokens},
+            "output_tokens": done.eval_count, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": done.prompt_tokens + done.eval_count}
+
+
+def answer_message(parsed: Parsed, turn: Turn) -> dict:
+    """The answer as the next request's history reads it."""
+    message: dict = {"role": "assistant", "content": parsed.content}
+    if parsed.thinking:
+        message["reasoning_content"] = message["thinking"] = parsed.thinking
+    calls = kept_calls(parsed.tool_calls, turn.parallel)
+    if calls:
+        message["tool_calls"] = [{"type": "function", "id": c.id, "function": {
+            "name": c.name, "arguments": c.arguments}} for c in calls]
+    return message
+
+
+class Response:
+    """The response object of one turn, from in_progress to its end; it stores itself."""
+
+    def __init__(self, turn: Turn):
+        self.turn = turn
+        self.body = {"id": _id("resp"), "object": "response", "created_at": int(time.time()),
+                     "status": "in_progress", "model": str(turn.entry.name), "output": [],
+                     "error": None, "incomplete_details": None, **turn.echo,
+                     "store": turn.store, "usage": None}
+
+    def finish(self, app: web.Application, parsed: Parsed, done: Done,
+               output: list[dict]) -> dict:
+        incomplete = done.done_reason == "length"
+        self.body.update(output=output, usage=usage(done),
+                         status="incomplete" if incomplete else "completed",
+                         incomplete_details={"reason": "max_output_tokens"} if incomplete
+                         else None)
+        if self.turn.store:
+            app[STORED].put(self.body, (*self.turn.history, answer_message(parsed, self.turn)))
+        return self.body
+
+    def fail(self, message: str) -> dict:
+        self.body.update(status="failed", error={"code": "server_error", "message": message})
+        return self.body
+
+
+@routes.post("/v1/responses")
+async def create_response(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    turn = await read_turn(request, body)
+    truncation = body.get("truncation")
+    async with answer(request.app, turn.entry, turn.chat, custom=turn.custom,
+                      truncate=truncation != "disabled") as run:
+        if not get_bool(body, "stream", False):
+            parsed, done, _ = await run.whole()
+            return web.json_response(Response(turn).finish(
+                request.app, parsed, done, output_items(parsed, turn)))
+        return await _stream(request, run.parts(), turn)
+
+
+@routes.get("/v1/responses/{id}")
+async def get_response(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STORED].get(request.match_info["id"]).response)
+
+
+@routes.delete("/v1/responses/{id}")
+async def delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["id"]
+    request.app[STORED].delete(response_id)
+    return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+class _EventWriter:
+    """The Responses SSE events of one answer: output items opened, filled and closed in
+    order, each event numbered."""
+
+    def __init__(self, response: web.StreamResponse, turn: Turn):
+        self.response, self.turn = response, turn
+        self.sequence = 0
+        self.output: list[dict] = []  # items done
+        self.open: dict | None = None  # the reasoning or message item being written
+        self.text = ""
+
+    async def send(self, kind: str, data: dict) -> None:
+        payload = json.dumps({"type": kind, "sequence_number": self.sequence, **data})
+        self.sequence += 1
+        await self.response.write(f"event: {kind}\ndata: {payload}\n\n".encode())
+
+    def _at(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.output)}
+
+    async def close_item(self) -> None:
+        item = self.open
+        if item is None:
+            return
+        if item["type"] == "reasoning":
+            done = reasoning_item(item["id"], self.text)
+            part = {"type": "reasoning_text", "text": self.text}
+            await self.send("response.reasoning_text.done",
+                            {**self._at(), "content_index": 0, "text": self.text})
+        else:
+            done = message_item(item["id"], self.text)
+            part = done["content"][0]
+            await self.send("response.output_text.done",
+                            {**self._at(), "content_index": 0, "text": self.text,
+                             "logprobs": []})
+        await self.send("response.content_part.done",
+                        {**self._at(), "content_index": 0, "part": part})
+        await self.send("response.output_item.done",
+                        {"output_index": len(self.output), "item": done})
+        self.output.append(done)
+        self.open, self.text = None, ""
+
+    async def add_text(self, kind: str, text: str) -> None:
+        """Reasoning or answer text, appended to the open item of that kind (else a new one)."""
+        if self.open is None or self.open["type"] != kind:
+            await self.close_item()
+            if kind == "reasoning":
+                self.open = reasoning_item(_id("rs"), "", "in_progress")
+                part = {"type": "reasoning_text", "text": ""}
+            else:
+                self.open = message_item(_id("msg"), "", "in_progress")
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            await self.send("response.output_item.added",
+                            {"output_index": len(self.output), "item": self.open})
+            await self.send("response.content_part.added",
+                            {**self._at(), "content_index": 0, "part": part})
+        self.text += text
+        event = ("response.reasoning_text.delta" if kind == "reasoning"
+                 else "response.output_text.delta")
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        await self.send(event, {**self._at(), "content_index": 0, "delta": text, **extra})
+
+    async def call(self, call: ToolCall) -> None:
+        await self.close_item()
+        item = call_item(call, self.turn.custom_tools, "in_progress")
+        done = {**item, **call_item(call, self.turn.custom_tools), "id": item["id"]}
+        at = {"item_id": item["id"], "output_index": len(self.output)}
+        await self.send("response.output_item.added", {"output_index": len(self.output),
+                                                       "item": item})
+        if item["type"] == "custom_tool_call":
+            await self.send("response.custom_tool_call_input.delta",
+                            {**at, "delta": done["input"]})
+            await self.send("response.custom_tool_call_input.done",
+                            {**at, "input": done["input"]})
+        else:
+            await self.send("response.function_call_arguments.delta",
+                            {**at, "delta": done["arguments"]})
+            await self.send("response.function_call_arguments.done",
+                            {**at, "arguments": done["arguments"]})
+        await self.send("response.output_item.done", {"output_index": len(self.output),
+                                                      "item": done})
+        self.output.append(done)
+
+
+async def _stream(request: web.Request, parts, turn: Turn) -> web.StreamResponse:
+    part = await anext(parts)  # a failure here is still an HTTP error: nothing is sent yet
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    out, answer_so_far = _EventWriter(response, turn), Response(turn)
+    whole = Parsed()
+    try:
+        await out.send("response.created", {"response": answer_so_far.body})
+        await out.send("response.in_progress", {"response": answer_so_far.body})
+        while True:
+            event, parsed = part.event, part.parsed
+            whole.add(parsed)
+            if isinstance(event, Progress):  # an SSE comment: clients skip it
+                await response.write(
+                    f": prompt {event.prompt_read}/{event.prompt_total}\n\n".encode())
+            if parsed.thinking:
+                await out.add_text("reasoning", parsed.thinking)
+            if parsed.content:
+                await out.add_text("message", parsed.content)
+            for call in kept_calls(parsed.tool_calls, turn.parallel):
+                await out.call(call)
+            if isinstance(event, Failure):
+                await out.close_item()
+                await out.send("response.failed", {"response": answer_so_far.fail(
+                    event.message)})
+                break
+            if isinstance(event, Done):
+                await out.close_item()
+                # Also when the answer ran out of tokens: the response's status says so, and
+                # the SDK's stream reader (as Codex's) finishes only on response.completed.
+                await out.send("response.completed", {"response": answer_so_far.finish(
+                    request.app, whole, event, out.output)})
+                break
+            part = await anext(parts)
+    except ConnectionError:
+        return response  # client went away: leaving `generate` cancels the runner
+    except Exception as e:  # headers are sent: the client hears of it as an error event
+        log.exception("error streaming /v1/responses")
+        await out.send("error", {"code": "server_error", "message": f"internal error: {e}",
+                                 "param": None})
+    await response.write_eof()
+    return response
