@@ -95,6 +95,9 @@ def stream_once(base: str, api: str, model: str, n: int) -> tuple[float, float] 
     else:
         body = {"model": model, "input": QUESTION, "stream": True, "max_output_tokens": n,
                 "temperature": 0}
+    # Plain decode on every route, as /api/chat asks: the same drafting on each (none), so the
+    # routes' own cost is what differs.
+    body.setdefault("speculative", "off")
     sent = time.perf_counter()
     first = last = 0.0
     tokens = 0
