@@ -58,7 +58,7 @@ def is_unix(request: web.Request) -> bool:
 
 
 def _json_error(request: web.Request, status: int, message: str) -> web.Response:
-    from .server import error_body
+    from .api.errors import error_body
 
     return web.json_response(error_body(request.path, status, message), status=status)
 

@@ -27,6 +27,7 @@ from localllm.errors import UserError
 from . import security
 from .api import anthropic, create, embed, ollama, openai, responses, stats
 from .api.common import MAX_BODY_BYTES
+from .api.errors import error_body, is_anthropic
 from .config_watch import watch_config, watch_profiles
 from .logging_setup import setup_logging
 from .scheduler import Scheduler
@@ -34,23 +35,6 @@ from .state import CONFIG, SCHEDULER, STORE
 from .systemd import listen_fds, notify
 
 log = logging.getLogger("localllm.daemon")
-
-
-def is_anthropic(path: str) -> bool:
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
-
-
-def error_body(path: str, status: int, message: str, param: str | None = None,
-               code: str | None = None) -> dict:
-    """The API's error shape; `code` is OpenAI's (`model_not_found` only for a missing
-    model, not for a route that does not exist)."""
-    if is_anthropic(path):
-        return anthropic.error_json(status, message)
-    if path.startswith("/v1/"):  # OpenAI's error shape
-        kind = {400: "invalid_request_error", 401: "authentication_error",
-                404: "not_found_error", 503: "server_overloaded"}.get(status, "server_error")
-        return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return {"error": message}
 
 
 @web.middleware
