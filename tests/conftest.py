@@ -75,7 +75,10 @@ def daemon(tmp_path_factory, smollm2_gguf, gemma_gguf):
     """One real daemon for the read-mostly API tests, with smollm2 and gemma3-270m stored."""
     from daemon_process import isolated_env, start_daemon
 
-    env = isolated_env(tmp_path_factory.mktemp("daemon"))
+    # Over TCP, /api/import and FROM read only files under import_dirs (the home by default):
+    # let the read-mostly tests import the test models and their own temporary files.
+    env = isolated_env(tmp_path_factory.mktemp("daemon"), LOCALLLM_IMPORT_DIRS=",".join(
+        [str(smollm2_gguf.parent.resolve()), str(tmp_path_factory.getbasetemp().resolve())]))
     import_models(env, {"smollm2": smollm2_gguf, "gemma3-270m": gemma_gguf})
     d = start_daemon(env)
     yield d
