@@ -193,7 +193,10 @@ def cmd_run(args) -> int:
     config = _config(args)
     model, prompt = split_model_and_prompt(args.words, config.default_model, _known_model,
                                            _model_names)
-    if len(args.words) == 1 and model == config.default_model and prompt:
+    # A lone word that could have been a model's name (`run llama3`) is said to be a prompt;
+    # a quoted sentence (`run "Why is the sky blue?"`) plainly is one.
+    if len(args.words) == 1 and model == config.default_model and prompt \
+            and len(prompt.split()) == 1:
         print(f"note: no model is named {prompt!r}; {model} answers the prompt "
               f"{prompt!r}", file=sys.stderr)
     if prompt:

@@ -136,6 +136,10 @@ def test_a_lone_other_word_is_a_prompt_and_stderr_names_the_model(daemon):
     assert result.returncode == 0, result.stderr
     assert "smollm2 answers the prompt 'hello'" in result.stderr
     assert result.stdout.strip()
+    # The README's quick start: a quoted sentence is plainly a prompt, with no note.
+    result = daemon.cli("run", "Why is the sky blue?", "--num-predict", "4")
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr
+    assert "no model is named" not in result.stderr
 
 
 # ---- 6. piped stdin is part of the prompt -----------------------------------------------------
