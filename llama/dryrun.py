@@ -49,19 +49,26 @@ def _capture(level, text, _user_data):
 def run(model_path: str, plan: Plan) -> dict:
     """The dry run in this process. llama.cpp keeps calling the log callback after we return,
     so it lives at module level (a callback freed under it crashes the process)."""
+    from llama_cpp._logger import llama_log_callback as binding_logger
+
     _lines.clear()
     lines = _lines
     llama_cpp.llama_log_set(_capture, ctypes.c_void_p())
-    llama_cpp.llama_backend_init()
-    mparams, keep_alive = model_params(plan, metadata_only=True)
-    model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
-    del keep_alive
-    if not model:
-        raise RuntimeError("dry-run load failed: " + "".join(lines)[-400:])
-    ctx = llama_cpp.llama_init_from_model(model, context_params(plan))
-    if not ctx:
-        raise RuntimeError("dry-run context failed: " + "".join(lines)[-400:])
-    return parse_log("".join(lines))
+    try:
+        llama_cpp.llama_backend_init()
+        mparams, keep_alive = model_params(plan, metadata_only=True)
+        model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
+        del keep_alive
+        if not model:
+            raise RuntimeError("dry-run load failed: " + "".join(lines)[-400:])
+        ctx = llama_cpp.llama_init_from_model(model, context_params(plan))
+        if not ctx:
+            raise RuntimeError("dry-run context failed: " + "".join(lines)[-400:])
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+        return parse_log("".join(lines))
+    finally:  # llama.cpp's log goes back where the binding sends it
+        llama_cpp.llama_log_set(binding_logger, ctypes.c_void_p())
 
 
 def main() -> int:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import ollama
+import pytest
 
 from daemon_process import wait_for
 
 
+@pytest.mark.errors_expected  # the invalid profile is logged at error level, on purpose
 def test_an_invalid_profile_edit_is_reported_and_the_daemon_keeps_serving(fresh_daemon):
     profiles = Path(fresh_daemon.env["XDG_CONFIG_HOME"]) / "localllm" / "profiles"
     log = Path(fresh_daemon.env["XDG_STATE_HOME"]) / "localllm" / "logs" / "localllm.log"
