@@ -35,6 +35,8 @@ def differs(loaded: Speculation, load: LoadOptions) -> bool:
     """Whether a request's speculation load options need another load than `loaded`."""
     if load.speculative is not None and load.speculative != loaded.plan.speculative:
         return True
+    if load.speculative == "draft" and load.draft_model is None and loaded.draft_name:
+        return True  # "draft" alone means the model's own pairing, not one a request named
     return load.draft_model is not None and load.draft_model != loaded.draft_name
 
 
