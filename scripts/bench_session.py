@@ -129,6 +129,21 @@ class Ours:
         self.daemon.stop()
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float) -> None:
+    """Until llama-server answers /health (RuntimeError if it exits or the time runs out)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited {proc.returncode} (see {log})")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError("llama-server did not start")
+
+
 class Fit:
     """llama-server with llama.cpp's own fitting for the same budget, /completion streamed."""
 
@@ -146,17 +161,7 @@ class Fit:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {self.proc.returncode} (see {log})")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        raise RuntimeError("llama-server did not start")
+        wait_healthy(self.proc, self.url, log, 600)
 
     def generate(self, prompt: str, n: int) -> dict:
         start = time.perf_counter()

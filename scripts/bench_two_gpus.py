@@ -47,7 +47,7 @@ import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
 import synth_gguf  # noqa: E402
 from bench_rpc import gpu_count, start_worker  # noqa: E402
-from bench_session import Fit, Ours, calibrate, text_of  # noqa: E402
+from bench_session import Fit, Ours, calibrate, text_of, wait_healthy  # noqa: E402
 from bench_tuner import MemorySampler  # noqa: E402
 
 MIB = 1 << 20
@@ -89,7 +89,6 @@ class Server(Fit):
 
     def __init__(self, name: str, args: list[str], env: dict, log: Path, what: str):
         import socket
-        import urllib.request
 
         self.name, self.what = name, what
         with socket.socket() as s:
@@ -103,17 +102,7 @@ class Server(Fit):
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {self.proc.returncode} (see {log})")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        raise RuntimeError("llama-server did not start")
+        wait_healthy(self.proc, self.url, log, 400)
 
     def plan(self) -> str:
         return self.what
