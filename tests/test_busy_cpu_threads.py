@@ -87,3 +87,25 @@ def test_the_governor_drops_only_when_slow_and_busy_and_comes_back_when_quiet():
                          clock=host.clock)
     assert _window(two, host, 1 / 2, ours=1.3, others=0.7).n_threads == 1
     assert two.n_threads == 1 and _window(two, host, 1 / 2, ours=1, others=1.0) is None
+
+
+def test_the_governor_compares_with_the_plans_speed_at_the_contexts_depth():
+    """A session average (here 20 tok/s) hides a 4x stall early in a context, where the plan
+    expects 64: decode at 18 tok/s on a busy host with 50 tokens of context is far below it."""
+    host = Host()
+    curve = ((0, 64.0), (2048, 25.0), (4096, 15.0))
+    gov = ThreadGovernor(planned=2, predicted_tps=20.0, by_depth=curve, cpus=(0, 1),
+                         sample=host.sample, clock=host.clock)
+    assert gov.predicted_at(1024) == 44.5 and gov.predicted_at(9000) == 15.0
+    change = None
+    start = host.now
+    while change is None and host.now - start <= WINDOW_S + 0.1:
+        host.run(1 / 18, ours=1.2, others=0.9)
+        change = gov.observe(1 / 18, depth=50)
+    assert change is not None and change.n_threads == 1 and "plan's 63.0" in change.reason
+    deep = ThreadGovernor(planned=2, predicted_tps=20.0, by_depth=curve, cpus=(0, 1),
+                          sample=host.sample, clock=host.clock)
+    start = host.now
+    while host.now - start <= 3 * WINDOW_S:  # 18 tok/s at 4000 tokens: on the plan
+        host.run(1 / 18, ours=1.2, others=0.9)
+        assert deep.observe(1 / 18, depth=4000) is None

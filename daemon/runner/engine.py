@@ -121,8 +121,8 @@ class Engine:
                 prompt_cache_bytes, keep_contained=bool(self.lm.n_swa or self.lm.recurrent))
         # Fewer decode threads while other processes hold cores (threads.py); each change
         # goes to `on_threads` (the runner tells the daemon, which shows it in ps).
-        self.threads = ThreadGovernor(plan.n_threads, plan.predicted_decode_tps) \
-            if adapt_threads else None
+        self.threads = ThreadGovernor(plan.n_threads, plan.predicted_decode_tps,
+                                      plan.predicted_decode_by_depth) if adapt_threads else None
         self.n_threads = plan.n_threads
         self.on_threads: Callable[[Threads], None] | None = None
         self.vision: Vision | None = None
@@ -455,13 +455,13 @@ class Engine:
             seconds = (time.perf_counter_ns() - started) / 1e9
             self.step_costs.record(n_tokens, seconds)
             if self.threads is not None:
-                self._adapt_threads(seconds)
+                self._adapt_threads(seconds, max(len(slot.tokens) for slot, _, _ in rows))
         if isinstance(self.drafter, MTPDrafter):
             self._feed_mtp(rows, n_tokens)
         self._prepare_drafts()
 
-    def _adapt_threads(self, step_seconds: float) -> None:
-        change = self.threads.observe(step_seconds)
+    def _adapt_threads(self, step_seconds: float, depth: int) -> None:
+        change = self.threads.observe(step_seconds, depth)
         if change is None:
             return
         self.n_threads = change.n_threads

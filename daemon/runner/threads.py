@@ -6,7 +6,8 @@ planned at 2 threads decoded at 0.5-5 tok/s, 1 thread at 46-87. The plan chose i
 an idle machine; this module watches what the host does while the runner decodes.
 
 Once per window of decode steps it compares the measured step time with the plan's predicted
-one, and the host's busy CPU time (/proc/stat, over the cores this process may run on) with
+one at the window's context depth (the plan's curve: a session average would hide a 4x stall
+early in a context, where decode is fastest), and the host's busy CPU time (/proc/stat, over the cores this process may run on) with
 the runner's own (os.times): what is left is the other processes' load, in cores. When decode
 runs far below the plan while others hold cores, one thread is dropped (never below the cores
 the others leave, at least one); when the others have left for a few windows, one comes back,
@@ -84,29 +85,36 @@ class ThreadGovernor:
     """Decides the decode threads from the step times the engine reports (`observe`)."""
 
     def __init__(self, planned: int, predicted_tps: float,
+                 by_depth: tuple[tuple[int, float], ...] = (),
                  cpus: tuple[int, ...] | None = None,
                  sample: Callable[[tuple[int, ...]], CpuSample | None] = read_sample,
                  clock: Callable[[], float] = time.monotonic):
-        """`sample` and `clock` read the host (tests pass counters of their own)."""
+        """`predicted_tps` is the plan's speed where `by_depth` ((tokens in context, tok/s),
+        the plan's curve) is empty; `sample` and `clock` read the host (tests pass counters of
+        their own)."""
         self.planned = max(1, planned)
         self.n_threads = self.planned
         self.predicted_tps = predicted_tps
+        self.by_depth = tuple(sorted(by_depth))
         self.cpus = cpus or our_cpus()
         self._sample = sample
         self._clock = clock
         self._start: CpuSample | None = None
         self._steps: list[float] = []
+        self._depths: list[int] = []
         self._last_step = 0.0
         self._quiet = 0
         self._best_tps = 0.0
 
-    def observe(self, step_s: float) -> ThreadChange | None:
-        """One decode step's time; a change of threads when this window ends in one."""
+    def observe(self, step_s: float, depth: int = 0) -> ThreadChange | None:
+        """One decode step's time at `depth` tokens of context; a change of threads when this
+        window ends in one."""
         now = self._clock()
         if self._start is None or now - self._last_step > IDLE_RESET_S:
-            self._start, self._steps = self._sample(self.cpus), []
+            self._start, self._steps, self._depths = self._sample(self.cpus), [], []
         self._last_step = now
         self._steps.append(step_s)
+        self._depths.append(depth)
         if self._start is None or now - self._start.wall_s < WINDOW_S:
             return None
         end = self._sample(self.cpus)
@@ -114,12 +122,26 @@ class ThreadGovernor:
             return None
         measured_tps = 1.0 / max(statistics.median(self._steps), 1e-9)
         others = others_cores(self._start, end)
-        self._start, self._steps = end, []
-        return self._decide(measured_tps, others)
+        predicted = self.predicted_at(int(statistics.median(self._depths)))
+        self._start, self._steps, self._depths = end, [], []
+        return self._decide(measured_tps, others, predicted)
 
-    def _decide(self, measured_tps: float, others: float) -> ThreadChange | None:
+    def predicted_at(self, depth: int) -> float:
+        """The plan's decode speed at `depth` tokens of context (linear between its points)."""
+        if not self.by_depth:
+            return self.predicted_tps
+        points = self.by_depth
+        if depth <= points[0][0]:
+            return points[0][1]
+        for (d0, t0), (d1, t1) in zip(points, points[1:]):
+            if depth <= d1:
+                return t0 + (t1 - t0) * (depth - d0) / max(d1 - d0, 1)
+        return points[-1][1]
+
+    def _decide(self, measured_tps: float, others: float,
+                predicted: float) -> ThreadChange | None:
         self._best_tps = max(self._best_tps, measured_tps)
-        expected = self.predicted_tps if self.predicted_tps > 0 else self._best_tps
+        expected = predicted if predicted > 0 else self._best_tps
         # The cores the others leave us (a core they use 0.8 of counts as theirs).
         left = max(1, len(self.cpus) - math.ceil(others - 0.25))
         if others >= BUSY_CORES and measured_tps < SLOW * expected and self.n_threads > left:
