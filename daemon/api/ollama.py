@@ -205,8 +205,10 @@ async def _respond(request: web.Request, common: Common, chat: ChatRequest, shap
                     lines[-1]["logprobs"] = part.logprobs
             elif isinstance(event, Progress):  # a long prompt is being read (localllm addition)
                 lines.append({"model": model, "created_at": now_iso(), **shape(Parsed()),
-                              "done": False, "progress": {"prompt_read": event.prompt_read,
-                                                          "prompt_total": event.prompt_total}})
+                              "done": False, "progress": {
+                                  "prompt_read": event.prompt_read,
+                                  "prompt_total": event.prompt_total,
+                                  **({"note": event.note} if event.note else {})}})
             elif isinstance(event, Failure):
                 lines.append({"error": event.message})
             else:
