@@ -106,3 +106,40 @@ async def test_a_band_with_another_kv_type_reads_the_sequence_again(runner_for, 
     assert done.prompt_eval_count == done.prompt_tokens
     log = Path(runner.log_path).read_text()
     assert "carried 0 sequences" in log and "tokens read again: the KV type changed" in log
+
+
+def test_a_switch_under_four_requests_loses_none_and_ps_shows_it(tmp_path, smollm2_gguf):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ollama
+    from conftest import import_models
+    from daemon_process import isolated_env, start_daemon
+
+    env = isolated_env(tmp_path / "d", LOCALLLM_FILL_BANDS=str(BAND), LOCALLLM_NUM_PARALLEL="4")
+    import_models(env, {"smollm2": smollm2_gguf})
+    daemon = start_daemon(env)
+    try:
+        client = ollama.Client(host=daemon.url)
+
+        def count(i: int):
+            return client.generate(model="smollm2", prompt=PROMPT, raw=True,
+                                   options={"num_predict": 200, "temperature": 0, "seed": i})
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(count, range(4)))
+        for answer in answers:
+            numbers = [int(x) for x in answer.response.split(",")[:-1]]
+            assert answer.eval_count == 200 and numbers[:40] == list(range(6, 46))
+        [loaded] = daemon.ps()
+        band = loaded["fill_band"]
+        assert band["bands"] == [BAND, loaded["context_length"]] and band["n_ctx"] > BAND
+        assert len(band["switch_pauses"]) == 1 and band["switch_pauses"][0] > 0
+        assert loaded["num_parallel"] == 4
+        stats = daemon.get("/api/stats")["models"][0]
+        assert stats["fill_band"] == band and stats["plan"]["n_ctx"] == band["n_ctx"]
+        listed = daemon.cli("ps")
+        assert listed.returncode == 0 and f"fill band: up to {band['n_ctx']} tokens" in listed.stdout
+        log = (Path(env["XDG_STATE_HOME"]) / "localllm" / "logs" / "runner.log").read_text()
+        assert "carried 4 sequences" in log
+    finally:
+        daemon.stop()

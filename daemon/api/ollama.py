@@ -437,9 +437,9 @@ async def api_ps(request: web.Request) -> web.Response:
     models = []
     for slot in request.app[SCHEDULER].models.values():
         runner = slot.runner
-        plan = runner.plan
+        plan = runner.running_plan  # the fill band's plan that runs now
         shape = slot.shape
-        kv = int(shape.kv_bytes_per_token(*_kv_bytes(plan)) * runner.n_ctx * runner.n_parallel)
+        kv = int(shape.kv_bytes_per_token(*_kv_bytes(plan)) * plan.n_ctx * runner.n_parallel)
         size = slot.entry.model_layer.size + kv
         vram = plan.vram_bytes()
         models.append({
@@ -465,6 +465,7 @@ async def api_ps(request: web.Request) -> web.Response:
             "num_parallel": runner.n_parallel,
             "active": slot.active,
             "plan_source": plan.source,
+            **({"fill_band": runner.fill_band()} if runner.bands else {}),
             **({"projector": {"device": "GPU" if plan.projector_on_gpu else "CPU",
                               "seconds_per_image": round(plan.predicted_image_s, 3)}}
                if runner.projector_path else {}),

@@ -106,6 +106,12 @@ class RunnerProcess:
         plans = (*self.bands, self.plan)
         return plans[min(self.band, len(plans) - 1)]
 
+    def fill_band(self) -> dict:
+        """For ps and stats: the band the runner is in, its bands and each switch's pause."""
+        return {"n_ctx": self.running_plan.n_ctx,
+                "bands": [b.n_ctx for b in (*self.bands, self.plan)],
+                "switch_pauses": [round(p, 3) for p in self.band_pauses]}
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
