@@ -146,8 +146,7 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
     the runner starts in the first and moves up as a sequence grows (daemon/runner/engine.py).
 
     `auto` keeps a band only where the tuner made the plan for a GPU and the band's placement
-    differs from the whole context's (else it would only hold less KV), and skips the bands the
-    workload's first request would leave at once. Never with drafting by a draft model or MTP,
+    differs from the whole context's (else it would only hold less KV). Never with drafting by a draft model or MTP,
     or RPC workers: their state is bound to the loaded model."""
     sizes = parse_bands(setting)
     if sizes == "off" or plan.speculative in ("mtp", "draft") or plan.rpc_workers:
@@ -167,8 +166,7 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
                        tuned=lambda s, c, r: tune_checked(s, c, r))
     plans = [_apply_options(p, request) for _, p in bands[:-1]]
     if auto:
-        first = request.workload.first_prompt + request.workload.answer
-        plans = [p for p in plans if placement_key(p) != placement_key(plan) and p.n_ctx > first]
+        plans = [p for p in plans if placement_key(p) != placement_key(plan)]
     return tuple(plans)
 
 
