@@ -61,7 +61,7 @@ async def generate(app: web.Application, entry: ModelEntry, request: GenerationR
     """`fit(runner)`, when given, may replace the request once the runner is held (the chat
     layer drops old turns that do not fit the loaded context)."""
     started, started_wall = time.perf_counter_ns(), time.time()
-    async with app[SCHEDULER].use(entry, load, keep_alive) as runner:
+    async with app[SCHEDULER].use(entry, load, keep_alive, len(request.prompt)) as runner:
         load_ns = runner.load_duration_ns if runner.loaded_at >= started_wall else 0
         if fit is not None:
             request = await fit(runner)

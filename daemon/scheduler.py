@@ -124,6 +124,16 @@ def context_to_ask(config: Config, n_ctx: int | None, shape: ModelShape) -> int 
 PROMPT_CACHE_AUTO_MAX = 8 * 2**30
 
 
+CHARS_PER_TOKEN = 3  # few texts take fewer characters a token: a prompt is not underrated
+
+
+def first_band(bands: tuple[Plan, ...], prompt_chars: int) -> int:
+    """The fill band the request that loads a model needs: its prompt's tokens, estimated from
+    its characters, and room to answer. len(bands) is the whole context's plan."""
+    need = prompt_chars // CHARS_PER_TOKEN + 256
+    return next((i for i, band in enumerate(bands) if band.n_ctx >= need), len(bands))
+
+
 def prompt_cache_bytes(config: Config) -> int:
     """The RAM a runner may keep prompts of taken slots in (setting prompt_cache_ram)."""
     if config.prompt_cache_ram != "auto":
@@ -179,11 +189,13 @@ class Scheduler:
     # ---- use ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def use(self, entry: ModelEntry, load: LoadOptions,
-                  keep_alive: float | None | str = "default") -> AsyncIterator[RunnerProcess]:
-        """Hold one slot of the model's runner for one request, loading it as needed."""
+                  keep_alive: float | None | str = "default",
+                  prompt_chars: int = 0) -> AsyncIterator[RunnerProcess]:
+        """Hold one slot of the model's runner for one request, loading it as needed (in the
+        fill band a prompt of `prompt_chars` characters needs)."""
         name = str(entry.name)
         keep = self.config.keep_alive_seconds if keep_alive == "default" else keep_alive
-        model = await self._acquire(entry, load)
+        model = await self._acquire(entry, load, prompt_chars)
         model.active += 1
         model.expires_at = None
         try:
@@ -199,7 +211,8 @@ class Scheduler:
             if keep == 0 and model.idle and self.models.get(name) is model:
                 asyncio.ensure_future(self._unload_if_idle(name, model))
 
-    async def _acquire(self, entry: ModelEntry, load: LoadOptions) -> LoadedModel:
+    async def _acquire(self, entry: ModelEntry, load: LoadOptions,
+                       prompt_chars: int = 0) -> LoadedModel:
         """A slot of a loaded, current runner for this request (503 past the queue's limits)."""
         if self.queued >= self.config.max_queue:
             raise QueueFull(f"{self.queued} requests are already waiting; try again later")
@@ -207,7 +220,7 @@ class Scheduler:
         deadline = time.monotonic() + self.config.queue_timeout_seconds
         try:
             while True:
-                model = await self._loaded(entry, load)
+                model = await self._loaded(entry, load, prompt_chars)
                 model.waiting += 1
                 try:
                     await asyncio.wait_for(model.slots.acquire(),
@@ -228,7 +241,8 @@ class Scheduler:
                     and serves(model, load)
                     and file_id(model.runner.model_path) == model.file_id)
 
-    async def _loaded(self, entry: ModelEntry, load: LoadOptions) -> LoadedModel:
+    async def _loaded(self, entry: ModelEntry, load: LoadOptions,
+                      prompt_chars: int = 0) -> LoadedModel:
         name = str(entry.name)
         model = self.models.get(name)
         if self._current(model, entry, load):
@@ -275,7 +289,7 @@ class Scheduler:
                 bands = await asyncio.to_thread(self.planner.bands, shape, name, load,
                                                 speculation.plan, self.config.fill_bands)
             runner = await self._load_stepping_down(name, path, shape, speculation, projector,
-                                                    bands)
+                                                    bands, first_band(bands, prompt_chars))
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                                 keep_alive=self.config.keep_alive_seconds,
                                 speculation=speculation, asked=load)
@@ -293,7 +307,8 @@ class Scheduler:
 
     async def _load_stepping_down(self, name: str, path, shape: ModelShape,
                                   speculation: Speculation, projector=None,
-                                  bands: tuple[Plan, ...] = ()) -> RunnerProcess:
+                                  bands: tuple[Plan, ...] = (),
+                                  start_band: int = 0) -> RunnerProcess:
         """Load with the plan (in its first fill band); when the load fails (out of memory, as
         a rule, on a GPU), retry with the planner's next smaller plan, which it records in the
         saved profile, and no bands."""
@@ -301,13 +316,13 @@ class Scheduler:
         while True:
             try:
                 draft = speculation.draft_path if plan.speculative == "draft" else None
-                return await self._load(name, path, plan, draft, projector, bands)
+                return await self._load(name, path, plan, draft, projector, bands, start_band)
             except LoadError as e:
                 if bands:  # the first band's plan failed: the whole context's, alone, next
                     log.warning("loading %s in its %d-token fill band failed (%s); loading "
                                 "the whole context's plan without bands", name, bands[0].n_ctx,
                                 e)
-                    bands = ()
+                    bands, start_band = (), 0
                     continue
                 smaller = await asyncio.to_thread(self.planner.step_down, plan, shape, name,
                                                   str(e))
@@ -318,15 +333,18 @@ class Scheduler:
                 plan, bands = smaller, ()
 
     async def _load(self, name: str, path, plan: Plan, draft_path=None,
-                    projector=None, bands: tuple[Plan, ...] = ()) -> RunnerProcess:
+                    projector=None, bands: tuple[Plan, ...] = (),
+                    start_band: int = 0) -> RunnerProcess:
         runner = RunnerProcess(name, path, plan, self.log_dir / "runner.log",
                                command=self.runner_command, draft_model_path=draft_path,
                                projector_path=projector,
-                               prompt_cache_bytes=prompt_cache_bytes(self.config), bands=bands)
+                               prompt_cache_bytes=prompt_cache_bytes(self.config), bands=bands,
+                               start_band=start_band)
         log.info("loading %s: %s", name, "; ".join(plan.reasons))
-        if bands:
-            log.info("%s starts in the %d-token fill band: %s", name, bands[0].n_ctx,
-                     "; ".join(bands[0].reasons))
+        if start_band < len(bands):
+            log.info("%s starts in the %d-token fill band (of %s): %s", name,
+                     bands[start_band].n_ctx, ", ".join(str(b.n_ctx) for b in (*bands, plan)),
+                     "; ".join(bands[start_band].reasons))
         try:
             await runner.start(timeout=self.config.load_timeout_seconds)
         except LoadError:

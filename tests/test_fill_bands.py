@@ -47,9 +47,9 @@ async def greedy(runner: RunnerProcess, rid: str = "a") -> tuple[list[str], list
 async def runner_for(tmp_path):
     started = []
 
-    async def start(plan, bands=()) -> RunnerProcess:
+    async def start(plan, bands=(), start_band=0) -> RunnerProcess:
         r = RunnerProcess("m", started_gguf[0], plan, tmp_path / f"runner{len(started)}.log",
-                          bands=bands)
+                          bands=bands, start_band=start_band)
         await r.start()
         started.append(r)
         return r
@@ -125,6 +125,10 @@ def test_a_switch_under_four_requests_loses_none_and_ps_shows_it(tmp_path, smoll
             return client.generate(model="smollm2", prompt=PROMPT, raw=True,
                                    options={"num_predict": 200, "temperature": 0, "seed": i})
 
+        # A short request loads the model: it starts in the small band (a prompt that needs
+        # more would have loaded the whole context's plan at once).
+        client.generate(model="smollm2", prompt="Hello", options={"num_predict": 2})
+        assert daemon.ps()[0]["fill_band"]["n_ctx"] == BAND
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(count, range(4)))
         for answer in answers:
@@ -144,3 +148,24 @@ def test_a_switch_under_four_requests_loses_none_and_ps_shows_it(tmp_path, smoll
         assert "carried 4 sequences" in log
     finally:
         daemon.stop()
+
+
+def test_the_request_that_loads_the_model_picks_its_band():
+    from localllm.daemon.scheduler import first_band
+
+    whole = whole_plan()
+    bands = (dataclasses.replace(whole, n_ctx=8192), dataclasses.replace(whole, n_ctx=32768))
+    assert first_band(bands, len("Hello there.")) == 0
+    assert first_band(bands, 60_000) == 1  # an agent's 20K-token first prompt
+    assert first_band(bands, 400_000) == 2  # past the last band: the whole context's plan
+    assert first_band((), 400_000) == 0
+
+
+async def test_a_runner_told_to_start_in_the_last_band_never_switches(runner_for, smollm2_gguf):
+    start = runner_for(smollm2_gguf)
+    whole = whole_plan()
+    runner = await start(whole, bands=(dataclasses.replace(whole, n_ctx=BAND),), start_band=1)
+    assert runner.running_plan.n_ctx == 2048
+    _, _, done, notes = await greedy(runner)
+    assert done.eval_count == 200 and runner.band == 1 and runner.band_pauses == []
+    assert not any(notes) and "band:" not in Path(runner.log_path).read_text()

@@ -104,7 +104,8 @@ def main() -> int:
                         load.get("draft_model_path"),
                         projector_path=load.get("projector_path"),
                         prompt_cache_bytes=int(load.get("prompt_cache_bytes") or 0),
-                        bands=tuple(Plan.from_dict(b) for b in load.get("bands") or ()))
+                        bands=tuple(Plan.from_dict(b) for b in load.get("bands") or ()),
+                        start_band=int(load.get("start_band") or 0))
         load_ns = time.perf_counter_ns() - t0
     except Exception as e:  # any load failure is reported, then the runner exits
         log.error("load failed: %s", traceback.format_exc())

@@ -78,10 +78,11 @@ class Question:
 class Engine:
     def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None,
                  adapt_threads: bool = True, projector_path: str | None = None,
-                 prompt_cache_bytes: int = 0, bands: tuple[Plan, ...] = ()):
+                 prompt_cache_bytes: int = 0, bands: tuple[Plan, ...] = (),
+                 start_band: int = 0):
         """`bands`: plans for smaller contexts than `plan`'s, smallest first (fill bands: less
-        KV leaves VRAM for more of the weights). The engine starts in the first and moves up
-        when a sequence needs more room (bands.py); `plan` is the last band."""
+        KV leaves VRAM for more of the weights). The engine starts in `start_band` and moves
+        up when a sequence needs more room (_follow_bands); `plan` is the last band."""
         if projector_path:
             plan = with_room_for_images(plan, projector_path)
         if bands and (projector_path or known_mode(plan.speculative) in ("mtp", "draft")):
@@ -90,10 +91,10 @@ class Engine:
             bands = ()
         self.model_path = model_path
         self.plans = (*bands, plan)  # one per fill band; the last holds the whole context
-        self.band = 0
+        self.band = max(0, min(start_band, len(self.plans) - 1))
         self.band_pauses: list[float] = []
         self.adapt_threads = adapt_threads
-        plan = self.plans[0]
+        plan = self.plans[self.band]
         self.plan = plan
         self.speculative = known_mode(plan.speculative)
         # The longest draft. The plan's draft_n_max bounds what costs memory: recurrent-state
@@ -109,7 +110,7 @@ class Engine:
         self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
         # What one request may use (the last band's context) and what the loaded band holds.
         self.room = self.lm.n_ctx_seq
-        self.n_ctx = self.room if len(self.plans) == 1 else self.plans[-1].n_ctx
+        self.n_ctx = self.room if self.band == len(self.plans) - 1 else self.plans[-1].n_ctx
         self.slots = [Slot(i) for i in range(self.lm.n_seq)]
         self.batch_capacity = self.lm.n_batch + self.lm.n_seq * (1 + MAX_DRAFT)
         self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)

@@ -71,16 +71,17 @@ class RunnerProcess:
     def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path,
                  command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None,
                  projector_path: Path | None = None, prompt_cache_bytes: int = 0,
-                 bands: tuple[Plan, ...] = ()):
+                 bands: tuple[Plan, ...] = (), start_band: int = 0):
         """`bands`: plans for smaller contexts than `plan`'s, smallest first (fill bands): the
-        runner starts in the first and moves up as sequences grow (engine.py)."""
+        runner starts in `start_band` (len(bands): the whole plan) and moves up as sequences
+        grow (engine.py)."""
         self.model_name = model_name
         self.projector_path = projector_path
         self.model_path = model_path
         self.draft_model_path = draft_model_path
         self.plan = plan  # the whole context's: what the load was asked for
         self.bands = tuple(bands)
-        self.band = 0  # the band whose plan runs now (index into bands + (plan,))
+        self.band = start_band  # the band whose plan runs now (index into bands + (plan,))
         self.band_pauses: list[float] = []  # seconds each band switch stopped decoding
         self.log_path = log_path
         self.command = tuple(command)
@@ -138,7 +139,7 @@ class RunnerProcess:
                     "draft_model_path": str(self.draft_model_path or "") or None,
                     "projector_path": str(self.projector_path or "") or None,
                     "prompt_cache_bytes": self.prompt_cache_bytes,
-                    "bands": [b.to_dict() for b in self.bands]})
+                    "bands": [b.to_dict() for b in self.bands], "start_band": self.band})
         try:
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         except TimeoutError:
