@@ -217,7 +217,9 @@ class ChatActions:
         if self.streaming:
             self.note("Stop the answer first (Ctrl+C).", "warning")
             return
-        self.prepare(command.args[0])  # switches to it once it is known to be stored
+        # Switches to it once it is known to be stored; a missing one is named, never asked
+        # about: a question would take the keys typed on after the command.
+        self.prepare(command.args[0], offer_pull=False)
 
     def switch_model(self, model: str) -> None:
         if model == self.model:
