@@ -254,7 +254,8 @@ async def test_daemon_killed_mid_chat(fresh_daemon, chats):
         [lost] = notes(app, "error")
         # What happened, where to read why, and what to do; no Python exception names.
         assert lost.startswith("Lost the connection to the daemon mid-answer: it stopped or "
-                               "crashed") and "daemon.log" in lost and "send again" in lost
+                               "crashed") and "`localllm service logs`" in lost
+        assert "send again" in lost
         assert not re.search(r"[A-Z][a-z]+(Error|Exception)\b", lost), lost
         shown = app.entries[-1].content
         assert not app.streaming and app.entries[-1].state == "error" and shown

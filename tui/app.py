@@ -22,7 +22,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Footer, Header, Markdown, Static
 
-from localllm.client import Client, DaemonError, daemon_log_path
+from localllm.client import Client, DaemonError
 from localllm.config import Config, config_file
 from localllm.errors import UserError
 
@@ -401,8 +401,8 @@ class ChatApp(ChatActions, App[int]):
 
 
 def lost_daemon_text(when: str, what_now: str) -> str:
-    return (f"Lost the connection to the daemon {when}: it stopped or crashed (why: "
-            f"{daemon_log_path()}, or `localllm service logs` under systemd). {what_now}")
+    return (f"Lost the connection to the daemon {when}: it stopped or crashed "
+            f"(`localllm service logs` shows its log). {what_now}")
 
 
 def not_stored_hint(model: str, stored: list[str]) -> str:
