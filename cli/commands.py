@@ -86,8 +86,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ps", help="list loaded models with their memory and plan")
     p.set_defaults(func=cmd_ps)
 
-    p = sub.add_parser("stop", help="unload a model now")
-    p.add_argument("model")
+    p = sub.add_parser("stop", help="unload a model now, or stop the daemon (--daemon)")
+    p.add_argument("model", nargs="?", help="the loaded model to unload (`localllm ps`)")
+    p.add_argument("--daemon", action="store_true", help="stop the background daemon and its "
+                   "runners (client commands start it again when needed)")
     p.set_defaults(func=cmd_stop)
 
 
@@ -582,8 +584,74 @@ def threads_cell(model: dict) -> str:
 
 
 def cmd_stop(args) -> int:
+    if args.daemon:
+        if args.model:
+            raise UserError("stop --daemon stops the whole daemon: leave out the model name")
+        return stop_daemon(_config(args))
+    if not args.model:
+        raise UserError("name the model to unload (`localllm ps` lists them), or pass --daemon "
+                        "to stop the daemon")
+
     async def go():
         async with Client(_config(args)) as client:
             await client.request("POST", "/api/generate", {"model": args.model, "keep_alive": 0})
     _run(go())
     return 0
+
+
+DAEMON_STOP_S = 30  # the daemon unloads its runners first; a large model can take a while
+
+
+def stop_daemon(config) -> int:
+    """SIGTERM to the daemon that answers, then wait until its process is gone."""
+    import signal
+    import time
+
+    from localllm.client import running_daemon
+    from localllm.daemon import user_service
+
+    daemon = _run(running_daemon(config))
+    if daemon is None:
+        print("no localllm daemon is running")
+        return 0
+    if not daemon.local and not own_daemon_process(daemon.pid):
+        raise UserError(f"the daemon at {daemon.where} is not a process of yours on this "
+                        "machine: stop it where it runs")
+    try:
+        os.kill(daemon.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass  # it ended on its own in between
+    except PermissionError:
+        raise UserError(f"not allowed to stop the daemon (pid {daemon.pid}): it is not "
+                        "yours") from None
+    deadline = time.monotonic() + DAEMON_STOP_S
+    while not process_gone(daemon.pid):
+        if time.monotonic() > deadline:
+            raise UserError(f"the daemon (pid {daemon.pid}) is still running {DAEMON_STOP_S} s "
+                            "after being asked to stop; `localllm service logs` says why")
+        time.sleep(0.05)  # ok-sleep: the poll interval of a deadline loop
+    again = " (its systemd socket starts it again on the next request)" \
+        if user_service.read_manifest() is not None else ""
+    print(f"stopped the localllm daemon (pid {daemon.pid}){again}")
+    return 0
+
+
+def own_daemon_process(pid: int) -> bool:
+    """A daemon reached over TCP is ours to stop only when its pid here is our `localllm`."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        return proc.stat().st_uid == os.getuid() and b"localllm" in \
+            (proc / "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def process_gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie (its parent has not collected it yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")

@@ -276,3 +276,23 @@ def test_a_slow_figure_on_a_busy_machine_is_doubtful():
     assert "other processes kept 1.6 CPU cores busy" in doubtful(measured(2.4, 1.6), 36.0)
     assert doubtful(measured(2.4, 0.1), 36.0) is None  # slow on a quiet machine: the truth
     assert doubtful(measured(30.0, 1.6), 36.0) is None  # near the prediction: fine
+
+
+# ---- edges: stopping the daemon without systemd --------------------------------------------
+def test_stop_daemon_and_service_status_outside_systemd(fresh_daemon):
+    d = fresh_daemon
+    status = d.cli("service", "status")
+    assert status.returncode == 0, status.stderr
+    assert f"a localllm daemon is running outside systemd: pid {d.proc.pid}" in status.stdout
+    assert str(d.socket) in status.stdout and "`localllm stop --daemon` stops it" in status.stdout
+    one_line_error(d.cli("stop"), "pass --daemon")
+
+    stopped = d.cli("stop", "--daemon")
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout == f"stopped the localllm daemon (pid {d.proc.pid})\n"
+    assert d.proc.poll() == 0  # gone by the time the command returned, and cleanly
+
+    again = d.cli("stop", "--daemon")
+    assert (again.returncode, again.stdout, again.stderr) == \
+        (0, "no localllm daemon is running\n", "")
+    one_line_error(d.cli("service", "status"), "not installed and no daemon is running")
