@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "draft")
     p.add_argument("--resume", nargs="?", const="", metavar="CHAT",
                    help="reopen a saved chat by name or id (alone: pick from the list)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as it is, without "
+                   "the chat template (a base model's way: it continues the text); no note "
+                   "before pulling a base model")
     p.add_argument("--num-predict", type=option_flag("num_predict"), metavar="N",
                    help=f"most tokens for a one-shot answer (default {ONE_SHOT_NUM_PREDICT}; "
                    "-1: no cap); an answer that loops is stopped either way")
@@ -241,7 +244,7 @@ def run_options(args) -> dict:
 
 async def _run_async(config, model: str, prompt: str, args) -> int:
     async with Client(config) as client:
-        await ensure_pulled(client, model)
+        await ensure_pulled(client, model, warn_base=not args.raw)
         extra = {}
         if args.keepalive is not None:
             extra["keep_alive"] = args.keepalive
@@ -257,8 +260,11 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
                     print(image.line(), file=sys.stderr)
             cap = ONE_SHOT_NUM_PREDICT if args.num_predict is None else args.num_predict
             one_shot = {**(options or {}), "num_predict": cap}
+            if args.raw:  # /api/generate's raw mode: the prompt as it is, no template
+                extra = {**extra, "raw": True,
+                         **({"images": message["images"]} if images else {})}
             final = await _answer(client, model, [message], one_shot, extra, args.verbose,
-                                  guard=True)
+                                  guard=True, raw=args.raw)
             if args.num_predict is None and final.get("done_reason") == "length":
                 print(f"note: stopped at {cap} tokens, a one-shot run's cap; "
                       "--num-predict N (or -1) for longer answers", file=sys.stderr)
@@ -309,8 +315,9 @@ async def _chat_lines(client: Client, model: str, options: dict, extra: dict,
         history.append({"role": "assistant", "content": final.get("text", "")})
 
 
-async def ensure_pulled(client: Client, model: str) -> None:
-    """Pull the model through the daemon when it is not in the store yet."""
+async def ensure_pulled(client: Client, model: str, warn_base: bool = False) -> None:
+    """Pull the model through the daemon when it is not in the store yet; with warn_base, a
+    catalog base model is named as one before its download starts."""
     from localllm.client import DaemonError
 
     try:
@@ -319,6 +326,8 @@ async def ensure_pulled(client: Client, model: str) -> None:
     except DaemonError as e:
         if e.status != 404:
             raise
+    if warn_base and (note := base_model_note(model)):
+        print(note, file=sys.stderr)
     last = ""
     try:
         async for status in client.pull(model):
@@ -336,15 +345,30 @@ async def ensure_pulled(client: Client, model: str) -> None:
     print(file=sys.stderr)
 
 
+def base_model_note(model: str) -> str:
+    """The note for a catalog base model about to be pulled for `run`, else ""."""
+    from localllm.modelstore import catalog
+
+    entry = catalog.lookup(model)
+    if entry is None or not entry.base:
+        return ""
+    chat = f"; `localllm run {entry.instruct}` is its instruct version" if entry.instruct else ""
+    return (f"note: {model} is a base model: it continues text rather than answering it "
+            f"(--raw sends the prompt as it is and skips this note){chat}")
+
+
 async def _answer(client: Client, model: str, messages: list[dict], options, extra,
-                  verbose: bool, guard: bool = False) -> dict:
+                  verbose: bool, guard: bool = False, raw: bool = False) -> dict:
     """Stream one answer to stdout; the last line's data, with the whole text as `text`.
-    With `guard`, an answer caught in a loop is cut off (closing the stream stops the model)."""
+    With `guard`, an answer caught in a loop is cut off (closing the stream stops the model).
+    With `raw`, the one message's text goes to /api/generate as it is (extra says raw)."""
     parts = []
     tail = ""  # the end of the answer, where a loop shows
     final: dict = {}
     looping = 0
-    async for chunk in client.chat(model, messages, options, **extra):
+    stream = client.generate(model, messages[-1]["content"], options, **extra) if raw else \
+        client.chat(model, messages, options, **extra)
+    async for chunk in stream:
         if chunk.text:
             parts.append(chunk.text)
             sys.stdout.write(chunk.text)

@@ -5,6 +5,7 @@ are checked where they are typed, and one-shot `run` reads pipes and ends."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -296,3 +297,42 @@ def test_stop_daemon_and_service_status_outside_systemd(fresh_daemon):
     assert (again.returncode, again.stdout, again.stderr) == \
         (0, "no localllm daemon is running\n", "")
     one_line_error(d.cli("service", "status"), "not installed and no daemon is running")
+
+
+# ---- edges: a base model is named as one before its download -------------------------------
+@pytest.mark.errors_expected  # the pull fails on purpose: there is no package index here
+def test_run_of_a_base_model_says_so_before_pulling_it(tmp_path):
+    from daemon_process import start_daemon
+
+    no_index = tmp_path / "no-index"
+    no_index.mkdir()
+    env = isolated_env(tmp_path / "d", PIP_NO_INDEX="1", PIP_FIND_LINKS=str(no_index))
+    d = start_daemon(env)
+    try:
+        warned = d.cli("run", "gemma3-270m", "hi")
+        assert warned.returncode == 1
+        first, *rest = warned.stderr.strip().splitlines()
+        assert first == ("note: gemma3-270m is a base model: it continues text rather than "
+                         "answering it (--raw sends the prompt as it is and skips this note); "
+                         "`localllm run gemma3-270m:it-q8` is its instruct version")
+        assert rest and rest[-1].startswith("Error: ")  # then the download was tried
+        silent = d.cli("run", "--raw", "gemma3-270m", "hi")
+        assert silent.returncode == 1 and "base model" not in silent.stderr
+        instruct = d.cli("run", "smollm2:nosuch", "hi")
+        assert "base model" not in instruct.stderr
+    finally:
+        d.stop()
+
+
+def test_run_raw_sends_the_prompt_without_the_template(daemon):
+    prompt = "The oldest lighthouse of Brittany stands"  # 7 words: about as many tokens
+
+    def prompt_tokens(*flags: str) -> int:
+        result = daemon.cli("run", "smollm2", "--verbose", "--num-predict", "4", *flags, prompt)
+        assert result.returncode == 0, result.stderr
+        return int(re.search(r"prompt eval count: +(\d+)", result.stderr).group(1))
+
+    raw = prompt_tokens("--raw")  # first: nothing of it is in the prompt cache yet
+    assert 5 <= raw <= 10
+    # The chat template adds role markers and SmolLM2's default system message around it.
+    assert prompt_tokens() > raw + 10
