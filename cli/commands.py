@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", help="print timings and speeds after "
                    "the answer")
     p.add_argument("--keepalive", help="how long the model stays loaded (e.g. 5m, 0, -1)")
-    p.add_argument("--ctx", type=option_flag("num_ctx"), help="context length (num_ctx)")
+    p.add_argument("--ctx", type=option_flag("num_ctx"), help="context length (num_ctx); "
+                   "past the model's trained context or what fits, it is capped, with a note")
     p.add_argument("--draft", metavar="MODEL", help="speculative decoding with MODEL drafting "
                    "(a stored model with the same vocabulary)")
     p.add_argument("--speculative", type=option_flag("speculative"), metavar="MODE",
@@ -265,6 +266,9 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
                          **({"images": message["images"]} if images else {})}
             final = await _answer(client, model, [message], one_shot, extra, args.verbose,
                                   guard=True, raw=args.raw)
+            if args.ctx and 0 < final.get("context_length", 0) < args.ctx:
+                print(await context_cap_note(client, model, args.ctx, final["context_length"]),
+                      file=sys.stderr)
             if args.num_predict is None and final.get("done_reason") == "length":
                 print(f"note: stopped at {cap} tokens, a one-shot run's cap; "
                       "--num-predict N (or -1) for longer answers", file=sys.stderr)
@@ -343,6 +347,16 @@ async def ensure_pulled(client: Client, model: str, warn_base: bool = False) -> 
             raise UserError(f"model '{model}' not found and it cannot be pulled: {e}") from None
         raise
     print(file=sys.stderr)
+
+
+async def context_cap_note(client: Client, model: str, asked: int, got: int) -> str:
+    """The note for a --ctx the daemon capped: to what, and why (the model's trained context,
+    or the memory here)."""
+    info = (await client.request("POST", "/api/show", {"model": model})).get("model_info", {})
+    trained = info.get(f"{info.get('general.architecture', '')}.context_length") or 0
+    why = f"{model} was trained for {trained} tokens" if trained and asked > trained == got \
+        else "a larger one does not fit in memory here (`localllm tune` says why)"
+    return f"note: --ctx {asked} was capped at {got}: {why}"
 
 
 def base_model_note(model: str) -> str:

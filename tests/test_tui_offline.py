@@ -163,3 +163,12 @@ async def test_a_resumed_chat_shows_its_context_fill_at_once(home):
                          "the stats line")
         line = str(app.query_one(StatsLine).render())
         assert line == "ctx 300/4096 7%", line
+
+
+async def test_a_capped_num_ctx_is_named_in_the_ready_line(home):
+    app = fixed_app(home, resume=None)
+    async with app.run_test(size=(100, 24)):
+        assert "context 8192 (plan" in app._loaded_text("gemma3-27b", 1.0)
+        app.options["num_ctx"] = 999999  # `localllm run --ctx 999999`
+        assert "context 8192 (num_ctx 999999 was capped at 8192) (plan" in \
+            app._loaded_text("gemma3-27b", 1.0)

@@ -325,8 +325,10 @@ class ChatApp(ChatActions, App[int]):
         if r is None:
             return f"{model} is ready."
         where = "CPU only" if r.gpu_layers == 0 else f"{r.gpu_layers}/{r.layers} layers on GPU"
+        asked = self.options.get("num_ctx", 0)
+        capped = f" (num_ctx {asked} was capped at {r.n_ctx})" if r.n_ctx < asked else ""
         return (f"{model} ready in {seconds:.1f} s: {where}, KV {r.kv_type}, context {r.n_ctx}"
-                f" (plan: {r.plan_source or 'default'}; /show plan says why).")
+                f"{capped} (plan: {r.plan_source or 'default'}; /show plan says why).")
 
     async def ensure_model(self, model: str, offer_pull: bool) -> bool:
         """True when the model is stored. When it is not: with offer_pull (the model named on
