@@ -60,7 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("list", aliases=["ls"], help="list stored models")
     p.set_defaults(func=cmd_list)
 
-    p = sub.add_parser("show", help="show a model's architecture, size and template")
+    p = sub.add_parser("show", help="show a model's architecture, size, capabilities, "
+                       "parameters and license")
     p.add_argument("model")
     p.add_argument("--template", action="store_true", help="print only the chat template")
     p.set_defaults(func=cmd_show)
@@ -510,7 +511,33 @@ def cmd_show(args) -> int:
     print("  Model")
     for key, value in lines:
         print(f"    {key:<20}{value}")
+    for title, rows in show_sections(data):
+        print(f"\n  {title}")
+        for row in rows:
+            print(f"    {row}".rstrip())
     return 0
+
+
+def show_sections(data: dict) -> list[tuple[str, list[str]]]:
+    """`ollama show`'s sections after Model, from /api/show: Capabilities, Parameters, System
+    and License (a long text shortened to its first lines, as Ollama does)."""
+    def first_lines(text: str, n: int = 2) -> list[str]:
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        return lines[:n] + (["..."] if len(lines) > n else [])
+
+    sections = []
+    if data.get("capabilities"):
+        sections.append(("Capabilities", list(data["capabilities"])))
+    params = [line.split(None, 1) for line in data.get("parameters", "").splitlines()
+              if line.strip()]
+    if params:
+        sections.append(("Parameters", [f"{p[0]:<20}{p[1] if len(p) > 1 else ''}"
+                                        for p in params]))
+    if data.get("system", "").strip():
+        sections.append(("System", first_lines(data["system"])))
+    if data.get("license", "").strip():
+        sections.append(("License", first_lines(data["license"])))
+    return sections
 
 
 def chat_template_line(template: str) -> str:

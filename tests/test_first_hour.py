@@ -346,3 +346,23 @@ def test_a_ctx_past_the_trained_context_is_capped_with_a_note(daemon):
         in result.stderr.splitlines()
     fits = daemon.cli("run", "smollm2", "--ctx", "2048", "--num-predict", "2", "hi")
     assert fits.returncode == 0 and "capped" not in fits.stderr
+
+
+# ---- edges: show has ollama show's sections --------------------------------------------------
+def test_show_has_capabilities_parameters_system_and_license(daemon):
+    status, _ = post(daemon, "/api/create", {
+        "model": "shown-smollm2", "from": "smollm2", "parameters": {"temperature": 0.2},
+        "system": "Answer briefly.\nIn English.\nNever in verse.", "stream": False})
+    assert status == 200
+    shown = daemon.cli("show", "shown-smollm2")
+    assert shown.returncode == 0, shown.stderr
+    sections = {}
+    for block in shown.stdout.split("\n\n"):
+        title, *rows = block.strip("\n").splitlines()
+        sections[title.strip()] = [row.strip() for row in rows]
+    assert list(sections) == ["Model", "Capabilities", "Parameters", "System", "License"]
+    assert sections["Capabilities"] == ["completion"]
+    parameters = [row.split(None, 1) for row in sections["Parameters"]]
+    assert ["temperature", "0.2"] in parameters and ["stop", '"<|im_end|>"'] in parameters
+    assert sections["System"] == ["Answer briefly.", "In English.", "..."]  # as ollama shows
+    assert sections["License"] == ["apache-2.0"]  # the GGUF's general.license
