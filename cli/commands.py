@@ -16,6 +16,7 @@ from localllm.client import Client
 from localllm.config import load_config
 from localllm.options import OptionError, from_text
 from localllm.errors import UserError
+from localllm.units import human_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -443,12 +444,6 @@ def format_timings(final: dict) -> str:
 
 
 # ---- store commands ----------------------------------------------------------------------
-def human_size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
 
 
 def _ago(iso_time: str) -> str:

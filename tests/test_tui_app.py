@@ -295,7 +295,7 @@ async def test_a_missing_model_is_pulled_with_progress_then_loaded(tmp_path, smo
                 assert "Pulling" in str(app.query_one("#progress-label").render())
                 hub.release()
                 await wait_loaded(pilot, app)
-                assert any(f"Pulled {model} (93.8 MiB)" in n for n in notes(app))
+                assert any(f"Pulled {model} (98 MB)" in n for n in notes(app))
                 assert not app.query_one(ProgressLine).display
                 await type_line(pilot, app, "/set parameter num_predict 4")
                 await type_line(pilot, app, "/set parameter temperature 0")  # no early stop

@@ -25,12 +25,13 @@ from textual.widgets import Footer, Header, Markdown, Static
 from localllm.client import Client, DaemonError
 from localllm.config import Config, config_file
 from localllm.errors import UserError
+from localllm.units import human_size
 
 from . import keys
 from .actions import ChatActions
 from .chatstore import ChatStore
 from .stats import DecodeRate, RunnerStats, Segment, TurnStats, answer_footer, find_runner, \
-    human_bytes, segments
+    segments
 from .widgets import MessageView, Note, ProgressLine, PromptInput, StatsLine
 
 # What a lost or refused connection to the daemon looks like from aiohttp.
@@ -362,7 +363,7 @@ class ChatApp(ChatActions, App[int]):
                 sizes[status.get("digest", status["status"])] = status["total"]
             else:  # "verifying sha256 digest", "writing manifest": the bar stays where it got
                 progress.label(label)
-        self.note(f"Pulled {model} ({human_bytes(sum(sizes.values()))}).")
+        self.note(f"Pulled {model} ({human_size(sum(sizes.values()))}).")
         await self._list_models()
         return True
 
