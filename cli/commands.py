@@ -621,6 +621,12 @@ def cmd_ps(args) -> int:
     for m in data["models"]:  # threads the runner dropped on a busy CPU, and why
         if m.get("threads_reason"):
             print(f"{m['name']} threads: {m['threads_reason']}")
+    for m in data["models"]:  # plans per fill band: the one running, and the pauses so far
+        if m.get("fill_band"):
+            band = m["fill_band"]
+            pauses = ", ".join(f"{p:.2f}s" for p in band["switch_pauses"]) or "none yet"
+            print(f"{m['name']} fill band: up to {band['n_ctx']} tokens (bands "
+                  f"{', '.join(str(b) for b in band['bands'])}); switch pauses: {pauses}")
     for m in data["models"]:  # a model spread over devices: its split, device by device
         if sum(1 for d in m.get("devices", ()) if d["device"] != "CPU" and d["layers"]) > 1 \
                 or any(d["device"].startswith("RPC") for d in m.get("devices", ())):

@@ -143,7 +143,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, card, shape, model_name))
-        bands = band_plans(shape, card, request, plan.n_ctx)
+        bands = band_plans(shape, card, request, whole_plan=plan)
         if len(bands) > 1:
             print("\n" + format_bands(bands, shape))
         if measured:

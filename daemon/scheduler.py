@@ -94,6 +94,14 @@ class Planner:
             lambda card: choose_plan(shape, model_name, n_ctx, load, card=card,
                                      draft_shape=draft_shape))
 
+    def bands(self, shape: ModelShape, model_name: str, load: LoadOptions, plan: Plan,
+              setting: str) -> tuple[Plan, ...]:
+        """Plans for the fill bands below `plan`'s context (config fill_bands)."""
+        from localllm.llama.hardware import probe_card
+        from localllm.profiles.choose import choose_bands, gpus_setting
+
+        return choose_bands(shape, model_name, load, probe_card(gpus_setting()), plan, setting)
+
     def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
                   error: str) -> Plan | None:
         from localllm.llama.hardware import probe_card
@@ -262,7 +270,12 @@ class Scheduler:
                                            load, draft_shape, **vision)
             path = model_file(self.store, entry)
             speculation = with_speculation(entry, shape, plan, load, draft, draft_shape)
-            runner = await self._load_stepping_down(name, path, shape, speculation, projector)
+            bands = ()
+            if projector is None and hasattr(self.planner, "bands"):
+                bands = await asyncio.to_thread(self.planner.bands, shape, name, load,
+                                                speculation.plan, self.config.fill_bands)
+            runner = await self._load_stepping_down(name, path, shape, speculation, projector,
+                                                    bands)
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                                 keep_alive=self.config.keep_alive_seconds,
                                 speculation=speculation, asked=load)
@@ -279,30 +292,41 @@ class Scheduler:
         log.info("unloaded %s", name)
 
     async def _load_stepping_down(self, name: str, path, shape: ModelShape,
-                                  speculation: Speculation, projector=None) -> RunnerProcess:
-        """Load with the plan; when the load fails (out of memory, as a rule, on a GPU), retry
-        with the planner's next smaller plan, which it records in the saved profile."""
+                                  speculation: Speculation, projector=None,
+                                  bands: tuple[Plan, ...] = ()) -> RunnerProcess:
+        """Load with the plan (in its first fill band); when the load fails (out of memory, as
+        a rule, on a GPU), retry with the planner's next smaller plan, which it records in the
+        saved profile, and no bands."""
         plan = speculation.plan
         while True:
             try:
                 draft = speculation.draft_path if plan.speculative == "draft" else None
-                return await self._load(name, path, plan, draft, projector)
+                return await self._load(name, path, plan, draft, projector, bands)
             except LoadError as e:
+                if bands:  # the first band's plan failed: the whole context's, alone, next
+                    log.warning("loading %s in its %d-token fill band failed (%s); loading "
+                                "the whole context's plan without bands", name, bands[0].n_ctx,
+                                e)
+                    bands = ()
+                    continue
                 smaller = await asyncio.to_thread(self.planner.step_down, plan, shape, name,
                                                   str(e))
                 if smaller is None:
                     raise
                 log.warning("loading %s failed (%s); retrying with a smaller plan: %s",
                             name, e, smaller.reasons[-1] if smaller.reasons else "")
-                plan = smaller
+                plan, bands = smaller, ()
 
     async def _load(self, name: str, path, plan: Plan, draft_path=None,
-                    projector=None) -> RunnerProcess:
+                    projector=None, bands: tuple[Plan, ...] = ()) -> RunnerProcess:
         runner = RunnerProcess(name, path, plan, self.log_dir / "runner.log",
                                command=self.runner_command, draft_model_path=draft_path,
                                projector_path=projector,
-                               prompt_cache_bytes=prompt_cache_bytes(self.config))
+                               prompt_cache_bytes=prompt_cache_bytes(self.config), bands=bands)
         log.info("loading %s: %s", name, "; ".join(plan.reasons))
+        if bands:
+            log.info("%s starts in the %d-token fill band: %s", name, bands[0].n_ctx,
+                     "; ".join(bands[0].reasons))
         try:
             await runner.start(timeout=self.config.load_timeout_seconds)
         except LoadError:

@@ -31,6 +31,7 @@
 | remote_timeout    | LOCALLLM_REMOTE_TIMEOUT    | 300                           | live      |
 | image_urls        | LOCALLLM_IMAGE_URLS        | on                            | live      |
 | prompt_cache_ram  | LOCALLLM_PROMPT_CACHE_RAM  | auto                          | next load |
+| fill_bands        | LOCALLLM_FILL_BANDS        | auto                          | next load |
 
 - num_parallel: the most requests one loaded model serves at once (llama.cpp sequences, each
   slot with its own KV cache of the full context). `auto`: as many as fit beside the tuner's
@@ -88,6 +89,14 @@
   and a later request starting with that prompt gets it back instead of reading it again.
   Least recently used first out. `auto`: a quarter of the RAM free when the model loads, at
   most 8 GiB; 0 turns it off.
+- fill_bands: plans per fill band. A model loads with the plan of a smaller context first (less
+  KV on the GPU leaves room for more of the weights: faster while the context is short); when a
+  sequence is about to outgrow it, the runner reloads with the next band's plan and carries
+  every sequence's KV over (a pause of a model load; ps and the log show it). `auto`: the
+  tuner's bands (8K, 32K, then the whole context) where their placement differs from the whole
+  context's, on a GPU, for plans the tuner made (not a saved profile, a draft model or a vision
+  projector); `off`: one plan for the whole context; token counts (`4096,16384`): these bands,
+  on any machine.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
@@ -153,6 +162,7 @@ class Config:
     remote_timeout: int = 300
     image_urls: str = "on"
     prompt_cache_ram: int | str = "auto"
+    fill_bands: str = "auto"
 
     @property
     def socket_path(self) -> Path:
@@ -210,6 +220,7 @@ ENV = {
     "remote_timeout": "LOCALLLM_REMOTE_TIMEOUT",
     "image_urls": "LOCALLLM_IMAGE_URLS",
     "prompt_cache_ram": "LOCALLLM_PROMPT_CACHE_RAM",
+    "fill_bands": "LOCALLLM_FILL_BANDS",
 }
 
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
@@ -368,6 +379,8 @@ def check_setting(name: str, value: int | str) -> None:
             raise ConfigError(f"ram_budget must be auto or at least 256M, not {value!r}")
     elif name == "gpus":
         parse_gpus(str(value))
+    elif name == "fill_bands":
+        parse_bands(str(value))
     elif name == "socket" and value:
         if not os.path.isabs(str(value)):
             raise ConfigError(f"socket must be an absolute path, not {value!r}")
@@ -396,6 +409,21 @@ def parse_gpus(value: str) -> tuple[int, ...] | None:
     if not parts or not all(t.isdigit() for t in parts) or len(set(parts)) != len(parts):
         raise ConfigError(f"gpus must be all or GPU indices such as 0,1, not {value!r}")
     return tuple(int(t) for t in parts)
+
+
+def parse_bands(value: str) -> tuple[int, ...] | str:
+    """The fill_bands setting: `auto`, `off`, or the bands' token counts, rising."""
+    word = str(value).strip().lower()
+    if word in ("auto", "off"):
+        return word
+    parts = [t.strip() for t in word.split(",")]
+    if not all(t.isdigit() for t in parts):
+        raise ConfigError(f"fill_bands must be auto, off or token counts such as 8192,32768, "
+                          f"not {value!r}")
+    bands = tuple(int(t) for t in parts)
+    if list(bands) != sorted(set(bands)) or bands[0] < 256:
+        raise ConfigError(f"fill_bands must rise and start at 256 tokens or more, not {value!r}")
+    return bands
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:

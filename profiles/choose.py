@@ -17,7 +17,13 @@ import os
 import re
 from dataclasses import replace
 
-from localllm.config import ConfigError, load_config, load_config_sources, parse_size
+from localllm.config import (
+    ConfigError,
+    load_config,
+    load_config_sources,
+    parse_bands,
+    parse_size,
+)
 from localllm.modelstore.shape import ModelShape
 from localllm.options import LoadOptions
 
@@ -28,7 +34,7 @@ from .plan import Plan
 from .acceptance import measured_acceptance
 from .quality import measured_kl
 from .saved import ProfileError, find_profile, record_event
-from .tuner import NoPlanFits, Request, tune
+from .tuner import FILL_BANDS, NoPlanFits, Request, band_plans, tune
 from .workload import from_fill, named
 
 log = logging.getLogger(__name__)
@@ -132,6 +138,42 @@ def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: Loa
                         if wrong_ctx else "it puts layers on a GPU this machine lacks"))
     plan = tune_checked(shape, card, request, draft=draft_shape)
     return replace(plan, reasons=(*plan.reasons, *notes)) if notes else plan
+
+
+def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Card,
+                 plan: Plan, setting: str = "auto") -> tuple[Plan, ...]:
+    """Plans for the fill bands below `plan`'s context, smallest first (config fill_bands):
+    the runner starts in the first and moves up as a sequence grows (daemon/runner/engine.py).
+
+    `auto` keeps a band only where the tuner made the plan for a GPU and the band's placement
+    differs from the whole context's (else it would only hold less KV). Never with drafting by a draft model or MTP,
+    or RPC workers: their state is bound to the loaded model."""
+    sizes = parse_bands(setting)
+    if sizes == "off" or plan.speculative in ("mtp", "draft") or plan.rpc_workers:
+        return ()
+    auto = sizes == "auto"
+    if auto and (not card.has_gpu or plan.source != "tuner"):
+        return ()
+    base = config_request(model_name, shape.file_size)
+    request = request_from_load(plan.n_ctx, load, base.margin_bytes, base)
+    if not card.has_gpu:  # all in RAM: the bands differ in their context alone
+        return tuple(replace(plan, n_ctx=band, n_batch=min(plan.n_batch, band),
+                             n_ubatch=min(plan.n_ubatch, band),
+                             reasons=(*plan.reasons, f"fill band: up to {band} tokens"))
+                     for band in sizes if band < plan.n_ctx)
+    bands = band_plans(shape, card, request, whole_plan=plan,
+                       sizes=FILL_BANDS if auto else sizes,
+                       tuned=lambda s, c, r: tune_checked(s, c, r))
+    plans = [_apply_options(p, request) for _, p in bands[:-1]]
+    if auto:
+        plans = [p for p in plans if placement_key(p) != placement_key(plan)]
+    return tuple(plans)
+
+
+def placement_key(plan: Plan) -> tuple:
+    """Where the weights are and how batches run: what a band changes besides its context."""
+    return (plan.n_gpu_layers, plan.tensor_overrides, plan.tensor_split, plan.n_batch,
+            plan.n_ubatch, plan.flash_attn)
 
 
 def tune_checked(shape: ModelShape, card: Card, request: Request,

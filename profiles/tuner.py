@@ -799,18 +799,34 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
 FILL_BANDS = (8192, 32768)  # plans per fill band: up to each of these, then the whole context
 
 
-def band_plans(shape: ModelShape, card: Card, request: Request,
-               n_ctx: int | None = None) -> list[tuple[int, Plan]]:
+def band_plans(shape: ModelShape, card: Card, request: Request, n_ctx: int | None = None,
+               whole_plan: Plan | None = None, sizes: tuple[int, ...] = FILL_BANDS,
+               tuned: Callable[[ModelShape, Card, Request], Plan] | None = None,
+               ) -> list[tuple[int, Plan]]:
     """A plan per fill band: the best plan for a context of each band's size (less KV: more on
-    the GPU), its session cut where the band ends, then the whole context's. A runner can load
-    the band its first request needs and move to the next as a sequence crosses it."""
-    whole = n_ctx or request.n_ctx or tune(shape, card, request).n_ctx
+    the GPU), its session cut where the band ends, then the whole context's (`whole_plan`, or
+    tuned here). A runner loads the band its sequences need and moves up as they grow, carrying
+    their KV over: so every band has the whole plan's slots, KV types and drafting (llama.cpp
+    restores a sequence's state only into a context with the same ones). `tuned` plans one band
+    (default `tune`; the daemon's checks compute buffers with dry runs)."""
+    tuned = tuned or (lambda shape, card, request: tune(shape, card, request))
+    whole = whole_plan or tuned(shape, card, replace(request, n_ctx=n_ctx or request.n_ctx))
+    kv = whole.type_k if whole.type_k == whole.type_v else f"{whole.type_k}/{whole.type_v}"
+    pinned = replace(request, num_parallel=whole.n_parallel, kv_types=(kv,))
     out = []
-    for band in (*[b for b in FILL_BANDS if b < whole], whole):
+    for band in (b for b in sizes if b < whole.n_ctx):
         try:
-            out.append((band, tune(shape, card, replace(request, n_ctx=band))))
+            plan = tuned(shape, card, replace(pinned, n_ctx=band))
         except NoPlanFits:
             continue
+        if plan.n_parallel != whole.n_parallel:
+            continue
+        out.append((band, replace(plan, speculative=whole.speculative,
+                                  draft_n_max=whole.draft_n_max, reasons=(
+                                      *plan.reasons, f"fill band: up to {band} tokens; a "
+                                      f"sequence that needs more moves the runner to the next "
+                                      f"band's plan"))))
+    out.append((whole.n_ctx, whole))
     return out
 
 

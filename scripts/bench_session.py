@@ -122,8 +122,13 @@ class Ours:
 
     def plan(self) -> str:
         [m] = self.daemon.get("/api/ps")["models"] or [{}]
-        keys = ("gpu_layers", "kv_type", "context_length", "processor")
+        keys = ("gpu_layers", "kv_type", "context_length", "processor", "fill_band")
         return ", ".join(f"{k} {m.get(k)}" for k in keys if k in m)
+
+    def band(self) -> dict | None:
+        """The fill band the runner is in and the pauses of its switches (ps)."""
+        [m] = self.daemon.get("/api/ps")["models"] or [{}]
+        return m.get("fill_band")
 
     def stop(self) -> None:
         self.daemon.stop()
@@ -177,6 +182,9 @@ class Fit:
                 "prompt_tokens": t.get("prompt_n", 0) + t.get("cache_n", 0),
                 "text": out.get("content", "")}
 
+    def band(self) -> None:
+        return None
+
     def plan(self) -> str:
         return "llama-server --fit"
 
@@ -210,7 +218,7 @@ def run_system(system, args, record) -> None:
         if run == "short":
             r = system.generate("The quick brown fox jumps over the lazy dog. " * 6, args.tokens)
             record({"system": system.name, "run": "short", "decode_tps": round(r["decode_tps"], 2),
-                    "answer_tokens": r["answer_tokens"]})
+                    "answer_tokens": r["answer_tokens"], "band": system.band()})
         elif run == "prompt":
             c = calibrate(system, cpt, args.ctx)
             prompt = text_of(int(args.prompt_tokens * c), 2)
@@ -218,7 +226,8 @@ def run_system(system, args, record) -> None:
             record({"system": system.name, "run": "prompt", "prompt_tokens": r["prompt_tokens"],
                     "ttft": round(r["ttft"], 2),
                     "prompt_tps": round(r["prompt_tokens"] / max(1e-9, r["ttft"]), 1),
-                    "decode_tps": round(r["decode_tps"], 2), "answer_tokens": r["answer_tokens"]})
+                    "decode_tps": round(r["decode_tps"], 2), "answer_tokens": r["answer_tokens"],
+                    "band": system.band()})
         elif run == "agent":
             c = calibrate(system, cpt, args.ctx)
             conversation = text_of(int(args.system_tokens * c), 3)
@@ -231,7 +240,8 @@ def run_system(system, args, record) -> None:
                 turns.append({"ttft": round(r["ttft"], 2), "decode_tps": round(r["decode_tps"], 2),
                               "prompt_tokens": r["prompt_tokens"]})
             record({"system": system.name, "run": "agent",
-                    "wall_s": round(time.perf_counter() - start, 1), "turns": turns})
+                    "wall_s": round(time.perf_counter() - start, 1), "turns": turns,
+                    "band": system.band()})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -230,3 +230,28 @@ def test_plans_per_fill_band(shapes):
     # A smaller band holds less KV, so it keeps more on the GPU and decodes faster at its start.
     assert dict(small.predicted_decode_by_depth)[0] > dict(whole.predicted_decode_by_depth)[0]
     assert all(b.workload for _, b in bands)
+
+
+def test_the_daemon_loads_fill_bands_only_where_they_move_weights(shapes):
+    from localllm.options import LoadOptions
+    from localllm.profiles.choose import choose_bands, placement_key
+
+    shape, card = shapes["dense-27b"], h200(12)
+    whole = tune(shape, card, Request(n_ctx=131072, margin_bytes=512 * MIB, workload=CHAT,
+                                      num_parallel=1))
+    bands = choose_bands(shape, "dense", LoadOptions(), card, whole, "auto")
+    assert [b.n_ctx for b in bands] == [8192, 32768]
+    for band in bands:  # what a runner carries KV across must match; the placement differs
+        assert (band.type_k, band.type_v, band.n_parallel, band.speculative) == \
+            (whole.type_k, whole.type_v, whole.n_parallel, whole.speculative)
+        assert placement_key(band) != placement_key(whole)
+        assert band.vram_bytes() <= card.free_vram_bytes
+    assert bands[0].n_gpu_layers >= whole.n_gpu_layers
+    assert choose_bands(shape, "dense", LoadOptions(), card, whole, "off") == ()
+    edited = replace(whole, source="profile:/home/u/.config/localllm/profiles/x.toml")
+    assert choose_bands(shape, "dense", LoadOptions(), card, edited, "auto") == ()
+    cpu = load_card("cpu-only").with_host(**H200_HOST)
+    on_cpu = tune(shape, cpu, Request(n_ctx=16384, workload=CHAT, num_parallel=1))
+    assert choose_bands(shape, "dense", LoadOptions(), cpu, on_cpu, "auto") == ()
+    [given] = choose_bands(shape, "dense", LoadOptions(), cpu, on_cpu, "4096,16384")
+    assert given.n_ctx == 4096 and placement_key(given)[:3] == placement_key(on_cpu)[:3]

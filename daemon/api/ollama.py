@@ -205,8 +205,10 @@ async def _respond(request: web.Request, common: Common, chat: ChatRequest, shap
                     lines[-1]["logprobs"] = part.logprobs
             elif isinstance(event, Progress):  # a long prompt is being read (localllm addition)
                 lines.append({"model": model, "created_at": now_iso(), **shape(Parsed()),
-                              "done": False, "progress": {"prompt_read": event.prompt_read,
-                                                          "prompt_total": event.prompt_total}})
+                              "done": False, "progress": {
+                                  "prompt_read": event.prompt_read,
+                                  "prompt_total": event.prompt_total,
+                                  **({"note": event.note} if event.note else {})}})
             elif isinstance(event, Failure):
                 lines.append({"error": event.message})
             else:
@@ -435,9 +437,9 @@ async def api_ps(request: web.Request) -> web.Response:
     models = []
     for slot in request.app[SCHEDULER].models.values():
         runner = slot.runner
-        plan = runner.plan
+        plan = runner.running_plan  # the fill band's plan that runs now
         shape = slot.shape
-        kv = int(shape.kv_bytes_per_token(*_kv_bytes(plan)) * runner.n_ctx * runner.n_parallel)
+        kv = int(shape.kv_bytes_per_token(*_kv_bytes(plan)) * plan.n_ctx * runner.n_parallel)
         size = slot.entry.model_layer.size + kv
         vram = plan.vram_bytes()
         models.append({
@@ -463,6 +465,7 @@ async def api_ps(request: web.Request) -> web.Response:
             "num_parallel": runner.n_parallel,
             "active": slot.active,
             "plan_source": plan.source,
+            **({"fill_band": runner.fill_band()} if runner.bands else {}),
             **({"projector": {"device": "GPU" if plan.projector_on_gpu else "CPU",
                               "seconds_per_image": round(plan.predicted_image_s, 3)}}
                if runner.projector_path else {}),

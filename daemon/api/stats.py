@@ -101,7 +101,7 @@ async def api_stats(request: web.Request) -> web.Response:
     for name, slot in slots:
         runner = slot.runner
         layers = slot.shape.n_layer
-        vram, vram_source = vram_of(runner.pid, by_pid, runner.plan)
+        vram, vram_source = vram_of(runner.pid, by_pid, runner.running_plan)
         done = runner.last_done
         models.append({
             "model": name,
@@ -112,7 +112,8 @@ async def api_stats(request: web.Request) -> web.Response:
             "rss_bytes": process_rss(runner.pid),
             "vram_bytes": vram,
             "vram_source": vram_source,
-            "plan": plan_summary(runner.plan, layers),
+            "plan": plan_summary(runner.running_plan, layers),
+            **({"fill_band": runner.fill_band()} if runner.bands else {}),
             "context_used": done.context_used if done else 0,
             "context_length": runner.n_ctx,
             "tokens_generated": runner.tokens_generated,

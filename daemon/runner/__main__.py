@@ -103,13 +103,15 @@ def main() -> int:
         engine = Engine(load["model_path"], Plan.from_dict(load["plan"]),
                         load.get("draft_model_path"),
                         projector_path=load.get("projector_path"),
-                        prompt_cache_bytes=int(load.get("prompt_cache_bytes") or 0))
+                        prompt_cache_bytes=int(load.get("prompt_cache_bytes") or 0),
+                        bands=tuple(Plan.from_dict(b) for b in load.get("bands") or ()))
         load_ns = time.perf_counter_ns() - t0
     except Exception as e:  # any load failure is reported, then the runner exits
         log.error("load failed: %s", traceback.format_exc())
         channel.send({"event": "load_failed", "message": str(e) or type(e).__name__})
         return 1
     engine.on_threads = lambda event: channel.send(event_to_wire("", event))
+    engine.on_band = lambda event: channel.send(event_to_wire("", event))
     channel.send({"event": "loaded", "pid": os.getpid(), "load_duration_ns": load_ns,
                   "n_ctx": engine.n_ctx, "n_parallel": len(engine.slots)})
     log.info("loaded %s with %d slots of %d tokens", load["model_path"], len(engine.slots),

@@ -30,6 +30,7 @@ from localllm.profiles.plan import Plan
 from . import model as llama
 from .drafters import DraftModel, MTPDrafter, Want
 from .protocol import (
+    Band,
     Done,
     EmbedRequest,
     Embeddings,
@@ -77,9 +78,22 @@ class Question:
 class Engine:
     def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None,
                  adapt_threads: bool = True, projector_path: str | None = None,
-                 prompt_cache_bytes: int = 0):
+                 prompt_cache_bytes: int = 0, bands: tuple[Plan, ...] = ()):
+        """`bands`: plans for smaller contexts than `plan`'s, smallest first (fill bands: less
+        KV leaves VRAM for more of the weights). The engine starts in the first and moves up
+        when a sequence needs more room (bands.py); `plan` is the last band."""
         if projector_path:
             plan = with_room_for_images(plan, projector_path)
+        if bands and (projector_path or known_mode(plan.speculative) in ("mtp", "draft")):
+            log.info("fill bands off: a projector or a draft model is bound to the loaded "
+                     "model (the daemon does not send bands then)")
+            bands = ()
+        self.model_path = model_path
+        self.plans = (*bands, plan)  # one per fill band; the last holds the whole context
+        self.band = 0
+        self.band_pauses: list[float] = []
+        self.adapt_threads = adapt_threads
+        plan = self.plans[0]
         self.plan = plan
         self.speculative = known_mode(plan.speculative)
         # The longest draft. The plan's draft_n_max bounds what costs memory: recurrent-state
@@ -93,7 +107,9 @@ class Engine:
         self.draft_cap = planned if self.speculative == "mtp" or self.lm.recurrent \
             else MAX_DRAFT
         self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
-        self.n_ctx = self.lm.n_ctx_seq  # what one request may use
+        # What one request may use (the last band's context) and what the loaded band holds.
+        self.room = self.lm.n_ctx_seq
+        self.n_ctx = self.room if len(self.plans) == 1 else self.plans[-1].n_ctx
         self.slots = [Slot(i) for i in range(self.lm.n_seq)]
         self.batch_capacity = self.lm.n_batch + self.lm.n_seq * (1 + MAX_DRAFT)
         self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
@@ -121,10 +137,10 @@ class Engine:
                 prompt_cache_bytes, keep_contained=bool(self.lm.n_swa or self.lm.recurrent))
         # Fewer decode threads while other processes hold cores (threads.py); each change
         # goes to `on_threads` (the runner tells the daemon, which shows it in ps).
-        self.threads = ThreadGovernor(plan.n_threads, plan.predicted_decode_tps,
-                                      plan.predicted_decode_by_depth) if adapt_threads else None
+        self.threads = governor(plan) if adapt_threads else None
         self.n_threads = plan.n_threads
         self.on_threads: Callable[[Threads], None] | None = None
+        self.on_band: Callable[[Band], None] | None = None  # after each band switch
         self.vision: Vision | None = None
         if projector_path:
             try:
@@ -417,6 +433,7 @@ class Engine:
 
     def step(self) -> None:
         """One llama_decode over every busy slot, then sampling for those that answer."""
+        self._follow_bands()
         self._read_images()
         rows = self._fill_batch()
         if not rows:
@@ -429,11 +446,14 @@ class Engine:
             return
         now = time.perf_counter_ns()
         for slot, n, _ in rows:  # the batch is in the KV cache now
-            if slot.unread and slot.work.request.prompt_logprobs:
+            if slot.unread and not slot.replaying and slot.work.request.prompt_logprobs:
                 self._score_prompt(slot, n)
             added, slot.to_decode = slot.to_decode[:n], slot.to_decode[n:]
             slot.tokens.extend(added)
-            if slot.unread:
+            if slot.replaying:  # KV read again after a band switch: not the request's prompt
+                slot.replaying -= n
+                slot.unread -= n
+            elif slot.unread:
                 slot.unread -= n
                 if slot.unread:
                     slot.work.emit(Progress(len(slot.tokens), len(slot.work.prompt)))
@@ -487,7 +507,7 @@ class Engine:
             work = slot.work
             if work is None or work.drafting is None or slot.unread or not slot.to_decode:
                 continue
-            room = min(self.n_ctx - len(slot.tokens) - 2, work.limit - len(work.answer) - 1)
+            room = min(self.room - len(slot.tokens) - 2, work.limit - len(work.answer) - 1)
             if work.drafting.mode == "lookup":
                 slot.drafts = work.drafting.propose_lookup(work.history, room)
                 continue
@@ -503,6 +523,99 @@ class Engine:
                                             time.perf_counter() - started)
         for slot in self.slots:
             slot.drafts = drafts.get(slot.seq_id, slot.drafts)
+
+    # ---- fill bands ----------------------------------------------------------------------
+    def _follow_bands(self) -> None:
+        """Move up to the next fill band's plan before a sequence outgrows the loaded one
+        (never down: a band stays until the model unloads)."""
+        if self.band == len(self.plans) - 1:
+            return
+        need = max((len(s.tokens) + len(s.to_decode) + 1 for s in self.slots if not s.free),
+                   default=0)
+        if need <= self.room:
+            return
+        target = next((i for i in range(self.band + 1, len(self.plans))
+                       if self.plans[i].n_ctx >= need), len(self.plans) - 1)
+        self._switch_band(target, need)
+
+    def _switch_band(self, target: int, need: int) -> None:
+        """Save every sequence's state to RAM, load the target band's plan (the same file,
+        another placement and a larger context), restore the states; a sequence whose state
+        the new context refuses (another KV type) is read again from its tokens."""
+        started = time.perf_counter()
+        old, new = self.plans[self.band], self.plans[target]
+        why = (f"a sequence needs {need} tokens, the {old.n_ctx}-token band holds "
+               f"{self.room}: moving to the {new.n_ctx}-token band's plan")
+        busy = [slot for slot in self.slots if not slot.free]
+        for slot in busy:  # the other requests wait through the reload: they are told
+            slot.work.emit(Progress(len(slot.tokens), len(slot.work.prompt), note=why))
+        saved = {slot.seq_id: seqstate.save(self.lm.ctx, slot.seq_id, slot.tokens)
+                 for slot in self.slots if slot.tokens}
+        for work in (slot.work for slot in busy):
+            work.sampler.free()  # the grammar holds the vocabulary of the model unloaded now
+        if self._embedder is not None:
+            self._embedder.close()
+            self._embedder = None
+        llama.free(self.lm)
+        try:
+            self.lm = llama.load(self.model_path, new)
+        except llama.ModelLoadError as e:
+            # The plan's memory was wrong for this band: the band that was loaded fit, so it
+            # is loaded again and holds the whole context from now on (a sequence that needs
+            # more ends with "length").
+            log.error("band: loading the %d-token band failed (%s); staying in the %d-token "
+                      "band", new.n_ctx, e, old.n_ctx)
+            try:
+                self.lm = llama.load(self.model_path, old)
+            except llama.ModelLoadError as again:
+                log.critical("band: the %d-token band no longer loads either (%s)",
+                             old.n_ctx, again)
+                raise SystemExit(1) from None  # the daemon fails the requests and reloads
+            self.plans = self.plans[:self.band + 1]
+            target, new = self.band, old
+            why = f"{why} failed (out of memory?); stayed in the {old.n_ctx}-token band"
+        self.band, self.plan = target, new
+        self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
+        self.room = self.lm.n_ctx_seq
+        if target == len(self.plans) - 1:
+            self.n_ctx = min(self.n_ctx, self.room)
+        if self.lm.n_batch + self.lm.n_seq * (1 + MAX_DRAFT) > self.batch_capacity:
+            llama_cpp.llama_batch_free(self.batch)
+            self.batch_capacity = self.lm.n_batch + self.lm.n_seq * (1 + MAX_DRAFT)
+            self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
+        self._prompt_chunk = prompt_chunk(new, self.lm.n_batch)
+        if self.adapt_threads:
+            self.threads = governor(new)
+        self.n_threads = new.n_threads
+        carried = reread = 0
+        for slot in self.slots:
+            state = saved.get(slot.seq_id)
+            if state is None:
+                continue
+            if seqstate.restore(self.lm.ctx, slot.seq_id, state):
+                carried += 1
+                continue
+            if slot.work is None:  # an idle slot's prompt: the next request reads it anew
+                slot.tokens = []
+                continue
+            reread += len(slot.tokens)
+            slot.replaying += len(slot.tokens)
+            slot.unread += len(slot.tokens)
+            slot.to_decode = slot.tokens + slot.to_decode
+            slot.tokens = []
+        for slot in busy:
+            work = slot.work
+            work.sampler = Sampler(self.lm.vocab, self.lm.n_vocab, work.request.options,
+                                   work.request.grammar, work.prompt, self.n_ctx)
+            for token in work.answer:  # the grammar's state and the penalties' history
+                work.sampler.accept(token)
+        pause = time.perf_counter() - started
+        self.band_pauses.append(pause)
+        note = (f"{why}; reloaded and carried {carried} sequences over in {pause:.2f} s"
+                + (f" ({reread} tokens read again: the KV type changed)" if reread else ""))
+        log.info("band: %s", note)
+        if self.on_band is not None:
+            self.on_band(Band(target, self.room, round(pause, 3), carried, reread, note))
 
     def _read_images(self) -> None:
         """Each slot whose prompt goes on with an image reads that one image: encoded by the
@@ -539,7 +652,7 @@ class Engine:
         reading = sorted((s for s in self.slots if s.reading_prompt),
                          key=lambda s: s.work.started_ns)
         for slot in answering:
-            if len(slot.tokens) + len(slot.to_decode) > self.n_ctx:
+            if len(slot.tokens) + len(slot.to_decode) > self.room:
                 self._finish(slot, "length")  # context full
                 continue
             if slot.drafts:
@@ -556,9 +669,11 @@ class Engine:
             take = min(slot.unread, budget, _text_run(slot.to_decode, slot.unread))
             if take == 0:
                 continue  # an image comes next: _read_images reads it before the next step
-            last = take == slot.unread
+            if slot.replaying:  # a chunk replays KV or reads the prompt, never both
+                take = min(take, slot.replaying)
+            last = take == slot.unread and not slot.replaying
             slot.first_pos, slot.batch_row = len(slot.tokens), n
-            every = slot.work.request.prompt_logprobs  # logits of every prompt row
+            every = slot.work.request.prompt_logprobs and not slot.replaying  # every row's
             for i in range(take):
                 n = self._put(n, slot.to_decode[i], len(slot.tokens) + i, slot.seq_id,
                               every or (last and i == take - 1))
@@ -734,7 +849,7 @@ class Engine:
             work.media.free()
         slot.work = None
         slot.to_decode = []
-        slot.unread = 0
+        slot.unread = slot.replaying = 0
         slot.drafts = []
         slot.last_used = time.monotonic()
 
@@ -750,12 +865,17 @@ class Engine:
                     work.media.free()
                 work.emit(Failure(f"llama_decode failed: {why}"))
             slot.work, slot.fresh, slot.to_decode, slot.unread = None, None, [], 0
+            slot.replaying = 0
             llama_cpp.llama_memory_seq_rm(self.lm.memory, slot.seq_id, -1, -1)
             slot.tokens.clear()
             slot.drafts = []
             if self.drafter is not None:
                 self.drafter.forget(slot.seq_id, 0)
 
+
+
+def governor(plan: Plan) -> ThreadGovernor:
+    return ThreadGovernor(plan.n_threads, plan.predicted_decode_tps, plan.predicted_decode_by_depth)
 
 
 def known_mode(mode: str) -> str:

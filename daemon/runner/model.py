@@ -114,3 +114,10 @@ class Tokenizer:
             buf = ctypes.create_string_buffer(n + 1)
             llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace")
+
+
+def free(lm: LoadedModel) -> None:
+    """Give back the context and the model (their VRAM and RAM): a band switch loads another
+    placement of the same file (engine.py)."""
+    llama_cpp.llama_free(lm.ctx)
+    llama_cpp.llama_model_free(lm.model)

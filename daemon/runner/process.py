@@ -24,6 +24,7 @@ from localllm.profiles.plan import Plan
 
 from .protocol import (
     RUNNER_SILENCE_S,
+    Band,
     Done,
     EmbedRequest,
     Embeddings,
@@ -69,12 +70,18 @@ class RunnerRequestFailed(UserError):
 class RunnerProcess:
     def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path,
                  command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None,
-                 projector_path: Path | None = None, prompt_cache_bytes: int = 0):
+                 projector_path: Path | None = None, prompt_cache_bytes: int = 0,
+                 bands: tuple[Plan, ...] = ()):
+        """`bands`: plans for smaller contexts than `plan`'s, smallest first (fill bands): the
+        runner starts in the first and moves up as sequences grow (engine.py)."""
         self.model_name = model_name
         self.projector_path = projector_path
         self.model_path = model_path
         self.draft_model_path = draft_model_path
-        self.plan = plan
+        self.plan = plan  # the whole context's: what the load was asked for
+        self.bands = tuple(bands)
+        self.band = 0  # the band whose plan runs now (index into bands + (plan,))
+        self.band_pauses: list[float] = []  # seconds each band switch stopped decoding
         self.log_path = log_path
         self.command = tuple(command)
         self.prompt_cache_bytes = prompt_cache_bytes  # RAM for prompts of taken slots
@@ -92,6 +99,18 @@ class RunnerProcess:
         self._exit_reason = ""
         # Called with (mode, drafted, accepted) after each answer that drafted.
         self.on_drafts: Callable[[str, int, int], None] | None = None
+
+    @property
+    def running_plan(self) -> Plan:
+        """The plan of the fill band the runner is in now (the whole plan without bands)."""
+        plans = (*self.bands, self.plan)
+        return plans[min(self.band, len(plans) - 1)]
+
+    def fill_band(self) -> dict:
+        """For ps and stats: the band the runner is in, its bands and each switch's pause."""
+        return {"n_ctx": self.running_plan.n_ctx,
+                "bands": [b.n_ctx for b in (*self.bands, self.plan)],
+                "switch_pauses": [round(p, 3) for p in self.band_pauses]}
 
     @property
     def pid(self) -> int | None:
@@ -118,7 +137,8 @@ class RunnerProcess:
                     "plan": self.plan.to_dict(),
                     "draft_model_path": str(self.draft_model_path or "") or None,
                     "projector_path": str(self.projector_path or "") or None,
-                    "prompt_cache_bytes": self.prompt_cache_bytes})
+                    "prompt_cache_bytes": self.prompt_cache_bytes,
+                    "bands": [b.to_dict() for b in self.bands]})
         try:
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         except TimeoutError:
@@ -161,6 +181,11 @@ class RunnerProcess:
                 event = event_from_wire(data)
                 if isinstance(event, Threads):
                     self.n_threads, self.threads_reason = event.n_threads, event.reason
+                    log.info("runner for %s: %s", self.model_name, event.reason)
+                    continue
+                if isinstance(event, Band):
+                    self.band = event.band
+                    self.band_pauses.append(event.pause_s)
                     log.info("runner for %s: %s", self.model_name, event.reason)
                     continue
                 if isinstance(event, Token):

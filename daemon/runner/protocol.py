@@ -103,9 +103,11 @@ class Done:
 
 @dataclass(frozen=True)
 class Progress:
-    """Prompt reading, between chunks: how many prompt tokens are in the cache so far."""
+    """Prompt reading, between chunks: how many prompt tokens are in the cache so far; or,
+    with a `note`, a pause of the request's decoding (a fill band switch) and why."""
     prompt_read: int
     prompt_total: int
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -150,14 +152,27 @@ class Threads:
 
 
 @dataclass(frozen=True)
+class Band:
+    """Sent by the runner on its own when it moved to another fill band's plan (engine.py):
+    `band` indexes the bands of the load message, `n_ctx` is the room each sequence has now."""
+    band: int
+    n_ctx: int
+    pause_s: float  # how long decoding stopped: states saved, model reloaded, states restored
+    carried: int  # sequences whose KV came over
+    reread: int  # tokens read again (sequences whose state could not come over)
+    reason: str
+
+
+@dataclass(frozen=True)
 class Failure:
     message: str
     status: int = 500  # 400 when the request itself was at fault (prompt too long, no template)
 
 
-Event = Token | Done | Failure | Progress | Embeddings | TokenCount | Threads
+Event = Token | Done | Failure | Progress | Embeddings | TokenCount | Threads | Band
 EVENT_KINDS = {Token: "token", Done: "done", Failure: "error", Progress: "progress",
-               Embeddings: "embeddings", TokenCount: "tokens", Threads: "threads"}
+               Embeddings: "embeddings", TokenCount: "tokens", Threads: "threads",
+               Band: "band"}
 
 
 def event_to_wire(request_id: str, event: Event) -> dict:
@@ -189,6 +204,8 @@ def event_from_wire(data: dict) -> Event:
         return TokenCount(**data)
     if kind == "threads":
         return Threads(**data)
+    if kind == "band":
+        return Band(**data)
     return Failure(**data)
 
 

@@ -77,6 +77,10 @@ class Sampler:
             return int(self.logits(ctx, index).argmax())
         return llama_cpp.llama_sampler_sample(self.chain, ctx, index)
 
+    def accept(self, token: int) -> None:
+        """Record a token chosen earlier (a sampler rebuilt mid-answer catches up)."""
+        llama_cpp.llama_sampler_accept(self.chain, token)
+
     def free(self) -> None:
         if self.chain:
             llama_cpp.llama_sampler_free(self.chain)

@@ -100,6 +100,9 @@ class Slot:
         self.work: Work | None = None
         self.to_decode: list[int] = []  # tokens to put in the next batch (prompt or answer)
         self.unread: int = 0  # how many of to_decode are prompt tokens still to read
+        # how many of those unread are the sequence's own KV, read again (a band switch whose
+        # state could not carry over): no progress, no logits, the prompt's timing unchanged
+        self.replaying: int = 0
         self.fresh: int | None = None  # sampled and decoded, its text not yet handled
         self.drafts: list[int] = []  # draft tokens for (then in) the batch being decoded
         self.first_pos = 0  # where this step's tokens start in the sequence

@@ -7,11 +7,12 @@ an idle machine; this module watches what the host does while the runner decodes
 
 Once per window of decode steps it compares the measured step time with the plan's predicted
 one at the window's context depth (the plan's curve: a session average would hide a 4x stall
-early in a context, where decode is fastest), and the host's busy CPU time (/proc/stat, over the cores this process may run on) with
-the runner's own (os.times): what is left is the other processes' load, in cores. When decode
-runs far below the plan while others hold cores, one thread is dropped (never below the cores
-the others leave, at least one); when the others have left for a few windows, one comes back,
-up to the plan's count. Sampling reads two small files per window: nothing per token.
+early in a context, where decode is fastest), and the host's busy CPU time (/proc/stat, over
+the cores this process may run on) with the runner's own (os.times): what is left is the other
+processes' load, in cores. When decode runs far below the plan while others hold cores, one
+thread is dropped (never below the cores the others leave, at least one); when the others have
+left for a few windows, one comes back, up to the plan's count. Sampling reads two small files
+per window: nothing per token.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class ThreadGovernor:
         points = self.by_depth
         if depth <= points[0][0]:
             return points[0][1]
-        for (d0, t0), (d1, t1) in zip(points, points[1:]):
+        for (d0, t0), (d1, t1) in zip(points, points[1:], strict=False):
             if depth <= d1:
                 return t0 + (t1 - t0) * (depth - d0) / max(d1 - d0, 1)
         return points[-1][1]
