@@ -41,12 +41,12 @@ def differs(loaded: Speculation, load: LoadOptions) -> bool:
 
 
 @dataclass(frozen=True)
-class DraftModel:
+class DraftChoice:
     name: str = ""  # as options.draft_model named it ("" for the catalog's pairing)
     path: Path | None = None
 
 
-def draft_model(store: ModelStore, entry: ModelEntry, load: LoadOptions) -> DraftModel:
+def draft_model(store: ModelStore, entry: ModelEntry, load: LoadOptions) -> DraftChoice:
     """The draft model for `entry`: options.draft_model, else the catalog's pairing, else none.
     Raises ModelNotFound for a named draft model that is not stored."""
     asked = load.draft_model
@@ -55,13 +55,13 @@ def draft_model(store: ModelStore, entry: ModelEntry, load: LoadOptions) -> Draf
         if draft is None or draft.model_path is None:
             raise ModelNotFound(f"draft model '{asked}' not found; pull it first "
                                 f"(`localllm pull {asked}`)")
-        return DraftModel(asked, model_file(store, draft))
+        return DraftChoice(asked, model_file(store, draft))
     layer = entry.companion(DRAFT_LAYER)
-    return DraftModel("", store.blob_path(layer.digest)) if layer else DraftModel()
+    return DraftChoice("", store.blob_path(layer.digest)) if layer else DraftChoice()
 
 
 def check_speculation(entry: ModelEntry, shape: ModelShape, load: LoadOptions,
-                      draft: DraftModel, draft_shape: ModelShape | None = None) -> None:
+                      draft: DraftChoice, draft_shape: ModelShape | None = None) -> None:
     """Raise UserError for a speculative mode the request asks that this model cannot do; no
     plan is needed for it, so the scheduler asks before it unloads anything."""
     asked = load.speculative
@@ -79,7 +79,7 @@ def check_speculation(entry: ModelEntry, shape: ModelShape, load: LoadOptions,
 
 
 def with_speculation(entry: ModelEntry, shape: ModelShape, plan: Plan, load: LoadOptions,
-                     draft: DraftModel, draft_shape: ModelShape | None = None) -> Speculation:
+                     draft: DraftChoice, draft_shape: ModelShape | None = None) -> Speculation:
     """The plan with the speculative mode the request asks for (else the plan's own), and the
     draft model to load with it. Raises UserError for what cannot be done."""
     check_speculation(entry, shape, load, draft, draft_shape)

@@ -62,7 +62,7 @@ def show(entry: ModelEntry) -> dict:
 # ---- the upstream ------------------------------------------------------------------------------
 
 @dataclass
-class Answer:
+class RemoteAnswer:
     """What came back, accumulated: text, why it ended, the upstream's counts and our clock."""
 
     started: float = field(default_factory=time.perf_counter)
@@ -189,7 +189,7 @@ def _session() -> aiohttp.ClientSession:
 
 
 async def _stream(entry: ModelEntry, path: str, payload: dict,
-                  answer: Answer) -> AsyncIterator[str]:
+                  answer: RemoteAnswer) -> AsyncIterator[str]:
     """Text pieces of the upstream's streamed answer, filling `answer` as they come. The
     first step raises ApiError when the upstream cannot be used; later ones UpstreamError."""
     payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
@@ -277,7 +277,7 @@ async def ollama(request: web.Request, body: dict, entry: ModelEntry) -> web.Str
             messages = [{"role": "system", "content": system}] if system else []
             payload = {"messages": messages + [{"role": "user", "content": prompt}]}
     payload = {"model": remote.model, **payload, **_openai_options(body)}
-    answer = Answer()
+    answer = RemoteAnswer()
     pieces = _stream(entry, path, payload, answer)
     try:
         first = await anext(pieces, None)  # ApiError from here on still sets the status

@@ -146,8 +146,8 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
     the runner starts in the first and moves up as a sequence grows (daemon/runner/engine.py).
 
     `auto` keeps a band only where the tuner made the plan for a GPU and the band's placement
-    differs from the whole context's (else it would only hold less KV). Never with drafting by a draft model or MTP,
-    or RPC workers: their state is bound to the loaded model."""
+    differs from the whole context's (else it would only hold less KV). Never with drafting by
+    a draft model or MTP, or RPC workers: their state is bound to the loaded model."""
     sizes = parse_bands(setting)
     if sizes == "off" or plan.speculative in ("mtp", "draft") or plan.rpc_workers:
         return ()

@@ -138,7 +138,8 @@ def test_a_switch_under_four_requests_loses_none_and_ps_shows_it(tmp_path, smoll
         stats = daemon.get("/api/stats")["models"][0]
         assert stats["fill_band"] == band and stats["plan"]["n_ctx"] == band["n_ctx"]
         listed = daemon.cli("ps")
-        assert listed.returncode == 0 and f"fill band: up to {band['n_ctx']} tokens" in listed.stdout
+        assert listed.returncode == 0
+        assert f"fill band: up to {band['n_ctx']} tokens" in listed.stdout
         log = (Path(env["XDG_STATE_HOME"]) / "localllm" / "logs" / "runner.log").read_text()
         assert "carried 4 sequences" in log
     finally:

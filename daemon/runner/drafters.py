@@ -139,7 +139,7 @@ def llama_cpp_ext():
 class MTPDrafter(_BatchDrafter):
     kind = "mtp"
 
-    def __init__(self, lm: llama.LoadedModel, plan: Plan, capacity: int):
+    def __init__(self, lm: llama.LlamaModel, plan: Plan, capacity: int):
         ext = llama_cpp_ext()
         cparams = context_params(plan, lm.n_seq, capacity)
         cparams.n_rs_seq = 0  # the target's state keeps the snapshots, not the drafter's
@@ -220,7 +220,7 @@ class MTPDrafter(_BatchDrafter):
 class DraftModel(_BatchDrafter):
     kind = "draft"
 
-    def __init__(self, path: str, target: llama.LoadedModel, plan: Plan, capacity: int):
+    def __init__(self, path: str, target: llama.LlamaModel, plan: Plan, capacity: int):
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = plan.draft_n_gpu_layers
         mparams.use_mmap = plan.use_mmap
@@ -288,7 +288,7 @@ class DraftModel(_BatchDrafter):
         llama_cpp.llama_model_free(self.model)
 
 
-def _check_vocab(target: llama.LoadedModel, model) -> None:
+def _check_vocab(target: llama.LlamaModel, model) -> None:
     """Drafts are token ids: the two vocabularies must give the same ids the same text."""
     vocab = llama_cpp.llama_model_get_vocab(model)
     n_draft = llama_cpp.llama_vocab_n_tokens(vocab)

@@ -599,6 +599,9 @@ class Engine:
                 slot.tokens = []
                 continue
             reread += len(slot.tokens)
+            slot.work.emit(Progress(0, len(slot.tokens), note=(
+                f"reading the {len(slot.tokens)} tokens of this conversation again: the "
+                f"{new.n_ctx}-token band's KV type differs")))
             slot.replaying += len(slot.tokens)
             slot.unread += len(slot.tokens)
             slot.to_decode = slot.tokens + slot.to_decode

@@ -20,7 +20,7 @@ class ModelLoadError(Exception):
 
 
 @dataclass
-class LoadedModel:
+class LlamaModel:
     model: llama_cpp.llama_model_p
     ctx: llama_cpp.llama_context_p
     vocab: llama_cpp.llama_vocab_p
@@ -34,7 +34,7 @@ class LoadedModel:
     n_rollback: int  # ... except by this many positions (recurrent-state snapshots)
 
 
-def load(model_path: str, plan: Plan) -> LoadedModel:
+def load(model_path: str, plan: Plan) -> LlamaModel:
     """The model with the plan's placement and a context of `plan.n_parallel` sequences, each
     with `plan.n_ctx` cells of its own (llama/params.py builds both, as dry runs do)."""
     llama_cpp.llama_backend_init()
@@ -51,7 +51,7 @@ def load(model_path: str, plan: Plan) -> LoadedModel:
     vocab = llama_cpp.llama_model_get_vocab(model)
     recurrent = bool(llama_cpp.llama_model_is_recurrent(model)
                      or llama_cpp.llama_model_is_hybrid(model))
-    return LoadedModel(
+    return LlamaModel(
         model=model, ctx=ctx, vocab=vocab, memory=llama_cpp.llama_get_memory(ctx),
         n_ctx_seq=llama_cpp.llama_n_ctx_seq(ctx), n_batch=llama_cpp.llama_n_batch(ctx),
         n_seq=llama_cpp.llama_n_seq_max(ctx), n_vocab=llama_cpp.llama_vocab_n_tokens(vocab),
@@ -116,7 +116,7 @@ class Tokenizer:
         return buf.value.decode("utf-8", errors="replace")
 
 
-def free(lm: LoadedModel) -> None:
+def free(lm: LlamaModel) -> None:
     """Give back the context and the model (their VRAM and RAM): a band switch loads another
     placement of the same file (engine.py)."""
     llama_cpp.llama_free(lm.ctx)
