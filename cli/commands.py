@@ -16,6 +16,7 @@ from localllm.client import Client
 from localllm.config import load_config
 from localllm.options import OptionError, from_text
 from localllm.errors import UserError
+from localllm.units import human_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", help="print timings and speeds after "
                    "the answer")
     p.add_argument("--keepalive", help="how long the model stays loaded (e.g. 5m, 0, -1)")
-    p.add_argument("--ctx", type=option_flag("num_ctx"), help="context length (num_ctx)")
+    p.add_argument("--ctx", type=option_flag("num_ctx"), help="context length (num_ctx); "
+                   "past the model's trained context or what fits, it is capped, with a note")
     p.add_argument("--draft", metavar="MODEL", help="speculative decoding with MODEL drafting "
                    "(a stored model with the same vocabulary)")
     p.add_argument("--speculative", type=option_flag("speculative"), metavar="MODE",
@@ -48,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "draft")
     p.add_argument("--resume", nargs="?", const="", metavar="CHAT",
                    help="reopen a saved chat by name or id (alone: pick from the list)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as it is, without "
+                   "the chat template (a base model's way: it continues the text); no note "
+                   "before pulling a base model")
     p.add_argument("--num-predict", type=option_flag("num_predict"), metavar="N",
                    help=f"most tokens for a one-shot answer (default {ONE_SHOT_NUM_PREDICT}; "
                    "-1: no cap); an answer that loops is stopped either way")
@@ -56,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("list", aliases=["ls"], help="list stored models")
     p.set_defaults(func=cmd_list)
 
-    p = sub.add_parser("show", help="show a model's architecture, size and template")
+    p = sub.add_parser("show", help="show a model's architecture, size, capabilities, "
+                       "parameters and license")
     p.add_argument("model")
     p.add_argument("--template", action="store_true", help="print only the chat template")
     p.set_defaults(func=cmd_show)
@@ -86,8 +92,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ps", help="list loaded models with their memory and plan")
     p.set_defaults(func=cmd_ps)
 
-    p = sub.add_parser("stop", help="unload a model now")
-    p.add_argument("model")
+    p = sub.add_parser("stop", help="unload a model now, or stop the daemon (--daemon)")
+    p.add_argument("model", nargs="?", help="the loaded model to unload (`localllm ps`)")
+    p.add_argument("--daemon", action="store_true", help="stop the background daemon and its "
+                   "runners (client commands start it again when needed)")
     p.set_defaults(func=cmd_stop)
 
 
@@ -239,7 +247,7 @@ def run_options(args) -> dict:
 
 async def _run_async(config, model: str, prompt: str, args) -> int:
     async with Client(config) as client:
-        await ensure_pulled(client, model)
+        await ensure_pulled(client, model, warn_base=not args.raw)
         extra = {}
         if args.keepalive is not None:
             extra["keep_alive"] = args.keepalive
@@ -255,8 +263,14 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
                     print(image.line(), file=sys.stderr)
             cap = ONE_SHOT_NUM_PREDICT if args.num_predict is None else args.num_predict
             one_shot = {**(options or {}), "num_predict": cap}
+            if args.raw:  # /api/generate's raw mode: the prompt as it is, no template
+                extra = {**extra, "raw": True,
+                         **({"images": message["images"]} if images else {})}
             final = await _answer(client, model, [message], one_shot, extra, args.verbose,
-                                  guard=True)
+                                  guard=True, raw=args.raw)
+            if args.ctx and 0 < final.get("context_length", 0) < args.ctx:
+                print(await context_cap_note(client, model, args.ctx, final["context_length"]),
+                      file=sys.stderr)
             if args.num_predict is None and final.get("done_reason") == "length":
                 print(f"note: stopped at {cap} tokens, a one-shot run's cap; "
                       "--num-predict N (or -1) for longer answers", file=sys.stderr)
@@ -307,8 +321,9 @@ async def _chat_lines(client: Client, model: str, options: dict, extra: dict,
         history.append({"role": "assistant", "content": final.get("text", "")})
 
 
-async def ensure_pulled(client: Client, model: str) -> None:
-    """Pull the model through the daemon when it is not in the store yet."""
+async def ensure_pulled(client: Client, model: str, warn_base: bool = False) -> None:
+    """Pull the model through the daemon when it is not in the store yet; with warn_base, a
+    catalog base model is named as one before its download starts."""
     from localllm.client import DaemonError
 
     try:
@@ -317,6 +332,8 @@ async def ensure_pulled(client: Client, model: str) -> None:
     except DaemonError as e:
         if e.status != 404:
             raise
+    if warn_base and (note := base_model_note(model)):
+        print(note, file=sys.stderr)
     last = ""
     try:
         async for status in client.pull(model):
@@ -334,15 +351,40 @@ async def ensure_pulled(client: Client, model: str) -> None:
     print(file=sys.stderr)
 
 
+async def context_cap_note(client: Client, model: str, asked: int, got: int) -> str:
+    """The note for a --ctx the daemon capped: to what, and why (the model's trained context,
+    or the memory here)."""
+    info = (await client.request("POST", "/api/show", {"model": model})).get("model_info", {})
+    trained = info.get(f"{info.get('general.architecture', '')}.context_length") or 0
+    why = f"{model} was trained for {trained} tokens" if trained and asked > trained == got \
+        else "a larger one does not fit in memory here (`localllm tune` says why)"
+    return f"note: --ctx {asked} was capped at {got}: {why}"
+
+
+def base_model_note(model: str) -> str:
+    """The note for a catalog base model about to be pulled for `run`, else ""."""
+    from localllm.modelstore import catalog
+
+    entry = catalog.lookup(model)
+    if entry is None or not entry.base:
+        return ""
+    chat = f"; `localllm run {entry.instruct}` is its instruct version" if entry.instruct else ""
+    return (f"note: {model} is a base model: it continues text rather than answering it "
+            f"(--raw sends the prompt as it is and skips this note){chat}")
+
+
 async def _answer(client: Client, model: str, messages: list[dict], options, extra,
-                  verbose: bool, guard: bool = False) -> dict:
+                  verbose: bool, guard: bool = False, raw: bool = False) -> dict:
     """Stream one answer to stdout; the last line's data, with the whole text as `text`.
-    With `guard`, an answer caught in a loop is cut off (closing the stream stops the model)."""
+    With `guard`, an answer caught in a loop is cut off (closing the stream stops the model).
+    With `raw`, the one message's text goes to /api/generate as it is (extra says raw)."""
     parts = []
     tail = ""  # the end of the answer, where a loop shows
     final: dict = {}
     looping = 0
-    async for chunk in client.chat(model, messages, options, **extra):
+    stream = client.generate(model, messages[-1]["content"], options, **extra) if raw else \
+        client.chat(model, messages, options, **extra)
+    async for chunk in stream:
         if chunk.text:
             parts.append(chunk.text)
             sys.stdout.write(chunk.text)
@@ -402,12 +444,6 @@ def format_timings(final: dict) -> str:
 
 
 # ---- store commands ----------------------------------------------------------------------
-def human_size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
 
 
 def _ago(iso_time: str) -> str:
@@ -470,7 +506,33 @@ def cmd_show(args) -> int:
     print("  Model")
     for key, value in lines:
         print(f"    {key:<20}{value}")
+    for title, rows in show_sections(data):
+        print(f"\n  {title}")
+        for row in rows:
+            print(f"    {row}".rstrip())
     return 0
+
+
+def show_sections(data: dict) -> list[tuple[str, list[str]]]:
+    """`ollama show`'s sections after Model, from /api/show: Capabilities, Parameters, System
+    and License (a long text shortened to its first lines, as Ollama does)."""
+    def first_lines(text: str, n: int = 2) -> list[str]:
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        return lines[:n] + (["..."] if len(lines) > n else [])
+
+    sections = []
+    if data.get("capabilities"):
+        sections.append(("Capabilities", list(data["capabilities"])))
+    params = [line.split(None, 1) for line in data.get("parameters", "").splitlines()
+              if line.strip()]
+    if params:
+        sections.append(("Parameters", [f"{p[0]:<20}{p[1] if len(p) > 1 else ''}"
+                                        for p in params]))
+    if data.get("system", "").strip():
+        sections.append(("System", first_lines(data["system"])))
+    if data.get("license", "").strip():
+        sections.append(("License", first_lines(data["license"])))
+    return sections
 
 
 def chat_template_line(template: str) -> str:
@@ -588,8 +650,74 @@ def threads_cell(model: dict) -> str:
 
 
 def cmd_stop(args) -> int:
+    if args.daemon:
+        if args.model:
+            raise UserError("stop --daemon stops the whole daemon: leave out the model name")
+        return stop_daemon(_config(args))
+    if not args.model:
+        raise UserError("name the model to unload (`localllm ps` lists them), or pass --daemon "
+                        "to stop the daemon")
+
     async def go():
         async with Client(_config(args)) as client:
             await client.request("POST", "/api/generate", {"model": args.model, "keep_alive": 0})
     _run(go())
     return 0
+
+
+DAEMON_STOP_S = 30  # the daemon unloads its runners first; a large model can take a while
+
+
+def stop_daemon(config) -> int:
+    """SIGTERM to the daemon that answers, then wait until its process is gone."""
+    import signal
+    import time
+
+    from localllm.client import running_daemon
+    from localllm.daemon import user_service
+
+    daemon = _run(running_daemon(config))
+    if daemon is None:
+        print("no localllm daemon is running")
+        return 0
+    if not daemon.local and not own_daemon_process(daemon.pid):
+        raise UserError(f"the daemon at {daemon.where} is not a process of yours on this "
+                        "machine: stop it where it runs")
+    try:
+        os.kill(daemon.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass  # it ended on its own in between
+    except PermissionError:
+        raise UserError(f"not allowed to stop the daemon (pid {daemon.pid}): it is not "
+                        "yours") from None
+    deadline = time.monotonic() + DAEMON_STOP_S
+    while not process_gone(daemon.pid):
+        if time.monotonic() > deadline:
+            raise UserError(f"the daemon (pid {daemon.pid}) is still running {DAEMON_STOP_S} s "
+                            "after being asked to stop; `localllm service logs` says why")
+        time.sleep(0.05)  # ok-sleep: the poll interval of a deadline loop
+    again = " (its systemd socket starts it again on the next request)" \
+        if user_service.read_manifest() is not None else ""
+    print(f"stopped the localllm daemon (pid {daemon.pid}){again}")
+    return 0
+
+
+def own_daemon_process(pid: int) -> bool:
+    """A daemon reached over TCP is ours to stop only when its pid here is our `localllm`."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        return proc.stat().st_uid == os.getuid() and b"localllm" in \
+            (proc / "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def process_gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie (its parent has not collected it yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")

@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from localllm.units import human_size
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif")
 # A path: quoted (spaces allowed) or a run of non-space characters, ending in an image suffix.
 _PATH = re.compile(r"""(?:'([^']+)'|"([^"]+)"|(\S+))""")
@@ -23,9 +25,7 @@ class AttachedImage:
         return base64.b64encode(self.data).decode("ascii")
 
     def line(self) -> str:
-        size = len(self.data)
-        shown = f"{size / (1 << 20):.1f} MiB" if size >= 1 << 20 else f"{size / 1024:.0f} KiB"
-        return f"added image {self.path.name} ({shown})"
+        return f"added image {self.path.name} ({human_size(len(self.data))})"
 
 
 def attach_images(prompt: str, cwd: Path | None = None) -> tuple[str, list[AttachedImage]]:

@@ -137,7 +137,7 @@ def pick(target: Target, hub: HubSettings, card_name: str | None) -> Target:
     for line in table(candidates, best):
         print(line)
     print(f"(planned at context {pick_request().n_ctx} from each file's GGUF header: "
-          f"{header_bytes / (1 << 20):.1f} MiB read by range requests)")
+          f"{size_text(header_bytes)} read by range requests)")
     if best is None:
         smallest = min(candidates, key=lambda c: c.size)
         raise UserError(f"no quant of hf.co/{repo} fits {card.label}: even {smallest.label} "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localllm.modelstore import catalog
+from localllm.units import human_size
 
 GIB = 1 << 30
 # Room a model needs on the GPU beyond its weights (KV cache at a small context, compute buffers).
@@ -23,9 +24,7 @@ def catalog_usage_error() -> Exception:
                      "`localllm pull --list` shows the catalog")
 
 
-def size_text(n: int) -> str:
-    """Sizes as `list` and Ollama print them: decimal GB and MB."""
-    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+size_text = human_size  # sizes as `list` and Ollama print them
 
 
 # ---- progress -------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import shlex
 import subprocess
@@ -116,10 +117,25 @@ def _first_line(result) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from localllm.client import running_daemon
+
     manifest = us.read_manifest()
-    if manifest is None:
-        raise UserError("the localllm service is not installed: run `localllm service install`")
-    us.require_systemd()
+    problem = us.systemd_problem() if manifest is not None else None
+    if manifest is None or problem:
+        # Asked only here: under systemd, a connection to its socket would start the service.
+        daemon = asyncio.run(running_daemon(load_config()))
+        if daemon is None:
+            if problem:
+                raise UserError(problem)
+            raise UserError("the localllm service is not installed and no daemon is running: "
+                            "`localllm serve` runs one in this terminal, `localllm service "
+                            "install` sets up the systemd user service")
+        print(f"a localllm daemon is running outside systemd: pid {daemon.pid}, since "
+              f"{daemon.started_at}, on {daemon.where}")
+        print("`localllm stop --daemon` stops it; " + (
+            f"the service is installed, but {problem}" if problem else
+            "`localllm service install` runs it as a systemd user service instead"))
+        return 0
     states = us.service_state()
     listen = us.listen_addresses(load_config())
     for unit in (us.SOCKET, us.SERVICE):

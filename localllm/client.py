@@ -166,6 +166,31 @@ def _error_text(data: dict, status: int) -> str:
     return str(error)
 
 
+@dataclass(frozen=True)
+class RunningDaemon:
+    """The daemon a config reaches, from its GET /api/status."""
+    pid: int
+    started_at: str
+    where: str  # the socket path, or the TCP URL it answered on
+    local: bool  # reached over the Unix socket: a process of this user on this machine
+
+
+async def running_daemon(config: Config | None = None) -> RunningDaemon | None:
+    """The daemon that answers, or None when none does; never starts one."""
+    client = Client(config)
+    try:
+        await client.connect(start=False)
+    except UserError:
+        return None
+    try:
+        status = await client.request("GET", "/api/status")
+    finally:
+        await client.close()
+    local = client.base == "http://localllm"
+    return RunningDaemon(int(status["pid"]), status.get("started_at", ""),
+                         str(client.config.socket_path) if local else client.base, local)
+
+
 def daemon_log_path() -> Path:
     return paths.state_dir() / "logs" / "daemon.log"
 

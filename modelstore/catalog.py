@@ -59,6 +59,8 @@ class CatalogEntry:
     # Other quants the source's repo offers (`localllm pull NAME --quant Q`, or `--quant auto`
     # to let the tuner pick the one for this card); empty for single-file sources.
     quants: tuple[str, ...] = ()
+    base: bool = False  # a base model: it continues text, it does not answer it
+    instruct: str = ""  # a base model's instruct version, in the catalog
 
     @property
     def repo(self) -> str | None:
@@ -75,7 +77,7 @@ class CatalogEntry:
 
 _COMPANION_KEYS = {"draft": DRAFT_LAYER, "projector": PROJECTOR_LAYER, "mtp": MTP_LAYER}
 _KNOWN_KEYS = {"name", "aliases", "family", "source", "size", "sha256", "note", "quants",
-               *_COMPANION_KEYS}
+               "base", "instruct", *_COMPANION_KEYS}
 _QUANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -98,6 +100,9 @@ def parse_catalog(text: str) -> dict[ModelName, CatalogEntry]:
             if is_draft and parse_name(companion.reference) not in by_name:
                 raise CatalogError(f"catalog.toml: {entry.name} drafts with "
                                    f"{companion.reference}, which is not in the catalog")
+        if entry.instruct and parse_name(entry.instruct) not in by_name:
+            raise CatalogError(f"catalog.toml: {entry.name}'s instruct version "
+                               f"{entry.instruct} is not in the catalog")
     return by_name
 
 
@@ -130,8 +135,11 @@ def _parse_entry(raw: dict, index: int) -> CatalogEntry:
         raise CatalogError(f"{where}: quants must be a list of quant names like \"Q4_K_M\"")
     if quants and not source.startswith(("hf.co/", "huggingface.co/")):
         raise CatalogError(f"{where}: quants need a hf.co/OWNER/REPO source")
+    if not isinstance(raw.get("base", False), bool):
+        raise CatalogError(f"{where}: base must be true or false")
     return CatalogEntry(name, aliases, str(raw.get("family", name.base)), source, size, sha256,
-                        str(raw.get("note", "")), companions, tuple(quants))
+                        str(raw.get("note", "")), companions, tuple(quants),
+                        raw.get("base", False), str(raw.get("instruct", "")))
 
 
 _catalog: dict[ModelName, CatalogEntry] | None = None

@@ -276,3 +276,95 @@ def test_a_slow_figure_on_a_busy_machine_is_doubtful():
     assert "other processes kept 1.6 CPU cores busy" in doubtful(measured(2.4, 1.6), 36.0)
     assert doubtful(measured(2.4, 0.1), 36.0) is None  # slow on a quiet machine: the truth
     assert doubtful(measured(30.0, 1.6), 36.0) is None  # near the prediction: fine
+
+
+# ---- edges: stopping the daemon without systemd --------------------------------------------
+def test_stop_daemon_and_service_status_outside_systemd(fresh_daemon):
+    d = fresh_daemon
+    status = d.cli("service", "status")
+    assert status.returncode == 0, status.stderr
+    assert f"a localllm daemon is running outside systemd: pid {d.proc.pid}" in status.stdout
+    assert str(d.socket) in status.stdout and "`localllm stop --daemon` stops it" in status.stdout
+    one_line_error(d.cli("stop"), "pass --daemon")
+
+    stopped = d.cli("stop", "--daemon")
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout == f"stopped the localllm daemon (pid {d.proc.pid})\n"
+    assert d.proc.poll() == 0  # gone by the time the command returned, and cleanly
+
+    again = d.cli("stop", "--daemon")
+    assert (again.returncode, again.stdout, again.stderr) == \
+        (0, "no localllm daemon is running\n", "")
+    one_line_error(d.cli("service", "status"), "not installed and no daemon is running")
+
+
+# ---- edges: a base model is named as one before its download -------------------------------
+@pytest.mark.errors_expected  # the pull fails on purpose: there is no package index here
+def test_run_of_a_base_model_says_so_before_pulling_it(tmp_path):
+    from daemon_process import start_daemon
+
+    no_index = tmp_path / "no-index"
+    no_index.mkdir()
+    env = isolated_env(tmp_path / "d", PIP_NO_INDEX="1", PIP_FIND_LINKS=str(no_index))
+    d = start_daemon(env)
+    try:
+        warned = d.cli("run", "gemma3-270m", "hi")
+        assert warned.returncode == 1
+        first, *rest = warned.stderr.strip().splitlines()
+        assert first == ("note: gemma3-270m is a base model: it continues text rather than "
+                         "answering it (--raw sends the prompt as it is and skips this note); "
+                         "`localllm run gemma3-270m:it-q8` is its instruct version")
+        assert rest and rest[-1].startswith("Error: ")  # then the download was tried
+        silent = d.cli("run", "--raw", "gemma3-270m", "hi")
+        assert silent.returncode == 1 and "base model" not in silent.stderr
+        instruct = d.cli("run", "smollm2:nosuch", "hi")
+        assert "base model" not in instruct.stderr
+    finally:
+        d.stop()
+
+
+def test_run_raw_sends_the_prompt_without_the_template(daemon):
+    prompt = "The oldest lighthouse of Brittany stands"  # 7 words: about as many tokens
+
+    def prompt_tokens(*flags: str) -> int:
+        """The whole prompt the runner got, cached prefix included (from /api/stats)."""
+        result = daemon.cli("run", "smollm2", "--num-predict", "4", *flags, prompt)
+        assert result.returncode == 0, result.stderr
+        smollm2 = next(m for m in daemon.get("/api/stats")["models"]
+                       if m["model"] == "smollm2:latest")
+        return smollm2["last"]["prompt_tokens"]
+
+    raw = prompt_tokens("--raw")
+    assert 5 <= raw <= 10
+    # The chat template adds role markers and SmolLM2's default system message around it.
+    assert prompt_tokens() > raw + 10
+
+
+# ---- edges: a context past what the model takes is capped with a note ----------------------
+def test_a_ctx_past_the_trained_context_is_capped_with_a_note(daemon):
+    result = daemon.cli("run", "smollm2", "--ctx", "999999", "--num-predict", "2", "hi")
+    assert result.returncode == 0, result.stderr
+    assert "note: --ctx 999999 was capped at 8192: smollm2 was trained for 8192 tokens" \
+        in result.stderr.splitlines()
+    fits = daemon.cli("run", "smollm2", "--ctx", "2048", "--num-predict", "2", "hi")
+    assert fits.returncode == 0 and "capped" not in fits.stderr
+
+
+# ---- edges: show has ollama show's sections --------------------------------------------------
+def test_show_has_capabilities_parameters_system_and_license(daemon):
+    status, _ = post(daemon, "/api/create", {
+        "model": "shown-smollm2", "from": "smollm2", "parameters": {"temperature": 0.2},
+        "system": "Answer briefly.\nIn English.\nNever in verse.", "stream": False})
+    assert status == 200
+    shown = daemon.cli("show", "shown-smollm2")
+    assert shown.returncode == 0, shown.stderr
+    sections = {}
+    for block in shown.stdout.split("\n\n"):
+        title, *rows = block.strip("\n").splitlines()
+        sections[title.strip()] = [row.strip() for row in rows]
+    assert list(sections) == ["Model", "Capabilities", "Parameters", "System", "License"]
+    assert sections["Capabilities"] == ["completion"]
+    parameters = [row.split(None, 1) for row in sections["Parameters"]]
+    assert ["temperature", "0.2"] in parameters and ["stop", '"<|im_end|>"'] in parameters
+    assert sections["System"] == ["Answer briefly.", "In English.", "..."]  # as ollama shows
+    assert sections["License"] == ["apache-2.0"]  # the GGUF's general.license

@@ -213,7 +213,8 @@ async def test_model_deleted_mid_chat(daemon, chats):
         await type_line(pilot, app, "Are you still there?")
         await wait_until(pilot, lambda: any("not found" in n for n in notes(app, "error")),
                          "a model-not-found message")
-        assert any("/load" in n for n in notes(app, "error"))
+        [hint] = [n for n in notes(app, "error") if "not found" in n]
+        assert "`localllm pull tui-victim`" in hint and "/load one of" in hint and "smollm2" in hint
         await type_line(pilot, app, "/show system")
         await wait_until(pilot, lambda: "No system message." in notes(app), "a reply")
     messages = chats.messages(app.chat_id)
@@ -221,13 +222,41 @@ async def test_model_deleted_mid_chat(daemon, chats):
     assert messages[1].content == first_answer and messages[3].state == "error"
 
 
+async def test_keys_typed_after_load_of_a_missing_model_stay_in_the_prompt(daemon, chats):
+    """Bug 8: `/load` of a model that is not stored opened a question that took every key
+    typed on after the command (and a typed-ahead Enter would have answered it)."""
+    from localllm.tui.screens import ConfirmScreen
+
+    app = ChatApp(config_for(daemon), "smollm2", store=chats)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_loaded(pilot, app)
+        await pilot.press(*"/load nosuch", "enter", *"hello")
+        await wait_until(pilot, lambda: notes(app, "warning"), "the note on the missing model")
+        await pilot.press(*" there")
+        assert app.prompt.text == "hello there"
+        assert not isinstance(app.screen, ConfirmScreen) and app.model == "smollm2"
+        [note] = notes(app, "warning")
+        assert note.startswith("nosuch is not in the store: pull it with "
+                               "`localllm pull nosuch`") and "gemma3-270m" in note
+        app.prompt.load_text("")
+        await pilot.press(*"/load gemma3-270m", "enter", *"more")  # a stored one: it loads
+        await wait_until(pilot, lambda: app.model == "gemma3-270m" and app.runner is not None,
+                         "gemma3-270m to load")
+        assert app.prompt.text == "more" and not app.entries
+
+
 async def test_daemon_killed_mid_chat(fresh_daemon, chats):
     app = ChatApp(config_for(fresh_daemon), "smollm2", store=chats)
     async with app.run_test(size=(100, 30)) as pilot:
         await start_a_long_answer(pilot, app, tokens_seen=4)
         fresh_daemon.proc.kill()
-        await wait_until(pilot, lambda: any("Lost the daemon" in n for n in notes(app, "error")),
-                         "a lost-daemon message")
+        await wait_until(pilot, lambda: notes(app, "error"), "a lost-daemon message")
+        [lost] = notes(app, "error")
+        # What happened, where to read why, and what to do; no Python exception names.
+        assert lost.startswith("Lost the connection to the daemon mid-answer: it stopped or "
+                               "crashed") and "`localllm service logs`" in lost
+        assert "send again" in lost
+        assert not re.search(r"[A-Z][a-z]+(Error|Exception)\b", lost), lost
         shown = app.entries[-1].content
         assert not app.streaming and app.entries[-1].state == "error" and shown
         await type_line(pilot, app, "/show parameters")
@@ -266,7 +295,7 @@ async def test_a_missing_model_is_pulled_with_progress_then_loaded(tmp_path, smo
                 assert "Pulling" in str(app.query_one("#progress-label").render())
                 hub.release()
                 await wait_loaded(pilot, app)
-                assert any(f"Pulled {model} (93.8 MiB)" in n for n in notes(app))
+                assert any(f"Pulled {model} (98 MB)" in n for n in notes(app))
                 assert not app.query_one(ProgressLine).display
                 await type_line(pilot, app, "/set parameter num_predict 4")
                 await type_line(pilot, app, "/set parameter temperature 0")  # no early stop

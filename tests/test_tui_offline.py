@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from tui_fixed import ANSWER, fixed_app
+from tui_fixed import ANSWER, FixedChatApp, fixed_app
 
 from localllm.tui.screens import ChatListScreen
 from localllm.tui.widgets import Note, PromptInput
@@ -134,3 +134,41 @@ async def test_every_action_is_in_the_command_palette(home):
         await wait_until(pilot, lambda: any("40/63 layers on GPU" in n for n in notes(app)),
                          "the plan")
         assert isinstance(app.focused, PromptInput)
+
+
+async def test_a_resumed_chat_shows_its_context_fill_at_once(home):
+    """`run --resume` of a saved chat: the stats line reads the chat's context fill as the
+    daemon measured it after the last answer, not `ctx 0`, before anything is sent."""
+    from localllm.config import Config
+    from localllm.tui.chatstore import ChatStore
+    from localllm.tui.widgets import StatsLine
+
+    class NotLoadedYet(FixedChatApp):
+        def prepare(self, model: str, offer_pull: bool = True) -> None:
+            self.sent = []  # the model is still loading: no turn, no runner figures
+
+    store = ChatStore(home / "chats.db")
+    chat = store.create_chat("smollm2")
+    for i in range(3):
+        store.add_message(chat, "user", f"question {i}")
+        store.add_message(chat, "assistant", f"answer {i}", stats={
+            "eval_count": 8, "eval_duration": 10**8, "context_used": 100 * (i + 1),
+            "context_length": 4096})
+    store.update_chat(chat, name="six")
+    app = NotLoadedYet(Config(host="127.0.0.1:9", socket=str(home / "none.sock")), "smollm2",
+                       store=store, resume="six")
+    async with app.run_test(size=(100, 24)) as pilot:
+        await wait_until(pilot, lambda: len(app.entries) == 6, "the chat to open")
+        await wait_until(pilot, lambda: "ctx" in str(app.query_one(StatsLine).render()),
+                         "the stats line")
+        line = str(app.query_one(StatsLine).render())
+        assert line == "ctx 300/4096 7%", line
+
+
+async def test_a_capped_num_ctx_is_named_in_the_ready_line(home):
+    app = fixed_app(home, resume=None)
+    async with app.run_test(size=(100, 24)):
+        assert "context 8192 (plan" in app._loaded_text("gemma3-27b", 1.0)
+        app.options["num_ctx"] = 999999  # `localllm run --ctx 999999`
+        assert "context 8192 (num_ctx 999999 was capped at 8192) (plan" in \
+            app._loaded_text("gemma3-27b", 1.0)

@@ -54,10 +54,10 @@ def test_estimated_vram_carries_a_tilde_and_measured_does_not():
     runner = RunnerStats.from_wire(STATS_ENTRY)
     line = fit_line(segments(TurnStats.from_wire(CHUNK), 98.0, runner, True), 200)
     assert "▶ 98.0 tok/s" in line and "ctx 250/4096" in line
-    assert "VRAM ~3.0 GiB" in line and "RAM 300 MiB" in line
+    assert "VRAM ~3.2 GB" in line and "RAM 315 MB" in line  # decimal, as `list` and Ollama
     assert "GPU 20/31 layers" in line and "KV q8_0" in line
     measured = RunnerStats.from_wire({**STATS_ENTRY, "vram_source": "nvml"})
-    assert "VRAM 3.0 GiB" in fit_line(segments(None, None, measured, False), 200)
+    assert "VRAM 3.2 GB" in fit_line(segments(None, None, measured, False), 200)
     no_gpu = RunnerStats.from_wire({**STATS_ENTRY, "vram_bytes": None, "vram_source": None})
     assert "VRAM" not in fit_line(segments(None, None, no_gpu, False), 200)
 
@@ -196,3 +196,13 @@ def test_speculative_parameters_take_one_known_value():
             assert "speculative" in str(e)
         else:
             raise AssertionError(f"{bad} was accepted")
+
+
+def test_sizes_read_the_same_everywhere():
+    from localllm.cli.commands import human_size as cli_size
+    from localllm.cli.pull_progress import size_text
+    from localllm.units import human_size
+
+    assert cli_size is human_size is size_text  # list, show, ps, pull and the chat: one rule
+    assert [human_size(n) for n in (512, 98_362_432, 253_113_024, 3 << 30, 42_500_000_000)] \
+        == ["512 B", "98 MB", "253 MB", "3.2 GB", "42.5 GB"]

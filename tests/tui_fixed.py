@@ -23,7 +23,7 @@ RUNNER = RunnerStats(pid=4242, rss_bytes=612 << 20, vram_bytes=9_900 << 20,
 class FixedChatApp(ChatApp):
     sent: list[str]
 
-    def prepare(self, model: str) -> None:
+    def prepare(self, model: str, offer_pull: bool = True) -> None:
         self.runner, self.turn, self.sent = RUNNER, TURN, []
 
     def answer(self) -> None:  # what would be asked of the daemon

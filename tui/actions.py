@@ -30,6 +30,16 @@ RELOADING_DRAFTERS = ("mtp", "draft")  # speculative modes loaded with the model
 QUIT_WINDOW_S = 3.0  # a second Ctrl+C within this long quits
 
 
+def resumed_context(messages) -> TurnStats | None:
+    """The context fill of a reopened chat, as the daemon measured it after the last answer
+    that has figures: the stats line shows it until the next answer (not `ctx 0`)."""
+    for m in reversed(messages):
+        if m.stats and m.stats.get("context_used"):
+            return TurnStats(context_used=int(m.stats["context_used"]),
+                             context_length=int(m.stats.get("context_length", 0)), done=True)
+    return None
+
+
 class ChatActions:
     """Slash commands (`run_slash(line)` is the one way in), key actions and palette entries.
     Keys and palette entries run slash commands, so every action is also a command."""
@@ -157,6 +167,7 @@ class ChatActions:
                                footer, m_state)
             self.entries.append(Entry(m.role, m.content, m_state, m.id, view))
         self.mount_views(e.view for e in self.entries)
+        self.turn = resumed_context(messages)
         self.note(f"Reopened '{chat.title}' ({len(messages)} messages, {chat.model}).")
         if chat.model != self.model:
             self.model = chat.model
@@ -217,7 +228,9 @@ class ChatActions:
         if self.streaming:
             self.note("Stop the answer first (Ctrl+C).", "warning")
             return
-        self.prepare(command.args[0])  # switches to it once it is known to be stored
+        # Switches to it once it is known to be stored; a missing one is named, never asked
+        # about: a question would take the keys typed on after the command.
+        self.prepare(command.args[0], offer_pull=False)
 
     def switch_model(self, model: str) -> None:
         if model == self.model:

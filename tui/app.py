@@ -25,12 +25,13 @@ from textual.widgets import Footer, Header, Markdown, Static
 from localllm.client import Client, DaemonError
 from localllm.config import Config, config_file
 from localllm.errors import UserError
+from localllm.units import human_size
 
 from . import keys
 from .actions import ChatActions
 from .chatstore import ChatStore
 from .stats import DecodeRate, RunnerStats, Segment, TurnStats, answer_footer, find_runner, \
-    human_bytes, segments
+    segments
 from .widgets import MessageView, Note, ProgressLine, PromptInput, StatsLine
 
 # What a lost or refused connection to the daemon looks like from aiohttp.
@@ -243,11 +244,11 @@ class ChatApp(ChatActions, App[int]):
             raise
         except DaemonError as e:
             self.note(self._explain(e), "error")
-        except CONNECTION_ERRORS as e:
+        except CONNECTION_ERRORS:
             self.connected = False
             await self.client.close()  # the next message reconnects (and starts the daemon)
-            self.note(f"Lost the daemon mid-answer ({type(e).__name__}: {e}). The chat is "
-                      f"saved; send again to restart it.", "error")
+            self.note(lost_daemon_text("mid-answer", "The chat is saved: send again to start "
+                                       "the daemon and get the answer."), "error")
         finally:
             await self._finish(entry, stream, "".join(parts), state)
 
@@ -270,9 +271,9 @@ class ChatApp(ChatActions, App[int]):
         if entry.view.is_mounted:
             await entry.view.markdown.update(text)  # one full render (streamed fences can lag)
 
-    def _explain(self, error: DaemonError) -> str:
+    def _explain(self, error: DaemonError, model: str = "") -> str:
         if error.status == 404:
-            return (f"{error} — /load another model, or /load {self.model} to pull it again.")
+            return f"{error}: {not_stored_hint(model or self.model, self.models)}"
         if 400 <= error.status < 500:
             return f"The daemon refused: {error}"
         return f"The answer failed: {error}"
@@ -286,7 +287,7 @@ class ChatApp(ChatActions, App[int]):
 
     # ---- startup: daemon, model, load ------------------------------------------------------
     @work(exclusive=True, group="prepare")
-    async def prepare(self, model: str) -> None:
+    async def prepare(self, model: str, offer_pull: bool = True) -> None:
         progress = self.progress_line
         try:
             try:
@@ -295,7 +296,7 @@ class ChatApp(ChatActions, App[int]):
                 progress.start("Starting the daemon…")
                 await self.client.connect(start=True)
             self.connected = True
-            if not await self.ensure_model(model):
+            if not await self.ensure_model(model, offer_pull):
                 return
             self.switch_model(model)
             progress.start(f"Loading {model}: choosing a plan for this machine…")
@@ -308,13 +309,15 @@ class ChatApp(ChatActions, App[int]):
             await self._poll_runner_once()
             self.note(self._loaded_text(model, time.monotonic() - started))
         except DaemonError as e:
-            self.note(self._explain(e) if e.status == 404 else f"Cannot load {model}: {e}",
-                      "error")
+            self.note(self._explain(e, model) if e.status == 404 else
+                      f"Cannot load {model}: {e}", "error")
         except UserError as e:
             self.note(str(e), "error")
-        except CONNECTION_ERRORS as e:
+        except CONNECTION_ERRORS:
             self.connected = False
-            self.note(f"Cannot reach the daemon: {e}", "error")
+            await self.client.close()  # the next request reconnects (and starts the daemon)
+            self.note(lost_daemon_text(f"while loading {model}",
+                                       f"/load {model} starts it again."), "error")
         finally:
             progress.stop()
 
@@ -323,11 +326,16 @@ class ChatApp(ChatActions, App[int]):
         if r is None:
             return f"{model} is ready."
         where = "CPU only" if r.gpu_layers == 0 else f"{r.gpu_layers}/{r.layers} layers on GPU"
+        asked = self.options.get("num_ctx", 0)
+        capped = f" (num_ctx {asked} was capped at {r.n_ctx})" if r.n_ctx < asked else ""
         return (f"{model} ready in {seconds:.1f} s: {where}, KV {r.kv_type}, context {r.n_ctx}"
-                f" (plan: {r.plan_source or 'default'}; /show plan says why).")
+                f"{capped} (plan: {r.plan_source or 'default'}; /show plan says why).")
 
-    async def ensure_model(self, model: str) -> bool:
-        """True when the model is stored; offers to pull it when it is not."""
+    async def ensure_model(self, model: str, offer_pull: bool) -> bool:
+        """True when the model is stored. When it is not: with offer_pull (the model named on
+        the command line, before the user types), a question whether to pull it; else (a
+        typed /load) a note on how to pull it. A question there would take the keys the user
+        typed on after /load, and a typed-ahead Enter would answer it."""
         try:
             await self.client.request("POST", "/api/show", {"model": model})
             await self._list_models()
@@ -335,6 +343,10 @@ class ChatApp(ChatActions, App[int]):
         except DaemonError as e:
             if e.status != 404:
                 raise
+        if not offer_pull:
+            self.note(f"{model} is not in the store: {not_stored_hint(model, self.models)}",
+                      "warning")
+            return False
         from .screens import ConfirmScreen
 
         if not await self.push_screen_wait(ConfirmScreen(
@@ -351,7 +363,7 @@ class ChatApp(ChatActions, App[int]):
                 sizes[status.get("digest", status["status"])] = status["total"]
             else:  # "verifying sha256 digest", "writing manifest": the bar stays where it got
                 progress.label(label)
-        self.note(f"Pulled {model} ({human_bytes(sum(sizes.values()))}).")
+        self.note(f"Pulled {model} ({human_size(sum(sizes.values()))}).")
         await self._list_models()
         return True
 
@@ -389,6 +401,17 @@ class ChatApp(ChatActions, App[int]):
 
     def mount_views(self, views: Iterable[Widget]) -> None:
         self.log_view.mount_all(list(views))
+
+
+def lost_daemon_text(when: str, what_now: str) -> str:
+    return (f"Lost the connection to the daemon {when}: it stopped or crashed "
+            f"(`localllm service logs` shows its log). {what_now}")
+
+
+def not_stored_hint(model: str, stored: list[str]) -> str:
+    others = [m for m in stored if m != model]
+    load = f"/load one of {', '.join(others[:6])}" if others else "/load another model"
+    return f"pull it with `localllm pull {model}` in a shell and /load it again, or {load}."
 
 
 async def run_chat(config: Config, model: str, resume: str | None = None,

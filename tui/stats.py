@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from localllm.units import human_size
+
 NS = 1_000_000_000
 SEPARATOR = " │ "
 
@@ -148,16 +150,6 @@ def find_runner(stats: dict, model: str) -> RunnerStats | None:
 
 
 # ---- formatting ------------------------------------------------------------------------------
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit in ("B", "KiB") or value >= 100 \
-                else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
 def human_rate(tps: float) -> str:
     if tps >= 10_000:
         return f"{tps / 1000:.0f}k"
@@ -203,13 +195,13 @@ def segments(turn: TurnStats | None, live_rate: float | None, runner: RunnerStat
     if runner is not None:
         if runner.vram_bytes is not None and (runner.vram_bytes or runner.gpu_layers):
             mark = "~" if runner.vram_estimated else ""
-            out.append(Segment(f"VRAM {mark}{human_bytes(runner.vram_bytes)}", 2))
+            out.append(Segment(f"VRAM {mark}{human_size(runner.vram_bytes)}", 2))
         if runner.layers and runner.gpu_layers:
             out.append(Segment(f"GPU {runner.gpu_layers}/{runner.layers} layers", 3))
         elif runner.layers:
             out.append(Segment("CPU only", 3))
         if runner.rss_bytes is not None:
-            out.append(Segment(f"RAM {human_bytes(runner.rss_bytes)}", 4))
+            out.append(Segment(f"RAM {human_size(runner.rss_bytes)}", 4))
         if runner.kv_type:
             out.append(Segment(f"KV {runner.kv_type}", 7))
     return out
