@@ -7,8 +7,9 @@ against llama.cpp's own split over the same two workers.
 With two or more NVIDIA GPUs each worker gets one (CUDA_VISIBLE_DEVICES, `--device cuda0`);
 otherwise both lend the CPU. The measuring process sees no GPU itself, so every layer runs on
 a worker. Rows, each its own process (a worker serves one client at a time):
-  - localllm: `choose_plan` with rpc_workers set (probe, planner), loaded by the runner's
-    `load_llama`; prompt then decode timed in one loop;
+  - localllm: `choose_plan` with rpc_workers set (probe, planner), model and context built
+    from the plan as the runner builds them; prompt then decode timed over a bare
+    llama_decode loop (llama/measure.py);
   - llama.cpp split: the same load with tensor_split left to llama.cpp (by free memory);
   - llama-bench --rpc: llama.cpp's own tool over the same workers, when it is on PATH;
   - alone: one device without RPC (the first GPU, or this CPU), for the network's cost.
@@ -82,7 +83,7 @@ def measure(request: dict) -> dict:
     import llama_cpp  # noqa: F401  (before numpy: the CUDA build needs this order)
     from dataclasses import replace
 
-    from localllm.daemon.runner.engine import load_llama
+    from localllm.llama import measure as bare_loop
     from localllm.modelstore.shape import read_shape
     from localllm.options import LoadOptions
     from localllm.profiles.choose import choose_plan
@@ -111,20 +112,13 @@ def measure(request: dict) -> dict:
             plan = replace(plan, tensor_split=(), n_gpu_layers=999)
             split, predicted = "llama.cpp: by free memory", None
     t0 = time.perf_counter()
-    llm = load_llama(request["model"], plan)
-    load_s = time.perf_counter() - t0
-    bos = llm.token_bos() if llm.token_bos() >= 0 else 1
-    prompt = [bos] + [(i * 7919) % 1000 + 100 for i in range(request["prompt"] - 1)]
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for i in range(request["tokens"]):
-        llm.eval([(i * 104729) % 1000 + 100])
-    decode_s = time.perf_counter() - t0
-    return {"row": request["kind"], "split": split, "load_s": round(load_s, 1),
-            "prefill_tps": round(len(prompt) / prefill_s, 1),
-            "decode_tps": round(request["tokens"] / decode_s, 2),
+    # The model and context built from the plan as the runner builds them, then a bare
+    # llama_decode loop: a prompt read, a greedy decode (llama/measure.py, as tune --measure).
+    result = bare_loop.run(request["model"], plan, request["prompt"], request["tokens"])
+    return {"row": request["kind"], "split": split,
+            "load_and_run_s": round(time.perf_counter() - t0, 1),
+            "prefill_tps": round(result["prefill_tps"], 1),
+            "decode_tps": round(result["decode_tps"], 2),
             "predicted_decode_tps": predicted}
 
 

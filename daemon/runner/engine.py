@@ -42,9 +42,10 @@ from .protocol import (
     Token,
     TokenCount,
 )
-from . import seqstate
+from .bands import FillBands
+from .reuse import PromptReuse
 from .sampling import RequestError, Sampler, log_probs
-from .seqstate import PromptCache, SavedSequence, common_prefix
+from .seqstate import PromptCache
 from .slots import Slot, Work
 from .speculation import Drafting, StepCosts
 from .threads import ThreadGovernor
@@ -54,11 +55,6 @@ log = logging.getLogger("localllm.runner")
 STEP_TARGET_S = 0.25
 CANCEL_BOUND_S = 1.0  # the longest a cancel or a new request waits behind a prompt's step
 MIN_PROMPT_CHUNK = 32
-# A slot taken for another request is saved to the prompt cache when that request would throw
-# away at least this many of its tokens (fewer are cheaper to read again than to copy).
-MIN_SAVED_TOKENS = 64
-# A saved prompt is restored only when it reuses this many more tokens than the slot itself.
-MIN_RESTORE_GAIN = 32
 
 @dataclass
 class Submission:
@@ -75,7 +71,7 @@ class Question:
     emit: Callable[[Event], None]
 
 
-class Engine:
+class Engine(PromptReuse, FillBands):
     def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None,
                  adapt_threads: bool = True, projector_path: str | None = None,
                  prompt_cache_bytes: int = 0, bands: tuple[Plan, ...] = (),
@@ -127,7 +123,6 @@ class Engine:
         self.backlog: collections.deque[Submission] = collections.deque()
         self.tokens_generated = 0  # over the runner's life, for its log
         self._closing = False
-        self._prompt_chunk = prompt_chunk(plan, self.lm.n_batch)
         self._embedder = None
         self.step_costs = StepCosts(per_token_prior=0.1 if plan.n_gpu_layers > 0 else 0.6)
         # Prompts of slots taken for other requests, in RAM (seqstate.py). Not with MTP: its
@@ -138,8 +133,7 @@ class Engine:
                 prompt_cache_bytes, keep_contained=bool(self.lm.n_swa or self.lm.recurrent))
         # Fewer decode threads while other processes hold cores (threads.py); each change
         # goes to `on_threads` (the runner tells the daemon, which shows it in ps).
-        self.threads = governor(plan) if adapt_threads else None
-        self.n_threads = plan.n_threads
+        self._pace(plan)
         self.on_threads: Callable[[Threads], None] | None = None
         self.on_band: Callable[[Band], None] | None = None  # after each band switch
         self.vision: Vision | None = None
@@ -150,6 +144,14 @@ class Engine:
                                      n_threads=plan.n_threads_batch, flash_attn=plan.flash_attn)
             except ValueError as e:
                 raise llama.ModelLoadError(str(e)) from None
+
+    def _pace(self, plan: Plan) -> None:
+        """Prompt chunks and decode threads for the plan loaded (at start, after a band switch)."""
+        self._prompt_chunk = prompt_chunk(plan, self.lm.n_batch)
+        self.threads = ThreadGovernor(plan.n_threads, plan.predicted_decode_tps,
+                                      plan.predicted_decode_by_depth) \
+            if self.adapt_threads else None
+        self.n_threads = plan.n_threads
 
     # ---- requests in ---------------------------------------------------------------------
     def submit(self, request: GenerationRequest, emit: Callable[[Event], None],
@@ -307,109 +309,6 @@ class Engine:
             return None
         return mode
 
-    def _usable_prefix(self, common: int, held: int, pos_min: int, prompt: int,
-                       rollback: int) -> int:
-        """How much of a cache holding `held` tokens (the lowest position still there:
-        `pos_min`) a prompt of `prompt` tokens sharing `common` with it may keep. The prompt's
-        last token is always read (its logits are sampled).
-
-        A sliding-window cache keeps only the last `n_swa` positions of its SWA layers: reading
-        on from position p needs positions p - n_swa .. p - 1 there, so a prefix whose window
-        was overwritten is read again (llama.cpp would accept the cut and read stale cells). A
-        recurrent state can be cut back only `rollback` positions, as far as llama.cpp keeps
-        snapshots of it (none unless the plan drafts): otherwise only a pure extension is
-        reused."""
-        common = min(common, prompt - 1)
-        if common <= 0:
-            return 0
-        if self.lm.n_swa and pos_min > max(0, common - self.lm.n_swa):
-            return 0
-        if self.lm.recurrent and held - common > rollback:
-            return 0
-        return common
-
-    def _slot_prefix(self, slot: Slot, tokens: list[int],
-                     media: MediaPrompt | None = None) -> int:
-        pos_min = (llama_cpp.llama_memory_seq_pos_min(self.lm.memory, slot.seq_id)
-                   if self.lm.n_swa and slot.tokens else 0)
-        common = self._usable_prefix(common_prefix(slot.tokens, tokens), len(slot.tokens),
-                                     pos_min, len(tokens), self.lm.n_rollback)
-        if self.drafter is not None:
-            common = min(common, self.drafter.reusable(slot.seq_id, common))
-        return max(0, whole_images(common, media))
-
-    def _choose_slot(self, free: list[Slot], tokens: list[int],
-                     media: MediaPrompt | None = None) -> Slot:
-        """The free slot whose cache shares the longest prefix, unless taking it would throw
-        away more than it reuses (another conversation's prompt): then an empty slot, else the
-        least recently used one (whose prompt goes to the prompt cache first)."""
-        kept = {slot.seq_id: self._slot_prefix(slot, tokens, media) for slot in free}
-        best = max(free, key=lambda s: (kept[s.seq_id], -s.last_used))
-        if kept[best.seq_id] >= len(best.tokens) - kept[best.seq_id]:
-            return best
-        return min(free, key=lambda s: (bool(s.tokens), s.last_used))
-
-    def _swap_in_saved_prompt(self, slot: Slot, tokens: list[int],
-                              media: MediaPrompt | None = None) -> None:
-        """Before a request takes `slot`: save what it holds to the prompt cache when the
-        request would throw most of it away, and restore a saved prompt into it when one shares
-        a longer prefix with the request than the slot itself does.
-
-        A continuation (the next turn of the conversation the slot holds) keeps most of it
-        and loses only a tail, which is not worth a copy. A saved prompt is matched by its
-        longest common prefix with the request, so a prompt that differs from it late (a
-        changed line after the tools) still reuses everything before that line."""
-        cache = self.prompt_cache
-        if cache is None:
-            return
-        kept = self._slot_prefix(slot, tokens, media)
-        lost = len(slot.tokens) - kept
-        if lost >= MIN_SAVED_TOKENS and lost > kept // 4 and not cache.covers(slot.tokens):
-            started = time.perf_counter()
-            saved = seqstate.save(self.lm.ctx, slot.seq_id, slot.tokens, limit=cache.budget)
-            if saved is not None and cache.put(saved):
-                log.info("prompt cache: saved %d tokens of slot %d (%.1f MiB) in %.0f ms; "
-                         "%d prompts, %.1f of %.1f MiB", len(saved.tokens), slot.seq_id,
-                         saved.nbytes / 2**20, (time.perf_counter() - started) * 1e3,
-                         len(cache), cache.used / 2**20, cache.budget / 2**20)
-        # Restored into a sequence, a recurrent state is exactly its tokens: no rollback.
-        entry, common = cache.best(tokens, lambda e, n: whole_images(self._usable_prefix(
-            n, len(e.tokens), e.pos_min, len(tokens), rollback=0), media))
-        if entry is None or common < kept + MIN_RESTORE_GAIN:
-            return
-        self._restore(slot, entry, common)
-
-    def _restore(self, slot: Slot, entry: SavedSequence, common: int) -> None:
-        started = time.perf_counter()
-        if not seqstate.restore(self.lm.ctx, slot.seq_id, entry):
-            log.warning("prompt cache: llama.cpp refused a saved prompt of %d tokens",
-                        len(entry.tokens))
-            slot.tokens.clear()
-        else:
-            slot.tokens = list(entry.tokens)
-            log.info("prompt cache: restored %d tokens into slot %d (%d reused) in %.0f ms",
-                     len(entry.tokens), slot.seq_id, common,
-                     (time.perf_counter() - started) * 1e3)
-        if self.drafter is not None:  # its cache of this sequence held something else
-            self.drafter.forget(slot.seq_id, 0)
-
-    def _reuse_prefix(self, slot: Slot, tokens: list[int], media: MediaPrompt | None = None,
-                      reuse: bool = True) -> int:
-        """Keep the slot's KV for the longest prefix it shares with `tokens` that the model's
-        reuse rules allow (`_usable_prefix`); return how many tokens are kept (none without
-        `reuse`)."""
-        mem, seq = self.lm.memory, slot.seq_id
-        common = self._slot_prefix(slot, tokens, media) if reuse else 0
-        if common > 0 and llama_cpp.llama_memory_seq_rm(mem, seq, common, -1):
-            del slot.tokens[common:]
-        else:
-            llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
-            slot.tokens.clear()
-            common = 0
-        if self.drafter is not None:
-            self.drafter.forget(seq, common)
-        return common
-
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until `close()` and nothing is left in flight."""
@@ -524,102 +423,6 @@ class Engine:
                                             time.perf_counter() - started)
         for slot in self.slots:
             slot.drafts = drafts.get(slot.seq_id, slot.drafts)
-
-    # ---- fill bands ----------------------------------------------------------------------
-    def _follow_bands(self) -> None:
-        """Move up to the next fill band's plan before a sequence outgrows the loaded one
-        (never down: a band stays until the model unloads)."""
-        if self.band == len(self.plans) - 1:
-            return
-        need = max((len(s.tokens) + len(s.to_decode) + 1 for s in self.slots if not s.free),
-                   default=0)
-        if need <= self.room:
-            return
-        target = next((i for i in range(self.band + 1, len(self.plans))
-                       if self.plans[i].n_ctx >= need), len(self.plans) - 1)
-        self._switch_band(target, need)
-
-    def _switch_band(self, target: int, need: int) -> None:
-        """Save every sequence's state to RAM, load the target band's plan (the same file,
-        another placement and a larger context), restore the states; a sequence whose state
-        the new context refuses (another KV type) is read again from its tokens."""
-        started = time.perf_counter()
-        old, new = self.plans[self.band], self.plans[target]
-        why = (f"a sequence needs {need} tokens, the {old.n_ctx}-token band holds "
-               f"{self.room}: moving to the {new.n_ctx}-token band's plan")
-        busy = [slot for slot in self.slots if not slot.free]
-        for slot in busy:  # the other requests wait through the reload: they are told
-            slot.work.emit(Progress(len(slot.tokens), len(slot.work.prompt), note=why))
-        saved = {slot.seq_id: seqstate.save(self.lm.ctx, slot.seq_id, slot.tokens)
-                 for slot in self.slots if slot.tokens}
-        for work in (slot.work for slot in busy):
-            work.sampler.free()  # the grammar holds the vocabulary of the model unloaded now
-        if self._embedder is not None:
-            self._embedder.close()
-            self._embedder = None
-        llama.free(self.lm)
-        try:
-            self.lm = llama.load(self.model_path, new)
-        except llama.ModelLoadError as e:
-            # The plan's memory was wrong for this band: the band that was loaded fit, so it
-            # is loaded again and holds the whole context from now on (a sequence that needs
-            # more ends with "length").
-            log.error("band: loading the %d-token band failed (%s); staying in the %d-token "
-                      "band", new.n_ctx, e, old.n_ctx)
-            try:
-                self.lm = llama.load(self.model_path, old)
-            except llama.ModelLoadError as again:
-                log.critical("band: the %d-token band no longer loads either (%s)",
-                             old.n_ctx, again)
-                raise SystemExit(1) from None  # the daemon fails the requests and reloads
-            self.plans = self.plans[:self.band + 1]
-            target, new = self.band, old
-            why = f"{why} failed (out of memory?); stayed in the {old.n_ctx}-token band"
-        self.band, self.plan = target, new
-        self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
-        self.room = self.lm.n_ctx_seq
-        if target == len(self.plans) - 1:
-            self.n_ctx = min(self.n_ctx, self.room)
-        if self.lm.n_batch + self.lm.n_seq * (1 + MAX_DRAFT) > self.batch_capacity:
-            llama_cpp.llama_batch_free(self.batch)
-            self.batch_capacity = self.lm.n_batch + self.lm.n_seq * (1 + MAX_DRAFT)
-            self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
-        self._prompt_chunk = prompt_chunk(new, self.lm.n_batch)
-        if self.adapt_threads:
-            self.threads = governor(new)
-        self.n_threads = new.n_threads
-        carried = reread = 0
-        for slot in self.slots:
-            state = saved.get(slot.seq_id)
-            if state is None:
-                continue
-            if seqstate.restore(self.lm.ctx, slot.seq_id, state):
-                carried += 1
-                continue
-            if slot.work is None:  # an idle slot's prompt: the next request reads it anew
-                slot.tokens = []
-                continue
-            reread += len(slot.tokens)
-            slot.work.emit(Progress(0, len(slot.tokens), note=(
-                f"reading the {len(slot.tokens)} tokens of this conversation again: the "
-                f"{new.n_ctx}-token band's KV type differs")))
-            slot.replaying += len(slot.tokens)
-            slot.unread += len(slot.tokens)
-            slot.to_decode = slot.tokens + slot.to_decode
-            slot.tokens = []
-        for slot in busy:
-            work = slot.work
-            work.sampler = Sampler(self.lm.vocab, self.lm.n_vocab, work.request.options,
-                                   work.request.grammar, work.prompt, self.n_ctx)
-            for token in work.answer:  # the grammar's state and the penalties' history
-                work.sampler.accept(token)
-        pause = time.perf_counter() - started
-        self.band_pauses.append(pause)
-        note = (f"{why}; reloaded and carried {carried} sequences over in {pause:.2f} s"
-                + (f" ({reread} tokens read again: the KV type changed)" if reread else ""))
-        log.info("band: %s", note)
-        if self.on_band is not None:
-            self.on_band(Band(target, self.room, round(pause, 3), carried, reread, note))
 
     def _read_images(self) -> None:
         """Each slot whose prompt goes on with an image reads that one image: encoded by the
@@ -878,10 +681,6 @@ class Engine:
 
 
 
-def governor(plan: Plan) -> ThreadGovernor:
-    return ThreadGovernor(plan.n_threads, plan.predicted_decode_tps, plan.predicted_decode_by_depth)
-
-
 def known_mode(mode: str) -> str:
     """The plan's speculative mode (Plan.from_dict already renamed older names), checked."""
     if mode not in SPECULATIVE_MODES:
@@ -935,13 +734,3 @@ def _text_run(tokens: list[int], limit: int) -> int:
         if is_image_token(tokens[i]):
             return i
     return limit
-
-
-def whole_images(common: int, media: MediaPrompt | None) -> int:
-    """A reusable prefix cut back to the start of an image it would split: an image's cells
-    are kept whole or read again whole."""
-    if media is not None and common > 0:
-        span = media.span_at(common)
-        if span is not None:
-            return span.start
-    return common
