@@ -26,6 +26,9 @@ ALL_LAYERS = 999
 
 @dataclass(frozen=True)
 class Speculation:
+    """How a load drafts: its plan (with the mode) and the draft model it was loaded with. One
+    request's drafting, inside the runner, is runner/speculation.Drafting."""
+
     plan: Plan
     draft_path: Path | None = None
     draft_name: str = ""  # what options.draft_model must equal to reuse this load
