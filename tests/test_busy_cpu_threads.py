@@ -72,21 +72,34 @@ def _window(gov: ThreadGovernor, host: Host, step_s: float, ours: float, others:
     return change
 
 
-def test_the_governor_drops_only_when_slow_and_busy_and_comes_back_when_quiet():
+def test_the_governor_tries_a_thread_less_keeps_it_when_faster_and_gives_it_back_when_quiet():
     host = Host()
     gov = ThreadGovernor(planned=4, predicted_tps=40, cpus=(0, 1, 2, 3), sample=host.sample,
                          clock=host.clock)
     assert _window(gov, host, 1 / 38, ours=4, others=1.0) is None  # busy host, decode on plan
     assert _window(gov, host, 1 / 35, ours=4, others=0.0) is None  # quiet host
-    change = _window(gov, host, 1 / 5, ours=3, others=1.0)  # slow and busy: one thread less
-    assert change.n_threads == 3 and "1.0 of 4 cores" in change.reason
+    trial = _window(gov, host, 1 / 5, ours=3, others=1.0)  # slow and busy: a trial
+    assert trial.trial and trial.n_threads == 3 and "trying 3 threads" in trial.reason
+    kept = _window(gov, host, 1 / 12, ours=3, others=1.0)  # the trial decoded faster: kept
+    assert not kept.trial and kept.n_threads == 3 and "1.0 of 4 cores" in kept.reason
+    assert "12.0 tok/s with 3 threads against 5.0 with 4" in kept.reason
     assert _window(gov, host, 1 / 5, ours=3, others=1.0) is None  # 3 = the cores left: floor
     changes = [_window(gov, host, 1 / 30, ours=3, others=0.0) for _ in range(3)]
     assert changes[:2] == [None, None] and changes[2].n_threads == 4  # quiet three windows
+    assert not changes[2].trial
+
+
+def test_a_trial_that_does_not_pay_is_taken_back_and_not_tried_again_at_once():
+    host = Host()
     two = ThreadGovernor(planned=2, predicted_tps=36, cpus=(0, 1), sample=host.sample,
                          clock=host.clock)
-    assert _window(two, host, 1 / 2, ours=1.3, others=0.7).n_threads == 1
-    assert two.n_threads == 1 and _window(two, host, 1 / 2, ours=1, others=1.0) is None
+    trial = _window(two, host, 1 / 2, ours=1.3, others=0.7)
+    assert trial.trial and trial.n_threads == 1
+    back = _window(two, host, 1 / 2, ours=1.0, others=0.7)  # no faster with one thread
+    assert back.trial and back.n_threads == 2 and two.n_threads == 2
+    assert "back to 2" in back.reason
+    for _ in range(3):  # held off: the same slow, busy windows try nothing
+        assert _window(two, host, 1 / 2, ours=1.3, others=0.7) is None
 
 
 def test_the_governor_compares_with_the_plans_speed_at_the_contexts_depth():
@@ -106,6 +119,6 @@ def test_the_governor_compares_with_the_plans_speed_at_the_contexts_depth():
     deep = ThreadGovernor(planned=2, predicted_tps=20.0, by_depth=curve, cpus=(0, 1),
                           sample=host.sample, clock=host.clock)
     start = host.now
-    while host.now - start <= 3 * WINDOW_S:  # 18 tok/s at 4000 tokens: on the plan
+    while host.now - start <= 3 * WINDOW_S:  # 18 tok/s at 4000 tokens: above 80% of the plan
         host.run(1 / 18, ours=1.2, others=0.9)
         assert deep.observe(1 / 18, depth=4000) is None

@@ -388,7 +388,7 @@ class Engine(PromptReuse, FillBands):
         llama_cpp.llama_set_n_threads(self.lm.ctx, change.n_threads,
                                       min(self.plan.n_threads_batch, change.n_threads))
         log.info("threads: %s", change.reason)
-        if self.on_threads is not None:
+        if self.on_threads is not None and not change.trial:  # ps shows what is kept
             self.on_threads(Threads(change.n_threads, change.reason))
 
     def _feed_mtp(self, rows: list[tuple[Slot, int, int]], n_tokens: int) -> None:

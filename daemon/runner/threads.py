@@ -9,10 +9,13 @@ Once per window of decode steps it compares the measured step time with the plan
 one at the window's context depth (the plan's curve: a session average would hide a 4x stall
 early in a context, where decode is fastest), and the host's busy CPU time (/proc/stat, over
 the cores this process may run on) with the runner's own (os.times): what is left is the other
-processes' load, in cores. When decode runs far below the plan while others hold cores, one
-thread is dropped (never below the cores the others leave, at least one); when the others have
-left for a few windows, one comes back, up to the plan's count. Sampling reads two small files
-per window: nothing per token.
+processes' load, in cores. When decode runs below the plan while others hold cores, one thread
+less is tried for a window (never below the cores the others leave, at least one): kept when
+it decodes faster, taken back otherwise (and not tried again for a while). How much a hog
+costs depends on the kernel's scheduling: on one 2-core machine 2 threads fell to 0.5-5 tok/s
+against 46-87 for one, on another to 23-36 against 29-42, so the trial measures rather than
+predicts. When the others have left for a few windows, a thread comes back, up to the plan's
+count. Sampling reads two small files per window: nothing per token.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ log = logging.getLogger("localllm.runner")
 
 WINDOW_S = 1.0  # decode time between two looks at the host
 IDLE_RESET_S = 2.0  # a gap longer than this between steps starts a new window (no decode)
-SLOW = 0.5  # decode below this part of the plan's speed is "far below the plan"
+SLOW = 0.8  # decode below this part of the plan's speed is worth a trial with a thread less
+KEEP_GAIN = 1.05  # the trial's decode must beat the window before it by this much to stay
+HOLD_WINDOWS = 8  # windows after a trial that did not pay before the next one
 BUSY_CORES = 0.5  # other processes using this many cores or more: the host is busy
 QUIET_WINDOWS = 3  # windows with a core free beside ours before a thread comes back
 
@@ -80,6 +85,7 @@ def others_cores(before: CpuSample, after: CpuSample) -> float:
 class ThreadChange:
     n_threads: int
     reason: str
+    trial: bool = False  # a thread less for one window, to be kept or taken back
 
 
 class ThreadGovernor:
@@ -106,6 +112,8 @@ class ThreadGovernor:
         self._last_step = 0.0
         self._quiet = 0
         self._best_tps = 0.0
+        self._trial_from: float | None = None  # the decode speed before a trial, during one
+        self._hold = 0
 
     def observe(self, step_s: float, depth: int = 0) -> ThreadChange | None:
         """One decode step's time at `depth` tokens of context; a change of threads when this
@@ -145,13 +153,30 @@ class ThreadGovernor:
         expected = predicted if predicted > 0 else self._best_tps
         # The cores the others leave us (a core they use 0.8 of counts as theirs).
         left = max(1, len(self.cpus) - math.ceil(others - 0.25))
-        if others >= BUSY_CORES and measured_tps < SLOW * expected and self.n_threads > left:
+        if self._trial_from is not None:
+            before, self._trial_from = self._trial_from, None
+            n = self.n_threads
+            if measured_tps >= KEEP_GAIN * before:
+                self._quiet = 0
+                return ThreadChange(n, (
+                    f"decode at {measured_tps:.1f} tok/s with {_threads(n)} against "
+                    f"{before:.1f} with {n + 1} (the plan's {expected:.1f}), while other "
+                    f"processes use {others:.1f} of {len(self.cpus)} cores: "
+                    f"{n + 1} -> {_threads(n)}"))
+            self.n_threads, self._hold = n + 1, HOLD_WINDOWS
+            return ThreadChange(n + 1, (
+                f"a trial with {_threads(n)} decoded at {measured_tps:.1f} tok/s against "
+                f"{before:.1f} with {n + 1}: back to {n + 1}"), trial=True)
+        self._hold = max(0, self._hold - 1)
+        if others >= BUSY_CORES and measured_tps < SLOW * expected and self.n_threads > left \
+                and not self._hold:
             self._quiet = 0
+            self._trial_from = measured_tps
             self.n_threads -= 1
             return ThreadChange(self.n_threads, (
                 f"decode at {measured_tps:.1f} tok/s, under {SLOW:.0%} of the plan's "
                 f"{expected:.1f}, while other processes use {others:.1f} of "
-                f"{len(self.cpus)} cores: {self.n_threads + 1} -> {self.n_threads} threads"))
+                f"{len(self.cpus)} cores: trying {_threads(self.n_threads)}"), trial=True)
         if self.n_threads < self.planned and left > self.n_threads:
             self._quiet += 1
             if self._quiet >= QUIET_WINDOWS:
@@ -164,3 +189,7 @@ class ThreadGovernor:
         else:
             self._quiet = 0
         return None
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread" if n == 1 else f"{n} threads"
