@@ -811,8 +811,8 @@ def band_plans(shape: ModelShape, card: Card, request: Request, n_ctx: int | Non
     (default `tune`; the daemon's checks compute buffers with dry runs)."""
     tuned = tuned or (lambda shape, card, request: tune(shape, card, request))
     whole = whole_plan or tuned(shape, card, replace(request, n_ctx=n_ctx or request.n_ctx))
-    kv = whole.type_k if whole.type_k == whole.type_v else f"{whole.type_k}/{whole.type_v}"
-    pinned = replace(request, num_parallel=whole.n_parallel, kv_types=(kv,))
+    pinned = replace(request, num_parallel=whole.n_parallel,
+                     kv_types=(kv_label(whole.type_k, whole.type_v),))
     out = []
     for band in (b for b in sizes if b < whole.n_ctx):
         try:

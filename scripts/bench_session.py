@@ -278,12 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = synth_gguf.tiny(synth_gguf.SHAPES[args.shape]) if args.tiny \
         else synth_gguf.SHAPES[args.shape]
-    model = Path(args.models) / f"{config.name}-q4_0.gguf"
-    if not model.exists():
-        model.parent.mkdir(parents=True, exist_ok=True)
-        t = time.monotonic()
-        synth_gguf.write_gguf(model, config, "Q4_0", "random")
-        print(f"wrote {model} in {time.monotonic() - t:.0f} s", flush=True)
+    model = synth_gguf.ensure_model(args.models, config)
     rows: list[dict] = []
     with open(out / "session.jsonl", "a") as jsonl:
         def record(row: dict) -> None:

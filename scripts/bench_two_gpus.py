@@ -144,12 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = synth_gguf.tiny(synth_gguf.SHAPES["70b"]) if args.tiny else synth_gguf.SHAPES["70b"]
-    model = Path(args.models) / f"{config.name}-q4_0.gguf"
-    if not model.exists():
-        model.parent.mkdir(parents=True, exist_ok=True)
-        t = time.monotonic()
-        synth_gguf.write_gguf(model, config, "Q4_0", "random")
-        print(f"wrote {model} in {time.monotonic() - t:.0f} s", flush=True)
+    model = synth_gguf.ensure_model(args.models, config)
     n_gpus = gpu_count()
     samplers = [MemorySampler(i) for i in range(max(1, min(n_gpus, 2)))]
     free_mib = [s.free() // MIB for s in samplers]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -496,6 +497,18 @@ def write_vision_pair(out_dir: str | Path, shape: str | None = None,
                        chat_template=GEMMA_TEMPLATE)
     mmproj = write_projector(out_dir / "mmproj.gguf", proj, fill)
     return model, mmproj
+
+
+def ensure_model(directory: str | Path, config: ShapeConfig, qtype: str = "Q4_0") -> Path:
+    """`directory`/NAME-q4_0.gguf with random weights, written unless it is there (benchmarks
+    on the GPU machine share one copy per shape)."""
+    path = Path(directory) / f"{config.name}-{qtype.lower()}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        write_gguf(path, config, qtype, "random")
+        print(f"wrote {path} in {time.monotonic() - started:.0f} s", flush=True)
+    return path
 
 
 def ensure_headers(directory: str | Path, qtype: str = "Q4_0") -> dict[str, Path]:

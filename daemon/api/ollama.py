@@ -19,6 +19,7 @@ from localllm.modelstore.store import ModelEntry, projector_path
 from localllm import __version__
 from localllm.config import ConfigError, parse_duration
 from localllm.options import LoadOptions, SamplingOptions
+from localllm.profiles.quality import kv_label
 
 from .. import remote, security
 from ..chat.answer import answer, model_for
@@ -453,8 +454,7 @@ async def api_ps(request: web.Request) -> web.Response:
             "processor": processor(vram, size) if not plan.rpc_workers
             else rpc_processor(plan),
             "devices": device_split(plan),
-            "kv_type": plan.type_k if plan.type_k == plan.type_v
-            else f"{plan.type_k}/{plan.type_v}",
+            "kv_type": kv_label(plan.type_k, plan.type_v),
             "gpu_layers": plan.n_gpu_layers,
             "flash_attn": plan.flash_attn,
             "threads": runner.n_threads,  # in use: fewer than planned on a busy CPU

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 from localllm.llama import nvml
+from localllm.profiles.quality import kv_label
 
 from ..state import SCHEDULER
 
@@ -39,7 +40,7 @@ GPU = nvml.GpuMemory()
 
 
 def kv_type(plan) -> str:
-    return plan.type_k if plan.type_k == plan.type_v else f"{plan.type_k}/{plan.type_v}"
+    return kv_label(plan.type_k, plan.type_v)
 
 
 def plan_summary(plan, n_layer: int) -> dict:

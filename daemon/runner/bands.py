@@ -14,7 +14,6 @@ import logging
 import time
 
 import llama_cpp
-from localllm.llama.params import MAX_DRAFT
 
 from . import model as llama
 from . import seqstate
@@ -79,9 +78,9 @@ class FillBands:
         self.room = self.lm.n_ctx_seq
         if target == len(self.plans) - 1:
             self.n_ctx = min(self.n_ctx, self.room)
-        if self.lm.n_batch + self.lm.n_seq * (1 + MAX_DRAFT) > self.batch_capacity:
+        if llama.batch_capacity(self.lm) > self.batch_capacity:
             llama_cpp.llama_batch_free(self.batch)
-            self.batch_capacity = self.lm.n_batch + self.lm.n_seq * (1 + MAX_DRAFT)
+            self.batch_capacity = llama.batch_capacity(self.lm)
             self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
         self._pace(new)
         carried = reread = 0

@@ -108,7 +108,7 @@ class Engine(PromptReuse, FillBands):
         self.room = self.lm.n_ctx_seq
         self.n_ctx = self.room if self.band == len(self.plans) - 1 else self.plans[-1].n_ctx
         self.slots = [Slot(i) for i in range(self.lm.n_seq)]
-        self.batch_capacity = self.lm.n_batch + self.lm.n_seq * (1 + MAX_DRAFT)
+        self.batch_capacity = llama.batch_capacity(self.lm)
         self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
         self.drafter: MTPDrafter | DraftModel | None = None
         if self.speculative == "mtp":

@@ -11,7 +11,7 @@ import ctypes
 from dataclasses import dataclass
 
 import llama_cpp
-from localllm.llama.params import context_params, model_params
+from localllm.llama.params import MAX_DRAFT, context_params, model_params
 from localllm.profiles.plan import Plan
 
 
@@ -114,6 +114,12 @@ class Tokenizer:
             buf = ctypes.create_string_buffer(n + 1)
             llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace")
+
+
+def batch_capacity(lm: LlamaModel) -> int:
+    """Rows a step's batch may need: a prompt chunk of n_batch, and each slot's token with its
+    longest draft."""
+    return lm.n_batch + lm.n_seq * (1 + MAX_DRAFT)
 
 
 def free(lm: LlamaModel) -> None:
