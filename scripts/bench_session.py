@@ -76,7 +76,7 @@ class Ours:
     name = "ours"
 
     def __init__(self, model: Path, ctx: int, budget_mib: int, margin_mib: int, workload: str,
-                 tmp: Path):
+                 tmp: Path, fill_bands: str = "auto"):
         from daemon_process import isolated_env, start_daemon
 
         from localllm.modelstore.store import ModelStore
@@ -85,7 +85,7 @@ class Ours:
         margin = max(0, free - budget_mib + margin_mib) if free else 0
         env = isolated_env(tmp, LOCALLLM_NUM_PARALLEL="1", LOCALLLM_CONTEXT_POLICY="fixed",
                            LOCALLLM_CONTEXT_LENGTH=str(ctx), LOCALLLM_WORKLOAD=workload,
-                           LOCALLLM_VRAM_MARGIN_MIB=str(margin))
+                           LOCALLLM_VRAM_MARGIN_MIB=str(margin), LOCALLLM_FILL_BANDS=fill_bands)
         ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
         self.daemon = start_daemon(env)
         self.url = self.daemon.url
@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="VRAM the tuner leaves free inside the budget")
     p.add_argument("--workload", default="agent", choices=("chat", "agent"))
     p.add_argument("--systems", default="ours,fit-f16,fit-q8_0")
+    p.add_argument("--fill-bands", default="auto", help="ours: the fill_bands setting")
     p.add_argument("--runs", default="short,prompt")
     p.add_argument("--tokens", type=int, default=48, help="decoded per decode measurement")
     p.add_argument("--prompt-tokens", type=int, default=0, help="0: 16384, 65536 at >= 128K")
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     if name == "ours":
                         system = Ours(model, args.ctx, budget_mib, args.margin, args.workload,
-                                      Path(tmp))
+                                      Path(tmp), args.fill_bands)
                     elif name.startswith("fit-"):
                         if args.tiny:
                             record({"system": name, "skipped": "--tiny"})
