@@ -81,10 +81,9 @@ class Planner:
                projector=None) -> Plan:
         """`projector`: a vision model's ProjectorInfo, planned on the card with the model
         (profiles.vision)."""
-        from localllm.llama.hardware import probe_card
-        from localllm.profiles.choose import choose_plan, gpus_setting
+        from localllm.profiles.choose import choose_plan
 
-        card = probe_card(gpus_setting())  # the GPUs CUDA_VISIBLE_DEVICES and `gpus` leave
+        card = self.card()
         if projector is None:
             return choose_plan(shape, model_name, n_ctx, load, card, draft_shape=draft_shape)
         from localllm.profiles.vision import plan_with_projector, projector_cost
@@ -97,17 +96,26 @@ class Planner:
     def bands(self, shape: ModelShape, model_name: str, load: LoadOptions, plan: Plan,
               setting: str) -> tuple[Plan, ...]:
         """Plans for the fill bands below `plan`'s context (config fill_bands)."""
-        from localllm.llama.hardware import probe_card
-        from localllm.profiles.choose import choose_bands, gpus_setting
+        from localllm.profiles.choose import choose_bands
 
-        return choose_bands(shape, model_name, load, probe_card(gpus_setting()), plan, setting)
+        return choose_bands(shape, model_name, load, self.card(), plan, setting)
 
     def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
                   error: str) -> Plan | None:
-        from localllm.llama.hardware import probe_card
-        from localllm.profiles.choose import gpus_setting, step_down
+        from localllm.profiles.choose import step_down
 
-        return step_down(plan, shape, probe_card(gpus_setting()), model_name, error)
+        return step_down(plan, shape, self.card(), model_name, error)
+
+    @staticmethod
+    def card():
+        """This machine's card as `tune` plans on it: the GPUs CUDA_VISIBLE_DEVICES and `gpus`
+        leave, with what `tune --measure` and `--calibrate` measured (the speed factors, the
+        bandwidths, the disk's read rate), so the daemon loads what `tune` explains."""
+        from localllm.llama.hardware import probe_card
+        from localllm.profiles.choose import gpus_setting
+        from localllm.profiles.measure import calibrated
+
+        return calibrated(probe_card(gpus_setting()))
 
 
 def context_to_ask(config: Config, n_ctx: int | None, shape: ModelShape) -> int | None:

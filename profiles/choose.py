@@ -145,8 +145,9 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
     """Plans for the fill bands below `plan`'s context, smallest first (config fill_bands):
     the runner starts in the first and moves up as a sequence grows (daemon/runner/engine.py).
 
-    `auto` keeps a band only where the tuner made the plan for a GPU and the band's placement
-    differs from the whole context's (else it would only hold less KV). Never with drafting by
+    `auto` keeps a band only where the tuner made the plan for a GPU, the band's placement
+    differs from the whole context's (else it would only hold less KV) and it is predicted to
+    decode faster after a short prompt (else the short moments would pay for it). Never with drafting by
     a draft model or MTP, or RPC workers: their state is bound to the loaded model."""
     sizes = parse_bands(setting)
     if sizes == "off" or plan.speculative in ("mtp", "draft") or plan.rpc_workers:
@@ -166,8 +167,18 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
                        tuned=lambda s, c, r: tune_checked(s, c, r))
     plans = [_apply_options(p, request) for _, p in bands[:-1]]
     if auto:
-        plans = [p for p in plans if placement_key(p) != placement_key(plan)]
+        plans = [p for p in plans if band_pays(p, plan)]
     return tuple(plans)
+
+
+def band_pays(band: Plan, whole: Plan) -> bool:
+    """Whether `auto` keeps a band: its placement differs from the whole plan's (else it would
+    only hold less KV) and it decodes faster after a short prompt, the moment a band exists to
+    serve (its switch costs a reload)."""
+    def at_start(plan: Plan) -> float:
+        curve = plan.predicted_decode_by_depth
+        return curve[0][1] if curve else plan.predicted_decode_tps
+    return placement_key(band) != placement_key(whole) and at_start(band) > at_start(whole)
 
 
 def placement_key(plan: Plan) -> tuple:

@@ -804,7 +804,8 @@ def band_plans(shape: ModelShape, card: Card, request: Request, n_ctx: int | Non
                tuned: Callable[[ModelShape, Card, Request], Plan] | None = None,
                ) -> list[tuple[int, Plan]]:
     """A plan per fill band: the best plan for a context of each band's size (less KV: more on
-    the GPU), its session cut where the band ends, then the whole context's (`whole_plan`, or
+    the GPU), for the part of the session the band serves (Workload.in_band), then the whole
+    context's (`whole_plan`, or
     tuned here). A runner loads the band its sequences need and moves up as they grow, carrying
     their KV over: so every band has the whole plan's slots, KV types and drafting (llama.cpp
     restores a sequence's state only into a context with the same ones). `tuned` plans one band
@@ -816,7 +817,8 @@ def band_plans(shape: ModelShape, card: Card, request: Request, n_ctx: int | Non
     out = []
     for band in (b for b in sizes if b < whole.n_ctx):
         try:
-            plan = tuned(shape, card, replace(pinned, n_ctx=band))
+            plan = tuned(shape, card, replace(pinned, n_ctx=band,
+                                              workload=request.workload.in_band(band)))
         except NoPlanFits:
             continue
         if plan.n_parallel != whole.n_parallel:

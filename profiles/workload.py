@@ -56,6 +56,18 @@ class Workload:
             depth += prompt + answer
         return tuple(out)
 
+    def in_band(self, band: int) -> Workload:
+        """The part of sessions a fill band of `band` tokens serves (profiles.tuner.band_plans).
+
+        A runner starts in the smallest band that holds a request's prompt, so a session whose
+        first turn does not fit the band never runs in it: what the band serves then are the
+        short requests, a chat's turns (an agent's side requests, a conversation that stays
+        short). Without this, the band's plan priced a first prompt cut at the band's end, which
+        never runs there, and chose micro-batches for reading it over decode speed."""
+        if self.fill > 0 or self.first_prompt + self.answer <= band:
+            return self
+        return CHAT
+
     def describe(self) -> str:
         if self.fill > 0:
             return f"one answer filling {self.fill:.0%} of the context (expected_fill)"

@@ -76,7 +76,7 @@ class Ours:
     name = "ours"
 
     def __init__(self, model: Path, ctx: int, budget_mib: int, margin_mib: int, workload: str,
-                 tmp: Path, fill_bands: str = "auto"):
+                 tmp: Path, fill_bands: str = "auto", **settings: str):
         from daemon_process import isolated_env, start_daemon
 
         from localllm.modelstore.store import ModelStore
@@ -85,7 +85,8 @@ class Ours:
         margin = max(0, free - budget_mib + margin_mib) if free else 0
         env = isolated_env(tmp, LOCALLLM_NUM_PARALLEL="1", LOCALLLM_CONTEXT_POLICY="fixed",
                            LOCALLLM_CONTEXT_LENGTH=str(ctx), LOCALLLM_WORKLOAD=workload,
-                           LOCALLLM_VRAM_MARGIN_MIB=str(margin), LOCALLLM_FILL_BANDS=fill_bands)
+                           LOCALLLM_VRAM_MARGIN_MIB=str(margin), LOCALLLM_FILL_BANDS=fill_bands,
+                           **settings)
         ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
         self.daemon = start_daemon(env)
         self.url = self.daemon.url

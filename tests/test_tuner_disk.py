@@ -113,3 +113,25 @@ def test_disk_read_refuses_files_that_measure_nothing(tmp_path):
         measure_disk_read(sparse)
     with pytest.raises(UserError, match="too small"):
         measure_disk_read(written_file(tmp_path / "small.gguf", 1 << 20))
+
+
+def test_the_daemon_plans_with_what_tune_calibrated(big, tmp_path, monkeypatch):
+    """`tune --calibrate` stores the disk's rate; the daemon's loads must plan with it too, or
+    `tune` explains one plan and the daemon loads another."""
+    from localllm.daemon.scheduler import Planner
+    from localllm.options import LoadOptions
+    from localllm.profiles.calibrate import HOST_KEY
+    from localllm.profiles.measure import calibration_file
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("LOCALLLM_RAM_BUDGET", "8G")  # the 37 GiB model spills past RAM here
+    before = Planner().choose(big, "big", 4096, LoadOptions())
+    [line] = disk_lines(before)
+    assert "(assumed)" in line
+    calibration_file().parent.mkdir(parents=True, exist_ok=True)
+    calibration_file().write_text(f"[{HOST_KEY}]\ndisk_read_gbs = 7.25\n")
+    after = Planner().choose(big, "big", 4096, LoadOptions())
+    [line] = disk_lines(after)
+    assert "at 7.2 GB/s (measured by tune --calibrate)" in line or \
+        "at 7.3 GB/s (measured by tune --calibrate)" in line
+    assert after.predicted_decode_tps > before.predicted_decode_tps

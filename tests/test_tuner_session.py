@@ -230,6 +230,33 @@ def test_plans_per_fill_band(shapes):
     # A smaller band holds less KV, so it keeps more on the GPU and decodes faster at its start.
     assert dict(small.predicted_decode_by_depth)[0] > dict(whole.predicted_decode_by_depth)[0]
     assert all(b.workload for _, b in bands)
+    # The agent's 20K first prompt never runs in the 8K band (a runner starts in the band that
+    # holds the prompt): that band is planned for short requests, the 32K one for the session.
+    assert small.workload == CHAT.describe() and mid.workload == AGENT.describe()
+
+
+def test_a_band_serves_the_part_of_the_session_that_fits_it():
+    assert AGENT.in_band(8192) is CHAT  # its first turn (20000 + 256 tokens) does not fit
+    assert AGENT.in_band(20256) is AGENT and AGENT.in_band(32768) is AGENT
+    assert CHAT.in_band(2048) is CHAT
+    half = from_fill(0.5)
+    assert half.in_band(8192) is half  # the older objective: half of whatever context
+
+
+def test_auto_keeps_a_band_only_where_it_decodes_faster_after_a_short_prompt(shapes):
+    from localllm.profiles.choose import band_pays
+
+    shape = shapes["qwen35-27b"]
+    whole = tune(shape, h200(12), Request(n_ctx=32768, margin_bytes=128 * MIB, workload=AGENT))
+    [(_, band), _] = band_plans(shape, h200(12), Request(n_ctx=32768, margin_bytes=128 * MIB,
+                                                         workload=AGENT), whole_plan=whole)
+    assert band_pays(band, whole)
+    # Measured on the H200: a band planned to read a prompt it never reads (ubatch 2048, whole
+    # blocks, the lm-head on the CPU) decoded 8.6 tok/s where the whole plan did 11.7.
+    start = whole.predicted_decode_by_depth[0][1]
+    slower = replace(band, predicted_decode_by_depth=((0, start * 0.6), (8192, start * 0.55)))
+    assert not band_pays(slower, whole)
+    assert not band_pays(replace(whole, n_ctx=8192), whole)  # the same placement: no gain
 
 
 def test_the_daemon_loads_fill_bands_only_where_they_move_weights(shapes):
