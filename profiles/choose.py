@@ -147,8 +147,9 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
 
     `auto` keeps a band only where the tuner made the plan for a GPU, the band's placement
     differs from the whole context's (else it would only hold less KV) and it is predicted to
-    decode faster after a short prompt (else the short moments would pay for it). Never with drafting by
-    a draft model or MTP, or RPC workers: their state is bound to the loaded model."""
+    decode faster after a short prompt (else the short moments would pay for it: band_pays).
+    Never with drafting by a draft model or MTP, or RPC workers: their state is bound to the
+    loaded model."""
     sizes = parse_bands(setting)
     if sizes == "off" or plan.speculative in ("mtp", "draft") or plan.rpc_workers:
         return ()
