@@ -17,12 +17,13 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from localllm.config import parse_bands
 from localllm.errors import UserError
 from localllm.modelstore.shape import ModelShape, read_shape
 
 from localllm.profiles.card import MIB, Card, card_names
 from localllm.profiles import quality
-from localllm.profiles.choose import config_request, gpus_setting, tune_checked
+from localllm.profiles.choose import bands_setting, config_request, gpus_setting, tune_checked
 from localllm.profiles.explain import REJECTED, gib
 from localllm.llama.hardware import resolve_card
 from localllm.profiles.measure import (
@@ -33,7 +34,7 @@ from localllm.profiles.plan import Plan, layer_ranges
 from localllm.profiles.quality import split_kv
 from localllm.profiles.saved import save_profile
 from localllm.profiles.speed import predict_speed
-from localllm.profiles.tuner import Request, band_plans
+from localllm.profiles.tuner import FILL_BANDS, Request, band_plans
 from localllm.profiles.workload import WORKLOADS, from_fill
 
 
@@ -143,9 +144,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, card, shape, model_name))
-        bands = band_plans(shape, card, request, whole_plan=plan)
-        if len(bands) > 1:
-            print("\n" + format_bands(bands, shape))
+        setting = parse_bands(bands_setting())
+        if setting != "off":
+            bands = band_plans(shape, card, request, whole_plan=plan,
+                               sizes=FILL_BANDS if setting == "auto" else setting)
+            if len(bands) > 1:
+                print("\n" + format_bands(bands, shape, explicit=setting != "auto"))
         if measured:
             print(f"\nmeasured: prefill {measured.prefill_tps:.1f} tok/s, decode "
                   f"{measured.decode_tps:.1f} tok/s (predicted {plan.predicted_prefill_tps:.1f} "
@@ -229,12 +233,16 @@ def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card, store: bool
     return measured
 
 
-def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape) -> str:
-    """One line per fill band: its placement, KV, micro-batch, decode at its start and end and
-    the time to first token of its longest prompt shown."""
-    from localllm.profiles.choose import placement_of
+def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
+                 explicit: bool = False) -> str:
+    """One line per fill band: the workload it is planned for, its placement, KV, micro-batch,
+    decode at its start and end, the time to first token of its longest prompt shown, and
+    whether the daemon loads it: every band fill_bands names (`explicit`), those that pay
+    under `auto` (choose.band_pays)."""
+    from localllm.profiles.choose import band_pays, placement_key, placement_of
 
-    lines = ["plans per fill band (the same workload, its session cut where the band ends):"]
+    whole = bands[-1][1]
+    lines = ["plans per fill band (each for the part of the session it serves):"]
     for band, p in bands:
         placement = placement_of(p, shape)
         where = (f"FFN of {placement.n_cpu_ffn_layers} blocks in RAM, n_gpu_layers="
@@ -245,9 +253,17 @@ def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape) -> str:
         if p.predicted_ttft:
             n, t = p.predicted_ttft[-1]
             ttft = f", {n // 1024}K prompt in {_seconds(t)}"
-        lines.append(f"  up to {band}: {where}, {p.type_k} KV, ubatch {p.n_ubatch}; decode "
-                     f"{depths.get(0, 0):.1f} tok/s at the start, "
-                     f"{depths.get(band, 0):.1f} at {band}{ttft}")
+        if p is whole:
+            loaded = "the whole context"
+        elif explicit or band_pays(p, whole):
+            loaded = "loaded while the sequences fit it"
+        elif placement_key(p) == placement_key(whole):
+            loaded = "not loaded: the whole plan's placement"
+        else:
+            loaded = "not loaded: it decodes no faster after a short prompt than the whole plan"
+        lines.append(f"  up to {band} ({p.workload.split(':')[0]}): {where}, {p.type_k} KV, "
+                     f"ubatch {p.n_ubatch}; decode {depths.get(0, 0):.1f} tok/s at the start, "
+                     f"{depths.get(band, 0):.1f} at {band}{ttft}; {loaded}")
     return "\n".join(lines)
 
 

@@ -84,6 +84,14 @@ def gpus_setting() -> str:
         return "all"
 
 
+def bands_setting() -> str:
+    """The config's fill_bands (auto, off, or token counts)."""
+    try:
+        return load_config().fill_bands
+    except ConfigError:
+        return "auto"
+
+
 def _rpc_workers() -> tuple[str, ...]:
     try:
         return load_config().rpc_workers

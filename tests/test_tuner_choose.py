@@ -141,6 +141,23 @@ def test_tune_cli_prints_explains_and_saves(home, headers, capsys):
     assert data["card"]["vram_bytes"] == 6 * GIB
 
 
+def test_tune_shows_the_fill_bands_the_daemon_would_load(home, headers, capsys, monkeypatch):
+    argv = ["tune", str(headers["dense-27b"]), "--card", "h200", "--vram", "12", "--ctx",
+            "32768", "--workload", "agent"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.split("plans per fill band")[1]
+    # The agent's first prompt does not fit 8K: that band is planned for short requests.
+    assert "up to 8192 (chat):" in out and "up to 32768 (agent):" in out
+    assert "loaded while the sequences fit it" in out and "the whole context" in out
+    monkeypatch.setenv("LOCALLLM_FILL_BANDS", "off")
+    assert main(argv) == 0
+    assert "plans per fill band" not in capsys.readouterr().out
+    monkeypatch.setenv("LOCALLLM_FILL_BANDS", "4096,16384")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "up to 4096" in out and "up to 16384" in out and "up to 8192" not in out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["tune", "no-such-model"], "not found"),
     (["tune", "/nonexistent/x.gguf"], "no such model file"),
