@@ -12,7 +12,8 @@ from localllm import __version__
 # Modules that add their own subcommands: each has `register(subparsers)`, and the handlers it
 # sets with `set_defaults(func=...)` take the parsed args and return an exit code.
 COMMAND_MODULES = (
-    "localllm.cli.commands",  # serve, run, list, show, import, rm, cp, ps, stop
+    "localllm.cli.commands",  # serve, list, show, import, rm, cp, ps, stop
+    "localllm.cli.run",  # run
     "localllm.cli.pull",  # pull (and the quant pick)
     "localllm.cli.tune",  # tune
     "localllm.cli.eval",  # eval

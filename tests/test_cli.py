@@ -45,9 +45,12 @@ def test_run_one_shot_streams_the_answer_and_verbose_prints_rates(daemon):
 def test_run_with_a_draft_model_reports_its_drafts(daemon):
     """`run --draft MODEL` loads the draft model and `--verbose` reports what it drafted (the
     model drafts for itself here; a batched check can still break a near-tie the other way
-    than the draft's single-token pass, so not every draft need be accepted)."""
-    result = daemon.cli("run", "smollm2", "--draft", "smollm2", "--verbose",
-                        "Count from 1 to 30: 1, 2, 3,", timeout=300)
+    than the draft's single-token pass, so not every draft need be accepted; a draft that
+    fails pauses drafting for 32 steps: greedy, the count is long enough for several tries,
+    where a sampled answer may stop after a few tokens)."""
+    result = daemon.cli("run", "smollm2", "--draft", "smollm2", "--verbose", timeout=300,
+                        input="/set parameter temperature 0\n/set parameter num_predict 160\n"
+                        "Count from 1 to 80: 1, 2, 3,\n")
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stderr.splitlines() if x.startswith("drafts accepted:"))
     accepted, drafted = map(int, line.split()[-1].split("/"))

@@ -11,7 +11,7 @@ import ollama
 import openai
 import pytest
 
-from localllm.cli.commands import option_flag
+from localllm.cli.run import option_flag
 from localllm.daemon.api.common import ApiError
 from localllm.daemon.api.ollama import ollama_options
 from localllm.daemon.api.openai import openai_options

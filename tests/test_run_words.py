@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from localllm.cli.commands import split_model_and_prompt
+from localllm.cli.run import split_model_and_prompt
 from localllm.errors import UserError
 
 
