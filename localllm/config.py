@@ -94,9 +94,9 @@
   sequence is about to outgrow it, the runner reloads with the next band's plan and carries
   every sequence's KV over (a pause of a model load; ps and the log show it). `auto`: the
   tuner's bands (8K, 32K, then the whole context) where their placement differs from the whole
-  context's and they decode faster after a short prompt, on a GPU, for plans the tuner made (not a saved profile, a draft model or a vision
-  projector); `off`: one plan for the whole context; token counts (`4096,16384`): these bands,
-  on any machine.
+  context's and they decode faster after a short prompt, on a GPU, for plans the tuner made
+  (not a saved profile, a draft model or a vision projector); `off`: one plan for the whole
+  context; token counts (`4096,16384`): these bands, on any machine.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
