@@ -23,7 +23,8 @@ from localllm.modelstore.shape import ModelShape, read_shape
 
 from localllm.profiles.card import MIB, Card, card_names
 from localllm.profiles import quality
-from localllm.profiles.choose import bands_setting, config_request, gpus_setting, tune_checked
+from localllm.profiles.bands import FILL_BANDS, band_plans, bands_setting
+from localllm.profiles.choose import config_request, gpus_setting, tune_checked
 from localllm.profiles.explain import REJECTED, gib
 from localllm.llama.hardware import resolve_card
 from localllm.profiles.measure import (
@@ -34,7 +35,7 @@ from localllm.profiles.plan import Plan, layer_ranges
 from localllm.profiles.quality import split_kv
 from localllm.profiles.saved import save_profile
 from localllm.profiles.speed import predict_speed
-from localllm.profiles.tuner import FILL_BANDS, Request, band_plans
+from localllm.profiles.tuner import Request
 from localllm.profiles.workload import WORKLOADS, from_fill
 
 
@@ -238,8 +239,9 @@ def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
     """One line per fill band: the workload it is planned for, its placement, KV, micro-batch,
     decode at its start and end, the time to first token of its longest prompt shown, and
     whether the daemon loads it: every band fill_bands names (`explicit`), those that pay
-    under `auto` (choose.band_pays)."""
-    from localllm.profiles.choose import band_pays, placement_key, placement_of
+    under `auto` (bands.band_pays)."""
+    from localllm.profiles.bands import band_pays, placement_key
+    from localllm.profiles.choose import placement_of
 
     whole = bands[-1][1]
     lines = ["plans per fill band (each for the part of the session it serves):"]

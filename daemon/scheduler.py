@@ -96,7 +96,7 @@ class Planner:
     def bands(self, shape: ModelShape, model_name: str, load: LoadOptions, plan: Plan,
               setting: str) -> tuple[Plan, ...]:
         """Plans for the fill bands below `plan`'s context (config fill_bands)."""
-        from localllm.profiles.choose import choose_bands
+        from localllm.profiles.bands import choose_bands
 
         return choose_bands(shape, model_name, load, self.card(), plan, setting)
 

@@ -21,7 +21,6 @@ from localllm.config import (
     ConfigError,
     load_config,
     load_config_sources,
-    parse_bands,
     parse_size,
 )
 from localllm.modelstore.shape import ModelShape
@@ -34,7 +33,7 @@ from .plan import Plan
 from .acceptance import measured_acceptance
 from .quality import measured_kl
 from .saved import ProfileError, find_profile, record_event
-from .tuner import FILL_BANDS, NoPlanFits, Request, band_plans, tune
+from .tuner import NoPlanFits, Request, tune
 from .workload import from_fill, named
 
 log = logging.getLogger(__name__)
@@ -84,14 +83,6 @@ def gpus_setting() -> str:
         return "all"
 
 
-def bands_setting() -> str:
-    """The config's fill_bands (auto, off, or token counts)."""
-    try:
-        return load_config().fill_bands
-    except ConfigError:
-        return "auto"
-
-
 def _rpc_workers() -> tuple[str, ...]:
     try:
         return load_config().rpc_workers
@@ -99,7 +90,7 @@ def _rpc_workers() -> tuple[str, ...]:
         return ()
 
 
-def _apply_options(plan: Plan, request: Request) -> Plan:
+def apply_options(plan: Plan, request: Request) -> Plan:
     changes = {}
     if request.n_gpu_layers is not None:
         changes["n_gpu_layers"] = request.n_gpu_layers
@@ -127,7 +118,7 @@ def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: Loa
         from .rpc_plan import plan_for_workers
 
         plan = plan_for_workers(shape, card, request, workers, tune_checked)
-        return _apply_options(plan, replace(request, n_gpu_layers=None))
+        return apply_options(plan, replace(request, n_gpu_layers=None))
     notes: list[str] = []
     try:
         saved = find_profile(model_name, card.name)
@@ -139,61 +130,13 @@ def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: Loa
         wrong_file = saved.model_size and saved.model_size != shape.file_size
         wrong_ctx = n_ctx is not None and n_ctx != saved.plan.n_ctx
         if not wrong_file and not wrong_ctx and (card.has_gpu or saved.plan.n_gpu_layers == 0):
-            return _apply_options(saved.plan, request)
+            return apply_options(saved.plan, request)
         notes.append(f"saved profile {saved.path} not used: "
                      + ("it was tuned for another file" if wrong_file
                         else f"it is for context {saved.plan.n_ctx}, asked {n_ctx}"
                         if wrong_ctx else "it puts layers on a GPU this machine lacks"))
     plan = tune_checked(shape, card, request, draft=draft_shape)
     return replace(plan, reasons=(*plan.reasons, *notes)) if notes else plan
-
-
-def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Card,
-                 plan: Plan, setting: str = "auto") -> tuple[Plan, ...]:
-    """Plans for the fill bands below `plan`'s context, smallest first (config fill_bands):
-    the runner starts in the first and moves up as a sequence grows (daemon/runner/engine.py).
-
-    `auto` keeps a band only where the tuner made the plan for a GPU, the band's placement
-    differs from the whole context's (else it would only hold less KV) and it is predicted to
-    decode faster after a short prompt (else the short moments would pay for it: band_pays).
-    Never with drafting by a draft model or MTP, or RPC workers: their state is bound to the
-    loaded model."""
-    sizes = parse_bands(setting)
-    if sizes == "off" or plan.speculative in ("mtp", "draft") or plan.rpc_workers:
-        return ()
-    auto = sizes == "auto"
-    if auto and (not card.has_gpu or plan.source != "tuner"):
-        return ()
-    base = config_request(model_name, shape.file_size)
-    request = request_from_load(plan.n_ctx, load, base.margin_bytes, base)
-    if not card.has_gpu:  # all in RAM: the bands differ in their context alone
-        return tuple(replace(plan, n_ctx=band, n_batch=min(plan.n_batch, band),
-                             n_ubatch=min(plan.n_ubatch, band),
-                             reasons=(*plan.reasons, f"fill band: up to {band} tokens"))
-                     for band in sizes if band < plan.n_ctx)
-    bands = band_plans(shape, card, request, whole_plan=plan,
-                       sizes=FILL_BANDS if auto else sizes,
-                       tuned=lambda s, c, r: tune_checked(s, c, r))
-    plans = [_apply_options(p, request) for _, p in bands[:-1]]
-    if auto:
-        plans = [p for p in plans if band_pays(p, plan)]
-    return tuple(plans)
-
-
-def band_pays(band: Plan, whole: Plan) -> bool:
-    """Whether `auto` keeps a band: its placement differs from the whole plan's (else it would
-    only hold less KV) and it decodes faster after a short prompt, the moment a band exists to
-    serve (its switch costs a reload)."""
-    def at_start(plan: Plan) -> float:
-        curve = plan.predicted_decode_by_depth
-        return curve[0][1] if curve else plan.predicted_decode_tps
-    return placement_key(band) != placement_key(whole) and at_start(band) > at_start(whole)
-
-
-def placement_key(plan: Plan) -> tuple:
-    """Where the weights are and how batches run: what a band changes besides its context."""
-    return (plan.n_gpu_layers, plan.tensor_overrides, plan.tensor_split, plan.n_batch,
-            plan.n_ubatch, plan.flash_attn)
 
 
 def tune_checked(shape: ModelShape, card: Card, request: Request,

@@ -796,40 +796,4 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
     )
 
 
-FILL_BANDS = (8192, 32768)  # plans per fill band: up to each of these, then the whole context
-
-
-def band_plans(shape: ModelShape, card: Card, request: Request, n_ctx: int | None = None,
-               whole_plan: Plan | None = None, sizes: tuple[int, ...] = FILL_BANDS,
-               tuned: Callable[[ModelShape, Card, Request], Plan] | None = None,
-               ) -> list[tuple[int, Plan]]:
-    """A plan per fill band: the best plan for a context of each band's size (less KV: more on
-    the GPU), for the part of the session the band serves (Workload.in_band), then the whole
-    context's (`whole_plan`, or
-    tuned here). A runner loads the band its sequences need and moves up as they grow, carrying
-    their KV over: so every band has the whole plan's slots, KV types and drafting (llama.cpp
-    restores a sequence's state only into a context with the same ones). `tuned` plans one band
-    (default `tune`; the daemon's checks compute buffers with dry runs)."""
-    tuned = tuned or (lambda shape, card, request: tune(shape, card, request))
-    whole = whole_plan or tuned(shape, card, replace(request, n_ctx=n_ctx or request.n_ctx))
-    pinned = replace(request, num_parallel=whole.n_parallel,
-                     kv_types=(kv_label(whole.type_k, whole.type_v),))
-    out = []
-    for band in (b for b in sizes if b < whole.n_ctx):
-        try:
-            plan = tuned(shape, card, replace(pinned, n_ctx=band,
-                                              workload=request.workload.in_band(band)))
-        except NoPlanFits:
-            continue
-        if plan.n_parallel != whole.n_parallel:
-            continue
-        out.append((band, replace(plan, speculative=whole.speculative,
-                                  draft_n_max=whole.draft_n_max, reasons=(
-                                      *plan.reasons, f"fill band: up to {band} tokens; a "
-                                      f"sequence that needs more moves the runner to the next "
-                                      f"band's plan"))))
-    out.append((whole.n_ctx, whole))
-    return out
-
-
-__all__ = ["NoPlanFits", "Option", "Request", "Search", "band_plans", "gib", "tune"]
+__all__ = ["NoPlanFits", "Option", "Request", "Search", "gib", "tune"]

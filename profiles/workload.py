@@ -57,7 +57,7 @@ class Workload:
         return tuple(out)
 
     def in_band(self, band: int) -> Workload:
-        """The part of sessions a fill band of `band` tokens serves (profiles.tuner.band_plans).
+        """The part of sessions a fill band of `band` tokens serves (profiles.bands.band_plans).
 
         A runner starts in the smallest band that holds a request's prompt, so a session whose
         first turn does not fit the band never runs in it: what the band serves then are the

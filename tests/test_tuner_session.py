@@ -23,7 +23,8 @@ from localllm.profiles.memory import (
 )
 from localllm.profiles.plan import Plan
 from localllm.profiles.speed import prompt_cost
-from localllm.profiles.tuner import RAM_RESERVE, Request, band_plans, ram_budget, tune
+from localllm.profiles.bands import band_plans
+from localllm.profiles.tuner import RAM_RESERVE, Request, ram_budget, tune
 from localllm.profiles.workload import AGENT, CHAT, from_fill
 
 H200_HOST = dict(ram_bytes=128 * GIB, cores=16, host_bandwidth_gbs=51.2)
@@ -142,7 +143,7 @@ def test_plan_predicts_time_to_first_token_and_tune_shows_it(shapes, home):
     assert re.search(r"time to first token: 1K-token prompt [\d.]+ s, 4K-token prompt [\d.]+ s, "
                      r"16K-token prompt [\d.]+ s", done.stdout), done.stdout
     assert "session (agent:" in done.stdout
-    assert re.search(r"up to 8192: .*\n.*up to 32768:", done.stdout), done.stdout
+    assert re.search(r"up to 8192 \(chat\): .*\n.*up to 32768 \(agent\):", done.stdout), done.stdout
     bad = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", path, "--card", "h200",
                           "--workload", "nightly"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "workload" in bad.stderr
@@ -244,7 +245,7 @@ def test_a_band_serves_the_part_of_the_session_that_fits_it():
 
 
 def test_auto_keeps_a_band_only_where_it_decodes_faster_after_a_short_prompt(shapes):
-    from localllm.profiles.choose import band_pays
+    from localllm.profiles.bands import band_pays
 
     shape = shapes["qwen35-27b"]
     whole = tune(shape, h200(12), Request(n_ctx=32768, margin_bytes=128 * MIB, workload=AGENT))
@@ -261,7 +262,7 @@ def test_auto_keeps_a_band_only_where_it_decodes_faster_after_a_short_prompt(sha
 
 def test_the_daemon_loads_fill_bands_only_where_they_move_weights(shapes):
     from localllm.options import LoadOptions
-    from localllm.profiles.choose import choose_bands, placement_key
+    from localllm.profiles.bands import choose_bands, placement_key
 
     shape, card = shapes["dense-27b"], h200(12)
     whole = tune(shape, card, Request(n_ctx=131072, margin_bytes=512 * MIB, workload=CHAT,
