@@ -174,7 +174,7 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
             extra["keep_alive"] = args.keepalive
         options = run_options(args) or None
         if prompt:
-            from localllm.cli.image_paths import attach_images
+            from localllm.image_paths import attach_images
 
             prompt, images = attach_images(prompt)
             message: dict = {"role": "user", "content": prompt}

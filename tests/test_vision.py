@@ -278,7 +278,7 @@ def test_pull_of_a_hub_repo_brings_its_projector_and_show_reports_vision(tmp_pat
 
 
 def test_run_attaches_the_image_files_a_prompt_names(vdaemon, tmp_path):
-    from localllm.cli.image_paths import attach_images
+    from localllm.image_paths import attach_images
 
     photo = tmp_path / "photo.png"
     photo.write_bytes(base64.b64decode(RED))
@@ -312,3 +312,31 @@ def test_anthropic_image_blocks_and_responses_input_image(vdaemon, oc):
                                     "image_url": f"data:image/png;base64,{RED}"},
                                    {"type": "input_text", "text": "What is this?"}]}])
     assert r.output_text == via_ollama.message.content
+
+
+async def test_the_chat_tui_attaches_an_image_path_typed_in_a_message(vdaemon, tmp_path):
+    """As `run MODEL "what is in ./photo.png?"` does: the TUI sends the file with the turn,
+    notes it, and the path leaves the text."""
+    from test_tui_app import config_for, notes, type_line, wait_loaded, wait_until
+
+    from localllm.tui.app import ChatApp
+    from localllm.tui.chatstore import ChatStore
+
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(base64.b64decode(RED))
+    chats = ChatStore(tmp_path / "chats.db")
+    app = ChatApp(config_for(vdaemon), "vl", store=chats)
+    try:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_loaded(pilot, app)
+            await type_line(pilot, app, "/set parameter num_predict 4")
+            await type_line(pilot, app, f"what is in {photo}?")
+            await wait_until(pilot, lambda: not app.streaming and app.turn and app.turn.done,
+                             "the answer")
+            assert any("added image photo.png" in n for n in notes(app))
+            user = next(e for e in app.entries if e.role == "user")
+            assert user.content == "what is in ?" and len(user.images) == 1
+            # The daemon read the image's tokens with the text.
+            assert app.turn.prompt_eval_count >= IMAGE_TOKENS
+    finally:
+        chats.close()

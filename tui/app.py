@@ -25,6 +25,7 @@ from textual.widgets import Footer, Header, Markdown, Static
 from localllm.client import Client, DaemonError
 from localllm.config import Config, config_file
 from localllm.errors import UserError
+from localllm.image_paths import attach_images
 from localllm.units import human_size
 
 from . import keys
@@ -49,6 +50,9 @@ class Entry:
     state: str = "done"
     db_id: int | None = None
     view: MessageView | None = None
+    # base64 images sent with this turn (image files the prompt named, as `ollama run` takes
+    # them); kept for the open chat only: a resumed chat has the text of its turns
+    images: tuple[str, ...] = ()
 
 
 class ChatApp(ChatActions, App[int]):
@@ -160,14 +164,16 @@ class ChatApp(ChatActions, App[int]):
         return self.chat_id
 
     def add_entry(self, role: str, content: str, state: str = "done",
-                  stats: dict | None = None, mount: bool = True) -> Entry:
+                  stats: dict | None = None, mount: bool = True,
+                  images: tuple[str, ...] = ()) -> Entry:
         chat_id = self._ensure_chat()
         db_id = self._safe(self.store.add_message, chat_id, role, content, state, stats) \
             if chat_id else None
         footer = answer_footer(TurnStats.from_wire(stats, True, stats.get("done_reason", ""))) \
             if stats else ""
         who = self.model if role == "assistant" else ""
-        entry = Entry(role, content, state, db_id, MessageView(role, content, who, footer, state))
+        entry = Entry(role, content, state, db_id, MessageView(role, content, who, footer, state),
+                      images)
         self.entries.append(entry)
         if mount:
             self.log_view.mount(entry.view)
@@ -185,7 +191,10 @@ class ChatApp(ChatActions, App[int]):
             self.note("An answer is still streaming: wait for it, or press Ctrl+C to stop it.",
                       "warning")
             return
-        self.add_entry("user", text)
+        text, images = attach_images(text)
+        for image in images:
+            self.note(image.line())
+        self.add_entry("user", text, images=tuple(image.base64 for image in images))
         self._show_title()
         self.answer()
 
@@ -196,8 +205,11 @@ class ChatApp(ChatActions, App[int]):
     def request_messages(self) -> list[dict]:
         """The conversation as the daemon gets it: system message, then every non-empty turn."""
         messages = [{"role": "system", "content": self.system}] if self.system else []
-        messages += [{"role": e.role, "content": e.content} for e in self.entries
-                     if e.role in ("user", "assistant") and e.content and e.state != "error"]
+        messages += [{"role": e.role, "content": e.content,
+                      **({"images": list(e.images)} if e.images else {})}
+                     for e in self.entries
+                     if e.role in ("user", "assistant") and (e.content or e.images)
+                     and e.state != "error"]
         return messages
 
     @work(exclusive=True, group="answer")
