@@ -31,6 +31,7 @@ from pathlib import Path
 from localllm.paths import write_private
 
 from localllm.errors import UserError
+from localllm.units import human_size
 from .gguf_header import GGUFError, read_header
 from .names import ModelName, parse_name
 from .shape import ModelShape, format_param_count, shape_from_header
@@ -100,6 +101,20 @@ def linkable(source: Path) -> bool:
     info = source.stat()
     return (stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
             and stat.S_IMODE(info.st_mode) == 0o600)
+
+
+def check_room_to_copy(source: Path, size: int, into: Path, link: bool) -> None:
+    """DiskFull before a copy that cannot fit, rather than after writing tens of GiB of it.
+    Where the source is on the store's filesystem, a link would take no room: say how."""
+    free = shutil.disk_usage(into).free
+    if free >= size:
+        return
+    hint = "free some space (`localllm rm` unused models) and try again"
+    if link and source.stat().st_dev == into.stat().st_dev:
+        hint += (f", or `chmod 600 {source}` so that import can hard-link it (a file that "
+                 "others may read is copied, never linked)")
+    raise DiskFull(f"importing {source} copies {human_size(size)} into the model store, whose "
+                   f"disk has {human_size(free)} free; {hint}")
 
 
 @dataclass(frozen=True)
@@ -237,6 +252,7 @@ class ModelStore:
                 except OSError:
                     pass
             if not linked:
+                check_room_to_copy(source, size, staged.parent, link)
                 with source.open("rb") as src, staged.open("wb") as dst:
                     shutil.copyfileobj(src, dst, _CHUNK)
             if staged.stat().st_size != size:

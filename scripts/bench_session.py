@@ -87,6 +87,9 @@ class Ours:
                            LOCALLLM_CONTEXT_LENGTH=str(ctx), LOCALLLM_WORKLOAD=workload,
                            LOCALLLM_VRAM_MARGIN_MIB=str(margin), LOCALLLM_FILL_BANDS=fill_bands,
                            **settings)
+        # The benchmark's own file, made private so that the import links it: a copy of a
+        # 37 GiB model beside the others filled the GPU machine's 64 GiB disk.
+        os.chmod(model, 0o600)
         ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
         self.daemon = start_daemon(env)
         self.url = self.daemon.url

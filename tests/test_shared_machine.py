@@ -325,6 +325,31 @@ def test_a_full_disk_is_a_507_and_leaves_nothing_half_written(tmp_path, small_di
         d.stop()
 
 
+def test_an_import_too_big_to_copy_is_refused_before_writing_and_links_once_private(
+        small_disk, smollm2_gguf):
+    from localllm.modelstore.store import DiskFull, ModelStore
+
+    store = ModelStore(small_disk / "models")
+    source = small_disk / "smollm2.gguf"  # 94 MiB, on the store's filesystem
+    shutil.copyfile(smollm2_gguf, source)
+    os.chmod(source, 0o644)  # others may read it: an import copies it
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (80 << 20))  # leaves about 26 MiB
+    with pytest.raises(DiskFull) as refused:
+        store.import_gguf(source, "smollm2")
+    message = str(refused.value)
+    from localllm.units import human_size
+
+    assert f"copies {human_size(source.stat().st_size)}" in message, message
+    assert "MB free" in message, message
+    assert f"chmod 600 {source}" in message, message
+    assert not list((store.root / "tmp").iterdir()), "nothing was half-written"
+    assert store.list() == []
+    os.chmod(source, 0o600)
+    entry = store.import_gguf(source, "smollm2")  # linked: it takes no room
+    assert os.path.samefile(entry.model_path, source)
+
+
 def import_models_at(store: Path, gguf: Path) -> None:
     from localllm.modelstore.store import ModelStore
 
