@@ -340,6 +340,8 @@ def _rejected_alternatives(shape: ModelShape, best: Option, chosen: Search,
         first_of_kind.setdefault(kind(o), o)
     ordered = [o for o in ranked if first_of_kind[kind(o)] is o] + \
         [o for o in ranked if first_of_kind[kind(o)] is not o]
+    request = evaluator.request
+    allowed = () if request.kv_types else quality.allowed(request.quality, evaluator.kv_costs)
     seen = set()
     for o in ordered:
         key = (o.kv, *kind(o))
@@ -365,8 +367,10 @@ def _rejected_alternatives(shape: ModelShape, best: Option, chosen: Search,
             out.append(f"{REJECTED}{what}: {describe_placement(o, shape)}, "
                        f"{tps(o.speed.decode_tps)} averaged over the session ({tps(start)} at "
                        f"the start, {tps(evaluator.option_speed(o, n).decode_tps)} "
-                       f"at {n}), session {seconds(o.session_seconds)}; the plan "
-                       + moments(best, o))
+                       f"at {n}), session {seconds(o.session_seconds)}; "
+                       + (f"quality {request.quality} does not allow {o.kv} KV"
+                          if allowed and o.kv not in allowed and best.kv in allowed
+                          else "the plan " + moments(best, o)))
         if len(seen) >= 4:
             break
     return out

@@ -283,3 +283,20 @@ def test_the_daemon_loads_fill_bands_only_where_they_move_weights(shapes):
     assert choose_bands(shape, "dense", LoadOptions(), cpu, on_cpu, "auto") == ()
     [given] = choose_bands(shape, "dense", LoadOptions(), cpu, on_cpu, "4096,16384")
     assert given.n_ctx == 4096 and placement_key(given)[:3] == placement_key(on_cpu)[:3]
+
+
+def test_a_faster_plan_the_quality_policy_forbids_is_rejected_for_that_reason(shapes):
+    """The Qwen3.5 shape at 32K on a 12 GiB card: q4_0 KV would be faster, and balanced quality
+    does not allow it; the rejected line says so rather than comparing moments it wins."""
+    plan = tune(shapes["qwen35-27b"], h200(12),
+                Request(n_ctx=32768, margin_bytes=128 * MIB, workload=AGENT, num_parallel=1))
+    assert plan.type_k != "q4_0"
+    q4 = [r for r in plan.reasons if r.startswith("rejected: q4_0 KV")]
+    assert q4, plan.reasons
+    sessions = [float(re.search(r"session (\d+) s;", r).group(1)) for r in q4]
+    assert min(sessions) < plan.predicted_session_s, (sessions, plan.predicted_session_s)
+    assert all(r.endswith("quality balanced does not allow q4_0 KV") for r in q4), q4
+    pinned = tune(shapes["qwen35-27b"], h200(12),
+                  Request(n_ctx=32768, margin_bytes=128 * MIB, workload=AGENT, num_parallel=1,
+                          quality="speed"))
+    assert not any("does not allow" in r for r in pinned.reasons), pinned.reasons
