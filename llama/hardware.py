@@ -38,26 +38,42 @@ def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     return None
 
 
+# cgroup v1 writes "no limit" as the largest page-aligned 63-bit number
+V1_UNLIMITED = 1 << 62
+
+
 def cgroup_room_bytes(proc_cgroup: str = "/proc/self/cgroup",
                       root: str = "/sys/fs/cgroup") -> int | None:
-    """What this process's cgroup v2 (and every group above it) still lets it allocate: the
-    tightest memory.max less what that group already holds, its page cache excepted (the
-    kernel reclaims that first). None where no limit applies or cgroup v2 is not mounted."""
+    """What this process's memory cgroup (and every group above it) still lets it allocate: the
+    tightest limit less what that group already holds, its page cache excepted (the kernel
+    reclaims that first). cgroup v2 (memory.max) or v1's memory controller
+    (memory.limit_in_bytes, as older container hosts have it). None where no limit applies."""
     try:
         with open(proc_cgroup) as f:
-            path = next((line.strip()[3:] for line in f if line.startswith("0::")), None)
+            lines = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
     except OSError:
         return None
-    if path is None:
-        return None
+    v1 = next((path for _, controllers, path in lines if "memory" in controllers.split(",")),
+              None)
+    if v1 is not None:
+        return _room(os.path.join(root, "memory"), v1, "memory.limit_in_bytes",
+                     "memory.usage_in_bytes", "total_cache")
+    v2 = next((path for hierarchy, controllers, path in lines
+               if hierarchy == "0" and controllers == ""), None)
+    if v2 is not None:
+        return _room(root, v2, "memory.max", "memory.current", "file")
+    return None
+
+
+def _room(root: str, path: str, limit_file: str, usage_file: str, cache_key: str) -> int | None:
     room: int | None = None
     group = path.strip("/")
     while True:
         where = os.path.join(root, group) if group else root
-        limit = _read_int(os.path.join(where, "memory.max"))
-        if limit is not None:
-            used = _read_int(os.path.join(where, "memory.current")) or 0
-            cache = _memory_stat(os.path.join(where, "memory.stat")).get("file", 0)
+        limit = _read_int(os.path.join(where, limit_file))
+        if limit is not None and limit < V1_UNLIMITED:
+            used = _read_int(os.path.join(where, usage_file)) or 0
+            cache = _memory_stat(os.path.join(where, "memory.stat")).get(cache_key, 0)
             left = max(0, limit - max(0, used - cache))
             room = left if room is None else min(room, left)
         if not group:

@@ -45,6 +45,10 @@ def model_params(plan: Plan, metadata_only: bool = False):
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = plan.n_gpu_layers
     params.use_mmap = plan.use_mmap
+    if plan.streamed_bytes and plan.use_mmap:
+        # Past RAM the CPU's weights must stay the file's pages (llama/resident.py): repacked
+        # for the CPU they would be anonymous copies, which cannot be read back from the file.
+        params.use_extra_bufts = False
     params.load_mtp = plan.speculative == "mtp"  # llama.cpp skips the NextN layers otherwise
     if metadata_only:
         params.no_alloc = True

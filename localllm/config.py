@@ -58,8 +58,9 @@
 - expected_fill: the older form of workload, kept: when set (in the file or the environment) the
   session is one short prompt and an answer that fills this part of the context, 0.05 to 1.
 - ram_budget: host RAM a model may use, `auto` (what is available when it loads: MemAvailable,
-  capped by the cgroup's memory.max) or a size (`24G`, `20000M`); weights past it stay in the
-  mmapped file and are read from disk.
+  capped by the cgroup's memory limit, v2 or v1) or a size (`24G`, `20000M`); weights past it
+  stay in the mmapped file and are read from disk per token, while the runner locks the rest
+  in RAM (mlock: `ulimit -l` must allow it, else /api/ps and the log say how far it got).
 - gpus: which GPUs models may use, `all` or their indices as nvidia-smi lists them (`0,2`),
   within what CUDA_VISIBLE_DEVICES leaves visible; the tuner splits layers over them by
   layer, and may still leave one out where the others run the model faster.

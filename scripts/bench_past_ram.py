@@ -4,21 +4,22 @@
     source .device-carry/on-device.sh
     python3 scripts/bench_past_ram.py --out $OUT                # 70B-class Q4_0 (37 GiB),
                                                                 # 12 GiB VRAM, memory.max 24 GiB
-    python3 scripts/bench_past_ram.py --tiny --out /tmp/p       # the same code on a CPU: a 1B
-                                                                # model, ram_budget 512M
+    python3 scripts/bench_past_ram.py --tiny --systems ours --out /tmp/p   # the same code on
+                                                                # a CPU: a 1B model, 1 GiB
 
 The model is written first (scripts/synth_gguf.py), then this process moves itself into a
-cgroup v2 group with `memory.max` (its children, the daemon, its runner and llama-server,
-inherit it) and drops the model file's page cache, so every system starts cold and holds at
-most that much RAM and page cache together. Each system in turn:
+memory cgroup (v2's `memory.max`, or v1's `memory.limit_in_bytes` where the memory controller
+is v1's; its children, the daemon, its runner and llama-server, inherit it) and drops the
+model file's page cache, so every system starts cold and holds at most that much RAM and page
+cache together. Each system in turn:
   ours     the daemon: `tune --calibrate` first (the disk's read rate goes into the plan), then
            a short prompt and --tokens decoded; the plan's own figures (GiB read from disk per
            token, predicted decode) come from its load line in the daemon's log
   fit-f16  `llama-server --fit on --fit-target (free - budget)` in the same group
 Rows go to $OUT/past_ram.jsonl as they are made: decode tok/s, the prediction and its error,
 peak VRAM (NVML, above the baseline) and the group's peak memory (memory.peak where the kernel
-has it). Where no cgroup v2 can be made (--tiny on a CI machine), the RAM limit is the daemon's
-`ram_budget` setting instead, and llama-server is skipped.
+has it, v1's memory.max_usage_in_bytes). Where no cgroup can be made, the RAM limit is the
+daemon's `ram_budget` setting instead, and llama-server is skipped.
 """
 
 from __future__ import annotations
@@ -54,8 +55,25 @@ PLAN_DECODE = re.compile(r"([\d.]+) tok/s at the start")
 
 
 def enter_cgroup(name: str, limit_bytes: int) -> Path | None:
-    """Move this process into a cgroup v2 group with memory.max = limit; None where none can be
-    made (no cgroup v2, no memory controller, not allowed)."""
+    """Move this process into a cgroup v2 group with memory.max = limit, or a v1 memory group
+    with memory.limit_in_bytes = limit where the memory controller is v1's; None where none
+    can be made (no memory controller, not allowed)."""
+    v1 = CGROUP_ROOT / "memory"
+    if (v1 / "memory.limit_in_bytes").is_file():
+        group = v1 / name
+        try:
+            group.mkdir(exist_ok=True)
+            swap = group / "memory.memsw.limit_in_bytes"  # RAM + swap: never below RAM's
+            if swap.exists():
+                swap.write_text("-1")
+            (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            if swap.exists():  # swap would hide the limit
+                swap.write_text(str(limit_bytes))
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+        except OSError as e:
+            print(f"no cgroup: {e}", file=sys.stderr)
+            return None
+        return group
     if not (CGROUP_ROOT / "cgroup.controllers").is_file():
         return None
     group = CGROUP_ROOT / name
@@ -91,14 +109,16 @@ def reset_peak(group: Path | None) -> None:
     """Linux 6.12 and later reset memory.peak on a write; older ones keep the group's peak."""
     try:
         if group:
-            (group / "memory.peak").write_text("0")
+            v1 = group / "memory.max_usage_in_bytes"
+            (v1 if v1.exists() else group / "memory.peak").write_text("0")
     except OSError:
         pass
 
 
 def group_peak(group: Path | None) -> int | None:
     try:
-        return int((group / "memory.peak").read_text()) if group else None
+        v1 = group / "memory.max_usage_in_bytes" if group else None
+        return int((v1 if v1.exists() else group / "memory.peak").read_text()) if group else None
     except (OSError, ValueError):
         return None
 
@@ -129,19 +149,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 16)
     p.add_argument("--models", default="/tmp/bench-models")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--tiny", action="store_true", help="a 1B model on a CPU, ram_budget 512M")
+    p.add_argument("--tiny", action="store_true",
+                   help="a 1B model (0.7 GiB) on a CPU, in a group of --tiny-ram GiB where a "
+                        "cgroup can be made, else with that ram_budget")
+    p.add_argument("--tiny-ram", type=float, default=1.0, metavar="GiB")
     args = p.parse_args(argv)
     config = synth_gguf.SHAPES[args.shape]
     if args.tiny:
         # the smallest model that can outgrow a small ram_budget
         config, args.budget, args.ram, args.ctx, args.tokens = \
-            synth_gguf.SHAPES["llama-1b"], 0.5, 0.5, 512, 4
+            synth_gguf.SHAPES["llama-1b"], 0.5, args.tiny_ram, 512, 16
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = synth_gguf.ensure_model(args.models, config)
     limit = int(args.ram * GIB)
-    group = None if args.tiny else enter_cgroup("localllm-past-ram", limit)
-    settings = {} if group else {"LOCALLLM_RAM_BUDGET": f"{max(1, limit // MIB)}MiB"}
+    group = enter_cgroup("localllm-past-ram", limit)
+    # A group's room less the tuner's 1 GiB reserve for the runner is the RAM budget; a group
+    # of a tiny model's size leaves none, so --tiny names the budget too (3/4 of the group).
+    budget = limit * 3 // 4 if args.tiny else limit
+    settings = {} if group and not args.tiny else {
+        "LOCALLLM_RAM_BUDGET": f"{max(256, budget // MIB)}MiB"}
     with open(out / "past_ram.jsonl", "a") as jsonl:
         def record(row: dict) -> None:
             row = {"shape": config.name, "model_gib": round(model.stat().st_size / GIB, 1),
@@ -180,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                     if name == "ours":
                         log = Path(tmp) / "xdg_state_home" / "localllm" / "logs" / "localllm.log"
                         row.update(plan_figures(log))
+                        # what the runner locked in RAM and streams from the file per token
+                        [loaded] = system.daemon.get("/api/ps")["models"] or [{}]
+                        row["past_ram"] = loaded.get("past_ram")
                         if row.get("predicted_decode_tps") and r["decode_tps"]:
                             row["prediction_error"] = round(
                                 r["decode_tps"] / row["predicted_decode_tps"] - 1, 3)

@@ -63,6 +63,18 @@ def test_ram_is_memavailable_capped_by_the_cgroup(tmp_path):
     # No limit anywhere: no cap.
     (proc).write_text("0::/\n")
     assert hardware.cgroup_room_bytes(str(proc), str(root)) is None
+    # cgroup v1's memory controller (a hybrid host: v2 mounted without it) is read the same
+    # way, and its "unlimited" is no limit.
+    proc.write_text("4:memory:/jobs/one\n1:cpu,cpuacct:/jobs/one\n0::/\n")
+    v1 = root / "memory" / "jobs" / "one"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(str(8 * GIB) + "\n")
+    (v1 / "memory.usage_in_bytes").write_text(str(5 * GIB) + "\n")
+    (v1 / "memory.stat").write_text(f"cache {4 * GIB}\nrss {1 * GIB}\ntotal_cache {4 * GIB}\n")
+    (root / "memory" / "jobs" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert hardware.cgroup_room_bytes(str(proc), str(root)) == 7 * GIB
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert hardware.cgroup_room_bytes(str(proc), str(root)) is None
     # This machine: a probe reads MemAvailable, never more than the physical RAM.
     assert 0 < hardware.ram_available() <= hardware.host_ram_bytes()
     assert hardware.probe_card().ram_available_bytes > 0

@@ -113,8 +113,10 @@ def main() -> int:
         return 1
     engine.on_threads = lambda event: channel.send(event_to_wire("", event))
     engine.on_band = lambda event: channel.send(event_to_wire("", event))
+    resident = engine.lm.resident
     channel.send({"event": "loaded", "pid": os.getpid(), "load_duration_ns": load_ns,
-                  "n_ctx": engine.n_ctx, "n_parallel": len(engine.slots)})
+                  "n_ctx": engine.n_ctx, "n_parallel": len(engine.slots),
+                  **({"past_ram": resident.report()} if resident else {})})
     log.info("loaded %s with %d slots of %d tokens", load["model_path"], len(engine.slots),
              engine.n_ctx)
     threading.Thread(target=read_commands, args=(engine, channel), daemon=True).start()

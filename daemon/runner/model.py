@@ -8,11 +8,16 @@ placement overrides or remote devices. Everything here is a thin, typed layer ov
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 
 import llama_cpp
 from localllm.llama.params import MAX_DRAFT, context_params, model_params
+from localllm.llama.resident import ResidentWeights
 from localllm.profiles.plan import Plan
+
+
+log = logging.getLogger("localllm.runner.model")
 
 
 class ModelLoadError(Exception):
@@ -32,6 +37,7 @@ class LlamaModel:
     n_swa: int  # sliding window of the SWA layers; 0 when there are none or the cache is full
     recurrent: bool  # recurrent or hybrid: the state cannot be cut back to an earlier position
     n_rollback: int  # ... except by this many positions (recurrent-state snapshots)
+    resident: ResidentWeights | None = None  # past RAM: the weights locked in RAM
 
 
 def load(model_path: str, plan: Plan) -> LlamaModel:
@@ -48,6 +54,10 @@ def load(model_path: str, plan: Plan) -> LlamaModel:
         llama_cpp.llama_model_free(model)
         raise ModelLoadError("llama.cpp could not create the context (out of memory for the "
                              "KV cache or compute buffers? see the runner log)")
+    resident = None
+    if plan.streamed_bytes and plan.use_mmap:
+        resident = ResidentWeights(model_path, plan)
+        (log.warning if resident.error else log.info)("past RAM: %s", resident.describe())
     vocab = llama_cpp.llama_model_get_vocab(model)
     recurrent = bool(llama_cpp.llama_model_is_recurrent(model)
                      or llama_cpp.llama_model_is_hybrid(model))
@@ -56,7 +66,7 @@ def load(model_path: str, plan: Plan) -> LlamaModel:
         n_ctx_seq=llama_cpp.llama_n_ctx_seq(ctx), n_batch=llama_cpp.llama_n_batch(ctx),
         n_seq=llama_cpp.llama_n_seq_max(ctx), n_vocab=llama_cpp.llama_vocab_n_tokens(vocab),
         n_swa=0 if plan.swa_full else llama_cpp.llama_model_n_swa(model),
-        recurrent=recurrent, n_rollback=llama_cpp.llama_n_rs_seq(ctx),
+        recurrent=recurrent, n_rollback=llama_cpp.llama_n_rs_seq(ctx), resident=resident,
     )
 
 
@@ -127,3 +137,5 @@ def free(lm: LlamaModel) -> None:
     placement of the same file (engine.py)."""
     llama_cpp.llama_free(lm.ctx)
     llama_cpp.llama_model_free(lm.model)
+    if lm.resident is not None:
+        lm.resident.close()

@@ -90,6 +90,7 @@ class RunnerProcess:
         self.load_duration_ns = 0
         self.n_ctx = plan.n_ctx
         self.n_parallel = plan.n_parallel
+        self.past_ram: dict | None = None
         self.n_threads = plan.n_threads  # decode threads in use (the runner may drop some)
         self.threads_reason = ""  # why they differ from the plan's
         self.loaded_at = 0.0
@@ -163,6 +164,10 @@ class RunnerProcess:
         self.load_duration_ns = reply["load_duration_ns"]
         self.n_ctx = reply["n_ctx"]
         self.n_parallel = reply.get("n_parallel", 1)
+        # Past RAM: the weights the runner locked in RAM and those read per token (llama/resident)
+        self.past_ram = reply.get("past_ram")
+        if self.past_ram:
+            log.info("runner for %s, past RAM: %s", self.model_name, self.past_ram["text"])
         self.loaded_at = time.time()
         self._reader = asyncio.create_task(self._read_events())
 
