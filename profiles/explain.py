@@ -403,8 +403,15 @@ def impossible_message(shape: ModelShape, card: Card, request: Request,
     if leanest is not None:
         kv = sum(m.kv for m in leanest.memory)
         weights = sum(m.weights for m in leanest.memory)
-        usable = (f"{gib(leanest.vram_budget)} VRAM + {gib(leanest.ram_budget)} RAM are"
-                  if card.has_gpu else f"{gib(leanest.ram_budget)} RAM is")
+        if request.ram_budget_bytes:
+            ram_why = " (the ram_budget setting)"
+        elif card.ram_available_bytes:  # MemAvailable, or a memory cgroup's room, at load
+            ram_why = (f" of {gib(card.ram_available_bytes)} available to this process (the "
+                       "rest kept for the runner itself)")
+        else:
+            ram_why = ""
+        usable = (f"{gib(leanest.vram_budget)} VRAM + {gib(leanest.ram_budget)} RAM{ram_why} are"
+                  if card.has_gpu else f"{gib(leanest.ram_budget)} RAM{ram_why} is")
         need = (f": even with {leanest.settings.type_k} KV it needs "
                 f"{gib(leanest.ram_used + leanest.vram_used)} (weights {gib(weights)}, KV "
                 f"{gib(kv)}) but {usable} usable, and only weights can stay on disk")

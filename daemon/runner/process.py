@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -151,8 +152,12 @@ class RunnerProcess:
                             ) from None
         if not line:
             code = await self._release()
+            # SIGKILL that no one here sent, while weights are read: the kernel's OOM killer
+            oom = (" - most likely out of memory: the kernel kills a process that outgrows RAM "
+                   "or its cgroup's limit; a smaller ram_budget or context plans for less"
+                   if code == -signal.SIGKILL else "")
             raise LoadError(f"the runner exited while loading {self.model_name} "
-                            f"({describe_exit(code)}); see {self.log_path}")
+                            f"({describe_exit(code)}{oom}); see {self.log_path}")
         try:
             reply = json.loads(line)
         except ValueError:
