@@ -20,7 +20,8 @@ from localllm.modelstore.shape import ModelShape, shape_from_header
 from localllm.profiles.card import GIB, Card
 from localllm.profiles.disk import disk_bytes_per_token
 from localllm.profiles.plan import Plan
-from localllm.profiles.tuner import NoPlanFits, Request, ram_budget, tune
+from localllm.profiles.budgets import ram_budget
+from localllm.profiles.tuner import NoPlanFits, Request, tune
 
 HEADER_READS = 4  # header range requests in flight at once
 

@@ -185,7 +185,7 @@ def settings_of(plan: Plan) -> ContextSettings:
 
 
 def placement_of(plan: Plan, shape: ModelShape) -> Placement:
-    """The tuner's placement behind a plan's load parameters (see tuner.tensor_overrides)."""
+    """The tuner's placement behind a plan's load parameters (see build.tensor_overrides)."""
     output_on_cpu = any(o.pattern in (r"^output\.weight$", r"^token_embd\.weight$")
                         for o in plan.tensor_overrides)
     n_experts = n_ffn = 0

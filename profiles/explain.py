@@ -251,7 +251,7 @@ def split_lines(shape: ModelShape, card: Card, best: Option, chosen: Search) -> 
     if card.n_gpus < 2:
         return []
     from .plan import layer_ranges
-    from .tuner import gpu_layers
+    from .build import gpu_layers
 
     layers = gpu_layers(shape, card, best.placement)
     budgets = dict(best.device_budgets)
@@ -460,7 +460,7 @@ def speculation_lines(shape: ModelShape, card: Card, request: Request, chosen: S
         return [f"{SPECULATION_OFF}{n}" for n in notes] or [
             f"{SPECULATION_OFF}no way of drafting planned for this model"]
     s, p = best.settings, best.placement
-    from .tuner import objective_depth
+    from .workload import objective_depth
 
     depth = min(s.n_ctx, objective_depth(s.n_ctx, request.workload))
     terms = checking_terms(evaluator.costs, p, s, card, request.n_threads, depth)

@@ -12,7 +12,9 @@ may compete (profiles.quality). The shortest session wins; a near tie (within 1%
 better KV precision, then to faster prefill. Slots (`num_parallel`) and a full-size
 sliding-window cache then take what VRAM is left, never a layer. Measurements (dry-run compute
 buffers, NVML's free memory, `localllm eval` results) come in through the `Card`, the
-`ComputeTable` and the `Request`, so every test can call it with numbers.
+`ComputeTable` and the `Request`, so every test can call it with numbers. What the card
+leaves a plan (VRAM per GPU, RAM) is profiles.budgets; the winner becomes a Plan, with its
+load parameters, predictions and reasons, in profiles.build.
 """
 
 from __future__ import annotations
@@ -24,23 +26,24 @@ from localllm.errors import UserError
 from localllm.modelstore.shape import ModelShape
 
 from . import quality, speculation
-from .card import GIB, MIB, Card
+from .card import MIB, Card
 from .disk import disk_bytes_per_token, disk_read_gbs, non_weight_ram_fits, with_disk_reads
-from .explain import explain, gib, impossible_message
+from .budgets import Layout, gpu_layouts, ram_budget, vram_budget, vram_budgets
+from .build import build_plan
+from .explain import gib, impossible_message
 from .memory import (
     CPU, ComputeTable, ContextSettings, ModelCosts, Placement, block_devices, layer_gpu_bytes,
     memory_by_device, model_costs, split_layers,
 )
-from .plan import DeviceMemory, Plan, TensorOverride, cpu_plan
+from .plan import DeviceMemory, Plan
 from .quality import kv_label, kv_rank, split_kv
 from .speculation import SpeculationChoice, Speculator
 from .speed import Speed, predict_speed, prompt_cost
-from .workload import HALF_FILL, Turn, Workload
+from .workload import HALF_FILL, Turn, Workload, objective_depth
 
 MIN_DEFAULT_CTX = 4096
 CTX_LADDER = (4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
 NEAR_TIE = 0.99  # a session within 1%: below what the speed model can tell apart
-RAM_RESERVE = 1 * GIB  # of the RAM available at load: the runner's own memory, CUDA's pinned
 FAST_ENOUGH = 0.9  # the default context may cost at most 10% of decode speed
 AUTO_MAX_PARALLEL = 4  # num_parallel = auto: at most this many slots
 MIX_POINTS = 10  # whole-block counts tried under the attention-on-GPU placement
@@ -179,61 +182,6 @@ class Search:
     quality_note: str = ""
 
 
-def vram_budget(card: Card, margin: int) -> int:
-    """Per GPU: free memory less the user's margin (the CUDA overhead is counted per device);
-    several GPUs: the smallest of theirs."""
-    return min(vram_budgets(card, margin).values(), default=0)
-
-
-def vram_budgets(card: Card, margin: int) -> dict[str, int]:
-    """Each GPU's free memory less the user's margin."""
-    return {g.device: max(0, g.free_vram_bytes - margin) for g in card.gpu_list}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Which GPUs take layers, and the shares the split follows: by free memory (as llama.cpp
-    splits when told nothing), or the fastest GPU filled first."""
-
-    name: str
-    shares: tuple[float, ...]
-
-
-def gpu_layouts(card: Card, budgets: dict[str, int]) -> tuple[Layout, ...]:
-    """The layouts worth pricing on several GPUs: every set of them (alike GPUs counted once),
-    each split by free memory, and fastest first where their speeds differ. Leaving a GPU out
-    pays where the model fits the others and the slow card would only slow it down."""
-    gpus = card.gpu_list
-    out, seen = [], set()
-    for mask in sorted(range(1, 1 << len(gpus)), key=lambda m: (-bin(m).count("1"), m)):
-        chosen = [g for i, g in enumerate(gpus) if mask >> i & 1]
-        kinds = tuple(sorted((g.free_vram_bytes, g.bandwidth_gbs, g.fp16_tflops) for g in chosen))
-        if kinds in seen:
-            continue
-        seen.add(kinds)
-        names = "+".join(g.device for g in chosen)
-        out.append(Layout(f"{names} by free memory", tuple(
-            float(budgets[g.device]) if mask >> i & 1 else 0.0 for i, g in enumerate(gpus))))
-        fastest = max(g.bandwidth_gbs for g in chosen)
-        if any(g.bandwidth_gbs != fastest for g in chosen):
-            out.append(Layout(f"{names} fastest first", tuple(
-                (1e6 if g.bandwidth_gbs == fastest else 1.0) if mask >> i & 1 else 0.0
-                for i, g in enumerate(gpus))))
-    return tuple(out)
-
-
-def ram_budget(card: Card, request: Request | None = None) -> int:
-    """Host RAM the plan may use: the config's ram_budget where set; else what was available
-    when the card was probed (MemAvailable capped by the cgroup) less a reserve for the
-    runner itself; for a card that was not probed, the physical RAM less 10% (at least 2 GiB)
-    that the system keeps."""
-    if request is not None and request.ram_budget_bytes:
-        return request.ram_budget_bytes
-    if card.ram_available_bytes:
-        return max(0, card.ram_available_bytes - RAM_RESERVE)
-    return max(0, card.ram_bytes - max(2 * GIB, card.ram_bytes // 10))
-
-
 def _largest(pred: Callable[[int], bool], lo: int, hi: int) -> int | None:
     """Largest n in [lo, hi] with pred(n), pred true up to some n and false after."""
     if not pred(lo):
@@ -258,17 +206,6 @@ def _smallest(pred: Callable[[int], bool], lo: int, hi: int) -> int | None:
         else:
             lo = mid + 1
     return lo
-
-
-def objective_depth(n_ctx: int, workload: Workload) -> int:
-    """The depth whose decode speed stands for the session's: decode time grows linearly with
-    depth, so the answers' tokens over their time equal the speed at their mean depth."""
-    turns = workload.session(n_ctx)
-    answered = sum(t.answer for t in turns)
-    if not answered:
-        return 1
-    mean = sum(t.answer * (t.start + t.prompt + t.answer / 2) for t in turns) / answered
-    return max(1, int(mean))
 
 
 class _Evaluator:
@@ -680,121 +617,6 @@ def choose_context(searches: list[Search], evaluator: _Evaluator) -> Search | No
     base = shallow(fitting[0])
     fast = [s for s in fitting if shallow(s) >= base * FAST_ENOUGH]
     return fast[-1]
-
-
-def tensor_overrides(shape: ModelShape, placement: Placement) -> tuple[TensorOverride, ...]:
-    out = []
-    if placement.output_on_cpu:
-        # With tied embeddings the lm-head is the token table loaded a second time.
-        name = "token_embd" if shape.tied_embeddings else "output"
-        out.append(TensorOverride(rf"^{name}\.weight$", "CPU"))
-    if placement.n_cpu_expert_layers:
-        blocks = "|".join(str(i) for i in range(placement.n_cpu_expert_layers))
-        out.append(TensorOverride(rf"^blk\.({blocks})\.ffn_(up|down|gate|gate_up)_exps\.", "CPU"))
-    if placement.n_cpu_ffn_layers:
-        n_trunk = shape.n_layer_main
-        first = max(0, n_trunk - placement.n_cpu_ffn_layers)
-        blocks = "|".join(str(i) for i in range(first, n_trunk))
-        out.append(TensorOverride(rf"^blk\.({blocks})\.ffn_(up|gate|down)\.", "CPU"))
-    return tuple(out)
-
-
-def gpu_layers(shape: ModelShape, card: Card,
-               placement: Placement) -> tuple[tuple[str, int], ...]:
-    """llama.cpp's layers per device, the CPU's first, then each GPU's (the output layer
-    counted as the last layer): the plan's device_layers, and its tensor_split after the CPU."""
-    costs = model_costs(shape)
-    devices = block_devices(costs, placement, card.n_gpus)
-    return tuple((d, devices.count(d)) for d in (CPU, *card.devices))
-
-
-def decode_by_depth(evaluator: _Evaluator, best: Option) -> tuple[tuple[int, float], ...]:
-    """Predicted decode at the start, the middle and the end of the context."""
-    n = best.settings.n_ctx
-    return tuple((d, round(evaluator.option_speed(best, d).decode_tps, 2))
-                 for d in (0, n // 2, n))
-
-
-TTFT_PROMPTS = (1024, 4096, 16384, 65536)
-
-
-def time_to_first_token(evaluator: _Evaluator, best: Option) -> tuple[tuple[int, float], ...]:
-    """Predicted seconds to the first token of prompts of a few lengths, read into an empty
-    context in the plan's micro-batches (and one decode step)."""
-    s = best.settings
-    cost = prompt_cost(evaluator.costs, best.placement, s, evaluator.card,
-                       evaluator.request.n_threads)
-    disk_s = best.disk_bytes / (disk_read_gbs(evaluator.card)[0] * 1e9) if best.disk_bytes \
-        else 0.0
-    out = []
-    for n in TTFT_PROMPTS:
-        if n >= s.n_ctx:
-            break
-        n_ub = -(-n // max(1, s.n_ubatch))
-        first = 1.0 / max(1e-9, evaluator.option_speed(best, n).decode_tps)
-        out.append((n, round(cost.seconds(n, s.n_ubatch) + n_ub * disk_s + first, 2)))
-    return tuple(out)
-
-
-def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
-               searches: list[Search], evaluator: _Evaluator,
-               speculation_notes: list[str] | None = None) -> Plan:
-    best = chosen.best
-    assert best is not None
-    single = best
-    best, slot_note = evaluator.with_slots(best)
-    full_swa = evaluator.with_full_swa(best, shape.chat_template is not None)
-    if full_swa is not None:
-        best = full_swa
-    threads = request.n_threads or card.cores
-    s = best.settings
-    if not card.has_gpu:
-        base = cpu_plan(s.n_ctx, 0)
-        batch = min(request.n_batch or base.n_batch, s.n_ctx)
-        plan = replace(base, n_threads=threads, n_batch=batch, n_ubatch=min(base.n_ubatch, batch),
-                       n_threads_batch=request.n_threads or base.n_threads_batch,
-                       type_k=s.type_k, type_v=s.type_v, flash_attn=s.flash_attn)
-    else:
-        plan = Plan(
-            n_ctx=s.n_ctx,
-            n_gpu_layers=best.placement.n_gpu_layers,
-            tensor_overrides=tensor_overrides(shape, best.placement),
-            tensor_split=tuple(float(k) for _, k in gpu_layers(shape, card, best.placement)[1:])
-            if card.n_gpus > 1 else (),
-            device_layers=gpu_layers(shape, card, best.placement),
-            gpus=tuple(g.index for g in card.gpu_list) if card.source == "probe" else (),
-            type_k=s.type_k, type_v=s.type_v, flash_attn=s.flash_attn,
-            n_batch=request.n_batch or max(2048, s.n_ubatch),
-            n_ubatch=min(s.n_ubatch, request.n_batch or s.n_ubatch),
-            n_threads=threads, n_threads_batch=threads,
-        )
-    chosen = replace(chosen, best=best)
-    spec = best.speculation
-    plan = replace(
-        plan,
-        speculative=spec.mode if spec else "off",
-        draft_n_max=spec.draft_n_max if spec else 0,
-        draft_n_gpu_layers=spec.draft_n_gpu_layers if spec else 0,
-        predicted_plain_decode_tps=round(
-            evaluator.speed(best.placement, best.settings,
-                            objective_depth(s.n_ctx, request.workload)).decode_tps, 2),
-    )
-    return replace(
-        plan,
-        n_parallel=s.n_seq,
-        swa_full=s.swa_full,
-        memory=best.memory,
-        predicted_decode_tps=round(best.speed.decode_tps, 2),
-        predicted_prefill_tps=round(best.speed.prefill_tps, 1),
-        predicted_decode_by_depth=decode_by_depth(evaluator, best),
-        predicted_ttft=time_to_first_token(evaluator, best),
-        workload=request.workload.describe(),
-        predicted_session_s=round(best.session_seconds, 1),
-        streamed_bytes=disk_bytes_per_token(best.memory, evaluator.ram_budget),
-        reasons=tuple(explain(shape, card, request, chosen, searches, evaluator, threads,
-                              single, slot_note, speculation_notes or [])),
-        source="tuner",
-    )
 
 
 __all__ = ["NoPlanFits", "Option", "Request", "Search", "gib", "tune"]

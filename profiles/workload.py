@@ -94,3 +94,14 @@ def named(name: str) -> Workload:
         return WORKLOADS[name]
     except KeyError:
         raise ValueError(f"unknown workload {name!r}; use {', '.join(WORKLOADS)}") from None
+
+
+def objective_depth(n_ctx: int, workload: Workload) -> int:
+    """The depth whose decode speed stands for the session's: decode time grows linearly with
+    depth, so the answers' tokens over their time equal the speed at their mean depth."""
+    turns = workload.session(n_ctx)
+    answered = sum(t.answer for t in turns)
+    if not answered:
+        return 1
+    mean = sum(t.answer * (t.start + t.prompt + t.answer / 2) for t in turns) / answered
+    return max(1, int(mean))

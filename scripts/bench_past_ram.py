@@ -123,6 +123,17 @@ def group_peak(group: Path | None) -> int | None:
         return None
 
 
+def disk_read_bytes(pid: int | None) -> int | None:
+    """Bytes the process has had read from storage (page cache misses included, hits not)."""
+    try:
+        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, TypeError):
+        pass
+    return None
+
+
 def plan_figures(log: Path) -> dict:
     """The load line's figures: GiB read from disk per token and the predicted decode."""
     text = log.read_text() if log.is_file() else ""
@@ -198,12 +209,25 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         system = Fit(model, args.ctx, int(args.budget * 1024), name[4:],
                                      args.threads, out / f"{name}-past-ram.log")
+                    prompt = "The quick brown fox jumps over the lazy dog. " * 4
+                    if name == "ours":  # loaded first, as llama-server is when it starts
+                        system.generate(prompt, 1)
+                        [loaded] = system.daemon.get("/api/ps")["models"] or [{}]
+                        pid = loaded.get("runner_pid")
+                    else:
+                        pid = system.proc.pid
+                    read_before = disk_read_bytes(pid)
                     start = time.perf_counter()
-                    r = system.generate("The quick brown fox jumps over the lazy dog. " * 4,
-                                        args.tokens)
+                    r = system.generate(prompt, args.tokens)
                     row = {"system": name, "decode_tps": round(r["decode_tps"], 3),
                            "answer_tokens": r["answer_tokens"], "ttft": round(r["ttft"], 1),
                            "wall_s": round(time.perf_counter() - start, 1), "plan": system.plan()}
+                    read = disk_read_bytes(pid)
+                    if read is not None and read_before is not None and r["answer_tokens"]:
+                        # one pass over the weights per answer token (the prompt's pass
+                        # gives the first); /proc/PID/io counts what reached the disk
+                        row["measured_disk_gib_per_token"] = round(
+                            (read - read_before) / r["answer_tokens"] / GIB, 2)
                     if name == "ours":
                         log = Path(tmp) / "xdg_state_home" / "localllm" / "logs" / "localllm.log"
                         row.update(plan_figures(log))

@@ -21,7 +21,8 @@ from localllm.profiles.plan import Plan, TensorOverride, physical_cores
 from localllm.profiles.saved import (
     ProfileError, find_profile, load_profile, profile_path, save_profile,
 )
-from localllm.profiles.tuner import Request, tensor_overrides, tune
+from localllm.profiles.build import tensor_overrides
+from localllm.profiles.tuner import Request, tune
 
 
 @pytest.fixture(scope="module")

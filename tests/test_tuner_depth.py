@@ -14,7 +14,8 @@ import synth_gguf
 from localllm.modelstore.shape import read_shape
 from localllm.profiles.card import GIB, MIB, load_card
 from localllm.profiles.choose import placement_of
-from localllm.profiles.tuner import Request, ram_budget, tune, vram_budget
+from localllm.profiles.budgets import ram_budget, vram_budget
+from localllm.profiles.tuner import Request, tune
 
 H200_HOST = dict(ram_bytes=128 * GIB, cores=16, host_bandwidth_gbs=51.2)
 

@@ -13,7 +13,8 @@ import synth_gguf
 from localllm.modelstore.shape import read_shape
 from localllm.profiles.card import GIB, load_card
 from localllm.profiles.disk import ASSUMED_DISK_GBS
-from localllm.profiles.tuner import Request, ram_budget, tune, vram_budget
+from localllm.profiles.budgets import ram_budget, vram_budget
+from localllm.profiles.tuner import Request, tune
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ from localllm.profiles.memory import (
 from localllm.profiles.plan import Plan
 from localllm.profiles.speed import prompt_cost
 from localllm.profiles.bands import band_plans
-from localllm.profiles.tuner import RAM_RESERVE, Request, ram_budget, tune
+from localllm.profiles.budgets import RAM_RESERVE, ram_budget
+from localllm.profiles.tuner import Request, tune
 from localllm.profiles.workload import AGENT, CHAT, from_fill
 
 H200_HOST = dict(ram_bytes=128 * GIB, cores=16, host_bandwidth_gbs=51.2)

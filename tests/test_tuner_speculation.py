@@ -19,7 +19,8 @@ from localllm.profiles.memory import ContextSettings, Placement, memory_by_devic
 from localllm.profiles.plan import Plan
 from localllm.profiles.saved import ProfileError, find_profile, profile_path, save_profile
 from localllm.profiles.speed import checking_cost, checking_terms
-from localllm.profiles.tuner import Request, ram_budget, tune, vram_budget
+from localllm.profiles.budgets import ram_budget, vram_budget
+from localllm.profiles.tuner import Request, tune
 
 HOST = dict(ram_bytes=64 * GIB, cores=8, host_bandwidth_gbs=50.0)
 H200_HOST = dict(ram_bytes=128 * GIB, cores=16, host_bandwidth_gbs=51.2)

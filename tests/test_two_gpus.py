@@ -24,7 +24,8 @@ from localllm.llama.hardware import card_from_nvml, visible_devices
 from localllm.profiles.memory import split_layers
 from localllm.profiles.plan import Plan
 from localllm.profiles.rpc_plan import plan_with_workers
-from localllm.profiles.tuner import Request, tune, vram_budgets
+from localllm.profiles.budgets import vram_budgets
+from localllm.profiles.tuner import Request, tune
 from localllm.profiles.workers import Worker, WorkerDevice
 
 KV_BYTES = {"f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}
