@@ -4,11 +4,13 @@ llama.cpp maps the GGUF (use_mmap) and its CPU-resident weights are page cache: 
 what RAM holds and reads the rest from the file again each time a token needs it. So a plan
 whose CPU weights exceed the RAM budget still runs, at the disk's read rate for the excess.
 
-Assumed here: the page cache keeps as much of the weights as the RAM budget leaves (Linux's
-workingset detection protects pages that are read again and again from being evicted by one
-long scan), so each token reads the excess, not all of the CPU's weights. A cache that thrashes
-reads more and is slower than predicted. For a mixture of experts only the routed experts are
-read per token, so only that share of the excess comes from disk.
+The page cache alone does not keep as much of the weights as the RAM budget leaves: decode reads
+them in the same order every token, and LRU evicts each page just before it is needed again, so
+nearly all of the CPU's weights would be read per token. The runner therefore locks the part
+the budget holds (llama/resident.py) and only the excess cycles through the cache; where mlock
+is not allowed that far, decode is slower than predicted and the runner says so. For a mixture
+of experts only the routed experts are read per token, so only that share of the excess comes
+from disk.
 
 The read rate is the host's, measured by `localllm tune --calibrate` (profiles.calibrate) and
 stored with the other calibration figures; without a measurement a conservative NVMe figure is
@@ -70,4 +72,6 @@ def disk_reason(disk_bytes: int, card: Card) -> str:
     how = "measured by tune --calibrate" if measured else "assumed"
     return (f"{disk_bytes / (1 << 30):.1f} GiB read from disk per token at {rate:.1f} GB/s "
             f"({how}): the weights exceed VRAM plus the RAM budget, so the rest stays mmapped "
-            "in the model file (use_mmap) and decode waits on the disk")
+            "in the model file (use_mmap) and decode waits on the disk; the runner locks the "
+            "part RAM holds (mlock), so that the page cache cannot evict it for the rest, and "
+            "loads the CPU's weights unrepacked, as the file's pages")
