@@ -23,7 +23,8 @@ from localllm.modelstore.shape import ModelShape, read_shape
 
 from localllm.profiles.card import MIB, Card, card_names
 from localllm.profiles import quality
-from localllm.profiles.bands import FILL_BANDS, band_plans, bands_setting
+from localllm.options import LoadOptions
+from localllm.profiles.bands import FILL_BANDS, band_plans, bands_setting, choose_bands
 from localllm.profiles.choose import config_request, gpus_setting, tune_checked
 from localllm.profiles.explain import REJECTED, gib
 from localllm.llama.hardware import resolve_card
@@ -147,8 +148,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(format_plan(plan, card, shape, model_name))
         setting = parse_bands(bands_setting())
         if setting != "off":
-            bands = band_plans(shape, card, request, whole_plan=plan,
-                               sizes=FILL_BANDS if setting == "auto" else setting)
+            if card.has_gpu:
+                bands = band_plans(shape, card, request, whole_plan=plan,
+                                   sizes=FILL_BANDS if setting == "auto" else setting)
+            else:  # as the daemon loads them on a CPU: the same plan at each band's context
+                bands = [(p.n_ctx, p) for p in choose_bands(
+                    shape, model_name, LoadOptions(), card, plan, bands_setting())]
+                bands.append((plan.n_ctx, plan))
             if len(bands) > 1:
                 print("\n" + format_bands(bands, shape, explicit=setting != "auto"))
         if measured:

@@ -81,6 +81,10 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
     if not card.has_gpu:  # all in RAM: the bands differ in their context alone
         return tuple(replace(plan, n_ctx=band, n_batch=min(plan.n_batch, band),
                              n_ubatch=min(plan.n_ubatch, band),
+                             predicted_decode_by_depth=curve_up_to(
+                                 plan.predicted_decode_by_depth, band),
+                             predicted_ttft=tuple((n, t) for n, t in plan.predicted_ttft
+                                                  if n < band),
                              reasons=(*plan.reasons, f"fill band: up to {band} tokens"))
                      for band in sizes if band < plan.n_ctx)
     bands = band_plans(shape, card, request, whole_plan=plan,
@@ -90,6 +94,19 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
     if auto:
         plans = [p for p in plans if band_pays(p, plan)]
     return tuple(plans)
+
+
+def curve_up_to(curve: tuple[tuple[int, float], ...],
+                end: int) -> tuple[tuple[int, float], ...]:
+    """A decode-by-depth curve cut at `end`, its last point there (per-token time is linear
+    between the curve's points, so the speed there is interpolated through it)."""
+    inside = [(d, v) for d, v in curve if d < end]
+    after = next(((d, v) for d, v in curve if d >= end), None)
+    if not inside or after is None or after[1] <= 0 or inside[-1][1] <= 0:
+        return tuple(inside)
+    (d0, v0), (d1, v1) = inside[-1], after
+    t = 1 / v0 + (1 / v1 - 1 / v0) * (end - d0) / max(1, d1 - d0)
+    return (*inside, (end, round(1 / t, 2)))
 
 
 def band_pays(band: Plan, whole: Plan) -> bool:

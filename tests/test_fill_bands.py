@@ -5,6 +5,7 @@ with real llama.cpp and the real SmolLM2 model."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,7 @@ def test_a_switch_under_four_requests_loses_none_and_ps_shows_it(tmp_path, smoll
         # more would have loaded the whole context's plan at once).
         client.generate(model="smollm2", prompt="Hello", options={"num_predict": 2})
         assert daemon.ps()[0]["fill_band"]["n_ctx"] == BAND
+        small = daemon.get("/api/stats")["models"][0]["plan"]  # the band's plan, as loaded
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(count, range(4)))
         for answer in answers:
@@ -144,6 +146,17 @@ def test_a_switch_under_four_requests_loses_none_and_ps_shows_it(tmp_path, smoll
         listed = daemon.cli("ps")
         assert listed.returncode == 0
         assert f"fill band: up to {band['n_ctx']} tokens" in listed.stdout
+        # tune shows the bands this daemon loads, each with its own curve and prompts
+        tuned = daemon.cli("tune", "smollm2", "--ctx", str(loaded["context_length"]),
+                           "--no-save")
+        assert tuned.returncode == 0, tuned.stderr
+        shown = [int(n) for n in re.findall(r"^  up to (\d+) \(", tuned.stdout, re.M)]
+        assert shown == band["bands"], tuned.stdout
+        assert " 0.0 at " not in tuned.stdout, tuned.stdout
+        curve = dict(small["predicted_decode_by_depth"])
+        line = next(ln for ln in tuned.stdout.splitlines() if ln.startswith(f"  up to {BAND} "))
+        assert (f"ubatch {small['n_ubatch']}; decode {curve[0]:.1f} tok/s at the start, "
+                f"{curve[BAND]:.1f} at {BAND}") in line, (line, small)
         log = (Path(env["XDG_STATE_HOME"]) / "localllm" / "logs" / "runner.log").read_text()
         assert "carried 4 sequences" in log
     finally:

@@ -61,6 +61,9 @@ def plan_summary(plan, n_layer: int) -> dict:
         "predicted_ram": plan.ram_bytes(),
         "predicted_prefill_tps": plan.predicted_prefill_tps,
         "predicted_decode_tps": plan.predicted_decode_tps,
+        # (tokens in context, tok/s): the plan's decode at its start, middle and end
+        "predicted_decode_by_depth": [list(point) for point in plan.predicted_decode_by_depth],
+        "n_ubatch": plan.n_ubatch,
         "source": plan.source,
         "reasons": list(plan.reasons),
     }
