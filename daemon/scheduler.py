@@ -317,9 +317,10 @@ class Scheduler:
                                   speculation: Speculation, projector=None,
                                   bands: tuple[Plan, ...] = (),
                                   start_band: int = 0) -> RunnerProcess:
-        """Load with the plan (in its first fill band); when the load fails (out of memory, as
-        a rule, on a GPU), retry with the planner's next smaller plan, which it records in the
-        saved profile, and no bands."""
+        """Load with the plan (in its first fill band); when llama.cpp refuses it (out of
+        memory, as a rule, on a GPU), retry with the planner's next smaller plan, which it
+        records in the saved profile, and no bands. A runner that died or hung while loading
+        is not stepped down: the same error comes back."""
         plan = speculation.plan
         while True:
             try:
@@ -332,6 +333,8 @@ class Scheduler:
                                 e)
                     bands, start_band = (), 0
                     continue
+                if not e.refused:  # died or hung: less on the GPU would not help
+                    raise
                 smaller = await asyncio.to_thread(self.planner.step_down, plan, shape, name,
                                                   str(e))
                 if smaller is None:

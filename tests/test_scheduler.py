@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import pytest
@@ -66,6 +67,24 @@ async def test_when_no_smaller_plan_is_left_the_load_error_reaches_the_caller(
     try:
         with pytest.raises(LoadError, match="cannot load|exited"):
             await generate_once(scheduler, entry)
+        assert scheduler.models == {}
+    finally:
+        await scheduler.close()
+
+
+async def test_a_runner_killed_while_loading_is_not_stepped_down(store, smollm2_gguf,
+                                                                 tmp_path):
+    """SIGKILL at load is the kernel's OOM killer as a rule: RAM, which a plan with less on the
+    GPU would need more of. The error reaches the caller, saying so, with no step-down."""
+    entry = store.import_gguf(smollm2_gguf, "smollm2")
+    planner = FirstPlanFails()
+    killed = (sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    scheduler = Scheduler(store, Config(), tmp_path / "logs", planner, runner_command=killed)
+    await scheduler.start()
+    try:
+        with pytest.raises(LoadError, match="killed by SIGKILL - most likely out of memory"):
+            await generate_once(scheduler, entry)
+        assert planner.errors == [], "no smaller plan was asked for"
         assert scheduler.models == {}
     finally:
         await scheduler.close()

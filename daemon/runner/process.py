@@ -55,9 +55,16 @@ def runner_env(plan: Plan) -> dict[str, str]:
 
 
 class LoadError(UserError):
-    """The runner could not load the model (message from llama.cpp, or how it died)."""
+    """The runner could not load the model (message from llama.cpp, or how it died).
+    `refused`: llama.cpp said no (out of VRAM, as a rule, where a smaller plan may load);
+    otherwise the runner died or hung, where a plan with less on the GPU would not help (a
+    process the kernel killed for RAM would only need more of it)."""
 
     status = 500
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
 
 
 class RunnerRequestFailed(UserError):
@@ -165,7 +172,8 @@ class RunnerProcess:
         if reply.get("event") != "loaded":
             self.proc.kill()
             await self._release()
-            raise LoadError(f"cannot load {self.model_name}: {reply.get('message')}")
+            raise LoadError(f"cannot load {self.model_name}: {reply.get('message')}",
+                            refused=True)
         self.load_duration_ns = reply["load_duration_ns"]
         self.n_ctx = reply["n_ctx"]
         self.n_parallel = reply.get("n_parallel", 1)
