@@ -175,6 +175,22 @@ def test_chats_are_saved_as_they_go_and_exported(tmp_path):
     assert "## smollm2\n\n4" in text and "Be brief." in text
 
 
+def test_a_turns_images_are_saved_with_it_and_go_with_its_chat(tmp_path):
+    store = ChatStore(tmp_path / "chats.db")
+    chat = store.create_chat("vl")
+    store.add_message(chat, "user", "What is this?", images=("aW1hZ2Ux", "aW1hZ2Uy"))
+    store.add_message(chat, "assistant", "Two squares.")
+    other = store.create_chat("vl")
+    store.add_message(other, "user", "And this?", images=("aW1hZ2Uz",))
+    store.close()
+    reopened = ChatStore(tmp_path / "chats.db")
+    assert [m.images for m in reopened.messages(chat)] == [("aW1hZ2Ux", "aW1hZ2Uy"), ()]
+    reopened.delete_chat(chat)
+    count = reopened.db.execute("SELECT COUNT(*) FROM image").fetchone()[0]
+    assert count == 1, "a deleted chat's images go with it"
+    assert [m.images for m in reopened.messages(other)] == [("aW1hZ2Uz",)]
+
+
 def test_a_database_from_a_newer_version_is_refused(tmp_path):
     path = tmp_path / "chats.db"
     db = sqlite3.connect(path)

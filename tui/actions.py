@@ -165,7 +165,7 @@ class ChatActions:
                 m_state = m.state
             view = MessageView(m.role, m.content, chat.model if m.role == "assistant" else "",
                                footer, m_state)
-            self.entries.append(Entry(m.role, m.content, m_state, m.id, view))
+            self.entries.append(Entry(m.role, m.content, m_state, m.id, view, m.images))
         self.mount_views(e.view for e in self.entries)
         self.turn = resumed_context(messages)
         self.note(f"Reopened '{chat.title}' ({len(messages)} messages, {chat.model}).")

@@ -51,7 +51,7 @@ class Entry:
     db_id: int | None = None
     view: MessageView | None = None
     # base64 images sent with this turn (image files the prompt named, as `ollama run` takes
-    # them); kept for the open chat only: a resumed chat has the text of its turns
+    # them), stored with it: a reopened chat sends them again
     images: tuple[str, ...] = ()
 
 
@@ -167,8 +167,8 @@ class ChatApp(ChatActions, App[int]):
                   stats: dict | None = None, mount: bool = True,
                   images: tuple[str, ...] = ()) -> Entry:
         chat_id = self._ensure_chat()
-        db_id = self._safe(self.store.add_message, chat_id, role, content, state, stats) \
-            if chat_id else None
+        db_id = self._safe(self.store.add_message, chat_id, role, content, state, stats,
+                           images) if chat_id else None
         footer = answer_footer(TurnStats.from_wire(stats, True, stats.get("done_reason", ""))) \
             if stats else ""
         who = self.model if role == "assistant" else ""

@@ -36,6 +36,13 @@ CREATE TABLE IF NOT EXISTS message (
     created_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS message_chat ON message(chat_id, id);
+-- the images a user turn sent (base64, as the API takes them): a reopened chat sends them again
+CREATE TABLE IF NOT EXISTS image (
+    id INTEGER PRIMARY KEY,
+    message_id INTEGER NOT NULL REFERENCES message(id) ON DELETE CASCADE,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS image_message ON image(message_id, id);
 CREATE TABLE IF NOT EXISTS setting (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
@@ -64,6 +71,7 @@ class StoredMessage:
     content: str
     state: str = "done"
     stats: dict | None = None
+    images: tuple[str, ...] = ()  # base64
 
 
 class ChatStore:
@@ -129,14 +137,19 @@ class ChatStore:
 
     # ---- messages ------------------------------------------------------------------------
     def add_message(self, chat_id: int, role: str, content: str, state: str = "done",
-                    stats: dict | None = None) -> int:
+                    stats: dict | None = None, images: tuple[str, ...] = ()) -> int:
         now = time.time()
-        cur = self.db.execute(
-            "INSERT INTO message (chat_id, role, content, state, stats, created_at) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (chat_id, role, content, state, json.dumps(stats) if stats else None, now))
-        self.db.execute("UPDATE chat SET updated_at = ? WHERE id = ?", (now, chat_id))
-        return int(cur.lastrowid)
+        with self.db:  # the message and its images together
+            self.db.execute("BEGIN")
+            cur = self.db.execute(
+                "INSERT INTO message (chat_id, role, content, state, stats, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (chat_id, role, content, state, json.dumps(stats) if stats else None, now))
+            message_id = int(cur.lastrowid)
+            self.db.executemany("INSERT INTO image (message_id, data) VALUES (?, ?)",
+                                [(message_id, data) for data in images])
+            self.db.execute("UPDATE chat SET updated_at = ? WHERE id = ?", (now, chat_id))
+        return message_id
 
     def update_message(self, message_id: int, content: str, state: str,
                        stats: dict | None = None) -> None:
@@ -149,8 +162,13 @@ class ChatStore:
     def messages(self, chat_id: int) -> list[StoredMessage]:
         rows = self.db.execute("SELECT id, role, content, state, stats FROM message "
                                "WHERE chat_id = ? ORDER BY id", (chat_id,)).fetchall()
-        return [StoredMessage(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else None)
-                for r in rows]
+        images: dict[int, list[str]] = {}
+        for message_id, data in self.db.execute(
+                "SELECT i.message_id, i.data FROM image i JOIN message m ON m.id = i.message_id "
+                "WHERE m.chat_id = ? ORDER BY i.id", (chat_id,)):
+            images.setdefault(message_id, []).append(data)
+        return [StoredMessage(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else None,
+                              tuple(images.get(r[0], ()))) for r in rows]
 
     def prompt_history(self, limit: int = 200) -> list[str]:
         """The user's latest prompts, oldest first, for Up/Down recall across chats."""
