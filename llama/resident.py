@@ -53,9 +53,13 @@ def cpu_tensors(header: GGUFHeader, plan: Plan) -> tuple[list[Span], set[str]]:
     n_layer = int(_arch_key(header, "block_count") or 0)
     on_gpu = any(device != "CPU" for device, _ in plan.device_layers) or plan.n_gpu_layers > 0
     first_gpu = max(0, n_layer + 1 - plan.n_gpu_layers) if on_gpu else n_layer + 1
-    lm_head_on_cpu = first_gpu > n_layer
     to_cpu = [re.compile(o.pattern) for o in plan.tensor_overrides if o.device == "CPU"]
     names = {t.name for t in header.tensors}
+    tied = OUTPUT not in names
+    # the lm-head: the output layer, or an override (tied: the token table's, as the tuner
+    # writes it when it keeps the lm-head in RAM)
+    lm_head_on_cpu = first_gpu > n_layer or any(
+        p.search(TOKEN_TABLE if tied else OUTPUT) for p in to_cpu)
     spans = []
     for t in header.tensors:
         block = BLOCK.match(t.name)
@@ -65,7 +69,6 @@ def cpu_tensors(header: GGUFHeader, plan: Plan) -> tuple[list[Span], set[str]]:
         if cpu:
             start = header.data_offset + t.offset
             spans.append(Span(t.name, start, start + t.n_bytes))
-    tied = OUTPUT not in names
     return spans, (set() if tied and lm_head_on_cpu else {TOKEN_TABLE})
 
 

@@ -60,6 +60,11 @@ def test_a_tied_token_table_that_is_the_cpu_lm_head_is_read_whole(headers):
     on_gpu = Plan(n_ctx=512, n_gpu_layers=n_layer + 1, device_layers=(("CUDA0", n_layer + 1),))
     spans, row_read = cpu_tensors(header, on_gpu)
     assert [s.name for s in spans] == [TOKEN_TABLE] and row_read == {TOKEN_TABLE}
+    # the lm-head kept in RAM by the tuner's override: the token table is read whole again
+    head_in_ram = Plan(n_ctx=512, n_gpu_layers=n_layer + 1, device_layers=(("CUDA0", n_layer + 1),),
+                       tensor_overrides=(TensorOverride(r"^token_embd\.weight$", "CPU"),))
+    spans, row_read = cpu_tensors(header, head_in_ram)
+    assert [s.name for s in spans] == [TOKEN_TABLE] and row_read == set()
 
 
 def test_the_stream_takes_row_read_tensors_then_the_last_blocks(headers):
