@@ -30,6 +30,7 @@ import resource
 from dataclasses import dataclass
 
 from localllm.modelstore.gguf_header import GGUFHeader, read_header
+from localllm.modelstore.shape import shape_from_header
 from localllm.profiles.plan import Plan
 
 BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -50,7 +51,7 @@ def cpu_tensors(header: GGUFHeader, plan: Plan) -> tuple[list[Span], set[str]]:
     - n_gpu_layers), tensors an override sends there, the token table, and the output layer
     when no GPU layer is left for it. The token table is read a row per token unless it is also
     the lm-head (tied embeddings) on the CPU."""
-    n_layer = int(_arch_key(header, "block_count") or 0)
+    n_layer = shape_from_header(header, "").n_layer  # llama.cpp's n_layer: NextN included
     on_gpu = any(device != "CPU" for device, _ in plan.device_layers) or plan.n_gpu_layers > 0
     first_gpu = max(0, n_layer + 1 - plan.n_gpu_layers) if on_gpu else n_layer + 1
     to_cpu = [re.compile(o.pattern) for o in plan.tensor_overrides if o.device == "CPU"]
@@ -70,11 +71,6 @@ def cpu_tensors(header: GGUFHeader, plan: Plan) -> tuple[list[Span], set[str]]:
             start = header.data_offset + t.offset
             spans.append(Span(t.name, start, start + t.n_bytes))
     return spans, (set() if tied and lm_head_on_cpu else {TOKEN_TABLE})
-
-
-def _arch_key(header: GGUFHeader, key: str):
-    arch = header.metadata.get("general.architecture", "")
-    return header.metadata.get(f"{arch}.{key}")
 
 
 def split_resident(spans: list[Span], streamed_bytes: int,

@@ -466,7 +466,7 @@ async def api_ps(request: web.Request) -> web.Response:
             "active": slot.active,
             "plan_source": plan.source,
             **({"fill_band": runner.fill_band()} if runner.bands else {}),
-            **({"past_ram": runner.past_ram} if getattr(runner, "past_ram", None) else {}),
+            **({"past_ram": runner.past_ram} if runner.past_ram else {}),
             **({"projector": {"device": "GPU" if plan.projector_on_gpu else "CPU",
                               "seconds_per_image": round(plan.predicted_image_s, 3)}}
                if runner.projector_path else {}),
