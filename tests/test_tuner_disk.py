@@ -95,6 +95,10 @@ def test_disk_read_is_measured_stored_and_used(tmp_path):
     measured = measure_disk_read(model)
     assert measured.bytes_read == 96 << 20 and measured.gbs > 0
     assert measured.how  # says how (or whether) the page cache was kept out
+    # read as decode reads weights past RAM: page faults through a mapping, a span per thread
+    three = measure_disk_read(model, threads=3)
+    assert "mapping from 3 threads" in three.how
+    assert three.bytes_read == (96 << 20) // 3 // 4096 * 4096 * 3 and three.gbs > 0
     path = tmp_path / "calibration.toml"
     store_disk_read(measured, path)
     for name in ("rtx3060-12g", "cpu-only"):  # a host figure: every card planned here has it
