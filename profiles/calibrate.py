@@ -118,6 +118,7 @@ def measure_disk_read(path: Path, max_bytes: int = DISK_READ_BYTES,
     fd = os.open(path, os.O_RDONLY)
     try:
         try:
+            os.fsync(fd)  # DONTNEED drops only clean pages: a just-written model has dirty ones
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             how = "page cache dropped with posix_fadvise; pages mapped elsewhere may remain"
         except (OSError, AttributeError):

@@ -88,7 +88,7 @@ def written_file(path, size: int):
 
 
 def test_disk_read_is_measured_stored_and_used(tmp_path):
-    from localllm.profiles.calibrate import measure_disk_read, store_disk_read
+    from localllm.profiles.calibrate import PAGE, measure_disk_read, store_disk_read
     from localllm.profiles.measure import calibrated
 
     model = written_file(tmp_path / "model.gguf", 96 << 20)
@@ -98,7 +98,7 @@ def test_disk_read_is_measured_stored_and_used(tmp_path):
     # read as decode reads weights past RAM: page faults through a mapping, a span per thread
     three = measure_disk_read(model, threads=3)
     assert "mapping from 3 threads" in three.how
-    assert three.bytes_read == (96 << 20) // 3 // 4096 * 4096 * 3 and three.gbs > 0
+    assert three.bytes_read == (96 << 20) // 3 // PAGE * PAGE * 3 and three.gbs > 0
     path = tmp_path / "calibration.toml"
     store_disk_read(measured, path)
     for name in ("rtx3060-12g", "cpu-only"):  # a host figure: every card planned here has it
