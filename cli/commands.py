@@ -271,6 +271,10 @@ def cmd_ps(args) -> int:
     for m in data["models"]:  # threads the runner dropped on a busy CPU, and why
         if m.get("threads_reason"):
             print(f"{m['name']} threads: {m['threads_reason']}")
+    for m in data["models"]:  # the engine crashed on this CPU and runs without repacking
+        if m.get("extra_bufts") is False:
+            print(f"{m['name']} engine: extra buffer types (repack, AMX) off, after llama.cpp "
+                  "crashed with them on this CPU (see the daemon log)")
     for m in data["models"]:  # plans per fill band: the one running, and the pauses so far
         if m.get("fill_band"):
             band = m["fill_band"]

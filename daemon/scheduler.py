@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from localllm.modelstore.gguf_header import GGUFError
 from localllm.errors import UserError
@@ -33,7 +33,7 @@ from localllm.options import LoadOptions
 from .drafting import (
     Speculation, check_speculation, differs, draft_model, with_speculation,
 )
-from .runner.process import RUNNER_COMMAND, LoadError, RunnerProcess
+from .runner.process import RUNNER_COMMAND, EngineCrashed, LoadError, RunnerProcess
 
 log = logging.getLogger("localllm.scheduler")
 
@@ -173,6 +173,9 @@ class Scheduler:
         self._room_lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        # Set once the engine crashed on this CPU with llama.cpp's extra buffer types and loaded
+        # without them: every later load goes without them at once (issue #32).
+        self.no_extra_bufts = ""
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -320,12 +323,23 @@ class Scheduler:
         """Load with the plan (in its first fill band); when llama.cpp refuses it (out of
         memory, as a rule, on a GPU), retry with the planner's next smaller plan, which it
         records in the saved profile, and no bands. A runner that died or hung while loading
-        is not stepped down: the same error comes back."""
+        is not stepped down: the same error comes back. An engine that crashed on this CPU
+        is retried once without llama.cpp's extra buffer types."""
         plan = speculation.plan
+        if self.no_extra_bufts:
+            plan, bands = without_extra_bufts(plan, bands, self.no_extra_bufts)
         while True:
             try:
                 draft = speculation.draft_path if plan.speculative == "draft" else None
                 return await self._load(name, path, plan, draft, projector, bands, start_band)
+            except EngineCrashed as e:
+                if not plan.extra_bufts:
+                    raise
+                log.warning("%s; retrying with llama.cpp's extra buffer types (repack, AMX) "
+                            "off", e)
+                why = "extra buffer types (repack, AMX) off: llama.cpp crashed with them here"
+                plan, bands = without_extra_bufts(plan, bands, why)
+                self.no_extra_bufts = why
             except LoadError as e:
                 if bands:  # the first band's plan failed: the whole context's, alone, next
                     log.warning("loading %s in its %d-token fill band failed (%s); loading "
@@ -419,6 +433,16 @@ class Scheduler:
                 await asyncio.wait({woken}, timeout=max(next_check, 0.05))
             finally:
                 woken.cancel()
+
+
+def without_extra_bufts(plan: Plan, bands: tuple[Plan, ...],
+                        why: str) -> tuple[Plan, tuple[Plan, ...]]:
+    """The plan and its bands with llama.cpp's extra buffer types off, `why` among its reasons
+    (ps and the log show them)."""
+    def off(p: Plan) -> Plan:
+        return replace(p, extra_bufts=False, reasons=(*p.reasons, why))
+
+    return off(plan), tuple(off(b) for b in bands)
 
 
 class DraftCounts:

@@ -45,7 +45,9 @@ def model_params(plan: Plan, metadata_only: bool = False):
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = plan.n_gpu_layers
     params.use_mmap = plan.use_mmap
-    if plan.streamed_bytes and plan.use_mmap:
+    if not plan.extra_bufts:  # the engine crashed with them on this CPU (daemon/scheduler.py)
+        params.use_extra_bufts = False
+    elif plan.streamed_bytes and plan.use_mmap:
         # Past RAM the CPU's weights must stay the file's pages (llama/resident.py): repacked
         # for the CPU they would be anonymous copies, which cannot be read back from the file.
         params.use_extra_bufts = False

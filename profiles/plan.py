@@ -44,6 +44,10 @@ class Plan:
     n_threads: int = 1
     n_threads_batch: int = 1
     use_mmap: bool = True
+    # llama.cpp's extra buffer types (weights repacked for the CPU's kernels, AMX): off when the
+    # engine crashed with them on this CPU (the daemon's retry, issue #32); past RAM they are
+    # off whatever this says (llama/params.py)
+    extra_bufts: bool = True
     # Past RAM: bytes of the CPU's weights that RAM does not hold, read from the model file as
     # each token needs them. The runner locks the rest in RAM so they stay (llama/resident.py).
     streamed_bytes: int = 0
@@ -84,7 +88,7 @@ class Plan:
         return (self.n_ctx, self.n_gpu_layers, self.tensor_overrides, self.tensor_split,
                 self.type_k, self.type_v, self.flash_attn, self.swa_full, self.n_batch,
                 self.n_ubatch, self.n_threads, self.n_threads_batch, self.use_mmap,
-                self.streamed_bytes,
+                self.extra_bufts, self.streamed_bytes,
                 self.n_parallel, self.speculative, self.draft_n_max, self.draft_n_gpu_layers,
                 self.rpc_workers, self.projector_on_gpu, self.gpus)
 

@@ -7,11 +7,13 @@
 # - GGML_NATIVE=off, GGML_BACKEND_DL=on, GGML_CPU_ALL_VARIANTS=on: one libggml-cpu-<cpu>.so per
 #   instruction set level, the best one picked when loaded; GGML_RPC=on: libggml-rpc.so;
 # - the trim of scripts/llama_cmake_trim.cmake (no llama-common), one file per library;
+# - the patches of patches/ (scripts/apply_patches.sh), e.g. no AMX kernels;
 # - repaired with auditwheel (libgomp and whatever else is not on the base system copied in);
 # - both MIT notices, llama-cpp-python's and llama.cpp's, in the .dist-info/licenses folder.
 # With GGML_BACKEND_DL, ggml looks for its backend modules only beside the executable and in
 # the current directory, so the wheel's llama_cpp.py loads them from its own lib folder.
-#   bash scripts/build_wheel.sh          the CPU wheel (14 CPU variants: the longest build here)
+#   bash scripts/build_wheel.sh          the CPU wheel (13 CPU variants: sapphirerapids is left
+#                                        out with AMX; the longest build here)
 # A CUDA variant (README, "Release wheel") adds -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=...
 # through EXTRA_CMAKE_ARGS, on a machine with the CUDA toolkit.
 set -euo pipefail
@@ -35,6 +37,9 @@ if [ ! -f "$src/.localllm-patched" ]; then
   "${pip[@]}" download -q --no-deps --no-binary llama-cpp-python -d "$work" \
     "llama-cpp-python==$LLAMA_CPP_VERSION" >>"$log" 2>&1
   tar -xzf "$work/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz" -C "$work"
+  # The project's changes to llama.cpp (patches/: no AMX kernels, which crash on Sapphire
+  # Rapids: the variants then stop at zen4's instruction sets on those CPUs).
+  bash "$repo/scripts/apply_patches.sh" "$src" >>"$log"
 
   # The project's name and llama.cpp's notice (the build backend copies LICEN[CS]E* files).
   sed -i 's/^name = "llama_cpp_python"$/name = "localllm-llama-cpp"/' "$src/pyproject.toml"

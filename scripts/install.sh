@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Install localllm into ./.venv (CPU build of llama.cpp; see README for CUDA).
+# llama.cpp is built with the project's patches (patches/, e.g. no AMX kernels: they crash).
 #   scripts/install.sh            the program
 #   scripts/install.sh --test     the program plus what the test suite needs
 #   scripts/install.sh --wheel-dir   print the wheel folder of this machine's build, and exit
@@ -24,14 +25,41 @@ BUILD_TIME="about 4 minutes on 2 free cores, longer while they are busy"
 # the trim file leaves out llama-common, which nothing here loads.
 trim="$PWD/scripts/llama_cmake_trim.cmake"
 cmake_args="${CMAKE_ARGS:-} -DGGML_RPC=on -DCMAKE_PROJECT_llama.cpp_INCLUDE=$trim"
-key="$(python3 - "$LLAMA_CPP_VERSION" "$cmake_args" "$trim" <<'EOF'
+# The GPU this machine has: a CUDA build where NVIDIA's driver (nvidia-smi) and the CUDA toolkit
+# (nvcc) are both here, for the card's compute capability alone; a driver without the toolkit
+# gets a CPU build and a line on what to install. LOCALLLM_CPU_ONLY=1 builds for the CPU
+# whatever is found; CMAKE_ARGS naming GGML_CUDA is taken as it is.
+engine="CPU"
+gpu="$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader 2>/dev/null | head -n 1 || true)"
+if [ -z "${LOCALLLM_CPU_ONLY:-}" ] && [[ "$cmake_args" != *GGML_CUDA* ]] && [ -n "$gpu" ]; then
+  gpu_name="${gpu%%,*}"
+  cap="${gpu##*, }"
+  cap="${cap//./}"
+  nvcc="$(command -v nvcc || true)"
+  cuda_home="${CUDA_HOME:-/usr/local/cuda}"
+  [ -z "$nvcc" ] && [ -x "$cuda_home/bin/nvcc" ] && nvcc="$cuda_home/bin/nvcc"
+  if [ -n "$nvcc" ]; then
+    cmake_args="$cmake_args -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$cap -DCMAKE_CUDA_COMPILER=$nvcc"
+    engine="CUDA for $gpu_name (compute $cap, $("$nvcc" --version | grep -o 'release [0-9.]*' | tr -d ,))"
+    BUILD_TIME="a CUDA build takes 10-30 minutes, by the cores"
+  else
+    echo "note: found $gpu_name but no CUDA toolkit (nvcc): building llama.cpp for the CPU." \
+         "For the GPU, install the toolkit (Debian: apt install nvidia-cuda-toolkit, or NVIDIA's" \
+         "cuda-toolkit) and run scripts/install.sh again."
+  fi
+fi
+[ "${1:-}" = "--engine" ] && { echo "$engine"; echo "CMAKE_ARGS=${cmake_args# }"; exit 0; }
+# The project's changes to the vendored llama.cpp (patches/, applied before the compile).
+patches_hash="$(bash scripts/apply_patches.sh --hash)"
+key="$(python3 - "$LLAMA_CPP_VERSION" "$cmake_args" "$trim" "$patches_hash" <<'EOF'
 import hashlib, platform, sys
-version, cmake_args, trim = sys.argv[1:]
+version, cmake_args, trim, patches_hash = sys.argv[1:]
 trim_hash = hashlib.sha256(open(trim, "rb").read()).hexdigest()[:16]
 # GGML_NATIVE (on unless CMAKE_ARGS says off) compiles for this CPU: a home folder shared by
 # machines with other CPUs must not hand them this wheel.
 cpu = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
 shaped_by = "\n".join([version, " ".join(cmake_args.replace(trim, "trim:" + trim_hash).split()),
+                       "patches:" + patches_hash,
                        platform.machine(), hashlib.sha256(cpu.encode()).hexdigest()])
 tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
 print(f"llama-cpp-python-{version}-{tag}-{platform.machine()}-"
@@ -56,6 +84,8 @@ arch="$(uname -m)"
 for whl in "$wheelhouse"/localllm_llama_cpp-"$LLAMA_CPP_VERSION"-*"$arch".whl; do
   [ -f "$whl" ] && release_wheel="$whl"
 done
+# The release wheel runs on the CPU alone: a machine that can build for its GPU does.
+[ "$engine" != CPU ] && release_wheel=""
 [ -z "$release_wheel" ] && ! command -v g++ >/dev/null && need_apt+=(build-essential)
 
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -94,7 +124,7 @@ EOF
 else
   if ! ls "$wheel_dir"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl >/dev/null 2>&1; then
     echo "building llama.cpp once for this machine: llama-cpp-python $LLAMA_CPP_VERSION with"
-    echo "  libllama, ggml (CPU, RPC), mtmd; CMAKE_ARGS=${cmake_args# }"
+    echo "  libllama, ggml ($engine, RPC), mtmd; CMAKE_ARGS=${cmake_args# }"
     echo "  $BUILD_TIME; later venvs reuse the wheel in"
     echo "  $wheel_dir"
     mkdir -p "$wheels"
@@ -102,15 +132,18 @@ else
     started=$SECONDS
     # pip's own wheel cache is keyed on the download URL, not on CMAKE_ARGS: it would hand back
     # a wheel built with other flags, so the build skips it.
+    src="$build/llama_cpp_python-$LLAMA_CPP_VERSION"
     if ! { "${pip[@]}" download -q --no-deps --no-binary llama-cpp-python -d "$build" \
              "llama-cpp-python==$LLAMA_CPP_VERSION" &&
+           tar -xzf "$src.tar.gz" -C "$build" &&
+           bash scripts/apply_patches.sh "$src" &&
            CMAKE_ARGS="$cmake_args" "${pip[@]}" wheel --no-cache-dir --no-deps -w "$build" \
-             "$build"/llama_cpp_python-"$LLAMA_CPP_VERSION".tar.gz; } >"$build/build.log" 2>&1; then
+             "$src"; } >"$build/build.log" 2>&1; then
       tail -n 40 "$build/build.log"
       echo "error: building llama-cpp-python failed; the whole log is $build/build.log" >&2
       exit 1
     fi
-    rm -f "$build"/llama_cpp_python-"$LLAMA_CPP_VERSION".tar.gz
+    rm -rf "$src" "$src.tar.gz"
     printf '%s\n' "$cmake_args" >"$build/cmake_args"
     # A folder appears whole or not at all: a build stopped half-way is never taken.
     mv -T "$build" "$wheel_dir" 2>/dev/null || rm -rf "$build"
@@ -123,4 +156,6 @@ else
   echo "installing localllm$extra..."
   PYTHONWARNINGS=ignore::UserWarning "${pip[@]}" install -q -e ".$extra"
 fi
+# What the engine was compiled for, as it reports itself (the CPU line of its system info).
+echo "llama.cpp built for: $(.venv/bin/python -m localllm.llama.cpu --built-for)"
 echo "installed: $(.venv/bin/localllm --version)  ->  .venv/bin/localllm"

@@ -465,6 +465,7 @@ async def api_ps(request: web.Request) -> web.Response:
             "num_parallel": runner.n_parallel,
             "active": slot.active,
             "plan_source": plan.source,
+            "extra_bufts": plan.extra_bufts,  # off: the engine crashed with them on this CPU
             **({"fill_band": runner.fill_band()} if runner.bands else {}),
             **({"past_ram": runner.past_ram} if runner.past_ram else {}),
             **({"projector": {"device": "GPU" if plan.projector_on_gpu else "CPU",

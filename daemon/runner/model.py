@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import signal
 from dataclasses import dataclass
 
 import llama_cpp
@@ -18,6 +20,10 @@ from localllm.profiles.plan import Plan
 
 
 log = logging.getLogger("localllm.runner.model")
+# A test hook: the runner dies of SIGSEGV at its self-check decode, as an engine whose kernels
+# crash on this CPU does. "extra_bufts": only while llama.cpp's extra buffer types are on (the
+# AMX crash of issue #32); "always": whatever the plan.
+CRASH_HOOK = "LOCALLLM_TEST_ENGINE_CRASH"
 
 
 class ModelLoadError(Exception):
@@ -59,6 +65,8 @@ def load(model_path: str, plan: Plan) -> LlamaModel:
         resident = ResidentWeights(model_path, plan)
         (log.warning if resident.error else log.info)("past RAM: %s", resident.describe())
     vocab = llama_cpp.llama_model_get_vocab(model)
+    if not plan.streamed_bytes:  # past RAM one token costs seconds; extra buffers are off there
+        self_check(ctx, vocab, plan)
     recurrent = bool(llama_cpp.llama_model_is_recurrent(model)
                      or llama_cpp.llama_model_is_hybrid(model))
     return LlamaModel(
@@ -68,6 +76,24 @@ def load(model_path: str, plan: Plan) -> LlamaModel:
         n_swa=0 if plan.swa_full else llama_cpp.llama_model_n_swa(model),
         recurrent=recurrent, n_rollback=llama_cpp.llama_n_rs_seq(ctx), resident=resident,
     )
+
+
+def self_check(ctx, vocab, plan: Plan) -> None:
+    """Decode one token before the runner reports ready, then forget it: a kernel that crashes
+    on this CPU crashes here, while loading, where the daemon names it and retries without extra
+    buffer types, rather than in the middle of someone's answer."""
+    hook = os.environ.get(CRASH_HOOK)
+    if hook == "always" or (hook == "extra_bufts" and plan.extra_bufts):
+        os.kill(os.getpid(), signal.SIGSEGV)
+    token = llama_cpp.llama_vocab_bos(vocab)
+    if token < 0:
+        token = 0
+    tokens = (llama_cpp.llama_token * 1)(token)
+    code = llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, 1))
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+    if code != 0:
+        raise ModelLoadError(f"llama.cpp could not decode one token after loading (code {code}; "
+                             "see the runner log)")
 
 
 class Tokenizer:

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 from localllm.errors import UserError
+from localllm.llama.cpu import describe_crash, is_engine_crash
 from localllm.profiles.plan import Plan
 
 from .protocol import (
@@ -65,6 +66,12 @@ class LoadError(UserError):
     def __init__(self, message: str, refused: bool = False):
         super().__init__(message)
         self.refused = refused
+
+
+class EngineCrashed(LoadError):
+    """The engine died of a crash signal (SIGSEGV, SIGILL...) while loading or at its self-check
+    decode: a kernel that is wrong on this CPU, where the same plan crashes again but one
+    without llama.cpp's extra buffer types may not (daemon/scheduler.py)."""
 
 
 class RunnerRequestFailed(UserError):
@@ -159,6 +166,10 @@ class RunnerProcess:
                             ) from None
         if not line:
             code = await self._release()
+            if is_engine_crash(code):
+                raise EngineCrashed(f"the runner crashed while loading {self.model_name}: "
+                                    f"{describe_crash(code, self.plan.extra_bufts)}; see "
+                                    f"{self.log_path}")
             # SIGKILL that no one here sent, while weights are read: the kernel's OOM killer
             oom = (" - most likely out of memory: the kernel kills a process that outgrows RAM "
                    "or its cgroup's limit; a smaller ram_budget or context plans for less"
@@ -216,6 +227,8 @@ class RunnerProcess:
             log.error("runner for %s (pid %s): %s; stopping it", self.model_name, self.pid, why)
             self.proc.kill()
         code = await self.proc.wait()
+        if not why and is_engine_crash(code):
+            why = f"{describe_exit(code)}: {describe_crash(code, extra_bufts=False)}"
         self._fail_all(why or describe_exit(code))
 
     def _fail_all(self, why: str) -> None:
