@@ -176,3 +176,60 @@ def _listening_host(proc: subprocess.Popen, deadline: float) -> str:
             if info.get("event") == "listening":
                 return f"{info['host']}:{info['port']}"
     raise AssertionError("daemon did not listen in time")
+
+
+def without(*commands: str) -> dict:
+    """This environment with the PATH folders that hold any of `commands` left out, and no
+    CUDA_HOME toolkit."""
+    path = [p for p in os.environ["PATH"].split(os.pathsep)
+            if not any((Path(p) / c).exists() for c in commands)]
+    return {**os.environ, "PATH": os.pathsep.join(path), "CUDA_HOME": "/nonexistent"}
+
+
+def gpu_shims(shims: Path, nvcc: bool) -> dict:
+    """An NVIDIA driver's nvidia-smi (an RTX 3060) and, with `nvcc`, the CUDA toolkit's
+    compiler, as commands on PATH (any real ones left out): what install.sh consults to choose
+    the engine's build."""
+    shims.mkdir()
+    smi = shims / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA GeForce RTX 3060, 8.6'\n")
+    smi.chmod(0o755)
+    if nvcc:
+        compiler = shims / "nvcc"
+        compiler.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.4, V12.4.131'\n")
+        compiler.chmod(0o755)
+    env = without("nvidia-smi", "nvcc")
+    return {**env, "PATH": f"{shims}{os.pathsep}{env['PATH']}"}
+
+
+def engine_choice(env: dict) -> list[str]:
+    done = subprocess.run(["bash", str(INSTALL), "--engine"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_install_builds_with_cuda_where_the_driver_and_the_toolkit_are(tmp_path):
+    env = gpu_shims(tmp_path / "bin", nvcc=True)
+    lines = engine_choice(env)
+    assert lines[0] == "CUDA for NVIDIA GeForce RTX 3060 (compute 86, release 12.4)", lines
+    assert "-DGGML_CUDA=on" in lines[1] and "-DCMAKE_CUDA_ARCHITECTURES=86" in lines[1]
+    cpu_dir = machine_wheel_dir()
+    cuda_dir = subprocess.run(["bash", str(INSTALL), "--wheel-dir"], env=env, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    assert Path(cuda_dir) != cpu_dir, "a CUDA build never shares the CPU build's wheel folder"
+    cpu_only = engine_choice({**env, "LOCALLLM_CPU_ONLY": "1"})
+    assert cpu_only[0] == "CPU" and "GGML_CUDA" not in cpu_only[1]
+
+
+def test_install_with_a_driver_but_no_toolkit_says_what_to_install(tmp_path):
+    lines = engine_choice(gpu_shims(tmp_path / "bin", nvcc=False))
+    note = next(ln for ln in lines if ln.startswith("note:"))
+    assert "RTX 3060" in note and "CUDA toolkit" in note and "nvidia-cuda-toolkit" in note
+    assert lines[-2] == "CPU" and "GGML_CUDA" not in lines[-1]
+
+
+def test_install_on_a_machine_without_nvidia_builds_for_the_cpu():
+    lines = engine_choice(without("nvidia-smi"))
+    assert lines[0] == "CPU" and len(lines) == 2, lines
+    assert "GGML_CUDA" not in lines[1]
