@@ -10,6 +10,7 @@ the real model costs without downloading it. Three fillings:
     python scripts/synth_gguf.py dense-27b /tmp/dense-27b.gguf --type Q4_0 --fill random
     python scripts/synth_gguf.py --list
     python scripts/synth_gguf.py llama-8b /tmp/tiny.gguf --tiny      # a loadable toy of that shape
+    python scripts/synth_gguf.py qwen3-next-80b-a3b /tmp/80b.gguf --fill random --routing zipf:0.6
     python scripts/synth_gguf.py --vision /tmp/vl                    # model.gguf + mmproj.gguf
     python scripts/synth_gguf.py --vision /tmp/vl27 --shape gemma3-27b   # the full-size pair
 
@@ -401,6 +402,7 @@ def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
     part."""
     if fill not in ("sparse", "random", "noise", "zeros"):
         raise ValueError(f"fill must be sparse, random, noise or zeros, not {fill!r}")
+    synth_routing.parse(routing)
     try:
         quant = GGMLQuantizationType[qtype.upper()]
     except KeyError:
@@ -418,13 +420,20 @@ def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
         w.add_uint16("split.count", count)
         w.add_int32("split.tensors.count", len(table))
         table = table[index * per_part:(index + 1) * per_part]
+    if fill == "random" and config.n_expert:
+        # Tiled rows give every matrix a period of 16 in its outputs: the hidden states of a
+        # few dozen tokens, and routing by accident (an LRU of 64 of 256 experts hit 80%
+        # with routers drawn uniformly). MoE models draw their dense matrices in full and
+        # tile each expert tensor with one drawn expert: the routing is the routers'.
+        fill = "moe-random"
     _write_table(w, path, table, fill, seed, synth_routing.writer(routing, config, fill, seed))
     return path
 
 
 def _write_table(w: GGUFWriter, path: Path, table: list[tuple[str, tuple[int, ...],
                  GGMLQuantizationType]], fill: str, seed: int, special=None) -> None:
-    """Write the header, metadata already added to `w`, the tensor infos and the data."""
+    """Write the header, metadata already added to `w`, the tensor infos and the data.
+    `special(name, dims, type)` may give a tensor's bytes (routing decides those)."""
     for name, dims, ggml_type in table:
         nbytes = tensor_bytes(dims, ggml_type)
         # The writer takes numpy order (last ggml dim first) and, for raw types, the byte shape.
@@ -450,8 +459,12 @@ def _write_table(w: GGUFWriter, path: Path, table: list[tuple[str, tuple[int, ..
                 f.write(data)
             elif fill == "zeros":
                 _write_repeated(f, b"\0" * (1 << 20), nbytes)
-            elif fill == "noise":
-                f.write(_noise(_name, dims, ggml_type, rng))
+            elif fill == "noise" or (fill == "moe-random" and len(dims) < 3):
+                for rows in range(0, max(1, _rows(dims)), 8192):  # a 248K vocabulary is 2 GB
+                    part = dims if len(dims) == 1 else (dims[0], min(8192, _rows(dims) - rows))
+                    f.write(_noise(_name, part, ggml_type, rng))
+            elif fill == "moe-random":  # one expert drawn, repeated over the others
+                _write_repeated(f, _noise(_name, dims[:2], ggml_type, rng), nbytes)
             else:
                 key = (dims[0], ggml_type)
                 if key not in blocks:
@@ -578,14 +591,20 @@ def write_vision_pair(out_dir: str | Path, shape: str | None = None,
     return model, mmproj
 
 
-def ensure_model(directory: str | Path, config: ShapeConfig, qtype: str = "Q4_0") -> Path:
-    """`directory`/NAME-q4_0.gguf with random weights, written unless it is there (benchmarks
-    on the GPU machine share one copy per shape)."""
-    path = Path(directory) / f"{config.name}-{qtype.lower()}.gguf"
+def ensure_model(directory: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
+                 routing: str = "uniform") -> Path:
+    """`directory`/NAME-q4_0.gguf (NAME-q4_0-zipf0.8.gguf with skewed routing) with random
+    weights, written unless it is there (benchmarks on the GPU machine share one copy per
+    shape)."""
+    synth_routing.parse(routing)  # a bad spec fails before anything is written
+    tag = "" if routing == "uniform" else "-" + routing.replace(":", "")
+    path = Path(directory) / f"{config.name}-{qtype.lower()}{tag}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        write_gguf(path, config, qtype, "random")
+        tmp = path.with_suffix(".tmp")  # a run killed mid-write leaves no half model behind
+        write_gguf(tmp, config, qtype, "random", routing=routing)
+        tmp.replace(path)
         print(f"wrote {path} in {time.monotonic() - started:.0f} s", flush=True)
     return path
 
@@ -628,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="ggml type of the matrices (Q4_0, Q8_0, Q4_K, F16...)")
     p.add_argument("--fill", default="sparse", choices=("sparse", "random", "noise", "zeros"))
     p.add_argument("--tiny", action="store_true", help="toy dimensions of the same architecture")
+    p.add_argument("--routing", default="uniform",
+                   help="MoE routers: uniform, or zipf:S for Zipf-like expert popularity of "
+                        "exponent about S per block (0.6: an LRU of 64 of 256 hits ~67%%)")
     p.add_argument("--list", action="store_true", help="list the shapes")
     p.add_argument("--vision", metavar="OUT_DIR",
                    help="write OUT_DIR/model.gguf and OUT_DIR/mmproj.gguf (a Gemma 3 pair)")
@@ -654,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     config = tiny(SHAPES[args.shape]) if args.tiny else SHAPES[args.shape]
     try:
-        path = write_gguf(args.out, config, args.type, args.fill)
+        path = write_gguf(args.out, config, args.type, args.fill, routing=args.routing)
     except (ValueError, OSError) as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1

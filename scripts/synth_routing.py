@@ -4,7 +4,8 @@ A block's router scores expert e as w_e . x, x the block's normed hidden state, 
 top k. With every w_e drawn at random the experts are chosen about uniformly, which no cache
 can serve and real models never do. (Before this module, the `random` fill tiled 16 random
 rows over every matrix, routers included: experts 16 apart scored alike and the choice was
-skewed by accident, by an amount nobody chose. Routers are now always written in full.)
+skewed by accident, by an amount nobody chose. MoE models now draw every dense matrix,
+routers included, and tile expert tensors by whole experts: synth_gguf's "moe-random".)
 
 Skewed routing (`zipf:S`): one direction u is added to every token's embedding, so every
 token's residual stream leans along u; each block gives expert e a router component b_e u,
@@ -29,9 +30,11 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 # b_e per unit of S, in units of the spread of a score's content part: measured on tiny
-# qwen35moe / qwen3moe / qwen3next models (scripts/routing_profile.py), a strength of 4.5
-# gives a fitted exponent of about 1 over the head of the popularity curve.
-STRENGTH_PER_EXPONENT = 4.5
+# qwen3moe / qwen35moe / qwen3next models (scripts/routing_profile.py), zipf:1 fits an
+# exponent of 1.05 / 1.11 / 1.33 over the head of the popularity curve, zipf:0.5 0.88 / 0.62
+# / 0.74 (docs/bench/synthetic-routing.md).
+STRENGTH_PER_EXPONENT = 1.0
+U_WEIGHT = 0.5  # u's length in a token's embedding, relative to the noise's
 
 
 @dataclass(frozen=True)
@@ -59,33 +62,40 @@ def parse(spec: str) -> Routing:
 
 
 def writer(spec: str, config, fill: str, seed: int):
-    """A function (name, dims, ggml_type) -> bytes for the tensors routing decides (token
-    embedding, routers), None for the others; None when the fill's own weights will do."""
+    """A function (name, dims, ggml_type) -> bytes for the tensors routing decides (the token
+    embedding of any MoE model, skewed routers), None for the others; None when nothing is
+    drawn (sparse, zeros) or the model has no experts."""
     routing = parse(spec)
     if not config.n_expert or fill in ("sparse", "zeros"):
         return None
-    if routing.uniform and fill == "noise":
-        return None  # every router weight is drawn already
     rng = np.random.default_rng(seed + 7919)
     u = rng.standard_normal(config.n_embd).astype(np.float32)
     u /= np.linalg.norm(u)
 
     def write(name: str, dims: tuple[int, ...], ggml_type: GGMLQuantizationType) -> bytes | None:
-        if name == "token_embd.weight" and not routing.uniform:
-            return _encode(_embeddings(dims, u, rng), ggml_type)
-        if name.endswith("ffn_gate_inp.weight"):
+        if name == "token_embd.weight":
+            return _embeddings(dims, None if routing.uniform else u, rng, ggml_type)
+        if name.endswith("ffn_gate_inp.weight") and not routing.uniform:
             return _encode(_router(name, dims, routing, u, seed), ggml_type)
         return None
 
     return write
 
 
-def _embeddings(dims, u, rng) -> np.ndarray:
-    """Token rows: noise of norm about 1, plus u."""
+def _embeddings(dims, u, rng, ggml_type: GGMLQuantizationType) -> bytes:
+    """Token rows, encoded: unit-variance noise (the size of a normed hidden state, so that
+    a token stays itself through the blocks: rows of norm 1 were drowned by the first
+    attention's average over the context, and every token routed alike), plus u as long as
+    the noise for skewed routing. In slices of 8192 rows (a 248K vocabulary of 2048 is 2 GB
+    as float)."""
     n_embd, n_vocab = dims
-    rows = rng.standard_normal((n_vocab, n_embd), dtype=np.float32) / np.sqrt(n_embd)
-    rows += u
-    return rows
+    out = []
+    for start in range(0, n_vocab, 8192):
+        rows = rng.standard_normal((min(8192, n_vocab - start), n_embd), dtype=np.float32)
+        if u is not None:
+            rows += U_WEIGHT * np.sqrt(n_embd) * u
+        out.append(_encode(rows, ggml_type))
+    return b"".join(out)
 
 
 def _router(name: str, dims, routing: Routing, u, seed: int) -> np.ndarray:
@@ -98,8 +108,8 @@ def _router(name: str, dims, routing: Routing, u, seed: int) -> np.ndarray:
         return rows
     strength = -np.log(rng.permutation(n_expert) + 1.0)  # this block's popularity order
     strength -= strength.mean()
-    # A normed hidden state leaning half along u has x . u near sqrt(n_embd) / 2, and a
-    # score's noise part has unit spread: b_e below is in units of that spread.
+    # A normed hidden state (length sqrt(n_embd)) leaning along u has x . u of the order of
+    # sqrt(n_embd) / 2, and a score's noise part has unit spread: b_e is in those units.
     scale = routing.zipf * STRENGTH_PER_EXPONENT / (np.sqrt(n_embd) / 2)
     rows += (scale * strength).astype(np.float32)[:, None] * u
     return rows
