@@ -2,10 +2,16 @@
 """Write synthetic GGUF models with the exact tensor table of a named shape.
 
 Speed and memory of llama.cpp do not depend on weight values, so a synthetic file measures what
-the real model costs without downloading it. Three fillings:
-  sparse  header plus holes: no disk used, llama.cpp reads zeros (planning, dry runs, loads)
-  random  small random weights, quantized validly, so the model computes finite numbers
+the real model costs without downloading it, with one exception: which experts an MoE model
+routes to (scripts/synth_routing.py, docs/bench/synthetic-routing.md). Fillings:
+  sparse  header plus holes: no disk used, llama.cpp reads zeros (planning, dry runs, loads;
+          an MoE model then routes every token to the same experts)
+  random  small random weights, quantized validly, so the model computes finite numbers (16
+          rows tiled per matrix; an MoE model draws its dense matrices in full and tiles its
+          expert tensors by whole experts, so that routing follows the routers)
+  noise   every weight drawn (tiny shapes)
   zeros   written zeros (a sparse file on a filesystem without holes)
+--routing (MoE shapes) uniform, or zipf:S for a Zipf-like popularity of the experts per block.
 
     python scripts/synth_gguf.py dense-27b /tmp/dense-27b.gguf --type Q4_0 --fill random
     python scripts/synth_gguf.py --list
