@@ -47,6 +47,7 @@ class Layer:
     is_nextn: bool
     weight_bytes: int
     expert_bytes: int  # part of weight_bytes held by MoE expert tensors
+    shared_expert_bytes: int = 0  # part of weight_bytes held by the shared expert (*_shexp)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class ModelShape:
     tensors: tuple[Tensor, ...] = field(repr=False)
     feed_forward_length: int = 0  # largest dense FFN width over the layers
     expert_feed_forward_length: int = 0  # per expert, MoE models
+    expert_shared_feed_forward_length: int = 0  # the shared expert's width (0: none)
 
     @property
     def n_layer_main(self) -> int:
@@ -150,11 +152,14 @@ def shape_from_header(header: GGUFHeader, path: str) -> ModelShape:
     tensors = tuple(_classify(t) for t in header.tensors)
     per_layer_bytes = [0] * n_layer
     per_layer_experts = [0] * n_layer
+    per_layer_shared = [0] * n_layer
     for t in tensors:
         if t.layer is not None and t.layer < n_layer:
             per_layer_bytes[t.layer] += t.n_bytes
             if t.role == EXPERTS:
                 per_layer_experts[t.layer] += t.n_bytes
+            elif "_shexp" in t.name:
+                per_layer_shared[t.layer] += t.n_bytes
     layers = tuple(
         Layer(
             index=i,
@@ -165,6 +170,7 @@ def shape_from_header(header: GGUFHeader, path: str) -> ModelShape:
             is_nextn=i >= n_layer - n_nextn,
             weight_bytes=per_layer_bytes[i],
             expert_bytes=per_layer_experts[i],
+            shared_expert_bytes=per_layer_shared[i],
         )
         for i in range(n_layer)
     )
@@ -198,6 +204,7 @@ def shape_from_header(header: GGUFHeader, path: str) -> ModelShape:
         tensors=tensors,
         feed_forward_length=max(_per_layer(key("feed_forward_length", 0), n_layer) or [0]),
         expert_feed_forward_length=int(key("expert_feed_forward_length", 0) or 0),
+        expert_shared_feed_forward_length=int(key("expert_shared_feed_forward_length", 0) or 0),
     )
 
 
@@ -213,6 +220,10 @@ def _layer_kinds(arch: str, md: dict, key, n_layer: int, window: int) -> list[st
     pattern = key("attention.sliding_window_pattern")
     if isinstance(pattern, list) and pattern:  # explicit per-layer booleans
         return [SLIDING if pattern[i % len(pattern)] else FULL for i in range(n_layer)]
+    recurrent = key("attention.recurrent_layers")
+    if isinstance(recurrent, list) and recurrent:  # hybrid models' layer_types, one per block
+        return [RECURRENT_LAYER if i < len(recurrent) and recurrent[i] else FULL
+                for i in range(n_layer)]
     interval = key("full_attention_interval")
     if interval:  # hybrid recurrent models (qwen35, qwen3next): every Nth layer attends
         n = int(interval)

@@ -232,8 +232,10 @@ def speculative_speed(spec: Speculator, costs: ModelCosts, placement: Placement,
 
 
 def cpu_blocks(costs: ModelCosts, placement: Placement, card: Card) -> int:
-    """Trunk blocks whose weights (whole, or their FFN) are read on the CPU."""
+    """Trunk blocks whose weights (whole, their FFN, or their experts) are read on the CPU:
+    a checking pass reads there the union of its tokens' experts."""
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
     return sum(1 for i in range(costs.n_blocks)
                if (costs.block_bytes[i] or costs.expert_bytes[i])
-               and (devices[i] == CPU or costs.ffn_on_cpu(placement, i)))
+               and (devices[i] == CPU or costs.ffn_on_cpu(placement, i)
+                    or (costs.expert_bytes[i] and i < placement.n_cpu_expert_layers)))

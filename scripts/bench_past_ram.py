@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default="ours,fit-f16")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 16)
     p.add_argument("--models", default="/tmp/bench-models")
+    p.add_argument("--routing", default="uniform",
+                   help="MoE routers of the synthetic model: uniform or zipf:S (synth_gguf)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tiny", action="store_true",
                    help="a 1B model (0.7 GiB) on a CPU, in a group of --tiny-ram GiB where a "
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             synth_gguf.SHAPES["llama-1b"], 0.5, args.tiny_ram, 512, 16
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = synth_gguf.ensure_model(args.models, config)
+    model = synth_gguf.ensure_model(args.models, config, routing=args.routing)
     limit = int(args.ram * GIB)
     group = enter_cgroup("localllm-past-ram", limit)
     # A group's room less the tuner's 1 GiB reserve for the runner is the RAM budget; a group

@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answer-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 16)
     p.add_argument("--models", default="/tmp/bench-models")
+    p.add_argument("--routing", default="uniform",
+                   help="MoE routers of the synthetic model: uniform or zipf:S (synth_gguf)")
     p.add_argument("--deadline", type=float, default=520, help="seconds; later runs skipped")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tiny", action="store_true", help="a toy model on a CPU, small sizes")
@@ -283,12 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = synth_gguf.tiny(synth_gguf.SHAPES[args.shape]) if args.tiny \
         else synth_gguf.SHAPES[args.shape]
-    model = synth_gguf.ensure_model(args.models, config)
+    model = synth_gguf.ensure_model(args.models, config, routing=args.routing)
     rows: list[dict] = []
     with open(out / "session.jsonl", "a") as jsonl:
         def record(row: dict) -> None:
             row = {"shape": args.shape, "ctx": args.ctx, "t": round(time.monotonic() - args.t0),
-                   **row}
+                   **({"routing": args.routing} if args.routing != "uniform" else {}), **row}
             rows.append(row)
             jsonl.write(json.dumps(row) + "\n")
             jsonl.flush()

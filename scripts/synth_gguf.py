@@ -2,14 +2,21 @@
 """Write synthetic GGUF models with the exact tensor table of a named shape.
 
 Speed and memory of llama.cpp do not depend on weight values, so a synthetic file measures what
-the real model costs without downloading it. Three fillings:
-  sparse  header plus holes: no disk used, llama.cpp reads zeros (planning, dry runs, loads)
-  random  small random weights, quantized validly, so the model computes finite numbers
+the real model costs without downloading it, with one exception: which experts an MoE model
+routes to (scripts/synth_routing.py, docs/bench/synthetic-routing.md). Fillings:
+  sparse  header plus holes: no disk used, llama.cpp reads zeros (planning, dry runs, loads;
+          an MoE model then routes every token to the same experts)
+  random  small random weights, quantized validly, so the model computes finite numbers (16
+          rows tiled per matrix; an MoE model draws its dense matrices in full and tiles its
+          expert tensors by whole experts, so that routing follows the routers)
+  noise   every weight drawn (tiny shapes)
   zeros   written zeros (a sparse file on a filesystem without holes)
+--routing (MoE shapes) uniform, or zipf:S for a Zipf-like popularity of the experts per block.
 
     python scripts/synth_gguf.py dense-27b /tmp/dense-27b.gguf --type Q4_0 --fill random
     python scripts/synth_gguf.py --list
     python scripts/synth_gguf.py llama-8b /tmp/tiny.gguf --tiny      # a loadable toy of that shape
+    python scripts/synth_gguf.py qwen3-next-80b-a3b /tmp/80b.gguf --fill random --routing zipf:0.6
     python scripts/synth_gguf.py --vision /tmp/vl                    # model.gguf + mmproj.gguf
     python scripts/synth_gguf.py --vision /tmp/vl27 --shape gemma3-27b   # the full-size pair
 
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import synth_routing
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
 from gguf import quants as gguf_quants
 
@@ -36,7 +44,7 @@ class ShapeConfig:
     """The hyperparameters that decide a model's tensor table (GGUF metadata names)."""
 
     name: str
-    arch: str  # llama, qwen35, gemma3, qwen3moe
+    arch: str  # llama, qwen35, gemma3, qwen3moe, qwen35moe, qwen3next, gpt-oss
     n_layer: int  # trunk blocks (NextN blocks come on top)
     n_embd: int
     n_ff: int
@@ -51,6 +59,7 @@ class ShapeConfig:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_expert: int = 0
+    n_ff_shexp: int = 0  # the shared expert's width (qwen35moe, qwen3next: one per block)
     full_attention_interval: int = 0  # qwen35: every Nth block attends, the others are recurrent
     ssm: dict = field(default_factory=dict)  # qwen35: d_conv, d_state, n_group, dt_rank
     rope_dims: int = 0  # 0: the head size
@@ -85,6 +94,40 @@ SHAPES: dict[str, ShapeConfig] = {
         "qwen3-30b-a3b", "qwen3moe", n_layer=48, n_embd=2048, n_ff=6144, n_head=32, n_head_kv=4,
         head_dim=128, n_vocab=151936, context_length=40960, n_expert=128, n_expert_used=8,
         n_ff_expert=768, rope_base=1000000.0),
+    # Qwen3.5/3.6-35B-A3B (HF config.json, text_config of Qwen/Qwen3.6-35B-A3B, as quoted in
+    # /work/shared/reference/models-and-cards.md 1c): 40 = 10 x (3 Gated DeltaNet + 1 gated
+    # attention) blocks of 2048, attention 16 Q / 2 KV heads of 256, GDN 16 key / 32 value heads
+    # of 128, conv 4; 256 experts of 512, 8 routed + 1 shared of 512; vocab 248320; 262144
+    # context; rope theta 1e7 on 25% of the head (64 dims, M-RoPE); mtp_num_hidden_layers 1.
+    "qwen35-35b-a3b": ShapeConfig(
+        "qwen35-35b-a3b", "qwen35moe", n_layer=40, n_embd=2048, n_ff=0, n_head=16, n_head_kv=2,
+        head_dim=256, n_vocab=248320, context_length=262144, n_nextn=1, n_expert=256,
+        n_expert_used=8, n_ff_expert=512, n_ff_shexp=512, full_attention_interval=4,
+        ssm={"d_conv": 4, "d_state": 128, "n_group": 16, "dt_rank": 32}, rope_dims=64,
+        rope_base=10000000.0),
+    # Qwen3-Next-80B-A3B (HF config.json of Qwen/Qwen3-Next-80B-A3B-Instruct): 48 = 12 x (3
+    # Gated DeltaNet + 1 gated attention) blocks of 2048, intermediate 5120, attention 16 Q /
+    # 2 KV heads of 256, GDN 16 key / 32 value heads of 128, conv 4; 512 experts of 512, 10
+    # routed + 1 shared of 512; vocab 151936; 262144 context; rope theta 1e7 on 25% of the
+    # head (64 dims, NeoX); one MTP block (llama.cpp's converter appends it).
+    "qwen3-next-80b-a3b": ShapeConfig(
+        "qwen3-next-80b-a3b", "qwen3next", n_layer=48, n_embd=2048, n_ff=5120, n_head=16,
+        n_head_kv=2, head_dim=256, n_vocab=151936, context_length=262144, n_nextn=1,
+        n_expert=512, n_expert_used=10, n_ff_expert=512, n_ff_shexp=512,
+        full_attention_interval=4, ssm={"d_conv": 4, "d_state": 128, "n_group": 16, "dt_rank": 32},
+        rope_dims=64, rope_base=10000000.0),
+    # gpt-oss-20b / -120b (HF config.json of openai/gpt-oss-*): 24 / 36 blocks of 2880,
+    # 64 Q / 8 KV heads of 64, attention sinks, every other block sliding (window 128);
+    # 32 / 128 experts of 2880, 4 routed, MXFP4 experts; vocab 201088; 131072 context; rope
+    # theta 150000. The experts are MXFP4 whatever --type says (as in the published GGUFs).
+    "gpt-oss-20b": ShapeConfig(
+        "gpt-oss-20b", "gpt-oss", n_layer=24, n_embd=2880, n_ff=0, n_head=64, n_head_kv=8,
+        head_dim=64, n_vocab=201088, context_length=131072, sliding_window=128, n_expert=32,
+        n_expert_used=4, n_ff_expert=2880, rope_base=150000.0),
+    "gpt-oss-120b": ShapeConfig(
+        "gpt-oss-120b", "gpt-oss", n_layer=36, n_embd=2880, n_ff=0, n_head=64, n_head_kv=8,
+        head_dim=64, n_vocab=201088, context_length=131072, sliding_window=128, n_expert=128,
+        n_expert_used=4, n_ff_expert=2880, rope_base=150000.0),
     "70b": ShapeConfig(
         "70b", "llama", n_layer=80, n_embd=8192, n_ff=28672, n_head=64, n_head_kv=8,
         head_dim=128, n_vocab=128256, context_length=131072, rope_base=500000.0),
@@ -93,14 +136,15 @@ SHAPES: dict[str, ShapeConfig] = {
 
 def tiny(config: ShapeConfig) -> ShapeConfig:
     """The same architecture at toy size: loads and decodes on a CPU in well under a second."""
-    n_layer = {"gemma3": 6, "qwen35": 4}.get(config.arch, 2)
+    n_layer = {"gemma3": 6, "qwen35": 4, "qwen35moe": 4, "qwen3next": 4}.get(config.arch, 2)
     ssm = {"d_conv": 4, "d_state": 32, "n_group": 2, "dt_rank": 4} if config.ssm else {}
     return replace(
-        config, name=f"{config.name}-tiny", n_layer=n_layer, n_embd=256, n_ff=512, n_head=4,
+        config, name=f"{config.name}-tiny", n_layer=n_layer, n_embd=256, n_head=4,
         n_head_kv=2, head_dim=64, n_vocab=512, context_length=4096,
         sliding_window=128 if config.sliding_window else 0,
         n_expert=8 if config.n_expert else 0, n_expert_used=2 if config.n_expert else 0,
         n_ff_expert=256 if config.n_expert else 0, ssm=ssm,
+        n_ff_shexp=256 if config.n_ff_shexp else 0, n_ff=512 if config.n_ff else 0,
         rope_dims=32 if config.rope_dims else 0,
     )
 
@@ -122,6 +166,16 @@ def tensor_table(c: ShapeConfig) -> list[Tensor]:
         return [(f"{b}.ffn_gate.weight", (E, c.n_ff)), (f"{b}.ffn_up.weight", (E, c.n_ff)),
                 (f"{b}.ffn_down.weight", (c.n_ff, E))]
 
+    def experts(b: str) -> list[Tensor]:
+        F, X = c.n_ff_expert, c.n_expert
+        return [(f"{b}.ffn_gate_inp.weight", (E, X)), (f"{b}.ffn_gate_exps.weight", (E, F, X)),
+                (f"{b}.ffn_down_exps.weight", (F, E, X)), (f"{b}.ffn_up_exps.weight", (E, F, X))]
+
+    def shared_expert(b: str) -> list[Tensor]:
+        S = c.n_ff_shexp
+        return [(f"{b}.ffn_gate_inp_shexp.weight", (E,)), (f"{b}.ffn_gate_shexp.weight", (E, S)),
+                (f"{b}.ffn_up_shexp.weight", (E, S)), (f"{b}.ffn_down_shexp.weight", (S, E))]
+
     for i in range(c.n_layer + c.n_nextn):
         b = f"blk.{i}"
         if c.arch == "llama":
@@ -138,18 +192,28 @@ def tensor_table(c: ShapeConfig) -> list[Tensor]:
                     (f"{b}.attn_q_norm.weight", (c.head_dim,)), (f"{b}.ffn_norm.weight", (E,))]
             out += ffn(b) + [(f"{b}.post_ffw_norm.weight", (E,))]
         elif c.arch == "qwen3moe":
-            F, X = c.n_ff_expert, c.n_expert
             out += [(f"{b}.attn_norm.weight", (E,)), (f"{b}.attn_q.weight", (E, q_dim)),
                     (f"{b}.attn_k.weight", (E, kv_dim)), (f"{b}.attn_v.weight", (E, kv_dim)),
                     (f"{b}.attn_output.weight", (q_dim, E)),
                     (f"{b}.attn_k_norm.weight", (c.head_dim,)),
-                    (f"{b}.attn_q_norm.weight", (c.head_dim,)), (f"{b}.ffn_norm.weight", (E,)),
-                    (f"{b}.ffn_gate_inp.weight", (E, X)),
-                    (f"{b}.ffn_gate_exps.weight", (E, F, X)),
-                    (f"{b}.ffn_down_exps.weight", (F, E, X)),
-                    (f"{b}.ffn_up_exps.weight", (E, F, X))]
+                    (f"{b}.attn_q_norm.weight", (c.head_dim,)), (f"{b}.ffn_norm.weight", (E,))]
+            out += experts(b)
         elif c.arch == "qwen35":
             out += _qwen35_block(c, i, b) + ffn(b)
+        elif c.arch in ("qwen35moe", "qwen3next"):
+            # Every block, the MTP one included, has 256/512 routed experts and a shared one.
+            out += _qwen35_block(c, i, b) + experts(b) + shared_expert(b)
+        elif c.arch == "gpt-oss":
+            F, X = c.n_ff_expert, c.n_expert
+            out += [(f"{b}.attn_norm.weight", (E,)), (f"{b}.post_attention_norm.weight", (E,)),
+                    (f"{b}.attn_q.weight", (E, q_dim)), (f"{b}.attn_q.bias", (q_dim,)),
+                    (f"{b}.attn_k.weight", (E, kv_dim)), (f"{b}.attn_k.bias", (kv_dim,)),
+                    (f"{b}.attn_v.weight", (E, kv_dim)), (f"{b}.attn_v.bias", (kv_dim,)),
+                    (f"{b}.attn_output.weight", (q_dim, E)), (f"{b}.attn_output.bias", (E,)),
+                    (f"{b}.attn_sinks.weight", (c.n_head,))]
+            out += experts(b) + [
+                (f"{b}.ffn_gate_inp.bias", (X,)), (f"{b}.ffn_gate_exps.bias", (F, X)),
+                (f"{b}.ffn_down_exps.bias", (E, X)), (f"{b}.ffn_up_exps.bias", (F, X))]
         else:
             raise ValueError(f"no tensor table for architecture {c.arch}")
     return out
@@ -174,21 +238,28 @@ def _qwen35_block(c: ShapeConfig, i: int, b: str) -> list[Tensor]:
     s = c.ssm
     key_dim, value_dim = s["d_state"] * s["n_group"], s["d_state"] * s["dt_rank"]
     conv_dim = 2 * key_dim + value_dim
+    # Qwen3-Next fuses the beta and alpha projections into one (ssm_ba); Qwen3.5 keeps two.
+    gates = ([(f"{b}.ssm_ba.weight", (E, 2 * s["dt_rank"]))] if c.arch == "qwen3next" else
+             [(f"{b}.ssm_beta.weight", (E, s["dt_rank"])),
+              (f"{b}.ssm_alpha.weight", (E, s["dt_rank"]))])
     return out + [
         (f"{b}.attn_qkv.weight", (E, conv_dim)), (f"{b}.attn_gate.weight", (E, value_dim)),
         (f"{b}.ssm_conv1d.weight", (s["d_conv"], conv_dim)), (f"{b}.ssm_dt.bias", (s["dt_rank"],)),
-        (f"{b}.ssm_a", (s["dt_rank"],)), (f"{b}.ssm_beta.weight", (E, s["dt_rank"])),
-        (f"{b}.ssm_alpha.weight", (E, s["dt_rank"])), (f"{b}.ssm_norm.weight", (s["d_state"],)),
-        (f"{b}.ssm_out.weight", (value_dim, E)),
+        (f"{b}.ssm_a", (s["dt_rank"],))] + gates + [
+        (f"{b}.ssm_norm.weight", (s["d_state"],)), (f"{b}.ssm_out.weight", (value_dim, E)),
     ]
 
 
-def tensor_type(name: str, dims: tuple[int, ...],
-                qtype: GGMLQuantizationType) -> GGMLQuantizationType:
-    """Matrices take the chosen type where their rows fit its blocks; vectors, convolutions and
-    rows that do not fit stay float, as llama.cpp's quantizer leaves them."""
-    if len(dims) < 2 or name.endswith("ssm_conv1d.weight"):
+def tensor_type(name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType,
+                arch: str = "") -> GGMLQuantizationType:
+    """Matrices take the chosen type where their rows fit its blocks; vectors, biases,
+    convolutions, the MoE router and rows that do not fit stay float, as llama.cpp's quantizer
+    leaves them. gpt-oss's experts are MXFP4 whatever the rest is, as published."""
+    if (len(dims) < 2 or name.endswith(("ssm_conv1d.weight", ".bias"))
+            or name.endswith("ffn_gate_inp.weight")):
         return GGMLQuantizationType.F32
+    if arch == "gpt-oss" and "_exps." in name:
+        qtype = GGMLQuantizationType.MXFP4
     block = GGML_QUANT_SIZES[qtype][0]
     if dims[0] % block:
         return GGMLQuantizationType.F16
@@ -221,7 +292,8 @@ def _add_metadata(w: GGUFWriter, c: ShapeConfig, qtype: GGMLQuantizationType,
     w.add_context_length(c.context_length)
     w.add_embedding_length(c.n_embd)
     w.add_block_count(c.n_layer + c.n_nextn)
-    w.add_feed_forward_length(c.n_ff)
+    if c.n_ff:
+        w.add_feed_forward_length(c.n_ff)
     w.add_head_count(c.n_head)
     w.add_head_count_kv(c.n_head_kv)
     w.add_key_length(c.head_dim)
@@ -238,11 +310,20 @@ def _add_metadata(w: GGUFWriter, c: ShapeConfig, qtype: GGMLQuantizationType,
         w.add_expert_count(c.n_expert)
         w.add_expert_used_count(c.n_expert_used)
         w.add_expert_feed_forward_length(c.n_ff_expert)
+    if c.n_ff_shexp:
+        w.add_expert_shared_feed_forward_length(c.n_ff_shexp)
     if c.full_attention_interval:
         w.add_full_attention_interval(c.full_attention_interval)
+    if c.arch == "qwen35moe":
+        # The converter writes Qwen3.5's layer_types as one flag per block (NextN: attention).
+        w.add_array(f"{c.arch}.attention.recurrent_layers",
+                    [(i + 1) % c.full_attention_interval != 0 if i < c.n_layer else False
+                     for i in range(c.n_layer + c.n_nextn)])
+    if c.arch in ("qwen35", "qwen35moe"):
         # M-RoPE sections split the rotated half-dimensions (Qwen3.5: 64 -> 11 + 11 + 10)
         half = (c.rope_dims or c.head_dim) // 2
         w.add_rope_dimension_sections([half - 2 * (half // 3), half // 3, half // 3, 0])
+    if c.ssm:
         s = c.ssm
         w.add_ssm_conv_kernel(s["d_conv"])
         w.add_ssm_state_size(s["d_state"])
@@ -317,7 +398,8 @@ def _encode(rows: np.ndarray, ggml_type: GGMLQuantizationType) -> bytes:
 
 def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
                fill: str = "sparse", seed: int = 0, split: tuple[int, int] | None = None,
-               specials: tuple[str, ...] = (), chat_template: str | None = None) -> Path:
+               specials: tuple[str, ...] = (), chat_template: str | None = None,
+               routing: str = "uniform") -> Path:
     """Write the model; return its path. `fill` is sparse, random, noise or zeros: random tiles
     a few random rows (disk speed, for big shapes), noise draws every weight (tiny shapes: a
     model whose logits differ from token to token, for tests of exact greedy output).
@@ -326,12 +408,14 @@ def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
     part."""
     if fill not in ("sparse", "random", "noise", "zeros"):
         raise ValueError(f"fill must be sparse, random, noise or zeros, not {fill!r}")
+    synth_routing.parse(routing)
     try:
         quant = GGMLQuantizationType[qtype.upper()]
     except KeyError:
         raise ValueError(f"unknown ggml type {qtype!r}") from None
     path = Path(path)
-    table = [(name, dims, tensor_type(name, dims, quant)) for name, dims in tensor_table(config)]
+    table = [(name, dims, tensor_type(name, dims, quant, config.arch))
+             for name, dims in tensor_table(config)]
     w = GGUFWriter(path, config.arch)
     if split is None or split[0] == 0:
         _add_metadata(w, config, quant, specials, chat_template)
@@ -342,13 +426,20 @@ def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
         w.add_uint16("split.count", count)
         w.add_int32("split.tensors.count", len(table))
         table = table[index * per_part:(index + 1) * per_part]
-    _write_table(w, path, table, fill, seed)
+    if fill == "random" and config.n_expert:
+        # Tiled rows give every matrix a period of 16 in its outputs: the hidden states of a
+        # few dozen tokens, and routing by accident (an LRU of 64 of 256 experts hit 80%
+        # with routers drawn uniformly). MoE models draw their dense matrices in full and
+        # tile each expert tensor with one drawn expert: the routing is the routers'.
+        fill = "moe-random"
+    _write_table(w, path, table, fill, seed, synth_routing.writer(routing, config, fill, seed))
     return path
 
 
 def _write_table(w: GGUFWriter, path: Path, table: list[tuple[str, tuple[int, ...],
-                 GGMLQuantizationType]], fill: str, seed: int) -> None:
-    """Write the header, metadata already added to `w`, the tensor infos and the data."""
+                 GGMLQuantizationType]], fill: str, seed: int, special=None) -> None:
+    """Write the header, metadata already added to `w`, the tensor infos and the data.
+    `special(name, dims, type)` may give a tensor's bytes (routing decides those)."""
     for name, dims, ggml_type in table:
         nbytes = tensor_bytes(dims, ggml_type)
         # The writer takes numpy order (last ggml dim first) and, for raw types, the byte shape.
@@ -369,10 +460,17 @@ def _write_table(w: GGUFWriter, path: Path, table: list[tuple[str, tuple[int, ..
         f.write(bytes(data_start - f.tell()))
         for _name, dims, ggml_type in table:
             nbytes = tensor_bytes(dims, ggml_type)
-            if fill == "zeros":
+            data = special(_name, dims, ggml_type) if special else None
+            if data is not None:  # written in full whatever the fill: routing depends on it
+                f.write(data)
+            elif fill == "zeros":
                 _write_repeated(f, b"\0" * (1 << 20), nbytes)
-            elif fill == "noise":
-                f.write(_noise(_name, dims, ggml_type, rng))
+            elif fill == "noise" or (fill == "moe-random" and len(dims) < 3):
+                for rows in range(0, max(1, _rows(dims)), 8192):  # a 248K vocabulary is 2 GB
+                    part = dims if len(dims) == 1 else (dims[0], min(8192, _rows(dims) - rows))
+                    f.write(_noise(_name, part, ggml_type, rng))
+            elif fill == "moe-random":  # one expert drawn, repeated over the others
+                _write_repeated(f, _noise(_name, dims[:2], ggml_type, rng), nbytes)
             else:
                 key = (dims[0], ggml_type)
                 if key not in blocks:
@@ -499,14 +597,20 @@ def write_vision_pair(out_dir: str | Path, shape: str | None = None,
     return model, mmproj
 
 
-def ensure_model(directory: str | Path, config: ShapeConfig, qtype: str = "Q4_0") -> Path:
-    """`directory`/NAME-q4_0.gguf with random weights, written unless it is there (benchmarks
-    on the GPU machine share one copy per shape)."""
-    path = Path(directory) / f"{config.name}-{qtype.lower()}.gguf"
+def ensure_model(directory: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
+                 routing: str = "uniform") -> Path:
+    """`directory`/NAME-q4_0.gguf (NAME-q4_0-zipf0.8.gguf with skewed routing) with random
+    weights, written unless it is there (benchmarks on the GPU machine share one copy per
+    shape)."""
+    synth_routing.parse(routing)  # a bad spec fails before anything is written
+    tag = "" if routing == "uniform" else "-" + routing.replace(":", "")
+    path = Path(directory) / f"{config.name}-{qtype.lower()}{tag}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        write_gguf(path, config, qtype, "random")
+        tmp = path.with_suffix(".tmp")  # a run killed mid-write leaves no half model behind
+        write_gguf(tmp, config, qtype, "random", routing=routing)
+        tmp.replace(path)
         print(f"wrote {path} in {time.monotonic() - started:.0f} s", flush=True)
     return path
 
@@ -549,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="ggml type of the matrices (Q4_0, Q8_0, Q4_K, F16...)")
     p.add_argument("--fill", default="sparse", choices=("sparse", "random", "noise", "zeros"))
     p.add_argument("--tiny", action="store_true", help="toy dimensions of the same architecture")
+    p.add_argument("--routing", default="uniform",
+                   help="MoE routers: uniform, or zipf:S for Zipf-like expert popularity of "
+                        "exponent about S per block (0.6: an LRU of 64 of 256 hits ~67%%)")
     p.add_argument("--list", action="store_true", help="list the shapes")
     p.add_argument("--vision", metavar="OUT_DIR",
                    help="write OUT_DIR/model.gguf and OUT_DIR/mmproj.gguf (a Gemma 3 pair)")
@@ -565,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.list or not args.shape:
         for name, c in SHAPES.items():
-            print(f"{name:15} {c.arch:9} {c.n_layer + c.n_nextn} blocks, ctx {c.context_length}")
+            print(f"{name:19} {c.arch:9} {c.n_layer + c.n_nextn} blocks, ctx {c.context_length}")
         return 0
     if args.shape not in SHAPES:
         print(f"Error: unknown shape {args.shape!r}; known: {', '.join(SHAPES)}", file=sys.stderr)
@@ -575,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     config = tiny(SHAPES[args.shape]) if args.tiny else SHAPES[args.shape]
     try:
-        path = write_gguf(args.out, config, args.type, args.fill)
+        path = write_gguf(args.out, config, args.type, args.fill, routing=args.routing)
     except (ValueError, OSError) as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1

@@ -75,3 +75,58 @@ def test_real_gemma_270m(gemma_gguf):
     assert s.architecture == "gemma3" and s.n_layer == 18
     assert kinds(s) == {SLIDING: 15, FULL: 3} and s.sliding_window == 512
     assert s.tied_embeddings and s.context_length == 32768
+
+
+def _block_bytes(shape, layer, part):
+    return sum(t.n_bytes for t in shape.tensors if t.layer == layer and part in t.name)
+
+
+def test_qwen35_moe_hybrid_with_shared_expert_and_nextn(shapes):
+    s = shapes["qwen35-35b-a3b"]
+    # 40 = 10 x (3 Gated DeltaNet + 1 attention), then the MTP block; read from the
+    # recurrent_layers flags the converter writes
+    assert s.architecture == "qwen35moe" and s.n_layer == 41 and s.n_nextn == 1
+    assert kinds(s) == {RECURRENT_LAYER: 30, FULL: 11}
+    assert [layer.index for layer in s.layers if layer.kind == FULL][:3] == [3, 7, 11]
+    # models-and-cards.md section 2: 20 KiB f16 KV per token, GDN state 62.8 MiB (30 layers)
+    assert s.kv_bytes_per_token(2, 2) == 20 * KIB
+    assert s.recurrent_state_bytes == 30 * (3 * (4096 + 2 * 16 * 128) + 128 * 4096) * 4
+    assert round(s.recurrent_state_bytes / MIB, 1) == 62.8
+    assert (s.expert_count, s.expert_used_count, s.expert_feed_forward_length) == (256, 8, 512)
+    assert s.expert_shared_feed_forward_length == 512
+    # 3 matrices of 2048 x 512 per expert, Q4_0 (18 bytes per 32 weights), in every block and
+    # in the MTP block
+    per_block = 3 * 2048 * 512 * 256 // 32 * 18
+    assert all(layer.expert_bytes == per_block for layer in s.layers)
+    # the shared expert: 3 matrices of 2048 x 512 and its f32 gate, not counted as experts
+    shared = 3 * 2048 * 512 // 32 * 18 + 2048 * 4
+    assert all(layer.shared_expert_bytes == shared for layer in s.layers)
+    assert s.layers[0].shared_expert_bytes == _block_bytes(s, 0, "_shexp")
+    assert s.role_bytes(EXPERTS) == 41 * per_block
+    assert s.layers[-1].is_nextn and s.layers[-1].kind == FULL
+
+
+def test_qwen3_next_80b_class(shapes):
+    s = shapes["qwen3-next-80b-a3b"]
+    assert s.architecture == "qwen3next" and s.n_layer == 49 and s.n_nextn == 1
+    assert kinds(s) == {RECURRENT_LAYER: 36, FULL: 13}  # by full_attention_interval
+    assert s.kv_bytes_per_token(2, 2) == 12 * 2 * 256 * 2 * 2
+    assert s.recurrent_state_bytes == 36 * (3 * (4096 + 2 * 16 * 128) + 128 * 4096) * 4
+    assert (s.expert_count, s.expert_used_count) == (512, 10)
+    assert s.layers[0].expert_bytes == 3 * 2048 * 512 * 512 // 32 * 18
+    assert s.expert_shared_feed_forward_length == 512 and s.layers[0].shared_expert_bytes > 0
+    assert not any(t.name.endswith("ssm_beta.weight") for t in s.tensors)  # fused: ssm_ba
+    assert s.weight_bytes > 40 * (1 << 30)  # the 80B class: past a 12 GiB card and 32 GiB RAM
+
+
+def test_gpt_oss_sliding_every_other_block_with_mxfp4_experts(shapes):
+    s = shapes["gpt-oss-120b"]
+    assert kinds(s) == {SLIDING: 18, FULL: 18} and s.sliding_window == 128
+    assert [layer.kind for layer in s.layers[:2]] == [SLIDING, FULL]
+    assert {t.ggml_type for t in s.tensors if t.name.endswith("_exps.weight")} == {"MXFP4"}
+    assert any(t.name == "blk.0.attn_sinks.weight" for t in s.tensors)
+    # 3 x 2880 x 2880 x 128 MXFP4 (17 bytes per 32) and the experts' f32 biases
+    weights = 3 * 2880 * 2880 * 128 // 32 * 17
+    biases = (2 * 2880 + 2880) * 128 * 4
+    assert s.layers[0].expert_bytes == weights + biases
+    assert s.kv_bytes_per_token(2, 2) == 18 * 8 * 64 * 2 * 2  # the full-attention blocks

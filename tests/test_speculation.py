@@ -27,8 +27,13 @@ def spec_daemon(tmp_path_factory, smollm2_gguf):
     mtp_model = synth_gguf.write_gguf(root / "qwen35-mtp.gguf",
                                       synth_gguf.tiny(synth_gguf.SHAPES["qwen35-27b"]),
                                       "Q8_0", "noise")
+    # The hybrid MoE at toy size (Gated DeltaNet, 8 experts and a shared one, an MoE NextN block).
+    moe_mtp = synth_gguf.write_gguf(root / "qwen35moe-mtp.gguf",
+                                    synth_gguf.tiny(synth_gguf.SHAPES["qwen35-35b-a3b"]),
+                                    "Q8_0", "noise")
     env = isolated_env(root)
-    import_models(env, {"smollm2": smollm2_gguf, "qwen35-mtp": mtp_model})
+    import_models(env, {"smollm2": smollm2_gguf, "qwen35-mtp": mtp_model,
+                        "qwen35moe-mtp": moe_mtp})
     d = start_daemon(env)
     yield d
     d.stop()
@@ -51,6 +56,7 @@ COUNT = "Count from 1 to 100: 1, 2, 3, 4, 5, 6,"
 CASES = {
     "lookup": ("smollm2", ALPHABET, {"speculative": "lookup"}),
     "mtp": ("qwen35-mtp", "the quick brown fox", {"speculative": "mtp"}),
+    "mtp-moe": ("qwen35moe-mtp", "the quick brown fox", {"speculative": "mtp"}),
     "draft": ("smollm2", COUNT, {"speculative": "draft", "draft_model": "smollm2"}),
 }
 NEAR_TIE = 0.05  # logprob gap between the best two tokens under which rounding may pick either

@@ -55,7 +55,8 @@ def expected_bytes(config: synth_gguf.ShapeConfig, plan) -> dict[str, list[int]]
         out[device][0] += nbytes
 
     for name, dims in synth_gguf.tensor_table(config):
-        nbytes = synth_gguf.tensor_bytes(dims, synth_gguf.tensor_type(name, dims, quant))
+        ggml_type = synth_gguf.tensor_type(name, dims, quant, config.arch)
+        nbytes = synth_gguf.tensor_bytes(dims, ggml_type)
         m = re.match(r"blk\.(\d+)\.", name)
         if m:
             block = int(m.group(1))
@@ -80,7 +81,8 @@ def expected_bytes(config: synth_gguf.ShapeConfig, plan) -> dict[str, list[int]]
                                + s["d_state"] * d_inner) * 4 * copies
             continue
         cells = pad256(plan.n_ctx)
-        if config.sliding_window and i % 6 < 5:
+        period = 2 if config.arch == "gpt-oss" else 6  # gpt-oss alternates, gemma3 5 of 6
+        if config.sliding_window and i % period < period - 1:
             cells = min(cells, pad256(config.sliding_window + plan.n_ubatch))
         row = config.n_head_kv * config.head_dim // block_k * block_bytes
         out[device][1] += cells * row * 2

@@ -1,0 +1,124 @@
+"""Router weights for synthetic MoE models: uniform, or skewed like a trained model's.
+
+A block's router scores expert e as w_e . x, x the block's normed hidden state, and picks the
+top k. With every w_e drawn at random the experts are chosen about uniformly, which no cache
+can serve and real models never do. (Before this module, the `random` fill tiled 16 random
+rows over every matrix, routers included: experts 16 apart scored alike and the choice was
+skewed by accident, by an amount nobody chose. MoE models now draw every dense matrix,
+routers included, and tile expert tensors by whole experts: synth_gguf's "moe-random".)
+
+Skewed routing (`zipf:S`): one direction u is added to every token's embedding, so every
+token's residual stream leans along u; each block gives expert e a router component b_e u,
+b_e falling as log(rank) of the expert in that block's popularity order (a random order per
+block). The score then gains b_e (x . u), a bias of one sign for all tokens whose size follows
+what the hidden state carries of u: popularity is Zipf-like, with an exponent of about S over
+the most used quarter of the experts, and moves with the text as far as the hidden state does
+(a token leaning less along u is routed more by its own content). It acts through the hidden
+state llama.cpp computes, with no change to the engine; scripts/routing_profile.py measures
+the LRU hit-rate curve it gives (docs/bench/synthetic-routing.md).
+
+Spec: "uniform" (default) or "zipf:S", S in (0, 3].
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+# b_e per unit of S, in units of the spread of a score's content part: measured on tiny
+# qwen3moe / qwen35moe / qwen3next models (scripts/routing_profile.py), zipf:1 fits an
+# exponent of 1.05 / 1.11 / 1.33 over the head of the popularity curve, zipf:0.5 0.88 / 0.62
+# / 0.74 (docs/bench/synthetic-routing.md).
+STRENGTH_PER_EXPONENT = 1.0
+U_WEIGHT = 0.5  # u's length in a token's embedding, relative to the noise's
+
+
+@dataclass(frozen=True)
+class Routing:
+    zipf: float = 0.0  # popularity exponent; 0 is uniform
+
+    @property
+    def uniform(self) -> bool:
+        return self.zipf == 0
+
+
+def parse(spec: str) -> Routing:
+    """'uniform' or 'zipf:S'; ValueError saying what is accepted."""
+    spec = (spec or "uniform").strip()
+    if spec == "uniform":
+        return Routing()
+    name, _, value = spec.partition(":")
+    try:
+        zipf = float(value)
+    except ValueError:
+        zipf = -1.0
+    if name != "zipf" or not 0 < zipf <= 3:
+        raise ValueError(f"routing {spec!r}: give 'uniform' or 'zipf:S' with S in (0, 3]")
+    return Routing(zipf)
+
+
+def writer(spec: str, config, fill: str, seed: int):
+    """A function (name, dims, ggml_type) -> bytes for the tensors routing decides (the token
+    embedding of any MoE model, skewed routers), None for the others; None when nothing is
+    drawn (sparse, zeros) or the model has no experts."""
+    routing = parse(spec)
+    if not config.n_expert or fill in ("sparse", "zeros"):
+        return None
+    rng = np.random.default_rng(seed + 7919)
+    u = rng.standard_normal(config.n_embd).astype(np.float32)
+    u /= np.linalg.norm(u)
+
+    def write(name: str, dims: tuple[int, ...], ggml_type: GGMLQuantizationType) -> bytes | None:
+        if name == "token_embd.weight":
+            return _embeddings(dims, None if routing.uniform else u, rng, ggml_type)
+        if name.endswith("ffn_gate_inp.weight") and not routing.uniform:
+            return _encode(_router(name, dims, routing, u, seed), ggml_type)
+        return None
+
+    return write
+
+
+def _embeddings(dims, u, rng, ggml_type: GGMLQuantizationType) -> bytes:
+    """Token rows, encoded: unit-variance noise (the size of a normed hidden state, so that
+    a token stays itself through the blocks: rows of norm 1 were drowned by the first
+    attention's average over the context, and every token routed alike), plus u as long as
+    the noise for skewed routing. In slices of 8192 rows (a 248K vocabulary of 2048 is 2 GB
+    as float)."""
+    n_embd, n_vocab = dims
+    out = []
+    for start in range(0, n_vocab, 8192):
+        rows = rng.standard_normal((min(8192, n_vocab - start), n_embd), dtype=np.float32)
+        if u is not None:
+            rows += U_WEIGHT * np.sqrt(n_embd) * u
+        out.append(_encode(rows, ggml_type))
+    return b"".join(out)
+
+
+def _router(name: str, dims, routing: Routing, u, seed: int) -> np.ndarray:
+    """Rows w_e, one per expert: noise of norm about 1, plus b_e u by the expert's rank."""
+    n_embd, n_expert = dims
+    block_seed = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+    rng = np.random.default_rng(block_seed)
+    rows = rng.standard_normal((n_expert, n_embd), dtype=np.float32) / np.sqrt(n_embd)
+    if routing.uniform:
+        return rows
+    strength = -np.log(rng.permutation(n_expert) + 1.0)  # this block's popularity order
+    strength -= strength.mean()
+    # A normed hidden state (length sqrt(n_embd)) leaning along u has x . u of the order of
+    # sqrt(n_embd) / 2, and a score's noise part has unit spread: b_e is in those units.
+    scale = routing.zipf * STRENGTH_PER_EXPONENT / (np.sqrt(n_embd) / 2)
+    rows += (scale * strength).astype(np.float32)[:, None] * u
+    return rows
+
+
+def _encode(rows: np.ndarray, ggml_type: GGMLQuantizationType) -> bytes:
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if ggml_type == GGMLQuantizationType.F32:
+        return rows.tobytes()
+    if ggml_type == GGMLQuantizationType.F16:
+        return rows.astype(np.float16).tobytes()
+    return gguf_quants.quantize(rows, ggml_type).tobytes()
