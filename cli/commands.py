@@ -271,6 +271,11 @@ def cmd_ps(args) -> int:
     for m in data["models"]:  # threads the runner dropped on a busy CPU, and why
         if m.get("threads_reason"):
             print(f"{m['name']} threads: {m['threads_reason']}")
+    for m in data["models"]:  # the session the plan is made for, and whence
+        if m.get("workload"):
+            w = m["workload"]
+            print(f"{m['name']} planned for: {w['planned_for']}"
+                  + (f" ({w['source']})" if w.get("source") else ""))
     for m in data["models"]:  # plans per fill band: the one running, and the pauses so far
         if m.get("fill_band"):
             band = m["fill_band"]
