@@ -355,8 +355,8 @@ def format_plan(plan: Plan, card: Card, shape: ModelShape, model_name: str) -> s
     lines.append(f"predicted: prefill {plan.predicted_prefill_tps:.1f} tok/s, decode "
                  f"{plan.predicted_decode_tps:.1f} tok/s averaged over the session's answers")
     if plan.workload:
-        lines.append(f"workload: {plan.workload}"
-                     + (f" (from {plan.workload_source})" if plan.workload_source else ""))
+        lines.append("workload" + (f" ({plan.workload_source})" if plan.workload_source
+                                   else "") + f": {plan.workload}")
         lines.append(f"session ({plan.workload}): {plan.predicted_session_s:.0f} s predicted")
     if plan.predicted_ttft:
         lines.append("predicted time to first token: " + ", ".join(
