@@ -53,7 +53,8 @@ def band_plans(shape: ModelShape, card: Card, request: Request, n_ctx: int | Non
     for k, band in enumerate(below):
         workload = request.workload.in_band(band) if k == 0 \
             else request.workload.entering(below[k - 1], band)
-        plan = _pinned_plan(shape, card, replace(pinned, n_ctx=band, workload=workload), whole,
+        plan = _pinned_plan(shape, card, replace(pinned, n_ctx=band, workload=workload,
+                                                 first_prompt_waits=k > 0), whole,
                             tuned, f"fill band: up to {band} tokens; a sequence that needs "
                             "more moves the runner to the next band's plan")
         if plan is not None:
@@ -61,7 +62,8 @@ def band_plans(shape: ModelShape, card: Card, request: Request, n_ctx: int | Non
     entered = None
     if out:
         entered = _pinned_plan(shape, card, replace(
-            pinned, n_ctx=whole.n_ctx, workload=request.workload.entering(below[-1], whole.n_ctx)),
+            pinned, n_ctx=whole.n_ctx, workload=request.workload.entering(below[-1], whole.n_ctx),
+            first_prompt_waits=True),
             whole, tuned, f"the whole context's band, planned for the prompt that moves a "
             f"runner past {below[-1]} tokens into it")
     out.append((whole.n_ctx, entered or whole))

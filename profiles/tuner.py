@@ -47,6 +47,7 @@ from .workload import HALF_FILL, Turn, Workload, objective_depth
 MIN_DEFAULT_CTX = 4096
 CTX_LADDER = (4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
 NEAR_TIE = 0.99  # a session within 1%: below what the speed model can tell apart
+FIRST_PROMPT_SLACK = 1.25  # a band entered by a long prompt reads it within this of the fastest
 FAST_ENOUGH = 0.9  # the default context may cost at most 10% of decode speed
 AUTO_MAX_PARALLEL = 4  # num_parallel = auto: at most this many slots
 MIX_POINTS = 10  # whole-block counts tried under the attention-on-GPU placement
@@ -78,6 +79,9 @@ class Request:
     # default, or the older expected_fill); a bare Request keeps the older half-fill objective.
     workload: Workload = HALF_FILL
     workload_source: str = ""  # where the workload came from: the record, a route, the config
+    # The session opens with a prompt someone waits on (a fill band entered by a long prompt):
+    # plans that read it slower than FIRST_PROMPT_SLACK times the fastest are set aside.
+    first_prompt_waits: bool = False
     ram_budget_bytes: int | None = None  # config ram_budget; None: what the card has available
     num_parallel: int | None = 1  # slots: a cap; None = auto (as many as fit, at most 4)
     ffn_split: bool = True  # may a block's FFN sit in RAM apart from its attention
@@ -469,6 +473,8 @@ class _Evaluator:
             # the user's num_gpu is honoured
             feasible = [o for o in options if o.ram_fits and o.pays]
         feasible, prompt_note = self.prompt_floor(feasible, n_ctx)
+        if self.request.first_prompt_waits:
+            feasible = self.reading_first(feasible)
         best, note = self.select(feasible)
         if best is not None and best.speculation is not None:
             # Speculation has to beat the best plan without it, not only its own placement.
@@ -488,6 +494,21 @@ class _Evaluator:
         disk_s = option.disk_bytes / (disk_read_gbs(self.card)[0] * 1e9) if option.disk_bytes \
             else 0.0
         return prompt_seconds(cost, long_prompt(s.n_ctx), n_ubatch or s.n_ubatch, disk_s)
+
+    def reading_first(self, feasible: list[Option]) -> list[Option]:
+        """The options that read the session's first prompt within FIRST_PROMPT_SLACK of the
+        fastest at their KV setting (so that the quality policy still chooses among settings):
+        a band a long prompt enters is loaded while someone waits for that prompt's answer, and
+        the session after it (decode, where the fastest reading costs some) is priced among
+        them. On the H200 a band priced on the session alone read a 16K prompt at 393 tok/s
+        where the agent's plan read 895 (issue 36)."""
+        def first(o: Option) -> float:
+            return o.session.prompt_seconds[0] if o.session and o.session.turns else 0.0
+
+        fastest: dict[str, float] = {}
+        for o in feasible:
+            fastest[o.kv] = min(fastest.get(o.kv, float("inf")), first(o))
+        return [o for o in feasible if first(o) <= fastest[o.kv] * FIRST_PROMPT_SLACK]
 
     def below_floor(self, option: Option) -> bool:
         s = option.settings
@@ -509,18 +530,19 @@ class _Evaluator:
         n = long_prompt(n_ctx)
         reading = [o for o in feasible if o not in slow]
         if not reading:
-            return feasible, (f"prompt reading: ubatch {{ub}} reads a {n}-token prompt in {{ttft}} to the first "
-                              f"token: no plan with a micro-batch of {DEFAULT_UBATCH} fits (its "
-                              "compute buffer does not fit in VRAM beside the weights)")
+            return feasible, (f"prompt reading: ubatch {{ub}} reads a {n}-token prompt in "
+                              f"{{ttft}} to the first token: no plan with a micro-batch of "
+                              f"{DEFAULT_UBATCH} fits (its compute buffer does not fit in VRAM "
+                              "beside the weights)")
         faster, _ = self.select(feasible)
         if faster not in slow:
             return reading, ""  # the floor changed nothing the session preferred
         weights = next((m.weights for m in faster.memory if m.device == CPU), 0)
         return reading, (
             f"prompt reading: ubatch {{ub}} reads a {n}-token prompt in {{ttft}} to the first "
-            f"token; ubatch "
-            f"{faster.settings.n_ubatch} (the plan otherwise chosen, session "
-            f"{seconds(faster.session_seconds)}) would take {seconds(self.long_prompt_seconds(faster))}: "
+            f"token; ubatch {faster.settings.n_ubatch} (the plan otherwise chosen, session "
+            f"{seconds(faster.session_seconds)}) would take "
+            f"{seconds(self.long_prompt_seconds(faster))}: "
             f"{gib(weights)} of weights in RAM cross to the GPU once per micro-batch, "
             f"and a plan reads a long prompt at no less than {PROMPT_FLOOR:.0%} of the speed "
             f"of llama.cpp's default micro-batch ({DEFAULT_UBATCH}) whatever the workload")

@@ -79,12 +79,17 @@ class Workload:
         """The sessions a band above the first serves: they enter it with a prompt longer than
         the band `below` holds. The workload's own first prompt where it lands in the band;
         else a prompt of twice the band below (a 16K prompt enters an 8K-32K band), capped at
-        the band. Planned for short prompts, such a band chose micro-batches that read the
-        prompt that loads it at half of llama.cpp's speed (issue 36)."""
+        the band, and turns as the workload's where its prompts are long, else as an agent's:
+        a long prompt comes from an agent or an editor, and what follows it is tool results
+        and short answers, not a chat's (priced with a chat's long answers, the band kept
+        ubatch 512 for their decode and read the prompt at 60% of the agent plan's speed).
+        Planned for short prompts, such a band read the prompt that loads it at half of
+        llama.cpp's speed (issue 36)."""
         if self.fill > 0 or below < self.first_prompt and self.first_prompt + self.answer <= band:
             return self
-        first = max(below + 1, min(2 * below, band - self.answer))
-        return replace(self, name=f"{self.name}, long prompt", first_prompt=first)
+        base = self if self.first_prompt >= LONG_PROMPT else AGENT
+        first = max(below + 1, min(2 * below, band - base.answer))
+        return replace(base, name=f"{base.name} (long prompt)", first_prompt=first)
 
     def describe(self) -> str:
         if self.fill > 0:

@@ -292,9 +292,11 @@ def test_the_daemon_loads_fill_bands_only_where_they_move_weights(shapes):
     bands, entered = choose_bands(shape, "dense", LoadOptions(), card, whole, "auto")
     assert [b.n_ctx for b in bands] == [8192, 32768]
     # Beside bands the whole context is entered by a prompt past 32K: planned for reading it.
-    assert entered.n_ctx == whole.n_ctx and entered.workload.startswith("chat, long prompt")
-    assert entered.n_ubatch >= 512 and (entered.type_k, entered.n_parallel) == \
-        (whole.type_k, whole.n_parallel)
+    assert entered.n_ctx == whole.n_ctx
+    assert entered.workload.startswith("agent (long prompt): a 65536-token first prompt")
+    assert (entered.type_k, entered.n_parallel) == (whole.type_k, whole.n_parallel)
+    assert entered.n_ubatch >= max(1024, whole.n_ubatch)
+    assert dict(entered.predicted_ttft)[65536] < dict(whole.predicted_ttft)[65536]
     for band in bands:  # what a runner carries KV across must match; the placement differs
         assert (band.type_k, band.type_v, band.n_parallel, band.speculative) == \
             (whole.type_k, whole.type_v, whole.n_parallel, whole.speculative)

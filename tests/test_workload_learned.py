@@ -14,6 +14,7 @@ from pathlib import Path
 import anthropic
 import ollama
 import pytest
+from dataclasses import replace
 
 from conftest import import_models
 from daemon_process import isolated_env, start_daemon
@@ -46,11 +47,16 @@ def test_a_run_of_long_prompts_is_learned_as_an_agents_mix_and_short_turns_as_a_
 
 def test_a_band_above_the_first_is_planned_for_the_prompt_that_enters_it():
     entering = CHAT.entering(8192, 32768)
-    assert entering.first_prompt == 16384 and entering.name == "chat, long prompt"
-    assert (entering.turn_prompt, entering.answer) == (CHAT.turn_prompt, CHAT.answer)
+    # A chat's short prompts never move a runner up: the long prompt that does is an agent's or
+    # an editor's, and tool results and short answers follow it.
+    assert entering.first_prompt == 16384 and entering.name == "agent (long prompt)"
+    assert (entering.turn_prompt, entering.answer) == (AGENT.turn_prompt, AGENT.answer)
     assert AGENT.entering(8192, 32768) is AGENT  # its 20K first prompt enters that band
     assert AGENT.entering(32768, 131072).first_prompt == 65536
-    assert CHAT.entering(8192, 12000).first_prompt == 12000 - CHAT.answer  # capped at the band
+    assert CHAT.entering(8192, 12000).first_prompt == 12000 - AGENT.answer  # capped at the band
+    # A learned mix of long prompts keeps its own turns.
+    mix = learned([(3000, 3000, 40), (5000, 2000, 40), (3000, 3000, 40), (5200, 2200, 40)])
+    assert mix.entering(8192, 32768).turn_prompt == mix.turn_prompt
 
 
 # ---- the record --------------------------------------------------------------------------------
@@ -144,3 +150,37 @@ def test_after_a_run_of_long_prompts_the_next_load_is_planned_for_them(daemon):
     text = daemon.cli("tune", "smollm2", "--card", "rtx3060-12g", "--vram", "1.0", "--ctx",
                       "4096", "--no-save", timeout=300)
     assert f"workload (learned from {MIN_LEARNED + 2} requests): agent: a " in text.stdout
+
+
+# ---- the issue's shapes, planned on the CPU ----------------------------------------------------
+
+@pytest.mark.parametrize("name", ["dense-27b", "qwen35-27b"])
+def test_with_default_settings_the_band_a_16k_prompt_enters_reads_it_as_the_agent_plan(
+        name, tmp_path_factory):
+    """The H200 measurement of issue 36 (12 GiB, 32K, default settings): the runner starts in
+    the 8K band and moves to the 32K band's plan for a 16K prompt. That band, priced for a
+    chat, read the prompt at 214 (dense) and 393 tok/s (Qwen3.5 shape), the agent workload's
+    plan 895; fit q8_0 405 and 772. Planned for the prompt that enters it, it reads it at least
+    as fast as the agent workload's plan, and the first band stays the chat's."""
+    import synth_gguf
+
+    from localllm.modelstore.shape import read_shape
+    from localllm.profiles.bands import band_plans, band_pays
+    from localllm.profiles.card import GIB, MIB, load_card
+    from localllm.profiles.tuner import Request, tune
+
+    paths = synth_gguf.ensure_headers(tmp_path_factory.getbasetemp() / "synth-headers")
+    shape = read_shape(paths[name])
+    card = load_card("h200").with_host(ram_bytes=128 * GIB, cores=16,
+                                       host_bandwidth_gbs=51.2).with_vram(12)
+    default = Request(n_ctx=32768, margin_bytes=128 * MIB, workload=CHAT, num_parallel=None)
+    whole = tune(shape, card, default)
+    (_, first), (_, entered) = band_plans(shape, card, default, whole_plan=whole)
+    assert band_pays(first, whole)  # the daemon loads the bands
+    assert first.workload.startswith("chat:") and first.n_ubatch >= 512
+    agent = tune(shape, card, replace(default, workload=AGENT))
+    ttft = dict(entered.predicted_ttft)[16384]
+    assert ttft <= dict(agent.predicted_ttft)[16384] * 1.1
+    assert 16384 / ttft > 1.2 * {"dense-27b": 405, "qwen35-27b": 772}[name]  # fit q8_0
+    assert any("planned for the prompt that moves a runner past 8192" in r
+               for r in entered.reasons)
