@@ -275,6 +275,11 @@ def cmd_ps(args) -> int:
         if m.get("extra_bufts") is False:
             print(f"{m['name']} engine: extra buffer types (repack, AMX) off, after llama.cpp "
                   "crashed with them on this CPU (see the daemon log)")
+    for m in data["models"]:  # the session the plan is made for, and whence
+        if m.get("workload"):
+            w = m["workload"]
+            print(f"{m['name']} planned for: {w['planned_for']}"
+                  + (f" ({w['source']})" if w.get("source") else ""))
     for m in data["models"]:  # plans per fill band: the one running, and the pauses so far
         if m.get("fill_band"):
             band = m["fill_band"]

@@ -65,7 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", choices=tuple(WORKLOADS),
                    help="the session to plan for: chat (short prompts) or agent (a 20K-token "
                    "prompt growing by 2K a turn); the plan minimizes its total time (default: "
-                   "the config's workload, chat)")
+                   "as the daemon plans the model's next load: the mix it served, once it has "
+                   "served 4 requests, else the config's workload)")
     p.add_argument("--fill", type=float, metavar="FRACTION",
                    help="the older form of --workload: one answer filling this part of the "
                    "context, decode averaged over it")
@@ -139,24 +140,29 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not args.no_save and args.vram is None:
         saved = save_profile(plan, model_name, card.name, shape.file_size,
                              measured=asdict(measured) if measured else None)
+    setting = parse_bands(bands_setting())
+    bands = []
+    if setting != "off":
+        if card.has_gpu:
+            bands = band_plans(shape, card, request, whole_plan=plan,
+                               sizes=FILL_BANDS if setting == "auto" else setting)
+        else:  # as the daemon loads them on a CPU: the same plan at each band's context
+            below, whole = choose_bands(shape, model_name, LoadOptions(), card, plan,
+                                        bands_setting())
+            bands = [*((p.n_ctx, p) for p in below), (whole.n_ctx, whole)]
     if args.json:
         out = {"model": model_name, "card": asdict(card), "plan": plan.to_dict(),
+               # the fill bands tried, and the whole context's plan beside them
+               "bands": [{"up_to": n, "loaded": band_loaded(bands, i, plan, setting != "auto"),
+                          "plan": p.to_dict()} for i, (n, p) in enumerate(bands)]
+               if len(bands) > 1 else [],
                "measured": asdict(measured) if measured else None,
                "profile": str(saved) if saved else None}
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, card, shape, model_name))
-        setting = parse_bands(bands_setting())
-        if setting != "off":
-            if card.has_gpu:
-                bands = band_plans(shape, card, request, whole_plan=plan,
-                                   sizes=FILL_BANDS if setting == "auto" else setting)
-            else:  # as the daemon loads them on a CPU: the same plan at each band's context
-                bands = [(p.n_ctx, p) for p in choose_bands(
-                    shape, model_name, LoadOptions(), card, plan, bands_setting())]
-                bands.append((plan.n_ctx, plan))
-            if len(bands) > 1:
-                print("\n" + format_bands(bands, shape, explicit=setting != "auto"))
+        if len(bands) > 1:
+            print("\n" + format_bands(bands, shape, explicit=setting != "auto", plan=plan))
         if measured:
             print(f"\nmeasured: prefill {measured.prefill_tps:.1f} tok/s, decode "
                   f"{measured.decode_tps:.1f} tok/s (predicted {plan.predicted_prefill_tps:.1f} "
@@ -208,6 +214,8 @@ def request_from_args(args: argparse.Namespace, base: Request) -> Request:
         changes["workload"] = from_fill(args.fill)
     elif args.workload:
         changes["workload"] = WORKLOADS[args.workload]
+    if "workload" in changes:
+        changes["workload_source"] = "--fill" if args.fill is not None else "--workload"
     if args.parallel is not None:
         if args.parallel == "auto":
             changes["num_parallel"] = None
@@ -241,17 +249,20 @@ def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card, store: bool
 
 
 def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
-                 explicit: bool = False) -> str:
+                 explicit: bool = False, plan: Plan | None = None) -> str:
     """One line per fill band: the workload it is planned for, its placement, KV, micro-batch,
     decode at its start and end, the time to first token of its longest prompt shown, and
     whether the daemon loads it: every band fill_bands names (`explicit`), those that pay
-    under `auto` (bands.band_pays)."""
-    from localllm.profiles.bands import band_pays, placement_key
+    under `auto` (bands.band_pays: the first against `plan`, the whole context's plan without
+    bands; the others against the whole context's band)."""
+    from localllm.profiles.bands import placement_key
     from localllm.profiles.choose import placement_of
 
     whole = bands[-1][1]
-    lines = ["plans per fill band (each for the part of the session it serves):"]
-    for band, p in bands:
+    plan = plan or whole
+    lines = ["plans per fill band (each for the prompt that enters it):"]
+    for i, (band, p) in enumerate(bands):
+        against = plan if i == 0 else whole
         placement = placement_of(p, shape)
         where = (f"FFN of {placement.n_cpu_ffn_layers} blocks in RAM, n_gpu_layers="
                  f"{p.n_gpu_layers}" if placement.n_cpu_ffn_layers
@@ -262,10 +273,13 @@ def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
             n, t = p.predicted_ttft[-1]
             ttft = f", {n // 1024}K prompt in {_seconds(t)}"
         if p is whole:
-            loaded = "the whole context"
-        elif explicit or band_pays(p, whole):
+            loaded = "the whole context" if band_loaded(bands, i, plan, explicit) else \
+                "not loaded: without bands the plan above holds the whole context"
+        elif band_loaded(bands, i, plan, explicit):
             loaded = "loaded while the sequences fit it"
-        elif placement_key(p) == placement_key(whole):
+        elif i and not band_loaded(bands, 0, plan, explicit):
+            loaded = "not loaded: the first band is not"
+        elif placement_key(p) == placement_key(against):
             loaded = "not loaded: the whole plan's placement"
         else:
             loaded = "not loaded: it decodes no faster after a short prompt than the whole plan"
@@ -273,6 +287,19 @@ def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
                      f"ubatch {p.n_ubatch}; decode {depths.get(0, 0):.1f} tok/s at the start, "
                      f"{depths.get(band, 0):.1f} at {band}{ttft}; {loaded}")
     return "\n".join(lines)
+
+
+def band_loaded(bands: list[tuple[int, Plan]], i: int, plan: Plan, explicit: bool) -> bool:
+    """Whether the daemon loads band i of `bands` (the last: the whole context's band), as
+    profiles.bands.choose_bands keeps them; without bands it loads `plan` alone."""
+    from localllm.profiles.bands import band_pays
+
+    if explicit:
+        return True
+    if len(bands) < 2 or not band_pays(bands[0][1], plan):
+        return False
+    last = len(bands) - 1
+    return i in (0, last) or band_pays(bands[i][1], bands[last][1])
 
 
 def _seconds(t: float) -> str:
@@ -328,6 +355,8 @@ def format_plan(plan: Plan, card: Card, shape: ModelShape, model_name: str) -> s
     lines.append(f"predicted: prefill {plan.predicted_prefill_tps:.1f} tok/s, decode "
                  f"{plan.predicted_decode_tps:.1f} tok/s averaged over the session's answers")
     if plan.workload:
+        lines.append("workload" + (f" ({plan.workload_source})" if plan.workload_source
+                                   else "") + f": {plan.workload}")
         lines.append(f"session ({plan.workload}): {plan.predicted_session_s:.0f} s predicted")
     if plan.predicted_ttft:
         lines.append("predicted time to first token: " + ", ".join(

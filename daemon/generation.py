@@ -57,11 +57,14 @@ def find_model(app: web.Application, name: str) -> ModelEntry:
 
 @contextlib.asynccontextmanager
 async def generate(app: web.Application, entry: ModelEntry, request: GenerationRequest,
-                   load: LoadOptions, keep_alive="default", fit=None) -> AsyncIterator[Generation]:
+                   load: LoadOptions, keep_alive="default", fit=None,
+                   hint: str | None = None) -> AsyncIterator[Generation]:
     """`fit(runner)`, when given, may replace the request once the runner is held (the chat
-    layer drops old turns that do not fit the loaded context)."""
+    layer drops old turns that do not fit the loaded context). `hint`: what the route says of
+    the session, should this request load the model (profiles.traffic)."""
     started, started_wall = time.perf_counter_ns(), time.time()
-    async with app[SCHEDULER].use(entry, load, keep_alive, len(request.prompt)) as runner:
+    async with app[SCHEDULER].use(entry, load, keep_alive, len(request.prompt),
+                                  hint) as runner:
         load_ns = runner.load_duration_ns if runner.loaded_at >= started_wall else 0
         if fit is not None:
             request = await fit(runner)

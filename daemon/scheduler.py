@@ -34,6 +34,7 @@ from .drafting import (
     Speculation, check_speculation, differs, draft_model, with_speculation,
 )
 from .runner.process import RUNNER_COMMAND, EngineCrashed, LoadError, RunnerProcess
+from .runner.protocol import Done
 
 log = logging.getLogger("localllm.scheduler")
 
@@ -78,27 +79,29 @@ class Planner:
 
     def choose(self, shape: ModelShape, model_name: str, n_ctx: int | None,
                load: LoadOptions, draft_shape: ModelShape | None = None,
-               projector=None) -> Plan:
+               projector=None, hint: str | None = None) -> Plan:
         """`projector`: a vision model's ProjectorInfo, planned on the card with the model
-        (profiles.vision)."""
+        (profiles.vision). `hint`: what the loading request's route says of its session."""
         from localllm.profiles.choose import choose_plan
 
         card = self.card()
         if projector is None:
-            return choose_plan(shape, model_name, n_ctx, load, card, draft_shape=draft_shape)
+            return choose_plan(shape, model_name, n_ctx, load, card, draft_shape=draft_shape,
+                               hint=hint)
         from localllm.profiles.vision import plan_with_projector, projector_cost
 
         return plan_with_projector(
             card, projector_cost(projector),
             lambda card: choose_plan(shape, model_name, n_ctx, load, card=card,
-                                     draft_shape=draft_shape))
+                                     draft_shape=draft_shape, hint=hint))
 
     def bands(self, shape: ModelShape, model_name: str, load: LoadOptions, plan: Plan,
-              setting: str) -> tuple[Plan, ...]:
-        """Plans for the fill bands below `plan`'s context (config fill_bands)."""
+              setting: str, hint: str | None = None) -> tuple[tuple[Plan, ...], Plan]:
+        """Plans for the fill bands below `plan`'s context (config fill_bands), and the whole
+        context's plan to load beside them (`plan` where there are none)."""
         from localllm.profiles.bands import choose_bands
 
-        return choose_bands(shape, model_name, load, self.card(), plan, setting)
+        return choose_bands(shape, model_name, load, self.card(), plan, setting, hint)
 
     def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
                   error: str) -> Plan | None:
@@ -201,12 +204,13 @@ class Scheduler:
     @contextlib.asynccontextmanager
     async def use(self, entry: ModelEntry, load: LoadOptions,
                   keep_alive: float | None | str = "default",
-                  prompt_chars: int = 0) -> AsyncIterator[RunnerProcess]:
+                  prompt_chars: int = 0, hint: str | None = None) -> AsyncIterator[RunnerProcess]:
         """Hold one slot of the model's runner for one request, loading it as needed (in the
-        fill band a prompt of `prompt_chars` characters needs)."""
+        fill band a prompt of `prompt_chars` characters needs; `hint`: what the route says of
+        the session, for a model not yet seen serving: profiles.traffic)."""
         name = str(entry.name)
         keep = self.config.keep_alive_seconds if keep_alive == "default" else keep_alive
-        model = await self._acquire(entry, load, prompt_chars)
+        model = await self._acquire(entry, load, prompt_chars, hint)
         model.active += 1
         model.expires_at = None
         try:
@@ -223,7 +227,7 @@ class Scheduler:
                 asyncio.ensure_future(self._unload_if_idle(name, model))
 
     async def _acquire(self, entry: ModelEntry, load: LoadOptions,
-                       prompt_chars: int = 0) -> LoadedModel:
+                       prompt_chars: int = 0, hint: str | None = None) -> LoadedModel:
         """A slot of a loaded, current runner for this request (503 past the queue's limits)."""
         if self.queued >= self.config.max_queue:
             raise QueueFull(f"{self.queued} requests are already waiting; try again later")
@@ -231,7 +235,7 @@ class Scheduler:
         deadline = time.monotonic() + self.config.queue_timeout_seconds
         try:
             while True:
-                model = await self._loaded(entry, load, prompt_chars)
+                model = await self._loaded(entry, load, prompt_chars, hint)
                 model.waiting += 1
                 try:
                     await asyncio.wait_for(model.slots.acquire(),
@@ -253,7 +257,7 @@ class Scheduler:
                     and file_id(model.runner.model_path) == model.file_id)
 
     async def _loaded(self, entry: ModelEntry, load: LoadOptions,
-                      prompt_chars: int = 0) -> LoadedModel:
+                      prompt_chars: int = 0, hint: str | None = None) -> LoadedModel:
         name = str(entry.name)
         model = self.models.get(name)
         if self._current(model, entry, load):
@@ -292,19 +296,24 @@ class Scheduler:
             # Planning may probe the GPU and dry-run llama.cpp: seconds, off the event loop.
             plan = await asyncio.to_thread(self.planner.choose, shape, name,
                                            context_to_ask(self.config, load.num_ctx, shape),
-                                           load, draft_shape, **vision)
+                                           load, draft_shape, hint=hint, **vision)
             path = model_file(self.store, entry)
             speculation = with_speculation(entry, shape, plan, load, draft, draft_shape)
             bands = ()
             if projector is None and hasattr(self.planner, "bands"):
-                bands = await asyncio.to_thread(self.planner.bands, shape, name, load,
-                                                speculation.plan, self.config.fill_bands)
+                # The whole context's plan beside bands is planned for the prompt that
+                # enters it (profiles.bands), not the short ones the first band serves.
+                bands, whole = await asyncio.to_thread(
+                    self.planner.bands, shape, name, load, speculation.plan,
+                    self.config.fill_bands, hint)
+                speculation = replace(speculation, plan=whole)
             runner = await self._load_stepping_down(name, path, shape, speculation, projector,
                                                     bands, first_band(bands, prompt_chars))
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                                 keep_alive=self.config.keep_alive_seconds,
                                 speculation=speculation, asked=load)
             runner.on_drafts = DraftCounts(name, shape.file_size).add
+            runner.on_done = lambda done: record_served(name, done)
             self.models[name] = model
             return model
 
@@ -467,6 +476,18 @@ class DraftCounts:
             except OSError as e:  # a full disk must not fail the answer
                 log.warning("could not save draft acceptance: %s", e)
             self.pending[mode] = [0, 0]
+
+
+def record_served(model: str, done: Done) -> None:
+    """The lengths of an answered request, into the model's record the tuner learns its
+    workload from (profiles.traffic)."""
+    from localllm.profiles.traffic import record
+
+    try:
+        record(model, done.prompt_tokens, done.prompt_tokens - done.cached_tokens,
+               done.eval_count)
+    except OSError as e:  # a full disk must not fail the answer
+        log.warning("could not save the workload record: %s", e)
 
 
 def serves(model: LoadedModel, load: LoadOptions) -> bool:

@@ -21,7 +21,7 @@
 | kv_cache_type     | LOCALLLM_KV_CACHE_TYPE     | auto                          | next load |
 | quality           | LOCALLLM_QUALITY           | balanced                      | next load |
 | expected_fill     | LOCALLLM_EXPECTED_FILL     | 0.5                           | next load |
-| workload          | LOCALLLM_WORKLOAD          | chat                          | next load |
+| workload          | LOCALLLM_WORKLOAD          | auto                          | next load |
 | vram_margin_mib   | LOCALLLM_VRAM_MARGIN_MIB   | 512                           | next load |
 | ram_budget        | LOCALLLM_RAM_BUDGET        | auto                          | next load |
 | gpus              | LOCALLLM_GPUS              | all                           | next load |
@@ -51,10 +51,15 @@
   `localllm eval` measures (assumed figures until it has): `max` (f16 unless measured as good),
   `balanced` (f16 or q8_0; 4 bits only where no more precise setting keeps the context's KV on
   the GPU) or `speed` (any, the fastest).
-- workload: the session the tuner plans for, `chat` (short prompts, most conversations stay
-  shallow) or `agent` (a long system prompt that grows by tool results turn after turn); the
-  plan minimizes the session's total time, prompt reading and decode at each depth
-  (profiles.workload has the lengths).
+- workload: the session the tuner starts planning a model for, `chat` (short prompts, most
+  conversations stay shallow), `agent` (a long system prompt that grows by tool results turn
+  after turn) or `auto`: chat, or agent for a model first asked through /v1/messages,
+  /v1/responses or with tools. Whichever it is, once a model has served 4 requests its next
+  load is planned for the mix it served (the daemon keeps the lengths of its last 24 prompts
+  and answers in the state dir, `workload.json`, 0600). The plan minimizes the session's total
+  time, prompt reading and decode at each depth (profiles.workload has the lengths); a fill
+  band above the first is planned for the long prompt that enters it; `tune` and `ps` say which
+  workload a plan is for and where it came from.
 - expected_fill: the older form of workload, kept: when set (in the file or the environment) the
   session is one short prompt and an answer that fills this part of the context, 0.05 to 1.
 - ram_budget: host RAM a model may use, `auto` (what is available when it loads: MemAvailable,
@@ -153,7 +158,7 @@ class Config:
     kv_cache_type: str = "auto"
     quality: str = "balanced"
     expected_fill: float = 0.5
-    workload: str = "chat"
+    workload: str = "auto"
     vram_margin_mib: int = 512
     ram_budget: str = "auto"
     gpus: str = "all"
@@ -233,7 +238,7 @@ CHOICES = {
     "context_policy": ("fixed", "fit", "max"),
     "kv_cache_type": ("auto", "f16", "bf16", "q8_0", "q4_0", "q8_0/q4_0"),
     "quality": ("max", "balanced", "speed"),
-    "workload": ("chat", "agent"),
+    "workload": ("auto", "chat", "agent"),
     "log_level": ("debug", "info", "warning", "error"),
     "image_urls": ("on", "off"),
 }

@@ -6,6 +6,10 @@ with the next band's plan and carries every sequence's KV over (daemon/runner/ba
 
     band_plans(shape, card, request)            the tuner's plan per band, then the whole one
     choose_bands(shape, name, load, card, plan) the bands the daemon loads (config fill_bands)
+                                                and the whole context's plan beside them
+
+Each band is planned for the prompt that enters it (profiles.workload): the first for the short
+requests a runner starts with, the others for the long prompt that moves it up.
 """
 
 from __future__ import annotations
@@ -31,52 +35,74 @@ def band_plans(shape: ModelShape, card: Card, request: Request, n_ctx: int | Non
                whole_plan: Plan | None = None, sizes: tuple[int, ...] = FILL_BANDS,
                tuned: Callable[[ModelShape, Card, Request], Plan] | None = None,
                ) -> list[tuple[int, Plan]]:
-    """A plan per fill band: the best plan for a context of each band's size (less KV: more on
-    the GPU), for the part of the session the band serves (Workload.in_band), then the whole
-    context's (`whole_plan`, or tuned here). A runner loads the band its sequences need and
-    moves up as they grow, carrying their KV over: so every band has the whole plan's slots,
-    KV types and drafting (llama.cpp restores a sequence's state only into a context with the
-    same ones). `tuned` plans one band (default `tune`; the daemon's checks compute buffers
-    with dry runs)."""
+    """A plan per fill band, each for the prompt that enters it: the first band for the short
+    requests that start in it (Workload.in_band), each band above for the long prompt that
+    moves a runner into it and the turns after (Workload.entering), with less KV (more on the
+    GPU) than the whole context's; then the whole context's plan, for the prompt that enters it
+    past the last band. `whole_plan` (default: tuned here for the whole workload) is the plan
+    without bands: it sets what a runner carries KV across, so every band has its slots, KV
+    types and drafting (llama.cpp restores a sequence's state only into a context with the same
+    ones). `tuned` plans one band (default `tune`; the daemon's checks compute buffers with dry
+    runs)."""
     tuned = tuned or (lambda shape, card, request: tune(shape, card, request))
     whole = whole_plan or tuned(shape, card, replace(request, n_ctx=n_ctx or request.n_ctx))
     pinned = replace(request, num_parallel=whole.n_parallel,
                      kv_types=(kv_label(whole.type_k, whole.type_v),))
+    below = [b for b in sizes if b < whole.n_ctx]
     out = []
-    for band in (b for b in sizes if b < whole.n_ctx):
-        try:
-            plan = tuned(shape, card, replace(pinned, n_ctx=band,
-                                              workload=request.workload.in_band(band)))
-        except NoPlanFits:
-            continue
-        if plan.n_parallel != whole.n_parallel:
-            continue
-        out.append((band, replace(plan, speculative=whole.speculative,
-                                  draft_n_max=whole.draft_n_max, reasons=(
-                                      *plan.reasons, f"fill band: up to {band} tokens; a "
-                                      f"sequence that needs more moves the runner to the next "
-                                      f"band's plan"))))
-    out.append((whole.n_ctx, whole))
+    for k, band in enumerate(below):
+        workload = request.workload.in_band(band) if k == 0 \
+            else request.workload.entering(below[k - 1], band)
+        plan = _pinned_plan(shape, card, replace(pinned, n_ctx=band, workload=workload,
+                                                 first_prompt_waits=k > 0), whole,
+                            tuned, f"fill band: up to {band} tokens; a sequence that needs "
+                            "more moves the runner to the next band's plan")
+        if plan is not None:
+            out.append((band, plan))
+    entered = None
+    if out:
+        entered = _pinned_plan(shape, card, replace(
+            pinned, n_ctx=whole.n_ctx, workload=request.workload.entering(below[-1], whole.n_ctx),
+            first_prompt_waits=True),
+            whole, tuned, f"the whole context's band, planned for the prompt that moves a "
+            f"runner past {below[-1]} tokens into it")
+    out.append((whole.n_ctx, entered or whole))
     return out
 
 
-def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Card,
-                 plan: Plan, setting: str = "auto") -> tuple[Plan, ...]:
-    """Plans for the fill bands below `plan`'s context, smallest first (config fill_bands):
-    the runner starts in the first and moves up as a sequence grows (daemon/runner/engine.py).
+def _pinned_plan(shape: ModelShape, card: Card, request: Request, whole: Plan,
+                 tuned: Callable[[ModelShape, Card, Request], Plan], why: str) -> Plan | None:
+    """A band's plan with the whole plan's slots and drafting; None where none fits."""
+    try:
+        plan = tuned(shape, card, request)
+    except NoPlanFits:
+        return None
+    if plan.n_parallel != whole.n_parallel:
+        return None
+    return replace(plan, speculative=whole.speculative, draft_n_max=whole.draft_n_max,
+                   reasons=(*plan.reasons, why))
 
-    `auto` keeps a band only where the tuner made the plan for a GPU, the band's placement
-    differs from the whole context's (else it would only hold less KV) and it is predicted to
-    decode faster after a short prompt (else the short moments would pay for it: band_pays).
-    Never with drafting by a draft model or MTP, or RPC workers: their state is bound to the
-    loaded model."""
+
+def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Card,
+                 plan: Plan, setting: str = "auto",
+                 hint: str | None = None) -> tuple[tuple[Plan, ...], Plan]:
+    """Plans for the fill bands below `plan`'s context, smallest first (config fill_bands),
+    and the whole context's plan to load with them: the runner starts in the first and moves
+    up as a sequence grows (daemon/runner/engine.py). Without bands, `plan` itself.
+
+    `auto` keeps the first band only where the tuner made the plan for a GPU, the band's
+    placement differs from `plan`'s (else it would only hold less KV) and it is predicted to
+    decode faster after a short prompt (else the short moments would pay for it: band_pays);
+    a band above it where it does so against the whole context's band. Never with drafting by
+    a draft model or MTP, or RPC workers: their state is bound to the loaded model. `hint`:
+    the route's, as for the plan (profiles.traffic)."""
     sizes = parse_bands(setting)
     if sizes == "off" or plan.speculative in ("mtp", "draft") or plan.rpc_workers:
-        return ()
+        return (), plan
     auto = sizes == "auto"
     if auto and (not card.has_gpu or plan.source != "tuner"):
-        return ()
-    base = config_request(model_name, shape.file_size)
+        return (), plan
+    base = config_request(model_name, shape.file_size, hint)
     request = request_from_load(plan.n_ctx, load, base.margin_bytes, base)
     if not card.has_gpu:  # all in RAM: the bands differ in their context alone
         return tuple(replace(plan, n_ctx=band, n_batch=min(plan.n_batch, band),
@@ -86,14 +112,17 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
                              predicted_ttft=tuple((n, t) for n, t in plan.predicted_ttft
                                                   if n < band),
                              reasons=(*plan.reasons, f"fill band: up to {band} tokens"))
-                     for band in sizes if band < plan.n_ctx)
+                     for band in sizes if band < plan.n_ctx), plan
     bands = band_plans(shape, card, request, whole_plan=plan,
                        sizes=FILL_BANDS if auto else sizes,
                        tuned=lambda s, c, r: tune_checked(s, c, r))
     plans = [apply_options(p, request) for _, p in bands[:-1]]
+    whole = apply_options(bands[-1][1], request)
     if auto:
-        plans = [p for p in plans if band_pays(p, plan)]
-    return tuple(plans)
+        if not plans or not band_pays(plans[0], plan):
+            return (), plan
+        plans = plans[:1] + [p for p in plans[1:] if band_pays(p, whole)]
+    return tuple(plans), whole
 
 
 def curve_up_to(curve: tuple[tuple[int, float], ...],

@@ -34,7 +34,8 @@ from .acceptance import measured_acceptance
 from .quality import measured_kl
 from .saved import ProfileError, find_profile, record_event
 from .tuner import NoPlanFits, Request, tune
-from .workload import from_fill, named
+from .traffic import starting_workload
+from .workload import from_fill
 
 log = logging.getLogger(__name__)
 _EXPERT_BLOCKS = re.compile(r"^\^blk\\\.\(([\d|]+)\)\\\.ffn_\(up\|down\|gate\|gate_up\)_exps")
@@ -51,23 +52,30 @@ def request_from_load(n_ctx: int | None, load: LoadOptions, margin_bytes: int,
 
 
 
-def config_request(model_name: str | None = None, file_size: int = 0) -> Request:
-    """The config's tuner settings (quality, workload or the older expected_fill,
-    kv_cache_type, num_parallel, vram_margin_mib, ram_budget), the model's `localllm eval`
-    results and the draft acceptance measured while serving it, as a Request."""
+def config_request(model_name: str | None = None, file_size: int = 0,
+                   hint: str | None = None) -> Request:
+    """The config's tuner settings (quality, kv_cache_type, num_parallel, vram_margin_mib,
+    ram_budget), the workload (learned from what the model served, else the config's or the
+    route's `hint`: profiles.traffic; the older expected_fill where set), the model's `localllm
+    eval` results and the draft acceptance measured while serving it, as a Request."""
     try:
         config, sources = load_config_sources()
     except ConfigError as e:
         log.warning("config not readable, tuner defaults used: %s", e)
         return Request(num_parallel=None)
     pinned = None if config.kv_cache_type == "auto" else (config.kv_cache_type,)
+    if sources["expected_fill"] != "default":
+        # expected_fill, where a user set it, keeps meaning what it did: one answer filling it
+        workload = from_fill(config.expected_fill)
+        source = f"config (expected_fill = {config.expected_fill:g})"
+    else:
+        workload, source = starting_workload(config.workload, model_name, hint)
     return Request(
         margin_bytes=config.vram_margin_mib * MIB,
         kv_types=pinned,
         quality=config.quality,
-        # expected_fill, where a user set it, keeps meaning what it did: one answer filling it
-        workload=from_fill(config.expected_fill) if sources["expected_fill"] != "default"
-        else named(config.workload),
+        workload=workload,
+        workload_source=source,
         ram_budget_bytes=parse_size(config.ram_budget),
         num_parallel=None if config.num_parallel == "auto" else int(config.num_parallel),
         measured_kl=measured_kl(model_name, file_size) if model_name else {},
@@ -106,12 +114,14 @@ def apply_options(plan: Plan, request: Request) -> Plan:
 
 
 def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: LoadOptions,
-                card: Card, draft_shape: ModelShape | None = None) -> Plan:
+                card: Card, draft_shape: ModelShape | None = None,
+                hint: str | None = None) -> Plan:
     """The plan the daemon loads `model_name` with on `card` (probed by the caller:
     llama/hardware.py); raises NoPlanFits (a UserError) when the model cannot run at that
     context on this machine. `draft_shape`: the draft model paired with it in the catalog,
-    which the tuner may plan speculative decoding with."""
-    base = config_request(model_name, shape.file_size)
+    which the tuner may plan speculative decoding with. `hint`: what the request that loads it
+    says of its session (profiles.traffic.route_hint)."""
+    base = config_request(model_name, shape.file_size, hint)
     request = request_from_load(n_ctx, load, base.margin_bytes, base)
     workers = _rpc_workers()
     if workers:  # other machines' devices too: profiles.rpc_plan (no saved profiles)

@@ -108,6 +108,8 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
                "buffer small at long context" if s.type_v != "f16" else
                "flash attention on: it keeps the compute buffer small at long context")
     out += _ubatch_lines(best, chosen)
+    if chosen.prompt_note:
+        out.append(chosen.prompt_note)
     cpu_weights = next((m.weights for m in best.memory if m.device == CPU), 0)
     if cpu_weights > shape.embedding_bytes * 1.5:
         out.append(f"{threads} threads = physical cores: {gib(cpu_weights)} of weights stay in "

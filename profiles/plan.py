@@ -79,6 +79,7 @@ class Plan:
     # Time to the first token of a prompt read into an empty context: (prompt tokens, seconds)
     predicted_ttft: tuple[tuple[int, float], ...] = ()
     workload: str = ""  # the session the plan was made for (profiles.workload)
+    workload_source: str = ""  # where that came from: learned from N requests, a route, config
     predicted_session_s: float = 0.0  # that session's predicted time, prompts and answers
     reasons: tuple[str, ...] = ()
     source: str = "default"  # "default", "tuner", "profile:<path>"

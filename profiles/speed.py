@@ -203,6 +203,39 @@ class PromptCost:
         return seconds
 
 
+# The floor on prompt reading: whatever the workload, a plan reads a long prompt at no less than
+# PROMPT_FLOOR of the speed its placement reads it at with llama.cpp's default micro-batch (what
+# `llama-server --fit` runs). Where weights in RAM cross per micro-batch, a smaller one reads at
+# half of that (the H200, dense-27b: 258 tok/s at 256, 425 at 512), which a chat's short prompts
+# never show and the first long prompt does (issue 36); where nothing crosses, the micro-batch
+# costs only its launches and any size passes.
+DEFAULT_UBATCH = 512
+PROMPT_FLOOR = 0.8
+LONG_PROMPT = 16384  # the long prompt the floor is priced on (half the context where smaller)
+
+
+def long_prompt(n_ctx: int) -> int:
+    return max(1, min(LONG_PROMPT, n_ctx // 2))
+
+
+def prompt_seconds(cost: PromptCost, n_tokens: int, n_ubatch: int,
+                   per_ubatch_s: float = 0.0) -> float:
+    """Reading `n_tokens` into an empty context, with `per_ubatch_s` more per micro-batch
+    (weights read from disk cross once per micro-batch too)."""
+    return cost.seconds(n_tokens, n_ubatch) + -(-n_tokens // max(1, n_ubatch)) * per_ubatch_s
+
+
+def below_prompt_floor(cost: PromptCost, n_ctx: int, n_ubatch: int,
+                       per_ubatch_s: float = 0.0) -> bool:
+    """Whether this micro-batch reads a long prompt slower than PROMPT_FLOOR of the default
+    micro-batch on the same placement (see DEFAULT_UBATCH)."""
+    n = long_prompt(n_ctx)
+    if n_ubatch >= DEFAULT_UBATCH or n <= n_ubatch:
+        return False
+    return prompt_seconds(cost, n, n_ubatch, per_ubatch_s) * PROMPT_FLOOR > \
+        prompt_seconds(cost, n, DEFAULT_UBATCH, per_ubatch_s)
+
+
 def prefill_tps(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,
                 n_threads: int | None = None) -> float:
     """Tokens per second over one micro-batch at the start of the context."""

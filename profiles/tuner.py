@@ -30,7 +30,7 @@ from .card import MIB, Card
 from .disk import disk_bytes_per_token, disk_read_gbs, non_weight_ram_fits, with_disk_reads
 from .budgets import Layout, gpu_layouts, ram_budget, vram_budget, vram_budgets
 from .build import build_plan
-from .explain import gib, impossible_message
+from .explain import gib, impossible_message, seconds
 from .memory import (
     CPU, ComputeTable, ContextSettings, ModelCosts, Placement, block_devices, layer_gpu_bytes,
     memory_by_device, model_costs, split_layers,
@@ -38,12 +38,16 @@ from .memory import (
 from .plan import DeviceMemory, Plan
 from .quality import kv_label, kv_rank, split_kv
 from .speculation import SpeculationChoice, Speculator
-from .speed import Speed, predict_speed, prompt_cost
+from .speed import (
+    DEFAULT_UBATCH, PROMPT_FLOOR, Speed, below_prompt_floor, long_prompt, predict_speed,
+    prompt_cost, prompt_seconds,
+)
 from .workload import HALF_FILL, Turn, Workload, objective_depth
 
 MIN_DEFAULT_CTX = 4096
 CTX_LADDER = (4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
 NEAR_TIE = 0.99  # a session within 1%: below what the speed model can tell apart
+FIRST_PROMPT_SLACK = 1.25  # a band entered by a long prompt reads it within this of the fastest
 FAST_ENOUGH = 0.9  # the default context may cost at most 10% of decode speed
 AUTO_MAX_PARALLEL = 4  # num_parallel = auto: at most this many slots
 MIX_POINTS = 10  # whole-block counts tried under the attention-on-GPU placement
@@ -74,6 +78,10 @@ class Request:
     # The session planned for. The daemon and `tune` pass the config's (workload, chat by
     # default, or the older expected_fill); a bare Request keeps the older half-fill objective.
     workload: Workload = HALF_FILL
+    workload_source: str = ""  # where the workload came from: the record, a route, the config
+    # The session opens with a prompt someone waits on (a fill band entered by a long prompt):
+    # plans that read it slower than FIRST_PROMPT_SLACK times the fastest are set aside.
+    first_prompt_waits: bool = False
     ram_budget_bytes: int | None = None  # config ram_budget; None: what the card has available
     num_parallel: int | None = 1  # slots: a cap; None = auto (as many as fit, at most 4)
     ffn_split: bool = True  # may a block's FFN sit in RAM apart from its attention
@@ -180,6 +188,7 @@ class Search:
     best: Option | None
     options: tuple[Option, ...] = field(default=())
     quality_note: str = ""
+    prompt_note: str = ""  # what the prompt-reading floor did (speed.below_prompt_floor)
 
 
 def _largest(pred: Callable[[int], bool], lo: int, hi: int) -> int | None:
@@ -463,6 +472,9 @@ class _Evaluator:
         if self.request.n_gpu_layers is not None and not feasible:
             # the user's num_gpu is honoured
             feasible = [o for o in options if o.ram_fits and o.pays]
+        feasible, prompt_note = self.prompt_floor(feasible, n_ctx)
+        if self.request.first_prompt_waits:
+            feasible = self.reading_first(feasible)
         best, note = self.select(feasible)
         if best is not None and best.speculation is not None:
             # Speculation has to beat the best plan without it, not only its own placement.
@@ -470,7 +482,70 @@ class _Evaluator:
             if plain_best is not None and best.session_seconds * \
                     speculation.SPECULATION_MARGIN > plain_best.session_seconds:
                 best, note = plain_best, plain_note
-        return Search(n_ctx, best, tuple(options), note)
+        if best is not None and prompt_note:
+            prompt_note = prompt_note.format(ttft=seconds(self.long_prompt_seconds(best)),
+                                             ub=best.settings.n_ubatch)
+        return Search(n_ctx, best, tuple(options), note, prompt_note)
+
+    def long_prompt_seconds(self, option: Option, n_ubatch: int | None = None) -> float:
+        """Seconds to read the floor's long prompt (speed.long_prompt) on this option."""
+        s = option.settings
+        cost = prompt_cost(self.costs, option.placement, s, self.card, self.request.n_threads)
+        disk_s = option.disk_bytes / (disk_read_gbs(self.card)[0] * 1e9) if option.disk_bytes \
+            else 0.0
+        return prompt_seconds(cost, long_prompt(s.n_ctx), n_ubatch or s.n_ubatch, disk_s)
+
+    def reading_first(self, feasible: list[Option]) -> list[Option]:
+        """The options that read the session's first prompt within FIRST_PROMPT_SLACK of the
+        fastest at their KV setting (so that the quality policy still chooses among settings):
+        a band a long prompt enters is loaded while someone waits for that prompt's answer, and
+        the session after it (decode, where the fastest reading costs some) is priced among
+        them. On the H200 a band priced on the session alone read a 16K prompt at 393 tok/s
+        where the agent's plan read 895 (issue 36)."""
+        def first(o: Option) -> float:
+            return o.session.prompt_seconds[0] if o.session and o.session.turns else 0.0
+
+        fastest: dict[str, float] = {}
+        for o in feasible:
+            fastest[o.kv] = min(fastest.get(o.kv, float("inf")), first(o))
+        return [o for o in feasible if first(o) <= fastest[o.kv] * FIRST_PROMPT_SLACK]
+
+    def below_floor(self, option: Option) -> bool:
+        s = option.settings
+        if not self.card.has_gpu or s.n_ubatch >= DEFAULT_UBATCH:
+            return False
+        cost = prompt_cost(self.costs, option.placement, s, self.card, self.request.n_threads)
+        disk_s = option.disk_bytes / (disk_read_gbs(self.card)[0] * 1e9) if option.disk_bytes \
+            else 0.0
+        return below_prompt_floor(cost, s.n_ctx, s.n_ubatch, disk_s)
+
+    def prompt_floor(self, feasible: list[Option], n_ctx: int) -> tuple[list[Option], str]:
+        """The options that read a long prompt within the floor (speed.below_prompt_floor), and
+        a sentence for the plan's reasons where the floor decided (its {ttft} and {ub} filled
+        in with the winner's); all of them, and why, where none does (VRAM cannot hold the
+        larger micro-batch's compute buffer)."""
+        slow = [o for o in feasible if self.below_floor(o)]
+        if not slow:
+            return feasible, ""
+        n = long_prompt(n_ctx)
+        reading = [o for o in feasible if o not in slow]
+        if not reading:
+            return feasible, (f"prompt reading: ubatch {{ub}} reads a {n}-token prompt in "
+                              f"{{ttft}} to the first token: no plan with a micro-batch of "
+                              f"{DEFAULT_UBATCH} fits (its compute buffer does not fit in VRAM "
+                              "beside the weights)")
+        faster, _ = self.select(feasible)
+        if faster not in slow:
+            return reading, ""  # the floor changed nothing the session preferred
+        weights = next((m.weights for m in faster.memory if m.device == CPU), 0)
+        return reading, (
+            f"prompt reading: ubatch {{ub}} reads a {n}-token prompt in {{ttft}} to the first "
+            f"token; ubatch {faster.settings.n_ubatch} (the plan otherwise chosen, session "
+            f"{seconds(faster.session_seconds)}) would take "
+            f"{seconds(self.long_prompt_seconds(faster))}: "
+            f"{gib(weights)} of weights in RAM cross to the GPU once per micro-batch, "
+            f"and a plan reads a long prompt at no less than {PROMPT_FLOOR:.0%} of the speed "
+            f"of llama.cpp's default micro-batch ({DEFAULT_UBATCH}) whatever the workload")
 
     def speculative_options(self, settings: ContextSettings, plain: list[Option]) -> list[Option]:
         """Each way of drafting over the placements that fill the card with it: the plain

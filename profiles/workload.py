@@ -12,11 +12,18 @@ its answer (slower as the context fills), and minimizes the total time.
   answer briefly, growing to 64K tokens and more (coding agents send 10-30K tokens at once).
 - fill (the older `expected_fill`): one short prompt, then an answer that fills that part of
   the context; the plan then maximizes decode averaged over the fill, as it used to.
+- learned (`learned`): the mix of the requests a model served, from the daemon's record of
+  their lengths (profiles.traffic): the first prompts, what each later turn adds, the answers.
+
+A fill band above the first is entered by a prompt longer than the band below holds (a long
+first prompt, or a conversation that grew past it): it is planned for reading that prompt and
+the turns that follow (`entering`), while the first band serves the short requests
+(`in_band`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,22 @@ class Workload:
             return self
         return CHAT
 
+    def entering(self, below: int, band: int) -> Workload:
+        """The sessions a band above the first serves: they enter it with a prompt longer than
+        the band `below` holds. The workload's own first prompt where it lands in the band;
+        else a prompt of twice the band below (a 16K prompt enters an 8K-32K band), capped at
+        the band, and turns as the workload's where its prompts are long, else as an agent's:
+        a long prompt comes from an agent or an editor, and what follows it is tool results
+        and short answers, not a chat's (priced with a chat's long answers, the band kept
+        ubatch 512 for their decode and read the prompt at 60% of the agent plan's speed).
+        Planned for short prompts, such a band read the prompt that loads it at half of
+        llama.cpp's speed (issue 36)."""
+        if self.fill > 0 or below < self.first_prompt and self.first_prompt + self.answer <= band:
+            return self
+        base = self if self.first_prompt >= LONG_PROMPT else AGENT
+        first = max(below + 1, min(2 * below, band - base.answer))
+        return replace(base, name=f"{base.name} (long prompt)", first_prompt=first)
+
     def describe(self) -> str:
         if self.fill > 0:
             return f"one answer filling {self.fill:.0%} of the context (expected_fill)"
@@ -94,6 +117,34 @@ def named(name: str) -> Workload:
         return WORKLOADS[name]
     except KeyError:
         raise ValueError(f"unknown workload {name!r}; use {', '.join(WORKLOADS)}") from None
+
+
+LONG_PROMPT = 2048  # a first prompt of twice chat's or more: a learned mix is an agent's
+MIN_LEARNED = 4  # requests served before the record replaces the starting workload
+
+
+def learned(requests: list[tuple[int, int, int]]) -> Workload | None:
+    """The mix of the requests a model served, each (prompt tokens, tokens read of them, answer
+    tokens); None below MIN_LEARNED requests. A request that read most of its prompt started a
+    session (its prompt is a first prompt); one that reused most of it continued one (what it
+    read is a turn's addition). Medians, so one odd request moves nothing; the sessions are as
+    deep as the longest prompts seen (the 90th percentile)."""
+    if len(requests) < MIN_LEARNED:
+        return None
+    starts = [p for p, read, _ in requests if read * 2 >= p] or [p for p, _, _ in requests]
+    turns_read = [read for p, read, _ in requests if read * 2 < p]
+    first = max(1, _median(starts))
+    answer = max(1, _median([a for _, _, a in requests]))
+    turn = max(1, _median(turns_read)) if turns_read else 0
+    deepest = sorted(p for p, _, _ in requests)[int(0.9 * (len(requests) - 1))]
+    turns = 1 + (min(63, max(0, deepest - first) // (turn + answer)) if turn else 0)
+    name = "agent" if first >= LONG_PROMPT else "chat"
+    return Workload(name, first_prompt=first, turn_prompt=turn, answer=answer, turns=turns)
+
+
+def _median(values: list[int]) -> int:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0
 
 
 def objective_depth(n_ctx: int, workload: Workload) -> int:

@@ -8,13 +8,18 @@
 
 For one synthetic model (scripts/synth_gguf.py, random Q4_0 weights) and one context, each
 system in turn: the localllm daemon (12 GiB budget: vram_margin_mib = free - budget + margin,
-workload from --workload), `llama-server --fit on --fit-target (free - budget)` with f16 and
-with q8_0 KV. Runs (--runs, in this order):
+workload from --workload, default auto: the daemon's default settings),
+`llama-server --fit on --fit-target (free - budget)` with f16 and with q8_0 KV.
+Runs (--runs, in this order):
   short    decode of --tokens after a short prompt
   prompt   a --prompt-tokens prompt (default 16384; 65536 with --ctx 131072): time to first
            token, then decode after it
   agent    a replay: a --system-tokens system prompt, then --turns turns that each add
            --turn-tokens of tool results and answer --answer-tokens; total wall time
+  session-order
+           a real session's order (issue 36): --short-count short requests, then the
+           --prompt-tokens prompt (its time to first token, reading speed and decode after it),
+           then short requests again; decode after each short prompt before and after
 Peak VRAM is NVML's for the whole card, above the baseline before each system starts. Every
 measurement is appended to $OUT/session.jsonl as it is made; the table goes to
 $OUT/session.md. Runs that would pass --deadline (seconds since the start) are skipped.
@@ -126,7 +131,8 @@ class Ours:
 
     def plan(self) -> str:
         [m] = self.daemon.get("/api/ps")["models"] or [{}]
-        keys = ("gpu_layers", "kv_type", "context_length", "processor", "fill_band")
+        keys = ("gpu_layers", "kv_type", "context_length", "processor", "fill_band",
+                "workload")
         return ", ".join(f"{k} {m.get(k)}" for k in keys if k in m)
 
     def band(self) -> dict | None:
@@ -246,6 +252,31 @@ def run_system(system, args, record) -> None:
             record({"system": system.name, "run": "agent",
                     "wall_s": round(time.perf_counter() - start, 1), "turns": turns,
                     "band": system.band()})
+        elif run == "session-order":
+            session_order(system, args, record, calibrate(system, cpt, args.ctx))
+
+
+def session_order(system, args, record, chars_per_token: float) -> None:
+    """Short requests, the long prompt, short requests again, each a request of its own (as an
+    editor's side requests and a pasted file arrive): the long prompt's time to first token is
+    what a band planned for short prompts cost (issue 36)."""
+    def short(i: int) -> float:
+        prompt = f"Request {i}: " + "The quick brown fox jumps over the lazy dog. " * 6
+        return system.generate(prompt, args.tokens)["decode_tps"]
+
+    before = [short(i) for i in range(args.short_count)]
+    band_before = system.band()
+    r = system.generate(text_of(int(args.prompt_tokens * chars_per_token), 4), args.tokens)
+    band_long = system.band()
+    after = [short(100 + i) for i in range(max(1, args.short_count // 3))]
+    record({"system": system.name, "run": "session-order", "prompt_tokens": r["prompt_tokens"],
+            "ttft": round(r["ttft"], 2),
+            "prompt_tps": round(r["prompt_tokens"] / max(1e-9, r["ttft"]), 1),
+            "decode_after_prompt_tps": round(r["decode_tps"], 2),
+            "short_before_tps": round(sorted(before)[len(before) // 2], 2),
+            "short_after_tps": round(sorted(after)[len(after) // 2], 2),
+            "band_before": band_before, "band_after_prompt": band_long,
+            "plan": system.plan()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,11 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=12, metavar="GiB")
     p.add_argument("--margin", type=int, default=128, metavar="MiB",
                    help="VRAM the tuner leaves free inside the budget")
-    p.add_argument("--workload", default="agent", choices=("chat", "agent"))
+    p.add_argument("--workload", default="auto", choices=("auto", "chat", "agent"),
+                   help="ours: the workload setting (auto: the default, learned as it serves)")
     p.add_argument("--systems", default="ours,fit-f16,fit-q8_0")
     p.add_argument("--fill-bands", default="auto", help="ours: the fill_bands setting")
     p.add_argument("--runs", default="short,prompt")
     p.add_argument("--tokens", type=int, default=48, help="decoded per decode measurement")
+    p.add_argument("--short-count", type=int, default=10,
+                   help="session-order: short requests before the long prompt")
     p.add_argument("--prompt-tokens", type=int, default=0, help="0: 16384, 65536 at >= 128K")
     p.add_argument("--system-tokens", type=int, default=20000)
     p.add_argument("--turns", type=int, default=6)
@@ -276,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     args.t0 = time.monotonic()
     args.runs = args.runs.split(",")
     if args.tiny:
-        args.ctx, args.budget, args.tokens = 2048, 0.5, 8
+        args.ctx, args.budget, args.tokens, args.short_count = 2048, 0.5, 8, 3
         args.system_tokens, args.turn_tokens, args.answer_tokens, args.turns = 300, 100, 8, 2
         args.prompt_tokens = args.prompt_tokens or 600
     if not args.prompt_tokens:

@@ -25,7 +25,7 @@ class FirstPlanFails(Planner):
         self.steps = steps
         self.errors: list[str] = []
 
-    def choose(self, shape, model_name, n_ctx, options, draft_shape=None):
+    def choose(self, shape, model_name, n_ctx, options, draft_shape=None, hint=None):
         return replace(cpu_plan(n_ctx or 1024, shape.context_length), type_k="q4_0",
                        type_v="q4_0", flash_attn=False)
 

@@ -265,7 +265,8 @@ async def chat_request(request: web.Request, body: dict, count_only: bool = Fals
     return entry, custom, ChatRequest(
         id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
         messages=messages, tools=anthropic_tools(body), tool_choice=tool_choice, think=think,
-        format=anthropic_format(body), has_images=bool(images), images=images), parallel
+        format=anthropic_format(body), has_images=bool(images), images=images,
+        workload_hint="/v1/messages"), parallel
 
 
 # ---- answer --------------------------------------------------------------------------------

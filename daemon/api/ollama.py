@@ -466,6 +466,10 @@ async def api_ps(request: web.Request) -> web.Response:
             "active": slot.active,
             "plan_source": plan.source,
             "extra_bufts": plan.extra_bufts,  # off: the engine crashed with them on this CPU
+            # the session the running plan is made for, and where that came from
+            **({"workload": {"planned_for": plan.workload,
+                             "source": plan.workload_source or runner.plan.workload_source}}
+               if plan.workload else {}),
             **({"fill_band": runner.fill_band()} if runner.bands else {}),
             **({"past_ram": runner.past_ram} if runner.past_ram else {}),
             **({"projector": {"device": "GPU" if plan.projector_on_gpu else "CPU",

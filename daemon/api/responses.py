@@ -332,7 +332,7 @@ async def read_turn(request: web.Request, body: dict) -> Turn:
         id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
         messages=messages, tools=tools, tool_choice=responses_tool_choice(body),
         format=text_format(body), think=think,
-        has_images=bool(images), images=images)
+        has_images=bool(images), images=images, workload_hint="/v1/responses")
     echo = {"instructions": instructions, "previous_response_id": previous,
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": parallel, "temperature": body.get("temperature"),

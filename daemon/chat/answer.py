@@ -124,8 +124,9 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
         prepared = await fit_to_context(model, request, prepared, runner, truncate)
         return prepared.generation
 
+    hint = request.workload_hint or ("tools" if request.tools else None)
     async with generate(app, entry, prepared.generation, request.load, keep_alive,
-                        fit=fit) as gen:
+                        fit=fit, hint=hint) as gen:
         yield Answer(gen, prepared, model)
 
 

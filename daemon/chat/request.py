@@ -50,6 +50,9 @@ class ChatRequest:
     image_data: tuple[bytes, ...] = ()  # their bytes, loaded and checked by answer()
     logprobs: int | None = None
     echo: bool = False  # completions: the answer starts with the prompt (with its logprobs)
+    # What the route says of the session, for a model's first load before the daemon has seen
+    # what it is asked (profiles.traffic): agents' routes name themselves.
+    workload_hint: str | None = None
     extra: dict = field(default_factory=dict)
 
 

@@ -116,6 +116,7 @@ class RunnerProcess:
         self._exit_reason = ""
         # Called with (mode, drafted, accepted) after each answer that drafted.
         self.on_drafts: Callable[[str, int, int], None] | None = None
+        self.on_done: Callable[[Done], None] | None = None  # after each answer
 
     @property
     def running_plan(self) -> Plan:
@@ -260,6 +261,8 @@ class RunnerProcess:
                 mode = request.options.speculative
                 self.on_drafts(self.plan.speculative if mode == "auto" else mode,
                                event.drafted, event.draft_accepted or 0)
+            if isinstance(event, Done) and self.on_done is not None:
+                self.on_done(event)
             yield event
 
     async def _ask(self, request_id: str, message: dict, silence_s: float) -> Event:
