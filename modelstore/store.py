@@ -395,10 +395,16 @@ class ModelStore:
                                    f"copy:{entry.name}")
 
     def remove(self, name: str | ModelName) -> ModelEntry:
+        """Remove the manifest and those of its blobs that no other manifest names. Other
+        blobs stay: an upload waiting for its create, a pull between publishing its blob and
+        writing its manifest (unreferenced blobs are swept at startup, past an age)."""
         entry = self.get(name)
         self._manifest_path(entry.name).unlink()
         self._prune_dirs(self._manifest_path(entry.name).parent)
-        self.remove_unused_blobs()
+        still_used = self.used_digests()
+        for layer in entry.layers:
+            if layer.digest not in still_used:
+                self.blob_path(layer.digest).unlink(missing_ok=True)
         return entry
 
     def _prune_dirs(self, directory: Path) -> None:
@@ -406,15 +412,9 @@ class ModelStore:
             directory.rmdir()
             directory = directory.parent
 
-    def remove_unused_blobs(self) -> list[str]:
-        used = {layer.digest for entry in self.list() for layer in entry.layers}
-        removed = []
-        for blob in self.blobs.glob("sha256-*"):
-            digest = "sha256:" + blob.name.removeprefix("sha256-")
-            if digest not in used:
-                blob.unlink(missing_ok=True)
-                removed.append(digest)
-        return removed
+    def used_digests(self) -> set[str]:
+        """Every blob digest some manifest names."""
+        return {layer.digest for entry in self.list() for layer in entry.layers}
 
     # ---- import ------------------------------------------------------------------------
     def import_gguf(self, source: Path, name: str, link: bool = True,
