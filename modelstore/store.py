@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from localllm.paths import write_private
+from localllm.paths import private_dir, write_private
 
 from localllm.errors import UserError
 from localllm.units import human_size
@@ -87,13 +87,6 @@ def no_room_is_disk_full(what: str):
         if e.errno in NO_ROOM:
             raise disk_full(e, what) from None
         raise
-
-
-def private_dir(path: Path) -> None:
-    """`path` and any missing parents made 0700; an existing folder is narrowed to 0700."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if stat.S_IMODE(path.stat().st_mode) != 0o700:
-        os.chmod(path, 0o700)
 
 
 def linkable(source: Path) -> bool:

@@ -19,6 +19,7 @@ import binascii
 import ctypes
 import hashlib
 import logging
+import os
 from dataclasses import dataclass, field
 
 import llama_cpp
@@ -33,8 +34,6 @@ class _LazyMtmd:
     own, CUDA say) libmtmd comes from the same folder, as libllama does."""
 
     def __getattr__(self, name: str):
-        import os
-
         if os.environ.get("LLAMA_CPP_LIB_PATH") and not os.environ.get("MTMD_CPP_LIB"):
             os.environ["MTMD_CPP_LIB"] = os.environ["LLAMA_CPP_LIB_PATH"]
         from llama_cpp import mtmd_cpp
@@ -43,6 +42,25 @@ class _LazyMtmd:
 
 
 mtmd = _LazyMtmd()
+
+# ggml_log_level: mtmd logs the whole text of each prompt it tokenizes at DEBUG, and its own
+# default logger prints every level to stderr (runner.log). Info and above only.
+_LOG_INFO, _LOG_CONT = 2, 5
+_last_level = _LOG_INFO
+
+
+@llama_cpp.llama_log_callback
+def _mtmd_log(level: int, text: bytes, _user_data) -> None:
+    global _last_level
+    if level != _LOG_CONT:  # a continuation belongs to the line before it
+        _last_level = level
+    if _last_level >= _LOG_INFO and text:
+        os.write(2, text)
+
+
+def _quiet_mtmd_debug() -> None:
+    mtmd.mtmd_log_set(_mtmd_log, ctypes.c_void_p())
+    mtmd.mtmd_helper_log_set(_mtmd_log, ctypes.c_void_p())
 _CHUNK_TEXT = 0  # mtmd_input_chunk_type
 _PLACEHOLDER_SPAN = 1 << 62
 
@@ -99,6 +117,7 @@ class Vision:
 
     def __init__(self, projector_path: str, model, *, use_gpu: bool, n_threads: int,
                  flash_attn: bool):
+        _quiet_mtmd_debug()
         params = mtmd.mtmd_context_params_default()
         params.use_gpu = use_gpu
         params.n_threads = max(1, n_threads)
