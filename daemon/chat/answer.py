@@ -21,7 +21,7 @@ from .custom import Customization, customized
 from .model import ChatModel, chat_model
 from .parse import Parsed
 from .request import ChatRequest, Prepared, prepare
-from .truncate import fit_to_context
+from .truncate import check_request_text, fit_to_context
 
 
 @dataclass
@@ -106,6 +106,7 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     """Check and render the request (400s come from here, before the model loads), then run it.
     A chat longer than the context drops its oldest turns, or with `truncate` False is a 400.
     `custom` is what a Modelfile added: its template and its default system prompt."""
+    check_request_text(request)
     model = await model_for(entry, custom)
     if custom is not None:
         request = with_default_system(request, custom.system)
