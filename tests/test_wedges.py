@@ -102,3 +102,14 @@ def test_a_chat_of_40000_messages_keeps_its_latest_turns_in_seconds(wd):
     assert 50 < body["prompt_eval_count"] <= 256
     print(f"40001 messages answered in {long_chat.seconds:.1f}s")
     assert long_chat.seconds < 90
+
+
+def test_an_unclosed_template_in_a_2_mb_modelfile_is_a_quick_400(wd):
+    modelfile = 'FROM smollm2\nTEMPLATE """{{ .Prompt }}\n' + "x\n" * 1_000_000
+    bad = Background(lambda: post(wd.url + "/api/create", {
+        "model": "unclosed", "modelfile": modelfile, "stream": False}))
+    answers_quickly(wd, bad, model=None)
+    code, body = bad.join(120)
+    assert code == 400 and 'opens """ but never closes it' in body["error"]
+    print(f"2 MB unclosed TEMPLATE refused in {bad.seconds:.1f}s")
+    assert bad.seconds < 20
