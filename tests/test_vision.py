@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -234,9 +235,24 @@ def test_image_urls_fetched_refused_and_failing(vdaemon, tmp_path):
         assert status == 200 and body["usage"]["prompt_tokens"] > IMAGE_TOKENS
         status, body = chat(f"{base}/missing.png")
         assert status == 400 and f"{base}/missing.png" in body["error"]["message"]
-        assert "HTTP 404" in body["error"]["message"]
+        missing = body["error"]["message"].replace(f"{base}/missing.png", "URL")
         status, body = chat(f"{base}/private")
         assert status == 400 and "private address" in body["error"]["message"]
+        # The first URL is held to the same rule as a redirect: no private, link-local or
+        # metadata address is fetched (refused before any connection: no 10 s timeout).
+        for inside in ("http://10.1.2.3/x.png", "http://169.254.169.254/latest/meta-data",
+                       "http://[fd00::1]/x.png", "http://[::ffff:192.168.1.1]/x.png"):
+            status, body = chat(inside)
+            assert status == 400 and "is a private address" in body["error"]["message"], inside
+        # Refused, no such host and "not there" read the same: the fetcher maps no ports.
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{closed.getsockname()[1]}/x.png"
+        closed.close()
+        for url in (refused, "http://no-such-host.invalid/x.png"):
+            status, body = chat(url)
+            assert status == 400
+            assert body["error"]["message"].replace(url, "URL") == missing
     finally:
         server.shutdown()
 
