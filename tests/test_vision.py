@@ -166,7 +166,26 @@ def truncated_png() -> str:
     return b64(raw[: len(raw) // 2])
 
 
+def png_bomb(width: int = 20000, height: int = 20000) -> str:
+    """A small, whole PNG whose header declares width x height pixels of one colour (the
+    zlib stream of its rows compresses about 1000:1; decoding it costs width x height x 3)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    rows = zlib.compressobj(9)
+    data = b"".join(rows.compress(b"\x00" + bytes(width * 3)) for _ in range(200))
+    data += rows.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b64(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", data)
+               + chunk(b"IEND", b""))
+
+
 @pytest.mark.parametrize("image, expected", [
+    (png_bomb(), "is 20000 x 20000 pixels, more than the 33 megapixels"),
     (b64(b"hello, this is plain text"), "is not an image"),
     ("@@not base64@@", "is not valid base64"),
     (truncated_png(), "truncated PNG"),

@@ -28,6 +28,10 @@ from ..runner.protocol import IMAGE_MARKER
 from .request import ChatError
 
 MAX_IMAGE_BYTES = 20 << 20
+# Pixels an image may declare (8K UHD): decoding is width x height x 3 bytes whatever the file's
+# size, so a 380 KB PNG of 20000 x 20000 cost the runner 1.15 GB. Read from the header, before
+# anything decodes it.
+MAX_IMAGE_PIXELS = 7680 * 4320
 FETCH_TIMEOUT_S = 10.0
 MAX_REDIRECTS = 3
 FORMATS = "PNG, JPEG, WebP or GIF"
@@ -119,7 +123,55 @@ def check_image(raw: bytes, where: str) -> str:
     if _truncated(kind, raw):
         raise ChatError(f"{where} is a truncated {kind} file (it ends before the image does)",
                         "images")
+    size = image_size(kind, raw)
+    if size is None:
+        raise ChatError(f"{where}: its {kind} header does not say the image's size", "images")
+    if size[0] * size[1] > MAX_IMAGE_PIXELS:
+        raise ChatError(f"{where} is {size[0]} x {size[1]} pixels, more than the "
+                        f"{MAX_IMAGE_PIXELS / 1e6:.0f} megapixels an image may have; scale it "
+                        f"down", "images")
     return kind
+
+
+_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def image_size(kind: str, raw: bytes) -> tuple[int, int] | None:
+    """(width, height) as the file's header declares them, None when it cannot be read."""
+    if kind == "PNG" and raw[12:16] == b"IHDR":
+        return int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")
+    if kind == "GIF" and len(raw) >= 10:
+        return int.from_bytes(raw[6:8], "little"), int.from_bytes(raw[8:10], "little")
+    if kind == "WebP":
+        chunk = raw[12:16]
+        if chunk == b"VP8X" and len(raw) >= 30:
+            return (int.from_bytes(raw[24:27], "little") + 1,
+                    int.from_bytes(raw[27:30], "little") + 1)
+        if chunk == b"VP8L" and len(raw) >= 25:
+            bits = int.from_bytes(raw[21:25], "little")
+            return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+        if chunk == b"VP8 " and len(raw) >= 30:
+            return (int.from_bytes(raw[26:28], "little") & 0x3FFF,
+                    int.from_bytes(raw[28:30], "little") & 0x3FFF)
+        return None
+    if kind == "JPEG":
+        i = 2
+        while i + 9 <= len(raw):
+            if raw[i] != 0xFF:
+                return None
+            marker = raw[i + 1]
+            if marker == 0xFF:  # fill byte
+                i += 1
+                continue
+            if marker in _JPEG_SOF:
+                return int.from_bytes(raw[i + 7:i + 9], "big"), \
+                    int.from_bytes(raw[i + 5:i + 7], "big")
+            if marker in (0x01, *range(0xD0, 0xD8)):  # markers without a length
+                i += 2
+                continue
+            i += 2 + int.from_bytes(raw[i + 2:i + 4], "big")
+        return None
+    return None
 
 
 def _truncated(kind: str, raw: bytes) -> bool:
