@@ -53,13 +53,14 @@ def _generate_seconds(daemon, model: str) -> float:
     return time.monotonic() - t
 
 
-def answers_quickly(daemon, started: Background, model: str | None = "gemma3-270m") -> int:
+def answers_quickly(daemon, started: Background, model: str | None = "gemma3-270m",
+                    max_rounds: int = 5) -> int:
     """While `started` runs: /api/version within QUICK_S, and a one-token generate on another
     (loaded) model within QUICK_S, or 3x what it took just before on a busy machine. Checked
-    until `started` ends (at most 5 rounds); returns the rounds checked while it ran."""
+    until `started` ends (at most `max_rounds`); returns the rounds checked while it ran."""
     baseline = _generate_seconds(daemon, model) if model else 0.0
     rounds = 0
-    while started.thread.is_alive() and rounds < 5:
+    while started.thread.is_alive() and rounds < max_rounds:
         t = time.monotonic()
         with urllib.request.urlopen(daemon.url + "/api/version", timeout=10) as resp:
             assert resp.status == 200
@@ -113,3 +114,15 @@ def test_an_unclosed_template_in_a_2_mb_modelfile_is_a_quick_400(wd):
     assert code == 400 and 'opens """ but never closes it' in body["error"]
     print(f"2 MB unclosed TEMPLATE refused in {bad.seconds:.1f}s")
     assert bad.seconds < 20
+
+
+def test_two_30_mib_bodies_are_parsed_off_the_event_loop(wd):
+    item = {"role": "user", "content": "x"}
+    body = json.dumps({"model": "no-such-model", "messages": [item] * 950_000}).encode()
+    assert len(body) > 30 << 20
+    big = [Background(lambda: post(wd.url + "/api/chat", body)) for _ in range(2)]
+    rounds = answers_quickly(wd, big[1], model=None, max_rounds=100_000)
+    for each in big:
+        code, answer = each.join(300)
+        assert code == 404 and "no-such-model" in answer["error"]
+    print(f"two 30 MiB bodies: {big[0].seconds:.1f}s, {rounds} quick rounds meanwhile")
