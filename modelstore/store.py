@@ -418,8 +418,8 @@ class ModelStore:
         store is untouched."""
         model = parse_name(name)
         source = Path(source)
-        if not source.is_file():
-            raise StoreError(f"{source} does not exist or is not a file")
+        if not _is_file(source):
+            raise StoreError(f"{shown_path(source)} does not exist or is not a file")
         try:
             if source.stat().st_size == 0:  # /proc files say 0 and read as anything
                 raise StoreError(f"{source} is empty or not a plain file: not a GGUF model")
@@ -443,11 +443,25 @@ class ModelStore:
                                    source_label or f"import:{source.resolve()}")
 
 
+def _is_file(path: Path) -> bool:
+    """Path.is_file, but a name the system refuses (too long, a loop of links) is no file."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def shown_path(path: Path | str, limit: int = 200) -> str:
+    """A path for a message: a 10 KB one is cut to its start and end."""
+    text = str(path)
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-limit // 2:]}"
+
+
 def check_projector(path: Path) -> None:
     """A vision projector GGUF (general.architecture "clip" with a vision encoder), or a
     StoreError saying what the file is instead."""
-    if not path.is_file():
-        raise StoreError(f"{path} does not exist or is not a file")
+    if not _is_file(path):
+        raise StoreError(f"{shown_path(path)} does not exist or is not a file")
     try:
         md = read_header(path).metadata
     except GGUFError as e:
