@@ -388,3 +388,32 @@ async def test_the_chat_tui_attaches_an_image_path_typed_in_a_message(vdaemon, t
             assert again.turn.context_used >= IMAGE_TOKENS + again.turn.eval_count
     finally:
         chats.close()
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_images_are_decoded_one_at_a_time(vdaemon, oc):
+    """Three 24-megapixel images (72 MiB each decoded): the runner's peak grows by about one
+    decoded image, not three (each is resized for the projector, then its bitmap freed)."""
+    big = []
+    for shade in (10, 120, 230):
+        out = io.BytesIO()
+        Image.new("RGB", (6000, 4000), (shade, 40, 99)).save(out, "PNG")
+        big.append(b64(out.getvalue()))
+    oc.chat(model="vl", messages=[{"role": "user", "content": "hi", "images": [RED]}],
+            options={"num_predict": 1})
+    pid = next(m["runner_pid"] for m in vdaemon.get("/api/stats")["models"]
+               if m["model"] == "vl:latest")
+    before = _peak_rss(pid)
+    reply = oc.chat(model="vl", messages=[{"role": "user", "content": "what are these?",
+                                           "images": big}], options={"num_predict": 1})
+    assert reply.prompt_eval_count >= 3 * IMAGE_TOKENS
+    grew = _peak_rss(pid) - before
+    decoded = 6000 * 4000 * 3
+    print(f"peak grew {grew >> 20} MiB for three images of {decoded >> 20} MiB decoded")
+    assert grew < 2.5 * decoded

@@ -92,7 +92,7 @@ class MediaPrompt:
 
     tokens: list[int]
     spans: dict[int, ImageSpan] = field(default_factory=dict)  # by start index
-    chunks: object = None
+    chunks: list = field(default_factory=list)  # mtmd chunk lists, one per image
 
     @property
     def image_tokens(self) -> int:
@@ -106,10 +106,10 @@ class MediaPrompt:
         return None
 
     def free(self) -> None:
-        if self.chunks is not None:
-            mtmd.mtmd_input_chunks_free(self.chunks)
-            self.chunks = None
-            self.spans.clear()
+        for chunks in self.chunks:
+            mtmd.mtmd_input_chunks_free(chunks)
+        self.chunks.clear()
+        self.spans.clear()
 
 
 class Vision:
@@ -146,7 +146,10 @@ class Vision:
     def tokenize(self, prompt: str, images: tuple[str, ...], add_special: bool) -> MediaPrompt:
         """The prompt's tokens with each image's placeholders where its marker stands.
 
-        `images` are base64 strings (the wire's), one per marker in order."""
+        `images` are base64 strings (the wire's), one per marker in order. One image is decoded
+        at a time: the text up to and with its marker is tokenized with it (mtmd keeps the
+        image resized for the projector, small) and its full-size bitmap freed before the next
+        is decoded."""
         n_markers = prompt.count(self.marker)
         if n_markers != len(images):
             raise RequestError(f"the prompt has {n_markers} image markers but the request "
@@ -154,16 +157,23 @@ class Vision:
         if self.mrope:
             raise RequestError("this projector places images with M-RoPE positions, which "
                                "localllm does not support yet")
-        bitmaps, digests = [], []
+        pieces = prompt.split(self.marker)
+        out = MediaPrompt(tokens=[], chunks=[])
         try:
             for i, data in enumerate(images):
                 raw = _decode_base64(data, i)
-                bitmaps.append(self._bitmap(raw, i))
-                digests.append(hashlib.sha256(raw).digest())
-            return self._tokenize(prompt, bitmaps, digests, add_special)
-        finally:
-            for bitmap in bitmaps:
-                mtmd.mtmd_bitmap_free(bitmap)
+                bitmap = self._bitmap(raw, i)
+                try:
+                    self._tokenize(out, pieces[i] + self.marker, [bitmap],
+                                   hashlib.sha256(raw).digest(), add_special and i == 0)
+                finally:
+                    mtmd.mtmd_bitmap_free(bitmap)
+            if pieces[-1] or not images:
+                self._tokenize(out, pieces[-1], [], b"", add_special and not images)
+        except BaseException:
+            out.free()
+            raise
+        return out
 
     def _bitmap(self, raw: bytes, i: int):
         buf = (ctypes.c_uint8 * len(raw)).from_buffer_copy(raw)
@@ -176,10 +186,11 @@ class Vision:
             raise RequestError(f"image {i + 1} is audio, not an image")
         return bitmap
 
-    def _tokenize(self, prompt: str, bitmaps: list, digests: list[bytes],
-                  add_special: bool) -> MediaPrompt:
+    def _tokenize(self, out: MediaPrompt, text_part: str, bitmaps: list, digest: bytes,
+                  add_special: bool) -> None:
+        """Tokenize one piece of the prompt (text, then at most one image) onto `out`."""
         text = mtmd.mtmd_input_text()
-        encoded = prompt.encode("utf-8", errors="replace")
+        encoded = text_part.encode("utf-8", errors="replace")
         text.text, text.text_len = encoded, len(encoded)
         text.add_special, text.parse_special = add_special, True
         chunks = mtmd.mtmd_input_chunks_init()
@@ -189,8 +200,7 @@ class Vision:
             mtmd.mtmd_input_chunks_free(chunks)
             raise RequestError("the projector could not prepare the images "
                                f"(mtmd_tokenize returned {code})")
-        out = MediaPrompt(tokens=[], chunks=chunks)
-        image = 0
+        out.chunks.append(chunks)
         for i in range(mtmd.mtmd_input_chunks_size(chunks)):
             chunk = mtmd.mtmd_input_chunks_get(chunks, i)
             if mtmd.mtmd_input_chunk_get_type(chunk) == _CHUNK_TEXT:
@@ -200,9 +210,7 @@ class Vision:
                 continue
             n_tokens = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
             out.spans[len(out.tokens)] = ImageSpan(len(out.tokens), n_tokens, chunk)
-            out.tokens.extend([placeholder(digests[image])] * n_tokens)
-            image += 1
-        return out
+            out.tokens.extend([placeholder(digest)] * n_tokens)
 
     # ---- an image into a sequence --------------------------------------------------------
     def read_image(self, lctx, span: ImageSpan, pos: int, seq_id: int, n_batch: int) -> None:
