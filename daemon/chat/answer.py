@@ -133,9 +133,10 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
 async def count_prompt_tokens(app: web.Application, entry: ModelEntry, request: ChatRequest,
                               custom: Customization | None = None) -> int:
     """Tokens the rendered prompt of `request` is, as the runner reads it (loads the model)."""
+    check_request_text(request)
     model = await model_for(entry, custom)
     if custom is not None:
         request = with_default_system(request, custom.system)
-    prepared = prepare(model, request)
+    prepared = await asyncio.to_thread(prepare, model, request)  # the template's worker: waits
     async with hold(app, entry, request.load) as runner:
         return await runner.count_tokens(prepared.prompt)
