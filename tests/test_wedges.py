@@ -102,7 +102,7 @@ def test_a_chat_of_40000_messages_keeps_its_latest_turns_in_seconds(wd):
     assert code == 200, body
     assert 50 < body["prompt_eval_count"] <= 256
     print(f"40001 messages answered in {long_chat.seconds:.1f}s")
-    assert long_chat.seconds < 90
+    assert long_chat.seconds < 60  # before: 91 s at load 8 (after: 20 s; 41 s at load 15)
 
 
 def test_an_unclosed_template_in_a_2_mb_modelfile_is_a_quick_400(wd):
