@@ -8,13 +8,18 @@ model=smollm2 seconds=1.2` (keys passed with `extra={...}` become fields), so it
   priority prefix, which journald turns into the entry's priority (`journalctl -p warning`).
   No timestamp: the journal stamps each entry.
 - Otherwise: to a rotating file, `<state dir>/logs/localllm.log` (what `localllm service logs`
-  shows), with a timestamp, and the same lines to stderr for a terminal running `localllm serve`.
+  shows), with a timestamp, and the same lines to stderr when that is a terminal (`localllm
+  serve` run by hand).
+- The runners' stderr (llama.cpp's own log) goes to `runner.log` beside it, rotated at each
+  runner start past the same size. Every log is 0600 in a 0700 folder, and no prompt is logged
+  at info: a request's text appears in no log.
 """
 
 from __future__ import annotations
 
 import logging
 import logging.handlers
+import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,7 +42,7 @@ _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"messa
 
 
 def log_file() -> Path:
-    return paths.state_dir() / "logs" / "localllm.log"
+    return paths.logs_dir() / "localllm.log"
 
 
 def _value(value: object) -> str:
@@ -83,7 +88,14 @@ class _StderrHandler(logging.StreamHandler):
 
 
 class _FileHandler(logging.handlers.RotatingFileHandler):
-    pass
+    """Rotating, and the user's alone: each file (the first, and each after a rotation) is
+    created 0600, in a 0700 folder."""
+
+    def _open(self):
+        paths.private_dir(Path(self.baseFilename).parent)
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
 
 
 _OURS = (_JournalHandler, _StderrHandler, _FileHandler)
@@ -103,14 +115,14 @@ def setup_logging(config: Config) -> None:
         journal.setFormatter(LogfmtFormatter(timestamps=False, priority_prefix=True))
         handlers.append(journal)
     else:
-        path = log_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        file = _FileHandler(path, maxBytes=LOG_FILE_BYTES, backupCount=LOG_FILE_BACKUPS,
-                            encoding="utf-8")
-        stderr = _StderrHandler(sys.stderr)
-        for handler in (file, stderr):
+        handlers.append(_FileHandler(log_file(), maxBytes=LOG_FILE_BYTES,
+                                     backupCount=LOG_FILE_BACKUPS, encoding="utf-8"))
+        # A copy on stderr for a terminal running `localllm serve`; a daemon started in the
+        # background has its stderr in daemon.log, which would repeat every line of this one.
+        if sys.stderr.isatty():
+            handlers.append(_StderrHandler(sys.stderr))
+        for handler in handlers:
             handler.setFormatter(LogfmtFormatter(timestamps=True, priority_prefix=False))
-            handlers.append(handler)
     for handler in handlers:
         root.addHandler(handler)
     level = _LEVELS.get(config.log_level, logging.INFO)

@@ -36,7 +36,7 @@ from aiohttp import web
 
 from localllm import paths
 from localllm.config import Config
-from localllm.modelstore.store import StoreError
+from localllm.modelstore.store import StoreError, shown_path
 
 from .peer_uid import peer_uid, plain_ip
 
@@ -258,10 +258,14 @@ def import_source(request: web.Request, text: str, roots: tuple[Path, ...]) -> P
     path = Path(text).expanduser()
     if is_unix(request):
         return path
-    resolved = path.resolve()  # symlinks and `..` first: the file actually read must be inside
-    inside = any(resolved.is_relative_to(root) for root in roots)
-    if not inside or not resolved.is_file():
-        raise StoreError(f"{text}: no such file in the folders a TCP client may import from "
+    try:  # symlinks and `..` first: the file actually read must be inside
+        resolved = path.resolve()
+        found = any(resolved.is_relative_to(root) for root in roots) and resolved.is_file()
+    except OSError:  # a name too long, a loop of links: not a file either
+        found = False
+    if not found:
+        raise StoreError(f"{shown_path(text)}: no such file in the folders a TCP client may "
+                         f"import from "
                          f"(import_dirs: {', '.join(map(str, roots))}); over the Unix socket "
                          "any of your files can be imported")
     return resolved

@@ -19,6 +19,7 @@ from pathlib import Path
 from aiohttp import web
 from localllm.profiles.saved import profiles_dir
 from localllm.modelstore.store import ModelNotFound, ModelStore, default_store
+from localllm.modelstore.sweep import sweep_store
 
 from localllm import paths
 from localllm.config import Config, config_file
@@ -123,6 +124,7 @@ def prepare_socket_path(path: Path) -> None:
 async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     security.check_bind(config)
     app = create_app(config)
+    await asyncio.to_thread(sweep_store, app[STORE])  # what a kill or an unused upload left
     # handler_cancellation: a client that disconnects cancels its handler, so a non-streamed
     # answer stops generating too (a streamed one notices at its next write).
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=5, handler_cancellation=True)

@@ -192,7 +192,9 @@ async def running_daemon(config: Config | None = None) -> RunningDaemon | None:
 
 
 def daemon_log_path() -> Path:
-    return paths.state_dir() / "logs" / "daemon.log"
+    """A background daemon's stdout and stderr: what it printed before its log was set up
+    (a crash at start), the last start's only. Its log proper is localllm.log."""
+    return paths.logs_dir() / "daemon.log"
 
 
 def last_log_line() -> str:
@@ -205,9 +207,7 @@ def last_log_line() -> str:
 
 def start_daemon(config: Config) -> subprocess.Popen:
     """Start `localllm serve` detached from this terminal, logging to the state dir."""
-    log_path = daemon_log_path()
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
+    with paths.open_private_log(daemon_log_path(), 0, 0, truncate=True) as log:
         return subprocess.Popen(
             [sys.executable, "-m", "localllm.cli", "serve"],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,

@@ -282,7 +282,8 @@ def parse_size(value: str) -> int | None:
 
 
 def parse_duration(value: str | float | None) -> float | None:
-    """Ollama's keep_alive: seconds as a number, or '5m', '1h', '30s'; negative means forever.
+    """Ollama's keep_alive: seconds as a number, or '5m', '1h', '30s'; negative (or 100 years
+    and more) means forever.
 
     Returns seconds, or None for forever.
     """
@@ -298,7 +299,12 @@ def parse_duration(value: str | float | None) -> float | None:
             raise ConfigError(f"invalid duration {value!r}: use e.g. 30s, 5m, 1h, 0 or -1")
         scale = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
         seconds = float(m.group(1)) * scale
-    return None if seconds < 0 else seconds
+    # 100 years or more is forever too (as Ollama holds it): a wall-clock time that far off
+    # overflows the dates /api/ps reports.
+    return None if seconds < 0 or seconds >= FOREVER_SECONDS else seconds
+
+
+FOREVER_SECONDS = 100 * 365.25 * 86400
 
 
 def config_file() -> Path:

@@ -46,6 +46,48 @@ def replace_private(path: Path, text: str) -> None:
         raise
 
 
+def private_dir(path: Path) -> Path:
+    """`path` and any missing parents made 0700; an existing folder is narrowed to 0700 (the
+    store, the logs, saved chats and profiles are the user's alone)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if (path.stat().st_mode & 0o777) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def open_private_log(path: Path, max_bytes: int, backups: int, truncate: bool = False):
+    """`path` opened for appending (binary), 0600 in a 0700 folder; first, a file past
+    `max_bytes` is rotated to `path.1` (.. `path.<backups>`, the oldest dropped)."""
+    private_dir(path.parent)
+    rotate(path, max_bytes, backups)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else os.O_APPEND)
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)  # O_CREAT keeps an existing file's mode
+    return os.fdopen(fd, "ab" if not truncate else "wb")
+
+
+def rotate(path: Path, max_bytes: int, backups: int) -> bool:
+    """Shift `path` to `path.1`, `.1` to `.2` ... when it is past `max_bytes`."""
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    for i in range(backups - 1, 0, -1):
+        older = path.with_name(f"{path.name}.{i}")
+        if older.exists():
+            os.replace(older, path.with_name(f"{path.name}.{i + 1}"))
+    if backups > 0:
+        os.replace(path, path.with_name(f"{path.name}.1"))
+    else:
+        path.unlink()
+    return True
+
+
+def logs_dir() -> Path:
+    return state_dir() / "logs"
+
+
 def data_dir() -> Path:
     return Path(platformdirs.user_data_dir(APP))
 

@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from localllm.paths import write_private
+from localllm.paths import private_dir, write_private
 
 from localllm.errors import UserError
 from localllm.units import human_size
@@ -87,13 +87,6 @@ def no_room_is_disk_full(what: str):
         if e.errno in NO_ROOM:
             raise disk_full(e, what) from None
         raise
-
-
-def private_dir(path: Path) -> None:
-    """`path` and any missing parents made 0700; an existing folder is narrowed to 0700."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if stat.S_IMODE(path.stat().st_mode) != 0o700:
-        os.chmod(path, 0o700)
 
 
 def linkable(source: Path) -> bool:
@@ -395,10 +388,16 @@ class ModelStore:
                                    f"copy:{entry.name}")
 
     def remove(self, name: str | ModelName) -> ModelEntry:
+        """Remove the manifest and those of its blobs that no other manifest names. Other
+        blobs stay: an upload waiting for its create, a pull between publishing its blob and
+        writing its manifest (unreferenced blobs are swept at startup, past an age)."""
         entry = self.get(name)
         self._manifest_path(entry.name).unlink()
         self._prune_dirs(self._manifest_path(entry.name).parent)
-        self.remove_unused_blobs()
+        still_used = self.used_digests()
+        for layer in entry.layers:
+            if layer.digest not in still_used:
+                self.blob_path(layer.digest).unlink(missing_ok=True)
         return entry
 
     def _prune_dirs(self, directory: Path) -> None:
@@ -406,15 +405,9 @@ class ModelStore:
             directory.rmdir()
             directory = directory.parent
 
-    def remove_unused_blobs(self) -> list[str]:
-        used = {layer.digest for entry in self.list() for layer in entry.layers}
-        removed = []
-        for blob in self.blobs.glob("sha256-*"):
-            digest = "sha256:" + blob.name.removeprefix("sha256-")
-            if digest not in used:
-                blob.unlink(missing_ok=True)
-                removed.append(digest)
-        return removed
+    def used_digests(self) -> set[str]:
+        """Every blob digest some manifest names."""
+        return {layer.digest for entry in self.list() for layer in entry.layers}
 
     # ---- import ------------------------------------------------------------------------
     def import_gguf(self, source: Path, name: str, link: bool = True,
@@ -425,8 +418,8 @@ class ModelStore:
         store is untouched."""
         model = parse_name(name)
         source = Path(source)
-        if not source.is_file():
-            raise StoreError(f"{source} does not exist or is not a file")
+        if not _is_file(source):
+            raise StoreError(f"{shown_path(source)} does not exist or is not a file")
         try:
             if source.stat().st_size == 0:  # /proc files say 0 and read as anything
                 raise StoreError(f"{source} is empty or not a plain file: not a GGUF model")
@@ -450,11 +443,25 @@ class ModelStore:
                                    source_label or f"import:{source.resolve()}")
 
 
+def _is_file(path: Path) -> bool:
+    """Path.is_file, but a name the system refuses (too long, a loop of links) is no file."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def shown_path(path: Path | str, limit: int = 200) -> str:
+    """A path for a message: a 10 KB one is cut to its start and end."""
+    text = str(path)
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-limit // 2:]}"
+
+
 def check_projector(path: Path) -> None:
     """A vision projector GGUF (general.architecture "clip" with a vision encoder), or a
     StoreError saying what the file is instead."""
-    if not path.is_file():
-        raise StoreError(f"{path} does not exist or is not a file")
+    if not _is_file(path):
+        raise StoreError(f"{shown_path(path)} does not exist or is not a file")
     try:
         md = read_header(path).metadata
     except GGUFError as e:

@@ -98,11 +98,10 @@ def save_profile(plan: Plan, model_name: str, card_name: str, model_size: int,
 
 
 def write_toml(path: Path, doc: dict, header: str = "") -> None:
-    """Write a TOML file whole or not at all (a reader never sees half of it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(header + tomli_w.dumps(doc))
-    tmp.replace(path)
+    """Write a TOML file whole or not at all (a reader never sees half of it), 0600 in a 0700
+    folder (a profile names the user's models)."""
+    paths.private_dir(path.parent)
+    paths.replace_private(path, header + tomli_w.dumps(doc))
 
 
 def read_tables(path: Path) -> dict[str, dict]:

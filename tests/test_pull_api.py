@@ -89,3 +89,24 @@ async def test_official_ollama_client_yields_progress(aiohttp_server, app, store
         await asyncio.to_thread(pull_unknown)
     assert raised.value.status_code == 404
     assert store.exists(f"hf.co/{REPO}:Q4_1")
+
+
+async def test_a_hub_that_does_not_answer_still_gets_pulling_manifest_at_once(
+        aiohttp_client, store, monkeypatch):
+    import socket
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    silent = socket.socket()  # listens, never accepts: connecting works, no answer comes
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        app = create_app(Config(hf_endpoint=f"http://127.0.0.1:{silent.getsockname()[1]}"),
+                         store)
+        client = await aiohttp_client(app)
+        response = await client.post("/api/pull", json={"model": "hf.co/test/silent:Q4_1"})
+        assert response.status == 200
+        first = await asyncio.wait_for(response.content.readline(), 10)
+        assert json.loads(first) == {"status": "pulling manifest"}
+        response.close()  # the client goes away: the pull is cancelled
+    finally:
+        silent.close()

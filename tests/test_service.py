@@ -8,6 +8,7 @@ uninstall --no-stop do all the file work for real and skip only the systemctl ca
 from __future__ import annotations
 
 import os
+import pty
 import shutil
 import subprocess
 import sys
@@ -143,9 +144,17 @@ def test_service_logs_shows_the_log_file_without_systemd(home, capsys):
         "logging.getLogger('localllm.test').warning('slow disk')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
-    daemon = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
-                            text=True, check=True)
-    assert "msg=\"slow disk\"" in daemon.stderr  # a terminal running `localllm serve` sees it
+    terminal, stderr = pty.openpty()
+    try:
+        subprocess.run([sys.executable, "-c", program], env=env, stderr=stderr, check=True)
+        seen = os.read(terminal, 1 << 16).decode()
+    finally:
+        os.close(terminal)
+        os.close(stderr)
+    assert "msg=\"slow disk\"" in seen  # a terminal running `localllm serve` sees it
+    piped = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
+                           text=True, check=True)
+    assert piped.stderr == ""  # a background daemon's stderr (daemon.log) repeats nothing
     assert main(["service", "logs", "-n", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2

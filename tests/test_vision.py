@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -165,7 +166,26 @@ def truncated_png() -> str:
     return b64(raw[: len(raw) // 2])
 
 
+def png_bomb(width: int = 20000, height: int = 20000) -> str:
+    """A small, whole PNG whose header declares width x height pixels of one colour (the
+    zlib stream of its rows compresses about 1000:1; decoding it costs width x height x 3)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    rows = zlib.compressobj(9)
+    data = b"".join(rows.compress(b"\x00" + bytes(width * 3)) for _ in range(200))
+    data += rows.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b64(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", data)
+               + chunk(b"IEND", b""))
+
+
 @pytest.mark.parametrize("image, expected", [
+    (png_bomb(), "is 20000 x 20000 pixels, more than the 33 megapixels"),
     (b64(b"hello, this is plain text"), "is not an image"),
     ("@@not base64@@", "is not valid base64"),
     (truncated_png(), "truncated PNG"),
@@ -234,9 +254,24 @@ def test_image_urls_fetched_refused_and_failing(vdaemon, tmp_path):
         assert status == 200 and body["usage"]["prompt_tokens"] > IMAGE_TOKENS
         status, body = chat(f"{base}/missing.png")
         assert status == 400 and f"{base}/missing.png" in body["error"]["message"]
-        assert "HTTP 404" in body["error"]["message"]
+        missing = body["error"]["message"].replace(f"{base}/missing.png", "URL")
         status, body = chat(f"{base}/private")
         assert status == 400 and "private address" in body["error"]["message"]
+        # The first URL is held to the same rule as a redirect: no private, link-local or
+        # metadata address is fetched (refused before any connection: no 10 s timeout).
+        for inside in ("http://10.1.2.3/x.png", "http://169.254.169.254/latest/meta-data",
+                       "http://[fd00::1]/x.png", "http://[::ffff:192.168.1.1]/x.png"):
+            status, body = chat(inside)
+            assert status == 400 and "is a private address" in body["error"]["message"], inside
+        # Refused, no such host and "not there" read the same: the fetcher maps no ports.
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{closed.getsockname()[1]}/x.png"
+        closed.close()
+        for url in (refused, "http://no-such-host.invalid/x.png"):
+            status, body = chat(url)
+            assert status == 400
+            assert body["error"]["message"].replace(url, "URL") == missing
     finally:
         server.shutdown()
 
@@ -353,3 +388,32 @@ async def test_the_chat_tui_attaches_an_image_path_typed_in_a_message(vdaemon, t
             assert again.turn.context_used >= IMAGE_TOKENS + again.turn.eval_count
     finally:
         chats.close()
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_images_are_decoded_one_at_a_time(vdaemon, oc):
+    """Three 24-megapixel images (72 MiB each decoded): the runner's peak grows by about one
+    decoded image, not three (each is resized for the projector, then its bitmap freed)."""
+    big = []
+    for shade in (10, 120, 230):
+        out = io.BytesIO()
+        Image.new("RGB", (6000, 4000), (shade, 40, 99)).save(out, "PNG")
+        big.append(b64(out.getvalue()))
+    oc.chat(model="vl", messages=[{"role": "user", "content": "hi", "images": [RED]}],
+            options={"num_predict": 1})
+    pid = next(m["runner_pid"] for m in vdaemon.get("/api/stats")["models"]
+               if m["model"] == "vl:latest")
+    before = _peak_rss(pid)
+    reply = oc.chat(model="vl", messages=[{"role": "user", "content": "what are these?",
+                                           "images": big}], options={"num_predict": 1})
+    assert reply.prompt_eval_count >= 3 * IMAGE_TOKENS
+    grew = _peak_rss(pid) - before
+    decoded = 6000 * 4000 * 3
+    print(f"peak grew {grew >> 20} MiB for three images of {decoded >> 20} MiB decoded")
+    assert grew < 2.5 * decoded

@@ -8,6 +8,7 @@ while it streams.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -77,7 +78,11 @@ class StoredMessage:
 class ChatStore:
     def __init__(self, path: Path | None = None):
         self.path = path or default_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Every conversation is in here: the user's alone, as the store is. SQLite gives its
+        # -wal and -shm files the database's mode.
+        paths.private_dir(self.path.parent)
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+        os.chmod(self.path, 0o600)
         self.db = sqlite3.connect(self.path, isolation_level=None)  # autocommit: saved at once
         self.db.execute("PRAGMA foreign_keys = ON")
         self.db.execute("PRAGMA journal_mode = WAL")

@@ -70,13 +70,7 @@ def parse_modelfile(text: str) -> Recipe:
         command, _, rest = line.partition(" ")
         command, rest = command.upper(), rest.strip()
         if command in ("TEMPLATE", "SYSTEM") and rest.startswith('"""'):
-            body = rest[3:]
-            while '"""' not in body and i < len(lines):
-                body += "\n" + lines[i]
-                i += 1
-            if '"""' not in body:
-                raise ModelfileError(f'{command} opens """ but never closes it')
-            rest = body[: body.index('"""')]
+            rest, i = _quoted_block(command, rest[3:], lines, i)
         elif command in ("TEMPLATE", "SYSTEM") and len(rest) > 1 and rest[0] == rest[-1] == '"':
             rest = rest[1:-1]
         if command == "FROM":
@@ -96,6 +90,20 @@ def parse_modelfile(text: str) -> Recipe:
             raise ModelfileError(f"{command} is not supported; localllm's Modelfile takes FROM, "
                                  f"PARAMETER, TEMPLATE and SYSTEM")
     return recipe
+
+
+def _quoted_block(command: str, first: str, lines: list[str], i: int) -> tuple[str, int]:
+    """The text of a \"\"\" block that opened with `first` on its line, and the index of the
+    line after it; one pass over the lines (an unclosed block is an error, not a rescan)."""
+    if '"""' in first:
+        return first[: first.index('"""')], i
+    parts = [first]
+    for j in range(i, len(lines)):
+        if '"""' in lines[j]:
+            parts.append(lines[j][: lines[j].index('"""')])
+            return "\n".join(parts), j + 1
+        parts.append(lines[j])
+    raise ModelfileError(f'{command} opens """ but never closes it')
 
 
 def recipe_from_json(body: dict) -> Recipe:
@@ -187,8 +195,8 @@ def build(store: ModelStore, name: str, recipe: Recipe) -> None:
 async def api_create(request: web.Request) -> web.Response:
     body = await read_json(request)
     name = get_model_field(body)
-    try:
-        recipe = recipe_from_json(body)
+    try:  # a Modelfile may be megabytes: read it off the event loop
+        recipe = await asyncio.to_thread(recipe_from_json, body)
     except ModelfileError as e:
         raise bad_request(str(e), "modelfile") from None
     if is_path(recipe.base):

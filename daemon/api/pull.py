@@ -7,7 +7,9 @@ then "verifying sha256 digest", "writing manifest", "success". With stream:false
 is {"status": "success"}.
 
 Errors found before any byte is downloaded (unknown name, 404, 401, no disk space) answer with
-a 4xx status and {"error": ...}; progress is held back until then so they can. An error after
+a 4xx status and {"error": ...}; progress is held back until then so they can, but never past
+MANIFEST_GRACE_S: a host that does not answer still gets "pulling manifest" on the wire at
+once, and its error as the last line. An error after
 the stream has begun arrives as a final {"error": ...} line, as Ollama sends it. A client that
 goes away cancels the pull; its partial download stays and the next pull resumes it.
 """
@@ -30,6 +32,7 @@ from .ollama import NDJSON
 
 routes = web.RouteTableDef()
 _DONE = object()
+MANIFEST_GRACE_S = 1.0
 
 
 def _api_error(error: PullError) -> ApiError:
@@ -58,8 +61,14 @@ async def api_pull(request: web.Request) -> web.StreamResponse:
 
     response: web.StreamResponse | None = None
     held: list[dict] = []
+    grace_ends = asyncio.get_running_loop().time() + MANIFEST_GRACE_S
     try:
-        while (event := await events.get()) is not _DONE:
+        while (event := await _next(events, response is None and grace_ends)) is not _DONE:
+            if event is None:  # the grace is over: say what is happening meanwhile
+                response = await _start(request)
+                for early in held:
+                    await _write(response, early)
+                continue
             if response is None and "completed" not in event:
                 held.append(event)  # not yet: a resolution error may still become a 4xx
                 continue
@@ -87,6 +96,17 @@ async def api_pull(request: web.Request) -> web.StreamResponse:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+async def _next(events: asyncio.Queue, until: float | bool):
+    """The next event; None when `until` (a loop time) passes first."""
+    if not until:
+        return await events.get()
+    try:
+        return await asyncio.wait_for(events.get(),
+                                      max(0.0, until - asyncio.get_running_loop().time()))
+    except TimeoutError:
+        return None
 
 
 async def _start(request: web.Request) -> web.StreamResponse:

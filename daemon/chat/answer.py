@@ -21,7 +21,7 @@ from .custom import Customization, customized
 from .model import ChatModel, chat_model
 from .parse import Parsed
 from .request import ChatRequest, Prepared, prepare
-from .truncate import fit_to_context
+from .truncate import check_request_text, fit_to_context
 
 
 @dataclass
@@ -106,6 +106,7 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     """Check and render the request (400s come from here, before the model loads), then run it.
     A chat longer than the context drops its oldest turns, or with `truncate` False is a 400.
     `custom` is what a Modelfile added: its template and its default system prompt."""
+    check_request_text(request)
     model = await model_for(entry, custom)
     if custom is not None:
         request = with_default_system(request, custom.system)
@@ -133,9 +134,10 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
 async def count_prompt_tokens(app: web.Application, entry: ModelEntry, request: ChatRequest,
                               custom: Customization | None = None) -> int:
     """Tokens the rendered prompt of `request` is, as the runner reads it (loads the model)."""
+    check_request_text(request)
     model = await model_for(entry, custom)
     if custom is not None:
         request = with_default_system(request, custom.system)
-    prepared = prepare(model, request)
+    prepared = await asyncio.to_thread(prepare, model, request)  # the template's worker: waits
     async with hold(app, entry, request.load) as runner:
         return await runner.count_tokens(prepared.prompt)

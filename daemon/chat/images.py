@@ -22,10 +22,16 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
+from aiohttp.abc import AbstractResolver
+
 from ..runner.protocol import IMAGE_MARKER
 from .request import ChatError
 
 MAX_IMAGE_BYTES = 20 << 20
+# Pixels an image may declare (8K UHD): decoding is width x height x 3 bytes whatever the file's
+# size, so a 380 KB PNG of 20000 x 20000 cost the runner 1.15 GB. Read from the header, before
+# anything decodes it.
+MAX_IMAGE_PIXELS = 7680 * 4320
 FETCH_TIMEOUT_S = 10.0
 MAX_REDIRECTS = 3
 FORMATS = "PNG, JPEG, WebP or GIF"
@@ -117,7 +123,55 @@ def check_image(raw: bytes, where: str) -> str:
     if _truncated(kind, raw):
         raise ChatError(f"{where} is a truncated {kind} file (it ends before the image does)",
                         "images")
+    size = image_size(kind, raw)
+    if size is None:
+        raise ChatError(f"{where}: its {kind} header does not say the image's size", "images")
+    if size[0] * size[1] > MAX_IMAGE_PIXELS:
+        raise ChatError(f"{where} is {size[0]} x {size[1]} pixels, more than the "
+                        f"{MAX_IMAGE_PIXELS / 1e6:.0f} megapixels an image may have; scale it "
+                        f"down", "images")
     return kind
+
+
+_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def image_size(kind: str, raw: bytes) -> tuple[int, int] | None:
+    """(width, height) as the file's header declares them, None when it cannot be read."""
+    if kind == "PNG" and raw[12:16] == b"IHDR":
+        return int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")
+    if kind == "GIF" and len(raw) >= 10:
+        return int.from_bytes(raw[6:8], "little"), int.from_bytes(raw[8:10], "little")
+    if kind == "WebP":
+        chunk = raw[12:16]
+        if chunk == b"VP8X" and len(raw) >= 30:
+            return (int.from_bytes(raw[24:27], "little") + 1,
+                    int.from_bytes(raw[27:30], "little") + 1)
+        if chunk == b"VP8L" and len(raw) >= 25:
+            bits = int.from_bytes(raw[21:25], "little")
+            return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+        if chunk == b"VP8 " and len(raw) >= 30:
+            return (int.from_bytes(raw[26:28], "little") & 0x3FFF,
+                    int.from_bytes(raw[28:30], "little") & 0x3FFF)
+        return None
+    if kind == "JPEG":
+        i = 2
+        while i + 9 <= len(raw):
+            if raw[i] != 0xFF:
+                return None
+            marker = raw[i + 1]
+            if marker == 0xFF:  # fill byte
+                i += 1
+                continue
+            if marker in _JPEG_SOF:
+                return int.from_bytes(raw[i + 7:i + 9], "big"), \
+                    int.from_bytes(raw[i + 5:i + 7], "big")
+            if marker in (0x01, *range(0xD0, 0xD8)):  # markers without a length
+                i += 2
+                continue
+            i += 2 + int.from_bytes(raw[i + 2:i + 4], "big")
+        return None
+    return None
 
 
 def _truncated(kind: str, raw: bytes) -> bool:
@@ -150,58 +204,93 @@ async def load_images(sources: tuple[ImageSource, ...], fetch_urls: bool) -> tup
     return tuple(await asyncio.gather(*(one(s) for s in sources)))
 
 
-def _private(host: str) -> bool:
-    """Whether a host resolves to a private, link-local or otherwise internal address."""
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False  # the fetch itself will fail and say so
-    for info in infos:
-        addr = ipaddress.ip_address(info[4][0].split("%")[0])
-        if addr.is_private or addr.is_link_local or addr.is_reserved or addr.is_multicast \
-                or addr.is_unspecified or addr.is_loopback:
-            return True
-    return False
+def _internal(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Private, link-local (cloud metadata), loopback or otherwise not a public address."""
+    if addr.version == 6 and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return (addr.is_private or addr.is_link_local or addr.is_reserved or addr.is_multicast
+            or addr.is_unspecified or addr.is_loopback)
 
 
-def _loopback(host: str) -> bool:
+def _resolve(host: str) -> list[str]:
+    """The host's addresses (one lookup: the fetch connects to these, never asks again)."""
     try:
-        return all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback
-                   for i in socket.getaddrinfo(host, None))
-    except (OSError, ValueError):
-        return False
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return list(dict.fromkeys(info[4][0].split("%")[0] for info in infos))
+
+
+class _PinnedResolver(AbstractResolver):
+    """aiohttp's resolver, answering only with the addresses checked for each host."""
+
+    def __init__(self) -> None:
+        self.addresses: dict[str, list[str]] = {}
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET):
+        if host not in self.addresses:
+            raise OSError(f"{host} was not checked")
+        return [{"hostname": host, "host": ip, "port": port,
+                 "family": socket.AF_INET6 if ":" in ip else socket.AF_INET,
+                 "proto": 0, "flags": socket.AI_NUMERICHOST}
+                for ip in self.addresses[host]]
+
+    async def close(self) -> None:
+        pass
+
+
+class _Unreachable(Exception):
+    """Nothing answered with an image: refused, no such host, no answer, not HTTP 200. One
+    message for all, so that the fetcher cannot be used to map hosts and ports."""
 
 
 async def fetch_image(url: str, where: str) -> bytes:
-    """GET an image URL: at most MAX_IMAGE_BYTES within FETCH_TIMEOUT_S, redirects followed by
-    hand so that none leads to a private address (a loopback one only from a loopback URL)."""
+    """GET an image URL: at most MAX_IMAGE_BYTES within FETCH_TIMEOUT_S. The URL and each
+    redirect are held to one rule: no private, link-local or metadata address, and a loopback
+    one only when the first URL was loopback (the user's own machine). Each host is resolved
+    once, and the connection goes to the address that was checked."""
     import aiohttp
 
     def fail(why: str) -> ChatError:
         return ChatError(f"{where}: could not fetch {url}: {why}", "images")
 
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise fail("only http and https URLs (or data: URLs) are taken")
-    from_loopback = await asyncio.to_thread(_loopback, parts.hostname)
+    resolver = _PinnedResolver()
+    first_loopback: bool | None = None
+
+    async def check(target: str) -> None:
+        nonlocal first_loopback
+        parts = urlsplit(target)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise fail("only http and https URLs (or data: URLs) are taken" if target == url
+                       else f"it redirects to {target!r}")
+        addresses = await asyncio.to_thread(_resolve, parts.hostname)
+        if not addresses:
+            raise _Unreachable
+        parsed = [ipaddress.ip_address(a) for a in addresses]
+        loopback = all(a.is_loopback for a in parsed)
+        if first_loopback is None:
+            first_loopback = loopback
+        if any(_internal(a) for a in parsed) and not (loopback and first_loopback):
+            raise fail(f"{parts.hostname} is a private address" if target == url
+                       else f"it redirects to a private address ({parts.hostname})")
+        resolver.addresses[parts.hostname] = addresses
+
     timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)
     current = url
     try:
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        await check(url)
+        connector = aiohttp.TCPConnector(resolver=resolver, use_dns_cache=False)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector,
+                                         trust_env=False) as session:
             for _ in range(MAX_REDIRECTS + 1):
                 async with session.get(current, allow_redirects=False) as response:
                     if response.status in (301, 302, 303, 307, 308):
-                        target = urljoin(current, response.headers.get("Location", ""))
-                        host = urlsplit(target).hostname or ""
-                        if urlsplit(target).scheme not in ("http", "https") or not host:
-                            raise fail(f"it redirects to {target!r}")
-                        if not (from_loopback and await asyncio.to_thread(_loopback, host)) \
-                                and await asyncio.to_thread(_private, host):
-                            raise fail(f"it redirects to a private address ({host})")
-                        current = target
+                        current = urljoin(current, response.headers.get("Location", ""))
+                        await check(current)
                         continue
                     if response.status != 200:
-                        raise fail(f"HTTP {response.status}")
+                        raise _Unreachable
                     if (response.content_length or 0) > MAX_IMAGE_BYTES:
                         raise fail(f"larger than {MAX_IMAGE_BYTES >> 20} MiB")
                     body = bytearray()
@@ -211,7 +300,6 @@ async def fetch_image(url: str, where: str) -> bytes:
                             raise fail(f"larger than {MAX_IMAGE_BYTES >> 20} MiB")
                     return bytes(body)
             raise fail(f"more than {MAX_REDIRECTS} redirects")
-    except TimeoutError:
-        raise fail(f"no answer within {FETCH_TIMEOUT_S:.0f}s") from None
-    except aiohttp.ClientError as e:
-        raise fail(str(e) or type(e).__name__) from None
+    except (_Unreachable, TimeoutError, aiohttp.ClientError, OSError):
+        raise fail("nothing answered with an image there (refused, no such host, no "
+                   f"answer within {FETCH_TIMEOUT_S:.0f}s, or not HTTP 200)") from None

@@ -4,8 +4,11 @@
 never on the event loop. Each call takes an idle worker (or starts one), sends the template and
 its variables, and waits at most RENDER_SECONDS for the text. A worker past the limit is killed,
 which stops the render for certain (a thread could not be stopped), and the caller gets a
-TemplateLimit naming the limit; a worker that died (its memory cap) the same. Idle workers are
-kept for the next render, so a render costs a pipe round trip, not a process start.
+TemplateLimit naming the limit; a worker past its memory cap says so itself. A worker that died
+without a word (killed, crashed) is not the template's fault: the render is tried once more on a
+fresh worker, then is a 503. Idle workers are kept for the next render, so a render costs a pipe
+round trip, not a process start. The pipes are waited on with poll(), not select(), which fails
+on descriptors past 1023 (a daemon holding a thousand connections).
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ import atexit
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
 
-from .template_worker import HEADER, MEMORY_LIMIT_BYTES
+from localllm.errors import UserError
+
+from .template_worker import HEADER
 
 RENDER_SECONDS = 2.0
 KEEP_IDLE = 4
@@ -32,6 +38,12 @@ class RenderError(ValueError):
     def __init__(self, message: str, limit: str | None = None):
         super().__init__(message)
         self.limit = limit
+
+
+class WorkerDied(UserError):
+    """The worker ended without answering, twice: retry later (503)."""
+
+    status = 503
 
 
 class _Worker:
@@ -52,9 +64,11 @@ class _Worker:
 
     def _read(self, n: int, deadline: float) -> bytes:
         fd, data = self.proc.stdout.fileno(), bytearray()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
         while len(data) < n:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not poller.poll(left * 1000):
                 raise TimeoutError
             chunk = os.read(fd, min(n - len(data), 1 << 20))
             if not chunk:
@@ -103,21 +117,31 @@ def close_workers() -> None:
 def render_in_worker(template: str, variables: dict, seconds: float = RENDER_SECONDS) -> str:
     request = json.dumps({"template": template, "variables": variables}, ensure_ascii=False,
                          default=str).encode("utf-8", "surrogatepass")
-    worker = _take()
-    try:
-        reply = worker.ask(request, time.monotonic() + seconds)
-    except TimeoutError:
-        worker.kill()
-        raise RenderError(f"the chat template ran past its time limit of {seconds:g} s",
-                          "time") from None
-    except (EOFError, OSError, ValueError):
-        worker.kill()
-        raise RenderError(f"the chat template's render stopped (past its memory limit of "
-                          f"{MEMORY_LIMIT_BYTES >> 20} MiB?)", "memory") from None
-    except BaseException:
-        worker.kill()
-        raise
+    deadline = time.monotonic() + seconds
+    for attempt in (1, 2):
+        worker = _take()
+        try:
+            reply = worker.ask(request, deadline)
+            break
+        except TimeoutError:
+            worker.kill()
+            raise RenderError(f"the chat template ran past its time limit of {seconds:g} s",
+                              "time") from None
+        except (EOFError, OSError):
+            worker.kill()
+            if attempt == 2:
+                raise WorkerDied(f"the chat template's worker process ended without answering "
+                                 f"({_exit_text(worker.proc.returncode)}); try again") from None
+        except BaseException:
+            worker.kill()
+            raise
     _give_back(worker)
     if "error" in reply:
         raise RenderError(reply["error"], reply.get("limit"))
     return reply["text"]
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit status {code}"

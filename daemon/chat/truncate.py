@@ -5,6 +5,12 @@ Each turn's tokens are counted once (one runner round trip for all of them); the
 are chosen from those counts, and the chosen prompt is rendered and measured to confirm. A long
 chat costs a few renders, not one render and tokenization of the whole prompt per dropped turn
 (1,001 turns used to take minutes before the first token).
+
+llama.cpp's tokenizer is quadratic in the special tokens of its text (a rendered chat has a few
+per message: 20,000 turns, 2 MB, took minutes on the runner's only thread). So no text is
+tokenized that cannot fit for sure: a prompt past BYTES_PER_TOKEN bytes per token of room first
+keeps only as many of its newest turns as could fit by size, and a plain prompt that long is a
+400 without being read. A request's text is capped at MAX_REQUEST_TEXT_BYTES.
 """
 
 from __future__ import annotations
@@ -19,6 +25,28 @@ from .model import ChatModel
 from .request import ChatError, ChatRequest, Prepared, prepare
 
 log = logging.getLogger("localllm.chat")
+
+# More bytes than any real text averages per token (prose is about 4; the longest tokens, runs
+# of spaces, reach about 80 on their own): a text of more than this per token of room cannot fit.
+BYTES_PER_TOKEN = 32
+MAX_REQUEST_TEXT_BYTES = 8 << 20
+
+
+def request_text_bytes(request: ChatRequest) -> int:
+    """The text a request brings (its messages or prompt), in UTF-8 bytes."""
+    if request.messages is None:
+        return sum(len((t or "").encode()) for t in (request.prompt, request.system,
+                                                     request.suffix))
+    return sum(len(turn_text([m]).encode()) for m in request.messages)
+
+
+def check_request_text(request: ChatRequest) -> None:
+    size = request_text_bytes(request)
+    if size > MAX_REQUEST_TEXT_BYTES:
+        raise ChatError(f"the request's text is {size / (1 << 20):.1f} MiB, more than the "
+                        f"{MAX_REQUEST_TEXT_BYTES >> 20} MiB a request may carry (far past any "
+                        f"context); send only the part the model should read",
+                        "prompt" if request.messages is None else "messages")
 
 
 def room_for_prompt(n_ctx: int, num_predict: int) -> int:
@@ -72,13 +100,42 @@ def first_kept(costs: list[float], budget: float) -> int:
     return min(start, len(costs) - 1)
 
 
+async def _keep_what_could_fit(model: ChatModel, request: ChatRequest,
+                               budget: int) -> tuple[ChatRequest, Prepared]:
+    """The request with only its newest turns whose text is within `budget` bytes (what is
+    older could not fit whatever it tokenizes to), rendered."""
+    head, turns = split_turns(list(request.messages))
+    sizes = [len(turn_text(t).encode()) for t in turns]
+    oldest = first_kept(sizes, budget - len(turn_text(head).encode()))
+    for start in range(oldest, len(turns)):  # a template may refuse to start mid-conversation
+        cut = replace(request, messages=(*head, *(m for t in turns[start:] for m in t)))
+        try:
+            return cut, await asyncio.to_thread(prepare, model, cut)
+        except ChatError:
+            continue
+    raise ChatError("the conversation's last turn alone is longer than the context can hold; "
+                    "shorten it or load the model with a larger num_ctx", "messages")
+
+
 async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepared, runner,
                          truncate: bool) -> Prepared:
     """`prepared`, or the same request with its oldest turns dropped until the prompt fits.
     A plain prompt (generate, completions) that is too long gets the runner's own 400."""
     limit = room_for_prompt(runner.n_ctx, request.options.num_predict)
-    if request.messages is None or len(prepared.prompt.encode()) + 1 <= limit:
+    size = len(prepared.prompt.encode())
+    if request.messages is None and size > runner.n_ctx * BYTES_PER_TOKEN:
+        raise ChatError(f"the prompt is {size} bytes, more than a context of {runner.n_ctx} "
+                        f"tokens can hold; shorten it, or load the model with a larger "
+                        f"num_ctx", "prompt")
+    if request.messages is None or size + 1 <= limit:
         return prepared  # no token is shorter than a byte: it fits without asking the runner
+    if size > limit * BYTES_PER_TOKEN:
+        if not truncate:
+            raise ChatError(f"the prompt is {size} bytes, more than a context of "
+                            f"{runner.n_ctx} tokens can hold; shorten the conversation, load "
+                            f"the model with a larger num_ctx, or leave truncate on to drop "
+                            f"the oldest turns", "messages")
+        request, prepared = await _keep_what_could_fit(model, request, limit * BYTES_PER_TOKEN)
     count = await runner.count_tokens(prepared.prompt)
     if count <= limit:
         return prepared

@@ -22,8 +22,10 @@ from pathlib import Path
 
 from localllm.errors import UserError
 from localllm.llama.cpu import describe_crash, is_engine_crash
+from localllm.paths import open_private_log
 from localllm.profiles.plan import Plan
 
+from ..logging_setup import LOG_FILE_BACKUPS, LOG_FILE_BYTES
 from .protocol import (
     RUNNER_SILENCE_S,
     Band,
@@ -144,8 +146,8 @@ class RunnerProcess:
         return len(self._events)
 
     async def start(self, timeout: float | None = None) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as stderr:  # llama.cpp's own log goes here
+        # llama.cpp's own log goes here: rotated past a size at each start, the user's alone
+        with open_private_log(self.log_path, LOG_FILE_BYTES, LOG_FILE_BACKUPS) as stderr:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.command,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr,

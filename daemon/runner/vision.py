@@ -19,6 +19,7 @@ import binascii
 import ctypes
 import hashlib
 import logging
+import os
 from dataclasses import dataclass, field
 
 import llama_cpp
@@ -33,8 +34,6 @@ class _LazyMtmd:
     own, CUDA say) libmtmd comes from the same folder, as libllama does."""
 
     def __getattr__(self, name: str):
-        import os
-
         if os.environ.get("LLAMA_CPP_LIB_PATH") and not os.environ.get("MTMD_CPP_LIB"):
             os.environ["MTMD_CPP_LIB"] = os.environ["LLAMA_CPP_LIB_PATH"]
         from llama_cpp import mtmd_cpp
@@ -43,6 +42,25 @@ class _LazyMtmd:
 
 
 mtmd = _LazyMtmd()
+
+# ggml_log_level: mtmd logs the whole text of each prompt it tokenizes at DEBUG, and its own
+# default logger prints every level to stderr (runner.log). Info and above only.
+_LOG_INFO, _LOG_CONT = 2, 5
+_last_level = _LOG_INFO
+
+
+@llama_cpp.llama_log_callback
+def _mtmd_log(level: int, text: bytes, _user_data) -> None:
+    global _last_level
+    if level != _LOG_CONT:  # a continuation belongs to the line before it
+        _last_level = level
+    if _last_level >= _LOG_INFO and text:
+        os.write(2, text)
+
+
+def _quiet_mtmd_debug() -> None:
+    mtmd.mtmd_log_set(_mtmd_log, ctypes.c_void_p())
+    mtmd.mtmd_helper_log_set(_mtmd_log, ctypes.c_void_p())
 _CHUNK_TEXT = 0  # mtmd_input_chunk_type
 _PLACEHOLDER_SPAN = 1 << 62
 
@@ -74,7 +92,7 @@ class MediaPrompt:
 
     tokens: list[int]
     spans: dict[int, ImageSpan] = field(default_factory=dict)  # by start index
-    chunks: object = None
+    chunks: list = field(default_factory=list)  # mtmd chunk lists, one per image
 
     @property
     def image_tokens(self) -> int:
@@ -88,10 +106,10 @@ class MediaPrompt:
         return None
 
     def free(self) -> None:
-        if self.chunks is not None:
-            mtmd.mtmd_input_chunks_free(self.chunks)
-            self.chunks = None
-            self.spans.clear()
+        for chunks in self.chunks:
+            mtmd.mtmd_input_chunks_free(chunks)
+        self.chunks.clear()
+        self.spans.clear()
 
 
 class Vision:
@@ -99,6 +117,7 @@ class Vision:
 
     def __init__(self, projector_path: str, model, *, use_gpu: bool, n_threads: int,
                  flash_attn: bool):
+        _quiet_mtmd_debug()
         params = mtmd.mtmd_context_params_default()
         params.use_gpu = use_gpu
         params.n_threads = max(1, n_threads)
@@ -127,7 +146,10 @@ class Vision:
     def tokenize(self, prompt: str, images: tuple[str, ...], add_special: bool) -> MediaPrompt:
         """The prompt's tokens with each image's placeholders where its marker stands.
 
-        `images` are base64 strings (the wire's), one per marker in order."""
+        `images` are base64 strings (the wire's), one per marker in order. One image is decoded
+        at a time: the text up to and with its marker is tokenized with it (mtmd keeps the
+        image resized for the projector, small) and its full-size bitmap freed before the next
+        is decoded."""
         n_markers = prompt.count(self.marker)
         if n_markers != len(images):
             raise RequestError(f"the prompt has {n_markers} image markers but the request "
@@ -135,16 +157,23 @@ class Vision:
         if self.mrope:
             raise RequestError("this projector places images with M-RoPE positions, which "
                                "localllm does not support yet")
-        bitmaps, digests = [], []
+        pieces = prompt.split(self.marker)
+        out = MediaPrompt(tokens=[], chunks=[])
         try:
             for i, data in enumerate(images):
                 raw = _decode_base64(data, i)
-                bitmaps.append(self._bitmap(raw, i))
-                digests.append(hashlib.sha256(raw).digest())
-            return self._tokenize(prompt, bitmaps, digests, add_special)
-        finally:
-            for bitmap in bitmaps:
-                mtmd.mtmd_bitmap_free(bitmap)
+                bitmap = self._bitmap(raw, i)
+                try:
+                    self._tokenize(out, pieces[i] + self.marker, [bitmap],
+                                   hashlib.sha256(raw).digest(), add_special and i == 0)
+                finally:
+                    mtmd.mtmd_bitmap_free(bitmap)
+            if pieces[-1] or not images:
+                self._tokenize(out, pieces[-1], [], b"", add_special and not images)
+        except BaseException:
+            out.free()
+            raise
+        return out
 
     def _bitmap(self, raw: bytes, i: int):
         buf = (ctypes.c_uint8 * len(raw)).from_buffer_copy(raw)
@@ -157,10 +186,11 @@ class Vision:
             raise RequestError(f"image {i + 1} is audio, not an image")
         return bitmap
 
-    def _tokenize(self, prompt: str, bitmaps: list, digests: list[bytes],
-                  add_special: bool) -> MediaPrompt:
+    def _tokenize(self, out: MediaPrompt, text_part: str, bitmaps: list, digest: bytes,
+                  add_special: bool) -> None:
+        """Tokenize one piece of the prompt (text, then at most one image) onto `out`."""
         text = mtmd.mtmd_input_text()
-        encoded = prompt.encode("utf-8", errors="replace")
+        encoded = text_part.encode("utf-8", errors="replace")
         text.text, text.text_len = encoded, len(encoded)
         text.add_special, text.parse_special = add_special, True
         chunks = mtmd.mtmd_input_chunks_init()
@@ -170,8 +200,7 @@ class Vision:
             mtmd.mtmd_input_chunks_free(chunks)
             raise RequestError("the projector could not prepare the images "
                                f"(mtmd_tokenize returned {code})")
-        out = MediaPrompt(tokens=[], chunks=chunks)
-        image = 0
+        out.chunks.append(chunks)
         for i in range(mtmd.mtmd_input_chunks_size(chunks)):
             chunk = mtmd.mtmd_input_chunks_get(chunks, i)
             if mtmd.mtmd_input_chunk_get_type(chunk) == _CHUNK_TEXT:
@@ -181,9 +210,7 @@ class Vision:
                 continue
             n_tokens = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
             out.spans[len(out.tokens)] = ImageSpan(len(out.tokens), n_tokens, chunk)
-            out.tokens.extend([placeholder(digests[image])] * n_tokens)
-            image += 1
-        return out
+            out.tokens.extend([placeholder(digest)] * n_tokens)
 
     # ---- an image into a sequence --------------------------------------------------------
     def read_image(self, lctx, span: ImageSpan, pos: int, seq_id: int, n_batch: int) -> None:
