@@ -203,12 +203,15 @@ def probe_card(gpus: str = "all") -> Card:
     return replace(_probe_devices(gpus), ram_available_bytes=ram_available())
 
 
-def resolve_card(name: str | None, gpus: str = "all") -> Card:
-    """`--card NAME|auto`: a profile (planned with this machine's host) or the probe (of the
-    GPUs `gpus` names)."""
-    if not name or name == "auto":
-        return probe_card(gpus)
-    card = load_card(name)
-    host = host_card()
-    return replace(card.with_host(host.ram_bytes, host.cores, host.host_bandwidth_gbs),
-                   ram_available_bytes=host.ram_available_bytes)
+def resolve_card(name: str | None, gpus: str = "all", ram_gib: float | None = None,
+                 cores: int | None = None) -> Card:
+    """`--card NAME|auto`: a profile, the whole box it describes (its GPUs and its [host]: RAM,
+    cores, memory bandwidth, disk), or the probe of this machine (of the GPUs `gpus` names);
+    `ram_gib` and `cores` (`--ram`, `--cores`) change the host's."""
+    card = probe_card(gpus) if not name or name == "auto" else load_card(name)
+    if ram_gib is None and cores is None:
+        return card
+    ram = int(ram_gib * GIB) if ram_gib is not None else card.ram_bytes
+    # A RAM given is all the plan may count on: no probed MemAvailable beside it.
+    return replace(card.with_host(ram, cores or card.cores, card.host_bandwidth_gbs),
+                   ram_available_bytes=0 if ram_gib is not None else card.ram_available_bytes)

@@ -51,12 +51,15 @@ def test_weights_past_ram_are_read_from_disk_and_cost_speed(big):
 
 
 def test_a_measured_disk_rate_is_used_and_named(big):
-    assumed = load_card("rtx3060-12g").with_host(16 * GIB, 8, 40.0)
-    fast = replace(assumed, disk_read_gbs=6.5)
+    assumed = replace(load_card("rtx3060-12g").with_host(16 * GIB, 8, 40.0), disk_read_gbs=0)
+    fast = replace(assumed, disk_read_gbs=6.5, source="probe")  # as `calibrated` leaves it
     slow_plan, fast_plan = tune(big, assumed, Request(n_ctx=4096)), tune(big, fast,
                                                                          Request(n_ctx=4096))
     [line] = disk_lines(fast_plan)
     assert "at 6.5 GB/s (measured by tune --calibrate)" in line
+    [line] = disk_lines(tune(big, load_card("rtx3060-12g").with_host(16 * GIB, 8, 40.0),
+                             Request(n_ctx=4096)))
+    assert "at 1.5 GB/s (the card profile's figure)" in line  # the box's [host] disk_gbs
     assert fast_plan.predicted_decode_tps > slow_plan.predicted_decode_tps
 
 
