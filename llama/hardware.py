@@ -123,6 +123,7 @@ def host_card() -> Card:
     return replace(
         load_card(CPU_ONLY).with_host(host_ram_bytes(), cores, estimate_host_bandwidth(cores)),
         source="probe", ram_available_bytes=ram_available(),
+        disk_read_gbs=0.0,  # the profile's box is not this one: unknown until --calibrate
     )
 
 
@@ -183,6 +184,7 @@ def card_from_nvml(devices: list[dict], ram_bytes: int, cores: int,
         n_gpus=len(devices), gpus=tuple(gpus),
         ram_bytes=ram_bytes, cores=cores, host_bandwidth_gbs=estimate_host_bandwidth(cores),
         source="probe", ram_available_bytes=ram_available_bytes,
+        disk_read_gbs=0.0,  # the profile's box is not this one: unknown until --calibrate
     )
 
 

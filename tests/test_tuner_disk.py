@@ -28,8 +28,9 @@ def disk_lines(plan) -> list[str]:
 
 
 def test_weights_past_ram_are_read_from_disk_and_cost_speed(big):
-    small = load_card("rtx3060-12g").with_host(16 * GIB, 8, 40.0)
-    roomy = load_card("rtx3060-12g").with_host(64 * GIB, 8, 40.0)
+    # No disk rate known (the profile's taken away): the assumed one, said so.
+    small = replace(load_card("rtx3060-12g").with_host(16 * GIB, 8, 40.0), disk_read_gbs=0)
+    roomy = replace(load_card("rtx3060-12g").with_host(64 * GIB, 8, 40.0), disk_read_gbs=0)
     request = Request(n_ctx=4096)
     spilled, in_ram = tune(big, small, request), tune(big, roomy, request)
 
@@ -104,10 +105,11 @@ def test_disk_read_is_measured_stored_and_used(tmp_path):
     assert three.bytes_read == (96 << 20) // 3 // PAGE * PAGE * 3 and three.gbs > 0
     path = tmp_path / "calibration.toml"
     store_disk_read(measured, path)
-    for name in ("rtx3060-12g", "cpu-only"):  # a host figure: every card planned here has it
-        card = calibrated(load_card(name), path)
+    for name in ("rtx3060-12g", "cpu-only"):  # a host figure: the card probed here has it
+        card = calibrated(replace(load_card(name), source="probe"), path)
         assert card.disk_read_gbs == round(measured.gbs, 2)
-    assert load_card("rtx3060-12g").disk_read_gbs == 0.0  # the profile itself is unchanged
+    # A profile is another box (issue 38): it keeps its own disk, not this host's.
+    assert calibrated(load_card("rtx3060-12g"), path).disk_read_gbs == 1.5
 
 
 def test_disk_read_refuses_files_that_measure_nothing(tmp_path):
