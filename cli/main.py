@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "localllm.cli.service",  # service, config
     "localllm.cli.cluster",  # worker, remote
     "localllm.cli.launch",  # launch
+    "localllm.cli.create",  # create (Ollama's Modelfile command)
 )
 
 

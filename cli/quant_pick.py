@@ -14,7 +14,10 @@ import asyncio
 from dataclasses import dataclass, replace
 
 from localllm.modelstore.download import RemoteFile, RemoteNotFound
-from localllm.modelstore.hub import HubClient, gguf_groups, pick_quant_files, quant_label
+from localllm.modelstore.hub import (
+    HubClient, HubFileRef, HubQuantRef, gguf_groups, parse_reference, pick_quant_files,
+    quant_label,
+)
 from localllm.modelstore.remote_header import read_model_header
 from localllm.modelstore.shape import ModelShape, shape_from_header
 from localllm.profiles.card import GIB, Card
@@ -157,8 +160,7 @@ async def candidates_from_hub(client: HubClient, repo: str, card: Card, request:
 
     async def one(key: str, files: list[RemoteFile]) -> tuple[Candidate, int]:
         async with limit:
-            header, n = await read_model_header(client, files, f"hf.co/{repo}")
-        shape = shape_from_header(header, f"hf.co/{repo}/{files[0].filename}")
+            shape, n = await remote_shape(client, repo, files)
         # Planning is pure CPU work; a thread keeps the other header reads moving.
         candidate = await asyncio.to_thread(plan_candidate, key, tuple(files), shape, card,
                                             request)
@@ -166,3 +168,29 @@ async def candidates_from_hub(client: HubClient, repo: str, card: Card, request:
 
     done = await asyncio.gather(*(one(k, v) for k, v in groups.items()))
     return [c for c, _ in done], sum(n for _, n in done)
+
+
+async def remote_shape(client: HubClient, repo: str,
+                       files: list[RemoteFile]) -> tuple[ModelShape, int]:
+    """(a hub model's shape from its GGUF header, bytes read): range requests, no weights."""
+    header, n = await read_model_header(client, files, f"hf.co/{repo}")
+    return shape_from_header(header, f"hf.co/{repo}/{files[0].filename}"), n
+
+
+async def source_shape(client: HubClient, source: str) -> tuple[ModelShape, int]:
+    """The shape of a catalog entry's hub file (`hf.co/OWNER/REPO:QUANT` or
+    `hf.co/OWNER/REPO/FILE.gguf`), read as `pull --quant auto` reads its candidates."""
+    reference = parse_reference(source)
+    if isinstance(reference, HubQuantRef):
+        repo = reference.repo
+        files = pick_quant_files(await client.list_repo(repo), reference.quant, repo)
+    elif isinstance(reference, HubFileRef):
+        repo = reference.repo
+        groups = gguf_groups(await client.list_repo(repo))
+        files = next((group for group in groups.values()
+                      if any(f.filename == reference.path for f in group)), None)
+        if files is None:
+            raise RemoteNotFound(f"hf.co/{repo} has no {reference.path}")
+    else:
+        raise RemoteNotFound(f"{source} is no hub file: its header cannot be read remotely")
+    return await remote_shape(client, repo, files)

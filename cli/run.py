@@ -204,42 +204,10 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
             else:
                 await client.close()
                 return await run_chat(config, model, resume=args.resume, options=options)
-        await _chat_lines(client, model, dict(options or {}), extra, args.verbose)
+        from localllm.cli.line_chat import chat_lines
+
+        await chat_lines(client, model, dict(options or {}), extra, args.verbose)
     return 0
-
-
-async def _chat_lines(client: Client, model: str, options: dict, extra: dict,
-                      verbose: bool) -> None:
-    """Chat over stdin, a line a turn, for pipes and scripts; `/set parameter NAME VALUE`,
-    `/set system TEXT` and `/bye` work as in `ollama run`."""
-    from localllm.tui.slash import SlashError, parse_parameter
-
-    history: list[dict] = []
-    for raw in sys.stdin:
-        line = raw.strip()
-        if not line:
-            continue
-        if line in ("/bye", "/exit"):
-            break
-        if line.startswith("/"):
-            words = line.split()
-            try:
-                if words[:2] == ["/set", "parameter"] and len(words) >= 4:
-                    name, value = parse_parameter(words[2], words[3:])
-                    options[name] = value
-                elif words[:2] == ["/set", "system"] and len(words) >= 3:
-                    history = [m for m in history if m["role"] != "system"]
-                    history.insert(0, {"role": "system", "content": line.split(None, 2)[2]})
-                else:
-                    raise SlashError(f"unknown command '{words[0]}' here; use /set parameter "
-                                     "NAME VALUE, /set system TEXT or /bye")
-            except SlashError as e:
-                print(f"Error: {e}", file=sys.stderr)
-            continue
-        history.append({"role": "user", "content": raw.rstrip("\n")})
-        final = await _answer(client, model, history, options or None, extra, verbose,
-                              guard=True)
-        history.append({"role": "assistant", "content": final.get("text", "")})
 
 
 async def ensure_pulled(client: Client, model: str, warn_base: bool = False) -> None:
@@ -299,8 +267,11 @@ async def _answer(client: Client, model: str, messages: list[dict], options, ext
     """Stream one answer to stdout; the last line's data, with the whole text as `text`.
     With `guard`, an answer caught in a loop is cut off (closing the stream stops the model).
     With `raw`, the one message's text goes to /api/generate as it is (extra says raw)."""
+    from localllm.repeats import LoopGuard
+    from localllm.tui.stats import format_timings
+
     parts = []
-    tail = ""  # the end of the answer, where a loop shows
+    loops = LoopGuard()
     final: dict = {}
     looping = 0
     stream = client.generate(model, messages[-1]["content"], options, **extra) if raw else \
@@ -310,55 +281,14 @@ async def _answer(client: Client, model: str, messages: list[dict], options, ext
             parts.append(chunk.text)
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
-            tail = (tail + chunk.text)[-4 * LOOP_SPAN:]
         if chunk.done:
             final = chunk.data
-        elif guard and chunk.text and (looping := repeating_tail(tail)):
+        elif guard and (looping := loops.feed(chunk.text)):
             break
     sys.stdout.write("\n")
     sys.stdout.flush()
     if looping:
-        print(f"note: stopped: the answer kept repeating the same {looping} characters",
-              file=sys.stderr)
+        print(f"note: {LoopGuard.note(looping)}", file=sys.stderr)
     if verbose and final:
         print(format_timings(final), file=sys.stderr)
     return {**final, "text": "".join(parts)}
-
-
-LOOP_SPAN = 240  # characters a repeated stretch must cover before it counts as a loop
-LOOP_REPEATS = 4  # and the fewest times its unit must repeat
-
-
-def repeating_tail(text: str, longest: int = 200) -> int:
-    """The length of the unit the end of `text` repeats (`1 1 1 1 ...`, the same sentence over
-    and over), when it covers LOOP_SPAN characters and LOOP_REPEATS units; else 0."""
-    for period in range(1, longest + 1):
-        repeats = max(LOOP_REPEATS, -(-LOOP_SPAN // period))
-        span = period * repeats
-        if span > len(text):
-            break
-        unit = text[-period:]
-        if unit.strip() and text[-span:] == unit * repeats:
-            return period
-    return 0
-
-
-def format_timings(final: dict) -> str:
-    """The block `ollama run --verbose` prints after an answer."""
-    def rate(count, ns):
-        return f"{count / (ns / 1e9):.2f} tokens/s" if ns else "n/a"
-
-    draft = final.get("stats", {}).get("draft")
-    drafts = [f"drafts accepted:      {draft['accepted']}/{draft['drafted']}"] if draft else []
-    return "\n".join([
-        f"total duration:       {final.get('total_duration', 0) / 1e9:.3f}s",
-        f"load duration:        {final.get('load_duration', 0) / 1e9:.3f}s",
-        f"prompt eval count:    {final.get('prompt_eval_count', 0)} token(s)",
-        f"prompt eval duration: {final.get('prompt_eval_duration', 0) / 1e9:.3f}s",
-        f"prompt eval rate:     "
-        f"{rate(final.get('prompt_eval_count', 0), final.get('prompt_eval_duration', 0))}",
-        f"eval count:           {final.get('eval_count', 0)} token(s)",
-        f"eval duration:        {final.get('eval_duration', 0) / 1e9:.3f}s",
-        f"eval rate:            {rate(final.get('eval_count', 0), final.get('eval_duration', 0))}",
-        *drafts,
-    ])

@@ -1,7 +1,8 @@
 """`localllm tune MODEL`: print (and save) the plan for a model on this card or a named one.
 
     localllm tune 27b-q3                         the plan for this machine, saved as a profile
-    localllm tune model.gguf --card rtx3060-12g  plan for a card from profiles/cards/
+    localllm tune model.gguf --card rtx3060-12g  plan for a box from profiles/cards/
+    localllm tune gemma3-27b --card rtx3060-12g --ram 16   a catalog model before pulling it
     localllm tune 27b-q3 --ctx 32768 --vram 10   a context, and a smaller memory budget
     localllm tune 27b-q3 --measure               load it, time it, calibrate the speed model
     localllm tune --reset-calibration            forget what --measure calibrated
@@ -46,10 +47,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Choose GPU layers, tensor placement, context, KV type, batch and threads "
         "for MODEL (a stored model's name or a .gguf file), explain every choice, and save the "
         "plan as an editable profile the daemon loads with.")
-    p.add_argument("model", nargs="?", help="a stored model's name or a path to a .gguf file")
+    p.add_argument("model", nargs="?", help="a stored model's name, a path to a .gguf file, "
+                   "or a catalog name not pulled yet (planned from its header, read by range "
+                   "requests: nothing is downloaded or saved)")
     p.add_argument("--card", default="auto",
-                   help=f"a card profile ({', '.join(card_names())}), several joined by + "
+                   help=f"a card profile ({', '.join(card_names())}): the whole box it "
+                   "describes (GPUs, RAM, cores, disk); several joined by + "
                    "(rtx3090+rtx3060-12g: one box with both), or auto (probe this machine)")
+    p.add_argument("--ram", type=float, metavar="GiB", help="plan for a host with this much RAM")
+    p.add_argument("--cores", type=int, help="plan for a host with this many CPU cores")
     p.add_argument("--ctx", type=int, help="the context length to plan for (default: the "
                    "largest up to the trained one that keeps decode fast, at least 4096)")
     p.add_argument("--vram", type=float, metavar="GiB",
@@ -91,19 +97,44 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_tune)
 
 
-def resolve_model(model: str) -> tuple[ModelShape, str]:
-    """(shape, profile name) for a store name or a .gguf path. A store name comes back in the
-    store's own spelling (`smollm2` -> `smollm2:latest`), the name the daemon loads it under,
-    so the profile and eval results saved under it are the ones the daemon reads."""
+def resolve_model(model: str) -> tuple[ModelShape, str, str]:
+    """(shape, profile name, how a remote header was read or "") for a store name, a .gguf
+    path, or a catalog name not pulled yet (its header read by range requests, as `pull
+    --quant auto` reads each candidate's). A store name comes back in the store's own
+    spelling (`smollm2` -> `smollm2:latest`), the name the daemon loads it under, so the
+    profile and eval results saved under it are the ones the daemon reads."""
     path = Path(model).expanduser()
     if path.suffix == ".gguf" or path.is_file():
         if not path.is_file():
             raise UserError(f"no such model file: {path}")
-        return read_shape(path), path.stem
+        return read_shape(path), path.stem, ""
+    from localllm.modelstore import catalog
     from localllm.modelstore.store import default_store
 
-    entry = default_store().get(model)
-    return read_shape(entry.model_path), str(entry.name)
+    store = default_store()
+    entry = catalog.lookup(model)
+    if store.exists(model) or entry is None:
+        found = store.get(model)
+        return read_shape(found.model_path), str(found.name), ""
+    return catalog_shape(entry)
+
+
+def catalog_shape(entry) -> tuple[ModelShape, str, str]:
+    """A catalog entry's shape from its file's header on the hub (no weights read)."""
+    import asyncio
+
+    from localllm.cli.pull import _with_client
+    from localllm.cli.pull_progress import size_text
+    from localllm.cli.quant_pick import source_shape
+    from localllm.modelstore.hub import HubSettings
+
+    if entry.repo is None:
+        raise UserError(f"{entry.name} is not on the hub ({entry.source}): pull it first, "
+                        f"then tune it")
+    shape, read = asyncio.run(_with_client(HubSettings.from_environment(),
+                                           lambda client: source_shape(client, entry.source)))
+    return shape, str(entry.name), (f"planned from the header of {entry.source} "
+                                    f"({size_text(read)} read by range requests)")
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -124,8 +155,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UserError("--margin must be 0 or more MiB")
     if args.threads is not None and args.threads < 1:
         raise UserError("--threads must be at least 1")
-    shape, model_name = resolve_model(args.model)
-    card = calibrated(resolve_card(args.card, gpus_setting()))
+    if args.ram is not None and args.ram <= 0 or args.cores is not None and args.cores < 1:
+        raise UserError("--ram must be a positive number of GiB and --cores at least 1")
+    shape, model_name, remote = resolve_model(args.model)
+    if remote and (args.measure or args.calibrate):
+        raise UserError(f"{args.model} is not pulled: --measure and --calibrate need its file "
+                        f"(`localllm pull {args.model}` first)")
+    card = calibrated(resolve_card(args.card, gpus_setting(), args.ram, args.cores))
     if args.calibrate:
         card = calibrate_machine(card, args.card, Path(shape.path))
     if args.vram is not None:
@@ -137,7 +173,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         measured = measure_and_calibrate(shape, plan, card, store=not args.no_save,
                                          force=args.save)
     saved = None
-    if not args.no_save and args.vram is None:
+    if not args.no_save and args.vram is None and not remote:
         saved = save_profile(plan, model_name, card.name, shape.file_size,
                              measured=asdict(measured) if measured else None)
     setting = parse_bands(bands_setting())
@@ -171,6 +207,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
                      if measured.vram_bytes else ""))
         if saved:
             print(f"\nsaved profile: {saved}")
+        if remote:
+            print(f"\n{remote}; nothing downloaded, no profile saved (`localllm pull "
+                  f"{args.model}`, then `tune` saves one)")
     return 0
 
 
@@ -327,7 +366,7 @@ def speculation_summary(plan: Plan) -> str:
 def format_plan(plan: Plan, card: Card, shape: ModelShape, model_name: str) -> str:
     lines = [f"{model_name}: {shape.architecture}, {shape.size_label} {shape.file_type}, "
              f"{gib(shape.weight_bytes)}, {shape.n_layer} blocks, trained context "
-             f"{shape.context_length}", ""]
+             f"{shape.context_length}", box_line(card), ""]
     header = ["device", "weights", "KV", "compute", "overhead", "total", "has", "headroom"]
     rows = []
     for m in plan.memory:
@@ -378,3 +417,13 @@ def format_plan(plan: Plan, card: Card, shape: ModelShape, model_name: str) -> s
 
 
 __all__ = ["cmd_tune", "format_plan", "register"]
+
+
+def box_line(card: Card) -> str:
+    """The machine planned for: its GPUs and its host, and where the figures come from."""
+    gpus = ", ".join(f"{g.label} {gib(g.vram_bytes)}" for g in card.gpu_list) or "no GPU"
+    disk = f", disk {card.disk_read_gbs:g} GB/s" if card.disk_read_gbs else ""
+    where = {"probe": "this machine", "profile": f"card profile {card.name}",
+             "profile+host": f"card profile {card.name}, host as --ram/--cores say"}
+    return (f"on: {gpus}; host {gib(card.ram_bytes)} RAM, {card.cores} cores{disk} "
+            f"({where.get(card.source, card.source)})")

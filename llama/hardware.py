@@ -123,6 +123,7 @@ def host_card() -> Card:
     return replace(
         load_card(CPU_ONLY).with_host(host_ram_bytes(), cores, estimate_host_bandwidth(cores)),
         source="probe", ram_available_bytes=ram_available(),
+        disk_read_gbs=0.0,  # the profile's box is not this one: unknown until --calibrate
     )
 
 
@@ -183,6 +184,7 @@ def card_from_nvml(devices: list[dict], ram_bytes: int, cores: int,
         n_gpus=len(devices), gpus=tuple(gpus),
         ram_bytes=ram_bytes, cores=cores, host_bandwidth_gbs=estimate_host_bandwidth(cores),
         source="probe", ram_available_bytes=ram_available_bytes,
+        disk_read_gbs=0.0,  # the profile's box is not this one: unknown until --calibrate
     )
 
 
@@ -203,12 +205,15 @@ def probe_card(gpus: str = "all") -> Card:
     return replace(_probe_devices(gpus), ram_available_bytes=ram_available())
 
 
-def resolve_card(name: str | None, gpus: str = "all") -> Card:
-    """`--card NAME|auto`: a profile (planned with this machine's host) or the probe (of the
-    GPUs `gpus` names)."""
-    if not name or name == "auto":
-        return probe_card(gpus)
-    card = load_card(name)
-    host = host_card()
-    return replace(card.with_host(host.ram_bytes, host.cores, host.host_bandwidth_gbs),
-                   ram_available_bytes=host.ram_available_bytes)
+def resolve_card(name: str | None, gpus: str = "all", ram_gib: float | None = None,
+                 cores: int | None = None) -> Card:
+    """`--card NAME|auto`: a profile, the whole box it describes (its GPUs and its [host]: RAM,
+    cores, memory bandwidth, disk), or the probe of this machine (of the GPUs `gpus` names);
+    `ram_gib` and `cores` (`--ram`, `--cores`) change the host's."""
+    card = probe_card(gpus) if not name or name == "auto" else load_card(name)
+    if ram_gib is None and cores is None:
+        return card
+    ram = int(ram_gib * GIB) if ram_gib is not None else card.ram_bytes
+    # A RAM given is all the plan may count on: no probed MemAvailable beside it.
+    return replace(card.with_host(ram, cores or card.cores, card.host_bandwidth_gbs),
+                   ram_available_bytes=0 if ram_gib is not None else card.ram_available_bytes)

@@ -41,6 +41,10 @@
   Retry-After. queue_timeout: how long one may wait before the same 503.
 - load_timeout: a runner that has not loaded its model by then is stopped and the request fails
   (a hung GPU driver must not wedge the daemon).
+- default_ctx: the context a model loads with when a request names no num_ctx (Ollama's
+  OLLAMA_CONTEXT_LENGTH). Under `fit` it is the smallest context the tuner gives (more where
+  the GPU holds it at no cost in speed; never past the model's trained length), under `fixed`
+  exactly this.
 - context_policy: `fixed` uses default_ctx (or the request's num_ctx) and spills to the CPU when
   it does not fit; `fit` shrinks the context until the model fits on the GPU; `max` takes the
   largest context that fits, up to the model's trained length.

@@ -55,7 +55,8 @@ class Card:
     host_bandwidth_gbs: float  # what CPU layers reach reading weights from RAM
     n_gpus: int = 1
     nvml_names: tuple[str, ...] = ()
-    # "profile", "probe", or "profile+host" (the card from a profile, the host probed)
+    # "profile", "probe", or "profile+host" (the card from a profile, its host changed by
+    # tune --ram/--cores)
     source: str = "profile"
     # The host's disk read rate, GB/s, from `tune --calibrate` or a profile's [host] disk_gbs;
     # 0: not measured (plans past RAM assume profiles.disk.ASSUMED_DISK_GBS)

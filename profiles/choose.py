@@ -33,8 +33,8 @@ from .plan import Plan
 from .acceptance import measured_acceptance
 from .quality import measured_kl
 from .saved import ProfileError, find_profile, record_event
-from .tuner import NoPlanFits, Request, tune
 from .traffic import starting_workload
+from .tuner import MIN_DEFAULT_CTX, NoPlanFits, Request, tune
 from .workload import from_fill
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ def config_request(model_name: str | None = None, file_size: int = 0,
         num_parallel=None if config.num_parallel == "auto" else int(config.num_parallel),
         measured_kl=measured_kl(model_name, file_size) if model_name else {},
         acceptance=measured_acceptance(model_name, file_size) if model_name else {},
+        min_ctx=config.default_ctx,
     )
 
 
@@ -138,12 +139,15 @@ def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: Loa
         saved = None
     if saved is not None:
         wrong_file = saved.model_size and saved.model_size != shape.file_size
-        wrong_ctx = n_ctx is not None and n_ctx != saved.plan.n_ctx
+        # Without num_ctx, a profile smaller than a raised default_ctx is not what was asked.
+        floor = min(request.min_ctx, shape.context_length or request.min_ctx)
+        wrong_ctx = n_ctx != saved.plan.n_ctx if n_ctx is not None \
+            else request.min_ctx > MIN_DEFAULT_CTX and saved.plan.n_ctx < floor
         if not wrong_file and not wrong_ctx and (card.has_gpu or saved.plan.n_gpu_layers == 0):
             return apply_options(saved.plan, request)
         notes.append(f"saved profile {saved.path} not used: "
                      + ("it was tuned for another file" if wrong_file
-                        else f"it is for context {saved.plan.n_ctx}, asked {n_ctx}"
+                        else f"it is for context {saved.plan.n_ctx}, asked {n_ctx or floor}"
                         if wrong_ctx else "it puts layers on a GPU this machine lacks"))
     plan = tune_checked(shape, card, request, draft=draft_shape)
     return replace(plan, reasons=(*plan.reasons, *notes)) if notes else plan

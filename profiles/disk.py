@@ -69,7 +69,8 @@ def with_disk_reads(speed: Speed, disk_bytes: int, card: Card, n_ubatch: int) ->
 
 def disk_reason(disk_bytes: int, card: Card) -> str:
     rate, measured = disk_read_gbs(card)
-    how = "measured by tune --calibrate" if measured else "assumed"
+    how = ("assumed" if not measured else "the card profile's figure"
+           if card.source.startswith("profile") else "measured by tune --calibrate")
     return (f"{disk_bytes / (1 << 30):.1f} GiB read from disk per token at {rate:.1f} GB/s "
             f"({how}): the weights exceed VRAM plus the RAM budget, so the rest stays mmapped "
             "in the model file (use_mmap) and decode waits on the disk; the runner locks the "

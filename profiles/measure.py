@@ -52,12 +52,13 @@ def load_calibration(path: Path | None = None) -> dict:
 
 
 def calibrated(card: Card, path: Path | None = None) -> Card:
-    """The card with the factors `--measure` stored for it and the host's measured disk rate
-    (none: unchanged)."""
+    """The card with the factors `--measure` stored for it and, for this machine's probed
+    card, the host's measured disk rate (a profile keeps its box's own; none: unchanged)."""
     from .calibrate import HOST_KEY, with_measured_disk
 
     doc = load_calibration(path)
-    card = with_measured_disk(card, doc.get(HOST_KEY, {}))
+    if card.source == "probe":
+        card = with_measured_disk(card, doc.get(HOST_KEY, {}))
     factors = doc.get(card.name, {})
     try:
         gpu = float(factors.get("gpu_bandwidth_factor", 1.0))

@@ -225,6 +225,7 @@ def plan_for_workers(shape: ModelShape, card: Card, request: Request, endpoints:
         local = local_planner(shape, card, local_request)
     except NoPlanFits as e:  # too big for this machine alone: the workers may hold it
         trained = shape.context_length
-        local = replace(cpu_plan(request.n_ctx or min(4096, trained or 4096), trained),
+        local = replace(cpu_plan(request.n_ctx or min(request.min_ctx, trained or request.min_ctx),
+                                 trained),
                         reasons=(f"this machine alone cannot hold it: {e}",))
     return plan_with_workers(shape, card, request, workers, local)

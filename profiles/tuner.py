@@ -89,6 +89,9 @@ class Request:
     # (profiles.speculation.ASSUMED_ACCEPTANCE).
     acceptance: Mapping[str, float] = field(default_factory=dict)
     speculation: bool = True  # may the plan turn speculative decoding on
+    # The smallest context a plan chosen without n_ctx gets (config default_ctx under the
+    # `fit` policy): the tuner goes larger only where that costs no speed.
+    min_ctx: int = MIN_DEFAULT_CTX
 
 
 @dataclass(frozen=True)
@@ -631,13 +634,15 @@ def pick(options: list[Option]) -> Option | None:
                                     -o.speed.prefill_tps, o.vram_used))
 
 
-def context_ladder(trained: int, wanted: int | None) -> list[int]:
+def context_ladder(trained: int, wanted: int | None,
+                   floor: int = MIN_DEFAULT_CTX) -> list[int]:
     if wanted:
         return [min(wanted, trained) if trained else wanted]
     if not trained:
-        return [MIN_DEFAULT_CTX]
-    ladder = [c for c in CTX_LADDER if c < trained]
-    return (ladder or []) + [trained] if trained > MIN_DEFAULT_CTX else [trained]
+        return [floor]
+    if trained <= floor:
+        return [trained]
+    return [floor, *(c for c in CTX_LADDER if floor < c < trained), trained]
 
 
 def tune(shape: ModelShape, card: Card, request: Request | None = None,
@@ -659,9 +664,9 @@ def tune(shape: ModelShape, card: Card, request: Request | None = None,
     trained = shape.context_length
     if not card.has_gpu and request.n_ctx is None:
         # Without a GPU every context costs host RAM and slows the CPU's attention: start small.
-        ladder = [min(MIN_DEFAULT_CTX, trained) if trained else MIN_DEFAULT_CTX]
+        ladder = [min(request.min_ctx, trained) if trained else request.min_ctx]
     else:
-        ladder = context_ladder(trained, request.n_ctx)
+        ladder = context_ladder(trained, request.n_ctx, request.min_ctx)
     searches = [evaluator.search(ladder[0])]
     if searches[0].best is not None and len(ladder) > 1:
         # A default context never costs KV precision: larger contexts are tried with KV types

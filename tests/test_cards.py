@@ -91,11 +91,20 @@ def test_probe_on_this_machine_reports_real_host():
         assert card.name == "cpu-only" and not card.has_gpu
 
 
-def test_resolve_card_takes_the_profile_and_this_host():
+def test_resolve_card_takes_the_whole_box_the_profile_describes():
+    """Issue 38: `--card` swapped only the GPU, so a 27B on an RTX 3060 was planned with the
+    2-core laptop's RAM and cores. A profile is a whole box; --ram and --cores change it."""
     card = resolve_card("rtx4090")
     assert card.vram_bytes == load_card("rtx4090").vram_bytes
-    assert card.cores == physical_cores() and card.source == "profile+host"
+    assert (card.ram_bytes, card.cores, card.disk_read_gbs) == (64 * GIB, 16, 1.5)
+    assert card.source == "profile" and card.ram_available_bytes == 0
+    changed = resolve_card("rtx4090", ram_gib=24, cores=6)
+    assert (changed.ram_bytes, changed.cores) == (24 * GIB, 6)
+    assert changed.vram_bytes == card.vram_bytes and changed.source == "profile+host"
     assert resolve_card("auto").source == "probe"
+    assert resolve_card("auto", cores=3).cores == 3
+    for name in card_names():  # every profile describes its box's disk too
+        assert load_card(name).disk_read_gbs > 0, name
 
 
 def test_with_vram_sets_an_emulated_budget():

@@ -1,5 +1,6 @@
-"""The README and `--help` say what the commands do: every command's help prints, and every
-README command that needs no network runs against a real daemon without an error."""
+"""The README, docs/api.md and `--help` say what the commands do: every command's help prints,
+and every command of the README and of the API page (where the curl examples moved) that
+needs no network runs against a real daemon without an error."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import pytest
 
 from localllm.cli.main import build_parser, main
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+# The pages whose sh blocks run, in this order: the API page ends by deleting the model.
+PAGES_WITH_COMMANDS = (README, ROOT / "docs" / "api.md")
 
 
 def command_paths(parser: argparse.ArgumentParser, prefix=()) -> list[tuple[str, ...]]:
@@ -37,8 +41,9 @@ def test_every_command_and_subcommand_prints_its_help(capsys):
 
 
 def readme_commands() -> list[str]:
-    """Lines of the README's sh blocks that run against the daemon's stored smollm2 alone."""
-    blocks = re.findall(r"```sh\n(.*?)```", README.read_text(), flags=re.S)
+    """Lines of the pages' sh blocks that run against the daemon's stored smollm2 alone."""
+    blocks = [block for page in PAGES_WITH_COMMANDS
+              for block in re.findall(r"```sh\n(.*?)```", page.read_text(), flags=re.S)]
     lines = [line.split("   #")[0].strip() for block in blocks for line in block.splitlines()]
     wanted = []
     for line in lines:
@@ -75,3 +80,12 @@ def _words(text: str) -> list[str]:
     import shlex
 
     return shlex.split(text)
+
+
+def test_the_readme_is_short_and_its_links_lead_somewhere():
+    text = README.read_text()
+    assert len(text) <= 15_000, f"the README is {len(text)} characters"
+    links = re.findall(r"\]\((docs/[^)#]+)\)", text)
+    assert {"docs/api.md", "docs/settings.md", "docs/tuner.md", "docs/security.md"} <= set(links)
+    for link in links:
+        assert (ROOT / link).exists(), link

@@ -179,7 +179,7 @@ def test_num_predict_caps_a_one_shot_answer(daemon):
 
 
 def test_loop_detection_rules():
-    from localllm.cli.run import repeating_tail
+    from localllm.repeats import repeating_tail
 
     assert repeating_tail("go " * 100) == 3
     assert repeating_tail("The cat sat. " * 30) == len("The cat sat. ")

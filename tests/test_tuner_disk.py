@@ -28,8 +28,9 @@ def disk_lines(plan) -> list[str]:
 
 
 def test_weights_past_ram_are_read_from_disk_and_cost_speed(big):
-    small = load_card("rtx3060-12g").with_host(16 * GIB, 8, 40.0)
-    roomy = load_card("rtx3060-12g").with_host(64 * GIB, 8, 40.0)
+    # No disk rate known (the profile's taken away): the assumed one, said so.
+    small = replace(load_card("rtx3060-12g").with_host(16 * GIB, 8, 40.0), disk_read_gbs=0)
+    roomy = replace(load_card("rtx3060-12g").with_host(64 * GIB, 8, 40.0), disk_read_gbs=0)
     request = Request(n_ctx=4096)
     spilled, in_ram = tune(big, small, request), tune(big, roomy, request)
 
@@ -51,12 +52,15 @@ def test_weights_past_ram_are_read_from_disk_and_cost_speed(big):
 
 
 def test_a_measured_disk_rate_is_used_and_named(big):
-    assumed = load_card("rtx3060-12g").with_host(16 * GIB, 8, 40.0)
-    fast = replace(assumed, disk_read_gbs=6.5)
+    assumed = replace(load_card("rtx3060-12g").with_host(16 * GIB, 8, 40.0), disk_read_gbs=0)
+    fast = replace(assumed, disk_read_gbs=6.5, source="probe")  # as `calibrated` leaves it
     slow_plan, fast_plan = tune(big, assumed, Request(n_ctx=4096)), tune(big, fast,
                                                                          Request(n_ctx=4096))
     [line] = disk_lines(fast_plan)
     assert "at 6.5 GB/s (measured by tune --calibrate)" in line
+    [line] = disk_lines(tune(big, load_card("rtx3060-12g").with_host(16 * GIB, 8, 40.0),
+                             Request(n_ctx=4096)))
+    assert "at 1.5 GB/s (the card profile's figure)" in line  # the box's [host] disk_gbs
     assert fast_plan.predicted_decode_tps > slow_plan.predicted_decode_tps
 
 
@@ -101,10 +105,11 @@ def test_disk_read_is_measured_stored_and_used(tmp_path):
     assert three.bytes_read == (96 << 20) // 3 // PAGE * PAGE * 3 and three.gbs > 0
     path = tmp_path / "calibration.toml"
     store_disk_read(measured, path)
-    for name in ("rtx3060-12g", "cpu-only"):  # a host figure: every card planned here has it
-        card = calibrated(load_card(name), path)
+    for name in ("rtx3060-12g", "cpu-only"):  # a host figure: the card probed here has it
+        card = calibrated(replace(load_card(name), source="probe"), path)
         assert card.disk_read_gbs == round(measured.gbs, 2)
-    assert load_card("rtx3060-12g").disk_read_gbs == 0.0  # the profile itself is unchanged
+    # A profile is another box (issue 38): it keeps its own disk, not this host's.
+    assert calibrated(load_card("rtx3060-12g"), path).disk_read_gbs == 1.5
 
 
 def test_disk_read_refuses_files_that_measure_nothing(tmp_path):

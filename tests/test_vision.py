@@ -109,7 +109,7 @@ def test_an_image_changes_the_greedy_answer_and_counts_its_tokens(oc):
     without = ask(oc)
     with_red = ask(oc, [RED])
     assert with_red.message.content != without.message.content
-    # (prompt_eval_count is what was read: the text before the image came from the cache)
+    # (prompt_eval_count is the whole input, the image's tokens among them)
     assert with_red.prompt_eval_count >= IMAGE_TOKENS + WRAP_TOKENS
     with_blue = ask(oc, [BLUE])
     assert with_blue.message.content != with_red.message.content
@@ -120,7 +120,9 @@ def test_same_image_reuses_the_cache_and_another_is_read_again(oc, vdaemon):
     again = ask(oc, [RED], text="Describe the colours.")
     assert again.message.content == first.message.content
     # One token is always read again (its logits start the answer); the image is not.
-    assert again.prompt_eval_count == 1
+    assert again.prompt_eval_count == first.prompt_eval_count  # the whole input, as Ollama
+    last = next(m for m in vdaemon.get("/api/stats")["models"] if m["model"] == "vl:latest")
+    assert last["last"]["prompt_eval_count"] == 1 and last["last"]["cached_tokens"] > 0
     other = ask(oc, [BLUE], text="Describe the colours.")
     assert other.prompt_eval_count >= IMAGE_TOKENS + WRAP_TOKENS
 

@@ -19,7 +19,7 @@ from localllm.errors import UserError
 
 from . import keys
 from .chatstore import chat_markdown
-from .slash import Command, SlashError, help_text, parse
+from .slash import Command, SlashError, help_text, parse, show_text
 from .stats import TurnStats, answer_footer
 from .widgets import MessageView
 
@@ -75,6 +75,19 @@ class ChatActions:
             self._safe(self.store.update_chat, self.chat_id, system=self.system)
         self.note("Set system message." if self.system else "Cleared the system message.")
 
+    def _cmd_set_verbose(self, command: Command) -> None:
+        self.verbose = command.args[0]
+        self.note("Set 'verbose' mode: timings after each answer." if self.verbose
+                  else "Set 'quiet' mode.")
+
+    def _cmd_set_format(self, command: Command) -> None:
+        self.format = command.args[0]
+        self.note("Set format to 'json' mode." if self.format else "Disabled format.")
+
+    def _cmd_set_think(self, command: Command) -> None:
+        self.think = command.args[0]
+        self.note("Set 'think' mode." if self.think else "Set 'nothink' mode.")
+
     def _save_options(self) -> None:
         if self.chat_id:
             self._safe(self.store.update_chat, self.chat_id, options=self.options)
@@ -111,19 +124,7 @@ class ChatActions:
         except (DaemonError, UserError, OSError) as e:
             self.note(f"Cannot show {what}: {e}", "error")
             return
-        if what == "template":
-            self.note(data.get("template") or f"{self.model} has no chat template.")
-            return
-        info, details = data.get("model_info", {}), data.get("details", {})
-        arch = info.get("general.architecture", "")
-        rows = [("architecture", arch),
-                ("parameters", details.get("parameter_size", "")),
-                ("quantization", details.get("quantization_level", "")),
-                ("layers", info.get(f"{arch}.block_count", "")),
-                ("context length", info.get(f"{arch}.context_length", "")),
-                ("embedding length", info.get(f"{arch}.embedding_length", "")),
-                ("chat template", "yes" if data.get("template") else "no")]
-        self.note(f"Model {self.model}\n" + "\n".join(f"  {k:<18} {v}" for k, v in rows))
+        self.note(show_text(what, data, self.model))
 
     # ---- chats -----------------------------------------------------------------------------
     def _cmd_clear(self, command: Command) -> None:

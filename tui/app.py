@@ -8,6 +8,7 @@ drawn), slash.py and stats.py (parsing and formatting, pure), chatstore.py (SQLi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import time
 from collections.abc import Iterable
@@ -26,13 +27,15 @@ from localllm.client import Client, DaemonError
 from localllm.config import Config, config_file
 from localllm.errors import UserError
 from localllm.image_paths import attach_images
+from localllm.repeats import LoopGuard
 from localllm.units import human_size
 
 from . import keys
 from .actions import ChatActions
 from .chatstore import ChatStore
-from .stats import DecodeRate, RunnerStats, Segment, TurnStats, answer_footer, find_runner, \
-    segments
+from .slash import request_extra
+from .stats import DecodeRate, RunnerStats, Segment, TurnStats, answer_footer, answer_notes, \
+    find_runner, segments
 from .widgets import MessageView, Note, ProgressLine, PromptInput, StatsLine
 
 # What a lost or refused connection to the daemon looks like from aiohttp.
@@ -74,6 +77,9 @@ class ChatApp(ChatActions, App[int]):
         self.chat_id: int | None = None
         self.system = ""
         self.options: dict = {}
+        self.verbose = False  # /set verbose: timings after each answer
+        self.format = ""  # /set format json
+        self.think: bool | None = None  # /set think, /set nothink; None: the model's way
         self.entries: list[Entry] = []
         self.turn: TurnStats | None = None
         self.rate = DecodeRate()
@@ -224,33 +230,40 @@ class ChatApp(ChatActions, App[int]):
         self.rate.reset()
         parts: list[str] = []
         state, last_save, finished = "error", time.monotonic(), False
+        loops, looped, final = LoopGuard(), 0, {}
         unrendered: list[str] = []  # text not drawn yet: _finish draws the whole answer
         last_render = 0.0
         try:
-            async for chunk in self.client.chat(self.model, messages, self.options or None):
-                self.connected, finished = True, chunk.done
-                self.stored_name = chunk.data.get("model", self.stored_name)
-                if chunk.text:
-                    parts.append(chunk.text)
-                    unrendered.append(chunk.text)
-                    if time.monotonic() - last_render >= RENDER_EVERY_S:
-                        await stream.write("".join(unrendered))
-                        unrendered.clear()
-                        last_render = time.monotonic()
-                if chunk.data.get("progress"):  # a long prompt is being read
-                    self.prompt_progress = (chunk.data["progress"]["prompt_read"],
-                                            chunk.data["progress"]["prompt_total"])
-                if chunk.data.get("stats"):
-                    self.turn = TurnStats.from_wire(chunk.data["stats"], chunk.done,
-                                                    chunk.data.get("done_reason", ""))
-                    self.rate.add(self.turn.eval_count, self.turn.eval_duration_ns)
-                if time.monotonic() - last_save > SAVE_EVERY_S and entry.db_id:
-                    last_save = time.monotonic()
-                    self._safe(self.store.update_message, entry.db_id, "".join(parts),
-                               "streaming")
-            if not finished:  # the daemon went away between two lines
+            chunks = self.client.chat(self.model, messages, self.options or None,
+                                      **request_extra(self.format, self.think))
+            async with contextlib.aclosing(chunks):  # leaving it stops the model
+                async for chunk in chunks:
+                    self.connected, finished = True, chunk.done
+                    final = chunk.data if chunk.done else final
+                    self.stored_name = chunk.data.get("model", self.stored_name)
+                    if chunk.text:
+                        parts.append(chunk.text)
+                        unrendered.append(chunk.text)
+                        if time.monotonic() - last_render >= RENDER_EVERY_S:
+                            await stream.write("".join(unrendered))
+                            unrendered.clear()
+                            last_render = time.monotonic()
+                    if chunk.data.get("progress"):  # a long prompt is being read
+                        self.prompt_progress = (chunk.data["progress"]["prompt_read"],
+                                                chunk.data["progress"]["prompt_total"])
+                    if chunk.data.get("stats"):
+                        self.turn = TurnStats.from_wire(chunk.data["stats"], chunk.done,
+                                                        chunk.data.get("done_reason", ""))
+                        self.rate.add(self.turn.eval_count, self.turn.eval_duration_ns)
+                    if time.monotonic() - last_save > SAVE_EVERY_S and entry.db_id:
+                        last_save = time.monotonic()
+                        self._safe(self.store.update_message, entry.db_id, "".join(parts),
+                                   "streaming")
+                    if not chunk.done and (looped := loops.feed(chunk.text)):
+                        break
+            if not finished and not looped:  # the daemon went away between two lines
                 raise aiohttp.ClientPayloadError("the stream ended before the answer did")
-            state = "done"
+            state = "stopped" if looped else "done"
         except asyncio.CancelledError:
             state = "stopped"
             raise
@@ -263,6 +276,8 @@ class ChatApp(ChatActions, App[int]):
                                        "the daemon and get the answer."), "error")
         finally:
             await self._finish(entry, stream, "".join(parts), state)
+            for text, kind in answer_notes(final, looped, self.verbose):
+                self.note(text, kind)
 
     async def _finish(self, entry: Entry, stream, text: str, state: str) -> None:
         turn = self.turn

@@ -17,14 +17,22 @@ class SlashError(ValueError):
 # The options `/set parameter` takes: the daemon's one option table, with its bounds.
 PARAMETERS = OPTIONS
 
-SHOW_WHAT = ("info", "parameters", "system", "template", "plan")
+SHOW_WHAT = ("info", "parameters", "system", "template", "modelfile", "license", "plan")
+# /set words of `ollama run` that have no meaning here, and why.
+NOT_HERE = {"history": "prompt history is always kept (in the chat database)",
+            "nohistory": "prompt history is always kept (in the chat database)",
+            "wordwrap": "the chat wraps lines always", "nowordwrap": "the chat wraps lines always"}
 
 # (usage, what it does), in the order /? lists them.
 COMMANDS: tuple[tuple[str, str], ...] = (
     ("/set parameter NAME VALUE", "set a sampling or load option for the next answers"),
     ("/set system TEXT", "set the system message"),
+    ("/set verbose|quiet", "print timings and speeds after each answer, or not"),
+    ("/set format json|/set noformat", "answers in JSON (a grammar enforces it), or free text"),
+    ("/set think|nothink", "ask a thinking model to think, or not"),
     ("/unset parameter NAME", "go back to the default for an option"),
-    ("/show info|parameters|system|template|plan", "show the model, the options or the plan"),
+    ("/show info|parameters|system|template|modelfile|license|plan",
+     "show the model, the options or the plan"),
     ("/load MODEL", "chat with another model (the conversation is kept)"),
     ("/save NAME", "name this chat, to reopen it with `localllm run --resume NAME`"),
     ("/chats", "list saved chats and open one"),
@@ -86,7 +94,21 @@ def parse(line: str) -> Command:
                 raise SlashError("usage: /set parameter NAME VALUE")
             name, value = parse_parameter(rest[1], rest[2:])
             return Command("set parameter", (name, value))
-        raise SlashError("usage: /set parameter NAME VALUE, or /set system TEXT")
+        word = rest[0].lower() if rest else ""
+        if word in ("verbose", "quiet") and len(rest) == 1:
+            return Command("set verbose", (word == "verbose",))
+        if word in ("think", "nothink") and len(rest) == 1:
+            return Command("set think", (word == "think",))
+        if word == "noformat" and len(rest) == 1:
+            return Command("set format", ("",))
+        if word == "format":
+            if [w.lower() for w in rest[1:]] != ["json"]:
+                raise SlashError("usage: /set format json (or /set noformat)")
+            return Command("set format", ("json",))
+        if word in NOT_HERE:
+            raise SlashError(f"/set {word} is not needed here: {NOT_HERE[word]}")
+        raise SlashError("usage: /set parameter NAME VALUE, /set system TEXT, /set verbose|quiet, "
+                         "/set format json|/set noformat, /set think|nothink")
     if head == "/unset":
         if len(rest) == 2 and rest[0] == "parameter":
             if rest[1] not in PARAMETERS:
@@ -126,7 +148,8 @@ def completions(text: str, models: list[str] = ()) -> list[str]:
     head = words[0]
     options: list[str] = []
     if head == "/set" and len(words) == 2:
-        options = ["parameter", "system"]
+        options = ["parameter", "system", "verbose", "quiet", "format", "noformat", "think",
+                   "nothink"]
     elif head == "/unset" and len(words) == 2:
         options = ["parameter"]
     elif head in ("/set", "/unset") and len(words) == 3 and words[1] == "parameter":
@@ -159,3 +182,31 @@ def help_text(topic: str = "") -> str:
     rows = [f"  {usage:<{width}}  {what}" for usage, what in COMMANDS]
     return ("Commands:\n" + "\n".join(rows) + '\n\nUse """ to begin and end a multi-line '
             "message. Ctrl+P opens the command palette.")
+
+
+def show_text(what: str, data: dict, model: str) -> str:
+    """`/show info|template|modelfile|license` from the daemon's /api/show answer."""
+    if what == "template":
+        return data.get("template") or f"{model} has no chat template."
+    if what == "modelfile":
+        return data.get("modelfile") or f"{model} has no Modelfile."
+    if what == "license":
+        return data.get("license") or f"{model} names no license."
+    info, details = data.get("model_info", {}), data.get("details", {})
+    arch = info.get("general.architecture", "")
+    rows = [("architecture", arch),
+            ("parameters", details.get("parameter_size", "")),
+            ("quantization", details.get("quantization_level", "")),
+            ("layers", info.get(f"{arch}.block_count", "")),
+            ("context length", info.get(f"{arch}.context_length", "")),
+            ("embedding length", info.get(f"{arch}.embedding_length", "")),
+            ("chat template", "yes" if data.get("template") else "no")]
+    return f"Model {model}\n" + "\n".join(f"  {k:<18} {v}" for k, v in rows)
+
+
+def request_extra(format_: str, think: bool | None) -> dict:
+    """The top-level /api/chat fields that /set format and /set think ask for."""
+    extra: dict = {"format": format_} if format_ else {}
+    if think is not None:
+        extra["think"] = think
+    return extra

@@ -233,3 +233,52 @@ def answer_footer(turn: TurnStats) -> str:
     if turn.done_reason == "cancelled":
         parts.append("stopped")
     return " · ".join(parts)
+
+
+def format_timings(final: dict) -> str:
+    """The block `ollama run --verbose` (and `/set verbose`) prints after an answer, from the
+    last line's Ollama fields."""
+    def rate(count, ns):
+        return f"{count / (ns / 1e9):.2f} tokens/s" if ns else "n/a"
+
+    draft = final.get("stats", {}).get("draft")
+    cached = final.get("prompt_eval_cached_count", 0)
+    drafts = [f"drafts accepted:      {draft['accepted']}/{draft['drafted']}"] if draft else []
+    return "\n".join([
+        f"total duration:       {final.get('total_duration', 0) / 1e9:.3f}s",
+        f"load duration:        {final.get('load_duration', 0) / 1e9:.3f}s",
+        f"prompt eval count:    {final.get('prompt_eval_count', 0)} token(s)"
+        + (f" ({cached} cached)" if cached else ""),
+        f"prompt eval duration: {final.get('prompt_eval_duration', 0) / 1e9:.3f}s",
+        # The duration is that of the tokens read, not of those the cache held.
+        f"prompt eval rate:     "
+        f"{rate(final.get('prompt_eval_count', 0) - cached, final.get('prompt_eval_duration', 0))}",
+        f"eval count:           {final.get('eval_count', 0)} token(s)",
+        f"eval duration:        {final.get('eval_duration', 0) / 1e9:.3f}s",
+        f"eval rate:            {rate(final.get('eval_count', 0), final.get('eval_duration', 0))}",
+        *drafts,
+    ])
+
+
+def answer_notes(final: dict, looped: int, verbose: bool) -> list[tuple[str, str]]:
+    """(text, kind) notes after an answer, from its last line: a loop stopped, the context
+    full, the oldest messages left out to fit it, and with /set verbose the timings."""
+    from localllm.repeats import LoopGuard
+
+    notes = []
+    if looped:
+        notes.append((f"{LoopGuard.note(looped).capitalize()}.", "warning"))
+    stats = final.get("stats", {})
+    used, length = stats.get("context_used", 0), stats.get("context_length", 0)
+    if final.get("done_reason") == "length" and length and used + 2 >= length:
+        notes.append((f"The context is full ({used:,} of {length:,} tokens): the answer stopped "
+                      "there. The next answer leaves the oldest turns out to make room; "
+                      "/set parameter num_ctx N loads a larger context, /clear starts afresh.",
+                      "warning"))
+    if final.get("dropped_messages"):
+        notes.append((f"The oldest {final['dropped_messages']} message(s) of this chat were "
+                      f"left out of what the model read, to fit its context of {length:,} "
+                      "tokens (they stay here and in the saved chat).", "warning"))
+    if verbose and final:
+        notes.append((format_timings(final), "info"))
+    return notes

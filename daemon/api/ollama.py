@@ -108,7 +108,10 @@ def metrics(gen: Generation, done: Done) -> dict:
         "done_reason": done.done_reason,
         "total_duration": gen.total_duration_ns(),
         "load_duration": gen.load_duration_ns,
-        "prompt_eval_count": done.prompt_eval_count,
+        # As Ollama: the whole input, and beside it the part reused from the KV cache (the
+        # duration is the rest's: the tokens actually read).
+        "prompt_eval_count": done.prompt_tokens,
+        "prompt_eval_cached_count": done.cached_tokens,
         "prompt_eval_duration": done.prompt_eval_duration_ns,
         "eval_count": done.eval_count,
         "eval_duration": done.eval_duration_ns,
@@ -188,7 +191,7 @@ async def _respond(request: web.Request, common: Common, chat: ChatRequest, shap
             extra = {"logprobs": logprobs} if chat.logprobs is not None else {}
             return web.json_response({"model": model, "created_at": now_iso(),
                                       **shape(parsed), "done": True, **final_extra(done),
-                                      **metrics(gen, done), **extra,
+                                      **metrics(gen, done), **extra, **run.truncation(),
                                       "stats": live_stats(done, done.n_ctx, run.first_token_ns)})
         response = web.StreamResponse(headers={"Content-Type": NDJSON})
         parts = run.parts()
@@ -218,6 +221,7 @@ async def _respond(request: web.Request, common: Common, chat: ChatRequest, shap
                                   "done": False})
                 lines.append({"model": model, "created_at": now_iso(), **shape(Parsed()),
                               "done": True, **final_extra(event), **metrics(gen, event),
+                              **run.truncation(),
                               "stats": live_stats(event, event.n_ctx, ttft_ns)})
             try:
                 for line in lines:

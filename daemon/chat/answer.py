@@ -39,6 +39,12 @@ class Answer:
     model: ChatModel
     first_token_ns: int = 0  # request received -> first token, load included (0: none yet)
 
+    def truncation(self) -> dict:
+        """A localllm addition to the last line: how many of the oldest messages were left
+        out to fit the context, so that a client can say so (nothing when none were)."""
+        dropped = self.prepared.dropped_messages
+        return {"dropped_messages": dropped} if dropped else {}
+
     async def whole(self) -> tuple[Parsed, Done, list[dict]]:
         parser = self.prepared.parser
         out, logprobs = Parsed(), []

@@ -61,6 +61,7 @@ class Prepared:
     generation: GenerationRequest
     parser: object  # OutputParser or HarmonyParser: feed(text) / finish() -> Parsed
     prompt: str
+    dropped_messages: int = 0  # oldest messages left out to fit the context (truncate.py)
 
 
 def _check(model: ChatModel, request: ChatRequest) -> None:

@@ -168,7 +168,8 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
                 log.info("dropped the oldest %d of %d turns to fit %d prompt tokens "
                          "(%d renders, %.0f ms)", start, len(turns), limit, renders,
                          (time.monotonic() - started) * 1000)
-                return candidate
+                return replace(candidate,
+                               dropped_messages=len(request.messages) - len(kept))
         if start >= len(turns):
             break
         # Over by `excess`: drop as many more of the oldest kept turns as cover it (one at

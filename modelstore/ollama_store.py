@@ -1,0 +1,135 @@
+"""Reading an existing Ollama model store, for `localllm import --from-ollama`.
+
+Ollama keeps `manifests/<host>/<namespace>/<name>/<tag>` (JSON, schema 2) and
+`blobs/sha256-<hex>` under `~/.ollama/models` or `$OLLAMA_MODELS`. A manifest's layers name the
+GGUF (`application/vnd.ollama.image.model`), the vision projector (`.projector`), the chat
+template (`.template`, a Go template), the system prompt (`.system`) and the default
+parameters (`.params`, JSON). Nothing here writes: cli/ollama_import.py stores what it finds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from localllm.errors import UserError
+
+from .names import BadModelName, ModelName, parse_name
+
+OLLAMA_REGISTRY = "registry.ollama.ai"
+OLLAMA_LIBRARY = "library"
+MEDIA = "application/vnd.ollama.image."
+_DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
+
+
+class OllamaStoreError(UserError):
+    """The Ollama store or one of its models cannot be read; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class OllamaBlob:
+    path: Path
+    hexdigest: str  # Ollama names each blob by its content's sha256
+    size: int
+
+
+@dataclass
+class OllamaModel:
+    name: ModelName  # as localllm names it: `llama3.2:3b`, `owner/model:tag` off the library
+    model: OllamaBlob
+    projector: OllamaBlob | None = None
+    template: str = ""
+    system: str | None = None
+    parameters: dict = field(default_factory=dict)
+
+
+def ollama_models_dir() -> Path:
+    """Where Ollama keeps its models: $OLLAMA_MODELS, else ~/.ollama/models."""
+    configured = os.environ.get("OLLAMA_MODELS")
+    return Path(configured).expanduser() if configured else Path.home() / ".ollama" / "models"
+
+
+def local_name(host: str, namespace: str, model: str, tag: str) -> ModelName:
+    """Ollama's name as localllm stores it: the library's models keep their short name."""
+    if host == OLLAMA_REGISTRY and namespace == OLLAMA_LIBRARY:
+        return parse_name(f"{model}:{tag}")
+    if host == OLLAMA_REGISTRY:
+        return parse_name(f"{namespace}/{model}:{tag}")
+    return parse_name(f"{host}/{namespace}/{model}:{tag}")
+
+
+def manifest_paths(root: Path) -> list[tuple[Path, ModelName]]:
+    """Every manifest in the store, with the name it gets here (unnameable ones left out)."""
+    manifests = root / "manifests"
+    found = []
+    for path in sorted(manifests.glob("*/*/*/*")):
+        if not path.is_file():
+            continue
+        host, namespace, model, tag = path.relative_to(manifests).parts
+        try:
+            found.append((path, local_name(host, namespace, model, tag)))
+        except BadModelName:
+            continue
+    return found
+
+
+def find_manifest(root: Path, wanted: str) -> tuple[Path, ModelName]:
+    """The manifest of `wanted` (`llama3.2`, `llama3.2:3b`, `owner/model:tag`)."""
+    name = parse_name(wanted)
+    for path, found in manifest_paths(root):
+        if found == name:
+            return path, found
+    raise OllamaStoreError(f"no model {wanted!r} in the Ollama store {root} (`localllm import "
+                           f"--from-ollama` alone lists and imports all of them)")
+
+
+def _blob(root: Path, layer: dict) -> OllamaBlob:
+    match = _DIGEST.match(str(layer.get("digest", "")))
+    if not match:
+        raise OllamaStoreError(f"a layer has no sha256 digest: {layer.get('digest')!r}")
+    path = root / "blobs" / f"sha256-{match.group(1)}"
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise OllamaStoreError(f"blob {path.name} is missing from {root / 'blobs'}") from None
+    if "size" in layer and int(layer["size"]) != size:
+        raise OllamaStoreError(f"blob {path.name} is {size} bytes, its manifest says "
+                               f"{layer['size']}: Ollama's copy is damaged (ollama pull again)")
+    return OllamaBlob(path, match.group(1), size)
+
+
+def read_model(root: Path, path: Path, name: ModelName) -> OllamaModel:
+    try:
+        doc = json.loads(path.read_text())
+        layers = list(doc["layers"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise OllamaStoreError(f"cannot read the Ollama manifest {path}: {e}") from None
+    by_type = {str(layer.get("mediaType", "")).removeprefix(MEDIA): layer for layer in layers}
+    if "model" not in by_type:
+        raise OllamaStoreError(f"{name} has no GGUF layer in Ollama's store (a model of "
+                               f"another kind, or a cloud model): nothing to import")
+    model = OllamaModel(name, _blob(root, by_type["model"]))
+    if "projector" in by_type:
+        model.projector = _blob(root, by_type["projector"])
+    if "template" in by_type:
+        model.template = _blob(root, by_type["template"]).path.read_text(errors="replace")
+    if "system" in by_type:
+        model.system = _blob(root, by_type["system"]).path.read_text(errors="replace")
+    if "params" in by_type:
+        try:
+            params = json.loads(_blob(root, by_type["params"]).path.read_text())
+        except ValueError:
+            params = {}
+        model.parameters = params if isinstance(params, dict) else {}
+    return model
+
+
+def selected(root: Path, wanted: str | None = None) -> list[tuple[Path, ModelName]]:
+    """The manifests to import: `wanted`'s alone, or every one the store holds."""
+    if not (root / "manifests").is_dir():
+        raise OllamaStoreError(f"no Ollama store at {root} (it has no manifests folder); set "
+                               f"OLLAMA_MODELS to where Ollama keeps its models")
+    return [find_manifest(root, wanted)] if wanted else manifest_paths(root)
