@@ -109,7 +109,7 @@ class SlotCheckpoints:
     def add(self, checkpoint: Checkpoint) -> None:
         self.items = [c for c in self.items if c.n_tokens != checkpoint.n_tokens]
         while len(self.items) >= self.limit:
-            self.items.remove(self._evictable())
+            self.items.remove(self._evictable(checkpoint))
         self.items.append(checkpoint)
         self.items.sort(key=lambda c: c.n_tokens)
 
@@ -126,9 +126,9 @@ class SlotCheckpoints:
         changes), for the prompt cache to keep with a saved sequence."""
         return tuple(self.items)
 
-    def _evictable(self) -> Checkpoint:
+    def _evictable(self, incoming: Checkpoint) -> Checkpoint:
         by_age = sorted(self.items, key=lambda c: c.order)
-        ends = [c for c in by_age if c.kind == END]
+        ends = [c for c in [*by_age, incoming] if c.kind == END]
         latest_ends = set(map(id, ends[-2:]))  # the latest prompt's end and near-end
         for c in by_age:
             if c.kind == END and id(c) not in latest_ends:

@@ -40,6 +40,7 @@ class SavedSequence:
 
     @property
     def nbytes(self) -> int:
+        """RAM it holds: the state and its checkpoints."""
         return len(self.data) + sum(c.nbytes for c in self.checkpoints)
 
 
@@ -70,8 +71,9 @@ def restore(ctx: llama_cpp.llama_context_p, seq_id: int, saved: SavedSequence) -
     llama.cpp refused it (no room, or a context of another model or KV type)."""
     memory = llama_cpp.llama_get_memory(ctx)
     llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
-    read = llama_cpp.llama_state_seq_set_data(ctx, saved.data, saved.nbytes, seq_id)
-    if read != saved.nbytes:
+    size = len(saved.data)  # the state itself (nbytes counts its checkpoints too)
+    read = llama_cpp.llama_state_seq_set_data(ctx, saved.data, size, seq_id)
+    if read != size:
         llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
         return False
     return True
