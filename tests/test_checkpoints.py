@@ -132,11 +132,12 @@ async def test_a_sliding_window_model_restarts_from_a_checkpoint_behind_its_wind
     behind what the cache still holds: the checkpoint at 512 is restored instead, and the rest
     is read again."""
     runner = await runner_for(gemma_gguf, n_ubatch=64)
-    words = [f"w{i}" for i in range(400)]
-    first = await answer(runner, " ".join(words) + " end.", "a")
+    lines = [f"Line {i}: the {['red', 'green', 'blue'][i % 3]} fox ran {i} miles."
+             for i in range(80)]
+    first = await answer(runner, "\n".join(lines) + "\n", "a")
     assert first.done.prompt_tokens > 1000
-    words[260] = "changed"
-    changed = " ".join(words) + " end."
+    lines[50] = "Line 50: the fox stopped."
+    changed = "\n".join(lines) + "\n"
     second = await answer(runner, changed, "b")
     assert (second.done.cached_tokens, second.done.cached_from, second.done.checkpoint) == \
         (512, "checkpoint", 512)
