@@ -88,7 +88,7 @@ def same_answer(warm: Answer, cold: Answer) -> None:
     hybrid model)."""
     assert warm.text == cold.text
     assert len(warm.logprobs) == len(cold.logprobs) > 0
-    assert max(abs(a - b) for a, b in zip(warm.logprobs, cold.logprobs)) < 1e-3
+    assert max(abs(a - b) for a, b in zip(warm.logprobs, cold.logprobs, strict=True)) < 1e-3
 
 
 async def test_a_hybrid_model_keeps_the_prompt_when_other_text_replaces_its_answer(

@@ -686,6 +686,7 @@ class Engine(PromptReuse, FillBands):
             slot.replaying = 0
             llama_cpp.llama_memory_seq_rm(self.lm.memory, slot.seq_id, -1, -1)
             slot.tokens.clear()
+            slot.checkpoints.clear()
             slot.drafts = []
             if self.drafter is not None:
                 self.drafter.forget(slot.seq_id, 0)

@@ -1,7 +1,8 @@
 """A slot: one sequence of the context, and the request it is serving.
 
 The engine's context holds `n_parallel` sequences; each slot owns one (its seq id), the tokens
-whose KV it holds (kept after a request ends, for the next request's prefix reuse), and while it
+whose KV it holds (kept after a request ends, for the next request's prefix reuse) with the
+checkpoints of its recurrent or sliding-window state (checkpoints.py), and while it
 serves a request: the prompt still to read, the answer so far, its sampler, its stop matcher, its
 UTF-8 decoder and its cancellation flag.
 """
