@@ -13,7 +13,7 @@ llama-cpp-python 0.3.36):
   layers a fixed f32 state per sequence, and one more per snapshot kept for taking back
   rejected drafts (n_rs_seq). A K or V row of n elements takes n / block *
   block_bytes. The runner's checkpoints of the recurrent or sliding-window state
-  (`checkpoint_bytes`) are counted with the CPU's KV: they live in RAM.
+  (`checkpoint_bytes`) are the CPU's overhead: they live in RAM.
 - A block's attention (with its KV) and its FFN may sit on different devices: the FFN matrices
   of the last `n_cpu_ffn_layers` blocks stay in RAM through a tensor override, as llama.cpp's
   `-ot "blk\.(...)\.ffn_(up|gate|down)\.=CPU"`.
@@ -415,7 +415,6 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
     weights[output_device] += costs.output_bytes
     weights[devices[-1]] += costs.output_norm_bytes
     weights[CPU] += costs.embedding_bytes + costs.cpu_other_bytes
-    kv[CPU] += checkpoint_bytes(costs, settings)
     cpu_blocks = sum(1 for d in devices[:-1] if d == CPU) + ffn_cpu_blocks
     used_gpus = {d for d in devices if d != CPU}
     pipelined = len(used_gpus) > 1 and CPU not in devices and not placement.output_on_cpu \
@@ -433,6 +432,8 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
                 buffer += compute.gpu_correction if name != CPU else compute.host_correction
         out.append(DeviceMemory(
             device=name, weights=weights[name], kv=kv[name], compute=buffer,
-            overhead=card.overhead_bytes if name != CPU else 0,
+            # RAM beyond weights, KV and buffers: the runner's checkpoints (not KV: no layer
+            # attends to them, and the KV's device is what the speed model reads)
+            overhead=card.overhead_bytes if name != CPU else checkpoint_bytes(costs, settings),
         ))
     return tuple(out)

@@ -22,8 +22,10 @@ from localllm.daemon.runner.checkpoints import END, SPACED, Checkpoint, SlotChec
 from localllm.daemon.runner.process import RunnerProcess
 from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.modelstore.shape import read_shape
+from localllm.profiles.card import load_card
 from localllm.profiles.memory import (
-    CHECKPOINTS_PER_SLOT, ContextSettings, checkpoint_bytes, model_costs,
+    CHECKPOINTS_PER_SLOT, ContextSettings, Placement, checkpoint_bytes, memory_by_device,
+    model_costs,
 )
 from localllm.profiles.plan import cpu_plan
 
@@ -228,6 +230,10 @@ def test_the_plan_counts_the_checkpoints_in_ram(tmp_path):
     qwen = read_shape(headers["qwen35-27b"])
     assert checkpoint_bytes(model_costs(qwen), settings) == \
         qwen.recurrent_state_bytes * CHECKPOINTS_PER_SLOT * 2
+    # in the plan's RAM, beside the weights the CPU holds (not its KV: no layer reads them)
+    [gpu, cpu] = memory_by_device(model_costs(qwen), Placement(66), settings,
+                                  load_card("rtx3090"))
+    assert cpu.overhead == checkpoint_bytes(model_costs(qwen), settings) and cpu.kv == 0
     gemma = model_costs(read_shape(headers["gemma3-27b"]))
     sliding = sum(1 for kind in gemma.kinds if kind == "sliding")
     # 1024 cells of 16 KV heads x 128 (K and V, f16) in each sliding-window layer
