@@ -5,6 +5,8 @@
     python3 scripts/bench_session.py --shape dense-27b --ctx 32768 --runs short,prompt \
         --out $OUT
     python3 scripts/bench_session.py --tiny --out /tmp/s     # the same code on a CPU, toy model
+    python3 scripts/bench_session.py --shape qwen35-27b --ctx 65536 --systems ours,fit-q8_0 \
+        --runs agent-rerendered --answer-tokens 128 --out $OUT   # a changed history (#33)
 
 For one synthetic model (scripts/synth_gguf.py, random Q4_0 weights) and one context, each
 system in turn: the localllm daemon (12 GiB budget: vram_margin_mib = free - budget + margin,
