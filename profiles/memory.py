@@ -12,7 +12,8 @@ llama-cpp-python 0.3.36):
   swa_full=False (the runner's cache is not unified: one stream of cells per slot), recurrent
   layers a fixed f32 state per sequence, and one more per snapshot kept for taking back
   rejected drafts (n_rs_seq). A K or V row of n elements takes n / block *
-  block_bytes.
+  block_bytes. The runner's checkpoints of the recurrent or sliding-window state
+  (`checkpoint_bytes`) are the CPU's overhead: they live in RAM.
 - A block's attention (with its KV) and its FFN may sit on different devices: the FFN matrices
   of the last `n_cpu_ffn_layers` blocks stay in RAM through a tensor override, as llama.cpp's
   `-ot "blk\.(...)\.ffn_(up|gate|down)\.=CPU"`.
@@ -313,6 +314,26 @@ def block_kv_bytes(costs: ModelCosts, i: int, settings: ContextSettings) -> int:
                     + kv_row_bytes(settings.type_v, costs.kv_v_elements[i]))
 
 
+# Copies of a sequence's recurrent or sliding-window state the runner keeps in RAM, per slot
+# (daemon/runner/checkpoints.py: they let a prompt that diverges behind that state's reach
+# restart from the copy instead of reading everything again).
+CHECKPOINTS_PER_SLOT = 4
+
+
+def checkpoint_bytes(costs: ModelCosts, settings: ContextSettings) -> int:
+    """The RAM of the runner's checkpoints: per slot CHECKPOINTS_PER_SLOT copies of what
+    llama.cpp saves with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, the recurrent state of a hybrid
+    model and the sliding-window cells of an iSWA one (the window's positions: the others are
+    masked and not written); 0 for a model of full attention only."""
+    one = sum(costs.state_bytes)
+    if costs.has_sliding and not settings.swa_full:
+        cells = min(costs.sliding_window, pad(settings.n_ctx))
+        one += sum(cells * (kv_row_bytes(settings.type_k, costs.kv_k_elements[i])
+                            + kv_row_bytes(settings.type_v, costs.kv_v_elements[i]))
+                   for i, kind in enumerate(costs.kinds) if kind == SLIDING)
+    return one * CHECKPOINTS_PER_SLOT * settings.n_seq
+
+
 @dataclass(frozen=True)
 class ComputeTable:
     """Compute buffers measured by dry-run loads: (settings, placement) -> bytes per device.
@@ -411,6 +432,8 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
                 buffer += compute.gpu_correction if name != CPU else compute.host_correction
         out.append(DeviceMemory(
             device=name, weights=weights[name], kv=kv[name], compute=buffer,
-            overhead=card.overhead_bytes if name != CPU else 0,
+            # RAM beyond weights, KV and buffers: the runner's checkpoints (not KV: no layer
+            # attends to them, and the KV's device is what the speed model reads)
+            overhead=card.overhead_bytes if name != CPU else checkpoint_bytes(costs, settings),
         ))
     return tuple(out)

@@ -5,6 +5,8 @@
     python3 scripts/bench_session.py --shape dense-27b --ctx 32768 --runs short,prompt \
         --out $OUT
     python3 scripts/bench_session.py --tiny --out /tmp/s     # the same code on a CPU, toy model
+    python3 scripts/bench_session.py --shape qwen35-27b --ctx 65536 --systems ours,fit-q8_0 \
+        --runs agent-rerendered --answer-tokens 128 --out $OUT   # a changed history (#33)
 
 For one synthetic model (scripts/synth_gguf.py, random Q4_0 weights) and one context, each
 system in turn: the localllm daemon (12 GiB budget: vram_margin_mib = free - budget + margin,
@@ -16,6 +18,11 @@ Runs (--runs, in this order):
            token, then decode after it
   agent    a replay: a --system-tokens system prompt, then --turns turns that each add
            --turn-tokens of tool results and answer --answer-tokens; total wall time
+  agent-rerendered
+           the same replay, but each turn sends other text of the answer's length back in the
+           answer's place (what agents send: templates drop earlier turns' thinking, clients
+           re-format tool calls), so the cached sequence diverges where the last prompt ended;
+           per turn the tokens read against the tokens the turn added
   session-order
            a real session's order (issue 36): --short-count short requests, then the
            --prompt-tokens prompt (its time to first token, reading speed and decode after it),
@@ -125,9 +132,14 @@ class Ours:
         decode = (count - 1) / (last - first) if count > 1 and last > first else 0.0
         if done.get("eval_count") and done.get("eval_duration"):  # the daemon's own timing
             decode = done["eval_count"] / (done["eval_duration"] / 1e9)
+        [m] = self.daemon.get("/api/stats")["models"] or [{}]
+        last = m.get("last") or {}  # this request's: the whole prompt and where its cache came from
         return {"ttft": first - start if first else 0.0, "decode_tps": decode,
                 "answer_tokens": done.get("eval_count", count),
-                "prompt_tokens": done.get("prompt_eval_count", 0), "text": "".join(text)}
+                "prompt_tokens": done.get("prompt_eval_count", 0), "text": "".join(text),
+                "prompt_total": last.get("prompt_tokens", 0),
+                "read": done.get("prompt_eval_count", 0),
+                "cached_from": last.get("cached_from"), "checkpoint": last.get("checkpoint")}
 
     def plan(self) -> str:
         [m] = self.daemon.get("/api/ps")["models"] or [{}]
@@ -190,7 +202,9 @@ class Fit:
                 "decode_tps": t.get("predicted_per_second", 0.0),
                 "answer_tokens": t.get("predicted_n", 0),
                 "prompt_tokens": t.get("prompt_n", 0) + t.get("cache_n", 0),
-                "text": out.get("content", "")}
+                "text": out.get("content", ""),
+                "prompt_total": t.get("prompt_n", 0) + t.get("cache_n", 0),
+                "read": t.get("prompt_n", 0)}
 
     def band(self) -> None:
         return None
@@ -238,22 +252,44 @@ def run_system(system, args, record) -> None:
                     "prompt_tps": round(r["prompt_tokens"] / max(1e-9, r["ttft"]), 1),
                     "decode_tps": round(r["decode_tps"], 2), "answer_tokens": r["answer_tokens"],
                     "band": system.band()})
-        elif run == "agent":
-            c = calibrate(system, cpt, args.ctx)
-            conversation = text_of(int(args.system_tokens * c), 3)
-            start = time.perf_counter()
-            turns = []
-            for turn in range(args.turns):
-                conversation += "\nTool result:\n" + text_of(int(args.turn_tokens * c), 10 + turn)
-                r = system.generate(conversation, args.answer_tokens)
-                conversation += r["text"]
-                turns.append({"ttft": round(r["ttft"], 2), "decode_tps": round(r["decode_tps"], 2),
-                              "prompt_tokens": r["prompt_tokens"]})
-            record({"system": system.name, "run": "agent",
-                    "wall_s": round(time.perf_counter() - start, 1), "turns": turns,
-                    "band": system.band()})
+        elif run in ("agent", "agent-rerendered"):
+            record(agent_replay(system, args, calibrate(system, cpt, args.ctx),
+                                rerendered=run == "agent-rerendered"))
         elif run == "session-order":
             session_order(system, args, record, calibrate(system, cpt, args.ctx))
+
+
+def agent_replay(system, args, chars_per_token: float, rerendered: bool) -> dict:
+    """The agent session: each turn adds a tool result to the raw transcript and takes an
+    answer; the answer goes back as the model wrote it, or (`rerendered`) as other text of its
+    length. Per turn: time to first token, the whole prompt, the tokens read and the tokens the
+    turn added (the answer in the form sent back, then the tool result)."""
+    c = chars_per_token
+    # a system prompt of its own per run: the second run starts as cold as the first
+    conversation = text_of(int(args.system_tokens * c), 4 if rerendered else 3)
+    start = time.perf_counter()
+    turns, before = [], 0
+    for turn in range(args.turns):
+        conversation += "\nTool result:\n" + text_of(int(args.turn_tokens * c), 10 + turn)
+        r = system.generate(conversation, args.answer_tokens)
+        row = {"ttft": round(r["ttft"], 2), "decode_tps": round(r["decode_tps"], 2),
+               "prompt_tokens": r["prompt_total"], "read": r["read"],
+               "new": r["prompt_total"] - before if turn else r["prompt_total"]}
+        if r.get("cached_from") is not None:
+            row.update(cached_from=r["cached_from"], checkpoint=r["checkpoint"])
+        turns.append(row)
+        before = r["prompt_total"]
+        # Other words where the answer was: the cached sequence holds the model's own tokens
+        # and the next prompt diverges right where this one ended.
+        conversation += " " + text_of(max(16, len(r["text"])), 100 + turn) if rerendered \
+            else r["text"]
+    later = turns[1:]
+    return {"system": system.name, "run": "agent-rerendered" if rerendered else "agent",
+            "wall_s": round(time.perf_counter() - start, 1), "turns": turns,
+            # turns 2+: tokens read per token added (1.0: only what the turn added)
+            "read_per_new": round(sum(t["read"] for t in later)
+                                  / max(1, sum(t["new"] for t in later)), 2) if later else None,
+            "band": system.band()}
 
 
 def session_order(system, args, record, chars_per_token: float) -> None:
@@ -311,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     args.runs = args.runs.split(",")
     if args.tiny:
         args.ctx, args.budget, args.tokens, args.short_count = 2048, 0.5, 8, 3
-        args.system_tokens, args.turn_tokens, args.answer_tokens, args.turns = 300, 100, 8, 2
+        args.system_tokens, args.turn_tokens, args.answer_tokens, args.turns = 300, 100, 8, 3
         args.prompt_tokens = args.prompt_tokens or 600
     if not args.prompt_tokens:
         args.prompt_tokens = 65536 if args.ctx >= 131072 else 16384

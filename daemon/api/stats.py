@@ -80,6 +80,10 @@ def last_request(done) -> dict | None:
         "eval_duration": done.eval_duration_ns,
         "prompt_tokens": done.prompt_tokens,
         "cached_tokens": done.cached_tokens,
+        # where they came from: "slot", "checkpoint" (of the recurrent or sliding-window
+        # state, at position `checkpoint`), "prompt cache"; "" when nothing was kept
+        "cached_from": done.cached_from,
+        "checkpoint": done.checkpoint,
     }
     if done.drafted is not None:
         last["draft"] = {"drafted": done.drafted, "accepted": done.draft_accepted or 0}

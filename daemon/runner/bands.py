@@ -89,8 +89,9 @@ class FillBands:
             if state is None:
                 continue
             if seqstate.restore(self.lm.ctx, slot.seq_id, state):
-                carried += 1
+                carried += 1  # its checkpoints hold the same types: they stay good
                 continue
+            slot.checkpoints.clear()  # of the KV type the new context refused
             if slot.work is None:  # an idle slot's prompt: the next request reads it anew
                 slot.tokens = []
                 continue

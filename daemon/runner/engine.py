@@ -27,6 +27,7 @@ from localllm.llama.params import MAX_DRAFT, draft_ceiling
 from localllm.options import SPECULATIVE_MODES
 from localllm.profiles.plan import Plan
 
+from . import checkpoints
 from . import model as llama
 from .drafters import DraftModel, MTPDrafter, Want
 from .protocol import (
@@ -128,6 +129,10 @@ class Engine(PromptReuse, FillBands):
         # Prompts of slots taken for other requests, in RAM (seqstate.py). Not with MTP: its
         # own cache of each sequence would have to be saved and restored beside the target's.
         self.prompt_cache: PromptCache | None = None
+        # Tokens between checkpoints of a long prompt; 0: a model of full attention only, whose
+        # KV is cut back anywhere, needs none (checkpoints.py)
+        self.checkpoint_spacing = checkpoints.spacing(self.n_ctx) \
+            if self.lm.recurrent or self.lm.n_swa else 0
         if prompt_cache_bytes > 0 and self.speculative != "mtp":
             self.prompt_cache = PromptCache(
                 prompt_cache_bytes, keep_contained=bool(self.lm.n_swa or self.lm.recurrent))
@@ -237,10 +242,8 @@ class Engine(PromptReuse, FillBands):
             tokens = media.tokens if media else self.tokenizer.tokenize(request.prompt)
             self._check_prompt(tokens, media)
             slot = self._choose_slot(free, tokens, media)
-            reuse = not request.prompt_logprobs  # scoring the prompt reads all of it
-            if reuse:
-                self._swap_in_saved_prompt(slot, tokens, media)
-            cached = self._reuse_prefix(slot, tokens, media, reuse=reuse)
+            # scoring the prompt reads all of it
+            kept = self._keep_prefix(slot, tokens, media, reuse=not request.prompt_logprobs)
             options = request.options
             sampler = Sampler(self.lm.vocab, self.lm.n_vocab, options, request.grammar,
                               text_tokens(tokens) if media else tokens, self.n_ctx)
@@ -249,8 +252,10 @@ class Engine(PromptReuse, FillBands):
                 media.free()
             raise
         limit = options.num_predict if options.num_predict >= 0 else self.n_ctx
+        cached = kept.tokens
         slot.work = Work(request=request, emit=sub.emit, cancelled=sub.cancelled,
-                         prompt=tokens, sampler=sampler, limit=limit, cached=cached)
+                         prompt=tokens, sampler=sampler, limit=limit, cached=cached,
+                         cached_from=kept.source, checkpoint=kept.checkpoint)
         slot.work.media = media
         # Drafters read token ids: a prompt with image placeholders is answered without them.
         mode = None if media else self._drafting_mode(request)
@@ -355,6 +360,7 @@ class Engine(PromptReuse, FillBands):
                 slot.unread -= n
             elif slot.unread:
                 slot.unread -= n
+                self._checkpoint_read(slot)
                 if slot.unread:
                     slot.work.emit(Progress(len(slot.tokens), len(slot.work.prompt)))
                 else:
@@ -478,6 +484,9 @@ class Engine(PromptReuse, FillBands):
                 continue  # an image comes next: _read_images reads it before the next step
             if slot.replaying:  # a chunk replays KV or reads the prompt, never both
                 take = min(take, slot.replaying)
+            stop = self._checkpoint_stop(slot)
+            if stop is not None:
+                take = min(take, stop - len(slot.tokens))
             last = take == slot.unread and not slot.replaying
             slot.first_pos, slot.batch_row = len(slot.tokens), n
             every = slot.work.request.prompt_logprobs and not slot.replaying  # every row's
@@ -638,6 +647,8 @@ class Engine(PromptReuse, FillBands):
             eval_duration_ns=eval_ns,
             prompt_tokens=len(work.prompt),
             cached_tokens=work.cached,
+            cached_from=work.cached_from,
+            checkpoint=work.checkpoint,
             context_used=len(slot.tokens),
             n_ctx=self.n_ctx,
             context=tuple(text_tokens(work.prompt) if work.media else work.prompt)
@@ -675,6 +686,7 @@ class Engine(PromptReuse, FillBands):
             slot.replaying = 0
             llama_cpp.llama_memory_seq_rm(self.lm.memory, slot.seq_id, -1, -1)
             slot.tokens.clear()
+            slot.checkpoints.clear()
             slot.drafts = []
             if self.drafter is not None:
                 self.drafter.forget(slot.seq_id, 0)

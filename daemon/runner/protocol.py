@@ -99,6 +99,10 @@ class Done:
     # the first with logprob None (nothing comes before it); `added` marks a BOS the
     # tokenizer put in front of the text (it has no characters in it).
     prompt_logprobs: tuple[dict, ...] | None = None
+    # where the reused tokens came from: "slot", "checkpoint", "prompt cache" ("" for none),
+    # and the position of the checkpoint of the recurrent or sliding-window state restored
+    cached_from: str = ""
+    checkpoint: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,23 @@
 """Which KV a new request may keep: the Engine's slot choice and prefix reuse, with the RAM
-prompt cache (seqstate.py) and the model's rules (a sliding window, a recurrent state, images
-kept whole).
+prompt cache (seqstate.py), the checkpoints of a recurrent or sliding-window state
+(checkpoints.py) and the model's rules (a sliding window, a recurrent state, images kept whole).
 
 Methods of the runner's Engine (engine.py), kept apart because they own one question: what of
-a slot's cache, or of a saved prompt, serves the prompt at hand. They read the engine's model
-(`lm`), `prompt_cache` and `drafter`.
+a slot's cache, or of a saved prompt, serves the prompt at hand; and, while a prompt is read,
+which checkpoints a later prompt may need. They read the engine's model (`lm`),
+`prompt_cache`, `drafter` and `checkpoint_spacing` (0: the model needs no checkpoints).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import llama_cpp
 
-from . import seqstate
+from . import checkpoints, seqstate
+from .checkpoints import END, NEAR_END, SPACED, Checkpoint, SlotCheckpoints
 from .seqstate import SavedSequence, common_prefix
 from .slots import Slot
 from .vision import MediaPrompt
@@ -25,6 +28,18 @@ log = logging.getLogger("localllm.runner")
 MIN_SAVED_TOKENS = 64
 # A saved prompt is restored only when it reuses this many more tokens than the slot itself.
 MIN_RESTORE_GAIN = 32
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a request keeps of its slot: `tokens` of its prompt, from `source` ("slot": the
+    slot's own KV cut back; "checkpoint": cut back to a checkpoint; "prompt cache": a saved
+    prompt restored into the slot first; "" when nothing), the checkpoint's position if one
+    was restored."""
+
+    tokens: int
+    source: str
+    checkpoint: int | None = None
 
 
 class PromptReuse:
@@ -49,15 +64,39 @@ class PromptReuse:
             return 0
         return common
 
-    def _slot_prefix(self, slot: Slot, tokens: list[int],
-                     media: MediaPrompt | None = None) -> int:
+    def _slot_reuse(self, slot: Slot, tokens: list[int],
+                    media: MediaPrompt | None = None) -> tuple[int, Checkpoint | None]:
+        """How many of the slot's tokens a prompt of `tokens` may keep, and the checkpoint to
+        restore first (None: the slot's state is cut back as it is). A checkpoint serves when
+        it is at or before the divergence and further on than the state itself reaches."""
         pos_min = (llama_cpp.llama_memory_seq_pos_min(self.lm.memory, slot.seq_id)
                    if self.lm.n_swa and slot.tokens else 0)
-        common = self._usable_prefix(common_prefix(slot.tokens, tokens), len(slot.tokens),
-                                     pos_min, len(tokens), self.lm.n_rollback)
+        shared = common_prefix(slot.tokens, tokens)
+        common = self._usable_prefix(shared, len(slot.tokens), pos_min, len(tokens),
+                                     self.lm.n_rollback)
+        reach = min(shared, len(tokens) - 1)  # the last prompt token is always read
         if self.drafter is not None:
             common = min(common, self.drafter.reusable(slot.seq_id, common))
-        return max(0, whole_images(common, media))
+            reach = self.drafter.reusable(slot.seq_id, reach)
+        common = max(0, whole_images(common, media))
+        checkpoint = slot.checkpoints.latest(whole_images(reach, media))
+        if checkpoint is not None and checkpoint.n_tokens > common:
+            return checkpoint.n_tokens, checkpoint
+        return common, None
+
+    def _slot_prefix(self, slot: Slot, tokens: list[int],
+                     media: MediaPrompt | None = None) -> int:
+        return self._slot_reuse(slot, tokens, media)[0]
+
+    def _saved_prefix(self, entry: SavedSequence, shared: int, tokens: list[int],
+                      media: MediaPrompt | None) -> int:
+        """`_slot_reuse` for a saved prompt sharing `shared` tokens with the request.
+        Restored into a sequence, a recurrent state is exactly its tokens: no rollback."""
+        common = whole_images(self._usable_prefix(shared, len(entry.tokens), entry.pos_min,
+                                                  len(tokens), rollback=0), media)
+        checkpoint = SlotCheckpoints(items=entry.checkpoints).latest(
+            whole_images(min(shared, len(tokens) - 1), media))
+        return max(common, checkpoint.n_tokens if checkpoint is not None else 0)
 
     def _choose_slot(self, free: list[Slot], tokens: list[int],
                      media: MediaPrompt | None = None) -> Slot:
@@ -70,8 +109,24 @@ class PromptReuse:
             return best
         return min(free, key=lambda s: (bool(s.tokens), s.last_used))
 
+    def _keep_prefix(self, slot: Slot, tokens: list[int], media: MediaPrompt | None,
+                     reuse: bool) -> Kept:
+        """Make `slot` hold the longest prefix of `tokens` it may keep, from its own KV, a
+        checkpoint or a saved prompt (none without `reuse`), and say so in the log."""
+        restored = reuse and self._swap_in_saved_prompt(slot, tokens, media)
+        n, checkpoint = self._reuse_prefix(slot, tokens, media, reuse)
+        source = "" if not n else "prompt cache" if restored else \
+            "checkpoint" if checkpoint is not None else "slot"
+        kept = Kept(n, source, checkpoint.n_tokens if checkpoint is not None else None)
+        how = source or "nothing"
+        if checkpoint is not None:
+            how = f"checkpoint at {checkpoint.n_tokens}{' of a saved prompt' * restored}"
+        log.info("prompt: %d tokens, %d kept (%s), %d to read", len(tokens), n, how,
+                 len(tokens) - n)
+        return kept
+
     def _swap_in_saved_prompt(self, slot: Slot, tokens: list[int],
-                              media: MediaPrompt | None = None) -> None:
+                              media: MediaPrompt | None = None) -> bool:
         """Before a request takes `slot`: save what it holds to the prompt cache when the
         request would throw most of it away, and restore a saved prompt into it when one shares
         a longer prefix with the request than the slot itself does.
@@ -79,57 +134,110 @@ class PromptReuse:
         A continuation (the next turn of the conversation the slot holds) keeps most of it
         and loses only a tail, which is not worth a copy. A saved prompt is matched by its
         longest common prefix with the request, so a prompt that differs from it late (a
-        changed line after the tools) still reuses everything before that line."""
+        changed line after the tools) still reuses everything before that line. The slot's
+        checkpoints go and come back with its prompt. True when a saved prompt was restored."""
         cache = self.prompt_cache
         if cache is None:
-            return
+            return False
         kept = self._slot_prefix(slot, tokens, media)
         lost = len(slot.tokens) - kept
         if lost >= MIN_SAVED_TOKENS and lost > kept // 4 and not cache.covers(slot.tokens):
             started = time.perf_counter()
-            saved = seqstate.save(self.lm.ctx, slot.seq_id, slot.tokens, limit=cache.budget)
+            saved = seqstate.save(self.lm.ctx, slot.seq_id, slot.tokens, limit=cache.budget,
+                                  checkpoints=slot.checkpoints.copy())
             if saved is not None and cache.put(saved):
-                log.info("prompt cache: saved %d tokens of slot %d (%.1f MiB) in %.0f ms; "
-                         "%d prompts, %.1f of %.1f MiB", len(saved.tokens), slot.seq_id,
+                log.info("prompt cache: saved %d tokens of slot %d with %d checkpoints "
+                         "(%.1f MiB) in %.0f ms; %d prompts, %.1f of %.1f MiB",
+                         len(saved.tokens), slot.seq_id, len(saved.checkpoints),
                          saved.nbytes / 2**20, (time.perf_counter() - started) * 1e3,
                          len(cache), cache.used / 2**20, cache.budget / 2**20)
-        # Restored into a sequence, a recurrent state is exactly its tokens: no rollback.
-        entry, common = cache.best(tokens, lambda e, n: whole_images(self._usable_prefix(
-            n, len(e.tokens), e.pos_min, len(tokens), rollback=0), media))
+        entry, common = cache.best(
+            tokens, lambda e, n: self._saved_prefix(e, n, tokens, media))
         if entry is None or common < kept + MIN_RESTORE_GAIN:
-            return
-        self._restore(slot, entry, common)
+            return False
+        return self._restore(slot, entry, common)
 
-    def _restore(self, slot: Slot, entry: SavedSequence, common: int) -> None:
+    def _restore(self, slot: Slot, entry: SavedSequence, common: int) -> bool:
         started = time.perf_counter()
-        if not seqstate.restore(self.lm.ctx, slot.seq_id, entry):
+        restored = seqstate.restore(self.lm.ctx, slot.seq_id, entry)
+        if not restored:
             log.warning("prompt cache: llama.cpp refused a saved prompt of %d tokens",
                         len(entry.tokens))
             slot.tokens.clear()
+            slot.checkpoints.clear()
         else:
             slot.tokens = list(entry.tokens)
+            slot.checkpoints = SlotCheckpoints(items=entry.checkpoints)
             log.info("prompt cache: restored %d tokens into slot %d (%d reused) in %.0f ms",
                      len(entry.tokens), slot.seq_id, common,
                      (time.perf_counter() - started) * 1e3)
         if self.drafter is not None:  # its cache of this sequence held something else
             self.drafter.forget(slot.seq_id, 0)
+        return restored
 
     def _reuse_prefix(self, slot: Slot, tokens: list[int], media: MediaPrompt | None = None,
-                      reuse: bool = True) -> int:
+                      reuse: bool = True) -> tuple[int, Checkpoint | None]:
         """Keep the slot's KV for the longest prefix it shares with `tokens` that the model's
-        reuse rules allow (`_usable_prefix`); return how many tokens are kept (none without
-        `reuse`)."""
+        reuse rules allow (`_slot_reuse`): restore the checkpoint that reaches furthest if one
+        does, then cut the KV back. Returns how many tokens are kept (none without `reuse`)
+        and the checkpoint restored."""
         mem, seq = self.lm.memory, slot.seq_id
-        common = self._slot_prefix(slot, tokens, media) if reuse else 0
+        common, checkpoint = self._slot_reuse(slot, tokens, media) if reuse else (0, None)
+        if checkpoint is not None:
+            started = time.perf_counter()
+            if checkpoints.load(self.lm.ctx, seq, checkpoint):
+                log.info("checkpoint: restored slot %d at %d of %d tokens (%.1f MiB) in "
+                         "%.0f ms", seq, checkpoint.n_tokens, len(slot.tokens),
+                         checkpoint.nbytes / 2**20, (time.perf_counter() - started) * 1e3)
+            else:  # the state may be half written: read it all again
+                log.warning("checkpoint: llama.cpp refused the checkpoint at %d of slot %d",
+                            checkpoint.n_tokens, seq)
+                common, checkpoint = 0, None
         if common > 0 and llama_cpp.llama_memory_seq_rm(mem, seq, common, -1):
             del slot.tokens[common:]
         else:
             llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
             slot.tokens.clear()
-            common = 0
+            common, checkpoint = 0, None
+        slot.checkpoints.cut(common)
         if self.drafter is not None:
             self.drafter.forget(seq, common)
-        return common
+        return common, checkpoint
+
+    # ---- taking checkpoints while a prompt is read ---------------------------------------
+    def _checkpoint_stop(self, slot: Slot) -> int | None:
+        """Where the prompt chunk being filled must end for a checkpoint to be taken there:
+        NEAR_END tokens before the prompt's end (checkpoints are taken between decodes)."""
+        work = slot.work
+        if not self.checkpoint_spacing or work.media is not None or slot.replaying:
+            return None
+        stop = len(work.prompt) - NEAR_END
+        return stop if len(slot.tokens) < stop else None
+
+    def _checkpoint_read(self, slot: Slot) -> None:
+        """After a prompt chunk was decoded: a checkpoint when the slot is at the prompt's end
+        or NEAR_END before it, or `checkpoint_spacing` past its latest checkpoint. Never
+        during the answer: decoding an answer costs no copies."""
+        work = slot.work
+        if not self.checkpoint_spacing or work.media is not None:
+            return
+        n, end = len(slot.tokens), len(work.prompt)
+        if n in (end, end - NEAR_END):
+            kind = END
+        elif n - slot.checkpoints.last_at(n) >= self.checkpoint_spacing:
+            kind = SPACED
+        else:
+            return
+        started = time.perf_counter()
+        checkpoint = checkpoints.take(self.lm.ctx, slot.seq_id, n, kind)
+        if checkpoint is None:
+            log.warning("checkpoint: llama.cpp gave no state for slot %d at %d", slot.seq_id, n)
+            return
+        slot.checkpoints.add(checkpoint)
+        log.info("checkpoint: slot %d at %d (%s, %.1f MiB) in %.0f ms; %d held, %.1f MiB",
+                 slot.seq_id, n, kind, checkpoint.nbytes / 2**20,
+                 (time.perf_counter() - started) * 1e3, len(slot.checkpoints),
+                 slot.checkpoints.nbytes / 2**20)
 
 
 def whole_images(common: int, media: MediaPrompt | None) -> int:

@@ -21,22 +21,27 @@ from dataclasses import dataclass, field
 
 import llama_cpp
 
+from .checkpoints import Checkpoint
+
 
 @dataclass(eq=False)
 class SavedSequence:
     """A sequence's state: the tokens its cells hold (in position order) and llama.cpp's bytes.
 
     `pos_min` is the lowest position still held (a sliding-window cache has dropped the ones
-    before it), read when it was saved."""
+    before it), read when it was saved. `checkpoints`: the slot's checkpoints of its recurrent
+    or sliding-window state (checkpoints.py), which come back with it."""
 
     tokens: tuple[int, ...]
     data: ctypes.Array
     pos_min: int
     saved_at: float = field(default_factory=time.monotonic)
+    checkpoints: tuple[Checkpoint, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return len(self.data)
+        """RAM it holds: the state and its checkpoints."""
+        return len(self.data) + sum(c.nbytes for c in self.checkpoints)
 
 
 def state_size(ctx: llama_cpp.llama_context_p, seq_id: int) -> int:
@@ -44,9 +49,10 @@ def state_size(ctx: llama_cpp.llama_context_p, seq_id: int) -> int:
 
 
 def save(ctx: llama_cpp.llama_context_p, seq_id: int, tokens: list[int] | tuple[int, ...],
-         limit: int | None = None) -> SavedSequence | None:
-    """The state of `seq_id`, whose cells hold `tokens`; None when it is empty, larger than
-    `limit` bytes, or llama.cpp could not write it."""
+         limit: int | None = None,
+         checkpoints: tuple[Checkpoint, ...] = ()) -> SavedSequence | None:
+    """The state of `seq_id`, whose cells hold `tokens` (with the sequence's `checkpoints`);
+    None when it is empty, larger than `limit` bytes, or llama.cpp could not write it."""
     size = state_size(ctx, seq_id)
     if size <= 0 or not tokens or (limit is not None and size > limit):
         return None
@@ -57,7 +63,7 @@ def save(ctx: llama_cpp.llama_context_p, seq_id: int, tokens: list[int] | tuple[
     if written != size:
         return None
     pos_min = llama_cpp.llama_memory_seq_pos_min(llama_cpp.llama_get_memory(ctx), seq_id)
-    return SavedSequence(tuple(tokens), data, max(0, pos_min))
+    return SavedSequence(tuple(tokens), data, max(0, pos_min), checkpoints=checkpoints)
 
 
 def restore(ctx: llama_cpp.llama_context_p, seq_id: int, saved: SavedSequence) -> bool:
@@ -65,8 +71,9 @@ def restore(ctx: llama_cpp.llama_context_p, seq_id: int, saved: SavedSequence) -
     llama.cpp refused it (no room, or a context of another model or KV type)."""
     memory = llama_cpp.llama_get_memory(ctx)
     llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
-    read = llama_cpp.llama_state_seq_set_data(ctx, saved.data, saved.nbytes, seq_id)
-    if read != saved.nbytes:
+    size = len(saved.data)  # the state itself (nbytes counts its checkpoints too)
+    read = llama_cpp.llama_state_seq_set_data(ctx, saved.data, size, seq_id)
+    if read != size:
         llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
         return False
     return True

@@ -1,7 +1,8 @@
 """A slot: one sequence of the context, and the request it is serving.
 
 The engine's context holds `n_parallel` sequences; each slot owns one (its seq id), the tokens
-whose KV it holds (kept after a request ends, for the next request's prefix reuse), and while it
+whose KV it holds (kept after a request ends, for the next request's prefix reuse) with the
+checkpoints of its recurrent or sliding-window state (checkpoints.py), and while it
 serves a request: the prompt still to read, the answer so far, its sampler, its stop matcher, its
 UTF-8 decoder and its cancellation flag.
 """
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .checkpoints import SlotCheckpoints
 from .protocol import Event, GenerationRequest
 from .sampling import Sampler
 from .speculation import Drafting
@@ -66,6 +68,11 @@ class Work:
     sampler: Sampler
     limit: int  # answer tokens at most
     cached: int = 0  # prompt tokens reused from the slot's KV
+    # where they came from: "slot" (its KV cut back), "checkpoint" (cut back to a checkpoint,
+    # `checkpoint` its position), "prompt cache" (a saved prompt restored, then cut back, to a
+    # checkpoint of it where `checkpoint` is set); "" when nothing was reused
+    cached_from: str = ""
+    checkpoint: int | None = None
     stops: StopMatcher = field(init=False)
     decoder: codecs.IncrementalDecoder = field(init=False)
     answer: list[int] = field(default_factory=list)
@@ -97,6 +104,8 @@ class Slot:
     def __init__(self, seq_id: int):
         self.seq_id = seq_id
         self.tokens: list[int] = []  # tokens whose KV this sequence holds, in position order
+        # copies of its recurrent or sliding-window state at some of those positions
+        self.checkpoints = SlotCheckpoints()
         self.work: Work | None = None
         self.to_decode: list[int] = []  # tokens to put in the next batch (prompt or answer)
         self.unread: int = 0  # how many of to_decode are prompt tokens still to read
