@@ -138,7 +138,9 @@ class Ours:
                 "answer_tokens": done.get("eval_count", count),
                 "prompt_tokens": done.get("prompt_eval_count", 0), "text": "".join(text),
                 "prompt_total": last.get("prompt_tokens", 0),
-                "read": done.get("prompt_eval_count", 0),
+                # prompt_eval_count is the whole input, as Ollama counts it; the cached part
+                # beside it was not read
+                "read": done.get("prompt_eval_count", 0) - done.get("prompt_eval_cached_count", 0),
                 "cached_from": last.get("cached_from"), "checkpoint": last.get("checkpoint")}
 
     def plan(self) -> str:
