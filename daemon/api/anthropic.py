@@ -166,8 +166,13 @@ def _assistant(i: int, blocks: list[dict], names: dict[str, str]) -> dict:
     return out
 
 
+ROLES = ("user", "assistant", "system")
+
+
 def anthropic_messages(body: dict) -> tuple[dict, ...]:
-    """`system` and `messages` in the HF shape the chat layer renders (see get_messages)."""
+    """`system` and `messages` in the HF shape the chat layer renders (see get_messages). A
+    system message among `messages` (Claude Code sends them) stays where it is: the chat layer
+    places it as the model's template allows (chat/roles.py)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("field 'messages' must be a non-empty list of {role, content} "
@@ -176,11 +181,15 @@ def anthropic_messages(body: dict) -> tuple[dict, ...]:
     out = [{"role": "system", "content": system}] if system else []
     names: dict[str, str] = {}  # tool_use id -> tool name, for the results that follow
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise bad_request(f"messages[{i}] must be an object with role 'user' or "
-                              f"'assistant'", "messages")
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise bad_request(f"messages[{i}] must be an object with role 'user', "
+                              f"'assistant' or 'system'", "messages")
         blocks = _blocks(message.get("content", ""), f"messages[{i}].content")
-        if message["role"] == "user":
+        if message["role"] == "system":  # Claude Code's mid-conversation system turns
+            out.append({"role": "system", "content": "\n\n".join(
+                _text(b, f"messages[{i}].content[{j}]") for j, b in enumerate(blocks)
+                if b.get("type") == "text")})
+        elif message["role"] == "user":
             out += _user(i, blocks, names)
         else:
             out.append(_assistant(i, blocks, names))
