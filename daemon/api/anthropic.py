@@ -27,6 +27,7 @@ from ..chat.request import ChatRequest
 from ..runner.process import new_request_id
 from ..runner.protocol import Done, Failure, Progress, Token
 from .common import (
+    answer_limit,
     bad_request,
     body_options,
     get_bool,
@@ -105,9 +106,11 @@ def _tool_result(block: dict, where: str, names: dict[str, str]) -> dict:
     text = "\n".join(texts)
     if block.get("is_error"):  # templates have no error flag: the model reads it in the text
         text = f"Error: {text}"
-    out = {"role": "tool", "content": text, "tool_call_id": use_id}
-    if use_id in names:
-        out["name"] = names[use_id]
+    if use_id not in names:
+        raise bad_request(f"{where}.tool_use_id {use_id!r} answers no tool_use block before "
+                          f"it: each tool_result follows the assistant's tool_use of that id",
+                          "messages")
+    out = {"role": "tool", "content": text, "tool_call_id": use_id, "name": names[use_id]}
     if images:
         out["images"] = images
     return out
@@ -265,6 +268,7 @@ async def chat_request(request: web.Request, body: dict, count_only: bool = Fals
     entry, custom = await local_model(request, body, "/v1/messages")
     if not count_only and body.get("max_tokens") is None:
         raise bad_request("missing required field 'max_tokens'", "max_tokens")
+    answer_limit(body, "max_tokens")
     sampling, load = body_options(body, ANTHROPIC_NAMES, custom.parameters)
     messages, images = message_images(anthropic_messages(body))
     tool_choice, parallel = anthropic_tool_choice(body)

@@ -31,6 +31,7 @@ from ..runner.process import new_request_id
 from ..runner.protocol import Done, Failure, Progress
 from .common import (
     ApiError,
+    answer_limit,
     bad_request,
     body_options,
     get_bool,
@@ -146,8 +147,9 @@ def _call_arguments(item: dict, where: str) -> dict:
     return value
 
 
-def input_messages(value) -> list[dict]:
-    """`input` (a string or items) as HF-shaped messages (see common.get_messages)."""
+def input_messages(value, earlier_calls: frozenset[str] = frozenset()) -> list[dict]:
+    """`input` (a string or items) as HF-shaped messages (see common.get_messages). A call's
+    output must answer a call in `input` or among `earlier_calls` (the previous response's)."""
     if value is None:
         return []
     if isinstance(value, str):
@@ -196,6 +198,9 @@ def input_messages(value) -> list[dict]:
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise bad_request(f"{where} needs a call_id", "input")
+            if call_id not in names and call_id not in earlier_calls:
+                raise bad_request(f"{where}: no function_call with call_id {call_id!r} before "
+                                  f"this output (in input or the previous response)", "input")
             text, images = _content(item.get("output"), where)
             result = {"role": "tool", "content": text, "tool_call_id": call_id}
             if call_id in names:
@@ -311,13 +316,20 @@ class Turn:
     echo: dict  # the request's fields the response object repeats
 
 
+TRUNCATIONS = ("auto", "disabled")
+
+
 async def read_turn(request: web.Request, body: dict) -> Turn:
     entry, custom = await local_model(request, body, "/v1/responses")
+    answer_limit(body, "max_output_tokens")
+    if body.get("truncation") not in (None, *TRUNCATIONS):
+        raise bad_request("truncation must be 'auto' or 'disabled'", "truncation")
     sampling, load = body_options(body, RESPONSES_NAMES, custom.parameters)
     previous = get_str(body, "previous_response_id")
     history = request.app[STORED].get(previous, "previous_response_id").history \
         if previous else ()
-    history = (*history, *input_messages(body.get("input")))
+    earlier = frozenset(call.get("id") for m in history for call in m.get("tool_calls") or ())
+    history = (*history, *input_messages(body.get("input"), earlier))
     if not history:
         raise bad_request("field 'input' is missing or empty", "input")
     instructions = get_str(body, "instructions")

@@ -285,10 +285,15 @@ class Engine(PromptReuse, FillBands):
             if media is not None:
                 images = (f" ({media.image_tokens} of them for {len(media.spans)} "
                           f"image{'s' if len(media.spans) != 1 else ''})")
+            trained = llama_cpp.llama_model_n_ctx_train(self.lm.model)
+            bigger = (f"load the model with a larger num_ctx (it was trained on {trained} "
+                      f"tokens)" if trained > self.n_ctx else
+                      f"use a model with a longer context ({self.n_ctx} tokens is all this "
+                      f"one was trained on)")
             raise RequestError(
-                f"the prompt is {len(tokens)} tokens{images} but the context is {self.n_ctx}; "
-                f"shorten it{', send fewer images' if images else ''} or load the model with "
-                f"a larger num_ctx")
+                f"the prompt is {len(tokens)} tokens{images} but the loaded context holds "
+                f"{self.n_ctx}; shorten it{', send fewer images' if images else ''} or "
+                f"{bigger}")
         if is_image_token(tokens[-1]):
             raise RequestError("the prompt ends with an image: put text after it")
 
