@@ -321,6 +321,8 @@ def _start_usage(event) -> dict:
     if isinstance(event, Token):
         read = event.prompt_eval_count
         cached = event.context_used - event.eval_count - read
+    elif isinstance(event, Progress):  # a long prompt is being read: its size is known
+        read, cached = event.prompt_total - event.prompt_cached, event.prompt_cached
     return {"input_tokens": read, "output_tokens": 0, "cache_read_input_tokens": cached,
             "cache_creation_input_tokens": 0}
 

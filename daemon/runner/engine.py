@@ -361,7 +361,8 @@ class Engine(PromptReuse, FillBands):
             elif slot.unread:
                 slot.unread -= n
                 if slot.unread:
-                    slot.work.emit(Progress(len(slot.tokens), len(slot.work.prompt)))
+                    slot.work.emit(Progress(len(slot.tokens), len(slot.work.prompt),
+                                            prompt_cached=slot.work.cached))
                 else:
                     slot.work.prompt_done_ns = now
         for slot, _, _ in rows:
@@ -450,7 +451,7 @@ class Engine(PromptReuse, FillBands):
             slot.tokens.extend(slot.to_decode[:span.n_tokens])
             del slot.to_decode[:span.n_tokens]
             slot.unread -= span.n_tokens
-            work.emit(Progress(len(slot.tokens), len(work.prompt)))
+            work.emit(Progress(len(slot.tokens), len(work.prompt), prompt_cached=work.cached))
 
     def _fill_batch(self) -> list[tuple[Slot, int, int]]:
         """Put every answering slot's next token, then prompt chunks, into the batch.
