@@ -122,9 +122,9 @@ ACCESS_LOG = logging.getLogger("localllm.access")
 
 class AccessLogger(AbstractAccessLogger):
     """One info line per HTTP request, when its answer is done (a stream when it ends):
-    method, path, status, duration and bytes sent (headers and body), and the client's name (User-Agent's first
-    word). Never a body, a header's value past that name, or the query string (a client may
-    put a key there)."""
+    method, path, status, duration, bytes sent (headers and body) and the client's name
+    (User-Agent's first word). Never a body, a header's value past that name, or the query
+    string (a client may put a key there)."""
 
     def log(self, request, response, time: float) -> None:
         agent = request.headers.get("User-Agent", "").split(" ", 1)[0][:60]
