@@ -8,7 +8,8 @@ events. `output_config.format` (a JSON schema) constrains the answer as `format`
 Accepted and ignored: `metadata`, `cache_control`, `service_tier`, `output_config.effort`,
 `container`, `speed` and the other fields the chat layer has no use for, a thinking block's
 `signature`, `redacted_thinking` blocks, `thinking.budget_tokens`, and Anthropic's own server and
-versioned tools (web_search_..., bash_..., text_editor_...), which are left out of the prompt.
+versioned tools (web_search_..., bash_..., text_editor_...), which are left out of the prompt, as
+are tools with `defer_loading: true` (Claude Code's placeholder, never to be called).
 """
 
 from __future__ import annotations
@@ -209,6 +210,8 @@ def anthropic_tools(body: dict) -> tuple[dict, ...]:
     for i, tool in enumerate(tools):
         if tool.get("type") not in (None, "custom"):
             continue  # Anthropic's server and versioned tools: nothing here runs them
+        if tool.get("defer_loading"):
+            continue  # found through a tool search this server does not run: not offered
         name, schema = tool.get("name"), tool.get("input_schema", {"type": "object"})
         if not isinstance(name, str) or not name:
             raise bad_request(f"tools[{i}].name must be a string", "tools")

@@ -4,9 +4,10 @@ A request becomes the one `ChatRequest`: `instructions` and the input items beco
 messages (function_call / custom_tool_call -> an assistant's tool_calls, their outputs -> tool
 messages, reasoning items -> reasoning_content), `function` tools pass as they are, `custom`
 tools (free-form input) are offered as tools taking one string `input` and come back as
-custom_tool_call items, and hosted tools this server cannot run (web_search, file_search,
-code_interpreter, computer use, image generation, mcp, local_shell...) are left out of the
-prompt. Answers are kept in memory, bounded, for `previous_response_id` and GET.
+custom_tool_call items, a `namespace` tool's tools are offered one by one (their calls come back
+with the `namespace` field), and hosted tools this server cannot run (web_search, file_search,
+code_interpreter, computer use, image generation, mcp, local_shell...) and `defer_loading` tools
+are left out of the prompt. Answers are kept in memory, bounded, for `previous_response_id` and GET.
 Accepted and ignored: `metadata`, `user`, `include`, `prompt_cache_key`, `service_tier`,
 `reasoning.summary`, `text.verbosity`, encrypted reasoning content.
 """
@@ -42,6 +43,7 @@ from .common import (
     read_json,
 )
 from .responses_input import (
+    ToolSet,
     input_messages,
     reasoning_effort,
     responses_tool_choice,
@@ -100,7 +102,7 @@ class StoredResponses:
 STORED = web.AppKey("stored_responses", StoredResponses)
 
 
-# ---- request -------------------------------------------------------------------------------------
+# ---- request -------------------------------------------------------------------------------
 @dataclass
 class Turn:
     """One Responses request, translated."""
@@ -108,7 +110,7 @@ class Turn:
     custom: Customization
     chat: ChatRequest
     history: tuple[dict, ...]  # the conversation before the answer, without instructions
-    custom_tools: frozenset[str]
+    tools: ToolSet
     parallel: bool
     store: bool
     echo: dict  # the request's fields the response object repeats
@@ -127,20 +129,20 @@ async def read_turn(request: web.Request, body: dict) -> Turn:
     history = request.app[STORED].get(previous, "previous_response_id").history \
         if previous else ()
     earlier = frozenset(call.get("id") for m in history for call in m.get("tool_calls") or ())
-    history = (*history, *input_messages(body.get("input"), earlier))
+    tools = responses_tools(body)
+    history = (*history, *input_messages(body.get("input"), earlier, tools))
     if not history:
         raise bad_request("field 'input' is missing or empty", "input")
     instructions = get_str(body, "instructions")
     messages, images = message_images(
         (({"role": "system", "content": instructions},) if instructions else ()) + history)
-    tools, custom_tools = responses_tools(body)
     think = reasoning_effort(body)
     if think and not (await model_for(entry, custom)).style.thinking:
         think = None  # Codex always sends an effort: a model that cannot think just answers
     parallel = get_bool(body, "parallel_tool_calls", True)
     chat = ChatRequest(
         id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
-        messages=messages, tools=tools, tool_choice=responses_tool_choice(body),
+        messages=messages, tools=tools.tools, tool_choice=responses_tool_choice(body),
         format=text_format(body), think=think,
         has_images=bool(images), images=images)
     echo = {"instructions": instructions, "previous_response_id": previous,
@@ -152,7 +154,7 @@ async def read_turn(request: web.Request, body: dict) -> Turn:
             "text": body.get("text") or {"format": {"type": "text"}},
             "truncation": body.get("truncation") or "disabled",
             "metadata": body.get("metadata") or {}, "user": body.get("user")}
-    return Turn(entry, custom, chat, history, custom_tools, parallel,
+    return Turn(entry, custom, chat, history, tools, parallel,
                 get_bool(body, "store", True), echo)
 
 
@@ -172,15 +174,20 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict:
                          "logprobs": []}] if status == "completed" else []}
 
 
-def call_item(call: ToolCall, custom_tools: frozenset[str], status: str = "completed") -> dict:
+def call_item(call: ToolCall, tools: ToolSet, status: str = "completed") -> dict:
+    """A call as its item; a namespace's tool is named as the namespace lists it, with the
+    namespace beside it (as OpenAI's items carry it, and Codex routes the call by both)."""
     done = status == "completed"
-    if call.name in custom_tools:
+    namespace, name = tools.namespaced.get(call.name, (None, call.name))
+    where = {"namespace": namespace} if namespace is not None else {}
+    if call.name in tools.custom:
         value = call.arguments.get("input")
         text = value if isinstance(value, str) else json.dumps(call.arguments)
         return {"type": "custom_tool_call", "id": _id("ctc"), "call_id": call.id,
-                "name": call.name, "input": text if done else "", "status": status}
-    return {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
-            "arguments": json.dumps(call.arguments) if done else "", "status": status}
+                "name": name, **where, "input": text if done else "", "status": status}
+    return {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": name,
+            **where, "arguments": json.dumps(call.arguments) if done else "",
+            "status": status}
 
 
 def output_items(parsed: Parsed, turn: Turn) -> list[dict]:
@@ -188,7 +195,7 @@ def output_items(parsed: Parsed, turn: Turn) -> list[dict]:
     items = [reasoning_item(_id("rs"), parsed.thinking)] if parsed.thinking else []
     if parsed.content.strip() or (parsed.content and not calls):
         items.append(message_item(_id("msg"), parsed.content))
-    return items + [call_item(call, turn.custom_tools) for call in calls]
+    return items + [call_item(call, turn.tools) for call in calls]
 
 
 def usage(done: Done) -> dict:
@@ -326,8 +333,8 @@ class _EventWriter:
 
     async def call(self, call: ToolCall) -> None:
         await self.close_item()
-        item = call_item(call, self.turn.custom_tools, "in_progress")
-        done = {**item, **call_item(call, self.turn.custom_tools), "id": item["id"]}
+        item = call_item(call, self.turn.tools, "in_progress")
+        done = {**item, **call_item(call, self.turn.tools), "id": item["id"]}
         at = {"item_id": item["id"], "output_index": len(self.output)}
         await self.send("response.output_item.added", {"output_index": len(self.output),
                                                        "item": item})

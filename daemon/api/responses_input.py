@@ -6,6 +6,7 @@ tools flattened), `tool_choice`, `text.format` and `reasoning` (see responses.py
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 from .common import bad_request, think_from_effort
 
@@ -63,7 +64,8 @@ def _call_arguments(item: dict, where: str) -> dict:
     return value
 
 
-def input_messages(value, earlier_calls: frozenset[str] = frozenset()) -> list[dict]:
+def input_messages(value, earlier_calls: frozenset[str] = frozenset(),
+                   tools: ToolSet | None = None) -> list[dict]:
     """`input` (a string or items) as HF-shaped messages (see common.get_messages). A call's
     output must answer a call in `input` or among `earlier_calls` (the previous response's)."""
     if value is None:
@@ -106,6 +108,8 @@ def input_messages(value, earlier_calls: frozenset[str] = frozenset()) -> list[d
             call_id, name = item.get("call_id"), item.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):
                 raise bad_request(f"{where} needs a call_id and a name", "input")
+            if isinstance(item.get("namespace"), str) and tools is not None:
+                name = tools.offered_name(item["namespace"], name)
             names[call_id] = name
             assistant().setdefault("tool_calls", []).append({
                 "type": "function", "id": call_id,
@@ -140,37 +144,79 @@ CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}},
                 "required": ["input"]}
 
 
-def responses_tools(body: dict) -> tuple[tuple[dict, ...], frozenset[str]]:
-    """(function tools in the chat layer's shape, the names of the custom ones)."""
+@dataclass(frozen=True)
+class ToolSet:
+    """A request's tools as the model is offered them."""
+    tools: tuple[dict, ...] = ()  # function tools in the chat layer's shape
+    custom: frozenset[str] = frozenset()  # the free-form (custom) ones, by offered name
+    # A namespace's tools are offered by their own name (`namespace.name` where that would
+    # clash with another tool's): offered name -> (namespace, name), for the call items.
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def offered_name(self, namespace: str, name: str) -> str:
+        """The name a namespace's tool is offered (and its calls rendered) under."""
+        return next((offered for offered, where in self.namespaced.items()
+                     if where == (namespace, name)), name)
+
+
+def _tool(tool: dict, where: str, name: str) -> tuple[dict, bool]:
+    """(a function or custom tool in the chat layer's shape, whether it is custom)."""
+    description = str(tool.get("description") or "")
+    if tool.get("type") == "function":
+        parameters = tool.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise bad_request(f"{where}.parameters must be a JSON schema object", "tools")
+    else:
+        parameters = CUSTOM_INPUT
+        spec = tool.get("format")
+        if isinstance(spec, dict) and spec.get("type") == "grammar":
+            description += (f"\n\nThe input must follow this {spec.get('syntax', '')} "
+                            f"grammar:\n{spec.get('definition', '')}")
+    return {"type": "function", "function": {
+        "name": name, "description": description, "parameters": parameters}}, \
+        tool.get("type") == "custom"
+
+
+def _named(tool: dict, where: str) -> str:
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"{where}.name must be a string", "tools")
+    return name
+
+
+def responses_tools(body: dict) -> ToolSet:
+    """`tools`: function and custom tools as they are, a `namespace` tool's function and
+    custom tools flattened (Codex sends its sub-agent tools so), and neither hosted tools nor
+    `defer_loading` ones (found through a tool search this server does not run) offered."""
     tools = body.get("tools")
     if tools is None:
-        return (), frozenset()
+        return ToolSet()
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise bad_request("field 'tools' must be a list of tool objects", "tools")
-    out, custom = [], set()
+    offered = [(tool, f"tools[{i}]", None) for i, tool in enumerate(tools)
+               if tool.get("type") in ("function", "custom")]
     for i, tool in enumerate(tools):
-        kind = tool.get("type")
-        if kind not in ("function", "custom"):
-            continue  # a hosted tool: nothing here runs it, and the model is not told of it
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"tools[{i}].name must be a string", "tools")
-        description = str(tool.get("description") or "")
-        if kind == "function":
-            parameters = tool.get("parameters") or {"type": "object", "properties": {}}
-            if not isinstance(parameters, dict):
-                raise bad_request(f"tools[{i}].parameters must be a JSON schema object",
-                                  "tools")
-        else:
+        if tool.get("type") != "namespace":
+            continue  # (the others are hosted tools: nothing here runs them)
+        namespace, inner = _named(tool, f"tools[{i}]"), tool.get("tools")
+        if not isinstance(inner, list) or not all(isinstance(t, dict) for t in inner):
+            raise bad_request(f"tools[{i}].tools must be a list of tool objects", "tools")
+        offered += [(sub, f"tools[{i}].tools[{j}]", namespace) for j, sub in enumerate(inner)
+                    if sub.get("type") in ("function", "custom")]
+    offered = [o for o in offered if not o[0].get("defer_loading")]
+    top = {_named(tool, where) for tool, where, namespace in offered if namespace is None}
+    out, custom, namespaced = [], set(), {}
+    for tool, where, namespace in offered:
+        name = _named(tool, where)
+        if namespace is not None:
+            plain = name not in top and name not in namespaced
+            name = name if plain else f"{namespace}.{name}"
+            namespaced[name] = (namespace, tool["name"])
+        function, is_custom = _tool(tool, where, name)
+        out.append(function)
+        if is_custom:
             custom.add(name)
-            parameters = CUSTOM_INPUT
-            spec = tool.get("format")
-            if isinstance(spec, dict) and spec.get("type") == "grammar":
-                description += (f"\n\nThe input must follow this {spec.get('syntax', '')} "
-                                f"grammar:\n{spec.get('definition', '')}")
-        out.append({"type": "function", "function": {
-            "name": name, "description": description, "parameters": parameters}})
-    return tuple(out), frozenset(custom)
+    return ToolSet(tuple(out), frozenset(custom), namespaced)
 
 
 def responses_tool_choice(body: dict) -> str | dict:
