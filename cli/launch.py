@@ -16,8 +16,8 @@ that is less; otherwise it says what fits and loads that), then runs the agent p
   the prompt cache can reuse it: no attribution line (`CLAUDE_CODE_ATTRIBUTION_HEADER=0`: it
   carries a per-request hash at the very start of the system prompt), no telemetry, error
   reports, surveys or other traffic the local model has no use for.
-  It is told the context it has (`CLAUDE_CODE_MAX_CONTEXT_TOKENS`, and
-  `CLAUDE_CODE_AUTO_COMPACT_WINDOW` so it compacts before the context is full) and asks for
+  It is told the context it has (`CLAUDE_CODE_MAX_CONTEXT_TOKENS`, and from 100K tokens on
+  `CLAUDE_CODE_AUTO_COMPACT_WINDOW`, the least it takes) and asks for
   answers of at most a quarter of it (`CLAUDE_CODE_MAX_OUTPUT_TOKENS`).
 - Codex speaks the Responses API: a `localllm` model provider with `wire_api = "responses"`,
   the context window, and analytics, feedback and the update check off, given as `-c`
@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 from localllm.errors import UserError
 
 WANTED_CTX = 65536
+CLAUDE_MIN_WINDOW = 100_000  # the least CLAUDE_CODE_AUTO_COMPACT_WINDOW Claude Code takes
 PLACEHOLDER_TOKEN = "localllm"  # any non-empty token: the daemon has no API key set
 AGENTS = {
     "claude": ("Claude Code", "npm i -g @anthropic-ai/claude-code"),
@@ -136,8 +137,11 @@ def claude_env(base_url: str, model: str, token: str, n_ctx: int) -> dict[str, s
         "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
         "DISABLE_AUTOUPDATER": "1",
         "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(n_ctx),
-        "CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(n_ctx),
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(answer_room(n_ctx)),
+        # Claude Code takes a compaction window of 100K at least (it warns and ignores less):
+        # a smaller context is enforced by CLAUDE_CODE_MAX_CONTEXT_TOKENS alone.
+        **({"CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(n_ctx)} if n_ctx >= CLAUDE_MIN_WINDOW
+           else {}),
     }
 
 
