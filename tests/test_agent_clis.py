@@ -1,10 +1,10 @@
-"""The real agent CLIs, installed from npm at pinned versions, run one-shot through
-`localllm launch` against a real daemon: each exits 0 and prints an answer, and for Claude Code
-and Codex a tool call reaches the daemon and its result comes back in the next request (a
-recording proxy between CLI and daemon sees it). The model is SmolLM2 with a template that
-makes it call the agent's shell tool once (tests/chat_models.py AGENT_TEMPLATE), created with
-/api/create; greedy sampling. Requests recorded from the real CLIs (tests/fixtures/agents/) are
-replayed through their routes, which answer 200.
+"""The real agent CLIs (Claude Code, Codex, Copilot CLI, opencode), installed from npm at pinned
+versions, run one-shot through `localllm launch` against a real daemon: each exits 0 and prints
+an answer, and for Claude Code and Codex a tool call reaches the daemon and its result comes
+back in the next request (a recording proxy between CLI and daemon sees it). The model is
+SmolLM2 with a template that makes it call the agent's shell tool once (tests/chat_models.py
+AGENT_TEMPLATE), created with /api/create; greedy sampling. Requests recorded from the real
+CLIs (tests/fixtures/agents/) are replayed through their routes, which answer 200.
 
 The CLIs are installed once into .cache/agent-clis (reused between runs); without npm, or
 without the registry, these tests are skipped saying so. Telemetry and updates are off (the
@@ -26,6 +26,7 @@ import pytest
 from agent_proxy import RecordingProxy
 from chat_models import AGENT_TEMPLATE
 from daemon_process import isolated_env, start_daemon
+from gguf_edit import with_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIS = ROOT / ".cache" / "agent-clis"
@@ -33,6 +34,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "agents"
 PINNED = {"@anthropic-ai/claude-code": "2.1.332", "@openai/codex": "0.169.0",
           "@github/copilot": "1.0.102", "opencode-ai": "1.18.33"}
 MODEL = "agent"
+LONG_MODEL, LONG_CTX = "agent-32k", 32768
 MARK = "localllm-tool-ok"  # what the tool the model calls prints
 
 
@@ -64,15 +66,22 @@ def agent_bin() -> Path:
 
 @pytest.fixture(scope="session")
 def cli_daemon(tmp_path_factory, smollm2_gguf):
+    """SmolLM2 with the agent template, twice: as trained (8K), and with a header that says
+    32K, for the CLIs that refuse a context smaller than their own prompt (Copilot CLI needs
+    about 16K; the template keeps the real prompt short)."""
     from conftest import import_models
 
-    env = isolated_env(tmp_path_factory.mktemp("agent-clis"))
-    import_models(env, {"smollm2": smollm2_gguf})
+    root = tmp_path_factory.mktemp("agent-clis")
+    env = isolated_env(root)
+    long = with_metadata(smollm2_gguf, root / "smollm2-32k.gguf",
+                         {"llama.context_length": LONG_CTX})
+    import_models(env, {"smollm2": smollm2_gguf, "smollm2-32k": long})
     d = start_daemon(env)
-    reply = httpx.post(f"{d.url}/api/create", timeout=120, json={
-        "model": MODEL, "from": "smollm2", "template": AGENT_TEMPLATE,
-        "parameters": {"temperature": 0}, "stream": False})
-    assert reply.status_code == 200, reply.text
+    for name, base in ((MODEL, "smollm2"), (LONG_MODEL, "smollm2-32k")):
+        reply = httpx.post(f"{d.url}/api/create", timeout=120, json={
+            "model": name, "from": base, "template": AGENT_TEMPLATE,
+            "parameters": {"temperature": 0}, "stream": False})
+        assert reply.status_code == 200, reply.text
     yield d
     d.stop()
 
@@ -113,6 +122,21 @@ def test_codex_calls_a_tool_through_the_daemon(cli_daemon, agent_bin, tmp_path):
     outputs = [item for body in proxy.bodies("/v1/responses") for item in body["input"]
                if item.get("type") == "function_call_output"]
     assert outputs and MARK in json.dumps(outputs[-1]["output"])
+
+
+@pytest.mark.parametrize("agent,args,route", [
+    ("copilot", ["-p", "Run the check."], "/v1/chat/completions"),
+    ("opencode", ["run", "Run the check."], "/v1/chat/completions"),
+])
+def test_copilot_and_opencode_answer_through_the_daemon(cli_daemon, agent_bin, tmp_path,
+                                                        agent, args, route):
+    with RecordingProxy(cli_daemon.url) as proxy:
+        r = run_launch(cli_daemon, agent_bin, tmp_path, proxy.url, agent, "--model",
+                       LONG_MODEL, "--ctx", str(LONG_CTX), "--", *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Done: the tool ran." in r.stdout  # the model's answer, printed by the CLI
+    bodies = proxy.bodies(route)
+    assert bodies and all(b["model"] == f"{LONG_MODEL}:latest" for b in bodies)
 
 
 @pytest.mark.parametrize("fixture", sorted(p.name for p in FIXTURES.glob("*.json")))
