@@ -1,4 +1,5 @@
-"""`localllm launch claude | codex`: run a coding agent against the local daemon.
+"""`localllm launch claude | codex | copilot | opencode`: run a coding agent against the local
+daemon.
 
     localllm launch claude                       the best tool-capable model, 64K of context
     localllm launch codex --model qwen3-coder --ctx 32768 -- --full-auto
@@ -15,9 +16,17 @@ that is less; otherwise it says what fits and loads that), then runs the agent p
   the prompt cache can reuse it: no attribution line (`CLAUDE_CODE_ATTRIBUTION_HEADER=0`: it
   carries a per-request hash at the very start of the system prompt), no telemetry, error
   reports, surveys or other traffic the local model has no use for.
+  It is told the context it has (`CLAUDE_CODE_MAX_CONTEXT_TOKENS`, and from 100K tokens on
+  `CLAUDE_CODE_AUTO_COMPACT_WINDOW`, the least it takes) and asks for
+  answers of at most a quarter of it (`CLAUDE_CODE_MAX_OUTPUT_TOKENS`).
 - Codex speaks the Responses API: a `localllm` model provider with `wire_api = "responses"`,
-  given as `-c` overrides on its command line; the user's ~/.codex/config.toml is never
-  written.
+  the context window, and analytics, feedback and the update check off, given as `-c`
+  overrides on its command line; the user's ~/.codex/config.toml is never written.
+- Copilot CLI in its bring-your-own-key mode (`COPILOT_PROVIDER_*` over chat completions, the
+  prompt and answer limits from the context), offline (`COPILOT_OFFLINE`: no GitHub traffic)
+  and without auto-update.
+- opencode with a `localllm` provider (OpenAI-compatible) and the model's context and output
+  limits, given as `OPENCODE_CONFIG_CONTENT`; autoupdate, sharing and the models.dev fetch off.
 
 The agent is sent the model's name as the store lists it, so every request names a model that
 exists (an agent that sends another name gets the API's 404, which names it).
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import shutil
@@ -36,17 +46,21 @@ from dataclasses import dataclass, replace
 from localllm.errors import UserError
 
 WANTED_CTX = 65536
+CLAUDE_MIN_WINDOW = 100_000  # the least CLAUDE_CODE_AUTO_COMPACT_WINDOW Claude Code takes
 PLACEHOLDER_TOKEN = "localllm"  # any non-empty token: the daemon has no API key set
 AGENTS = {
     "claude": ("Claude Code", "npm i -g @anthropic-ai/claude-code"),
     "codex": ("Codex", "npm i -g @openai/codex"),
+    "copilot": ("Copilot CLI", "npm i -g @github/copilot"),
+    "opencode": ("opencode", "npm i -g opencode-ai"),
 }
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "launch", help="run Claude Code or Codex against a local model",
-        usage="localllm launch {claude,codex} [--model M] [--ctx N] [--print-env] "
+        "launch", help="run Claude Code, Codex, Copilot CLI or opencode against a local model",
+        usage="localllm launch {claude,codex,copilot,opencode} [--model M] [--ctx N] "
+        "[--print-env] "
         "[--print-config] [-- AGENT ARGS]",
         description="Start the daemon if needed, load a tool-capable model with a long "
         "context, and run the coding agent pointed at it. Arguments after `--` go to the "
@@ -55,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     # The agent, then our options, then `--` and the agent's own arguments: read by
     # `split_rest` (argparse alone would take the agent's options for ours, and drops a `--`
     # right after a positional).
-    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="{claude,codex}",
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="{claude,codex,copilot,opencode}",
                    help="which agent to run")
     p.set_defaults(func=cmd_launch)
 
@@ -98,7 +112,13 @@ class Setup:
     argv: list[str]  # the agent's command line, its executable first
 
 
-def claude_env(base_url: str, model: str, token: str) -> dict[str, str]:
+def answer_room(n_ctx: int) -> int:
+    """The answer size an agent is told to ask for: a quarter of the context. (The daemon
+    takes any max_tokens as a ceiling; an agent subtracts it from the window it plans for.)"""
+    return max(256, n_ctx // 4)
+
+
+def claude_env(base_url: str, model: str, token: str, n_ctx: int) -> dict[str, str]:
     return {
         "ANTHROPIC_BASE_URL": base_url,
         "ANTHROPIC_AUTH_TOKEN": token,
@@ -116,6 +136,12 @@ def claude_env(base_url: str, model: str, token: str) -> dict[str, str]:
         "DISABLE_FEEDBACK_COMMAND": "1",
         "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
         "DISABLE_AUTOUPDATER": "1",
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(n_ctx),
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(answer_room(n_ctx)),
+        # Claude Code takes a compaction window of 100K at least (it warns and ignores less):
+        # a smaller context is enforced by CLAUDE_CODE_MAX_CONTEXT_TOKENS alone.
+        **({"CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(n_ctx)} if n_ctx >= CLAUDE_MIN_WINDOW
+           else {}),
     }
 
 
@@ -128,18 +154,58 @@ def codex_args(base_url: str, model: str, n_ctx: int, has_key: bool) -> list[str
         'model_providers.localllm.wire_api="responses"',
         f'model="{model}"',
         f"model_context_window={n_ctx}",
+        "analytics.enabled=false",
+        "feedback.enabled=false",
+        "check_for_update_on_startup=false",
     ]
     if has_key:
         overrides.append('model_providers.localllm.env_key="LOCALLLM_API_KEY"')
     return [arg for o in overrides for arg in ("-c", o)]
 
 
+def copilot_env(base_url: str, model: str, token: str, n_ctx: int) -> dict[str, str]:
+    return {
+        "COPILOT_PROVIDER_BASE_URL": f"{base_url}/v1",
+        "COPILOT_PROVIDER_TYPE": "openai",
+        "COPILOT_PROVIDER_WIRE_API": "completions",  # chat completions, in its words
+        "COPILOT_PROVIDER_API_KEY": token,
+        "COPILOT_MODEL": model,
+        "COPILOT_PROVIDER_MAX_PROMPT_TOKENS": str(n_ctx - answer_room(n_ctx)),
+        "COPILOT_PROVIDER_MAX_OUTPUT_TOKENS": str(answer_room(n_ctx)),
+        "COPILOT_OFFLINE": "true",
+        "COPILOT_AUTO_UPDATE": "false",
+    }
+
+
+def opencode_env(base_url: str, model: str, token: str, n_ctx: int) -> dict[str, str]:
+    config = {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {"localllm": {
+            "npm": "@ai-sdk/openai-compatible", "name": "localllm",
+            "options": {"baseURL": f"{base_url}/v1", "apiKey": token},
+            "models": {model: {"name": model, "tool_call": True, "limit": {
+                "context": n_ctx, "output": answer_room(n_ctx)}}}}},
+        "model": f"localllm/{model}",
+        "small_model": f"localllm/{model}",
+        "autoupdate": False,
+        "share": "disabled",
+    }
+    return {"OPENCODE_CONFIG_CONTENT": json.dumps(config),
+            "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1"}
+
+
 def make_setup(agent: str, base_url: str, model: str, n_ctx: int, api_key: str,
                agent_args: list[str]) -> Setup:
+    token = api_key or PLACEHOLDER_TOKEN
     if agent == "claude":
-        return Setup(agent, model, n_ctx,
-                     claude_env(base_url, model, api_key or PLACEHOLDER_TOKEN),
+        return Setup(agent, model, n_ctx, claude_env(base_url, model, token, n_ctx),
                      ["claude", "--model", model, *agent_args])
+    if agent == "copilot":
+        return Setup(agent, model, n_ctx, copilot_env(base_url, model, token, n_ctx),
+                     ["copilot", "--no-auto-update", *agent_args])
+    if agent == "opencode":
+        return Setup(agent, model, n_ctx, opencode_env(base_url, model, token, n_ctx),
+                     ["opencode", *agent_args])
     env = {"LOCALLLM_API_KEY": api_key} if api_key else {}
     return Setup(agent, model, n_ctx, env,
                  ["codex", *codex_args(base_url, model, n_ctx, bool(api_key)), *agent_args])

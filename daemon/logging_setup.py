@@ -24,6 +24,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+from aiohttp.abc import AbstractAccessLogger
 from localllm import paths
 from localllm.config import Config
 
@@ -125,9 +126,21 @@ def setup_logging(config: Config) -> None:
             handler.setFormatter(LogfmtFormatter(timestamps=True, priority_prefix=False))
     for handler in handlers:
         root.addHandler(handler)
-    level = _LEVELS.get(config.log_level, logging.INFO)
-    root.setLevel(level)
-    # One line per HTTP request is noise at info; it is there when debugging.
-    logging.getLogger("aiohttp.access").setLevel(
-        logging.DEBUG if level <= logging.DEBUG else logging.WARNING)
+    root.setLevel(_LEVELS.get(config.log_level, logging.INFO))
+
+
+ACCESS_LOG = logging.getLogger("localllm.access")
+
+
+class AccessLogger(AbstractAccessLogger):
+    """One info line per HTTP request, when its answer is done (a stream when it ends):
+    method, path, status, duration, bytes sent (headers and body) and the client's name
+    (User-Agent's first word). Never a body, a header's value past that name, or the query
+    string (a client may put a key there)."""
+
+    def log(self, request, response, time: float) -> None:
+        agent = request.headers.get("User-Agent", "").split(" ", 1)[0][:60]
+        self.logger.info("%s %s %d", request.method, request.path, response.status, extra={
+            "status": response.status, "ms": round(time * 1000),
+            "bytes": response.body_length, "client": agent or "-"})
 

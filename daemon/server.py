@@ -30,7 +30,7 @@ from .api import anthropic, create, embed, ollama, openai, responses, stats
 from .api.common import MAX_BODY_BYTES
 from .api.errors import error_body, is_anthropic
 from .config_watch import watch_config, watch_profiles
-from .logging_setup import setup_logging
+from .logging_setup import ACCESS_LOG, AccessLogger, setup_logging
 from .scheduler import Scheduler
 from .state import CONFIG, SCHEDULER, STORE
 from .systemd import listen_fds, notify
@@ -127,7 +127,8 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     await asyncio.to_thread(sweep_store, app[STORE])  # what a kill or an unused upload left
     # handler_cancellation: a client that disconnects cancels its handler, so a non-streamed
     # answer stops generating too (a streamed one notices at its next write).
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5, handler_cancellation=True)
+    runner = web.AppRunner(app, access_log=ACCESS_LOG, access_log_class=AccessLogger,
+                           shutdown_timeout=5, handler_cancellation=True)
     await runner.setup()
     sock_path = config.socket_path
     host, port = config.tcp

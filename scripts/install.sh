@@ -76,6 +76,8 @@ python3 -c 'import ensurepip, venv' 2>/dev/null || need_apt+=(python3-venv)
 if [ "$want_test" = 1 ]; then
   command -v systemd-analyze >/dev/null || need_apt+=(systemd)
   command -v tmux >/dev/null || need_apt+=(tmux)
+  # The agent CLIs' end-to-end tests install Claude Code, Codex... from npm (tests/test_agent_clis.py).
+  command -v npm >/dev/null || need_apt+=(nodejs npm)
 fi
 
 wheelhouse="${LOCALLLM_WHEELHOUSE:-dist}"

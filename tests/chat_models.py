@@ -76,3 +76,28 @@ def tool_model(smollm2: Path, directory: Path) -> Path:
 def thinking_model(smollm2: Path, directory: Path) -> Path:
     return with_metadata(smollm2, directory / "smollm2-thinking.gguf",
                          {"tokenizer.chat_template": THINKING_TEMPLATE})
+
+# For the agent CLIs' end-to-end tests (tests/test_agent_clis.py): a template that makes even a
+# 135M model call the agent's shell tool once, then answer. Whatever the conversation, it shows
+# the model four turns of one fixed answer, then the question: greedy decoding repeats it. The
+# answer is a call to the shell tool the agent offers (Claude Code's `Bash`, Codex's
+# `exec_command`) until a tool result is in the conversation, then a line of text.
+AGENT_TEMPLATE = """\
+{%- set ns = namespace(call='', results=0) %}
+{%- for t in tools or [] %}{%- set f = t.function if t.function is defined else t %}
+{%- if not ns.call and f.name == 'Bash' %}\
+{%- set ns.call = '{"name": "Bash", "arguments": {"command": "echo localllm-tool-ok"}}' %}
+{%- elif not ns.call and f.name == 'exec_command' %}\
+{%- set ns.call = '{"name": "exec_command", "arguments": {"cmd": "echo localllm-tool-ok"}}' %}
+{%- endif %}{%- endfor %}
+{%- for m in messages %}{%- if m.role == 'tool' %}{%- set ns.results = ns.results + 1 %}\
+{%- endif %}{%- endfor %}
+{%- if ns.call and not ns.results %}{%- set want = '<tool_call>\\n' + ns.call + '\\n</tool_call>' %}
+{%- else %}{%- set want = 'Done: the tool ran.' %}{%- endif %}
+{{- '<|im_start|>system\\nRepeat the answer.<|im_end|>\\n' }}
+{%- for i in range(4) %}\
+{{- '<|im_start|>user\\nGo.<|im_end|>\\n<|im_start|>assistant\\n' + want + '<|im_end|>\\n' }}\
+{%- endfor %}
+{{- '<|im_start|>user\\nGo.<|im_end|>\\n' }}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""

@@ -155,7 +155,8 @@ def test_launch_runs_each_agent_and_its_request_succeeds(launch_daemon, tmp_path
 def test_a_missing_agent_gets_one_line_saying_how_to_install_it(launch_daemon, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    for agent, package in (("claude", "@anthropic-ai/claude-code"), ("codex", "@openai/codex")):
+    for agent, package in (("claude", "@anthropic-ai/claude-code"), ("codex", "@openai/codex"),
+                           ("copilot", "@github/copilot"), ("opencode", "opencode-ai")):
         r = launch(launch_daemon, tmp_path, agent, path=str(empty))
         assert r.returncode == 1
         assert len(r.stderr.strip().splitlines()) == 1
@@ -183,3 +184,40 @@ def test_the_pick_is_the_largest_tool_model_that_fits_else_the_smallest():
 
     with pytest.raises(UserError, match="no stored model can call tools"):
         pick_model([m("chat", 30, tools=False)], free_vram=100)
+
+
+def test_each_agent_is_told_the_context_and_kept_off_the_network(launch_daemon, tmp_path):
+    """The loaded context and each agent's own switches (telemetry, analytics, updates) as
+    their docs and binaries name them; SmolLM2 is loaded with its trained 8,192 tokens."""
+    claude = exports(launch(launch_daemon, tmp_path, "claude", "--print-env").stdout)
+    assert claude["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "8192"
+    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in claude  # it takes 100K at least
+    assert claude["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "2048"
+    assert claude["DISABLE_TELEMETRY"] == claude["DISABLE_AUTOUPDATER"] == "1"
+
+    r = launch(launch_daemon, tmp_path, "codex", "--print-config")
+    argv = shlex.split(r.stdout.splitlines()[-1])
+    over = dict(a.split("=", 1) for a in argv[2::2])
+    assert over["analytics.enabled"] == over["feedback.enabled"] == "false"
+    assert over["check_for_update_on_startup"] == "false"
+
+    r = launch(launch_daemon, tmp_path, "copilot", "--print-env")
+    assert r.returncode == 0, r.stderr
+    copilot = exports(r.stdout)
+    assert copilot["COPILOT_PROVIDER_BASE_URL"] == launch_daemon.url + "/v1"
+    assert copilot["COPILOT_MODEL"] == MODEL
+    assert copilot["COPILOT_PROVIDER_WIRE_API"] == "completions"
+    assert int(copilot["COPILOT_PROVIDER_MAX_PROMPT_TOKENS"]) + int(
+        copilot["COPILOT_PROVIDER_MAX_OUTPUT_TOKENS"]) == 8192
+    assert copilot["COPILOT_OFFLINE"] == "true" and copilot["COPILOT_AUTO_UPDATE"] == "false"
+    assert shlex.split(r.stdout.splitlines()[-1]) == ["copilot", "--no-auto-update"]
+
+    r = launch(launch_daemon, tmp_path, "opencode", "--print-env")
+    assert r.returncode == 0, r.stderr
+    opencode = exports(r.stdout)
+    config = json.loads(opencode["OPENCODE_CONFIG_CONTENT"])
+    provider = config["provider"]["localllm"]
+    assert provider["options"]["baseURL"] == launch_daemon.url + "/v1"
+    assert provider["models"][MODEL]["limit"] == {"context": 8192, "output": 2048}
+    assert config["model"] == f"localllm/{MODEL}" and config["autoupdate"] is False
+    assert opencode["OPENCODE_DISABLE_AUTOUPDATE"] == "1"

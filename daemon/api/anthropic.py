@@ -8,7 +8,8 @@ events. `output_config.format` (a JSON schema) constrains the answer as `format`
 Accepted and ignored: `metadata`, `cache_control`, `service_tier`, `output_config.effort`,
 `container`, `speed` and the other fields the chat layer has no use for, a thinking block's
 `signature`, `redacted_thinking` blocks, `thinking.budget_tokens`, and Anthropic's own server and
-versioned tools (web_search_..., bash_..., text_editor_...), which are left out of the prompt.
+versioned tools (web_search_..., bash_..., text_editor_...), which are left out of the prompt, as
+are tools with `defer_loading: true` (Claude Code's placeholder, never to be called).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..chat.request import ChatRequest
 from ..runner.process import new_request_id
 from ..runner.protocol import Done, Failure, Progress, Token
 from .common import (
+    answer_limit,
     bad_request,
     body_options,
     get_bool,
@@ -105,9 +107,11 @@ def _tool_result(block: dict, where: str, names: dict[str, str]) -> dict:
     text = "\n".join(texts)
     if block.get("is_error"):  # templates have no error flag: the model reads it in the text
         text = f"Error: {text}"
-    out = {"role": "tool", "content": text, "tool_call_id": use_id}
-    if use_id in names:
-        out["name"] = names[use_id]
+    if use_id not in names:
+        raise bad_request(f"{where}.tool_use_id {use_id!r} answers no tool_use block before "
+                          f"it: each tool_result follows the assistant's tool_use of that id",
+                          "messages")
+    out = {"role": "tool", "content": text, "tool_call_id": use_id, "name": names[use_id]}
     if images:
         out["images"] = images
     return out
@@ -166,8 +170,13 @@ def _assistant(i: int, blocks: list[dict], names: dict[str, str]) -> dict:
     return out
 
 
+ROLES = ("user", "assistant", "system")
+
+
 def anthropic_messages(body: dict) -> tuple[dict, ...]:
-    """`system` and `messages` in the HF shape the chat layer renders (see get_messages)."""
+    """`system` and `messages` in the HF shape the chat layer renders (see get_messages). A
+    system message among `messages` (Claude Code sends them) stays where it is: the chat layer
+    places it as the model's template allows (chat/roles.py)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("field 'messages' must be a non-empty list of {role, content} "
@@ -176,11 +185,15 @@ def anthropic_messages(body: dict) -> tuple[dict, ...]:
     out = [{"role": "system", "content": system}] if system else []
     names: dict[str, str] = {}  # tool_use id -> tool name, for the results that follow
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise bad_request(f"messages[{i}] must be an object with role 'user' or "
-                              f"'assistant'", "messages")
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise bad_request(f"messages[{i}] must be an object with role 'user', "
+                              f"'assistant' or 'system'", "messages")
         blocks = _blocks(message.get("content", ""), f"messages[{i}].content")
-        if message["role"] == "user":
+        if message["role"] == "system":  # Claude Code's mid-conversation system turns
+            out.append({"role": "system", "content": "\n\n".join(
+                _text(b, f"messages[{i}].content[{j}]") for j, b in enumerate(blocks)
+                if b.get("type") == "text")})
+        elif message["role"] == "user":
             out += _user(i, blocks, names)
         else:
             out.append(_assistant(i, blocks, names))
@@ -197,6 +210,8 @@ def anthropic_tools(body: dict) -> tuple[dict, ...]:
     for i, tool in enumerate(tools):
         if tool.get("type") not in (None, "custom"):
             continue  # Anthropic's server and versioned tools: nothing here runs them
+        if tool.get("defer_loading"):
+            continue  # found through a tool search this server does not run: not offered
         name, schema = tool.get("name"), tool.get("input_schema", {"type": "object"})
         if not isinstance(name, str) or not name:
             raise bad_request(f"tools[{i}].name must be a string", "tools")
@@ -256,6 +271,7 @@ async def chat_request(request: web.Request, body: dict, count_only: bool = Fals
     entry, custom = await local_model(request, body, "/v1/messages")
     if not count_only and body.get("max_tokens") is None:
         raise bad_request("missing required field 'max_tokens'", "max_tokens")
+    answer_limit(body, "max_tokens")
     sampling, load = body_options(body, ANTHROPIC_NAMES, custom.parameters)
     messages, images = message_images(anthropic_messages(body))
     tool_choice, parallel = anthropic_tool_choice(body)
@@ -309,6 +325,8 @@ def _start_usage(event) -> dict:
     if isinstance(event, Token):
         read = event.prompt_eval_count
         cached = event.context_used - event.eval_count - read
+    elif isinstance(event, Progress):  # a long prompt is being read: its size is known
+        read, cached = event.prompt_total - event.prompt_cached, event.prompt_cached
     return {"input_tokens": read, "output_tokens": 0, "cache_read_input_tokens": cached,
             "cache_creation_input_tokens": 0}
 

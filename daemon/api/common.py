@@ -193,6 +193,19 @@ def get_number(body: dict, key: str, kind: type = float, minimum: float | None =
     return value
 
 
+def answer_limit(body: dict, key: str, minimum: int = 1) -> None:
+    """A wire format's answer limit (max_tokens, max_output_tokens) is a whole number of at
+    least `minimum` where given: Anthropic and OpenAI refuse 0 and negatives (Ollama's -1,
+    "no limit", is num_predict's, not theirs), and a -1 here would run to the context's end."""
+    value = body.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not float(value).is_integer() or value < minimum:
+        raise bad_request(f"field '{key}' must be an integer of at least {minimum}; got "
+                          f"{json.dumps(value)[:40]}", key)
+
+
 def parse_options(values: dict, labels: dict | None = None,
                   stored: dict | None = None) -> tuple[SamplingOptions, LoadOptions]:
     """A request's options through the one option table (localllm/options.py), over a

@@ -21,6 +21,7 @@ from ..runner.process import new_request_id
 from ..runner.protocol import Done, Failure, Progress, Token
 from ..state import STORE
 from .common import (
+    answer_limit,
     bad_request,
     body_options,
     get_bool,
@@ -41,11 +42,13 @@ routes = web.RouteTableDef()
 OPENAI_NAMES = {"max_completion_tokens": "num_predict", "max_tokens": "num_predict"}
 
 
-def openai_options(body: dict, stored: dict | None = None
+def openai_options(body: dict, stored: dict | None = None, chat: bool = True
                    ) -> tuple[SamplingOptions, LoadOptions]:
     n = get_number(body, "n", int, 1)
     if n not in (None, 1):
         raise bad_request("only n=1 is supported", "n")
+    answer_limit(body, "max_completion_tokens")
+    answer_limit(body, "max_tokens", 1 if chat else 0)  # completions: 0 scores the prompt
     return body_options(body, OPENAI_NAMES, stored)
 
 
@@ -277,7 +280,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if echo and get_bool(body, "stream", False):
         raise bad_request("echo is answered whole: leave out stream (or set it false)", "echo")
     entry, custom = await _model(request, body)
-    sampling, load = openai_options(body, custom.parameters)
+    sampling, load = openai_options(body, custom.parameters, chat=False)
     chat_request = ChatRequest(
         id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
         prompt=prompt, raw=True,

@@ -4,9 +4,10 @@ A request becomes the one `ChatRequest`: `instructions` and the input items beco
 messages (function_call / custom_tool_call -> an assistant's tool_calls, their outputs -> tool
 messages, reasoning items -> reasoning_content), `function` tools pass as they are, `custom`
 tools (free-form input) are offered as tools taking one string `input` and come back as
-custom_tool_call items, and hosted tools this server cannot run (web_search, file_search,
-code_interpreter, computer use, image generation, mcp, local_shell...) are left out of the
-prompt. Answers are kept in memory, bounded, for `previous_response_id` and GET.
+custom_tool_call items, a `namespace` tool's tools are offered one by one (their calls come back
+with the `namespace` field), and hosted tools this server cannot run (web_search, file_search,
+code_interpreter, computer use, image generation, mcp, local_shell...) and `defer_loading` tools
+are left out of the prompt. Answers are kept in memory, bounded, for `previous_response_id` and GET.
 Accepted and ignored: `metadata`, `user`, `include`, `prompt_cache_key`, `service_tier`,
 `reasoning.summary`, `text.verbosity`, encrypted reasoning content.
 """
@@ -31,6 +32,7 @@ from ..runner.process import new_request_id
 from ..runner.protocol import Done, Failure, Progress
 from .common import (
     ApiError,
+    answer_limit,
     bad_request,
     body_options,
     get_bool,
@@ -39,7 +41,14 @@ from .common import (
     local_model,
     message_images,
     read_json,
-    think_from_effort,
+)
+from .responses_input import (
+    ToolSet,
+    input_messages,
+    reasoning_effort,
+    responses_tool_choice,
+    responses_tools,
+    text_format,
 )
 
 log = logging.getLogger("localllm.daemon")
@@ -47,11 +56,6 @@ routes = web.RouteTableDef()
 
 # The Responses names for the table's options; temperature and top_p share the table's.
 RESPONSES_NAMES = {"max_output_tokens": "num_predict"}
-# Items of hosted tools' calls that may come back in `input`: nothing here can read them.
-HOSTED_ITEMS = ("web_search_call", "file_search_call", "computer_call",
-                "computer_call_output", "code_interpreter_call", "image_generation_call",
-                "local_shell_call", "local_shell_call_output", "mcp_call", "mcp_list_tools",
-                "mcp_approval_request", "mcp_approval_response", "item_reference")
 
 
 # ---- stored responses ----------------------------------------------------------------------
@@ -112,205 +116,6 @@ STORED = web.AppKey("stored_responses", StoredResponses)
 
 
 # ---- request -------------------------------------------------------------------------------
-def image_from_part(part: dict, where: str) -> str:
-    """An `input_image` part as the chat layer carries images: its URL (data: or http)."""
-    url = part.get("image_url")
-    if isinstance(url, dict):  # the chat-completions shape, which some clients send here
-        url = url.get("url")
-    if not isinstance(url, str):
-        raise bad_request(f"{where}.image_url must be a URL (file_id is not supported)",
-                          "input")
-    return url
-
-
-def _content(content, where: str) -> tuple[str, list[str]]:
-    """A message's or a tool output's content as (text, images)."""
-    if content is None:
-        return "", []
-    if isinstance(content, str):
-        return content, []
-    if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
-        raise bad_request(f"{where}.content must be a string or a list of parts", "input")
-    texts, images = [], []
-    for j, part in enumerate(content):
-        kind = part.get("type")
-        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            texts.append(str(part.get("text") or ""))
-        elif kind == "refusal":
-            texts.append(str(part.get("refusal") or ""))
-        elif kind == "input_image":
-            images.append(image_from_part(part, f"{where}.content[{j}]"))
-        else:
-            raise bad_request(f"{where}.content[{j}]: a part of type {kind!r} is not supported "
-                              f"(input_text, output_text and input_image are)", "input")
-    return "\n".join(texts), images
-
-
-def _call_arguments(item: dict, where: str) -> dict:
-    if item["type"] == "custom_tool_call":
-        return {"input": str(item.get("input") or "")}
-    arguments = item.get("arguments") or "{}"
-    try:
-        value = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except json.JSONDecodeError:
-        raise bad_request(f"{where}.arguments is not valid JSON", "input") from None
-    if not isinstance(value, dict):
-        raise bad_request(f"{where}.arguments must be a JSON object", "input")
-    return value
-
-
-def input_messages(value) -> list[dict]:
-    """`input` (a string or items) as HF-shaped messages (see common.get_messages)."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
-        raise bad_request("field 'input' must be a string or a list of items", "input")
-    out: list[dict] = []
-    reasoning: list[str] = []  # a reasoning item belongs to the assistant turn after it
-
-    def assistant() -> dict:
-        """The assistant message a call or text joins: the last one, unless a turn passed."""
-        if not out or out[-1]["role"] != "assistant":
-            out.append({"role": "assistant", "content": ""})
-        if reasoning:
-            out[-1]["reasoning_content"] = out[-1]["thinking"] = "\n".join(reasoning)
-            reasoning.clear()
-        return out[-1]
-
-    names: dict[str, str] = {}  # call_id -> tool name, for the outputs that follow
-    for i, item in enumerate(value):
-        where = f"input[{i}]"
-        kind = item.get("type") or ("message" if "role" in item else None)
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"{where}.role must be user, system, developer or assistant",
-                                  "input")
-            text, images = _content(item.get("content"), where)
-            if role == "assistant":
-                message = assistant()
-                message["content"] += text
-            else:
-                message = {"role": "system" if role == "developer" else role, "content": text}
-                out.append(message)
-            if images:
-                message["images"] = images
-        elif kind in ("function_call", "custom_tool_call"):
-            call_id, name = item.get("call_id"), item.get("name")
-            if not isinstance(call_id, str) or not isinstance(name, str):
-                raise bad_request(f"{where} needs a call_id and a name", "input")
-            names[call_id] = name
-            assistant().setdefault("tool_calls", []).append({
-                "type": "function", "id": call_id,
-                "function": {"name": name, "arguments": _call_arguments(item, where)}})
-        elif kind in ("function_call_output", "custom_tool_call_output"):
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str):
-                raise bad_request(f"{where} needs a call_id", "input")
-            text, images = _content(item.get("output"), where)
-            result = {"role": "tool", "content": text, "tool_call_id": call_id}
-            if call_id in names:
-                result["name"] = names[call_id]
-            if images:
-                result["images"] = images
-            out.append(result)
-        elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            text, _ = _content(parts, where)
-            if text:
-                reasoning.append(text)
-        elif kind in HOSTED_ITEMS:
-            continue
-        else:
-            raise bad_request(f"{where}: an item of type {kind!r} is not supported", "input")
-    return out
-
-
-CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}},
-                "required": ["input"]}
-
-
-def responses_tools(body: dict) -> tuple[tuple[dict, ...], frozenset[str]]:
-    """(function tools in the chat layer's shape, the names of the custom ones)."""
-    tools = body.get("tools")
-    if tools is None:
-        return (), frozenset()
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise bad_request("field 'tools' must be a list of tool objects", "tools")
-    out, custom = [], set()
-    for i, tool in enumerate(tools):
-        kind = tool.get("type")
-        if kind not in ("function", "custom"):
-            continue  # a hosted tool: nothing here runs it, and the model is not told of it
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"tools[{i}].name must be a string", "tools")
-        description = str(tool.get("description") or "")
-        if kind == "function":
-            parameters = tool.get("parameters") or {"type": "object", "properties": {}}
-            if not isinstance(parameters, dict):
-                raise bad_request(f"tools[{i}].parameters must be a JSON schema object",
-                                  "tools")
-        else:
-            custom.add(name)
-            parameters = CUSTOM_INPUT
-            spec = tool.get("format")
-            if isinstance(spec, dict) and spec.get("type") == "grammar":
-                description += (f"\n\nThe input must follow this {spec.get('syntax', '')} "
-                                f"grammar:\n{spec.get('definition', '')}")
-        out.append({"type": "function", "function": {
-            "name": name, "description": description, "parameters": parameters}})
-    return tuple(out), frozenset(custom)
-
-
-def responses_tool_choice(body: dict) -> str | dict:
-    choice = body.get("tool_choice")
-    if choice is None:
-        return "auto"
-    if choice in ("auto", "none", "required"):
-        return choice
-    if not isinstance(choice, dict):
-        raise bad_request("tool_choice must be 'auto', 'none', 'required' or a tool object",
-                          "tool_choice")
-    kind = choice.get("type")
-    if kind in ("function", "custom"):
-        if not isinstance(choice.get("name"), str):
-            raise bad_request(f"tool_choice of type {kind} needs a name", "tool_choice")
-        return {"name": choice["name"]}
-    if kind == "allowed_tools":
-        return "required" if choice.get("mode") == "required" else "auto"
-    return "auto"  # a hosted tool: the model cannot be made to call it here
-
-
-def text_format(body: dict):
-    """`text.format` -> the chat layer's format (None, "json" or a JSON schema)."""
-    text = body.get("text")
-    spec = text.get("format") if isinstance(text, dict) else None
-    if spec is None:
-        return None
-    kind = spec.get("type") if isinstance(spec, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return "json"
-    if kind == "json_schema":
-        if not isinstance(spec.get("schema"), dict):
-            raise bad_request("text.format.schema must be a JSON schema object", "text")
-        return spec["schema"]
-    raise bad_request("text.format.type must be 'text', 'json_object' or 'json_schema'", "text")
-
-
-def reasoning_effort(body: dict) -> bool | str | None:
-    reasoning = body.get("reasoning")
-    if reasoning is None:
-        return None
-    if not isinstance(reasoning, dict):
-        raise bad_request("field 'reasoning' must be an object", "reasoning")
-    return think_from_effort(reasoning.get("effort"), "reasoning.effort")
-
-
 @dataclass
 class Turn:
     """One Responses request, translated."""
@@ -318,32 +123,39 @@ class Turn:
     custom: Customization
     chat: ChatRequest
     history: tuple[dict, ...]  # the conversation before the answer, without instructions
-    custom_tools: frozenset[str]
+    tools: ToolSet
     parallel: bool
     store: bool
     echo: dict  # the request's fields the response object repeats
 
 
+TRUNCATIONS = ("auto", "disabled")
+
+
 async def read_turn(request: web.Request, body: dict) -> Turn:
     entry, custom = await local_model(request, body, "/v1/responses")
+    answer_limit(body, "max_output_tokens")
+    if body.get("truncation") not in (None, *TRUNCATIONS):
+        raise bad_request("truncation must be 'auto' or 'disabled'", "truncation")
     sampling, load = body_options(body, RESPONSES_NAMES, custom.parameters)
     previous = get_str(body, "previous_response_id")
     history = request.app[STORED].get(previous, "previous_response_id").history \
         if previous else ()
-    history = (*history, *input_messages(body.get("input")))
+    earlier = frozenset(call.get("id") for m in history for call in m.get("tool_calls") or ())
+    tools = responses_tools(body)
+    history = (*history, *input_messages(body.get("input"), earlier, tools))
     if not history:
         raise bad_request("field 'input' is missing or empty", "input")
     instructions = get_str(body, "instructions")
     messages, images = message_images(
         (({"role": "system", "content": instructions},) if instructions else ()) + history)
-    tools, custom_tools = responses_tools(body)
     think = reasoning_effort(body)
     if think and not (await model_for(entry, custom)).style.thinking:
         think = None  # Codex always sends an effort: a model that cannot think just answers
     parallel = get_bool(body, "parallel_tool_calls", True)
     chat = ChatRequest(
         id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
-        messages=messages, tools=tools, tool_choice=responses_tool_choice(body),
+        messages=messages, tools=tools.tools, tool_choice=responses_tool_choice(body),
         format=text_format(body), think=think,
         has_images=bool(images), images=images, workload_hint="/v1/responses")
     echo = {"instructions": instructions, "previous_response_id": previous,
@@ -355,7 +167,7 @@ async def read_turn(request: web.Request, body: dict) -> Turn:
             "text": body.get("text") or {"format": {"type": "text"}},
             "truncation": body.get("truncation") or "disabled",
             "metadata": body.get("metadata") or {}, "user": body.get("user")}
-    return Turn(entry, custom, chat, history, custom_tools, parallel,
+    return Turn(entry, custom, chat, history, tools, parallel,
                 get_bool(body, "store", True), echo)
 
 
@@ -375,15 +187,20 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict:
                          "logprobs": []}] if status == "completed" else []}
 
 
-def call_item(call: ToolCall, custom_tools: frozenset[str], status: str = "completed") -> dict:
+def call_item(call: ToolCall, tools: ToolSet, status: str = "completed") -> dict:
+    """A call as its item; a namespace's tool is named as the namespace lists it, with the
+    namespace beside it (as OpenAI's items carry it, and Codex routes the call by both)."""
     done = status == "completed"
-    if call.name in custom_tools:
+    namespace, name = tools.namespaced.get(call.name, (None, call.name))
+    where = {"namespace": namespace} if namespace is not None else {}
+    if call.name in tools.custom:
         value = call.arguments.get("input")
         text = value if isinstance(value, str) else json.dumps(call.arguments)
         return {"type": "custom_tool_call", "id": _id("ctc"), "call_id": call.id,
-                "name": call.name, "input": text if done else "", "status": status}
-    return {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
-            "arguments": json.dumps(call.arguments) if done else "", "status": status}
+                "name": name, **where, "input": text if done else "", "status": status}
+    return {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": name,
+            **where, "arguments": json.dumps(call.arguments) if done else "",
+            "status": status}
 
 
 def output_items(parsed: Parsed, turn: Turn) -> list[dict]:
@@ -391,7 +208,7 @@ def output_items(parsed: Parsed, turn: Turn) -> list[dict]:
     items = [reasoning_item(_id("rs"), parsed.thinking)] if parsed.thinking else []
     if parsed.content.strip() or (parsed.content and not calls):
         items.append(message_item(_id("msg"), parsed.content))
-    return items + [call_item(call, turn.custom_tools) for call in calls]
+    return items + [call_item(call, turn.tools) for call in calls]
 
 
 def usage(done: Done) -> dict:
@@ -529,8 +346,8 @@ class _EventWriter:
 
     async def call(self, call: ToolCall) -> None:
         await self.close_item()
-        item = call_item(call, self.turn.custom_tools, "in_progress")
-        done = {**item, **call_item(call, self.turn.custom_tools), "id": item["id"]}
+        item = call_item(call, self.turn.tools, "in_progress")
+        done = {**item, **call_item(call, self.turn.tools), "id": item["id"]}
         at = {"item_id": item["id"], "output_index": len(self.output)}
         await self.send("response.output_item.added", {"output_index": len(self.output),
                                                        "item": item})

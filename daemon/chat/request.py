@@ -17,6 +17,7 @@ from ..runner.protocol import GenerationRequest
 from .grammar import BadFormat, format_grammar, tool_call_grammar
 from .model import ChatModel
 from .parse import make_parser
+from .roles import place_system_messages
 from .template import HARMONY, THINK_TAGS, TemplateFailed, render, render_default
 
 THINK_LEVELS = ("low", "medium", "high")
@@ -146,6 +147,7 @@ def _render(model: ChatModel, messages: list[dict], tools: list[dict],
             think: bool | str | None) -> str:
     if model.template is None:  # a base model: Ollama's default template, as Ollama does
         return render_default(messages)
+    messages = place_system_messages(messages, model.template, model.bos, model.eos)
     try:
         return render(model.template, messages, tools=tools or None, bos=model.bos,
                       eos=model.eos, think=think if model.style.thinking else None)

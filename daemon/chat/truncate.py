@@ -50,9 +50,30 @@ def check_request_text(request: ChatRequest) -> None:
 
 
 def room_for_prompt(n_ctx: int, num_predict: int) -> int:
-    """Prompt tokens that still leave the answer room: what it asked for, at most half."""
-    answer = min(num_predict, n_ctx // 2) if num_predict > 0 else min(256, n_ctx // 4)
+    """Prompt tokens a chat that must lose turns is cut to: room for the answer it asked for,
+    at most a quarter of the context (256 tokens where it set no limit). A prompt that fits the
+    context whole is never cut: `num_predict` (max_tokens) is a ceiling, not a reservation, and
+    the answer stops at the context's end with done_reason "length"."""
+    answer = min(num_predict if num_predict > 0 else 256, n_ctx // 4)
     return n_ctx - max(answer, 1)
+
+
+def whole_context(n_ctx: int) -> int:
+    """The longest prompt the runner reads: one token of the context is left for the answer."""
+    return n_ctx - 1
+
+
+def too_long(count: int, n_ctx: int, trained: int, what: str = "the prompt is") -> ChatError:
+    """The 400 for a prompt the context cannot hold: its size, the context's, what to do."""
+    if trained > n_ctx:
+        bigger = (f"load the model with a larger num_ctx (it was trained on {trained} "
+                  f"tokens)")
+    else:
+        bigger = (f"use a model with a longer context ({n_ctx} tokens is all this one was "
+                  f"trained on)" if trained else "load the model with a larger num_ctx")
+    return ChatError(f"{what} {count} tokens but the loaded context holds {n_ctx}; shorten "
+                     f"the conversation (an agent: compact it or start a new one), or {bigger}",
+                     "messages")
 
 
 def drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
@@ -121,15 +142,16 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
                          truncate: bool) -> Prepared:
     """`prepared`, or the same request with its oldest turns dropped until the prompt fits.
     A plain prompt (generate, completions) that is too long gets the runner's own 400."""
+    whole = whole_context(runner.n_ctx)
     limit = room_for_prompt(runner.n_ctx, request.options.num_predict)
     size = len(prepared.prompt.encode())
     if request.messages is None and size > runner.n_ctx * BYTES_PER_TOKEN:
         raise ChatError(f"the prompt is {size} bytes, more than a context of {runner.n_ctx} "
                         f"tokens can hold; shorten it, or load the model with a larger "
                         f"num_ctx", "prompt")
-    if request.messages is None or size + 1 <= limit:
+    if request.messages is None or size + 1 <= whole:
         return prepared  # no token is shorter than a byte: it fits without asking the runner
-    if size > limit * BYTES_PER_TOKEN:
+    if size > whole * BYTES_PER_TOKEN:  # bound the text before tokenizing it (quadratic)
         if not truncate:
             raise ChatError(f"the prompt is {size} bytes, more than a context of "
                             f"{runner.n_ctx} tokens can hold; shorten the conversation, load "
@@ -137,12 +159,10 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
                             f"the oldest turns", "messages")
         request, prepared = await _keep_what_could_fit(model, request, limit * BYTES_PER_TOKEN)
     count = await runner.count_tokens(prepared.prompt)
-    if count <= limit:
+    if count <= whole:
         return prepared
     if not truncate:
-        raise ChatError(f"the prompt is {count} tokens but the context is {runner.n_ctx}; "
-                        f"shorten the conversation, load the model with a larger num_ctx, or "
-                        f"leave truncate on to drop the oldest turns", "messages")
+        raise too_long(count, runner.n_ctx, model.context_length)
     started, renders = time.monotonic(), 0
     head, turns = split_turns(list(request.messages))
     head_count, *counted = await runner.count_tokens_each(
@@ -152,6 +172,7 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
     overhead = max(0.0, (count - head_count - sum(counted)) / max(len(turns), 1))
     costs = [c + overhead for c in counted]
     start = first_kept(costs, limit - head_count)
+    fallback: Prepared | None = None
     while True:
         kept = [*head, *(m for turn in turns[start:] for m in turn)]
         if start >= len(turns):  # the newest turn alone is too long: its last message only
@@ -164,6 +185,8 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
             candidate = None  # some templates refuse a history that starts mid-conversation
         if candidate is not None:
             count = await runner.count_tokens(candidate.prompt)
+            if count <= whole and fallback is None:
+                fallback = candidate  # the most turns that fit, leaving less room than asked
             if count <= limit:
                 log.info("dropped the oldest %d of %d turns to fit %d prompt tokens "
                          "(%d renders, %.0f ms)", start, len(turns), limit, renders,
@@ -171,6 +194,8 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
                 return replace(candidate,
                                dropped_messages=len(request.messages) - len(kept))
         if start >= len(turns):
+            if fallback is not None:
+                return fallback
             break
         # Over by `excess`: drop as many more of the oldest kept turns as cover it (one at
         # least), so a few renders settle even when the estimate was off.
@@ -179,6 +204,5 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
         while start < len(turns) and (freed < excess or freed == 0):
             freed += costs[start]
             start += 1
-    raise ChatError(f"the system prompt and the last message alone are {count} tokens, more "
-                    f"than the context of {runner.n_ctx} leaves room for; shorten them or load "
-                    f"the model with a larger num_ctx", "messages")
+    raise too_long(count, runner.n_ctx, model.context_length,
+                   "the system prompt, tools and last message alone are")

@@ -290,10 +290,15 @@ class Engine(PromptReuse, FillBands):
             if media is not None:
                 images = (f" ({media.image_tokens} of them for {len(media.spans)} "
                           f"image{'s' if len(media.spans) != 1 else ''})")
+            trained = llama_cpp.llama_model_n_ctx_train(self.lm.model)
+            bigger = (f"load the model with a larger num_ctx (it was trained on {trained} "
+                      f"tokens)" if trained > self.n_ctx else
+                      f"use a model with a longer context ({self.n_ctx} tokens is all this "
+                      f"one was trained on)")
             raise RequestError(
-                f"the prompt is {len(tokens)} tokens{images} but the context is {self.n_ctx}; "
-                f"shorten it{', send fewer images' if images else ''} or load the model with "
-                f"a larger num_ctx")
+                f"the prompt is {len(tokens)} tokens{images} but the loaded context holds "
+                f"{self.n_ctx}; shorten it{', send fewer images' if images else ''} or "
+                f"{bigger}")
         if is_image_token(tokens[-1]):
             raise RequestError("the prompt ends with an image: put text after it")
 
@@ -362,7 +367,8 @@ class Engine(PromptReuse, FillBands):
                 slot.unread -= n
                 self._checkpoint_read(slot)
                 if slot.unread:
-                    slot.work.emit(Progress(len(slot.tokens), len(slot.work.prompt)))
+                    slot.work.emit(Progress(len(slot.tokens), len(slot.work.prompt),
+                                            prompt_cached=slot.work.cached))
                 else:
                     slot.work.prompt_done_ns = now
         for slot, _, _ in rows:
@@ -451,7 +457,7 @@ class Engine(PromptReuse, FillBands):
             slot.tokens.extend(slot.to_decode[:span.n_tokens])
             del slot.to_decode[:span.n_tokens]
             slot.unread -= span.n_tokens
-            work.emit(Progress(len(slot.tokens), len(work.prompt)))
+            work.emit(Progress(len(slot.tokens), len(work.prompt), prompt_cached=work.cached))
 
     def _fill_batch(self) -> list[tuple[Slot, int, int]]:
         """Put every answering slot's next token, then prompt chunks, into the batch.

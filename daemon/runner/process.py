@@ -116,6 +116,7 @@ class RunnerProcess:
         self._events: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self._exit_reason = ""
+        self._stopping = False  # stop() was called: an exit now is the one asked for
         # Called with (mode, drafted, accepted) after each answer that drafted.
         self.on_drafts: Callable[[str, int, int], None] | None = None
         self.on_done: Callable[[Done], None] | None = None  # after each answer
@@ -238,7 +239,11 @@ class RunnerProcess:
         """The runner is gone or no longer trusted: end every request in flight."""
         if not self._exit_reason:
             self._exit_reason = why
-            log.warning("runner for %s (pid %s) ended: %s", self.model_name, self.pid, why)
+            # An unload (idle, a reload, shutdown) ends the runner on purpose: info, not a
+            # warning, unless it cut answers short.
+            asked = self._stopping and not self._events
+            log.log(logging.INFO if asked else logging.WARNING, "runner for %s (pid %s) %s: %s",
+                    self.model_name, self.pid, "stopped" if asked else "ended", why)
         for queue in self._events.values():  # 503: asking again loads it afresh
             queue.put_nowait(Failure(
                 f"the runner for {self.model_name} stopped mid-answer ({self._exit_reason}); "
@@ -335,6 +340,7 @@ class RunnerProcess:
     async def stop(self) -> None:
         if not self.proc:
             return
+        self._stopping = True
         if self.alive:
             for request_id in list(self._events):  # an answer in flight ends now, not later
                 self._send({"op": "cancel", "id": request_id})

@@ -112,6 +112,7 @@ class Progress:
     prompt_read: int
     prompt_total: int
     note: str = ""
+    prompt_cached: int = 0  # of prompt_total, the tokens reused from the cache (not read)
 
 
 @dataclass(frozen=True)
