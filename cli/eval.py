@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -93,7 +95,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError("f16 KV is the reference: test q8_0, q4_0 or q8_0/q4_0, or compare "
                         "with another quant (--vs MODEL)")
     results = evaluate_in_child(shape.path, settings, text, args.ctx, reference_path,
-                                reference, n_gpu_layers=0 if args.cpu else 999)
+                                reference, n_gpu_layers=0 if args.cpu else 999,
+                                on_progress=_show_progress(len(settings)))
     saved = None
     if not args.no_save:
         for r in results:
@@ -110,6 +113,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if saved:
         print(f"\nsaved to {saved}; `localllm tune {args.model}` uses them")
     return 0
+
+
+def _show_progress(n_settings: int):
+    """How far the evaluation is, on stderr: one line rewritten in a terminal, a line per tenth
+    of the text otherwise (a log)."""
+    tty = sys.stderr.isatty()
+    started = time.monotonic()
+
+    def show(done: int, total: int) -> None:
+        if not tty and done % max(1, total // 10):
+            return
+        elapsed = time.monotonic() - started
+        left = f", about {elapsed / done * (total - done):.0f} s left" if done else ""
+        line = (f"reading chunk {done + 1} of {total} with the reference and "
+                f"{n_settings} setting(s){left}")
+        print(f"\r{line}\x1b[K" if tty else line, end="" if tty else "\n", file=sys.stderr,
+              flush=True)
+        if tty and done + 1 == total:
+            print(file=sys.stderr)
+
+    return show
 
 
 def format_table(name: str, results: list) -> str:

@@ -90,6 +90,7 @@ def _child(request: dict) -> dict:
     ref_nll = 0.0
     scored = 0
     for c in range(n_chunks):
+        progress(c, n_chunks)
         chunk = tokens[c * n_ctx:(c + 1) * n_ctx]
         if bos >= 0:
             chunk[0] = bos
@@ -116,6 +117,11 @@ def _child(request: dict) -> dict:
             "reference_perplexity": float(np.exp(ref_nll / scored)), "n_tokens": scored,
         })
     return {"results": results}
+
+
+def progress(done: int, total: int) -> None:
+    """A line on stdout per chunk, before the result's line: the parent shows how far it is."""
+    print(json.dumps({"progress": [done, total]}), flush=True)
 
 
 def main() -> int:

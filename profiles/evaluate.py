@@ -18,6 +18,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,17 +44,39 @@ class EvalResult:
 
 def evaluate_in_child(model_path: str, settings: list[str], text: str, n_ctx: int = DEFAULT_CTX,
                       reference_path: str | None = None, reference_name: str = "f16",
-                      n_gpu_layers: int = 999, timeout: float = 1800) -> list[EvalResult]:
+                      n_gpu_layers: int = 999, timeout: float = 1800,
+                      on_progress: Callable[[int, int], None] | None = None,
+                      ) -> list[EvalResult]:
+    """`on_progress(done, total)`: called as the child starts each chunk of the text."""
     request = json.dumps({"model": model_path, "reference_model": reference_path,
                           "settings": settings, "text": text, "n_ctx": n_ctx,
                           "n_gpu_layers": n_gpu_layers})
-    proc = subprocess.run([sys.executable, "-m", "localllm.llama.evaluate"], input=request,
-                          text=True, capture_output=True, timeout=timeout)
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        last = lines[-1] if lines else f"exit {proc.returncode}"
-        raise UserError(f"the evaluation failed: {last.removeprefix('Error: ')}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryFile("w+") as stderr, subprocess.Popen(
+            [sys.executable, "-m", "localllm.llama.evaluate"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=stderr, text=True) as proc:
+        proc.stdin.write(request)
+        proc.stdin.close()
+        timed_out = threading.Event()
+        timer = threading.Timer(timeout, lambda: (timed_out.set(), proc.kill()))
+        timer.start()
+        last = ""
+        try:
+            for line in proc.stdout:  # progress lines, then the result's
+                last = line
+                if on_progress and line.startswith('{"progress"'):
+                    on_progress(*json.loads(line)["progress"])
+        finally:
+            timer.cancel()
+        code = proc.wait()
+        stderr.seek(0)
+        errors = stderr.read()
+    if timed_out.is_set():
+        raise UserError(f"the evaluation took longer than {timeout:.0f} s and was stopped")
+    if code != 0:
+        lines = errors.strip().splitlines()
+        final = lines[-1] if lines else f"exit {code}"
+        raise UserError(f"the evaluation failed: {final.removeprefix('Error: ')}")
+    out = json.loads(last)
     return [EvalResult(setting=r["setting"], reference=reference_name,
                        **{k: r[k] for k in ("kl_mean", "kl_p99", "top_agreement", "perplexity",
                                            "reference_perplexity", "n_tokens")})

@@ -24,6 +24,10 @@ def test_q8_0_kv_costs_less_than_q4_0_and_the_tuner_reads_it(home, smollm2_gguf)
     done = localllm("eval", str(smollm2_gguf), "--kv", "q8_0,q4_0", "--ctx", "256", "--cpu")
     assert done.returncode == 0, done.stderr
     print(done.stdout)  # the table, in the test log
+    # How far it is, while it reads (it printed nothing for minutes before the table)
+    progress = [ln for ln in done.stderr.splitlines() if ln.startswith("reading chunk ")]
+    assert progress and progress[0].startswith("reading chunk 1 of "), done.stderr
+    assert "with the reference and 2 setting(s)" in progress[0]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in done.stdout.splitlines() if line.startswith("| ") and " KV " in line}
     q8, q4 = float(rows["q8_0 KV"][1]), float(rows["q4_0 KV"][1])
