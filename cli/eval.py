@@ -78,17 +78,16 @@ def _text(path: Path | None) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from localllm.cli.tune import resolve_model
     from localllm.profiles.evaluate import evaluate_in_child
     from localllm.profiles.quality import save_result
 
     if args.ctx < 64:
         raise UserError("--ctx must be at least 64")
     text = _text(args.file)
-    shape, name = resolve_model(args.model)
+    shape, name = _local_model(args.model)
     reference_path, reference = None, "f16"
     if args.vs != "f16":
-        ref_shape, reference = resolve_model(args.vs)
+        ref_shape, reference = _local_model(args.vs)
         reference_path = ref_shape.path
     settings = _settings(args.kv or ("f16" if reference_path else DEFAULT_SETTINGS))
     if not reference_path and "f16" in settings:
@@ -113,6 +112,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if saved:
         print(f"\nsaved to {saved}; `localllm tune {args.model}` uses them")
     return 0
+
+
+def _local_model(model: str):
+    """(shape, name) of a stored model or a GGUF file: eval reads the weights, which a catalog
+    name not pulled yet (planned from its header) does not have here."""
+    from localllm.cli.tune import resolve_model
+
+    shape, name, remote = resolve_model(model)
+    if remote:
+        raise UserError(f"{model} is not pulled: eval reads its weights; run `localllm pull "
+                        f"{model}` first")
+    return shape, name
 
 
 def _show_progress(n_settings: int):

@@ -102,6 +102,17 @@ class _FileHandler(logging.handlers.RotatingFileHandler):
 _OURS = (_JournalHandler, _StderrHandler, _FileHandler)
 
 
+def _stderr_is_daemon_log() -> bool:
+    """Whether stderr is the file a background start sends it to (localllm/client.py)."""
+    from localllm.client import daemon_log_path
+
+    try:
+        err, log = os.fstat(sys.stderr.fileno()), os.stat(daemon_log_path())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (err.st_dev, err.st_ino) == (log.st_dev, log.st_ino)
+
+
 def setup_logging(config: Config) -> None:
     """Route all logging (ours and libraries') per the module docstring; safe to call again
     when the config changes (log_level is applied live)."""
@@ -118,9 +129,10 @@ def setup_logging(config: Config) -> None:
     else:
         handlers.append(_FileHandler(log_file(), maxBytes=LOG_FILE_BYTES,
                                      backupCount=LOG_FILE_BACKUPS, encoding="utf-8"))
-        # A copy on stderr for a terminal running `localllm serve`; a daemon started in the
-        # background has its stderr in daemon.log, which would repeat every line of this one.
-        if sys.stderr.isatty():
+        # A copy on stderr (a terminal running `localllm serve`, a pipe, a container's log),
+        # except for a daemon started in the background: its stderr is daemon.log, which would
+        # repeat every line of this one.
+        if not _stderr_is_daemon_log():
             handlers.append(_StderrHandler(sys.stderr))
         for handler in handlers:
             handler.setFormatter(LogfmtFormatter(timestamps=True, priority_prefix=False))

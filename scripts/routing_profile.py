@@ -117,6 +117,11 @@ def route(model_path: str, text: str, n_batch: int = 64) -> tuple[dict, int, int
     finally:
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
+        # llama.cpp's log goes back where the binding sends it: a caller in the same process
+        # (the test suite) reads it later
+        from llama_cpp._logger import llama_log_callback as binding_logger
+
+        llama_cpp.llama_log_set(binding_logger, ctypes.c_void_p())
     return recorder.blocks, n_expert, n_used
 
 

@@ -145,9 +145,12 @@ def test_an_out_of_range_value_is_the_same_400_on_every_api(daemon):
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert (error["message"] if isinstance(error, dict) else error) == expected
+    # OpenAI's answer limits are whole numbers of at least 1 (0 on completions, which scores
+    # the prompt):
+    # Ollama's -1 ("no limit") and -2 are num_predict's, not theirs (#39 item 12)
     assert httpx.post(f"{daemon.url}/v1/completions", json={
         "model": "smollm2", "prompt": "hi", "max_tokens": -5}).json()["error"]["message"] == \
-        "max_tokens must be between -2 and 16777216, not -5"
+        "field 'max_tokens' must be an integer of at least 0; got -5"
     assert httpx.post(f"{daemon.url}/v1/responses", json={
         "model": "smollm2", "input": "hi", "max_output_tokens": -5}).json()["error"]["message"] \
-        == "max_output_tokens must be between -2 and 16777216, not -5"
+        == "field 'max_output_tokens' must be an integer of at least 1; got -5"

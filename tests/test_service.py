@@ -154,7 +154,13 @@ def test_service_logs_shows_the_log_file_without_systemd(home, capsys):
     assert "msg=\"slow disk\"" in seen  # a terminal running `localllm serve` sees it
     piped = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
                            text=True, check=True)
-    assert piped.stderr == ""  # a background daemon's stderr (daemon.log) repeats nothing
+    assert "msg=\"slow disk\"" in piped.stderr  # a pipe (a container's log) sees it too
+    from localllm.client import daemon_log_path
+
+    daemon_log_path().parent.mkdir(parents=True, exist_ok=True)
+    with open(daemon_log_path(), "w") as background:  # where a background start sends stderr
+        subprocess.run([sys.executable, "-c", program], env=env, stderr=background, check=True)
+    assert daemon_log_path().read_text() == ""  # ... repeats nothing of localllm.log
     assert main(["service", "logs", "-n", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2
