@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,7 @@ def write_skeleton(model: Path, out: Path) -> None:
 def from_skeleton(skeleton: Path, out: Path) -> None:
     data = skeleton.read_bytes()
     head, size = data[:-8], int.from_bytes(data[-8:], "little")
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     with open(out, "wb") as f:
         f.write(head)
         left = size - len(head)
