@@ -149,6 +149,19 @@ class Ours:
                 "workload")
         return ", ".join(f"{k} {m.get(k)}" for k in keys if k in m)
 
+    def predicted(self, depth: int) -> float | None:
+        """The running plan's predicted decode (tok/s) at `depth` tokens of context, read off its
+        curve (start, middle, end) by straight lines: what issue 37 holds the measurement to."""
+        [m] = self.daemon.get("/api/stats")["models"] or [{}]
+        curve = sorted((m.get("plan") or {}).get("predicted_decode_by_depth") or [])
+        if not curve:
+            return None
+        for (d0, t0), (d1, t1) in zip(curve, curve[1:]):
+            if depth <= d1:
+                f = 0.0 if d1 == d0 else max(0.0, (depth - d0) / (d1 - d0))
+                return round(t0 + f * (t1 - t0), 2)
+        return round(curve[-1][1], 2)
+
     def band(self) -> dict | None:
         """The fill band the runner is in and the pauses of its switches (ps)."""
         [m] = self.daemon.get("/api/ps")["models"] or [{}]
@@ -244,7 +257,8 @@ def run_system(system, args, record) -> None:
         if run == "short":
             r = system.generate("The quick brown fox jumps over the lazy dog. " * 6, args.tokens)
             record({"system": system.name, "run": "short", "decode_tps": round(r["decode_tps"], 2),
-                    "answer_tokens": r["answer_tokens"], "band": system.band()})
+                    "answer_tokens": r["answer_tokens"], "band": system.band(),
+                    **predicted(system, r["prompt_tokens"])})
         elif run == "prompt":
             c = calibrate(system, cpt, args.ctx)
             prompt = text_of(int(args.prompt_tokens * c), 2)
@@ -253,12 +267,18 @@ def run_system(system, args, record) -> None:
                     "ttft": round(r["ttft"], 2),
                     "prompt_tps": round(r["prompt_tokens"] / max(1e-9, r["ttft"]), 1),
                     "decode_tps": round(r["decode_tps"], 2), "answer_tokens": r["answer_tokens"],
-                    "band": system.band()})
+                    "band": system.band(), **predicted(system, r["prompt_tokens"])})
         elif run in ("agent", "agent-rerendered"):
             record(agent_replay(system, args, calibrate(system, cpt, args.ctx),
                                 rerendered=run == "agent-rerendered"))
         elif run == "session-order":
             session_order(system, args, record, calibrate(system, cpt, args.ctx))
+
+
+def predicted(system, depth: int) -> dict:
+    """Ours: the plan's predicted decode at this depth, beside the measured figure."""
+    guess = system.predicted(depth) if hasattr(system, "predicted") else None
+    return {"predicted_decode_tps": guess} if guess is not None else {}
 
 
 def agent_replay(system, args, chars_per_token: float, rerendered: bool) -> dict:
