@@ -33,9 +33,21 @@ DECODE_DEPTH = 1024
 GPU_BLOCK_SECONDS = 33e-6  # kernel launches per block and token on the GPU
 TOKEN_SECONDS = 0.5e-3  # the runner's own loop per token (sampling, Python)
 CROSSING_SECONDS = 0.1e-3  # hidden state between GPU and CPU, and the sync it forces
-# Fraction of a GPU's peak bandwidth that flash attention reaches reading the KV cache at
-# batch 1: f16 streams well, quantized K/V are dequantized in the vector kernel.
-GPU_KV_EFFICIENCY = {"f16": 0.5, "bf16": 0.5, "f32": 0.5, "q8_0": 0.09, "q4_0": 0.05}
+# Flash attention at batch 1 on a GPU costs per query head, not per byte of KV: each query
+# head walks the cells of its KV head, dequantizing them (quantized K/V) as it goes, so a model
+# with 8 query heads per KV head pays 8 walks over the same bytes. Seconds per query-head
+# element (n_head x (head_dim_k + head_dim_v), per cell) on the H200, by cache type, fitted to
+# llama-bench depth costs there: f16 8B at 32K 1.8 ms (predicted 1.6), Qwen3-30B-A3B at 16K
+# 1.1 ms (1.2); q8_0 dense-27b at 32K 10.7 ms (11.1), Qwen3-30B-A3B at 16K 3.3 ms (3.2). A
+# bytes-per-second view (the model before) put q8_0 at 9% of peak for the first and 5% for the
+# second: it priced a quantized cache too cheap on many-heads-per-KV-head models, and chose
+# q8_0 for a band that decodes deep, where f16 with fewer experts on the GPU is faster. q4_0 is
+# the same ratio to q8_0 as that view had (not measured on its own). Other cards scale by
+# their bandwidth against the H200's.
+GPU_ATTENTION_ELEMENT_SECONDS = {"f16": 1.9e-13, "bf16": 1.9e-13, "f32": 3.8e-13,
+                                 "q8_0": 5.0e-13, "q4_0": 9.0e-13}
+GPU_ATTENTION_REFERENCE_GBS = 4800.0  # the H200's, where the figures above were measured
+GPU_KV_READ_EFFICIENCY = 0.6  # a cache with as many KV heads as query heads is bound by bytes
 CPU_QUANTIZED_KV_PENALTY = 2.0  # the CPU dequantizes K/V rows as it attends
 PREFILL_GPU_EFFICIENCY = 0.18  # of the card's FP16 tensor TFLOPS, quantized matmuls included
 CPU_GFLOPS_PER_CORE = 40.0  # prompt matmuls on CPU cores (AVX2/AVX-512, quantized weights)
@@ -84,14 +96,22 @@ def _attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, dep
     row = (kv_row_bytes(settings.type_k, costs.kv_k_elements[i])
            + kv_row_bytes(settings.type_v, costs.kv_v_elements[i]))
     if on_gpu:
-        efficiency = GPU_KV_EFFICIENCY.get(settings.type_k, 0.05)
-        return cells * row / ((gpu_peak_gbs or card.bandwidth_gbs) * 1e9 * efficiency)
+        peak = gpu_peak_gbs or card.bandwidth_gbs
+        per_element = (_gpu_element_seconds(settings.type_k)
+                       + _gpu_element_seconds(settings.type_v)) / 2
+        walks = cells * costs.attention_flops[i] / 2 * per_element \
+            * GPU_ATTENTION_REFERENCE_GBS / max(1.0, peak)
+        return max(walks, cells * row / (peak * 1e9 * GPU_KV_READ_EFFICIENCY))
     quantized = settings.type_k not in CPU_ATTENTION_FLOPS_PER_THREAD
     penalty = CPU_QUANTIZED_KV_PENALTY if quantized else 1.0
     read = cells * row * penalty / (card.host_bandwidth_gbs * 1e9)
     rate = (CPU_ATTENTION_FLOPS_QUANTIZED if quantized
             else CPU_ATTENTION_FLOPS_PER_THREAD[settings.type_k]) * threads
     return max(read, cells * costs.attention_flops[i] / rate)
+
+
+def _gpu_element_seconds(cache_type: str) -> float:
+    return GPU_ATTENTION_ELEMENT_SECONDS.get(cache_type, GPU_ATTENTION_ELEMENT_SECONDS["q4_0"])
 
 
 def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,
