@@ -222,6 +222,38 @@ def test_a_slot_keeps_the_latest_prompt_end_then_spaced_checkpoints_and_drops_th
     assert [c.n_tokens for c in slot.items] == [1024, 1396]
 
 
+def test_a_checkpoint_that_leaves_its_slot_lends_its_memory_to_the_next():
+    """Copies into fresh memory pay a page fault per page (47 ms for 63 MiB on the H200): a
+    dropped checkpoint's buffer is taken again, unless a saved sequence still holds it."""
+    from localllm.daemon.runner import checkpoints
+
+    def taken(n: int, kind: str) -> Checkpoint:
+        buffer = checkpoints._buffer(4096)
+        return Checkpoint(n, (ctypes.c_uint8 * 4096).from_buffer(buffer), kind, buffer=buffer)
+
+    checkpoints._spare.clear()
+    slot = SlotCheckpoints(limit=2)
+    first, second = taken(10, END), taken(14, END)
+    slot.add(first)
+    slot.add(second)
+    saved = slot.copy()  # the prompt cache keeps both: their memory is theirs for good
+    third = taken(30, END)
+    slot.add(third)  # pushes `first` out, which the saved sequence still holds
+    assert checkpoints._spare == [] and saved[0] is first
+    fourth = taken(34, END)
+    slot.add(fourth)  # pushes `second` out: shared too
+    assert checkpoints._spare == []
+    slot.add(taken(50, END))  # pushes `third` out: nobody else holds it
+    assert checkpoints._spare and checkpoints._spare[0] is third.buffer
+    reused = taken(54, END)
+    assert reused.buffer is third.buffer and checkpoints._spare == []
+    slot.clear()  # fourth, the one at 50: both go back, at most SPARE_BUFFERS kept
+    assert len(checkpoints._spare) == min(2, checkpoints.SPARE_BUFFERS)
+    assert all(len(b) == 4096 for b in checkpoints._spare)
+    assert checkpoints._buffer(8192) not in checkpoints._spare  # another size: fresh memory
+    checkpoints._spare.clear()
+
+
 def test_the_plan_counts_the_checkpoints_in_ram(tmp_path):
     """Per slot CHECKPOINTS_PER_SLOT copies of the recurrent state (hybrid) or of the window's
     cells (sliding window); none for a model of full attention only."""

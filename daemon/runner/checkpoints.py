@@ -19,8 +19,12 @@ position, and the prompt is read from there (reuse.py). llama-server does the sa
 context checkpoints (tools/server/server-context.cpp); this follows its semantics.
 
 The copies live in RAM, at most `MAX_PER_SLOT` per slot; the tuner counts them in the plan's
-RAM (profiles.memory.checkpoint_bytes, which owns that number). llama.cpp's `ON_DEVICE` flag
-keeps one copy per sequence only (taking another invalidates the first): it cannot hold several.
+RAM (profiles.memory.checkpoint_bytes, which owns that number). A copy into fresh memory pays a
+page fault per 4 KiB page, most of its cost: on the H200 a Qwen3.5-35B-A3B state of 63 MiB took
+47 ms, twice per prompt; so a checkpoint that leaves its slot unshared gives its buffer back
+for the next one (at most `SPARE_BUFFERS` kept, outside the tuner's count). llama.cpp's
+`ON_DEVICE` flag keeps one copy per sequence only (taking another invalidates the first): it
+cannot hold several.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 NEAR_END = 4  # as llama-server: a checkpoint this many tokens before a prompt's end
 END, SPACED = "end", "spaced"
 _ORDER = itertools.count()  # the order checkpoints were taken in (the oldest goes first)
+SPARE_BUFFERS = 2
+_spare: list[bytearray] = []  # buffers of checkpoints that left their slot, pages in place
 
 
 def spacing(n_ctx: int) -> int:
@@ -53,6 +59,8 @@ class Checkpoint:
     data: ctypes.Array
     kind: str  # END (a prompt's end or NEAR_END before it) or SPACED
     order: int = field(default_factory=lambda: next(_ORDER))
+    shared: bool = False  # a saved sequence holds it too: its buffer is never reused
+    buffer: bytearray | None = field(default=None, repr=False)  # the memory under `data`
 
     @property
     def nbytes(self) -> int:
@@ -66,10 +74,26 @@ def take(ctx: llama_cpp.llama_context_p, seq_id: int, n_tokens: int,
     size = int(llama_cpp.llama_state_seq_get_size_ext(ctx, seq_id, PARTIAL))
     if size <= 0:
         return None
-    data = (ctypes.c_uint8 * size).from_buffer(bytearray(size))
+    buffer = _buffer(size)
+    data = (ctypes.c_uint8 * size).from_buffer(buffer)
     if llama_cpp.llama_state_seq_get_data_ext(ctx, data, size, seq_id, PARTIAL) != size:
         return None
-    return Checkpoint(n_tokens, data, kind)
+    return Checkpoint(n_tokens, data, kind, buffer=buffer)
+
+
+def _buffer(size: int) -> bytearray:
+    for i, spare in enumerate(_spare):
+        if len(spare) == size:
+            return _spare.pop(i)
+    return bytearray(size)
+
+
+def _recycle(dropped: list[Checkpoint]) -> None:
+    """Keep the buffers of checkpoints no one else holds, for the next copy (see the top)."""
+    for checkpoint in dropped:
+        if not checkpoint.shared and checkpoint.buffer is not None:
+            _spare.insert(0, checkpoint.buffer)
+    del _spare[SPARE_BUFFERS:]
 
 
 def load(ctx: llama_cpp.llama_context_p, seq_id: int, checkpoint: Checkpoint) -> bool:
@@ -107,23 +131,30 @@ class SlotCheckpoints:
                    key=lambda c: c.n_tokens, default=None)
 
     def add(self, checkpoint: Checkpoint) -> None:
+        dropped = [c for c in self.items if c.n_tokens == checkpoint.n_tokens]
         self.items = [c for c in self.items if c.n_tokens != checkpoint.n_tokens]
         while len(self.items) >= self.limit:
-            self.items.remove(self._evictable(checkpoint))
+            dropped.append(self._evictable(checkpoint))
+            self.items.remove(dropped[-1])
+        _recycle(dropped)
         self.items.append(checkpoint)
         self.items.sort(key=lambda c: c.n_tokens)
 
     def cut(self, n_tokens: int) -> None:
         """The sequence keeps its first `n_tokens` tokens: checkpoints past them describe
         tokens it no longer holds."""
+        _recycle([c for c in self.items if c.n_tokens > n_tokens])
         self.items = [c for c in self.items if c.n_tokens <= n_tokens]
 
     def clear(self) -> None:
+        _recycle(self.items)
         self.items = []
 
     def copy(self) -> tuple[Checkpoint, ...]:
         """The checkpoints as they are now (their bytes are shared: a checkpoint never
         changes), for the prompt cache to keep with a saved sequence."""
+        for checkpoint in self.items:
+            checkpoint.shared = True
         return tuple(self.items)
 
     def _evictable(self, incoming: Checkpoint) -> Checkpoint:

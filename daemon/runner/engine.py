@@ -354,7 +354,6 @@ class Engine(PromptReuse, FillBands):
         if code != 0:
             self._fail_batch(rows, code)
             return
-        now = time.perf_counter_ns()
         for slot, n, _ in rows:  # the batch is in the KV cache now
             if slot.unread and not slot.replaying and slot.work.request.prompt_logprobs:
                 self._score_prompt(slot, n)
@@ -369,8 +368,8 @@ class Engine(PromptReuse, FillBands):
                 if slot.unread:
                     slot.work.emit(Progress(len(slot.tokens), len(slot.work.prompt),
                                             prompt_cached=slot.work.cached))
-                else:
-                    slot.work.prompt_done_ns = now
+                else:  # after the prompt's checkpoints: their copies are not decode time
+                    slot.work.prompt_done_ns = time.perf_counter_ns()
         for slot, _, _ in rows:
             if slot.fresh is not None:  # text of last step's token, while the device works
                 token, slot.fresh = slot.fresh, None
