@@ -39,12 +39,19 @@ def rollback_positions(plan: Plan) -> int:
     return ceiling + 1 if ceiling else 0
 
 
+def load_mode(plan: Plan) -> int:
+    """llama.cpp's load mode for the plan's use_mmap. (0.3.36 replaced the `use_mmap` field by
+    `load_mode`: an assignment to `use_mmap` sets a Python attribute and llama.cpp never sees it,
+    so a profile's `use_mmap = false` changed nothing before this.)"""
+    return llama_cpp.LLAMA_LOAD_MODE_MMAP if plan.use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
+
+
 def model_params(plan: Plan, metadata_only: bool = False):
     """(model params, what must stay alive until the model is loaded). `metadata_only`: read the
     header and plan the buffers without allocating (a dry run)."""
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = plan.n_gpu_layers
-    params.use_mmap = plan.use_mmap
+    params.load_mode = load_mode(plan)
     if not plan.extra_bufts:  # the engine crashed with them on this CPU (daemon/scheduler.py)
         params.use_extra_bufts = False
     elif plan.streamed_bytes and plan.use_mmap:

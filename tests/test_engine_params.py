@@ -61,3 +61,21 @@ def test_the_dry_run_builds_the_runners_params(smollm2_gguf, recorded, plan):
     assert run_ctx["n_seq_max"] == max(1, plan.n_parallel)
     assert run_ctx["n_rs_seq"] == (plan.draft_n_max + 1 if plan.speculative != "off" else 0)
     assert bool(run_model["tensor_buft_overrides"]) == bool(plan.tensor_overrides)
+
+
+@pytest.mark.parametrize("use_mmap", [True, False])
+def test_every_setting_reaches_a_field_llama_cpp_reads(smollm2_gguf, recorded, use_mmap):
+    """ctypes takes an assignment to a name outside a struct's fields as a Python attribute,
+    silently: `use_mmap`, renamed `load_mode` in llama.cpp, did nothing that way."""
+    from localllm.llama.params import context_params, model_params
+
+    plan = Plan(n_ctx=512, use_mmap=use_mmap)
+    params, _ = model_params(plan)
+    assert vars(params) == {}, "set outside llama_model_params' fields"
+    assert vars(context_params(plan)) == {}, "set outside llama_context_params' fields"
+    lm = runner_model.load(str(smollm2_gguf), plan)
+    llama_cpp.llama_free(lm.ctx)
+    llama_cpp.llama_model_free(lm.model)
+    [loaded] = recorded["model"]
+    assert loaded["load_mode"] == (llama_cpp.LLAMA_LOAD_MODE_MMAP if use_mmap
+                                   else llama_cpp.LLAMA_LOAD_MODE_NONE)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import llama_cpp
 import numpy as np
-from localllm.llama.params import context_params
+from localllm.llama.params import context_params, load_mode
 from localllm.profiles.plan import Plan
 
 from . import model as llama
@@ -223,7 +223,7 @@ class DraftModel(_BatchDrafter):
     def __init__(self, path: str, target: llama.LlamaModel, plan: Plan, capacity: int):
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = plan.draft_n_gpu_layers
-        mparams.use_mmap = plan.use_mmap
+        mparams.load_mode = load_mode(plan)
         model = llama_cpp.llama_model_load_from_file(path.encode(), mparams)
         if not model:
             raise DraftModelError(f"llama.cpp could not load the draft model {path}")
