@@ -118,6 +118,8 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
             evaluator.speed(best.placement, best.settings,
                             objective_depth(s.n_ctx, request.workload)).decode_tps, 2),
     )
+    streamed = disk_bytes_per_token(best.memory, evaluator.ram_budget)
+    pinned = loads_pinned(card, plan, streamed)
     return replace(
         plan,
         n_parallel=s.n_seq,
@@ -130,8 +132,25 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
         workload=request.workload.describe(),
         workload_source=request.workload_source,
         predicted_session_s=round(best.session_seconds, 1),
-        streamed_bytes=disk_bytes_per_token(best.memory, evaluator.ram_budget),
+        streamed_bytes=streamed,
+        use_mmap=not pinned,
         reasons=tuple(explain(shape, card, request, chosen, searches, evaluator, threads,
-                              single, slot_note, speculation_notes or [])),
+                              single, slot_note, speculation_notes or []))
+        + ((PINNED_REASON,) if pinned else ()),
         source="tuner",
     )
+
+
+PINNED_REASON = ("weights in RAM loaded into the GPU's pinned host memory (use_mmap off): a "
+                 "prompt's micro-batches copy them to the GPU at PCIe speed, not at the 7 GB/s "
+                 "of the file's mapped pages (speed.py)")
+
+
+def loads_pinned(card: Card, plan: Plan, streamed_bytes: int) -> bool:
+    """Whether a plan loads its RAM-resident weights into pinned memory rather than mapping the
+    file: on a GPU, with blocks or tensors of blocks in RAM (the token table always is; alone
+    it never crosses), all within the RAM budget (past RAM the file must stay mapped:
+    profiles/disk.py)."""
+    blocks_in_ram = any(device == CPU and n for device, n in plan.device_layers)
+    return card.has_gpu and (blocks_in_ram or bool(plan.tensor_overrides)) \
+        and not streamed_bytes

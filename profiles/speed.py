@@ -186,9 +186,17 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
 # compute buffer that grows with them. Fitted to llama-bench pp4096 on the H200 (dense-27b Q4_0,
 # q8_0 KV, 16 threads): the FFN of blocks 25-65 in RAM (7.3 GB) read 258 / 425 / 835 / 1219 tok/s
 # at ubatch 256 / 512 / 1024 / 2048, whole blocks 0-26 in RAM (5.7 GB) 485 at 512 and 1398 at
-# 2048: about 0.93 s per micro-batch for the crossing (7 GB/s: the weights are in pageable
-# memory and repacked for the CPU) and 0.3 ms per token (54 GFLOP at 18% of the FP16 peak).
-OFFLOAD_GBS_FRACTION = 0.14  # of the card's pcie_gbs (H200: 50 GB/s -> 7 GB/s)
+# 2048: about 0.93 s per micro-batch for the crossing and 0.3 ms per token (54 GFLOP at 18% of
+# the FP16 peak). That crossing ran at 7 GB/s because the weights sat in the file's mapped
+# pages (llama.cpp's default load mode): pageable memory, staged by the driver. Loaded without
+# mmap they go to the GPU's pinned host buffer (make_cpu_buft_list puts it first), which the
+# copy reads at PCIe speed: Qwen3-30B-A3B with the experts of 24 blocks in RAM (8.2 GB) read a
+# 16K prompt at 1744 tok/s mapped and 5857 pinned at ubatch 2048, 438 and 2223 at 512 (about
+# 43 GB/s), and decoded at 66 mapped, 71 pinned. Plans within RAM on a GPU load pinned
+# (build.py sets use_mmap off); past RAM the file must stay mapped, and reading it from the
+# disk per micro-batch (per_ubatch_s) costs more than the crossing.
+PINNED_OFFLOAD_FRACTION = 0.85  # of the card's pcie_gbs (H200: 50 -> 43 GB/s)
+MAPPED_OFFLOAD_FRACTION = 0.14  # from the file's mapped pages (H200: 7 GB/s)
 
 
 @dataclass(frozen=True)
@@ -273,8 +281,9 @@ def _prompt_rate(card: Card, threads: int, device: str | None = None) -> float:
 
 
 def prompt_cost(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,
-                n_threads: int | None = None) -> PromptCost:
-    """The terms of reading a prompt with this placement (see the notes above)."""
+                n_threads: int | None = None, pinned: bool = True) -> PromptCost:
+    """The terms of reading a prompt with this placement (see the notes above); `pinned`: its
+    weights in RAM sit in pinned memory (a plan within RAM), else in the file's mapped pages."""
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
     threads = min(n_threads or card.cores, card.cores)
     flops = 2.0 * costs.output_params
@@ -313,7 +322,8 @@ def prompt_cost(costs: ModelCosts, placement: Placement, settings: ContextSettin
         else _prompt_rate(card, threads),
         on_gpu=card.has_gpu, attention_flops_per_cell=full, sliding_flops_per_cell=sliding,
         sliding_window=costs.sliding_window, crossing_kv_per_cell=kv_crossing,
-        offload_bps=max(1.0, card.pcie_gbs * OFFLOAD_GBS_FRACTION * 1e9),
+        offload_bps=max(1.0, card.pcie_gbs * 1e9 * (PINNED_OFFLOAD_FRACTION if pinned
+                                                    else MAPPED_OFFLOAD_FRACTION)),
     )
 
 

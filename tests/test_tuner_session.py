@@ -112,10 +112,24 @@ def test_ram_budget_setting(home, monkeypatch):
 
 # ---- prompt reading ----------------------------------------------------------------------------
 
+def test_prompt_cost_from_pinned_memory_reproduces_llama_bench(shapes):
+    """llama-bench pp16384 on the H200 (2026-12-02), Qwen3-30B-A3B Q4_0, q8_0 KV, the experts of
+    24 blocks in RAM: loaded without mmap (pinned) 2223 tok/s at ubatch 512 and 5857 at 2048;
+    mapped 438 and 1744."""
+    costs = model_costs(shapes["qwen3-30b-a3b"])
+    card = h200(141)
+    placement = Placement(49, n_cpu_expert_layers=24)
+    measured = {(True, 512): 2223, (True, 2048): 5857, (False, 512): 438, (False, 2048): 1744}
+    for (pinned, ub), tps in measured.items():
+        cost = prompt_cost(costs, placement, ContextSettings(32768, "q8_0", "q8_0", True, ub),
+                           card, 16, pinned=pinned)
+        assert 16384 / cost.seconds(16384, ub) == pytest.approx(tps, rel=0.2), (pinned, ub)
+
+
 def test_prompt_cost_reproduces_llama_bench_by_micro_batch(shapes):
-    """llama-bench pp4096 on the H200, dense-27b, q8_0 KV (device notes): the FFN of blocks
-    25-65 in RAM 258/425/835/1219 tok/s at ubatch 256/512/1024/2048; whole blocks (-ngl 40)
-    485 at 512 and 1398 at 2048."""
+    """llama-bench pp4096 on the H200, dense-27b, q8_0 KV (device notes), the model mapped
+    (llama.cpp's default load mode): the FFN of blocks 25-65 in RAM 258/425/835/1219 tok/s at
+    ubatch 256/512/1024/2048; whole blocks (-ngl 40) 485 at 512 and 1398 at 2048."""
     costs = model_costs(shapes["dense-27b"])
     card = h200(141)
     measured = {Placement(67, n_cpu_ffn_layers=41): {256: 258, 512: 425, 1024: 835, 2048: 1219},
@@ -123,12 +137,12 @@ def test_prompt_cost_reproduces_llama_bench_by_micro_batch(shapes):
     for placement, by_ub in measured.items():
         for ub, tps in by_ub.items():
             cost = prompt_cost(costs, placement, ContextSettings(8192, "q8_0", "q8_0", True, ub),
-                               card, 16)
+                               card, 16, pinned=False)
             assert 4096 / cost.seconds(4096, ub) == pytest.approx(tps, rel=0.12), (placement, ub)
     # Bigger micro-batches share the crossing: a 16K prompt reads 4x faster at 2048 than 256.
     ffn = Placement(67, n_cpu_ffn_layers=41)
     t = {ub: prompt_cost(costs, ffn, ContextSettings(32768, "q8_0", "q8_0", True, ub), card,
-                         16).seconds(16384, ub) for ub in (256, 2048)}
+                         16, pinned=False).seconds(16384, ub) for ub in (256, 2048)}
     assert t[256] > 3.5 * t[2048]
 
 
@@ -173,9 +187,13 @@ def test_agent_workload_buys_prompt_speed_and_depth_where_chat_buys_the_start(sh
     card = h200(12)
     chat = tune(shape, card, Request(n_ctx=32768, margin_bytes=128 * MIB, workload=CHAT))
     agent = tune(shape, card, Request(n_ctx=32768, margin_bytes=128 * MIB, workload=AGENT))
-    assert agent.n_ubatch >= 1024 > chat.n_ubatch
+    assert agent.n_ubatch >= chat.n_ubatch
     assert agent.n_gpu_layers == shape.n_layer + 1  # every block's attention on the GPU
-    assert dict(agent.predicted_ttft)[16384] < dict(chat.predicted_ttft)[16384] * 0.7
+    # From pinned memory the weights in RAM cross at PCIe speed (speed.py): both plans read a
+    # long prompt at about the same speed, the chat's too (issue 36).
+    ttft = dict(agent.predicted_ttft)[16384], dict(chat.predicted_ttft)[16384]
+    assert ttft[0] == pytest.approx(ttft[1], rel=0.1), ttft
+    assert not agent.use_mmap and not chat.use_mmap
     # Each plan is the better one for its own session.
     chat_depths, agent_depths = dict(chat.predicted_decode_by_depth), \
         dict(agent.predicted_decode_by_depth)
@@ -194,7 +212,7 @@ def test_agent_workload_buys_prompt_speed_and_depth_where_chat_buys_the_start(sh
     m = re.search(r"ubatch 512 reads a 16384-token prompt in ([\d.]+) s to the first token; "
                   r"ubatch 256 \(the plan otherwise chosen, session [\d.]+ s\) would take "
                   r"([\d.]+) s: [\d.]+ GiB of weights in RAM cross", floor)
-    assert m and float(m.group(2)) > 1.5 * float(m.group(1)), floor
+    assert m and float(m.group(2)) > 1.25 * float(m.group(1)), floor
 
 
 def test_workload_and_the_older_expected_fill_from_the_config(home):
