@@ -180,11 +180,11 @@ def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
     (a clean CUDA context) reading one image, its peak VRAM measured from here."""
     from localllm.modelstore.projector import projector_info
     from localllm.modelstore.shape import read_shape
-    from localllm.profiles.card import load_card
-    from localllm.profiles.choose import tune_checked
+    from localllm.profiles.planning.card import load_card
+    from localllm.profiles.tuning.choose import tune_checked
     from localllm.llama.hardware import host_card, probe_card
-    from localllm.profiles.tuner import Request
-    from localllm.profiles.vision import plan_with_projector, projector_cost
+    from localllm.profiles.planning.tuner import Request
+    from localllm.profiles.planning.vision import plan_with_projector, projector_cost
 
     probed = probe_card()
     base = load_card(probed.name) if probed.has_gpu else load_card("h200")
@@ -225,7 +225,7 @@ def child(model: str, mmproj: str, size: int) -> int:
     from localllm.daemon.runner.protocol import (
         IMAGE_MARKER, Done, Failure, GenerationRequest, SamplingOptions,
     )
-    from localllm.profiles.plan import Plan
+    from localllm.profiles.planning.plan import Plan
 
     engine = Engine(model, Plan.from_dict(json.loads(sys.stdin.read())), None,
                     projector_path=mmproj)

@@ -8,9 +8,9 @@ import synth_gguf
 
 from localllm.modelstore.projector import projector_info
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.card import GIB, load_card
-from localllm.profiles.tuner import Request, tune
-from localllm.profiles.vision import plan_with_projector, projector_cost
+from localllm.profiles.planning.card import GIB, load_card
+from localllm.profiles.planning.tuner import Request, tune
+from localllm.profiles.planning.vision import plan_with_projector, projector_cost
 
 
 @pytest.fixture(scope="module")

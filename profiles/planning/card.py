@@ -15,7 +15,7 @@ from pathlib import Path
 
 from localllm.errors import UserError
 
-CARDS_DIR = Path(__file__).resolve().parent / "cards"
+CARDS_DIR = Path(__file__).resolve().parent.parent / "cards"
 MIB = 1 << 20
 GIB = 1 << 30
 CPU_ONLY = "cpu-only"

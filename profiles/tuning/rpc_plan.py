@@ -26,12 +26,12 @@ from dataclasses import dataclass, replace
 
 from localllm.modelstore.shape import ModelShape
 
-from .card import GIB, MIB, Card
-from .memory import ContextSettings, block_kv_bytes, model_costs
-from .plan import DeviceMemory, Plan, cpu_plan, layer_ranges
+from ..planning.card import GIB, MIB, Card
+from ..planning.memory import ContextSettings, block_kv_bytes, model_costs
+from ..planning.plan import DeviceMemory, Plan, cpu_plan, layer_ranges
 from .workers import Worker, WorkerError, probe_workers
-from .budgets import ram_budget
-from .tuner import NoPlanFits, Request
+from ..planning.budgets import ram_budget
+from ..planning.tuner import NoPlanFits, Request
 
 log = logging.getLogger(__name__)
 HIDDEN_BYTES_PER_VALUE = 4  # llama.cpp passes the hidden state between devices as float32

@@ -26,16 +26,18 @@ from localllm.config import (
 from localllm.modelstore.shape import ModelShape
 from localllm.options import LoadOptions
 
-from .card import MIB, Card
+from ..planning.card import MIB, Card
 from .dryrun import dry_run
-from .memory import CPU, ComputeTable, ContextSettings, Placement, memory_by_device, model_costs
-from .plan import Plan
+from ..planning.memory import (
+    CPU, ComputeTable, ContextSettings, Placement, memory_by_device, model_costs,
+)
+from ..planning.plan import Plan
 from .acceptance import measured_acceptance
-from .quality import measured_kl
+from .eval_results import measured_kl
 from .saved import ProfileError, find_profile, record_event
 from .traffic import starting_workload
-from .tuner import MIN_DEFAULT_CTX, NoPlanFits, Request, tune
-from .workload import from_fill
+from ..planning.tuner import MIN_DEFAULT_CTX, NoPlanFits, Request, tune
+from ..planning.workload import from_fill
 
 log = logging.getLogger(__name__)
 _EXPERT_BLOCKS = re.compile(r"^\^blk\\\.\(([\d|]+)\)\\\.ffn_\(up\|down\|gate\|gate_up\)_exps")

@@ -21,11 +21,11 @@ from localllm.config import ConfigError, load_config, parse_bands
 from localllm.modelstore.shape import ModelShape
 from localllm.options import LoadOptions
 
-from .card import Card
+from ..planning.card import Card
 from .choose import apply_options, config_request, request_from_load, tune_checked
-from .plan import Plan
-from .quality import kv_label
-from .tuner import NoPlanFits, Request, tune
+from ..planning.plan import Plan
+from ..planning.quality import kv_label
+from ..planning.tuner import NoPlanFits, Request, tune
 
 
 FILL_BANDS = (8192, 32768)  # plans per fill band: up to each of these, then the whole context
