@@ -24,7 +24,8 @@ from localllm.profiles.planning.card import GIB, Card
 from localllm.profiles.planning.disk import disk_bytes_per_token
 from localllm.profiles.planning.plan import Plan
 from localllm.profiles.planning.budgets import ram_budget
-from localllm.profiles.planning.tuner import NoPlanFits, Request, tune
+from localllm.profiles.planning.search import NoPlanFits, Request
+from localllm.profiles.planning.tuner import tune
 
 HEADER_READS = 4  # header range requests in flight at once
 

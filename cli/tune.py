@@ -27,18 +27,19 @@ from localllm.profiles.planning import quality
 from localllm.options import LoadOptions
 from localllm.profiles.tuning.bands import FILL_BANDS, band_plans, bands_setting, choose_bands
 from localllm.profiles.tuning.choose import config_request, gpus_setting, tune_checked
-from localllm.profiles.planning.explain import REJECTED, gib
+from localllm.profiles.planning.explain import REJECTED
+from localllm.profiles.planning.words import gib
 from localllm.llama.hardware import resolve_card
 from localllm.profiles.tuning.calibration import calibrated
 from localllm.profiles.tuning.measure import (
     doubtful, measure_in_child, reset_calibration, update_calibration,
 )
-from localllm.profiles.planning.memory import model_costs
+from localllm.profiles.planning.costs import model_costs
 from localllm.profiles.planning.plan import Plan, layer_ranges
 from localllm.profiles.planning.quality import split_kv
 from localllm.profiles.tuning.saved import save_profile
 from localllm.profiles.planning.speed import predict_speed
-from localllm.profiles.planning.tuner import Request
+from localllm.profiles.planning.search import Request
 from localllm.profiles.planning.workload import WORKLOADS, from_fill
 
 
@@ -296,6 +297,7 @@ def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
     under `auto` (bands.band_pays: the first against `plan`, the whole context's plan without
     bands; the others against the whole context's band)."""
     from localllm.profiles.tuning.bands import placement_key
+    from localllm.profiles.planning.placements import kind_of
     from localllm.profiles.tuning.choose import placement_of
 
     whole = bands[-1][1]
@@ -304,9 +306,9 @@ def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
     for i, (band, p) in enumerate(bands):
         against = plan if i == 0 else whole
         placement = placement_of(p, shape)
-        where = (f"FFN of {placement.n_cpu_ffn_layers} blocks in RAM, n_gpu_layers="
-                 f"{p.n_gpu_layers}" if placement.n_cpu_ffn_layers
-                 else f"n_gpu_layers={p.n_gpu_layers}")
+        kept = kind_of(placement).short(placement)  # what the placement keeps in RAM
+        where = f"{kept}, n_gpu_layers={p.n_gpu_layers}" if kept \
+            else f"n_gpu_layers={p.n_gpu_layers}"
         depths = dict(p.predicted_decode_by_depth)
         ttft = ""
         if p.predicted_ttft:
@@ -331,7 +333,7 @@ def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
 
 def band_loaded(bands: list[tuple[int, Plan]], i: int, plan: Plan, explicit: bool) -> bool:
     """Whether the daemon loads band i of `bands` (the last: the whole context's band), as
-    profiles.bands.choose_bands keeps them; without bands it loads `plan` alone."""
+    profiles.tuning.bands.choose_bands keeps them; without bands it loads `plan` alone."""
     from localllm.profiles.tuning.bands import band_pays
 
     if explicit:

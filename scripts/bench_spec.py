@@ -202,7 +202,7 @@ def tuner_rows(args) -> list[str]:
 
     from localllm.modelstore.shape import read_shape
     from localllm.profiles.tuning.choose import tune_checked
-    from localllm.profiles.planning.tuner import NoPlanFits, Request
+    from localllm.profiles.planning.search import NoPlanFits, Request
 
     shape = read_shape(args.model)
     out = []

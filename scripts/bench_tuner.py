@@ -52,7 +52,7 @@ from localllm.modelstore.shape import read_shape  # noqa: E402
 from localllm.profiles.planning.card import load_card  # noqa: E402
 from localllm.profiles.tuning.choose import tune_checked  # noqa: E402
 from localllm.llama.hardware import host_card, probe_card  # noqa: E402
-from localllm.profiles.planning.tuner import NoPlanFits, Request  # noqa: E402
+from localllm.profiles.planning.search import NoPlanFits, Request  # noqa: E402
 
 # (shape, budget GiB, context, measure after filling half the context too)
 MATRIX = (("dense-27b", 12, 32768, True), ("dense-27b", 12, 131072, True),

@@ -21,7 +21,8 @@ from localllm.modelstore.shape import read_shape
 from localllm.profiles.planning.card import load_card
 from localllm.profiles.tuning.workers import Worker, WorkerDevice, WorkerError, probe_workers
 from localllm.profiles.tuning.rpc_plan import plan_with_workers
-from localllm.profiles.planning.tuner import NoPlanFits, Request, tune
+from localllm.profiles.planning.search import NoPlanFits, Request
+from localllm.profiles.planning.tuner import tune
 
 GREEDY = {"num_predict": 24, "temperature": 0}
 PROMPT = "The three primary colours are"

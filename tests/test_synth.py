@@ -12,9 +12,9 @@ import synth_gguf
 from localllm.modelstore.shape import read_shape
 from localllm.profiles.planning.card import load_card
 from localllm.profiles.tuning.dryrun import dry_run
-from localllm.profiles.planning.memory import (
-    ContextSettings, Placement, memory_by_device, model_costs,
-)
+from localllm.profiles.planning.costs import model_costs
+from localllm.profiles.planning.memory import ContextSettings, memory_by_device
+from localllm.profiles.planning.placements import Placement
 from localllm.profiles.planning.plan import Plan
 
 

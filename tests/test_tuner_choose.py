@@ -21,8 +21,9 @@ from localllm.profiles.planning.plan import Plan, TensorOverride, physical_cores
 from localllm.profiles.tuning.saved import (
     ProfileError, find_profile, load_profile, profile_path, save_profile,
 )
-from localllm.profiles.planning.build import tensor_overrides
-from localllm.profiles.planning.tuner import Request, tune
+from localllm.profiles.planning.placements import tensor_overrides
+from localllm.profiles.planning.search import Request
+from localllm.profiles.planning.tuner import tune
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from localllm.modelstore.shape import read_shape
 from localllm.profiles.planning.card import GIB, load_card
 from localllm.profiles.planning.disk import ASSUMED_DISK_GBS
 from localllm.profiles.planning.budgets import ram_budget, vram_budget
-from localllm.profiles.planning.tuner import Request, tune
+from localllm.profiles.planning.search import Request
+from localllm.profiles.planning.tuner import tune
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,15 @@ from localllm.modelstore.shape import read_shape
 from localllm.llama import hardware
 from localllm.profiles.planning.card import GIB, MIB, load_card
 from localllm.profiles.tuning.choose import config_request, placement_of, settings_of
-from localllm.profiles.planning.memory import (
-    ContextSettings, Placement, block_kv_bytes, memory_by_device, model_costs,
-)
+from localllm.profiles.planning.costs import model_costs
+from localllm.profiles.planning.memory import ContextSettings, block_kv_bytes, memory_by_device
+from localllm.profiles.planning.placements import Placement
 from localllm.profiles.planning.plan import Plan
 from localllm.profiles.planning.speed import prompt_cost
 from localllm.profiles.tuning.bands import band_plans
 from localllm.profiles.planning.budgets import RAM_RESERVE, ram_budget
-from localllm.profiles.planning.tuner import Request, tune
+from localllm.profiles.planning.search import Request
+from localllm.profiles.planning.tuner import tune
 from localllm.profiles.planning.workload import AGENT, CHAT, from_fill
 
 H200_HOST = dict(ram_bytes=128 * GIB, cores=16, host_bandwidth_gbs=51.2)

@@ -25,7 +25,8 @@ from localllm.profiles.planning.memory import split_layers
 from localllm.profiles.planning.plan import Plan
 from localllm.profiles.tuning.rpc_plan import plan_with_workers
 from localllm.profiles.planning.budgets import vram_budgets
-from localllm.profiles.planning.tuner import Request, tune
+from localllm.profiles.planning.search import Request
+from localllm.profiles.planning.tuner import tune
 from localllm.profiles.tuning.workers import Worker, WorkerDevice
 
 KV_BYTES = {"f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}

@@ -168,7 +168,8 @@ def test_with_default_settings_the_band_a_16k_prompt_enters_reads_it_as_the_agen
     from localllm.modelstore.shape import read_shape
     from localllm.profiles.tuning.bands import band_plans, band_pays
     from localllm.profiles.planning.card import GIB, MIB, load_card
-    from localllm.profiles.planning.tuner import Request, tune
+    from localllm.profiles.planning.search import Request
+    from localllm.profiles.planning.tuner import tune
 
     paths = synth_gguf.ensure_headers(tmp_path_factory.getbasetemp() / "synth-headers")
     shape = read_shape(paths[name])

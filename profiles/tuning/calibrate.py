@@ -4,7 +4,7 @@ torch (the optional extra) and the host's disk read rate, and store them with th
 Without torch the tuner uses the theoretical figures NVML gives (memory clock x bus width, PCIe
 generation x width: see hardware.card_from_nvml); those are peaks no kernel reaches, which is
 what the measured figures correct. The disk rate (plans past RAM read weights from disk, see
-profiles.disk) is the host's, so it is stored under `[host]`, for every card planned here.
+profiles.planning.disk) is the host's, so it is stored under `[host]`, for every card planned here.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import tomli_w
 from localllm.errors import UserError
 
 from ..planning.card import Card
-from .calibration import HOST_KEY, calibration_file, load_calibration, with_measured_bandwidth
 from ..planning.plan import physical_cores
+from .calibration import HOST_KEY, calibration_file, load_calibration, with_measured_bandwidth
 
 GB = 1e9
 

@@ -17,8 +17,8 @@ import tomli_w
 from localllm.errors import UserError
 
 from ..planning.plan import Plan
-from .calibration import calibration_file, load_calibration
 from ..planning.speed import TOKEN_SECONDS
+from .calibration import calibration_file, load_calibration
 
 
 @dataclass(frozen=True)
