@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_worker(args) -> int:
-    from localllm.profiles.plan import physical_cores
+    from localllm.profiles.planning.plan import physical_cores
     from localllm.llama.rpc import serve
 
     if not 0 < args.port < 65536:

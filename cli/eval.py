@@ -7,7 +7,7 @@
 
 Prints perplexity and the KL divergence to the reference (mean, 99th percentile) and how often
 the two agree on the most likely token; saves the results per (model, setting), where the tuner
-reads them to decide which KV settings `quality` allows (profiles.quality).
+reads them to decide which KV settings `quality` allows (profiles.planning.quality).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _settings(text: str) -> list[str]:
-    from localllm.profiles.quality import split_kv
+    from localllm.profiles.planning.quality import split_kv
 
     settings = [s.strip() for s in text.split(",") if s.strip()]
     if not settings:
@@ -64,7 +64,7 @@ def _settings(text: str) -> list[str]:
 
 
 def _text(path: Path | None) -> str:
-    from localllm.profiles.evaluate import TEXT
+    from localllm.profiles.tuning.evaluate import TEXT
 
     path = path or TEXT
     try:
@@ -78,8 +78,8 @@ def _text(path: Path | None) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from localllm.profiles.evaluate import evaluate_in_child
-    from localllm.profiles.quality import save_result
+    from localllm.profiles.tuning.evaluate import evaluate_in_child
+    from localllm.profiles.tuning.eval_results import save_result
 
     if args.ctx < 64:
         raise UserError("--ctx must be at least 64")

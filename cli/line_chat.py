@@ -10,7 +10,8 @@ import sys
 
 from localllm.client import Client, DaemonError
 from localllm.tui.slash import Command, SlashError, help_text, parse, request_extra, show_text
-from localllm.tui.stats import answer_notes
+from localllm.repeats import LoopGuard
+from localllm.tui.stats import answer_notes, format_timings
 
 SCREEN_ONLY = ("chats", "save", "export", "regen", "stop")
 
@@ -25,15 +26,14 @@ class LineChat:
         self.history: list[dict] = []
 
     async def turn(self, text: str) -> None:
-        from localllm.cli.run import _answer
-
         self.history.append({"role": "user", "content": text})
         messages = [{"role": "system", "content": self.system}] if self.system else []
         extra = {**self.extra, **request_extra(self.format, self.think)}
-        final = await _answer(self.client, self.model, messages + self.history,
-                              self.options or None, extra, self.verbose, guard=True)
+        final = await stream_answer(self.client, self.model, messages + self.history,
+                                    self.options or None, extra, self.verbose, guard=True)
         self.history.append({"role": "assistant", "content": final.get("text", "")})
-        for note, _ in answer_notes(final, 0, False):  # (_answer said the loop and timings)
+        # (stream_answer said the loop and the timings)
+        for note, _ in answer_notes(final, 0, False):
             print(f"note: {note}", file=sys.stderr)
 
     async def command(self, line: str) -> bool:
@@ -101,3 +101,32 @@ async def chat_lines(client: Client, model: str, options: dict, extra: dict,
                 break
             continue
         await chat.turn(raw.rstrip("\n"))
+
+
+async def stream_answer(client: Client, model: str, messages: list[dict], options, extra,
+                        verbose: bool, guard: bool = False, raw: bool = False) -> dict:
+    """Stream one answer to stdout; the last line's data, with the whole text as `text`.
+    With `guard`, an answer caught in a loop is cut off (closing the stream stops the model).
+    With `raw`, the one message's text goes to /api/generate as it is (extra says raw)."""
+    parts = []
+    loops = LoopGuard()
+    final: dict = {}
+    looping = 0
+    stream = client.generate(model, messages[-1]["content"], options, **extra) if raw else \
+        client.chat(model, messages, options, **extra)
+    async for chunk in stream:
+        if chunk.text:
+            parts.append(chunk.text)
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        if chunk.done:
+            final = chunk.data
+        elif guard and (looping := loops.feed(chunk.text)):
+            break
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if looping:
+        print(f"note: {LoopGuard.note(looping)}", file=sys.stderr)
+    if verbose and final:
+        print(format_timings(final), file=sys.stderr)
+    return {**final, "text": "".join(parts)}

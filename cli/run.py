@@ -187,8 +187,10 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
             if args.raw:  # /api/generate's raw mode: the prompt as it is, no template
                 extra = {**extra, "raw": True,
                          **({"images": message["images"]} if images else {})}
-            final = await _answer(client, model, [message], one_shot, extra, args.verbose,
-                                  guard=True, raw=args.raw)
+            from localllm.cli.line_chat import stream_answer
+
+            final = await stream_answer(client, model, [message], one_shot, extra, args.verbose,
+                                        guard=True, raw=args.raw)
             if args.ctx and 0 < final.get("context_length", 0) < args.ctx:
                 print(await context_cap_note(client, model, args.ctx, final["context_length"]),
                       file=sys.stderr)
@@ -260,35 +262,3 @@ def base_model_note(model: str) -> str:
     chat = f"; `localllm run {entry.instruct}` is its instruct version" if entry.instruct else ""
     return (f"note: {model} is a base model: it continues text rather than answering it "
             f"(--raw sends the prompt as it is and skips this note){chat}")
-
-
-async def _answer(client: Client, model: str, messages: list[dict], options, extra,
-                  verbose: bool, guard: bool = False, raw: bool = False) -> dict:
-    """Stream one answer to stdout; the last line's data, with the whole text as `text`.
-    With `guard`, an answer caught in a loop is cut off (closing the stream stops the model).
-    With `raw`, the one message's text goes to /api/generate as it is (extra says raw)."""
-    from localllm.repeats import LoopGuard
-    from localllm.tui.stats import format_timings
-
-    parts = []
-    loops = LoopGuard()
-    final: dict = {}
-    looping = 0
-    stream = client.generate(model, messages[-1]["content"], options, **extra) if raw else \
-        client.chat(model, messages, options, **extra)
-    async for chunk in stream:
-        if chunk.text:
-            parts.append(chunk.text)
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        if chunk.done:
-            final = chunk.data
-        elif guard and (looping := loops.feed(chunk.text)):
-            break
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    if looping:
-        print(f"note: {LoopGuard.note(looping)}", file=sys.stderr)
-    if verbose and final:
-        print(format_timings(final), file=sys.stderr)
-    return {**final, "text": "".join(parts)}

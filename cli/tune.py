@@ -22,23 +22,25 @@ from localllm.config import parse_bands
 from localllm.errors import UserError
 from localllm.modelstore.shape import ModelShape, read_shape
 
-from localllm.profiles.card import MIB, Card, card_names
-from localllm.profiles import quality
+from localllm.profiles.planning.card import MIB, Card, card_names
+from localllm.profiles.planning import quality
 from localllm.options import LoadOptions
-from localllm.profiles.bands import FILL_BANDS, band_plans, bands_setting, choose_bands
-from localllm.profiles.choose import config_request, gpus_setting, tune_checked
-from localllm.profiles.explain import REJECTED, gib
+from localllm.profiles.tuning.bands import FILL_BANDS, band_plans, bands_setting, choose_bands
+from localllm.profiles.tuning.choose import config_request, gpus_setting, tune_checked
+from localllm.profiles.planning.explain import REJECTED
+from localllm.profiles.planning.words import gib
 from localllm.llama.hardware import resolve_card
-from localllm.profiles.measure import (
-    calibrated, doubtful, measure_in_child, reset_calibration, update_calibration,
+from localllm.profiles.tuning.calibration import calibrated
+from localllm.profiles.tuning.measure import (
+    doubtful, measure_in_child, reset_calibration, update_calibration,
 )
-from localllm.profiles.memory import model_costs
-from localllm.profiles.plan import Plan, layer_ranges
-from localllm.profiles.quality import split_kv
-from localllm.profiles.saved import save_profile
-from localllm.profiles.speed import predict_speed
-from localllm.profiles.tuner import Request
-from localllm.profiles.workload import WORKLOADS, from_fill
+from localllm.profiles.planning.costs import model_costs
+from localllm.profiles.planning.plan import Plan, layer_ranges
+from localllm.profiles.planning.quality import split_kv
+from localllm.profiles.tuning.saved import save_profile
+from localllm.profiles.planning.speed import predict_speed
+from localllm.profiles.planning.search import Request
+from localllm.profiles.planning.workload import WORKLOADS, from_fill
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -216,7 +218,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def calibrate_machine(card: Card, card_name: str, model_path: Path) -> Card:
     """--calibrate: the disk read rate (reading the model's file), then, with a GPU, the card's
     bandwidths; each stored as it is measured."""
-    from localllm.profiles.calibrate import calibrate, measure_disk_read, store_disk_read
+    from localllm.profiles.tuning.calibrate import calibrate, measure_disk_read, store_disk_read
 
     if card_name != "auto":
         raise UserError("--calibrate measures this machine's card: leave out --card")
@@ -278,7 +280,7 @@ def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card, store: bool
         print(f"warning: {why}; the calibration was not stored (measure again on a quiet "
               "machine, or pass --save to store it)", file=sys.stderr)
         return measured
-    from localllm.profiles.choose import placement_of, settings_of
+    from localllm.profiles.tuning.choose import placement_of, settings_of
 
     speed = predict_speed(model_costs(shape), placement_of(plan, shape), settings_of(plan), card,
                           plan.n_threads, depth=measured.prompt_tokens)
@@ -294,8 +296,9 @@ def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
     whether the daemon loads it: every band fill_bands names (`explicit`), those that pay
     under `auto` (bands.band_pays: the first against `plan`, the whole context's plan without
     bands; the others against the whole context's band)."""
-    from localllm.profiles.bands import placement_key
-    from localllm.profiles.choose import placement_of
+    from localllm.profiles.tuning.bands import placement_key
+    from localllm.profiles.planning.placements import kind_of
+    from localllm.profiles.tuning.choose import placement_of
 
     whole = bands[-1][1]
     plan = plan or whole
@@ -303,9 +306,9 @@ def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
     for i, (band, p) in enumerate(bands):
         against = plan if i == 0 else whole
         placement = placement_of(p, shape)
-        where = (f"FFN of {placement.n_cpu_ffn_layers} blocks in RAM, n_gpu_layers="
-                 f"{p.n_gpu_layers}" if placement.n_cpu_ffn_layers
-                 else f"n_gpu_layers={p.n_gpu_layers}")
+        kept = kind_of(placement).short(placement)  # what the placement keeps in RAM
+        where = f"{kept}, n_gpu_layers={p.n_gpu_layers}" if kept \
+            else f"n_gpu_layers={p.n_gpu_layers}"
         depths = dict(p.predicted_decode_by_depth)
         ttft = ""
         if p.predicted_ttft:
@@ -330,8 +333,8 @@ def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
 
 def band_loaded(bands: list[tuple[int, Plan]], i: int, plan: Plan, explicit: bool) -> bool:
     """Whether the daemon loads band i of `bands` (the last: the whole context's band), as
-    profiles.bands.choose_bands keeps them; without bands it loads `plan` alone."""
-    from localllm.profiles.bands import band_pays
+    profiles.tuning.bands.choose_bands keeps them; without bands it loads `plan` alone."""
+    from localllm.profiles.tuning.bands import band_pays
 
     if explicit:
         return True

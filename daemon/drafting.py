@@ -17,7 +17,7 @@ from localllm.modelstore.pull import find_stored, model_file
 from localllm.modelstore.shape import ModelShape
 from localllm.modelstore.store import DRAFT_LAYER, ModelEntry, ModelNotFound, ModelStore
 from localllm.options import LoadOptions
-from localllm.profiles.plan import Plan
+from localllm.profiles.planning.plan import Plan
 
 from .runner.protocol import VOCAB_SLACK
 

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from localllm.modelstore.gguf_header import GGUFError
@@ -25,7 +25,7 @@ from localllm.errors import UserError
 from localllm.modelstore.pull import model_file
 from localllm.modelstore.shape import ModelShape, read_shape
 from localllm.modelstore.store import DamagedModel, ModelEntry, ModelStore, projector_path
-from localllm.profiles.plan import Plan
+from localllm.profiles.planning.plan import Plan
 
 from localllm.config import Config
 from localllm.options import LoadOptions
@@ -75,50 +75,59 @@ class LoadedModel:
 
 class Planner:
     """How the scheduler gets plans: the tuner's `choose_plan`, and `step_down` after a load
-    ran out of memory. Tests may pass another planner; the scheduler needs only these two."""
+    ran out of memory. Tests may pass another planner; the scheduler needs only these two.
+    `live` gives the scheduler's live Config (without one the tuner reads config.toml)."""
+
+    live: Callable[[], Config] | None = None
+
+    def __init__(self, live: Callable[[], Config] | None = None):
+        self.live = live
+
+    def config(self) -> Config | None:
+        return self.live() if self.live else None
 
     def choose(self, shape: ModelShape, model_name: str, n_ctx: int | None,
                load: LoadOptions, draft_shape: ModelShape | None = None,
                projector=None, hint: str | None = None) -> Plan:
         """`projector`: a vision model's ProjectorInfo, planned on the card with the model
         (profiles.vision). `hint`: what the loading request's route says of its session."""
-        from localllm.profiles.choose import choose_plan
+        from localllm.profiles.tuning.choose import choose_plan
 
         card = self.card()
         if projector is None:
             return choose_plan(shape, model_name, n_ctx, load, card, draft_shape=draft_shape,
-                               hint=hint)
-        from localllm.profiles.vision import plan_with_projector, projector_cost
+                               hint=hint, config=self.config())
+        from localllm.profiles.planning.vision import plan_with_projector, projector_cost
 
         return plan_with_projector(
             card, projector_cost(projector),
             lambda card: choose_plan(shape, model_name, n_ctx, load, card=card,
-                                     draft_shape=draft_shape, hint=hint))
+                                     draft_shape=draft_shape, hint=hint, config=self.config()))
 
     def bands(self, shape: ModelShape, model_name: str, load: LoadOptions, plan: Plan,
               setting: str, hint: str | None = None) -> tuple[tuple[Plan, ...], Plan]:
         """Plans for the fill bands below `plan`'s context (config fill_bands), and the whole
         context's plan to load beside them (`plan` where there are none)."""
-        from localllm.profiles.bands import choose_bands
+        from localllm.profiles.tuning.bands import choose_bands
 
-        return choose_bands(shape, model_name, load, self.card(), plan, setting, hint)
+        return choose_bands(shape, model_name, load, self.card(), plan, setting, hint,
+                            self.config())
 
     def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
                   error: str) -> Plan | None:
-        from localllm.profiles.choose import step_down
+        from localllm.profiles.tuning.choose import step_down
 
-        return step_down(plan, shape, self.card(), model_name, error)
+        return step_down(plan, shape, self.card(), model_name, error, config=self.config())
 
-    @staticmethod
-    def card():
+    def card(self):
         """This machine's card as `tune` plans on it: the GPUs CUDA_VISIBLE_DEVICES and `gpus`
         leave, with what `tune --measure` and `--calibrate` measured (the speed factors, the
         bandwidths, the disk's read rate), so the daemon loads what `tune` explains."""
         from localllm.llama.hardware import probe_card
-        from localllm.profiles.choose import gpus_setting
-        from localllm.profiles.measure import calibrated
+        from localllm.profiles.tuning.choose import gpus_setting
+        from localllm.profiles.tuning.calibration import calibrated
 
-        return calibrated(probe_card(gpus_setting()))
+        return calibrated(probe_card(gpus_setting(self.config())))
 
 
 def context_to_ask(config: Config, n_ctx: int | None, shape: ModelShape) -> int | None:
@@ -168,7 +177,7 @@ class Scheduler:
         self.store = store
         self.config = config
         self.log_dir = log_dir
-        self.planner = planner or Planner()
+        self.planner = planner or Planner(lambda: self.config)
         self.runner_command = tuple(runner_command)
         self.models: dict[str, LoadedModel] = {}
         self.queued = 0  # requests waiting for a slot or a load, over all models
@@ -469,7 +478,7 @@ class DraftCounts:
         counts[0] += drafted
         counts[1] += accepted
         if counts[0] >= self.FLUSH_DRAFTED:
-            from localllm.profiles.acceptance import record
+            from localllm.profiles.tuning.acceptance import record
 
             try:
                 record(self.model, self.file_size, mode, *counts)
@@ -481,7 +490,7 @@ class DraftCounts:
 def record_served(model: str, done: Done) -> None:
     """The lengths of an answered request, into the model's record the tuner learns its
     workload from (profiles.traffic)."""
-    from localllm.profiles.traffic import record
+    from localllm.profiles.tuning.traffic import record
 
     try:
         record(model, done.prompt_tokens, done.prompt_tokens - done.cached_tokens,

@@ -15,7 +15,7 @@ import re
 import sys
 
 import llama_cpp
-from localllm.profiles.plan import Plan
+from localllm.profiles.planning.plan import Plan
 
 from .params import context_params, model_params
 

@@ -11,8 +11,8 @@ import sys
 
 import llama_cpp as llama  # before numpy: see profiles/evaluate.py
 from localllm.errors import UserError
-from localllm.profiles.plan import Plan, physical_cores
-from localllm.profiles.quality import split_kv
+from localllm.profiles.planning.plan import Plan, physical_cores
+from localllm.profiles.planning.quality import split_kv
 
 from .batch import fill
 from .params import context_params, model_params

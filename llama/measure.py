@@ -10,7 +10,7 @@ import sys
 import time
 
 import llama_cpp  # before numpy: with a CUDA build, numpy loaded first crashes the model load
-from localllm.profiles.plan import Plan
+from localllm.profiles.planning.plan import Plan
 
 from . import nvml
 from .batch import fill

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 
 import llama_cpp
-from localllm.profiles.plan import Plan
+from localllm.profiles.planning.plan import Plan
 
 from .overrides import apply_tensor_overrides
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from localllm.modelstore.gguf_header import GGUFHeader, read_header
 from localllm.modelstore.shape import shape_from_header
-from localllm.profiles.plan import Plan
+from localllm.profiles.planning.plan import Plan
 
 BLOCK = re.compile(r"^blk\.(\d+)\.")
 TOKEN_TABLE = "token_embd.weight"

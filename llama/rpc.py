@@ -21,7 +21,7 @@ import sys
 import time
 from functools import lru_cache
 
-from localllm.profiles.workers import (
+from localllm.profiles.tuning.workers import (
     Worker,
     WorkerDevice,
     WorkerError,

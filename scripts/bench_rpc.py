@@ -86,9 +86,9 @@ def measure(request: dict) -> dict:
     from localllm.llama import measure as bare_loop
     from localllm.modelstore.shape import read_shape
     from localllm.options import LoadOptions
-    from localllm.profiles.choose import choose_plan
+    from localllm.profiles.tuning.choose import choose_plan
     from localllm.llama.hardware import host_card
-    from localllm.profiles.plan import Plan, physical_cores
+    from localllm.profiles.planning.plan import Plan, physical_cores
 
     n_ctx = request["prompt"] + request["tokens"] + 64
     shape = read_shape(request["model"])

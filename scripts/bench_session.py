@@ -156,7 +156,7 @@ class Ours:
         curve = sorted((m.get("plan") or {}).get("predicted_decode_by_depth") or [])
         if not curve:
             return None
-        for (d0, t0), (d1, t1) in zip(curve, curve[1:]):
+        for (d0, t0), (d1, t1) in zip(curve, curve[1:], strict=False):
             if depth <= d1:
                 f = 0.0 if d1 == d0 else max(0.0, (depth - d0) / (d1 - d0))
                 return round(t0 + f * (t1 - t0), 2)

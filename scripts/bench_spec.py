@@ -51,7 +51,7 @@ DEPTH = 256
 def engine_check_cost(model: Path, ngl: int, threads: int, reps: int = 10) -> dict[int, float]:
     """tokens/s of a llama_decode of B tokens after DEPTH tokens, through the runner's loader."""
     from localllm.daemon.runner import model as llama
-    from localllm.profiles.plan import cpu_plan
+    from localllm.profiles.planning.plan import cpu_plan
 
     plan = replace(cpu_plan(2048), n_gpu_layers=ngl, n_threads=threads, n_threads_batch=threads)
     lm = llama.load(str(model), plan)
@@ -201,8 +201,8 @@ def tuner_rows(args) -> list[str]:
     from bench_tuner import gpu_card
 
     from localllm.modelstore.shape import read_shape
-    from localllm.profiles.choose import tune_checked
-    from localllm.profiles.tuner import NoPlanFits, Request
+    from localllm.profiles.tuning.choose import tune_checked
+    from localllm.profiles.planning.search import NoPlanFits, Request
 
     shape = read_shape(args.model)
     out = []

@@ -81,7 +81,7 @@ def main() -> int:
     from localllm.modelstore.shape import read_shape
     from localllm.options import LoadOptions
     from localllm.llama.hardware import probe_card
-    from localllm.profiles.choose import choose_plan
+    from localllm.profiles.tuning.choose import choose_plan
 
     if args.model is None:
         import fetch_test_models

@@ -11,7 +11,7 @@ its projector at a 12 GiB budget, in one run.
    read, one token), measured by the client, median of --rounds images (each new, so neither
    side reuses a cache): the localllm daemon (its own plan, the card whole) and llama-server
    with the same --mmproj, all layers on the GPU, flash attention. Target: ours at most 1.05x.
-3. At a 12 GiB budget: the tuner's plan with the projector (profiles/vision.py), loaded in
+3. At a 12 GiB budget: the tuner's plan with the projector (profiles/planning/vision.py), loaded in
    this process with the projector, one image read; the peak VRAM over the baseline (NVML)
    must stay under the budget.
 Prints a table and writes it to $OUT/bench_vision.md (and .json).
@@ -180,11 +180,11 @@ def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
     (a clean CUDA context) reading one image, its peak VRAM measured from here."""
     from localllm.modelstore.projector import projector_info
     from localllm.modelstore.shape import read_shape
-    from localllm.profiles.card import load_card
-    from localllm.profiles.choose import tune_checked
+    from localllm.profiles.planning.card import load_card
+    from localllm.profiles.tuning.choose import tune_checked
     from localllm.llama.hardware import host_card, probe_card
-    from localllm.profiles.tuner import Request
-    from localllm.profiles.vision import plan_with_projector, projector_cost
+    from localllm.profiles.planning.search import Request
+    from localllm.profiles.planning.vision import plan_with_projector, projector_cost
 
     probed = probe_card()
     base = load_card(probed.name) if probed.has_gpu else load_card("h200")
@@ -225,7 +225,7 @@ def child(model: str, mmproj: str, size: int) -> int:
     from localllm.daemon.runner.protocol import (
         IMAGE_MARKER, Done, Failure, GenerationRequest, SamplingOptions,
     )
-    from localllm.profiles.plan import Plan
+    from localllm.profiles.planning.plan import Plan
 
     engine = Engine(model, Plan.from_dict(json.loads(sys.stdin.read())), None,
                     projector_path=mmproj)

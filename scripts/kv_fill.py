@@ -25,7 +25,7 @@ from pathlib import Path
 
 from localllm.modelstore.shape import RECURRENT_LAYER, SLIDING, ModelShape
 from localllm.llama.params import GGML_TYPES
-from localllm.profiles.memory import kv_row_bytes
+from localllm.profiles.planning.memory import kv_row_bytes
 
 MAGIC = 0x67677371  # 'ggsq'
 VERSION = 3

@@ -22,12 +22,13 @@ from localllm.daemon.runner.checkpoints import END, SPACED, Checkpoint, SlotChec
 from localllm.daemon.runner.process import RunnerProcess
 from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.card import load_card
-from localllm.profiles.memory import (
-    CHECKPOINTS_PER_SLOT, ContextSettings, Placement, checkpoint_bytes, memory_by_device,
-    model_costs,
+from localllm.profiles.planning.card import load_card
+from localllm.profiles.planning.costs import model_costs
+from localllm.profiles.planning.memory import (
+    CHECKPOINTS_PER_SLOT, ContextSettings, checkpoint_bytes, memory_by_device,
 )
-from localllm.profiles.plan import cpu_plan
+from localllm.profiles.planning.placements import Placement
+from localllm.profiles.planning.plan import cpu_plan
 
 GREEDY = SamplingOptions(num_predict=8, temperature=0)
 WORDS = " ".join(f"w{i}" for i in range(300)) + " end."

@@ -9,7 +9,7 @@ import pytest
 
 from localllm.daemon.runner import model as runner_model
 from localllm.llama import dryrun
-from localllm.profiles.plan import Plan, TensorOverride
+from localllm.profiles.planning.plan import Plan, TensorOverride
 
 
 def _fields(struct) -> dict:

@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.card import load_card
-from localllm.profiles.quality import measured_kl
-from localllm.profiles.tuner import Request, tune
+from localllm.profiles.planning.card import load_card
+from localllm.profiles.tuning.eval_results import measured_kl
+from localllm.profiles.planning.search import Request
+from localllm.profiles.planning.tuner import tune
 
 
 def localllm(*args: str) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import pytest
 
 from localllm.daemon.runner.process import RunnerProcess
 from localllm.daemon.runner.protocol import Done, GenerationRequest, Progress, SamplingOptions
-from localllm.profiles.plan import cpu_plan
+from localllm.profiles.planning.plan import cpu_plan
 
 NEAR_TIE = 0.05  # as tests/test_speculation.py: a logprob gap rounding may break either way
 BAND = 512

@@ -15,7 +15,7 @@ from conftest import import_models
 from daemon_process import isolated_env, start_daemon
 from localllm.llama.resident import TOKEN_TABLE, cpu_tensors, page_ranges, split_resident
 from localllm.modelstore.gguf_header import read_header
-from localllm.profiles.plan import Plan, TensorOverride
+from localllm.profiles.planning.plan import Plan, TensorOverride
 
 MIB = 1 << 20
 

@@ -17,7 +17,7 @@ from localllm.daemon.runner import seqstate
 from localllm.daemon.runner.process import RunnerProcess
 from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.daemon.runner.seqstate import PromptCache, SavedSequence
-from localllm.profiles.plan import cpu_plan
+from localllm.profiles.planning.plan import cpu_plan
 
 GREEDY = SamplingOptions(num_predict=8, temperature=0)
 STORY = " ".join(f"Line {i}: the {['red', 'green', 'blue'][i % 3]} fox ran {i} miles."

@@ -18,10 +18,11 @@ from conftest import import_models
 from daemon_process import isolated_env, start_daemon, wait_for
 
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.card import load_card
-from localllm.profiles.workers import Worker, WorkerDevice, WorkerError, probe_workers
-from localllm.profiles.rpc_plan import plan_with_workers
-from localllm.profiles.tuner import NoPlanFits, Request, tune
+from localllm.profiles.planning.card import load_card
+from localllm.profiles.tuning.workers import Worker, WorkerDevice, WorkerError, probe_workers
+from localllm.profiles.tuning.rpc_plan import plan_with_workers
+from localllm.profiles.planning.search import NoPlanFits, Request
+from localllm.profiles.planning.tuner import tune
 
 GREEDY = {"num_predict": 24, "temperature": 0}
 PROMPT = "The three primary colours are"

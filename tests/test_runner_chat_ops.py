@@ -18,7 +18,7 @@ from localllm.daemon.runner.protocol import (
     SamplingOptions,
     Token,
 )
-from localllm.profiles.plan import cpu_plan
+from localllm.profiles.planning.plan import cpu_plan
 
 
 @pytest.fixture

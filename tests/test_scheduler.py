@@ -13,7 +13,7 @@ from localllm.daemon.runner.process import LoadError
 from localllm.daemon.scheduler import Planner, Scheduler, context_to_ask
 from localllm.modelstore.shape import read_shape
 from localllm.options import LoadOptions
-from localllm.profiles.plan import cpu_plan
+from localllm.profiles.planning.plan import cpu_plan
 
 
 class FirstPlanFails(Planner):

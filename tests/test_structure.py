@@ -5,7 +5,11 @@
 - nothing imports the commands room (cli/), which stands on the top floor;
 - planning (profiles/) and the store (modelstore/) never touch llama.cpp, NVML or the daemon:
   those live in the engine room (llama/) and the daemon;
-- no two top-level rooms import each other, directly or around a loop.
+- inside profiles/, pure planning (planning/) never imports the tuning service (tuning/), which
+  reads files and starts processes;
+- no two top-level rooms import each other, directly or around a loop;
+- inside a room, no two modules import each other around a loop, deferred (function-level)
+  and type-checking imports included: a loop held open by a late import is still a loop.
 """
 
 from __future__ import annotations
@@ -92,6 +96,14 @@ def test_planning_and_the_store_never_touch_the_engine_or_the_daemon():
     assert not wrong, wrong
 
 
+def test_pure_planning_never_imports_the_tuning_service():
+    wrong = [f"{p.relative_to(ROOT)} imports {m}"
+             for p, modules in _sources().items()
+             if p.relative_to(ROOT).parts[:2] == ("profiles", "planning")
+             for m in modules if m.startswith("localllm.profiles.tuning")]
+    assert not wrong, wrong
+
+
 def test_no_rooms_import_each_other_around_a_loop():
     arrows: dict[str, set[str]] = {}
     for path, modules in _sources().items():
@@ -107,3 +119,59 @@ def test_no_rooms_import_each_other_around_a_loop():
 
     loops = sorted(room for room in arrows if reaches(room, room, {room}))
     assert not loops, {room: sorted(arrows[room]) for room in loops}
+
+
+
+def _module_arrows() -> dict[Path, set[Path]]:
+    """Each file -> the files of its own room it imports (lazy and type-checking imports too).
+    `from . import keys` is an arrow to keys.py, not to the package's __init__.py."""
+    files = {_package(path): path for room in set(ROOMS.values())
+             for path in sorted((ROOT / room).rglob("*.py"))}
+
+    def file_of(name: str) -> Path | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return files.get(name)
+
+    arrows: dict[Path, set[Path]] = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found.update(file_of(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1])
+                    module = f"{base}.{module}" if module else base
+                for alias in node.names:
+                    found.add(files.get(f"{module}.{alias.name}") or file_of(module))
+        room = path.relative_to(ROOT).parts[0]
+        arrows[path] = {f for f in found
+                        if f is not None and f != path and f.relative_to(ROOT).parts[0] == room}
+    return arrows
+
+
+def test_no_modules_import_each_other_around_a_loop_inside_a_room():
+    arrows = _module_arrows()
+
+    def loop_from(start: Path) -> list[Path] | None:
+        """A path of arrows from `start` back to itself, if there is one."""
+        stack, seen = [[start]], {start}
+        while stack:
+            trail = stack.pop()
+            for nxt in sorted(arrows[trail[-1]]):
+                if nxt == start:
+                    return trail
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append([*trail, nxt])
+        return None
+
+    loops = sorted({" -> ".join(str(p.relative_to(ROOT)) for p in (*trail, trail[0]))
+                    for start in sorted(arrows) if (trail := loop_from(start))
+                    and trail[0] == min(trail)})
+    assert not loops, loops

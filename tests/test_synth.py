@@ -10,10 +10,12 @@ import pytest
 import synth_gguf
 
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.card import load_card
-from localllm.profiles.dryrun import dry_run
-from localllm.profiles.memory import ContextSettings, Placement, memory_by_device, model_costs
-from localllm.profiles.plan import Plan
+from localllm.profiles.planning.card import load_card
+from localllm.profiles.tuning.dryrun import dry_run
+from localllm.profiles.planning.costs import model_costs
+from localllm.profiles.planning.memory import ContextSettings, memory_by_device
+from localllm.profiles.planning.placements import Placement
+from localllm.profiles.planning.plan import Plan
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,12 @@ import synth_gguf
 
 from localllm.llama.params import rollback_positions
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.card import GIB, MIB, load_card
-from localllm.profiles.memory import ComputeTable, ContextSettings, Placement
-from localllm.profiles.budgets import ram_budget, vram_budget
-from localllm.profiles.tuner import NoPlanFits, Request, tune
+from localllm.profiles.planning.card import GIB, MIB, load_card
+from localllm.profiles.planning.memory import ComputeTable, ContextSettings
+from localllm.profiles.planning.placements import Placement
+from localllm.profiles.planning.budgets import ram_budget, vram_budget
+from localllm.profiles.planning.search import NoPlanFits, Request
+from localllm.profiles.planning.tuner import tune
 
 CARDS = {8: "rtx4060", 12: "rtx3060-12g", 16: "rtx4060ti-16g", 24: "rtx3090", 80: "a100-80g"}
 CONTEXTS = (4096, 32768, 131072)

@@ -1,5 +1,5 @@
-"""A vision model's projector in the plan (profiles/vision.py), with the tuner's real search on
-card profiles and the full-size synthetic Gemma 3 projector's header."""
+"""A vision model's projector in the plan (profiles/planning/vision.py), with the tuner's real
+search on card profiles and the full-size synthetic Gemma 3 projector's header."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import synth_gguf
 
 from localllm.modelstore.projector import projector_info
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.card import GIB, load_card
-from localllm.profiles.tuner import Request, tune
-from localllm.profiles.vision import plan_with_projector, projector_cost
+from localllm.profiles.planning.card import GIB, load_card
+from localllm.profiles.planning.search import Request
+from localllm.profiles.planning.tuner import tune
+from localllm.profiles.planning.vision import plan_with_projector, projector_cost
 
 
 @pytest.fixture(scope="module")

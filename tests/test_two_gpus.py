@@ -19,14 +19,15 @@ from localllm.daemon.runner.process import runner_env
 from localllm.llama import dryrun
 from localllm.llama.params import model_params
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.card import GIB, MIB, CardError, load_card
+from localllm.profiles.planning.card import GIB, MIB, CardError, load_card
 from localllm.llama.hardware import card_from_nvml, visible_devices
-from localllm.profiles.memory import split_layers
-from localllm.profiles.plan import Plan
-from localllm.profiles.rpc_plan import plan_with_workers
-from localllm.profiles.budgets import vram_budgets
-from localllm.profiles.tuner import Request, tune
-from localllm.profiles.workers import Worker, WorkerDevice
+from localllm.profiles.planning.memory import split_layers
+from localllm.profiles.planning.plan import Plan
+from localllm.profiles.tuning.rpc_plan import plan_with_workers
+from localllm.profiles.planning.budgets import vram_budgets
+from localllm.profiles.planning.search import Request
+from localllm.profiles.planning.tuner import tune
+from localllm.profiles.tuning.workers import Worker, WorkerDevice
 
 KV_BYTES = {"f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}
 

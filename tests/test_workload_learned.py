@@ -18,8 +18,8 @@ from dataclasses import replace
 
 from conftest import import_models
 from daemon_process import isolated_env, start_daemon
-from localllm.profiles import traffic
-from localllm.profiles.workload import AGENT, CHAT, MIN_LEARNED, learned
+from localllm.profiles.tuning import traffic
+from localllm.profiles.planning.workload import AGENT, CHAT, MIN_LEARNED, learned
 
 # About 2250 tokens: a long prompt (LONG_PROMPT is 2048) that a busy 2-core CPU reads soon.
 LONG = " ".join(f"Fact {i}: the {['cold', 'deep', 'blue', 'salty'][i % 4]} water holds "
@@ -166,9 +166,10 @@ def test_with_default_settings_the_band_a_16k_prompt_enters_reads_it_as_the_agen
     import synth_gguf
 
     from localllm.modelstore.shape import read_shape
-    from localllm.profiles.bands import band_plans, band_pays
-    from localllm.profiles.card import GIB, MIB, load_card
-    from localllm.profiles.tuner import Request, tune
+    from localllm.profiles.tuning.bands import band_plans, band_pays
+    from localllm.profiles.planning.card import GIB, MIB, load_card
+    from localllm.profiles.planning.search import Request
+    from localllm.profiles.planning.tuner import tune
 
     paths = synth_gguf.ensure_headers(tmp_path_factory.getbasetemp() / "synth-headers")
     shape = read_shape(paths[name])

@@ -21,7 +21,7 @@ from . import keys
 from .chatstore import chat_markdown
 from .slash import Command, SlashError, help_text, parse, show_text
 from .stats import TurnStats, answer_footer
-from .widgets import MessageView
+from .widgets import Entry, MessageView
 
 LOAD_OPTIONS = ("num_ctx", "num_gpu", "num_thread", "num_batch", "draft_model")
 RELOADING_DRAFTERS = ("mtp", "draft")  # speculative modes loaded with the model
@@ -150,8 +150,6 @@ class ChatActions:
         if chat is None or messages is None:
             self.note(f"Cannot open chat {chat_id}.", "error")
             return
-        from .app import Entry
-
         self.chat_id, self.system, self.options = chat.id, chat.system, dict(chat.options)
         self.entries.clear()
         self.turn = None

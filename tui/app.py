@@ -12,7 +12,7 @@ import contextlib
 import sqlite3
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -36,26 +36,13 @@ from .chatstore import ChatStore
 from .slash import request_extra
 from .stats import DecodeRate, RunnerStats, Segment, TurnStats, answer_footer, answer_notes, \
     find_runner, segments
-from .widgets import MessageView, Note, ProgressLine, PromptInput, StatsLine
+from .widgets import Entry, MessageView, Note, ProgressLine, PromptInput, StatsLine
 
 # What a lost or refused connection to the daemon looks like from aiohttp.
 CONNECTION_ERRORS = (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError)
 SAVE_EVERY_S = 1.0  # a streaming answer is written to the database this often
 # Drawing costs the runner decode speed where the CPU is shared: ten draws a second look live.
 RENDER_EVERY_S = 0.1
-
-
-@dataclass
-class Entry:
-    """A message of the open chat: its text, its row in the database and its widget."""
-    role: str
-    content: str
-    state: str = "done"
-    db_id: int | None = None
-    view: MessageView | None = None
-    # base64 images sent with this turn (image files the prompt named, as `ollama run` takes
-    # them), stored with it: a reopened chat sends them again
-    images: tuple[str, ...] = ()
 
 
 class ChatApp(ChatActions, App[int]):

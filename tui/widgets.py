@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from textual import events
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
@@ -16,6 +18,19 @@ from .slash import common_prefix, completions
 from .stats import Segment, fit_line
 
 BLOCK = '"""'
+
+
+@dataclass
+class Entry:
+    """A message of the open chat: its text, its row in the database and its widget."""
+    role: str
+    content: str
+    state: str = "done"
+    db_id: int | None = None
+    view: MessageView | None = None
+    # base64 images sent with this turn (image files the prompt named, as `ollama run` takes
+    # them), stored with it: a reopened chat sends them again
+    images: tuple[str, ...] = ()
 
 
 class MessageView(Vertical):

@@ -19,7 +19,7 @@ from localllm.modelstore.store import ModelEntry, projector_path
 from localllm import __version__
 from localllm.config import ConfigError, parse_duration
 from localllm.options import LoadOptions, SamplingOptions
-from localllm.profiles.quality import kv_label
+from localllm.profiles.planning.quality import kv_label
 
 from .. import remote, security
 from ..chat.answer import answer, model_for

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 from localllm.llama import nvml
-from localllm.profiles.quality import kv_label
+from localllm.profiles.planning.quality import kv_label
 
 from ..state import SCHEDULER
 

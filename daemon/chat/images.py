@@ -25,7 +25,7 @@ from urllib.parse import urljoin, urlsplit
 from aiohttp.abc import AbstractResolver
 
 from ..runner.protocol import IMAGE_MARKER
-from .request import ChatError
+from .errors import ChatError
 
 MAX_IMAGE_BYTES = 20 << 20
 # Pixels an image may declare (8K UHD): decoding is width x height x 3 bytes whatever the file's

@@ -10,25 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from localllm.errors import UserError
 from localllm.options import LoadOptions, SamplingOptions
 
 from ..runner.protocol import GenerationRequest
+from .errors import ChatError
 from .grammar import BadFormat, format_grammar, tool_call_grammar
+from .images import place_images
 from .model import ChatModel
 from .parse import make_parser
 from .roles import place_system_messages
 from .template import HARMONY, THINK_TAGS, TemplateFailed, render, render_default
 
 THINK_LEVELS = ("low", "medium", "high")
-
-
-class ChatError(UserError):
-    """The request asks for something this model cannot do (status 400)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -52,7 +45,7 @@ class ChatRequest:
     logprobs: int | None = None
     echo: bool = False  # completions: the answer starts with the prompt (with its logprobs)
     # What the route says of the session, for a model's first load before the daemon has seen
-    # what it is asked (profiles.traffic): agents' routes name themselves.
+    # what it is asked (profiles.tuning.traffic): agents' routes name themselves.
     workload_hint: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -127,8 +120,6 @@ def prepare(model: ChatModel, request: ChatRequest) -> Prepared:
         raise ChatError(str(e), "format") from None
     if forced and model.style.tool_format == HARMONY:
         grammar = None  # harmony calls pass through control tokens a grammar cannot name
-    from .images import place_images  # (images.py raises ChatError from here)
-
     prompt, images = place_images(prompt, request.image_data)
     generation = GenerationRequest(id=request.id, prompt=prompt,
                                    options=request.options, grammar=grammar,

@@ -22,7 +22,8 @@ import time
 from dataclasses import replace
 
 from .model import ChatModel
-from .request import ChatError, ChatRequest, Prepared, prepare
+from .errors import ChatError
+from .request import ChatRequest, Prepared, prepare
 
 log = logging.getLogger("localllm.chat")
 

@@ -95,7 +95,7 @@ def main() -> int:
         return 0
     load = json.loads(first)
     try:
-        from localllm.profiles.plan import Plan
+        from localllm.profiles.planning.plan import Plan
 
         from .engine import Engine
 

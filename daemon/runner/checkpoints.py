@@ -34,7 +34,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import llama_cpp
-from localllm.profiles.memory import CHECKPOINTS_PER_SLOT as MAX_PER_SLOT
+from localllm.profiles.planning.memory import CHECKPOINTS_PER_SLOT as MAX_PER_SLOT
 
 PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 NEAR_END = 4  # as llama-server: a checkpoint this many tokens before a prompt's end

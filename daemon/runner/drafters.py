@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 from localllm.llama.params import context_params, load_mode
-from localllm.profiles.plan import Plan
+from localllm.profiles.planning.plan import Plan
 
 from . import model as llama
 from .protocol import VOCAB_SLACK

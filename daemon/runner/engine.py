@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import llama_cpp
 from localllm.llama.params import MAX_DRAFT, draft_ceiling
 from localllm.options import SPECULATIVE_MODES
-from localllm.profiles.plan import Plan
+from localllm.profiles.planning.plan import Plan
 
 from . import checkpoints
 from . import model as llama

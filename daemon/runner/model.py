@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import llama_cpp
 from localllm.llama.params import MAX_DRAFT, context_params, model_params
 from localllm.llama.resident import ResidentWeights
-from localllm.profiles.plan import Plan
+from localllm.profiles.planning.plan import Plan
 
 
 log = logging.getLogger("localllm.runner.model")

@@ -23,7 +23,7 @@ from pathlib import Path
 from localllm.errors import UserError
 from localllm.llama.cpu import describe_crash, is_engine_crash
 from localllm.paths import open_private_log
-from localllm.profiles.plan import Plan
+from localllm.profiles.planning.plan import Plan
 
 from ..logging_setup import LOG_FILE_BACKUPS, LOG_FILE_BYTES
 from .protocol import (

@@ -8,8 +8,8 @@ with the next band's plan and carries every sequence's KV over (daemon/runner/ba
     choose_bands(shape, name, load, card, plan) the bands the daemon loads (config fill_bands)
                                                 and the whole context's plan beside them
 
-Each band is planned for the prompt that enters it (profiles.workload): the first for the short
-requests a runner starts with, the others for the long prompt that moves it up.
+Each band is planned for the prompt that enters it (profiles.planning.workload): the first for
+the short requests a runner starts with, the others for the long prompt that moves it up.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from localllm.config import ConfigError, load_config, parse_bands
+from localllm.config import Config, parse_bands
 from localllm.modelstore.shape import ModelShape
 from localllm.options import LoadOptions
 
-from .card import Card
-from .choose import apply_options, config_request, request_from_load, tune_checked
-from .plan import Plan
-from .quality import kv_label
-from .tuner import NoPlanFits, Request, tune
+from ..planning.card import Card
+from ..planning.plan import Plan
+from ..planning.quality import kv_label
+from ..planning.search import NoPlanFits, Request
+from ..planning.tuner import tune
+from .choose import apply_options, config_request, request_from_load, tune_checked, tuning_config
 
 
 FILL_BANDS = (8192, 32768)  # plans per fill band: up to each of these, then the whole context
@@ -84,8 +85,8 @@ def _pinned_plan(shape: ModelShape, card: Card, request: Request, whole: Plan,
 
 
 def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Card,
-                 plan: Plan, setting: str = "auto",
-                 hint: str | None = None) -> tuple[tuple[Plan, ...], Plan]:
+                 plan: Plan, setting: str = "auto", hint: str | None = None,
+                 config: Config | None = None) -> tuple[tuple[Plan, ...], Plan]:
     """Plans for the fill bands below `plan`'s context, smallest first (config fill_bands),
     and the whole context's plan to load with them: the runner starts in the first and moves
     up as a sequence grows (daemon/runner/engine.py). Without bands, `plan` itself.
@@ -95,14 +96,15 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
     decode faster after a short prompt (else the short moments would pay for it: band_pays);
     a band above it where it does so against the whole context's band. Never with drafting by
     a draft model or MTP, or RPC workers: their state is bound to the loaded model. `hint`:
-    the route's, as for the plan (profiles.traffic)."""
+    the route's, as for the plan (profiles.tuning.traffic). `config`: the daemon's live
+    settings (None: config.toml)."""
     sizes = parse_bands(setting)
     if sizes == "off" or plan.speculative in ("mtp", "draft") or plan.rpc_workers:
         return (), plan
     auto = sizes == "auto"
     if auto and (not card.has_gpu or plan.source != "tuner"):
         return (), plan
-    base = config_request(model_name, shape.file_size, hint)
+    base = config_request(model_name, shape.file_size, hint, config)
     request = request_from_load(plan.n_ctx, load, base.margin_bytes, base)
     if not card.has_gpu:  # all in RAM: the bands differ in their context alone
         return tuple(replace(plan, n_ctx=band, n_batch=min(plan.n_batch, band),
@@ -154,9 +156,7 @@ def placement_key(plan: Plan) -> tuple:
             plan.n_ubatch, plan.flash_attn)
 
 
-def bands_setting() -> str:
+def bands_setting(config: Config | None = None) -> str:
     """The config's fill_bands (auto, off, or token counts)."""
-    try:
-        return load_config().fill_bands
-    except ConfigError:
-        return "auto"
+    config, _ = tuning_config(config)
+    return config.fill_bands if config is not None else "auto"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from localllm.errors import UserError
 
-TEXT = Path(__file__).resolve().parent / "eval_text.txt"
+TEXT = Path(__file__).resolve().parent.parent / "eval_text.txt"
 DEFAULT_CTX = 512
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from localllm import paths
 
-from .plan import Plan
+from ..planning.plan import Plan
 
 
 def _cache_file(model_path: str, plan: Plan) -> Path:

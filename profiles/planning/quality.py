@@ -13,17 +13,14 @@ Policies, each a threshold on the mean KL divergence:
     balanced  0.005  f16 or q8_0; 4 bits only where no more precise setting can keep the
                      context's KV on the GPU (the cache's size then decides the speed)
     speed     0.05   any setting, the fastest wins
-Measured results live in `<config dir>/profiles/quality.toml`, one table per model.
+Measured results live in `<config dir>/profiles/quality.toml`, one table per model
+(profiles.tuning.eval_results reads and writes them).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-
-from .saved import profiles_dir, read_tables, write_toml
 
 KV_LADDER = ("f16", "q8_0", "q8_0/q4_0", "q4_0")  # most precise first
 ASSUMED_KL = {"f16": 0.0, "bf16": 0.0, "q8_0": 0.002, "q8_0/q4_0": 0.01, "q4_0": 0.03}
@@ -83,42 +80,3 @@ def allowed(policy: str, costs: Mapping[str, KvCost]) -> tuple[str, ...]:
     threshold = THRESHOLDS[policy]
     return tuple(label for label in KV_LADDER
                  if label == REFERENCE or costs[label].kl_mean <= threshold)
-
-
-# ---- saved eval results -----------------------------------------------------------------------
-
-def results_file() -> Path:
-    return profiles_dir() / "quality.toml"
-
-
-def save_result(model: str, file_size: int, setting: str, reference: str, metrics: dict,
-                path: Path | None = None) -> Path:
-    """Store one eval result under the model; a result for another file of the same name
-    replaces the model's table (the old figures described other weights)."""
-    path = path or results_file()
-    doc = read_tables(path)
-    entry = doc.get(model, {})
-    if entry.get("file_size") != file_size:
-        entry = {"file_size": file_size}
-    table = "kv" if reference == REFERENCE else "vs"
-    key = setting if table == "kv" else reference
-    results = dict(entry.get(table, {}))
-    results[key] = {**{k: round(float(v), 6) for k, v in metrics.items()},
-                    "setting": setting, "reference": reference,
-                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    entry[table] = results
-    doc[model] = entry
-    write_toml(path, doc)
-    return path
-
-
-def measured_kl(model: str, file_size: int, path: Path | None = None) -> dict[str, float]:
-    """{KV label: mean KL vs f16} measured for this model file; empty when none is."""
-    entry = read_tables(path or results_file()).get(model, {})
-    if not entry or entry.get("file_size") != file_size:
-        return {}
-    out = {}
-    for label, result in entry.get("kv", {}).items():
-        if isinstance(result, dict) and isinstance(result.get("kl_mean"), (int, float)):
-            out[label] = float(result["kl_mean"])
-    return out

@@ -4,12 +4,8 @@ over several GPUs, and the host RAM a plan may use."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from .card import GIB, Card
-
-if TYPE_CHECKING:
-    from .tuner import Request
+from .search import Request
 
 # Of the RAM available at load, kept for the runner's own memory (the Python process, CUDA's
 # pinned staging buffers, allocator slack) rather than planned for weights, KV and buffers.

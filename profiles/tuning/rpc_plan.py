@@ -14,8 +14,9 @@ a layer count per device, so the split is exact (llama.cpp cuts at count / total
 Decode speed with the network in it: a token crosses each worker twice (its hidden state in and
 out, n_embd float32 values each way) and waits for about two round trips per worker (the graph
 and the result); a worker's layers take their bytes over the weight-reading speed measured on
-it (profiles/workers.py; RPC does not report the hardware, so a worker that could not be measured is
-taken as fast as this machine's card, or RAM). The local plan's prediction covers the rest.
+it (profiles/tuning/workers.py; RPC does not report the hardware, so a worker that could not
+be measured is taken as fast as this machine's card, or RAM). The local plan's prediction
+covers the rest.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from dataclasses import dataclass, replace
 
 from localllm.modelstore.shape import ModelShape
 
-from .card import GIB, MIB, Card
-from .memory import ContextSettings, block_kv_bytes, model_costs
-from .plan import DeviceMemory, Plan, cpu_plan, layer_ranges
+from ..planning.budgets import ram_budget
+from ..planning.card import GIB, MIB, Card
+from ..planning.costs import model_costs
+from ..planning.memory import ContextSettings, block_kv_bytes
+from ..planning.plan import DeviceMemory, Plan, cpu_plan, layer_ranges
+from ..planning.search import NoPlanFits, Request
 from .workers import Worker, WorkerError, probe_workers
-from .budgets import ram_budget
-from .tuner import NoPlanFits, Request
 
 log = logging.getLogger(__name__)
 HIDDEN_BYTES_PER_VALUE = 4  # llama.cpp passes the hidden state between devices as float32

@@ -29,16 +29,14 @@ llama-cpp-python 0.3.36):
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass, field, fields
 
-from localllm.modelstore.shape import (
-    EXPERTS, OUTPUT, OUTPUT_NORM, RECURRENT_LAYER, SLIDING, ModelShape,
-)
+from localllm.modelstore.shape import SLIDING, ModelShape
 
 from .card import MIB, Card
+from .costs import ModelCosts, model_costs
+from .placements import CPU, Placement, head_in_ram, in_ram, overridden
 from .plan import DeviceMemory
 
 # (elements per block, bytes per block) of the KV cache types llama.cpp accepts (-ctk/-ctv).
@@ -46,13 +44,6 @@ KV_TYPES: dict[str, tuple[int, int]] = {
     "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
     "q4_1": (32, 20), "iq4_nl": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24),
 }
-# K = V pairs that default CUDA builds run inside flash attention, best precision first; other
-# pairs fall back to CPU attention (25-45x slower prefill).
-CPU = "CPU"
-# The dense FFN matrices of a block, as the FFN override names them (norms stay with the block).
-FFN_TENSOR = re.compile(r"^blk\.\d+\.ffn_(up|gate|down)\.")
-
-
 def kv_row_bytes(kv_type: str, n_elements: int) -> int:
     block, size = KV_TYPES[kv_type]
     return n_elements // block * size
@@ -60,19 +51,6 @@ def kv_row_bytes(kv_type: str, n_elements: int) -> int:
 
 def pad(n: int, to: int = 256) -> int:
     return (n + to - 1) // to * to
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the weights go. Blocks are llama.cpp's: the last `n_gpu_layers` of n_layer + 1."""
-
-    n_gpu_layers: int
-    output_on_cpu: bool = False  # lm-head kept on the CPU by a tensor override
-    n_cpu_expert_layers: int = 0  # MoE: the experts of blocks 0..k-1 kept on the CPU
-    n_cpu_ffn_layers: int = 0  # dense FFN matrices of the last N trunk blocks kept on the CPU
-    # Several GPUs: layers per GPU in order, summing to n_gpu_layers (llama.cpp's tensor_split);
-    # empty: split evenly (one GPU: all of them)
-    gpu_split: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,114 +63,6 @@ class ContextSettings:
     swa_full: bool = False
     n_seq: int = 1
     n_rs_seq: int = 0  # recurrent-state snapshots per sequence (drafts taken back), llama.cpp's
-
-
-@dataclass(frozen=True)
-class ModelCosts:
-    """The per-block numbers every placement needs, computed once from a ModelShape."""
-
-    n_blocks: int  # all blocks, NextN included (llama.cpp's n_layer)
-    block_bytes: tuple[int, ...]  # weights loaded per block, experts excluded
-    ffn_bytes: tuple[int, ...]  # the part of block_bytes in the dense FFN matrices (up/gate/down)
-    expert_bytes: tuple[int, ...]
-    block_params: tuple[int, ...]  # weights (elements) per block, experts counted as active
-    kinds: tuple[str, ...]
-    kv_k_elements: tuple[int, ...]  # per cell, 0 for blocks that hold no KV
-    kv_v_elements: tuple[int, ...]
-    state_bytes: tuple[int, ...]  # recurrent state per sequence
-    attention_flops: tuple[int, ...]  # per cell of context read at decode (QK and softmax V)
-    embedding_bytes: int
-    output_bytes: int  # the lm-head, on the output layer's device unless overridden
-    output_norm_bytes: int  # the final norm: always on the output layer's device
-    output_params: int
-    cpu_other_bytes: int  # tensors outside blocks that stay on the CPU (rope tables...)
-    expert_active_fraction: float  # experts read per token / all experts
-    sliding_window: int
-    n_vocab: int
-    n_embd: int
-    n_head: int
-    n_ff: int
-    n_ff_active_experts: int  # expert FFN width times experts used per token
-
-    @property
-    def has_experts(self) -> bool:
-        return any(self.expert_bytes)
-
-    @cached_property  # asked for every block of every placement tried
-    def n_trunk(self) -> int:
-        """Blocks that hold weights (NextN blocks are skipped unless MTP is loaded)."""
-        return sum(1 for b, e in zip(self.block_bytes, self.expert_bytes, strict=True) if b or e)
-
-    @property
-    def has_sliding(self) -> bool:
-        return SLIDING in self.kinds and self.sliding_window > 0
-
-    def ffn_on_cpu(self, placement: Placement, i: int) -> bool:
-        """Whether block i's FFN matrices sit in RAM by the placement's FFN override."""
-        return bool(placement.n_cpu_ffn_layers) and self.n_trunk - placement.n_cpu_ffn_layers <= i \
-            < self.n_trunk
-
-    @property
-    def max_block_bytes(self) -> int:
-        return max((b + e for b, e in zip(self.block_bytes, self.expert_bytes, strict=True)),
-                   default=0)
-
-
-def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
-    n = shape.n_layer
-    block = [0] * n
-    ffn = [0] * n
-    experts = [0] * n
-    params = [0] * n
-    active = (shape.expert_used_count / shape.expert_count) if shape.expert_count else 1.0
-    output_bytes = output_params = output_norm = other = 0
-    skipped = {layer.index for layer in shape.layers if layer.is_nextn and not load_mtp}
-    for t in shape.tensors:
-        if t.layer is not None and t.layer < n:
-            if t.layer in skipped:
-                continue
-            if t.role == EXPERTS:
-                experts[t.layer] += t.n_bytes
-                params[t.layer] += int(t.n_elements * active)
-            else:
-                block[t.layer] += t.n_bytes
-                params[t.layer] += t.n_elements
-                if FFN_TENSOR.match(t.name):
-                    ffn[t.layer] += t.n_bytes
-        elif t.role == OUTPUT:
-            output_bytes += t.n_bytes
-            output_params += t.n_elements
-        elif t.role == OUTPUT_NORM:
-            output_norm += t.n_bytes
-        elif t.name != "token_embd.weight":
-            other += t.n_bytes
-    if shape.tied_embeddings:  # the token table again, as the lm-head
-        output_bytes += shape.embedding_bytes
-        output_params += sum(t.n_elements for t in shape.tensors if t.name == "token_embd.weight")
-    k_el, v_el, state, flops = [0] * n, [0] * n, [0] * n, [0] * n
-    n_recurrent = sum(1 for layer in shape.layers if layer.kind == RECURRENT_LAYER)
-    for layer in shape.layers:
-        if layer.is_nextn:
-            continue
-        if layer.kind == RECURRENT_LAYER:
-            state[layer.index] = shape.recurrent_state_bytes // max(1, n_recurrent)
-        else:
-            k_el[layer.index] = layer.n_head_kv * layer.head_dim_k
-            v_el[layer.index] = layer.n_head_kv * layer.head_dim_v
-            flops[layer.index] = 2 * shape.n_head * (layer.head_dim_k + layer.head_dim_v)
-    return ModelCosts(
-        n_blocks=n, block_bytes=tuple(block), ffn_bytes=tuple(ffn), expert_bytes=tuple(experts),
-        block_params=tuple(params), kinds=tuple(layer.kind for layer in shape.layers),
-        kv_k_elements=tuple(k_el), kv_v_elements=tuple(v_el), state_bytes=tuple(state),
-        attention_flops=tuple(flops),
-        embedding_bytes=shape.embedding_bytes, output_bytes=output_bytes,
-        output_norm_bytes=output_norm, output_params=output_params, cpu_other_bytes=other,
-        expert_active_fraction=active,
-        sliding_window=shape.sliding_window, n_vocab=shape.n_vocab,
-        n_embd=shape.embedding_length, n_head=shape.n_head,
-        n_ff=shape.feed_forward_length,
-        n_ff_active_experts=shape.expert_feed_forward_length * shape.expert_used_count,
-    )
 
 
 # ---- placement -> devices ---------------------------------------------------------------------
@@ -222,16 +92,25 @@ def block_devices(costs: ModelCosts, placement: Placement, n_gpus: int) -> tuple
     return tuple(devices)
 
 
+def gpu_layers(shape: ModelShape, card: Card,
+               placement: Placement) -> tuple[tuple[str, int], ...]:
+    """llama.cpp's layers per device, the CPU's first, then each GPU's (the output layer
+    counted as the last layer): the plan's device_layers, and its tensor_split after the CPU."""
+    costs = model_costs(shape)
+    devices = block_devices(costs, placement, card.n_gpus)
+    return tuple((d, devices.count(d)) for d in (CPU, *card.devices))
+
+
 def layer_gpu_bytes(costs: ModelCosts, placement: Placement,
                     settings: ContextSettings) -> list[int]:
     """What each of llama.cpp's n_blocks + 1 layers takes on the GPU that holds it: its weights
     less what the placement keeps in RAM (FFN, experts, the lm-head), and its KV."""
+    kept = in_ram(costs, placement)
     out = []
     for i in range(costs.n_blocks):
-        ffn = costs.ffn_bytes[i] if costs.ffn_on_cpu(placement, i) else 0
-        experts = 0 if i < placement.n_cpu_expert_layers else costs.expert_bytes[i]
-        out.append(costs.block_bytes[i] - ffn + experts + block_kv_bytes(costs, i, settings))
-    out.append((0 if placement.output_on_cpu else costs.output_bytes) + costs.output_norm_bytes)
+        out.append(costs.block_bytes[i] - kept.dense[i] + costs.expert_bytes[i]
+                   - kept.experts[i] + block_kv_bytes(costs, i, settings))
+    out.append((0 if head_in_ram(placement) else costs.output_bytes) + costs.output_norm_bytes)
     return out
 
 
@@ -348,9 +227,8 @@ class ComputeTable:
     @staticmethod
     def key(settings: ContextSettings, placement: Placement) -> tuple:
         return (settings.n_ctx, settings.n_ubatch, settings.flash_attn, settings.type_k,
-                settings.type_v, settings.swa_full, settings.n_seq, placement.n_gpu_layers,
-                placement.output_on_cpu, placement.n_cpu_expert_layers,
-                placement.n_cpu_ffn_layers, placement.gpu_split)
+                settings.type_v, settings.swa_full, settings.n_seq,
+                *(getattr(placement, f.name) for f in fields(placement)))
 
 
 PIPELINE_COPIES = 4  # ggml's GGML_SCHED_MAX_COPIES: inputs kept per split when pipelining
@@ -401,24 +279,22 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
     kv = dict.fromkeys(names, 0)
     holds_attention = dict.fromkeys(names, False)
     ffn_cpu_blocks = 0
+    kept = in_ram(costs, placement)
     for i in range(costs.n_blocks):
         d = devices[i]
-        ffn = costs.ffn_bytes[i] if d != CPU and costs.ffn_on_cpu(placement, i) else 0
-        ffn_cpu_blocks += bool(ffn)
-        weights[d] += costs.block_bytes[i] - ffn
-        weights[CPU] += ffn
-        expert_device = CPU if i < placement.n_cpu_expert_layers else d
-        weights[expert_device] += costs.expert_bytes[i]
+        dense, experts = (kept.dense[i], kept.experts[i]) if d != CPU else (0, 0)
+        ffn_cpu_blocks += bool(dense)
+        weights[d] += costs.block_bytes[i] - dense + costs.expert_bytes[i] - experts
+        weights[CPU] += dense + experts
         kv[d] += block_kv_bytes(costs, i, settings)
         holds_attention[d] |= bool(costs.kv_k_elements[i])
-    output_device = CPU if placement.output_on_cpu else devices[-1]
+    output_device = CPU if head_in_ram(placement) else devices[-1]
     weights[output_device] += costs.output_bytes
     weights[devices[-1]] += costs.output_norm_bytes
     weights[CPU] += costs.embedding_bytes + costs.cpu_other_bytes
     cpu_blocks = sum(1 for d in devices[:-1] if d == CPU) + ffn_cpu_blocks
     used_gpus = {d for d in devices if d != CPU}
-    pipelined = len(used_gpus) > 1 and CPU not in devices and not placement.output_on_cpu \
-        and not placement.n_cpu_expert_layers and not placement.n_cpu_ffn_layers
+    pipelined = len(used_gpus) > 1 and CPU not in devices and not overridden(placement)
     measured = compute.measured.get(ComputeTable.key(settings, placement)) if compute else None
     out = []
     for name in names:

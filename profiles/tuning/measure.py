@@ -9,7 +9,6 @@ card is resolved. The factor goes to the side that took most of the predicted ti
 from __future__ import annotations
 
 import time
-import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -17,10 +16,9 @@ import tomli_w
 
 from localllm.errors import UserError
 
-from .card import Card
-from .plan import Plan
-from .saved import profiles_dir
-from .speed import TOKEN_SECONDS
+from ..planning.plan import Plan
+from ..planning.speed import TOKEN_SECONDS
+from .calibration import calibration_file, load_calibration
 
 
 @dataclass(frozen=True)
@@ -36,42 +34,6 @@ class Measurement:
 # What update_calibration writes (reset_calibration removes them).
 _MEASURE_KEYS = ("gpu_bandwidth_factor", "host_bandwidth_factor", "measured_decode_tps",
                  "measured_at")
-
-
-def calibration_file() -> Path:
-    return profiles_dir() / "calibration.toml"
-
-
-def load_calibration(path: Path | None = None) -> dict:
-    path = path or calibration_file()
-    try:
-        doc = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return {}
-    return {k: v for k, v in doc.items() if isinstance(v, dict)}
-
-
-def calibrated(card: Card, path: Path | None = None) -> Card:
-    """The card with the factors `--measure` stored for it and, for this machine's probed
-    card, the host's measured disk rate (a profile keeps its box's own; none: unchanged)."""
-    from .calibrate import HOST_KEY, with_measured_disk
-
-    doc = load_calibration(path)
-    if card.source == "probe":
-        card = with_measured_disk(card, doc.get(HOST_KEY, {}))
-    factors = doc.get(card.name, {})
-    try:
-        gpu = float(factors.get("gpu_bandwidth_factor", 1.0))
-        host = float(factors.get("host_bandwidth_factor", 1.0))
-    except (TypeError, ValueError):
-        return card
-    from .calibrate import with_measured_bandwidth
-
-    card = with_measured_bandwidth(card, factors)  # from --calibrate, when it ran
-    if not (0.01 <= gpu <= 100 and 0.01 <= host <= 100):
-        return card
-    return replace(card, decode_efficiency=card.decode_efficiency * gpu,
-                   host_bandwidth_gbs=card.host_bandwidth_gbs * host)
 
 
 def update_calibration(card_name: str, gpu_seconds: float, cpu_seconds: float,

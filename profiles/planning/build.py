@@ -5,49 +5,22 @@ and the predictions and reasons `tune` shows."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from localllm.modelstore.shape import ModelShape
 
 from .card import Card
 from .disk import disk_bytes_per_token, disk_read_gbs
+from .evaluator import Evaluator
 from .explain import explain
-from .memory import CPU, Placement, block_devices, model_costs
-from .plan import Plan, TensorOverride, cpu_plan
+from .memory import CPU, gpu_layers
+from .placements import tensor_overrides
+from .plan import Plan, cpu_plan
+from .search import Option, Request, Search
 from .speed import prompt_cost
 from .workload import objective_depth
 
-if TYPE_CHECKING:
-    from .tuner import Option, Request, Search, _Evaluator
 
-
-def tensor_overrides(shape: ModelShape, placement: Placement) -> tuple[TensorOverride, ...]:
-    out = []
-    if placement.output_on_cpu:
-        # With tied embeddings the lm-head is the token table loaded a second time.
-        name = "token_embd" if shape.tied_embeddings else "output"
-        out.append(TensorOverride(rf"^{name}\.weight$", "CPU"))
-    if placement.n_cpu_expert_layers:
-        blocks = "|".join(str(i) for i in range(placement.n_cpu_expert_layers))
-        out.append(TensorOverride(rf"^blk\.({blocks})\.ffn_(up|down|gate|gate_up)_exps\.", "CPU"))
-    if placement.n_cpu_ffn_layers:
-        n_trunk = shape.n_layer_main
-        first = max(0, n_trunk - placement.n_cpu_ffn_layers)
-        blocks = "|".join(str(i) for i in range(first, n_trunk))
-        out.append(TensorOverride(rf"^blk\.({blocks})\.ffn_(up|gate|down)\.", "CPU"))
-    return tuple(out)
-
-
-def gpu_layers(shape: ModelShape, card: Card,
-               placement: Placement) -> tuple[tuple[str, int], ...]:
-    """llama.cpp's layers per device, the CPU's first, then each GPU's (the output layer
-    counted as the last layer): the plan's device_layers, and its tensor_split after the CPU."""
-    costs = model_costs(shape)
-    devices = block_devices(costs, placement, card.n_gpus)
-    return tuple((d, devices.count(d)) for d in (CPU, *card.devices))
-
-
-def decode_by_depth(evaluator: _Evaluator, best: Option) -> tuple[tuple[int, float], ...]:
+def decode_by_depth(evaluator: Evaluator, best: Option) -> tuple[tuple[int, float], ...]:
     """Predicted decode at the start, the middle and the end of the context."""
     n = best.settings.n_ctx
     return tuple((d, round(evaluator.option_speed(best, d).decode_tps, 2))
@@ -57,7 +30,7 @@ def decode_by_depth(evaluator: _Evaluator, best: Option) -> tuple[tuple[int, flo
 TTFT_PROMPTS = (1024, 4096, 16384, 65536)
 
 
-def time_to_first_token(evaluator: _Evaluator, best: Option) -> tuple[tuple[int, float], ...]:
+def time_to_first_token(evaluator: Evaluator, best: Option) -> tuple[tuple[int, float], ...]:
     """Predicted seconds to the first token of prompts of a few lengths, read into an empty
     context in the plan's micro-batches (and one decode step)."""
     s = best.settings
@@ -76,7 +49,7 @@ def time_to_first_token(evaluator: _Evaluator, best: Option) -> tuple[tuple[int,
 
 
 def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
-               searches: list[Search], evaluator: _Evaluator,
+               searches: list[Search], evaluator: Evaluator,
                speculation_notes: list[str] | None = None) -> Plan:
     best = chosen.best
     assert best is not None

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-from localllm import config
+from localllm import config_values
 from localllm.errors import UserError
 
 PROBE_TIMEOUT_S = 60.0
@@ -64,7 +64,7 @@ class Worker:
 def parse_endpoint(text: str) -> tuple[str, int]:
     """"host:port" -> (host, port); WorkerError says what is wrong."""
     try:
-        return config.parse_endpoint(text)
+        return config_values.parse_endpoint(text)
     except ValueError as e:
         raise WorkerError(str(e)) from None
 

@@ -4,7 +4,7 @@ torch (the optional extra) and the host's disk read rate, and store them with th
 Without torch the tuner uses the theoretical figures NVML gives (memory clock x bus width, PCIe
 generation x width: see hardware.card_from_nvml); those are peaks no kernel reaches, which is
 what the measured figures correct. The disk rate (plans past RAM read weights from disk, see
-profiles.disk) is the host's, so it is stored under `[host]`, for every card planned here.
+profiles.planning.disk) is the host's, so it is stored under `[host]`, for every card planned here.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import tomli_w
 
 from localllm.errors import UserError
 
-from .card import Card
-from .measure import calibration_file, load_calibration
-from .plan import physical_cores
+from ..planning.card import Card
+from ..planning.plan import physical_cores
+from .calibration import HOST_KEY, calibration_file, load_calibration, with_measured_bandwidth
 
 GB = 1e9
 
@@ -79,7 +79,6 @@ def store_bandwidth(card_name: str, measured: Bandwidth, path: Path | None = Non
     return entry
 
 
-HOST_KEY = "host"  # the calibration table of this machine's own figures (no card is so named)
 DISK_READ_BYTES = 2 << 30  # enough to get past a drive's own cache and readahead
 PAGE = mmap.PAGESIZE
 
@@ -162,32 +161,6 @@ def store_disk_read(measured: DiskRead, path: Path | None = None) -> dict:
     return entry
 
 
-def with_measured_disk(card: Card, host: dict) -> Card:
-    """The card with the host's measured disk read rate, when one is stored."""
-    try:
-        value = float(host["disk_read_gbs"])
-    except (KeyError, TypeError, ValueError):
-        return card
-    return replace(card, disk_read_gbs=value) if 0 < value < 1000 else card
-
-
-def with_measured_bandwidth(card: Card, factors: dict) -> Card:
-    """The card with measured bandwidths in place of the theoretical ones, when stored."""
-    changes = {}
-    for key, field in (("memory_bandwidth_gbs", "bandwidth_gbs"), ("pcie_gbs", "pcie_gbs")):
-        try:
-            value = float(factors[key])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if 0 < value < 100_000:
-            changes[field] = value
-    if "bandwidth_gbs" in changes and card.gpus:  # the GPUs of the measured kind with it
-        changes["gpus"] = tuple(
-            replace(g, bandwidth_gbs=changes["bandwidth_gbs"])
-            if g.bandwidth_gbs == card.bandwidth_gbs else g for g in card.gpus)
-    return replace(card, **changes) if changes else card
-
-
 def calibrate(card: Card) -> tuple[Bandwidth, Card]:
     """Measure in a child process: torch's CUDA runtime and llama.cpp's must not share one
     (seen: a process holding both aborted in free())."""
@@ -195,7 +168,7 @@ def calibrate(card: Card) -> tuple[Bandwidth, Card]:
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "localllm.profiles.calibrate"],
+    proc = subprocess.run([sys.executable, "-m", "localllm.profiles.tuning.calibrate"],
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines()

@@ -5,63 +5,21 @@ why, and what would fit when nothing does. Lines that start with "rejected: " ar
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from localllm.modelstore.shape import ModelShape
 
 from . import quality
-from .card import GIB, Card
+from .card import Card
 from .disk import disk_reason
-from .memory import CPU, ContextSettings, Placement
-
-if TYPE_CHECKING:
-    from .tuner import Option, Request, Search, _Evaluator
+from .evaluator import Evaluator
+from .explain_speculation import speculation_lines
+from .memory import CPU, ContextSettings, gpu_layers
+from .placements import kind_of, span
+from .plan import layer_ranges
+from .search import Option, Request, Search
+from .words import describe_placement, gib, seconds, tps
 
 REJECTED = "rejected: "
-
-
-def gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
-def tps(x: float) -> str:
-    if x < 1:  # plans that read from disk
-        return f"{x:.2f} tok/s"
-    return f"{x:.1f} tok/s" if x < 100 else f"{x:.0f} tok/s"
-
-
-def _span(first: int, last: int) -> str:
-    return f"block {first}" if first == last else f"blocks {first}-{last}"
-
-
-def describe_placement(option: Option, shape: ModelShape) -> str:
-    p = option.placement
-    n_blocks = shape.n_layer_main
-    n_gpu_blocks = sum(1 for m in _gpu_block_indices(option, shape))
-    if not option.vram_used and p.n_gpu_layers == 0:
-        return f"all {n_blocks} blocks on the CPU"
-    head = "the lm-head on the CPU" if p.output_on_cpu or p.n_gpu_layers == 0 else \
-        "the lm-head on the GPU"
-    if p.n_cpu_ffn_layers:
-        ffn_first = max(n_blocks - p.n_cpu_ffn_layers, n_blocks - n_gpu_blocks)
-        whole = n_blocks - n_gpu_blocks
-        text = ("every block's attention and KV on the GPU" if not whole else
-                f"{_span(0, whole - 1)} whole in RAM, the attention and KV of the other "
-                f"{n_gpu_blocks} on the GPU")
-        text += f", the FFN of {_span(ffn_first, n_blocks - 1)} in RAM, {head}"
-        return text + f" (n_gpu_layers={p.n_gpu_layers}, FFN override)"
-    text = (f"all {n_blocks} blocks" if n_gpu_blocks >= n_blocks
-            else f"{n_gpu_blocks} of {n_blocks} blocks") + f" on the GPU, {head}"
-    if p.n_cpu_expert_layers:
-        k = min(p.n_cpu_expert_layers, n_blocks)
-        text += f"; the experts of blocks 0-{k - 1} in RAM"
-    return text + f" (n_gpu_layers={p.n_gpu_layers})"
-
-
-def _gpu_block_indices(option: Option, shape: ModelShape):
-    n_all = shape.n_layer + 1
-    start = n_all - min(option.placement.n_gpu_layers, n_all)
-    return [i for i in range(shape.n_layer_main) if i >= start]
 
 
 def _kv_text(settings: ContextSettings) -> str:
@@ -69,7 +27,7 @@ def _kv_text(settings: ContextSettings) -> str:
 
 
 def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
-            searches: list[Search], evaluator: _Evaluator, threads: int, single: Option,
+            searches: list[Search], evaluator: Evaluator, threads: int, single: Option,
             slot_note: str, speculation_notes: list[str] | None = None) -> list[str]:
     """`chosen.best` is the final option (slots and SWA cache included); `single` the option
     the search picked, with one slot."""
@@ -98,10 +56,7 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
     out += split_lines(shape, card, best, chosen)
     if best.disk_bytes:
         out.append(disk_reason(best.disk_bytes, card))
-    if best.placement.n_cpu_ffn_layers:
-        out.append("attention stays where its KV is: with every block's attention on the GPU, "
-                   "decode keeps its speed as the context fills, where whole blocks in RAM "
-                   "would attend over their KV on the CPU")
+    out += kind_of(best.placement).reasons(best.placement)
     out.append(_fill_line(best, request, evaluator))
     out.append(_kv_line(single, chosen, request, evaluator, card))
     out.append("flash attention on: the quantized V cache needs it and it keeps the compute "
@@ -123,11 +78,7 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
     return out
 
 
-def seconds(t: float) -> str:
-    return f"{t:.1f} s" if t < 100 else f"{t:.0f} s"
-
-
-def _fill_line(best: Option, request: Request, evaluator: _Evaluator) -> str:
+def _fill_line(best: Option, request: Request, evaluator: Evaluator) -> str:
     n = best.settings.n_ctx
     at = [evaluator.option_speed(best, d).decode_tps for d in (0, n // 2, n)]
     line = (f"decode {tps(best.speed.decode_tps)} averaged over the session's answers: "
@@ -185,7 +136,7 @@ def _slot_lines(best: Option, request: Request, card: Card, slot_note: str) -> l
     return out
 
 
-def _kv_line(best: Option, chosen: Search, request: Request, evaluator: _Evaluator,
+def _kv_line(best: Option, chosen: Search, request: Request, evaluator: Evaluator,
              card: Card) -> str:
     label = best.kv
     cost = evaluator.kv_costs.get(label) or quality.KvCost(
@@ -217,11 +168,8 @@ def _ubatch_lines(best: Option, chosen: Search) -> list[str]:
     s = best.settings
 
     def same_kind(o: Option) -> bool:
-        p, q = o.placement, best.placement
         return (o.kv == best.kv and o.fits and o.speculator == best.speculator
-                and bool(p.n_cpu_ffn_layers) == bool(q.n_cpu_ffn_layers)
-                and p.output_on_cpu == q.output_on_cpu
-                and bool(p.n_cpu_expert_layers) == bool(q.n_cpu_expert_layers))
+                and kind_of(o.placement) is kind_of(best.placement))
 
     others: dict[int, Option] = {}
     for o in chosen.options:
@@ -241,20 +189,13 @@ def _ubatch_lines(best: Option, chosen: Search) -> list[str]:
 
 def describe_layers(o: Option) -> str:
     p = o.placement
-    if p.n_cpu_ffn_layers:
-        return f"FFN of {p.n_cpu_ffn_layers} blocks in RAM"
-    if p.n_cpu_expert_layers:
-        return f"experts of {p.n_cpu_expert_layers} blocks in RAM"
-    return f"n_gpu_layers={p.n_gpu_layers}"
+    return kind_of(p).short(p) or f"n_gpu_layers={p.n_gpu_layers}"
 
 
 def split_lines(shape: ModelShape, card: Card, best: Option, chosen: Search) -> list[str]:
     """Several GPUs: the layers and memory of each, and why a GPU was left out."""
     if card.n_gpus < 2:
         return []
-    from .plan import layer_ranges
-    from .build import gpu_layers
-
     layers = gpu_layers(shape, card, best.placement)
     budgets = dict(best.device_budgets)
     used = {m.device: m.total for m in best.memory}
@@ -263,7 +204,7 @@ def split_lines(shape: ModelShape, card: Card, best: Option, chosen: Search) -> 
                                     layer_ranges(layers[1:]), strict=True)]
     first = layers[0][1]
     out = [f"split over the GPUs by layer (tensor_split {[k for _, k in layers[1:]]}): "
-           + "; ".join(per_gpu) + (f" ({_span(0, first - 1)} in RAM)" if first else "")
+           + "; ".join(per_gpu) + (f" ({span(0, first - 1)} in RAM)" if first else "")
            + "; each GPU holds its layers' KV, the output layer is the last"]
     left_out = [d for d, k in layers[1:] if not k]
     if left_out and best.placement.n_gpu_layers:
@@ -314,25 +255,21 @@ def _context_line(shape: ModelShape, request: Request, chosen: Search,
 
 
 def _rejected_alternatives(shape: ModelShape, best: Option, chosen: Search,
-                           evaluator: _Evaluator) -> list[str]:
+                           evaluator: Evaluator) -> list[str]:
     evaluate = evaluator.option
     out = []
     p, s = best.placement, best.settings
     n_all = shape.n_layer + 1
-    if p.n_gpu_layers < n_all and not p.n_cpu_expert_layers and not p.n_cpu_ffn_layers:
-        more = evaluate(Placement(p.n_gpu_layers + 1, p.output_on_cpu), s, best.speculator)
-        if not more.gpu_fits:
-            out.append(f"{REJECTED}n_gpu_layers={p.n_gpu_layers + 1} needs "
-                       f"{gib(more.vram_used)} > {gib(more.vram_budget)} usable VRAM")
-    if p.n_cpu_expert_layers:
-        fewer = evaluate(Placement(p.n_gpu_layers, p.output_on_cpu, p.n_cpu_expert_layers - 1), s,
-                         best.speculator)
-        if not fewer.gpu_fits:
-            out.append(f"{REJECTED}experts of {p.n_cpu_expert_layers - 1} blocks in RAM needs "
-                       f"{gib(fewer.vram_used)} > {gib(fewer.vram_budget)} usable VRAM")
-    def kind(o: Option) -> tuple:
-        return (o.placement.output_on_cpu, bool(o.placement.n_cpu_expert_layers),
-                bool(o.placement.n_cpu_ffn_layers))
+    closer = kind_of(p).closer(p, n_all)
+    if closer is not None:
+        nearer, words = closer
+        o = evaluate(nearer, s, best.speculator)
+        if not o.gpu_fits:
+            out.append(f"{REJECTED}{words} needs {gib(o.vram_used)} > {gib(o.vram_budget)} "
+                       "usable VRAM")
+
+    def kind(o: Option):
+        return kind_of(o.placement)
 
     # The fastest of each kind of placement first (so the one the winner beat is always
     # shown), then the other KV settings.
@@ -346,19 +283,11 @@ def _rejected_alternatives(shape: ModelShape, best: Option, chosen: Search,
     allowed = () if request.kv_types else quality.allowed(request.quality, evaluator.kv_costs)
     seen = set()
     for o in ordered:
-        key = (o.kv, *kind(o))
+        key = (o.kv, kind(o))
         if o is best or key in seen or o.settings.n_ubatch != s.n_ubatch:
             continue
         seen.add(key)
-        what = _kv_text(o.settings)
-        if o.placement.output_on_cpu:
-            what += ", lm-head on the CPU"
-        elif o.placement.n_cpu_expert_layers:
-            what += f", experts of {o.placement.n_cpu_expert_layers} blocks in RAM"
-        elif o.placement.n_cpu_ffn_layers:
-            what += ", attention on the GPU and FFN in RAM"
-        else:
-            what += ", whole blocks"
+        what = _kv_text(o.settings) + kind(o).alternative(o.placement)
         if not o.fits:
             limit = (f"{gib(o.vram_used)} VRAM > {gib(o.vram_budget)}" if not o.gpu_fits
                      else f"{gib(o.ram_used)} RAM > {gib(o.ram_budget)}")
@@ -430,110 +359,3 @@ def impossible_message(shape: ModelShape, card: Card, request: Request,
     else:
         fits = "; no context fits: the model is larger than this machine's memory"
     return f"no plan fits {asked.n_ctx} context for {model} on {where}{need}{fits}"
-
-
-# ---- speculative decoding ----------------------------------------------------------------------
-
-SPECULATION = "speculation: "
-SPECULATION_OFF = "speculation off: "
-TYPICAL_CHECK = 4  # tokens of the checking pass quoted when speculation is off (3 drafts)
-
-
-def _acceptance_text(choice) -> str:
-    return f"{choice.acceptance:.2f} acceptance ({'measured' if choice.measured else 'assumed'})"
-
-
-def _cpu_blocks_text(n: int) -> str:
-    return f"with {n} blocks read on the CPU" if n else "with every block on the GPU"
-
-
-def speculation_lines(shape: ModelShape, card: Card, request: Request, chosen: Search,
-                      evaluator: _Evaluator, notes: list[str]) -> list[str]:
-    """Whether the plan drafts, how, what a checking pass costs on its placement and the speed
-    with and without; when it does not, why not (a pass too costly, or no room)."""
-    from . import speculation
-    from .speed import checking_terms
-
-    best = chosen.best
-    assert best is not None
-    if not request.speculation:
-        return [f"{SPECULATION_OFF}not allowed by the request"]
-    if not evaluator.speculators:
-        return [f"{SPECULATION_OFF}{n}" for n in notes] or [
-            f"{SPECULATION_OFF}no way of drafting planned for this model"]
-    s, p = best.settings, best.placement
-    from .workload import objective_depth
-
-    depth = min(s.n_ctx, objective_depth(s.n_ctx, request.workload))
-    terms = checking_terms(evaluator.costs, p, s, card, request.n_threads, depth)
-    on_cpu = speculation.cpu_blocks(evaluator.costs, p, card)
-    out = []
-    choice = best.speculation
-    if choice is not None:
-        k = choice.draft_n_max
-        what = f"{choice.mode}, drafts up to {k}"
-        if choice.mode == "draft" and best.speculator is not None:
-            what += (f" from {best.speculator.draft_name} ({choice.draft_n_gpu_layers} of its "
-                     "layers on the GPU)" if choice.draft_n_gpu_layers else
-                     f" from {best.speculator.draft_name} (in RAM)")
-        out.append(f"{SPECULATION}{what}; checking {k + 1} tokens costs "
-                   f"{choice.check_ratio:.1f}x one on this placement "
-                   f"({_cpu_blocks_text(on_cpu)}); expected {_acceptance_text(choice)} -> "
-                   f"predicted {tps(best.speed.decode_tps)} vs {tps(choice.plain_tps)} plain")
-        extra = speculation.drafter_memory(best.speculator, p, s, card) \
-            if best.speculator is not None else ()
-        vram = sum(m.total for m in extra if m.device != CPU)
-        ram = sum(m.total for m in extra if m.device == CPU)
-        if extra:
-            holder = "the NextN block, its KV and context" if choice.mode == "mtp" else \
-                "the draft model's weights, KV and context"
-            out.append(f"{SPECULATION}{holder} take {gib(vram)} VRAM and {gib(ram)} RAM, "
-                       "counted in the budget above")
-        plain = [o for o in chosen.options if o.fits and o.speculation is None]
-        plain_best, _ = evaluator.select(plain)
-        if plain_best is not None and (plain_best.placement, plain_best.kv) != (p, best.kv):
-            out.append(f"{SPECULATION}without it the search would choose "
-                       f"{describe_placement(plain_best, shape)} with {plain_best.kv} KV at "
-                       f"{tps(plain_best.speed.decode_tps)}; drafting makes this placement "
-                       "the faster")
-    else:
-        plain_tps = best.speed.decode_tps
-        for mode in dict.fromkeys(x.mode for x in evaluator.speculators):
-            out.append(SPECULATION_OFF + _why_not(mode, best, chosen, evaluator, terms, on_cpu,
-                                                  plain_tps))
-    return out + [f"{SPECULATION}{n}" for n in notes]
-
-
-def _why_not(mode: str, best: Option, chosen: Search, evaluator: _Evaluator, terms, on_cpu: int,
-             plain_tps: float) -> str:
-    """Why drafting by `mode` lost: on the chosen placement (when the drafter fits beside it)
-    the checking pass costs too much; else the best placement that holds the drafter is slower."""
-    from . import speculation
-
-    p, s = best.placement, best.settings
-    if best.disk_bytes:
-        return f"{mode}: weights are read from disk on every token; drafting is not planned there"
-    here = [o for o in (evaluator.option(p, s, x) for x in evaluator.speculators
-                        if x.mode == mode) if o.fits and o.speculation is not None]
-    margin = f"it must gain {speculation.SPECULATION_MARGIN - 1:.0%}"
-    if here:
-        o = max(here, key=lambda o: o.speed.decode_tps)
-        c = o.speculation
-        assert c is not None
-        return (f"{mode}: checking {TYPICAL_CHECK} tokens costs {terms.ratio(TYPICAL_CHECK):.1f}x "
-                f"one {_cpu_blocks_text(on_cpu)}; at {_acceptance_text(c)} drafting would give "
-                f"at best {tps(c.tps)} (drafts up to {c.draft_n_max}) vs {tps(plain_tps)} plain "
-                f"({margin})")
-    elsewhere = [o for o in chosen.options if o.speculator is not None
-                 and o.speculator.mode == mode and o.fits and o.speculation is not None]
-    if not elsewhere:
-        return f"{mode}: the drafter does not fit in the budget with any placement tried"
-    o = max(elsewhere, key=lambda o: o.speed.decode_tps)
-    c = o.speculation
-    assert c is not None
-    n_cpu = speculation.cpu_blocks(evaluator.costs, o.placement, evaluator.card)
-    return (f"{mode}: it does not fit beside this placement; the best placement that holds it "
-            f"({o.kv} KV, n_gpu_layers={o.placement.n_gpu_layers}, {n_cpu} blocks read on the "
-            f"CPU) checks {c.draft_n_max + 1} tokens at {c.check_ratio:.1f}x one and would "
-            f"give {tps(c.tps)} (vs {tps(c.plain_tps)} there without drafting) against "
-            f"{tps(plain_tps)} for this plan")

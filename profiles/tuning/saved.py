@@ -20,10 +20,10 @@ import tomli_w
 from localllm import paths
 from localllm.errors import UserError
 
-from .memory import KV_TYPES
+from ..planning.memory import KV_TYPES
 from localllm.options import SPECULATIVE_MODES
 
-from .plan import SPECULATIVE_ALIASES, Plan, TensorOverride, speculative_mode
+from ..planning.plan import SPECULATIVE_ALIASES, Plan, TensorOverride, speculative_mode
 
 # Fields of Plan a profile may set, with their type; the rest are predictions and reasons.
 EDITABLE: dict[str, type] = {

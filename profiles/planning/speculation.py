@@ -29,8 +29,9 @@ from dataclasses import dataclass, replace
 from localllm.modelstore.shape import ModelShape
 
 from .card import Card
-from .memory import CPU, ComputeTable, ContextSettings, ModelCosts, Placement, block_devices, \
-    memory_by_device, model_costs
+from .costs import ModelCosts, model_costs
+from .memory import CPU, ComputeTable, ContextSettings, block_devices, memory_by_device
+from .placements import Placement, in_ram
 from .plan import DeviceMemory
 from .speed import Speed, checking_terms, predict_speed
 
@@ -235,7 +236,7 @@ def cpu_blocks(costs: ModelCosts, placement: Placement, card: Card) -> int:
     """Trunk blocks whose weights (whole, their FFN, or their experts) are read on the CPU:
     a checking pass reads there the union of its tokens' experts."""
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
+    kept = in_ram(costs, placement)
     return sum(1 for i in range(costs.n_blocks)
                if (costs.block_bytes[i] or costs.expert_bytes[i])
-               and (devices[i] == CPU or costs.ffn_on_cpu(placement, i)
-                    or (costs.expert_bytes[i] and i < placement.n_cpu_expert_layers)))
+               and (devices[i] == CPU or kept.named[i]))

@@ -14,32 +14,27 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import replace
 
-from localllm.config import (
-    ConfigError,
-    load_config,
-    load_config_sources,
-    parse_size,
-)
+from localllm.config import Config, ConfigError, load_config_sources, parse_size
 from localllm.modelstore.shape import ModelShape
 from localllm.options import LoadOptions
 
-from .card import MIB, Card
-from .dryrun import dry_run
-from .memory import CPU, ComputeTable, ContextSettings, Placement, memory_by_device, model_costs
-from .plan import Plan
+from ..planning.card import MIB, Card
+from ..planning.costs import model_costs
+from ..planning.memory import CPU, ComputeTable, ContextSettings, memory_by_device
+from ..planning.placements import Placement, placement_of_overrides
+from ..planning.plan import Plan
+from ..planning.search import MIN_DEFAULT_CTX, NoPlanFits, Request
+from ..planning.tuner import tune
+from ..planning.workload import from_fill
 from .acceptance import measured_acceptance
-from .quality import measured_kl
+from .dryrun import dry_run
+from .eval_results import measured_kl
 from .saved import ProfileError, find_profile, record_event
 from .traffic import starting_workload
-from .tuner import MIN_DEFAULT_CTX, NoPlanFits, Request, tune
-from .workload import from_fill
 
 log = logging.getLogger(__name__)
-_EXPERT_BLOCKS = re.compile(r"^\^blk\\\.\(([\d|]+)\)\\\.ffn_\(up\|down\|gate\|gate_up\)_exps")
-_FFN_BLOCKS = re.compile(r"^\^blk\\\.\(([\d|]+)\)\\\.ffn_\(up\|gate\|down\)\\\.$")
 DRY_RUN_ROUNDS = 3
 
 
@@ -52,19 +47,33 @@ def request_from_load(n_ctx: int | None, load: LoadOptions, margin_bytes: int,
 
 
 
-def config_request(model_name: str | None = None, file_size: int = 0,
-                   hint: str | None = None) -> Request:
-    """The config's tuner settings (quality, kv_cache_type, num_parallel, vram_margin_mib,
-    ram_budget), the workload (learned from what the model served, else the config's or the
-    route's `hint`: profiles.traffic; the older expected_fill where set), the model's `localllm
-    eval` results and the draft acceptance measured while serving it, as a Request."""
+def tuning_config(config: Config | None = None) -> tuple[Config | None, bool]:
+    """The settings the tuner plans with: the daemon's live `Config` as it was handed, or where
+    none is (`localllm tune`, `pull`), config.toml read now (None where it is unreadable:
+    tuner defaults); and whether the older expected_fill was set (in the file or the
+    environment; for a live Config: set to other than its default)."""
+    if config is not None:
+        return config, config.expected_fill != Config.expected_fill
     try:
         config, sources = load_config_sources()
     except ConfigError as e:
         log.warning("config not readable, tuner defaults used: %s", e)
+        return None, False
+    return config, sources["expected_fill"] != "default"
+
+
+def config_request(model_name: str | None = None, file_size: int = 0,
+                   hint: str | None = None, config: Config | None = None) -> Request:
+    """The config's tuner settings (quality, kv_cache_type, num_parallel, vram_margin_mib,
+    ram_budget), the workload (learned from what the model served, else the config's or the
+    route's `hint`: profiles.tuning.traffic; the older expected_fill where set), the model's
+    `localllm eval` results and the draft acceptance measured while serving it, as a Request.
+    `config`: the daemon's live settings (None: config.toml, see tuning_config)."""
+    config, fill_set = tuning_config(config)
+    if config is None:
         return Request(num_parallel=None)
     pinned = None if config.kv_cache_type == "auto" else (config.kv_cache_type,)
-    if sources["expected_fill"] != "default":
+    if fill_set:
         # expected_fill, where a user set it, keeps meaning what it did: one answer filling it
         workload = from_fill(config.expected_fill)
         source = f"config (expected_fill = {config.expected_fill:g})"
@@ -84,19 +93,10 @@ def config_request(model_name: str | None = None, file_size: int = 0,
     )
 
 
-def gpus_setting() -> str:
+def gpus_setting(config: Config | None = None) -> str:
     """The config's gpus (`all`, or indices such as 0,1) that the probe keeps."""
-    try:
-        return load_config().gpus
-    except ConfigError:
-        return "all"
-
-
-def _rpc_workers() -> tuple[str, ...]:
-    try:
-        return load_config().rpc_workers
-    except ConfigError:
-        return ()
+    config, _ = tuning_config(config)
+    return config.gpus if config is not None else "all"
 
 
 def apply_options(plan: Plan, request: Request) -> Plan:
@@ -116,16 +116,18 @@ def apply_options(plan: Plan, request: Request) -> Plan:
 
 def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: LoadOptions,
                 card: Card, draft_shape: ModelShape | None = None,
-                hint: str | None = None) -> Plan:
+                hint: str | None = None, config: Config | None = None) -> Plan:
     """The plan the daemon loads `model_name` with on `card` (probed by the caller:
     llama/hardware.py); raises NoPlanFits (a UserError) when the model cannot run at that
     context on this machine. `draft_shape`: the draft model paired with it in the catalog,
     which the tuner may plan speculative decoding with. `hint`: what the request that loads it
-    says of its session (profiles.traffic.route_hint)."""
-    base = config_request(model_name, shape.file_size, hint)
+    says of its session (profiles.tuning.traffic.route_hint). `config`: the daemon's live
+    settings (None: config.toml)."""
+    settings, _ = tuning_config(config)
+    base = config_request(model_name, shape.file_size, hint, settings)
     request = request_from_load(n_ctx, load, base.margin_bytes, base)
-    workers = _rpc_workers()
-    if workers:  # other machines' devices too: profiles.rpc_plan (no saved profiles)
+    workers = settings.rpc_workers if settings is not None else ()
+    if workers:  # other machines' devices too: profiles.tuning.rpc_plan (no saved profiles)
         from .rpc_plan import plan_for_workers
 
         plan = plan_for_workers(shape, card, request, workers, tune_checked)
@@ -199,24 +201,16 @@ def settings_of(plan: Plan) -> ContextSettings:
 
 
 def placement_of(plan: Plan, shape: ModelShape) -> Placement:
-    """The tuner's placement behind a plan's load parameters (see build.tensor_overrides)."""
-    output_on_cpu = any(o.pattern in (r"^output\.weight$", r"^token_embd\.weight$")
-                        for o in plan.tensor_overrides)
-    n_experts = n_ffn = 0
-    for o in plan.tensor_overrides:
-        m = _EXPERT_BLOCKS.match(o.pattern)
-        if m:
-            n_experts = len(m.group(1).split("|"))
-        m = _FFN_BLOCKS.match(o.pattern)
-        if m:
-            n_ffn = len(m.group(1).split("|"))
+    """The tuner's placement behind a plan's load parameters: each kind reads its own tensor
+    override back (a saved profile's, edited or not, included)."""
     # local GPUs' layer counts (an RPC plan's tensor_split counts over the workers too)
     split = () if plan.rpc_workers else tuple(int(k) for k in plan.tensor_split)
-    return Placement(plan.n_gpu_layers, output_on_cpu, n_experts, n_ffn, split)
+    return placement_of_overrides(plan.n_gpu_layers, plan.tensor_overrides, split)
 
 
 def step_down(plan: Plan, shape: ModelShape, card: Card, model_name: str | None = None,
-              error: str = "out of memory", draft_shape: ModelShape | None = None) -> Plan | None:
+              error: str = "out of memory", draft_shape: ModelShape | None = None,
+              config: Config | None = None) -> Plan | None:
     """After a load ran out of memory: the best plan that needs clearly less VRAM (at least
     512 MiB or 10% less than `plan` was predicted to use), all-CPU as the last step, then None.
     With `model_name`, the step is recorded in the saved profile's history."""
@@ -226,7 +220,7 @@ def step_down(plan: Plan, shape: ModelShape, card: Card, model_name: str | None 
     step = max(512 * MIB, used // 10)
     # A margin that leaves at most (used - step) for the plan on each GPU.
     margin = max(0, card.free_vram_bytes - (used - step) // max(1, card.n_gpus))
-    request = replace(config_request(model_name, shape.file_size), n_ctx=plan.n_ctx,
+    request = replace(config_request(model_name, shape.file_size, config=config), n_ctx=plan.n_ctx,
                       margin_bytes=margin, n_threads=plan.n_threads,
                       num_parallel=plan.n_parallel)
     # A step down never grows the micro-batch: its compute buffer is VRAM too.

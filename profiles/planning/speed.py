@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from localllm.modelstore.shape import SLIDING
 
 from .card import Card
-from .memory import CPU, ContextSettings, ModelCosts, Placement, block_devices, kv_row_bytes
+from .costs import ModelCosts
+from .memory import CPU, ContextSettings, block_devices, kv_row_bytes
+from .placements import Placement, head_in_ram, in_ram
 
 # Decode is predicted at this depth: a conversation's first screens, where a user meets it.
 DECODE_DEPTH = 1024
@@ -126,11 +128,12 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     cpu_flops = 0.0
     crossings = 0
     previous = CPU  # token embeddings are looked up on the CPU
+    kept = in_ram(costs, placement)
     for i in range(costs.n_blocks):
         if not costs.block_bytes[i] and not costs.expert_bytes[i]:
             continue  # a skipped NextN block
         d = devices[i]
-        experts_on_cpu = i < placement.n_cpu_expert_layers and costs.expert_bytes[i]
+        experts_on_cpu = kept.experts[i]
         expert_read = costs.expert_bytes[i] * costs.expert_active_fraction
         active_params = costs.block_params[i]
         if d == CPU:
@@ -143,7 +146,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
             cpu_flops += 2 * active_params
         else:
             gpu_bw = bandwidths[d]
-            ffn_cpu = costs.ffn_bytes[i] if costs.ffn_on_cpu(placement, i) else 0
+            ffn_cpu = kept.dense[i]
             gpu_s += (costs.block_bytes[i] - ffn_cpu) / gpu_bw + GPU_BLOCK_SECONDS
             gpu_s += _attention_seconds(costs, i, settings, depth, True, card, threads, peaks[d])
             if ffn_cpu:
@@ -159,7 +162,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
                 gpu_s += expert_read / gpu_bw
         crossings += d != previous
         previous = d
-    output_device = CPU if placement.output_on_cpu else devices[-1]
+    output_device = CPU if head_in_ram(placement) else devices[-1]
     if output_device == CPU:
         cpu_s += costs.output_bytes * (CPU_OUTPUT_PENALTY if card.has_gpu else 1.0) / host_bw
         cpu_flops += 2 * costs.output_params
@@ -287,7 +290,8 @@ def prompt_cost(costs: ModelCosts, placement: Placement, settings: ContextSettin
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
     threads = min(n_threads or card.cores, card.cores)
     flops = 2.0 * costs.output_params
-    crossing = costs.output_bytes if placement.output_on_cpu or devices[-1] == CPU else 0
+    crossing = costs.output_bytes if head_in_ram(placement) or devices[-1] == CPU else 0
+    kept = in_ram(costs, placement)
     full = sliding = kv_crossing = 0.0
     # Several GPUs run their layers one after another: the rate is the blocks' FLOPs over the
     # sum of each GPU's time (weights in RAM are multiplied on the first GPU).
@@ -302,10 +306,7 @@ def prompt_cost(costs: ModelCosts, placement: Placement, settings: ContextSettin
         if devices[i] == CPU:
             crossing += costs.block_bytes[i] + costs.expert_bytes[i]
         else:
-            if costs.ffn_on_cpu(placement, i):
-                crossing += costs.ffn_bytes[i]
-            if i < placement.n_cpu_expert_layers:
-                crossing += costs.expert_bytes[i]
+            crossing += kept.dense[i] + kept.experts[i]
         if not costs.kv_k_elements[i]:
             continue
         if costs.kinds[i] == SLIDING and costs.sliding_window:
@@ -398,13 +399,14 @@ def checking_terms(costs: ModelCosts, placement: Placement, settings: ContextSet
     depth = min(depth, settings.n_ctx)
     cpu_attention = 0.0
     gpu_experts, cpu_experts = [], []
+    kept = in_ram(costs, placement)
     for i in range(costs.n_blocks):
         if devices[i] == CPU:
             # CPU attention is compute over the cells (see _attention_seconds): each token of
             # the pass attends again.
             cpu_attention += _attention_seconds(costs, i, settings, depth, False, card, threads)
         if costs.expert_bytes[i]:
-            on_cpu = devices[i] == CPU or i < placement.n_cpu_expert_layers
+            on_cpu = devices[i] == CPU or bool(kept.experts[i])
             (cpu_experts if on_cpu else gpu_experts).append(
                 (costs.expert_bytes[i], costs.expert_active_fraction))
     cpu_rate = threads * CPU_GFLOPS_PER_CORE * 1e9 * CPU_CHECK_EFFICIENCY
