@@ -9,14 +9,13 @@ from dataclasses import replace
 from localllm.modelstore.shape import ModelShape
 
 from .card import Card
-from .disk import disk_bytes_per_token, disk_read_gbs
+from .disk import disk_bytes_per_token
 from .evaluator import Evaluator
 from .explain import explain
 from .memory import CPU, gpu_layers
 from .placements import tensor_overrides
 from .plan import Plan, cpu_plan
 from .search import Option, Request, Search
-from .speed import prompt_cost
 from .workload import objective_depth
 
 
@@ -34,10 +33,7 @@ def time_to_first_token(evaluator: Evaluator, best: Option) -> tuple[tuple[int, 
     """Predicted seconds to the first token of prompts of a few lengths, read into an empty
     context in the plan's micro-batches (and one decode step)."""
     s = best.settings
-    cost = prompt_cost(evaluator.costs, best.placement, s, evaluator.card,
-                       evaluator.request.n_threads)
-    disk_s = best.disk_bytes / (disk_read_gbs(evaluator.card)[0] * 1e9) if best.disk_bytes \
-        else 0.0
+    cost, disk_s = evaluator.prompt_terms(best)
     out = []
     for n in TTFT_PROMPTS:
         if n >= s.n_ctx:

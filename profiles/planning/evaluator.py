@@ -22,7 +22,7 @@ from .placements import KINDS, Placement, largest
 from .quality import kv_rank
 from .search import Option, Request, SessionTime
 from .speculation import SpeculationChoice, Speculator
-from .speed import Speed, predict_speed, prompt_cost
+from .speed import Speed, predict_speed, PromptCost, prompt_cost
 from .workload import objective_depth
 
 NEAR_TIE = 0.99  # a session within 1%: below what the speed model can tell apart
@@ -138,6 +138,16 @@ class Evaluator:
         speed = replace(option.speed, decode_tps=session.decode_tps or option.speed.decode_tps)
         return replace(option, session=session, speed=speed)
 
+    def prompt_terms(self, option: Option) -> tuple[PromptCost, float]:
+        """What reading a prompt costs on this option, and the seconds each micro-batch adds
+        reading weights past RAM from the disk. Within RAM the plan loads its weights in RAM
+        pinned (build.loads_pinned); past RAM the file stays mapped, and so do they."""
+        cost = prompt_cost(self.costs, option.placement, option.settings, self.card,
+                           self.request.n_threads, pinned=not option.disk_bytes)
+        disk_s = option.disk_bytes / (disk_read_gbs(self.card)[0] * 1e9) if option.disk_bytes \
+            else 0.0
+        return cost, disk_s
+
     def session_time(self, option: Option) -> SessionTime:
         """The workload's session on this option: each turn's prompt read in whole
         micro-batches after the context so far (weights in RAM, and those read from disk,
@@ -145,9 +155,7 @@ class Evaluator:
         is linear in depth between the points it is priced at."""
         s = option.settings
         turns = self.request.workload.session(s.n_ctx)
-        cost = prompt_cost(self.costs, option.placement, s, self.card, self.request.n_threads)
-        disk_s = option.disk_bytes / (disk_read_gbs(self.card)[0] * 1e9) if option.disk_bytes \
-            else 0.0
+        cost, disk_s = self.prompt_terms(option)
         prompt = []
         for t in turns:
             n_ub = -(-t.prompt // max(1, s.n_ubatch)) if t.prompt else 0

@@ -26,7 +26,6 @@ from . import quality, speculation
 from .build import build_plan
 from .card import Card
 from .costs import model_costs
-from .disk import disk_read_gbs
 from .evaluator import Evaluator
 from .explain import impossible_message
 from .memory import CPU, ComputeTable, ContextSettings
@@ -34,7 +33,7 @@ from .plan import Plan
 from .quality import kv_rank, split_kv
 from .search import MIN_DEFAULT_CTX, NoPlanFits, Option, Request, Search
 from .speed import (
-    DEFAULT_UBATCH, PROMPT_FLOOR, below_prompt_floor, long_prompt, prompt_cost, prompt_seconds,
+    DEFAULT_UBATCH, PROMPT_FLOOR, below_prompt_floor, long_prompt, prompt_seconds,
 )
 from .words import gib, seconds
 
@@ -85,10 +84,7 @@ def long_prompt_seconds(evaluator: Evaluator, option: Option,
                         n_ubatch: int | None = None) -> float:
     """Seconds to read the floor's long prompt (speed.long_prompt) on this option."""
     s = option.settings
-    cost = prompt_cost(evaluator.costs, option.placement, s, evaluator.card,
-                       evaluator.request.n_threads)
-    disk_s = option.disk_bytes / (disk_read_gbs(evaluator.card)[0] * 1e9) if option.disk_bytes \
-        else 0.0
+    cost, disk_s = evaluator.prompt_terms(option)
     return prompt_seconds(cost, long_prompt(s.n_ctx), n_ubatch or s.n_ubatch, disk_s)
 
 
@@ -112,10 +108,7 @@ def below_floor(evaluator: Evaluator, option: Option) -> bool:
     s = option.settings
     if not evaluator.card.has_gpu or s.n_ubatch >= DEFAULT_UBATCH:
         return False
-    cost = prompt_cost(evaluator.costs, option.placement, s, evaluator.card,
-                       evaluator.request.n_threads)
-    disk_s = option.disk_bytes / (disk_read_gbs(evaluator.card)[0] * 1e9) if option.disk_bytes \
-        else 0.0
+    cost, disk_s = evaluator.prompt_terms(option)
     return below_prompt_floor(cost, s.n_ctx, s.n_ubatch, disk_s)
 
 
