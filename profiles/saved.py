@@ -21,7 +21,7 @@ from localllm import paths
 from localllm.errors import UserError
 
 from .memory import KV_TYPES
-from localllm.options import SPECULATIVE_MODES
+from localllm.speculative import SPECULATIVE_MODES
 
 from .plan import SPECULATIVE_ALIASES, Plan, TensorOverride, speculative_mode
 
