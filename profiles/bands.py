@@ -97,7 +97,7 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
     a draft model or MTP, or RPC workers: their state is bound to the loaded model. `hint`:
     the route's, as for the plan (profiles.traffic)."""
     sizes = parse_bands(setting)
-    if sizes == "off" or plan.speculative in ("mtp", "draft") or plan.rpc_workers:
+    if sizes == "off" or plan.draft_mode.loaded or plan.rpc_workers:
         return (), plan
     auto = sizes == "auto"
     if auto and (not card.has_gpu or plan.source != "tuner"):
