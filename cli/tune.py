@@ -357,10 +357,10 @@ def speculation_summary(plan: Plan) -> str:
     """The plan's speculative decoding in one line, with the decode it predicts with and
     without (the reasons say why)."""
     plain = plan.predicted_plain_decode_tps or plan.predicted_decode_tps
-    if plan.speculative == "off":
+    if not plan.draft_mode.drafts:
         return f"speculation: off (predicted decode {plain:.1f} tok/s without it)"
-    what = f"{plan.speculative}, drafts up to {plan.draft_n_max or 8}"
-    if plan.speculative == "draft":
+    what = f"{plan.speculative}, drafts up to {plan.draft_ceiling()}"
+    if plan.draft_mode.draft_model:
         what += f", {plan.draft_n_gpu_layers} draft layers on the GPU"
     return (f"speculation: {what}; predicted decode {plan.predicted_decode_tps:.1f} tok/s with "
             f"it, {plain:.1f} without")

@@ -2,9 +2,10 @@
 
 Prompt lookup needs nothing loaded, so any request may ask for it. MTP needs the model's NextN
 layers loaded and a context of their own; a draft model needs its own weights and context: a
-request asking for either (`options.speculative` "mtp" or "draft") loads the model with it, as
-Ollama reloads for a new num_ctx. The draft model is `options.draft_model` (a stored model's
-name), else the catalog's pairing (the `draft` layer pulled with the model).
+request asking for a mode whose drafter loads with the model (localllm.speculative: Mode.loaded)
+loads the model with it, as Ollama reloads for a new num_ctx. The draft model is
+`options.draft_model` (a stored model's name), else the catalog's pairing (the `draft` layer
+pulled with the model). What each mode needs is its row's, never its name's.
 """
 
 from __future__ import annotations
@@ -18,29 +19,22 @@ from localllm.modelstore.shape import ModelShape
 from localllm.modelstore.store import DRAFT_LAYER, ModelEntry, ModelNotFound, ModelStore
 from localllm.options import LoadOptions
 from localllm.profiles.planning.plan import Plan
+from localllm.speculative import mode as mode_row
 
 from .runner.protocol import VOCAB_SLACK
 
 ALL_LAYERS = 999
 
 
-@dataclass(frozen=True)
-class Speculation:
-    """How a load drafts: its plan (with the mode) and the draft model it was loaded with. One
-    request's drafting, inside the runner, is runner/speculation.Drafting."""
-
-    plan: Plan
-    draft_path: Path | None = None
-    draft_name: str = ""  # what options.draft_model must equal to reuse this load
-
-
-def differs(loaded: Speculation, load: LoadOptions) -> bool:
-    """Whether a request's speculation load options need another load than `loaded`."""
-    if load.speculative is not None and load.speculative != loaded.plan.speculative:
+def differs(speculative: str, draft_name: str, load: LoadOptions) -> bool:
+    """Whether a request's speculation load options need another load than one drafting with
+    `speculative` and the draft model `draft_name` ("": the catalog's pairing, or none)."""
+    if load.speculative is not None and load.speculative != speculative:
         return True
-    if load.speculative == "draft" and load.draft_model is None and loaded.draft_name:
-        return True  # "draft" alone means the model's own pairing, not one a request named
-    return load.draft_model is not None and load.draft_model != loaded.draft_name
+    if load.speculative is not None and mode_row(load.speculative).draft_model \
+            and load.draft_model is None and draft_name:
+        return True  # a draft model asked alone means the model's own pairing, not one named
+    return load.draft_model is not None and load.draft_model != draft_name
 
 
 @dataclass(frozen=True)
@@ -66,42 +60,44 @@ def draft_model(store: ModelStore, entry: ModelEntry, load: LoadOptions) -> Draf
 def check_speculation(entry: ModelEntry, shape: ModelShape, load: LoadOptions,
                       draft: DraftChoice, draft_shape: ModelShape | None = None) -> None:
     """Raise UserError for a speculative mode the request asks that this model cannot do; no
-    plan is needed for it, so the scheduler asks before it unloads anything."""
-    asked = load.speculative
-    if asked == "draft" and draft_shape is not None and \
+    plan is needed for it, so the scheduler asks once, before it unloads anything."""
+    if load.speculative is None:
+        return
+    asked = mode_row(load.speculative)
+    if asked.draft_model and draft_shape is not None and \
             abs(draft_shape.n_vocab - shape.n_vocab) > VOCAB_SLACK:
         raise UserError(f"{draft.name or 'the paired draft model'} cannot draft for "
                         f"{entry.name}: its vocabulary has {draft_shape.n_vocab} tokens, "
                         f"the model's {shape.n_vocab}")
-    if asked == "mtp" and shape.n_nextn == 0:
+    if asked.nextn and shape.n_nextn == 0:
         raise UserError(f"{entry.name} has no MTP layers (nextn_predict_layers is 0); use "
                         f"speculative 'lookup' or 'draft'")
-    if asked == "draft" and draft.path is None:
+    if asked.draft_model and draft.path is None:
         raise UserError(f"{entry.name} has no draft model paired with it; name one with "
                         f"options.draft_model (a model with the same vocabulary)")
 
 
 def with_speculation(entry: ModelEntry, shape: ModelShape, plan: Plan, load: LoadOptions,
-                     draft: DraftChoice, draft_shape: ModelShape | None = None) -> Speculation:
+                     draft: DraftChoice, draft_shape: ModelShape | None = None
+                     ) -> tuple[Plan, Path | None]:
     """The plan with the speculative mode the request asks for (else the plan's own), and the
-    draft model to load with it. Raises UserError for what cannot be done."""
-    check_speculation(entry, shape, load, draft, draft_shape)
-    asked = load.speculative  # "mtp" or "draft" (localllm/options.py), else None
+    draft model's file to load with it (None unless the mode drafts with one). The request
+    was checked already (check_speculation): a mode that cannot load here falls back to off."""
+    asked = load.speculative  # a mode loaded with the model (localllm/options.py), else None
     mode = asked or plan.speculative
+    row = mode_row(mode)
     name, path = draft.name, draft.path  # path dropped below when it cannot draft
     if draft_shape is not None and abs(draft_shape.n_vocab - shape.n_vocab) > VOCAB_SLACK:
         path = None
-    if mode == "mtp" and shape.n_nextn == 0:
-        mode = "off"
-    if mode == "draft" and path is None:
-        mode = "off"
+    if row.nextn and shape.n_nextn == 0 or row.draft_model and path is None:
+        mode, row = "off", mode_row("off")
+    path = path if row.draft_model else None
     if mode == plan.speculative and not asked:
-        return Speculation(plan, path if mode == "draft" else None, name)
+        return plan, path
     changes: dict = {"speculative": mode}
-    said = f"speculative {mode}" + (f" with draft model {name}" if mode == "draft" else "")
-    if mode == "draft" and not plan.draft_n_gpu_layers and plan.n_gpu_layers > 0:
+    said = f"speculative {mode}" + (f" with draft model {name}" if row.draft_model else "")
+    if row.draft_model and not plan.draft_n_gpu_layers and plan.n_gpu_layers > 0:
         changes["draft_n_gpu_layers"] = ALL_LAYERS
     reason = (f"{said}, from the request's options" if asked
               else f"{said}: the plan's choice could not be loaded")
-    plan = replace(plan, **changes, reasons=(*plan.reasons, reason))
-    return Speculation(plan, path if mode == "draft" else None, name)
+    return replace(plan, **changes, reasons=(*plan.reasons, reason)), path

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from localllm.modelstore.gguf_header import GGUFError
@@ -30,9 +30,9 @@ from localllm.profiles.planning.plan import Plan
 from localllm.config import Config
 from localllm.options import LoadOptions
 
-from .drafting import (
-    Speculation, check_speculation, differs, draft_model, with_speculation,
-)
+from .drafting import check_speculation, draft_model
+# Planner, context_to_ask and first_band are imported from here too (tests, callers).
+from .load import Load, Planner, context_to_ask, first_band  # noqa: F401
 from .runner.process import RUNNER_COMMAND, EngineCrashed, LoadError, RunnerProcess
 from .runner.protocol import Done
 
@@ -52,8 +52,7 @@ class LoadedModel:
     entry: ModelEntry
     shape: ModelShape  # read once at load; /api/ps and /api/stats use it
     file_id: tuple  # (inode, size, mtime) of the model file when it was loaded
-    speculation: Speculation | None = None  # the drafter it was loaded with
-    asked: LoadOptions = LoadOptions()  # the load options the plan was made for
+    load: Load  # the load decision it was started from
     slots: asyncio.Semaphore = field(init=False)
     active: int = 0  # requests holding a slot
     waiting: int = 0  # requests waiting for a slot
@@ -71,96 +70,6 @@ class LoadedModel:
     @property
     def idle(self) -> bool:
         return self.active == 0 and self.waiting == 0
-
-
-class Planner:
-    """How the scheduler gets plans: the tuner's `choose_plan`, and `step_down` after a load
-    ran out of memory. Tests may pass another planner; the scheduler needs only these two.
-    `live` gives the scheduler's live Config (without one the tuner reads config.toml)."""
-
-    live: Callable[[], Config] | None = None
-
-    def __init__(self, live: Callable[[], Config] | None = None):
-        self.live = live
-
-    def config(self) -> Config | None:
-        return self.live() if self.live else None
-
-    def choose(self, shape: ModelShape, model_name: str, n_ctx: int | None,
-               load: LoadOptions, draft_shape: ModelShape | None = None,
-               projector=None, hint: str | None = None) -> Plan:
-        """`projector`: a vision model's ProjectorInfo, planned on the card with the model
-        (profiles.vision). `hint`: what the loading request's route says of its session."""
-        from localllm.profiles.tuning.choose import choose_plan
-
-        card = self.card()
-        if projector is None:
-            return choose_plan(shape, model_name, n_ctx, load, card, draft_shape=draft_shape,
-                               hint=hint, config=self.config())
-        from localllm.profiles.planning.vision import plan_with_projector, projector_cost
-
-        return plan_with_projector(
-            card, projector_cost(projector),
-            lambda card: choose_plan(shape, model_name, n_ctx, load, card=card,
-                                     draft_shape=draft_shape, hint=hint, config=self.config()))
-
-    def bands(self, shape: ModelShape, model_name: str, load: LoadOptions, plan: Plan,
-              setting: str, hint: str | None = None) -> tuple[tuple[Plan, ...], Plan]:
-        """Plans for the fill bands below `plan`'s context (config fill_bands), and the whole
-        context's plan to load beside them (`plan` where there are none)."""
-        from localllm.profiles.tuning.bands import choose_bands
-
-        return choose_bands(shape, model_name, load, self.card(), plan, setting, hint,
-                            self.config())
-
-    def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
-                  error: str) -> Plan | None:
-        from localllm.profiles.tuning.choose import step_down
-
-        return step_down(plan, shape, self.card(), model_name, error, config=self.config())
-
-    def card(self):
-        """This machine's card as `tune` plans on it: the GPUs CUDA_VISIBLE_DEVICES and `gpus`
-        leave, with what `tune --measure` and `--calibrate` measured (the speed factors, the
-        bandwidths, the disk's read rate), so the daemon loads what `tune` explains."""
-        from localllm.llama.hardware import probe_card
-        from localllm.profiles.tuning.choose import gpus_setting
-        from localllm.profiles.tuning.calibration import calibrated
-
-        return calibrated(probe_card(gpus_setting(self.config())))
-
-
-def context_to_ask(config: Config, n_ctx: int | None, shape: ModelShape) -> int | None:
-    """The context a load asks the planner for: the request's num_ctx, else by policy."""
-    if n_ctx is not None:
-        return n_ctx
-    if config.context_policy == "fixed":
-        return config.default_ctx
-    if config.context_policy == "max":
-        return shape.context_length or config.default_ctx
-    return None  # "fit": the tuner picks the largest context that keeps the model fast
-
-
-PROMPT_CACHE_AUTO_MAX = 8 * 2**30
-
-
-CHARS_PER_TOKEN = 3  # few texts take fewer characters a token: a prompt is not underrated
-
-
-def first_band(bands: tuple[Plan, ...], prompt_chars: int) -> int:
-    """The fill band the request that loads a model needs: its prompt's tokens, estimated from
-    its characters, and room to answer. len(bands) is the whole context's plan."""
-    need = prompt_chars // CHARS_PER_TOKEN + 256
-    return next((i for i, band in enumerate(bands) if band.n_ctx >= need), len(bands))
-
-
-def prompt_cache_bytes(config: Config) -> int:
-    """The RAM a runner may keep prompts of taken slots in (setting prompt_cache_ram)."""
-    if config.prompt_cache_ram != "auto":
-        return int(config.prompt_cache_ram) * 2**20
-    from localllm.llama.hardware import ram_available
-
-    return min(PROMPT_CACHE_AUTO_MAX, ram_available() // 4)
 
 
 def file_id(path) -> tuple:
@@ -275,7 +184,7 @@ class Scheduler:
             model = self.models.get(name)
             if self._current(model, entry, load):
                 return model
-            # What the request asks that cannot be done fails here, before the loaded model
+            # What the request asks that cannot be done fails here, once, before the loaded model
             # is retired: a bad request must not cost a reload.
             try:
                 shape = await asyncio.to_thread(read_shape, entry.model_path)
@@ -296,31 +205,15 @@ class Scheduler:
                 await self._retire(name, model)
             async with self._room_lock:
                 await self._make_room()
-            projector = projector_path(self.store, entry)
-            vision = {}  # (a planner without projectors is asked as before)
-            if projector is not None:
-                from localllm.modelstore.projector import projector_info
-
-                vision["projector"] = await asyncio.to_thread(projector_info, projector)
-            # Planning may probe the GPU and dry-run llama.cpp: seconds, off the event loop.
-            plan = await asyncio.to_thread(self.planner.choose, shape, name,
-                                           context_to_ask(self.config, load.num_ctx, shape),
-                                           load, draft_shape, hint=hint, **vision)
+            # One planning call decides the load (it may probe the GPU and dry-run llama.cpp:
+            # seconds, off the event loop).
+            decided = await asyncio.to_thread(
+                self.planner.decide, self.config, entry, shape, load, draft, draft_shape,
+                projector_path(self.store, entry), hint, prompt_chars)
             path = model_file(self.store, entry)
-            speculation = with_speculation(entry, shape, plan, load, draft, draft_shape)
-            bands = ()
-            if projector is None and hasattr(self.planner, "bands"):
-                # The whole context's plan beside bands is planned for the prompt that
-                # enters it (profiles.bands), not the short ones the first band serves.
-                bands, whole = await asyncio.to_thread(
-                    self.planner.bands, shape, name, load, speculation.plan,
-                    self.config.fill_bands, hint)
-                speculation = replace(speculation, plan=whole)
-            runner = await self._load_stepping_down(name, path, shape, speculation, projector,
-                                                    bands, first_band(bands, prompt_chars))
+            runner = await self._load_stepping_down(name, path, shape, decided)
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
-                                keep_alive=self.config.keep_alive_seconds,
-                                speculation=speculation, asked=load)
+                                load=decided, keep_alive=self.config.keep_alive_seconds)
             runner.on_drafts = DraftCounts(name, shape.file_size).add
             runner.on_done = lambda done: record_served(name, done)
             self.models[name] = model
@@ -335,21 +228,20 @@ class Scheduler:
         log.info("unloaded %s", name)
 
     async def _load_stepping_down(self, name: str, path, shape: ModelShape,
-                                  speculation: Speculation, projector=None,
-                                  bands: tuple[Plan, ...] = (),
-                                  start_band: int = 0) -> RunnerProcess:
+                                  load: Load) -> RunnerProcess:
         """Load with the plan (in its first fill band); when llama.cpp refuses it (out of
         memory, as a rule, on a GPU), retry with the planner's next smaller plan, which it
         records in the saved profile, and no bands. A runner that died or hung while loading
         is not stepped down: the same error comes back. An engine that crashed on this CPU
         is retried once without llama.cpp's extra buffer types."""
-        plan = speculation.plan
+        plan, bands, start_band = load.plan, load.bands, load.start_band
         if self.no_extra_bufts:
             plan, bands = without_extra_bufts(plan, bands, self.no_extra_bufts)
         while True:
             try:
-                draft = speculation.draft_path if plan.speculative == "draft" else None
-                return await self._load(name, path, plan, draft, projector, bands, start_band)
+                return await self._load(name, path, replace(
+                    load, plan=plan, bands=bands, start_band=start_band,
+                    draft_path=load.draft_path if plan.draft_mode.draft_model else None))
             except EngineCrashed as e:
                 if not plan.extra_bufts:
                     raise
@@ -375,13 +267,13 @@ class Scheduler:
                             name, e, smaller.reasons[-1] if smaller.reasons else "")
                 plan, bands = smaller, ()
 
-    async def _load(self, name: str, path, plan: Plan, draft_path=None,
-                    projector=None, bands: tuple[Plan, ...] = (),
-                    start_band: int = 0) -> RunnerProcess:
+    async def _load(self, name: str, path, load: Load) -> RunnerProcess:
+        """Start a runner with the load's values (a stepped-down plan in place of its own)."""
+        plan, bands, start_band = load.plan, load.bands, load.start_band
         runner = RunnerProcess(name, path, plan, self.log_dir / "runner.log",
-                               command=self.runner_command, draft_model_path=draft_path,
-                               projector_path=projector,
-                               prompt_cache_bytes=prompt_cache_bytes(self.config), bands=bands,
+                               command=self.runner_command, draft_model_path=load.draft_path,
+                               projector_path=load.projector,
+                               prompt_cache_bytes=load.prompt_cache_bytes, bands=bands,
                                start_band=start_band)
         log.info("loading %s: %s", name, "; ".join(plan.reasons))
         if start_band < len(bands):
@@ -500,14 +392,5 @@ def record_served(model: str, done: Done) -> None:
 
 
 def serves(model: LoadedModel, load: LoadOptions) -> bool:
-    """Whether the loaded model serves a request's load options as it is (Ollama's needsReload,
-    over typed values). Options left to the tuner are None and never reload; a value the
-    planner changed (a num_ctx past the trained context, capped) matches the load it asked for,
-    so asking again does not reload either."""
-    plan = model.runner.plan
-    planned = {"num_ctx": plan.n_ctx, "num_gpu": plan.n_gpu_layers,
-               "num_thread": plan.n_threads, "num_batch": plan.n_batch}
-    for name, value in load.given().items():
-        if name in planned and value not in (planned[name], getattr(model.asked, name)):
-            return False
-    return not differs(model.speculation or Speculation(plan), load)
+    """Whether the loaded model serves a request's load options as it is (Load.serves)."""
+    return model.load.serves(model.runner.plan, load)

@@ -12,31 +12,14 @@ import ctypes
 
 import llama_cpp
 from localllm.profiles.planning.plan import Plan
+from localllm.speculative import MAX_DRAFT  # noqa: F401 (the runner's batches size with it)
 
 from .overrides import apply_tensor_overrides
 
 GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
               "iq4_nl": 20, "bf16": 30}
-# The longest draft the runner checks in one pass, and MTP's default (its chained passes lose
-# acceptance fast after a few).
-MAX_DRAFT = 8
-MTP_DRAFT = 3
-
-
-def draft_ceiling(plan: Plan) -> int:
-    """The longest draft a plan's drafter may propose: the plan's draft_n_max, else the mode's
-    default, never past MAX_DRAFT; 0 when the plan does not draft."""
-    if plan.speculative == "off":
-        return 0
-    default = MTP_DRAFT if plan.speculative == "mtp" else MAX_DRAFT
-    return min(plan.draft_n_max or default, MAX_DRAFT)
-
-
-def rollback_positions(plan: Plan) -> int:
-    """How many positions a recurrent state must be able to take back (rejected drafts):
-    llama.cpp keeps that many snapshots of it per sequence (n_rs_seq)."""
-    ceiling = draft_ceiling(plan)
-    return ceiling + 1 if ceiling else 0
+# The draft-length rules are the Plan's, written once for the tuner and the runner alike.
+rollback_positions = Plan.rollback_positions
 
 
 def load_mode(plan: Plan) -> int:
@@ -58,7 +41,7 @@ def model_params(plan: Plan, metadata_only: bool = False):
         # Past RAM the CPU's weights must stay the file's pages (llama/resident.py): repacked
         # for the CPU they would be anonymous copies, which cannot be read back from the file.
         params.use_extra_bufts = False
-    params.load_mtp = plan.speculative == "mtp"  # llama.cpp skips the NextN layers otherwise
+    params.load_mtp = plan.draft_mode.nextn  # llama.cpp skips the NextN layers otherwise
     if metadata_only:
         params.no_alloc = True
         params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
@@ -95,7 +78,7 @@ def context_params(plan: Plan, n_seq: int | None = None, n_batch: int | None = N
     params.type_v = GGML_TYPES[plan.type_v]
     params.swa_full = plan.swa_full
     params.kv_unified = False
-    params.n_rs_seq = rollback_positions(plan)
+    params.n_rs_seq = plan.rollback_positions()
     params.embeddings = False
     params.no_perf = True
     return params

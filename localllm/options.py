@@ -18,14 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from .errors import UserError
+from .speculative import AUTO, LOAD_MODES, SPECULATIVE_CHOICES
 
 SAMPLE, LOAD = "sample", "load"
 
-# What a request's `speculative` may say: the plan's choice (auto), or one mode. A plan says one
-# of SPECULATIVE_MODES; "mtp" and "draft" need a drafter loaded with the model (a load option).
-SPECULATIVE_MODES = ("off", "lookup", "mtp", "draft")
-SPECULATIVE_CHOICES = ("auto", *SPECULATIVE_MODES)
-LOAD_MODES = ("mtp", "draft")
+# A request's `speculative` says the plan's choice (auto) or one mode of localllm/speculative.py;
+# a LOAD_MODES one needs a drafter loaded with the model, so it is a load option too.
 
 # ggml's GGML_MAX_N_THREADS: more threads abort the runner.
 MAX_THREADS = 512
@@ -160,7 +158,7 @@ class SamplingOptions:
     seed: int | None = None
     num_predict: int = -1  # -1: until the context is full or the model stops
     stop: tuple[str, ...] = ()
-    speculative: str = "auto"  # one of SPECULATIVE_CHOICES
+    speculative: str = AUTO  # one of SPECULATIVE_CHOICES
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from textual.screen import Screen
 from localllm import paths
 from localllm.client import DaemonError
 from localllm.errors import UserError
+from localllm.speculative import LOAD_MODES
 
 from . import keys
 from .chatstore import chat_markdown
@@ -24,7 +25,6 @@ from .stats import TurnStats, answer_footer
 from .widgets import Entry, MessageView
 
 LOAD_OPTIONS = ("num_ctx", "num_gpu", "num_thread", "num_batch", "draft_model")
-RELOADING_DRAFTERS = ("mtp", "draft")  # speculative modes loaded with the model
 
 
 QUIT_WINDOW_S = 3.0  # a second Ctrl+C within this long quits
@@ -59,7 +59,7 @@ class ChatActions:
         self.options[name] = value
         self._save_options()
         shown = " ".join(value) if isinstance(value, list) else value
-        reloads = name in LOAD_OPTIONS or name == "speculative" and value in RELOADING_DRAFTERS
+        reloads = name in LOAD_OPTIONS or name == "speculative" and value in LOAD_MODES
         when = " (the model reloads with the next answer)" if reloads else ""
         self.note(f"Set parameter '{name}' to '{shown}'{when}.")
 

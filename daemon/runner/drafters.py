@@ -302,3 +302,22 @@ def _check_vocab(target: llama.LlamaModel, model) -> None:
         if theirs.token_bytes(token, special=True) != ours.token_bytes(token, special=True):
             raise DraftModelError(f"token {token} differs between the draft model and the "
                                   f"model: they do not share a vocabulary")
+
+
+# The drafter each mode loaded with the model runs (localllm.speculative: Mode.loaded).
+DRAFTERS = {
+    "mtp": lambda lm, plan, capacity, path: MTPDrafter(lm, plan, capacity),
+    "draft": lambda lm, plan, capacity, path: DraftModel(path, lm, plan, capacity),
+}
+
+
+def load_drafter(lm: llama.LlamaModel, plan: Plan, capacity: int,
+                 draft_model_path: str | None = None) -> MTPDrafter | DraftModel | None:
+    """The drafter the plan's mode loads with the model; None for one drafting from the text."""
+    row = plan.draft_mode
+    if not row.loaded:
+        return None
+    if row.draft_model and not draft_model_path:
+        raise llama.ModelLoadError("the plan drafts with a draft model but none was given "
+                                   "(pair one: options.draft_model or the catalog's draft)")
+    return DRAFTERS[row.name](lm, plan, capacity, draft_model_path)

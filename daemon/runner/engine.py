@@ -23,13 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import llama_cpp
-from localllm.llama.params import MAX_DRAFT, draft_ceiling
-from localllm.options import SPECULATIVE_MODES
+from localllm.llama.params import MAX_DRAFT
 from localllm.profiles.planning.plan import Plan
+from localllm.speculative import Mode, UnknownMode
+from localllm.speculative import mode as mode_row
 
 from . import checkpoints
 from . import model as llama
-from .drafters import DraftModel, MTPDrafter, Want
+from .drafters import DraftModel, MTPDrafter, Want, load_drafter
 from .protocol import (
     Band,
     Done,
@@ -82,7 +83,7 @@ class Engine(PromptReuse, FillBands):
         up when a sequence needs more room (_follow_bands); `plan` is the last band."""
         if projector_path:
             plan = with_room_for_images(plan, projector_path)
-        if bands and (projector_path or known_mode(plan.speculative) in ("mtp", "draft")):
+        if bands and (projector_path or known_mode(plan).loaded):
             log.info("fill bands off: a projector or a draft model is bound to the loaded "
                      "model (the daemon does not send bands then)")
             bands = ()
@@ -93,16 +94,16 @@ class Engine(PromptReuse, FillBands):
         self.adapt_threads = adapt_threads
         plan = self.plans[self.band]
         self.plan = plan
-        self.speculative = known_mode(plan.speculative)
+        drafting = known_mode(plan)  # an unknown mode fails before llama.cpp reads the model
         # The longest draft. The plan's draft_n_max bounds what costs memory: recurrent-state
         # snapshots (llama.cpp keeps one per position a rejected draft may take back, plus one
         # for the MTP prefix rule) and MTP's chained passes, whose acceptance falls fast after a
         # few. Prompt lookup and a draft model on an attention model cost nothing to allow
         # longer: the per-request length adapts to the acceptance measured (the plan chose its
         # length for an assumed one).
-        planned = draft_ceiling(plan)
+        planned = plan.draft_ceiling()
         self.lm = llama.load(model_path, plan)
-        self.draft_cap = planned if self.speculative == "mtp" or self.lm.recurrent \
+        self.draft_cap = planned if drafting.plan_bounds_length or self.lm.recurrent \
             else MAX_DRAFT
         self.tokenizer = llama.Tokenizer(self.lm.model, self.lm.vocab)
         # What one request may use (the last band's context) and what the loaded band holds.
@@ -111,15 +112,8 @@ class Engine(PromptReuse, FillBands):
         self.slots = [Slot(i) for i in range(self.lm.n_seq)]
         self.batch_capacity = llama.batch_capacity(self.lm)
         self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
-        self.drafter: MTPDrafter | DraftModel | None = None
-        if self.speculative == "mtp":
-            self.drafter = MTPDrafter(self.lm, plan, self.batch_capacity)
-        elif self.speculative == "draft":
-            if not draft_model_path:
-                raise llama.ModelLoadError("the plan drafts with a draft model but none was "
-                                           "given (pair one: options.draft_model or the "
-                                           "catalog's draft)")
-            self.drafter = DraftModel(draft_model_path, self.lm, plan, self.batch_capacity)
+        self.drafter: MTPDrafter | DraftModel | None = load_drafter(
+            self.lm, plan, self.batch_capacity, draft_model_path)
         self.inbox: queue.Queue[Submission | None] = queue.Queue()
         self.backlog: collections.deque[Submission] = collections.deque()
         self.tokens_generated = 0  # over the runner's life, for its log
@@ -133,7 +127,7 @@ class Engine(PromptReuse, FillBands):
         # KV is cut back anywhere, needs none (checkpoints.py)
         self.checkpoint_spacing = checkpoints.spacing(self.n_ctx) \
             if self.lm.recurrent or self.lm.n_swa else 0
-        if prompt_cache_bytes > 0 and self.speculative != "mtp":
+        if prompt_cache_bytes > 0 and drafting.prompt_cache:
             self.prompt_cache = PromptCache(
                 prompt_cache_bytes, keep_contained=bool(self.lm.n_swa or self.lm.recurrent))
         # Fewer decode threads while other processes hold cores (threads.py); each change
@@ -303,21 +297,23 @@ class Engine(PromptReuse, FillBands):
             raise RequestError("the prompt ends with an image: put text after it")
 
     def _drafting_mode(self, request: GenerationRequest) -> str | None:
-        """Where this request's drafts come from (`options.speculative`; `auto` is the plan's
-        choice), or None. MTP and a draft model must have been loaded with the model (the
-        daemon reloads it when a request asks for them); a recurrent state can take drafts
-        back only when the plan drafts (llama.cpp then keeps snapshots of it)."""
-        mode = request.options.speculative
-        if mode == "auto":
-            mode = self.speculative
-        if mode == "off":
+        """Where this request's drafts come from (`options.speculative`, which the daemon
+        resolved: `auto` never reaches the runner), or None. A drafter loaded with the model
+        (MTP, a draft model) must be the one asked for (the daemon reloads the model when a
+        request asks for another); a recurrent state can take drafts back only when the plan
+        drafts (llama.cpp then keeps snapshots of it)."""
+        try:
+            row = mode_row(request.options.speculative)
+        except UnknownMode as e:
+            raise RequestError(str(e)) from None
+        if not row.drafts:
             return None
-        if mode in ("mtp", "draft") and (self.drafter is None or self.drafter.kind != mode):
-            raise RequestError(f"speculative '{mode}': the model was loaded without "
-                               f"{'its MTP layers' if mode == 'mtp' else 'a draft model'}")
+        if row.loaded and (self.drafter is None or self.drafter.kind != row.name):
+            raise RequestError(f"speculative '{row.name}': the model was loaded without "
+                               f"{row.help}")
         if self.lm.recurrent and self.lm.n_rollback < self.draft_cap:
             return None
-        return mode
+        return row.name
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> None:
@@ -419,7 +415,7 @@ class Engine(PromptReuse, FillBands):
             if work is None or work.drafting is None or slot.unread or not slot.to_decode:
                 continue
             room = min(self.room - len(slot.tokens) - 2, work.limit - len(work.answer) - 1)
-            if work.drafting.mode == "lookup":
+            if not mode_row(work.drafting.mode).loaded:  # drafts from the text (lookup)
                 slot.drafts = work.drafting.propose_lookup(work.history, room)
                 continue
             n = work.drafting.wanted(room)
@@ -698,12 +694,12 @@ class Engine(PromptReuse, FillBands):
 
 
 
-def known_mode(mode: str) -> str:
-    """The plan's speculative mode (Plan.from_dict already renamed older names), checked."""
-    if mode not in SPECULATIVE_MODES:
-        raise llama.ModelLoadError(f"unknown speculative mode {mode!r} in the plan; use "
-                                   f"{', '.join(SPECULATIVE_MODES)}")
-    return mode
+def known_mode(plan: Plan) -> Mode:
+    """The row of the plan's speculative mode (Plan.from_dict already renamed older names)."""
+    try:
+        return plan.draft_mode
+    except UnknownMode as e:
+        raise llama.ModelLoadError(f"{e} (in the plan)") from None
 
 
 def with_room_for_images(plan: Plan, projector_path: str) -> Plan:

@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from localllm.errors import UserError
@@ -262,12 +263,13 @@ class RunnerProcess:
 
     async def generate(self, request: GenerationRequest,
                        silence_s: float = RUNNER_SILENCE_S) -> AsyncIterator[Event]:
-        """Events of one request; cancels it in the runner if the consumer stops early."""
+        """Events of one request; cancels it in the runner if the consumer stops early. The
+        request's `auto` drafting is the plan's mode here: the runner sees no `auto`."""
+        mode = self.plan.request_mode(request.options.speculative)
+        request = replace(request, options=replace(request.options, speculative=mode))
         async for event in self._exchange(request.id, request.to_wire(), silence_s):
             if isinstance(event, Done) and event.drafted and self.on_drafts is not None:
-                mode = request.options.speculative
-                self.on_drafts(self.plan.speculative if mode == "auto" else mode,
-                               event.drafted, event.draft_accepted or 0)
+                self.on_drafts(mode, event.drafted, event.draft_accepted or 0)
             if isinstance(event, Done) and self.on_done is not None:
                 self.on_done(event)
             yield event

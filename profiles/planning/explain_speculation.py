@@ -4,6 +4,7 @@ costs on its placement and the speed with and without; when it does not, why not
 from __future__ import annotations
 
 from localllm.modelstore.shape import ModelShape
+from localllm.speculative import mode as mode_row
 
 from . import speculation
 from .card import Card
@@ -47,7 +48,7 @@ def speculation_lines(shape: ModelShape, card: Card, request: Request, chosen: S
     if choice is not None:
         k = choice.draft_n_max
         what = f"{choice.mode}, drafts up to {k}"
-        if choice.mode == "draft" and best.speculator is not None:
+        if mode_row(choice.mode).draft_model and best.speculator is not None:
             what += (f" from {best.speculator.draft_name} ({choice.draft_n_gpu_layers} of its "
                      "layers on the GPU)" if choice.draft_n_gpu_layers else
                      f" from {best.speculator.draft_name} (in RAM)")
@@ -60,7 +61,7 @@ def speculation_lines(shape: ModelShape, card: Card, request: Request, chosen: S
         vram = sum(m.total for m in extra if m.device != CPU)
         ram = sum(m.total for m in extra if m.device == CPU)
         if extra:
-            holder = "the NextN block, its KV and context" if choice.mode == "mtp" else \
+            holder = "the NextN block, its KV and context" if mode_row(choice.mode).nextn else \
                 "the draft model's weights, KV and context"
             out.append(f"{SPECULATION}{holder} take {gib(vram)} VRAM and {gib(ram)} RAM, "
                        "counted in the budget above")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
+from localllm.speculative import ALIASES, AUTO, MAX_DRAFT, Mode, mode
+
 
 @dataclass(frozen=True)
 class TensorOverride:
@@ -56,7 +58,7 @@ class Plan:
     # layers) or "draft" (the paired draft model). A profile's "prompt-lookup" reads as "lookup",
     # "none" (the name before requests and plans shared one vocabulary) as "off".
     speculative: str = "off"
-    draft_n_max: int = 0  # the longest draft; the runner adapts below it (0: 8, or 3 for mtp)
+    draft_n_max: int = 0  # the longest draft; the runner adapts below it (0: the mode's default)
     draft_n_gpu_layers: int = 0  # the draft model's layers on the GPU (llama.cpp's -ngld)
     # RPC workers ("host:port") whose devices come before the local GPUs in llama.cpp's device
     # list; tensor_split counts over that list (profiles.tuning.rpc_plan makes such plans).
@@ -93,6 +95,30 @@ class Plan:
                 self.n_parallel, self.speculative, self.draft_n_max, self.draft_n_gpu_layers,
                 self.rpc_workers, self.projector_on_gpu, self.gpus)
 
+    @property
+    def draft_mode(self) -> Mode:
+        """The row of the plan's speculative mode (localllm.speculative); UnknownMode (a
+        ValueError) for a name no mode has."""
+        return mode(self.speculative)
+
+    def draft_ceiling(self) -> int:
+        """The longest draft the plan's drafter may propose: draft_n_max, else the mode's
+        default, never past MAX_DRAFT; 0 when the plan does not draft."""
+        row = self.draft_mode
+        return min(self.draft_n_max or row.default_draft, MAX_DRAFT) if row.drafts else 0
+
+    def rollback_positions(self) -> int:
+        """How many positions a recurrent state must be able to take back (rejected drafts):
+        llama.cpp keeps that many snapshots of it per sequence (n_rs_seq), and the tuner
+        prices them (profiles.choose.settings_of)."""
+        ceiling = self.draft_ceiling()
+        return ceiling + 1 if ceiling else 0
+
+    def request_mode(self, asked: str) -> str:
+        """The mode a request's `speculative` option means on this plan: `auto` is the plan's
+        own. The daemon resolves it before the runner sees the request."""
+        return self.speculative if asked == AUTO else asked
+
     def vram_bytes(self) -> int:
         return sum(m.total for m in self.memory if m.device != "CPU")
 
@@ -128,14 +154,13 @@ def layer_ranges(device_layers: tuple[tuple[str, int], ...] | list[tuple[str, in
     return out
 
 
-# Names profiles saved before "lookup", and before plans and requests shared one vocabulary.
-SPECULATIVE_ALIASES = {"prompt-lookup": "lookup", "none": "off"}
+SPECULATIVE_ALIASES = ALIASES  # (saved.py reads them under this name)
 
 
 def speculative_mode(value: str) -> str:
     """A plan's speculative mode under its current name (unknown values are left for the
     caller to refuse)."""
-    return SPECULATIVE_ALIASES.get(value, value)
+    return ALIASES.get(value, value)
 
 
 def physical_cores() -> int:

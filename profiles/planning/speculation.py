@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from localllm.modelstore.shape import ModelShape
+from localllm.speculative import mode as mode_row
 
 from .card import Card
 from .costs import ModelCosts, model_costs
@@ -35,7 +36,6 @@ from .placements import Placement, in_ram
 from .plan import DeviceMemory
 from .speed import Speed, checking_terms, predict_speed
 
-MODES = ("lookup", "mtp", "draft")
 # Acceptance per drafted token, used until the runner has measured it (Request.acceptance):
 # - mtp 0.7: Qwen3.6-27B/35B-A3B with llama.cpp's draft-mtp accepted 0.80 of drafts over nine
 #   task kinds (0.48 creative to 0.93 math; llama.cpp PR #22673), and a teacher-forced, greedy
@@ -86,7 +86,7 @@ class Speculator:
     def placement(self, target: Placement) -> Placement:
         """Where the drafter's weights sit: the NextN block follows the target's placement, a
         draft model has its own."""
-        if self.mode == "draft":
+        if mode_row(self.mode).draft_model:
             return Placement(self.draft_n_gpu_layers)
         return target
 

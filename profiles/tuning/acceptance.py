@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from localllm.speculative import DRAFTING_MODES
+
 from .saved import profiles_dir, read_tables, write_toml
 
 MIN_DRAFTED = 256  # drafted tokens before a measured rate replaces the assumed one
 DECAY_AT = 4096
-MODES = ("lookup", "mtp", "draft")
 
 
 def acceptance_file() -> Path:
@@ -25,7 +26,7 @@ def acceptance_file() -> Path:
 def record(model: str, file_size: int, mode: str, drafted: int, accepted: int,
            path: Path | None = None) -> None:
     """Add drafts to the model's counts (a new file of the same name starts them again)."""
-    if mode not in MODES or drafted <= 0:
+    if mode not in DRAFTING_MODES or drafted <= 0:
         return
     path = path or acceptance_file()
     doc = read_tables(path)
@@ -49,7 +50,7 @@ def measured_acceptance(model: str, file_size: int, path: Path | None = None
     if entry.get("file_size") != file_size:
         return {}
     out = {}
-    for mode in MODES:
+    for mode in DRAFTING_MODES:
         counts = entry.get(mode)
         if isinstance(counts, dict) and int(counts.get("drafted", 0)) >= MIN_DRAFTED:
             out[mode] = int(counts.get("accepted", 0)) / int(counts["drafted"])

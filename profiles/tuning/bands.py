@@ -99,7 +99,7 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
     the route's, as for the plan (profiles.tuning.traffic). `config`: the daemon's live
     settings (None: config.toml)."""
     sizes = parse_bands(setting)
-    if sizes == "off" or plan.speculative in ("mtp", "draft") or plan.rpc_workers:
+    if sizes == "off" or plan.draft_mode.loaded or plan.rpc_workers:
         return (), plan
     auto = sizes == "auto"
     if auto and (not card.has_gpu or plan.source != "tuner"):

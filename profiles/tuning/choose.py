@@ -192,12 +192,9 @@ def tune_checked(shape: ModelShape, card: Card, request: Request,
 
 
 def settings_of(plan: Plan) -> ContextSettings:
-    # The runner's recurrent-state snapshots (llama.params.rollback_positions: the longest
-    # draft + 1; MTP's default draft 3, others 8)
-    longest = min(plan.draft_n_max or (3 if plan.speculative == "mtp" else 8), 8)
-    snapshots = longest + 1 if plan.speculative != "off" else 0
+    # the runner's recurrent-state snapshots, by the same rule as llama.params
     return ContextSettings(plan.n_ctx, plan.type_k, plan.type_v, plan.flash_attn, plan.n_ubatch,
-                           plan.swa_full, plan.n_parallel, n_rs_seq=snapshots)
+                           plan.swa_full, plan.n_parallel, n_rs_seq=plan.rollback_positions())
 
 
 def placement_of(plan: Plan, shape: ModelShape) -> Placement:

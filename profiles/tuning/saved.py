@@ -20,8 +20,9 @@ import tomli_w
 from localllm import paths
 from localllm.errors import UserError
 
+from localllm.speculative import SPECULATIVE_MODES
+
 from ..planning.memory import KV_TYPES
-from localllm.options import SPECULATIVE_MODES
 
 from ..planning.plan import SPECULATIVE_ALIASES, Plan, TensorOverride, speculative_mode
 

@@ -1,0 +1,110 @@
+"""One load decision: the speculative modes' table, the draft rules the Plan owns, the frozen
+Load the planner decides in one call, and a runner that is never sent "auto"."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from localllm.config import Config
+from localllm.daemon.drafting import DraftChoice
+from localllm.daemon.load import Load, Planner
+from localllm.daemon.runner.process import RunnerProcess
+from localllm.daemon.runner.protocol import Done, GenerationRequest
+from localllm.llama.params import context_params
+from localllm.modelstore.shape import read_shape
+from localllm.options import LoadOptions, SamplingOptions
+from localllm.profiles.tuning.choose import settings_of
+from localllm.profiles.planning.plan import Plan, cpu_plan
+from localllm.speculative import AUTO, MODES, SPECULATIVE_MODES, UnknownMode
+
+
+@pytest.mark.parametrize("mode, draft_n_max, ceiling", [
+    ("off", 0, 0), ("off", 5, 0), ("lookup", 0, 8), ("mtp", 0, 3), ("draft", 0, 8),
+    ("mtp", 5, 5), ("draft", 4, 4), ("lookup", 20, 8),
+])
+def test_the_draft_rules_are_the_plans_and_llama_and_the_tuner_read_the_same(
+        mode, draft_n_max, ceiling):
+    plan = Plan(n_ctx=512, speculative=mode, draft_n_max=draft_n_max)
+    assert plan.draft_ceiling() == ceiling
+    snapshots = ceiling + 1 if ceiling else 0
+    assert plan.rollback_positions() == snapshots
+    # llama.cpp's context keeps the snapshots the tuner priced: one rule, two readers
+    assert context_params(plan).n_rs_seq == settings_of(plan).n_rs_seq == snapshots
+
+
+def test_an_unknown_mode_is_refused_naming_the_modes_there_are():
+    with pytest.raises(UnknownMode) as e:
+        _ = Plan(n_ctx=512, speculative="eagle").draft_mode
+    assert "'eagle'" in str(e.value) and all(m in str(e.value) for m in SPECULATIVE_MODES)
+    # profiles saved before the rename still read
+    assert Plan(n_ctx=512, speculative="prompt-lookup").draft_mode.name == "lookup"
+
+
+def test_auto_is_the_plans_mode_and_a_named_mode_is_itself():
+    for row in MODES:
+        plan = Plan(n_ctx=512, speculative=row.name)
+        assert plan.request_mode(AUTO) == row.name
+        assert plan.request_mode("off") == "off"
+
+
+def fields_of(load: Load):
+    for field in dataclasses.fields(load):
+        yield getattr(load, field.name)
+
+
+def test_one_planning_call_decides_a_frozen_load_with_no_auto_left(home, store, smollm2_gguf):
+    entry = store.import_gguf(smollm2_gguf, "smollm2")
+    shape = read_shape(entry.model_path)
+    config = Config(context_policy="fixed", default_ctx=2048, prompt_cache_ram=64)
+    load = Planner().decide(config, entry, shape, LoadOptions(), DraftChoice(),
+                            prompt_chars=100)
+    assert load.plan.n_ctx == 2048  # the Config handed over, not config.toml
+    assert load.prompt_cache_bytes == 64 * 2**20
+    assert load.plan.speculative in SPECULATIVE_MODES and load.draft_path is None
+    assert load.start_band == len(load.bands) or load.bands[load.start_band].n_ctx >= 256
+    assert AUTO not in [v for v in fields_of(load) if isinstance(v, str)]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        load.plan = cpu_plan(1024)  # type: ignore[misc]
+    assert load.serves(load.plan, LoadOptions())
+    assert load.serves(load.plan, LoadOptions(num_ctx=2048))
+    assert not load.serves(load.plan, LoadOptions(num_ctx=1024))
+
+    # A request asking for a draft model: the plan drafts with it, its file rides along, and
+    # only a request asking the same drafter is served by this load.
+    asked = LoadOptions(speculative="draft", draft_model="smollm2")
+    drafted = Planner().decide(config, entry, shape, asked,
+                               DraftChoice("smollm2", entry.model_path), shape)
+    assert drafted.plan.speculative == "draft" and drafted.draft_path == entry.model_path
+    assert drafted.draft_name == "smollm2" and drafted.bands == ()  # bound to the model
+    assert any("from the request's options" in r for r in drafted.plan.reasons)
+    assert drafted.serves(drafted.plan, asked)
+    assert not drafted.serves(drafted.plan, LoadOptions(speculative="mtp"))
+    assert not drafted.serves(drafted.plan, LoadOptions(draft_model="other"))
+
+
+async def test_the_runner_is_sent_the_plans_mode_never_auto(tmp_path, smollm2_gguf):
+    plan = replace_mode(cpu_plan(1024), "lookup")
+    runner = RunnerProcess("m", smollm2_gguf, plan, tmp_path / "runner.log")
+    modes: list[str] = []
+    runner.on_drafts = lambda mode, drafted, accepted: modes.append(mode)
+    await runner.start()
+    try:
+        line = "one two three four five six seven eight nine ten"
+        request = GenerationRequest(
+            id="a", prompt=f"Repeat this line five times.\n{line}\n{line}\n{line}\n",
+            options=SamplingOptions(num_predict=48, temperature=0))
+        assert request.options.speculative == AUTO
+        events = [e async for e in runner.generate(request)]
+    finally:
+        await runner.stop()
+    done = events[-1]
+    # The runner refuses a mode it has no row for, "auto" included: a Done means the daemon
+    # side sent the plan's mode, and drafts mean that mode was lookup.
+    assert isinstance(done, Done) and done.drafted
+    assert modes == ["lookup"]  # acceptance is recorded under the mode that ran
+
+
+def replace_mode(plan: Plan, mode: str) -> Plan:
+    return dataclasses.replace(plan, speculative=mode)
