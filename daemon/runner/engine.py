@@ -42,6 +42,7 @@ from .protocol import (
     Threads,
     Token,
     TokenCount,
+    TokenizeRequest,
 )
 from .bands import FillBands
 from .reuse import PromptReuse
@@ -171,6 +172,11 @@ class Engine(PromptReuse, FillBands):
     def close(self) -> None:
         """Thread-safe: finish what is in flight, then leave `run`."""
         self.inbox.put(None)
+
+    def tokenize(self, request: TokenizeRequest) -> TokenCount:
+        if request.texts is not None:
+            return self.count_tokens_each(list(request.texts))
+        return self.count_tokens(request.text)
 
     def count_tokens(self, text: str) -> TokenCount:
         return TokenCount(len(self.tokenizer.tokenize(text)))
