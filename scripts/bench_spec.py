@@ -50,7 +50,7 @@ DEPTH = 256
 # ---- 1. checking cost ----------------------------------------------------------------------
 def engine_check_cost(model: Path, ngl: int, threads: int, reps: int = 10) -> dict[int, float]:
     """tokens/s of a llama_decode of B tokens after DEPTH tokens, through the runner's loader."""
-    from localllm.daemon.runner import model as llama
+    from localllm.llama import model as llama
     from localllm.profiles.plan import cpu_plan
 
     plan = replace(cpu_plan(2048), n_gpu_layers=ngl, n_threads=threads, n_threads_batch=threads)

@@ -106,8 +106,8 @@ def main() -> int:
         log.error("load failed: %s", traceback.format_exc())
         channel.send({"event": "load_failed", "message": str(e) or type(e).__name__})
         return 1
-    engine.on_threads = lambda event: channel.send(event_to_wire("", event))
-    engine.on_band = lambda event: channel.send(event_to_wire("", event))
+    engine.steps.on_threads = lambda event: channel.send(event_to_wire("", event))
+    engine.bands.on_band = lambda event: channel.send(event_to_wire("", event))
     resident = engine.lm.resident
     channel.send({"event": "loaded", "pid": os.getpid(), "load_duration_ns": load_ns,
                   "n_ctx": engine.n_ctx, "n_parallel": len(engine.slots),
