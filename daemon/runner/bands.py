@@ -1,6 +1,6 @@
 """Fill bands in the runner: the Engine starts in a small context's plan (the tuner's, for
 less KV and more weights on the GPU) and, before a sequence outgrows it, moves to the next
-band's: every sequence's state saved to RAM (seqstate.py), the model reloaded with the new
+band's: every sequence's state saved to RAM (llama/state.py), the model reloaded with the new
 placement, the states restored (a band with another KV type reads them again instead).
 
 One object the runner's Engine (engine.py) holds, because it owns one thing: the switch. It
@@ -14,12 +14,12 @@ import logging
 import time
 from collections.abc import Callable
 
+from localllm.llama import state
 from localllm.llama.loaded import LoadedModel
 from localllm.llama.model import ModelLoadError
 from localllm.llama.sampling import Sampler
 from localllm.profiles.plan import Plan
 
-from . import seqstate
 from .protocol import Band, Progress
 from .slots import Room, Slot
 
@@ -73,7 +73,7 @@ class FillBands:
         busy = [slot for slot in self.slots if not slot.free]
         for slot in busy:  # the other requests wait through the reload: they are told
             slot.work.emit(Progress(len(slot.tokens), len(slot.work.prompt), note=why))
-        saved = {slot.seq_id: seqstate.save(self.model.lm.ctx, slot.seq_id, slot.tokens)
+        saved = {slot.seq_id: state.save(self.model.lm.ctx, slot.seq_id, slot.tokens)
                  for slot in self.slots if slot.tokens}
         for work in (slot.work for slot in busy):
             work.sampler.free()  # the grammar holds the vocabulary of the model unloaded now
@@ -100,10 +100,10 @@ class FillBands:
             self.room.n_ctx = min(self.room.n_ctx, self.room.seq)
         carried = reread = 0
         for slot in self.slots:
-            state = saved.get(slot.seq_id)
-            if state is None:
+            copy = saved.get(slot.seq_id)
+            if copy is None:
                 continue
-            if seqstate.restore(self.model.lm.ctx, slot.seq_id, state):
+            if state.restore(self.model.lm.ctx, slot.seq_id, copy):
                 carried += 1  # its checkpoints hold the same types: they stay good
                 continue
             slot.checkpoints.clear()  # of the KV type the new context refused

@@ -8,8 +8,8 @@ thinking, a client that re-formats tool calls) diverges from the cached sequence
 previous prompt ended, behind that window: without a copy of that state the whole prompt is
 read again.
 
-So while a prompt is read, the runner copies that state out at a few positions
-(`llama_state_seq_get_data_ext` with `LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`: for hybrid memory
+So while a prompt is read, the runner copies that state out at a few positions (llama/state.py:
+`llama_state_seq_get_data_ext` with `LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`: for hybrid memory
 the recurrent part only, for an iSWA cache the SWA cells only; llama-memory-hybrid.cpp,
 llama-kv-cache-iswa.cpp): `NEAR_END` tokens before its end and at its end (a template often
 renders the previous answer's opening differently from the generation prompt), and every
@@ -25,17 +25,11 @@ keeps one copy per sequence only (taking another invalidates the first): it cann
 
 from __future__ import annotations
 
-import ctypes
-import itertools
-from dataclasses import dataclass, field
-
-import llama_cpp
+from localllm.llama.state import Checkpoint
 from localllm.profiles.memory import CHECKPOINTS_PER_SLOT as MAX_PER_SLOT
 
-PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 NEAR_END = 4  # as llama-server: a checkpoint this many tokens before a prompt's end
 END, SPACED = "end", "spaced"
-_ORDER = itertools.count()  # the order checkpoints were taken in (the oldest goes first)
 
 
 def spacing(n_ctx: int) -> int:
@@ -43,41 +37,6 @@ def spacing(n_ctx: int) -> int:
     the spaced ones cover a whole context, between 256 (a tiny context) and 4096 (each costs a
     copy of the state: about 150 MiB for a Qwen3.5-27B, a few ms)."""
     return max(256, min(4096, n_ctx // 8))
-
-
-@dataclass(eq=False)
-class Checkpoint:
-    """The state that cannot be cut back after reading a sequence's first `n_tokens` tokens."""
-
-    n_tokens: int
-    data: ctypes.Array
-    kind: str  # END (a prompt's end or NEAR_END before it) or SPACED
-    order: int = field(default_factory=lambda: next(_ORDER))
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data)
-
-
-def take(ctx: llama_cpp.llama_context_p, seq_id: int, n_tokens: int,
-         kind: str) -> Checkpoint | None:
-    """The partial state of `seq_id`, which holds `n_tokens` tokens; None when llama.cpp has
-    nothing to give or could not write it."""
-    size = int(llama_cpp.llama_state_seq_get_size_ext(ctx, seq_id, PARTIAL))
-    if size <= 0:
-        return None
-    data = (ctypes.c_uint8 * size).from_buffer(bytearray(size))
-    if llama_cpp.llama_state_seq_get_data_ext(ctx, data, size, seq_id, PARTIAL) != size:
-        return None
-    return Checkpoint(n_tokens, data, kind)
-
-
-def load(ctx: llama_cpp.llama_context_p, seq_id: int, checkpoint: Checkpoint) -> bool:
-    """Put the checkpoint's state into `seq_id` (its full-attention KV is left as it is: the
-    caller cuts it back to `checkpoint.n_tokens`). False when llama.cpp refused it."""
-    read = llama_cpp.llama_state_seq_set_data_ext(ctx, checkpoint.data, checkpoint.nbytes,
-                                                  seq_id, PARTIAL)
-    return read == checkpoint.nbytes
 
 
 class SlotCheckpoints:

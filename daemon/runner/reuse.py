@@ -13,12 +13,13 @@ import logging
 import time
 from dataclasses import dataclass
 
+from localllm.llama import state
 from localllm.llama.loaded import LoadedModel
+from localllm.llama.state import Checkpoint, SavedSequence
 from localllm.llama.vision import MediaPrompt
 
-from . import checkpoints, seqstate
-from .checkpoints import END, NEAR_END, SPACED, Checkpoint, SlotCheckpoints
-from .seqstate import SavedSequence, common_prefix
+from .checkpoints import END, NEAR_END, SPACED, SlotCheckpoints
+from .seqstate import PromptCache, common_prefix
 from .slots import Slot
 
 log = logging.getLogger("localllm.runner")
@@ -42,7 +43,7 @@ class Kept:
 
 
 class PromptReuse:
-    def __init__(self, model: LoadedModel, prompt_cache: seqstate.PromptCache | None,
+    def __init__(self, model: LoadedModel, prompt_cache: PromptCache | None,
                  checkpoint_spacing: int):
         """`prompt_cache`: saved prompts of slots taken for other requests (None: none kept);
         `checkpoint_spacing`: tokens between checkpoints of a long prompt (0: the model, of
@@ -151,7 +152,7 @@ class PromptReuse:
         lost = len(slot.tokens) - kept
         if lost >= MIN_SAVED_TOKENS and lost > kept // 4 and not cache.covers(slot.tokens):
             started = time.perf_counter()
-            saved = seqstate.save(self.model.lm.ctx, slot.seq_id, slot.tokens, limit=cache.budget,
+            saved = state.save(self.model.lm.ctx, slot.seq_id, slot.tokens, limit=cache.budget,
                                   checkpoints=slot.checkpoints.copy())
             if saved is not None and cache.put(saved):
                 log.info("prompt cache: saved %d tokens of slot %d with %d checkpoints "
@@ -167,7 +168,7 @@ class PromptReuse:
 
     def _restore(self, slot: Slot, entry: SavedSequence, common: int) -> bool:
         started = time.perf_counter()
-        restored = seqstate.restore(self.model.lm.ctx, slot.seq_id, entry)
+        restored = state.restore(self.model.lm.ctx, slot.seq_id, entry)
         if not restored:
             log.warning("prompt cache: llama.cpp refused a saved prompt of %d tokens",
                         len(entry.tokens))
@@ -193,7 +194,7 @@ class PromptReuse:
         common, checkpoint = self._slot_reuse(slot, tokens, media) if reuse else (0, None)
         if checkpoint is not None:
             started = time.perf_counter()
-            if checkpoints.load(self.model.lm.ctx, seq, checkpoint):
+            if state.load(self.model.lm.ctx, seq, checkpoint):
                 log.info("checkpoint: restored slot %d at %d of %d tokens (%.1f MiB) in "
                          "%.0f ms", seq, checkpoint.n_tokens, len(slot.tokens),
                          checkpoint.nbytes / 2**20, (time.perf_counter() - started) * 1e3)
@@ -237,7 +238,7 @@ class PromptReuse:
         else:
             return
         started = time.perf_counter()
-        checkpoint = checkpoints.take(self.model.lm.ctx, slot.seq_id, n, kind)
+        checkpoint = state.take(self.model.lm.ctx, slot.seq_id, n, kind)
         if checkpoint is None:
             log.warning("checkpoint: llama.cpp gave no state for slot %d at %d", slot.seq_id, n)
             return
