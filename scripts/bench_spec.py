@@ -4,7 +4,7 @@
     python scripts/bench_spec.py --model M.gguf [--ngl 99 --ngl 44] [--draft-other D.gguf]
 
 1. Checking cost: llama_decode of B = 1, 2, 4, 8 tokens at a depth of 256, through the runner's
-   own loader (daemon/runner/model.py) with each placement, beside llama-bench ppB at the same
+   own loader (llama/model.py) with each placement, beside llama-bench ppB at the same
    depth (when llama-bench is on PATH); as tokens/s and as the cost of a pass over a pass of 1.
 2. Decode through the daemon's API (/api/generate, eval_count / eval_duration, median of
    --rounds), per placement: plain; prompt lookup on the model's own greedy text; the model as
@@ -50,7 +50,7 @@ DEPTH = 256
 # ---- 1. checking cost ----------------------------------------------------------------------
 def engine_check_cost(model: Path, ngl: int, threads: int, reps: int = 10) -> dict[int, float]:
     """tokens/s of a llama_decode of B tokens after DEPTH tokens, through the runner's loader."""
-    from localllm.daemon.runner import model as llama
+    from localllm.llama import model as llama
     from localllm.profiles.planning.plan import cpu_plan
 
     plan = replace(cpu_plan(2048), n_gpu_layers=ngl, n_threads=threads, n_threads_batch=threads)

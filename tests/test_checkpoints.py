@@ -226,7 +226,7 @@ def test_a_slot_keeps_the_latest_prompt_end_then_spaced_checkpoints_and_drops_th
 def test_a_checkpoint_that_leaves_its_slot_lends_its_memory_to_the_next():
     """Copies into fresh memory pay a page fault per page (47 ms for 63 MiB on the H200): a
     dropped checkpoint's buffer is taken again, unless a saved sequence still holds it."""
-    from localllm.daemon.runner import checkpoints
+    from localllm.llama import state as checkpoints
 
     def taken(n: int, kind: str) -> Checkpoint:
         buffer = checkpoints._buffer(4096)

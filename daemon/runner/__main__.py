@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 
-from .protocol import EmbedRequest, Failure, GenerationRequest, TokenCoalescer, event_to_wire
+from .protocol import OP_BY_NAME, Failure, TokenCoalescer, event_to_wire
 
 log = logging.getLogger("localllm.runner")
 
@@ -39,8 +39,9 @@ class Channel:
 
 
 def read_commands(engine, channel: Channel) -> None:
-    """stdin -> the engine. A line that does not parse means the daemon and the runner no
-    longer understand each other: stop taking work (fail closed)."""
+    """stdin -> the engine, by the op table (protocol.OPS); "cancel" sets a request's flag. A
+    line that does not parse means the daemon and the runner no longer understand each other:
+    stop taking work (fail closed)."""
     flags: dict[str, threading.Event] = {}
     for line in sys.stdin:
         try:
@@ -56,28 +57,22 @@ def read_commands(engine, channel: Channel) -> None:
                 flag.set()
             continue
         send = (lambda event, rid=request_id: channel.send(event_to_wire(rid, event)))
-        if op == "tokenize" and isinstance(message.get("texts"), list):
-            texts = [str(t) for t in message["texts"]]
-            engine.ask(lambda texts=texts: engine.count_tokens_each(texts), send)
-            continue
-        if op == "tokenize":
-            text = str(message.get("text", ""))
-            engine.ask(lambda text=text: engine.count_tokens(text), send)
-            continue
-        if op == "embed":
-            engine.ask(lambda m=message: engine.embed(EmbedRequest.from_wire(m)), send)
-            continue
-        if op != "generate":
+        kind = OP_BY_NAME.get(op)
+        if kind is None:
             log.error("unknown op %r; stopping", op)
             break
-        flag = flags[request_id] = threading.Event()
         try:
-            request = GenerationRequest.from_wire(message)
-        except (TypeError, ValueError) as e:
+            request = kind.request.from_wire(message)
+        except (TypeError, ValueError, KeyError) as e:
             send(Failure(f"malformed request: {e}", status=400))
             continue
-        engine.submit(request, TokenCoalescer(send, on_end=lambda rid=request_id:
-                                              flags.pop(rid, None)), flag)
+        serve = getattr(engine, kind.method)
+        if not kind.stream:
+            engine.ask(lambda serve=serve, request=request: serve(request), send)
+            continue
+        flag = flags[request_id] = threading.Event()
+        serve(request, TokenCoalescer(send, on_end=lambda rid=request_id: flags.pop(rid, None)),
+              flag)
     for flag in list(flags.values()):
         flag.set()  # the daemon is gone or wants us gone: nothing is waiting for answers
     engine.close()
@@ -111,8 +106,8 @@ def main() -> int:
         log.error("load failed: %s", traceback.format_exc())
         channel.send({"event": "load_failed", "message": str(e) or type(e).__name__})
         return 1
-    engine.on_threads = lambda event: channel.send(event_to_wire("", event))
-    engine.on_band = lambda event: channel.send(event_to_wire("", event))
+    engine.steps.on_threads = lambda event: channel.send(event_to_wire("", event))
+    engine.bands.on_band = lambda event: channel.send(event_to_wire("", event))
     resident = engine.lm.resident
     channel.send({"event": "loaded", "pid": os.getpid(), "load_duration_ns": load_ns,
                   "n_ctx": engine.n_ctx, "n_parallel": len(engine.slots),

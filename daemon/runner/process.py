@@ -28,6 +28,7 @@ from localllm.profiles.planning.plan import Plan
 
 from ..logging_setup import LOG_FILE_BACKUPS, LOG_FILE_BYTES
 from .protocol import (
+    ENDING_EVENTS,
     RUNNER_SILENCE_S,
     Band,
     Done,
@@ -36,9 +37,10 @@ from .protocol import (
     Event,
     Failure,
     GenerationRequest,
+    Request,
     Threads,
     Token,
-    TokenCount,
+    TokenizeRequest,
     event_from_wire,
 )
 
@@ -274,9 +276,10 @@ class RunnerProcess:
                 self.on_done(event)
             yield event
 
-    async def _ask(self, request_id: str, message: dict, silence_s: float) -> Event:
-        """A request with one answer (tokenize, embed): that answer, else RunnerRequestFailed."""
-        async for event in self._exchange(request_id, message, silence_s):
+    async def ask(self, request: Request, silence_s: float = RUNNER_SILENCE_S) -> Event:
+        """A request with one answer (an op of protocol.OPS that does not stream): that
+        answer, else RunnerRequestFailed."""
+        async for event in self._exchange(request.id, request.to_wire(), silence_s):
             if isinstance(event, Failure):
                 raise RunnerRequestFailed(event)
             return event
@@ -284,23 +287,20 @@ class RunnerProcess:
 
     async def embed(self, request: EmbedRequest,
                     silence_s: float = RUNNER_SILENCE_S) -> Embeddings:
-        return await self._ask(request.id, request.to_wire(), silence_s)
+        return await self.ask(request, silence_s)
 
     async def count_tokens(self, text: str, silence_s: float = RUNNER_SILENCE_S) -> int:
         """How many tokens `text` is as a raw prompt (special tokens parsed, BOS as the model
         adds it); the chat layer measures prompts with it to drop turns that do not fit."""
-        request_id = new_request_id()
-        event = await self._ask(request_id, {"op": "tokenize", "id": request_id, "text": text},
-                                silence_s)
+        event = await self.ask(TokenizeRequest(new_request_id(), text=text), silence_s)
         return event.count
 
     async def count_tokens_each(self, texts: list[str],
                                 silence_s: float = RUNNER_SILENCE_S) -> list[int]:
         """Each text's tokens (no BOS), in one round trip: truncation counts every turn of a
         long chat once this way instead of re-counting the whole prompt per dropped turn."""
-        request_id = new_request_id()
-        event = await self._ask(request_id, {"op": "tokenize", "id": request_id,
-                                             "texts": list(texts)}, silence_s)
+        event = await self.ask(TokenizeRequest(new_request_id(), texts=tuple(texts)),
+                               silence_s)
         return list(event.counts)
 
     async def _exchange(self, request_id: str, message: dict,
@@ -315,7 +315,7 @@ class RunnerProcess:
             self._send(message)
             while True:
                 event = await self._next(queue, silence_s)
-                if isinstance(event, (Done, Failure, Embeddings, TokenCount)):
+                if isinstance(event, ENDING_EVENTS):
                     finished = True  # before yielding: the consumer may stop at this event
                     if isinstance(event, Done):
                         self.last_done = event
@@ -334,7 +334,7 @@ class RunnerProcess:
     async def _drain(self, queue: asyncio.Queue) -> None:
         while True:
             event = await queue.get()
-            if isinstance(event, (Done, Failure, Embeddings, TokenCount)):
+            if isinstance(event, ENDING_EVENTS):
                 if isinstance(event, Done):
                     self.last_done = event
                 return

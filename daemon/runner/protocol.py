@@ -5,12 +5,18 @@ sampling options, a grammar); the runner answers with `Progress` and `Token` eve
 `Done` (or a `Failure`). Embedding and tokenize requests get one answer each. All of these cross
 the pipe to the runner process as JSON lines (`to_wire` / `event_from_wire`), and the timeouts
 both sides keep are here too.
+
+`OPS` is the one table of what a runner serves: each op's request type, the events that end it
+and the Engine method that answers it. The runner's command loop (__main__.py) and the daemon's
+RunnerProcess (process.py) both read it, so a new op is a request type and its answer here, a
+row in `OPS`, the Engine method, and (for the daemon's callers) a RunnerProcess method.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
+from typing import ClassVar
 
 from localllm.options import SamplingOptions
 
@@ -42,9 +48,7 @@ class GenerationRequest:
     images: tuple[str, ...] = ()
 
     def to_wire(self) -> dict:
-        data = asdict(self)
-        data["op"] = "generate"
-        return data
+        return request_to_wire(self)
 
     @classmethod
     def from_wire(cls, data: dict) -> GenerationRequest:
@@ -63,6 +67,7 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class Token:
+    kind: ClassVar[str] = "token"
     text: str
     n_tokens: int = 1  # tokens behind this text (stop-string hold-back can merge several)
     # Running totals of this request when the text was emitted, measured in the runner, so a
@@ -82,6 +87,7 @@ class Token:
 
 @dataclass(frozen=True)
 class Done:
+    kind: ClassVar[str] = "done"
     done_reason: str  # "stop", "length", "cancelled"
     prompt_eval_count: int  # prompt tokens actually evaluated (after prefix reuse)
     prompt_eval_duration_ns: int
@@ -109,6 +115,7 @@ class Done:
 class Progress:
     """Prompt reading, between chunks: how many prompt tokens are in the cache so far; or,
     with a `note`, a pause of the request's decoding (a fill band switch) and why."""
+    kind: ClassVar[str] = "progress"
     prompt_read: int
     prompt_total: int
     note: str = ""
@@ -123,9 +130,7 @@ class EmbedRequest:
     dimensions: int | None = None  # keep the first N dimensions (then normalize again)
 
     def to_wire(self) -> dict:
-        data = asdict(self)
-        data["op"] = "embed"
-        return data
+        return request_to_wire(self)
 
     @classmethod
     def from_wire(cls, data: dict) -> EmbedRequest:
@@ -134,7 +139,26 @@ class EmbedRequest:
 
 
 @dataclass(frozen=True)
+class TokenizeRequest:
+    """How many tokens `text` is as a raw prompt; or, with `texts`, each text's count
+    (tokenized without BOS) and their sum."""
+    id: str
+    text: str = ""
+    texts: tuple[str, ...] | None = None
+
+    def to_wire(self) -> dict:
+        return request_to_wire(self)
+
+    @classmethod
+    def from_wire(cls, data: dict) -> TokenizeRequest:
+        texts = data.get("texts")
+        return cls(id=data["id"], text=str(data.get("text", "")),
+                   texts=tuple(str(t) for t in texts) if isinstance(texts, list) else None)
+
+
+@dataclass(frozen=True)
 class Embeddings:
+    kind: ClassVar[str] = "embeddings"
     vectors: tuple[tuple[float, ...], ...]  # unit length, one per input
     prompt_tokens: int  # tokens read over all inputs
     duration_ns: int = 0
@@ -145,6 +169,7 @@ class TokenCount:
     """The answer to {"op": "tokenize", "id", "text"}: tokens the text is as a raw prompt; to
     {"op": "tokenize", "id", "texts": [...]}: each text's count (tokenized without BOS) and
     their sum."""
+    kind: ClassVar[str] = "tokens"
     count: int
     counts: tuple[int, ...] = ()
 
@@ -152,6 +177,7 @@ class TokenCount:
 @dataclass(frozen=True)
 class Threads:
     """Sent by the runner on its own (no request id) when it changes its decode threads."""
+    kind: ClassVar[str] = "threads"
     n_threads: int
     reason: str
 
@@ -160,6 +186,7 @@ class Threads:
 class Band:
     """Sent by the runner on its own when it moved to another fill band's plan (engine.py):
     `band` indexes the bands of the load message, `n_ctx` is the room each sequence has now."""
+    kind: ClassVar[str] = "band"
     band: int
     n_ctx: int
     pause_s: float  # how long decoding stopped: states saved, model reloaded, states restored
@@ -170,48 +197,66 @@ class Band:
 
 @dataclass(frozen=True)
 class Failure:
+    kind: ClassVar[str] = "error"
     message: str
     status: int = 500  # 400 when the request itself was at fault (prompt too long, no template)
 
 
 Event = Token | Done | Failure | Progress | Embeddings | TokenCount | Threads | Band
-EVENT_KINDS = {Token: "token", Done: "done", Failure: "error", Progress: "progress",
-               Embeddings: "embeddings", TokenCount: "tokens", Threads: "threads",
-               Band: "band"}
+Request = GenerationRequest | EmbedRequest | TokenizeRequest
+
+
+@dataclass(frozen=True)
+class Op:
+    """One thing the daemon asks a runner. `request` reads it from the wire (its from_wire);
+    an event of `ends` is its last; the Engine's `method` serves it. `stream`: served step by
+    step by the engine's loop, with a cancel flag (Engine.submit(request, emit, cancelled));
+    otherwise `method(request)` computes its one answer between two decode steps."""
+    name: str
+    request: type
+    ends: tuple[type, ...]
+    method: str
+    stream: bool = False
+
+
+OPS = (
+    Op("generate", GenerationRequest, (Done, Failure), "submit", stream=True),
+    Op("embed", EmbedRequest, (Embeddings, Failure), "embed"),
+    Op("tokenize", TokenizeRequest, (TokenCount, Failure), "tokenize"),
+)
+OP_BY_NAME = {op.name: op for op in OPS}
+OP_OF_REQUEST = {op.request: op for op in OPS}
+# Events that end a request (after one, nothing more comes for its id)
+ENDING_EVENTS = tuple(dict.fromkeys(cls for op in OPS for cls in op.ends))
+# Every event on the wire: those that end requests, progress on the way, and what the runner
+# sends on its own (no request id: a change of threads or of fill band)
+EVENTS = (*ENDING_EVENTS, Token, Progress, Threads, Band)
+EVENT_KINDS = {cls: cls.kind for cls in EVENTS}  # each class's "event" on the wire
+EVENT_BY_KIND = {cls.kind: cls for cls in EVENTS}
+
+
+def request_to_wire(request: Request) -> dict:
+    return {**asdict(request), "op": OP_OF_REQUEST[type(request)].name}
 
 
 def event_to_wire(request_id: str, event: Event) -> dict:
-    data = asdict(event)
-    if isinstance(event, Done):
-        data["context"] = list(event.context)
-    return {"event": EVENT_KINDS[type(event)], "id": request_id, **data}
+    return {"event": EVENT_KINDS[type(event)], "id": request_id, **asdict(event)}
 
 
 def event_from_wire(data: dict) -> Event:
+    """An event back from its JSON line (an unknown kind reads as a Failure)."""
     kind = data.pop("event")
     data.pop("id", None)
-    if kind == "token":
-        if data.get("logprobs") is not None:
-            data["logprobs"] = tuple(data["logprobs"])
-        return Token(**data)
-    if kind == "done":
-        data["context"] = tuple(data.get("context") or ())
-        if data.get("prompt_logprobs") is not None:
-            data["prompt_logprobs"] = tuple(data["prompt_logprobs"])
-        return Done(**data)
-    if kind == "progress":
-        return Progress(**data)
-    if kind == "embeddings":
-        data["vectors"] = tuple(tuple(v) for v in data["vectors"])
-        return Embeddings(**data)
-    if kind == "tokens":
-        data["counts"] = tuple(data.get("counts") or ())
-        return TokenCount(**data)
-    if kind == "threads":
-        return Threads(**data)
-    if kind == "band":
-        return Band(**data)
-    return Failure(**data)
+    cls = EVENT_BY_KIND.get(kind, Failure)
+    return cls(**{name: _frozen(value) for name, value in data.items()})
+
+
+def _frozen(value):
+    """JSON's lists back into the tuples the frozen events hold (lists of lists too: the
+    embedding vectors); the dicts inside (logprob entries) stay as JSON gave them."""
+    if isinstance(value, list):
+        return tuple(_frozen(v) if isinstance(v, list) else v for v in value)
+    return value
 
 
 class TokenCoalescer:

@@ -2,10 +2,9 @@
 prompt cache (seqstate.py), the checkpoints of a recurrent or sliding-window state
 (checkpoints.py) and the model's rules (a sliding window, a recurrent state, images kept whole).
 
-Methods of the runner's Engine (engine.py), kept apart because they own one question: what of
-a slot's cache, or of a saved prompt, serves the prompt at hand; and, while a prompt is read,
-which checkpoints a later prompt may need. They read the engine's model (`lm`),
-`prompt_cache`, `drafter` and `checkpoint_spacing` (0: the model needs no checkpoints).
+One object the runner's Engine (engine.py) holds, because it owns one question: what of a
+slot's cache, or of a saved prompt, serves the prompt at hand; and, while a prompt is read,
+which checkpoints a later prompt may need.
 """
 
 from __future__ import annotations
@@ -14,13 +13,14 @@ import logging
 import time
 from dataclasses import dataclass
 
-import llama_cpp
+from localllm.llama import state
+from localllm.llama.loaded import LoadedModel
+from localllm.llama.state import Checkpoint, SavedSequence
+from localllm.llama.vision import MediaPrompt
 
-from . import checkpoints, seqstate
-from .checkpoints import END, NEAR_END, SPACED, Checkpoint, SlotCheckpoints
-from .seqstate import SavedSequence, common_prefix
+from .checkpoints import END, NEAR_END, SPACED, SlotCheckpoints
+from .seqstate import PromptCache, common_prefix
 from .slots import Slot
-from .vision import MediaPrompt
 
 log = logging.getLogger("localllm.runner")
 # A slot taken for another request is saved to the prompt cache when that request would throw
@@ -43,6 +43,15 @@ class Kept:
 
 
 class PromptReuse:
+    def __init__(self, model: LoadedModel, prompt_cache: PromptCache | None,
+                 checkpoint_spacing: int):
+        """`prompt_cache`: saved prompts of slots taken for other requests (None: none kept);
+        `checkpoint_spacing`: tokens between checkpoints of a long prompt (0: the model, of
+        full attention only, needs none)."""
+        self.model = model
+        self.prompt_cache = prompt_cache
+        self.checkpoint_spacing = checkpoint_spacing
+
     def _usable_prefix(self, common: int, held: int, pos_min: int, prompt: int,
                        rollback: int) -> int:
         """How much of a cache holding `held` tokens (the lowest position still there:
@@ -58,9 +67,9 @@ class PromptReuse:
         common = min(common, prompt - 1)
         if common <= 0:
             return 0
-        if self.lm.n_swa and pos_min > max(0, common - self.lm.n_swa):
+        if self.model.lm.n_swa and pos_min > max(0, common - self.model.lm.n_swa):
             return 0
-        if self.lm.recurrent and held - common > rollback:
+        if self.model.lm.recurrent and held - common > rollback:
             return 0
         return common
 
@@ -69,15 +78,15 @@ class PromptReuse:
         """How many of the slot's tokens a prompt of `tokens` may keep, and the checkpoint to
         restore first (None: the slot's state is cut back as it is). A checkpoint serves when
         it is at or before the divergence and further on than the state itself reaches."""
-        pos_min = (llama_cpp.llama_memory_seq_pos_min(self.lm.memory, slot.seq_id)
-                   if self.lm.n_swa and slot.tokens else 0)
+        pos_min = (self.model.pos_min(slot.seq_id)
+                   if self.model.lm.n_swa and slot.tokens else 0)
         shared = common_prefix(slot.tokens, tokens)
         common = self._usable_prefix(shared, len(slot.tokens), pos_min, len(tokens),
-                                     self.lm.n_rollback)
+                                     self.model.lm.n_rollback)
         reach = min(shared, len(tokens) - 1)  # the last prompt token is always read
-        if self.drafter is not None:
-            common = min(common, self.drafter.reusable(slot.seq_id, common))
-            reach = self.drafter.reusable(slot.seq_id, reach)
+        if self.model.drafter is not None:
+            common = min(common, self.model.drafter.reusable(slot.seq_id, common))
+            reach = self.model.drafter.reusable(slot.seq_id, reach)
         common = max(0, whole_images(common, media))
         checkpoint = slot.checkpoints.latest(whole_images(reach, media))
         if checkpoint is not None and checkpoint.n_tokens > common:
@@ -98,7 +107,7 @@ class PromptReuse:
             whole_images(min(shared, len(tokens) - 1), media))
         return max(common, checkpoint.n_tokens if checkpoint is not None else 0)
 
-    def _choose_slot(self, free: list[Slot], tokens: list[int],
+    def choose_slot(self, free: list[Slot], tokens: list[int],
                      media: MediaPrompt | None = None) -> Slot:
         """The free slot whose cache shares the longest prefix, unless taking it would throw
         away more than it reuses (another conversation's prompt): then an empty slot, else the
@@ -109,7 +118,7 @@ class PromptReuse:
             return best
         return min(free, key=lambda s: (bool(s.tokens), s.last_used))
 
-    def _keep_prefix(self, slot: Slot, tokens: list[int], media: MediaPrompt | None,
+    def keep_prefix(self, slot: Slot, tokens: list[int], media: MediaPrompt | None,
                      reuse: bool) -> Kept:
         """Make `slot` hold the longest prefix of `tokens` it may keep, from its own KV, a
         checkpoint or a saved prompt (none without `reuse`), and say so in the log."""
@@ -143,7 +152,7 @@ class PromptReuse:
         lost = len(slot.tokens) - kept
         if lost >= MIN_SAVED_TOKENS and lost > kept // 4 and not cache.covers(slot.tokens):
             started = time.perf_counter()
-            saved = seqstate.save(self.lm.ctx, slot.seq_id, slot.tokens, limit=cache.budget,
+            saved = state.save(self.model.lm.ctx, slot.seq_id, slot.tokens, limit=cache.budget,
                                   checkpoints=slot.checkpoints.copy())
             if saved is not None and cache.put(saved):
                 log.info("prompt cache: saved %d tokens of slot %d with %d checkpoints "
@@ -159,7 +168,7 @@ class PromptReuse:
 
     def _restore(self, slot: Slot, entry: SavedSequence, common: int) -> bool:
         started = time.perf_counter()
-        restored = seqstate.restore(self.lm.ctx, slot.seq_id, entry)
+        restored = state.restore(self.model.lm.ctx, slot.seq_id, entry)
         if not restored:
             log.warning("prompt cache: llama.cpp refused a saved prompt of %d tokens",
                         len(entry.tokens))
@@ -171,8 +180,8 @@ class PromptReuse:
             log.info("prompt cache: restored %d tokens into slot %d (%d reused) in %.0f ms",
                      len(entry.tokens), slot.seq_id, common,
                      (time.perf_counter() - started) * 1e3)
-        if self.drafter is not None:  # its cache of this sequence held something else
-            self.drafter.forget(slot.seq_id, 0)
+        if self.model.drafter is not None:  # its cache of this sequence held something else
+            self.model.drafter.forget(slot.seq_id, 0)
         return restored
 
     def _reuse_prefix(self, slot: Slot, tokens: list[int], media: MediaPrompt | None = None,
@@ -181,11 +190,11 @@ class PromptReuse:
         reuse rules allow (`_slot_reuse`): restore the checkpoint that reaches furthest if one
         does, then cut the KV back. Returns how many tokens are kept (none without `reuse`)
         and the checkpoint restored."""
-        mem, seq = self.lm.memory, slot.seq_id
+        seq = slot.seq_id
         common, checkpoint = self._slot_reuse(slot, tokens, media) if reuse else (0, None)
         if checkpoint is not None:
             started = time.perf_counter()
-            if checkpoints.load(self.lm.ctx, seq, checkpoint):
+            if state.load(self.model.lm.ctx, seq, checkpoint):
                 log.info("checkpoint: restored slot %d at %d of %d tokens (%.1f MiB) in "
                          "%.0f ms", seq, checkpoint.n_tokens, len(slot.tokens),
                          checkpoint.nbytes / 2**20, (time.perf_counter() - started) * 1e3)
@@ -193,19 +202,19 @@ class PromptReuse:
                 log.warning("checkpoint: llama.cpp refused the checkpoint at %d of slot %d",
                             checkpoint.n_tokens, seq)
                 common, checkpoint = 0, None
-        if common > 0 and llama_cpp.llama_memory_seq_rm(mem, seq, common, -1):
+        if common > 0 and self.model.cut(seq, common):
             del slot.tokens[common:]
         else:
-            llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+            self.model.cut(seq, -1)
             slot.tokens.clear()
             common, checkpoint = 0, None
         slot.checkpoints.cut(common)
-        if self.drafter is not None:
-            self.drafter.forget(seq, common)
+        if self.model.drafter is not None:
+            self.model.drafter.forget(seq, common)
         return common, checkpoint
 
     # ---- taking checkpoints while a prompt is read ---------------------------------------
-    def _checkpoint_stop(self, slot: Slot) -> int | None:
+    def checkpoint_stop(self, slot: Slot) -> int | None:
         """Where the prompt chunk being filled must end for a checkpoint to be taken there:
         NEAR_END tokens before the prompt's end (checkpoints are taken between decodes)."""
         work = slot.work
@@ -214,7 +223,7 @@ class PromptReuse:
         stop = len(work.prompt) - NEAR_END
         return stop if len(slot.tokens) < stop else None
 
-    def _checkpoint_read(self, slot: Slot) -> None:
+    def checkpoint_read(self, slot: Slot) -> None:
         """After a prompt chunk was decoded: a checkpoint when the slot is at the prompt's end
         or NEAR_END before it, or `checkpoint_spacing` past its latest checkpoint. Never
         during the answer: decoding an answer costs no copies."""
@@ -229,7 +238,7 @@ class PromptReuse:
         else:
             return
         started = time.perf_counter()
-        checkpoint = checkpoints.take(self.lm.ctx, slot.seq_id, n, kind)
+        checkpoint = state.take(self.model.lm.ctx, slot.seq_id, n, kind)
         if checkpoint is None:
             log.warning("checkpoint: llama.cpp gave no state for slot %d at %d", slot.seq_id, n)
             return

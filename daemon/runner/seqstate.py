@@ -1,13 +1,7 @@
-"""One sequence's KV cells out of a llama.cpp context into RAM, and back into a context.
-
-`save` copies what a sequence holds (`llama_state_seq_get_data`: its KV cells, or its recurrent
-state, with their positions) into a `SavedSequence`; `restore` puts it into a sequence of a
-context of the same model, KV types and number of sequences (another context, a larger `n_ctx`,
-another seq id are all fine; llama.cpp writes one record per KV stream, one per sequence here
-since the KV is not unified, and refuses a state whose stream count differs).
-
-The engine keeps its prompt cache with it (`PromptCache`: slots taken for another request keep
-their prompt in RAM); a reload can use it to carry a conversation's KV over.
+"""The prompt cache: the prompts of slots taken for other requests, kept in RAM as saved
+sequences (llama/state.py's `save` copies a sequence's KV cells or recurrent state out of the
+context; `restore` puts them into a sequence of a context of the same model and KV types), so
+a conversation whose slot was lent out gets its prompt back instead of reading it again.
 
 Runs in the runner process, on the thread that drives the context.
 """
@@ -15,68 +9,9 @@ Runs in the runner process, on the thread that drives the context.
 from __future__ import annotations
 
 import collections
-import ctypes
-import time
-from dataclasses import dataclass, field
 
-import llama_cpp
-
-from .checkpoints import Checkpoint
-
-
-@dataclass(eq=False)
-class SavedSequence:
-    """A sequence's state: the tokens its cells hold (in position order) and llama.cpp's bytes.
-
-    `pos_min` is the lowest position still held (a sliding-window cache has dropped the ones
-    before it), read when it was saved. `checkpoints`: the slot's checkpoints of its recurrent
-    or sliding-window state (checkpoints.py), which come back with it."""
-
-    tokens: tuple[int, ...]
-    data: ctypes.Array
-    pos_min: int
-    saved_at: float = field(default_factory=time.monotonic)
-    checkpoints: tuple[Checkpoint, ...] = ()
-
-    @property
-    def nbytes(self) -> int:
-        """RAM it holds: the state and its checkpoints."""
-        return len(self.data) + sum(c.nbytes for c in self.checkpoints)
-
-
-def state_size(ctx: llama_cpp.llama_context_p, seq_id: int) -> int:
-    return int(llama_cpp.llama_state_seq_get_size(ctx, seq_id))
-
-
-def save(ctx: llama_cpp.llama_context_p, seq_id: int, tokens: list[int] | tuple[int, ...],
-         limit: int | None = None,
-         checkpoints: tuple[Checkpoint, ...] = ()) -> SavedSequence | None:
-    """The state of `seq_id`, whose cells hold `tokens` (with the sequence's `checkpoints`);
-    None when it is empty, larger than `limit` bytes, or llama.cpp could not write it."""
-    size = state_size(ctx, seq_id)
-    if size <= 0 or not tokens or (limit is not None and size > limit):
-        return None
-    # bytearray(n) takes fresh zero pages from the OS (no memset of gigabytes); the ctypes view
-    # shares its memory.
-    data = (ctypes.c_uint8 * size).from_buffer(bytearray(size))
-    written = llama_cpp.llama_state_seq_get_data(ctx, data, size, seq_id)
-    if written != size:
-        return None
-    pos_min = llama_cpp.llama_memory_seq_pos_min(llama_cpp.llama_get_memory(ctx), seq_id)
-    return SavedSequence(tuple(tokens), data, max(0, pos_min), checkpoints=checkpoints)
-
-
-def restore(ctx: llama_cpp.llama_context_p, seq_id: int, saved: SavedSequence) -> bool:
-    """Replace what `seq_id` holds by `saved`. False (and the sequence left empty) when
-    llama.cpp refused it (no room, or a context of another model or KV type)."""
-    memory = llama_cpp.llama_get_memory(ctx)
-    llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
-    size = len(saved.data)  # the state itself (nbytes counts its checkpoints too)
-    read = llama_cpp.llama_state_seq_set_data(ctx, saved.data, size, seq_id)
-    if read != size:
-        llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
-        return False
-    return True
+# save, restore and state_size: imported from here by the tests of the prompt cache
+from localllm.llama.state import SavedSequence, restore, save, state_size  # noqa: F401
 
 
 def common_prefix(a, b) -> int:

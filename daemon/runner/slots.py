@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from localllm.llama.sampling import Sampler
+
 from .checkpoints import SlotCheckpoints
 from .protocol import Event, GenerationRequest
-from .sampling import Sampler
 from .speculation import Drafting
 
 
@@ -98,6 +99,15 @@ class Work:
     @property
     def eval_ns(self) -> int:
         return time.perf_counter_ns() - self.prompt_done_ns if self.prompt_done_ns else 0
+
+
+@dataclass
+class Room:
+    """The context sizes every part of the engine's loop reads (a fill band switch changes
+    them): `n_ctx`, the tokens one request may use (the last band's context, reported in
+    Done); `seq`, the KV cells each sequence has in the band loaded now."""
+    n_ctx: int
+    seq: int
 
 
 class Slot:

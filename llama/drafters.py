@@ -2,7 +2,7 @@
 
 Both propose greedy drafts for several sequences at once: one `llama_decode` carries every
 sequence's inputs, then each further draft token is one more decode of one token per sequence.
-The target checks the drafts with the request's own sampler (engine.Engine._verify), so what a
+The target checks the drafts with the request's own sampler (the runner's engine), so what a
 drafter proposes changes the speed, never the text.
 
 MTP. A NextN block predicts the token after next from the token at position p and the target's
@@ -26,11 +26,10 @@ from dataclasses import dataclass
 
 import llama_cpp
 import numpy as np
-from localllm.llama.params import context_params, load_mode
 from localllm.profiles.planning.plan import Plan
 
 from . import model as llama
-from .protocol import VOCAB_SLACK
+from .params import context_params, load_mode
 
 log = logging.getLogger("localllm.runner")
 
@@ -220,7 +219,10 @@ class MTPDrafter(_BatchDrafter):
 class DraftModel(_BatchDrafter):
     kind = "draft"
 
-    def __init__(self, path: str, target: llama.LlamaModel, plan: Plan, capacity: int):
+    def __init__(self, path: str, target: llama.LlamaModel, plan: Plan, capacity: int,
+                 vocab_slack: int):
+        """`vocab_slack`: how many more or fewer tokens its vocabulary may have than the
+        target's (the ids they share must mean the same text)."""
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = plan.draft_n_gpu_layers
         mparams.load_mode = load_mode(plan)
@@ -228,7 +230,7 @@ class DraftModel(_BatchDrafter):
         if not model:
             raise DraftModelError(f"llama.cpp could not load the draft model {path}")
         try:
-            _check_vocab(target, model)
+            _check_vocab(target, model, vocab_slack)
         except DraftModelError:
             llama_cpp.llama_model_free(model)
             raise
@@ -288,11 +290,11 @@ class DraftModel(_BatchDrafter):
         llama_cpp.llama_model_free(self.model)
 
 
-def _check_vocab(target: llama.LlamaModel, model) -> None:
+def _check_vocab(target: llama.LlamaModel, model, vocab_slack: int) -> None:
     """Drafts are token ids: the two vocabularies must give the same ids the same text."""
     vocab = llama_cpp.llama_model_get_vocab(model)
     n_draft = llama_cpp.llama_vocab_n_tokens(vocab)
-    if abs(n_draft - target.n_vocab) > VOCAB_SLACK:
+    if abs(n_draft - target.n_vocab) > vocab_slack:
         raise DraftModelError(f"the draft model has {n_draft} tokens, the model "
                               f"{target.n_vocab}: they do not share a vocabulary")
     if llama_cpp.llama_vocab_type(vocab) != llama_cpp.llama_vocab_type(target.vocab):
@@ -306,18 +308,20 @@ def _check_vocab(target: llama.LlamaModel, model) -> None:
 
 # The drafter each mode loaded with the model runs (localllm.speculative: Mode.loaded).
 DRAFTERS = {
-    "mtp": lambda lm, plan, capacity, path: MTPDrafter(lm, plan, capacity),
-    "draft": lambda lm, plan, capacity, path: DraftModel(path, lm, plan, capacity),
+    "mtp": lambda lm, plan, capacity, path, slack: MTPDrafter(lm, plan, capacity),
+    "draft": lambda lm, plan, capacity, path, slack: DraftModel(path, lm, plan, capacity, slack),
 }
 
 
 def load_drafter(lm: llama.LlamaModel, plan: Plan, capacity: int,
-                 draft_model_path: str | None = None) -> MTPDrafter | DraftModel | None:
-    """The drafter the plan's mode loads with the model; None for one drafting from the text."""
+                 draft_model_path: str | None = None,
+                 vocab_slack: int = 0) -> MTPDrafter | DraftModel | None:
+    """The drafter the plan's mode loads with the model; None for one drafting from the text.
+    `vocab_slack`: how far a draft model's vocabulary may differ in size (DraftModel)."""
     row = plan.draft_mode
     if not row.loaded:
         return None
     if row.draft_model and not draft_model_path:
         raise llama.ModelLoadError("the plan drafts with a draft model but none was given "
                                    "(pair one: options.draft_model or the catalog's draft)")
-    return DRAFTERS[row.name](lm, plan, capacity, draft_model_path)
+    return DRAFTERS[row.name](lm, plan, capacity, draft_model_path, vocab_slack)

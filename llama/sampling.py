@@ -14,7 +14,7 @@ import random
 import llama_cpp
 import numpy as np
 
-from .protocol import SamplingOptions
+from localllm.options import SamplingOptions
 
 
 class RequestError(Exception):

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import math
-import time
+from collections.abc import Sequence
 
 import llama_cpp
-from localllm.llama.batch import fill
 
-from .protocol import EmbedRequest, Embeddings
+from .batch import fill
 
 # The embedding context's size: enough for the chunks editors index (Continue sends at most a
 # few hundred tokens each), small enough to cost little memory beside the generating context.
@@ -69,22 +68,24 @@ class Embedder:
             n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, -n, True, False)
         return list(buf[:n])
 
-    def embed(self, request: EmbedRequest) -> Embeddings:
-        t0 = time.perf_counter_ns()
+    def embed(self, inputs: Sequence[str], truncate: bool = True,
+              dimensions: int | None = None) -> tuple[list[tuple[float, ...]], int]:
+        """A unit vector per input (its first `dimensions` only, if given) and the tokens read
+        over all inputs. An input longer than the context is cut, or with `truncate` False
+        refused (EmbedInputError)."""
         vectors, total = [], 0
-        for i, text in enumerate(request.inputs):
+        for i, text in enumerate(inputs):
             tokens = self.tokenize(text)
             if len(tokens) > self.n_ctx:
-                if not request.truncate:
+                if not truncate:
                     raise EmbedInputError(
                         f"input {i} is {len(tokens)} tokens, more than the embedding context "
                         f"of {self.n_ctx}; the input length exceeds the context length (send "
                         f"truncate: true to cut it)")
                 tokens = tokens[: self.n_ctx]
             total += len(tokens)
-            vectors.append(self._pool(tokens, request.dimensions))
-        return Embeddings(vectors=tuple(vectors), prompt_tokens=total,
-                          duration_ns=time.perf_counter_ns() - t0)
+            vectors.append(self._pool(tokens, dimensions))
+        return vectors, total
 
     def _pool(self, tokens: list[int], dimensions: int | None) -> tuple[float, ...]:
         if not tokens:
