@@ -349,7 +349,7 @@ def stop_daemon(config) -> int:
     import time
 
     from localllm.client import running_daemon
-    from localllm.daemon import user_service
+    from localllm.cli import user_service
 
     daemon = _run(running_daemon(config))
     if daemon is None:

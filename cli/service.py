@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from localllm.daemon import user_service as us
+from localllm.cli import user_service as us
 from localllm.daemon.logging_setup import log_file
 
 from localllm.config import (

@@ -1,12 +1,11 @@
-"""Remote models: an OpenAI-compatible server (vLLM, SGLang, llama-server, another localllm)
-behind every inference route, as if the model were loaded here.
+"""Remote models' upstream: an OpenAI-compatible server (vLLM, SGLang, llama-server, another
+localllm) that answers for a stored remote model. This is its client: the POST, its SSE chunks,
+the streamed text with usage and timings, and Ollama's options as OpenAI request fields. The
+routes that put it behind every inference route are api/remote_routes.py.
 
-Ollama requests become the upstream's OpenAI requests, always streamed from it (so that the
-caller's stream starts with the upstream's first token, and timings can be taken), and come
-back in Ollama's shapes with usage and timings in its fields; OpenAI requests pass through with
-the model renamed both ways. Upstream failures become ApiErrors before the first byte
-(502: refused, unreachable or a bad answer; 504: no answer in time) and an error line or event
-after it; nothing here can take the daemon down.
+Upstream failures become ApiErrors before the first byte (502: refused, unreachable or a bad
+answer; 504: no answer in time) and UpstreamError after it; nothing here can take the daemon
+down.
 """
 
 from __future__ import annotations
@@ -18,45 +17,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
-from aiohttp import web
-from localllm.modelstore.names import BadModelName
-from localllm.modelstore.store import ModelEntry, StoreError
+from localllm.modelstore.store import ModelEntry
 
 from localllm import options
 from localllm.config import Config, ConfigError, load_config
 
-from .api.common import ApiError, get_bool, get_messages, get_str
-from .state import STORE
+from .http_errors import ApiError
 
 CONNECT_TIMEOUT_S = 10.0
-NDJSON = "application/x-ndjson"
 
 
 class UpstreamError(Exception):
     """The upstream failed after its answer had started."""
-
-
-def remote_entry(app: web.Application, body: dict) -> ModelEntry | None:
-    """The remote model a request names, or None (the route then handles it, errors too)."""
-    name = body.get("model") or body.get("name")
-    if not isinstance(name, str):
-        return None
-    try:
-        entry = app[STORE].get(name)
-    except (StoreError, BadModelName):
-        return None
-    return entry if entry.remote is not None else None
-
-
-def show(entry: ModelEntry) -> dict:
-    """/api/show for a remote model: where it lives; there is no GGUF to describe."""
-    remote = entry.remote
-    assert remote is not None
-    return {"license": "", "modelfile": f"# remote: {remote.model} at {remote.url}\n",
-            "parameters": "", "template": "", "details": entry.details,
-            "model_info": {"general.architecture": "remote", "remote.url": remote.url,
-                           "remote.model": remote.model},
-            "capabilities": ["completion", "chat"], "modified_at": entry.modified_at}
 
 
 # ---- the upstream ------------------------------------------------------------------------------
@@ -127,7 +99,7 @@ def _error_text(raw: bytes) -> str:
     return str(error)[:500]
 
 
-async def _post(session: aiohttp.ClientSession, entry: ModelEntry, path: str,
+async def post(session: aiohttp.ClientSession, entry: ModelEntry, path: str,
                 payload: dict) -> aiohttp.ClientResponse:
     """POST to the upstream; any failure before its answer starts is an ApiError."""
     remote = entry.remote
@@ -149,7 +121,7 @@ async def _post(session: aiohttp.ClientSession, entry: ModelEntry, path: str,
     return response
 
 
-async def _chunks(response: aiohttp.ClientResponse, entry: ModelEntry) -> AsyncIterator[dict]:
+async def chunks(response: aiohttp.ClientResponse, entry: ModelEntry) -> AsyncIterator[dict]:
     """The JSON objects of an SSE stream until [DONE]; UpstreamError when it breaks off."""
     where = f"remote model {entry.name}"
     try:
@@ -183,20 +155,20 @@ def read_timeout() -> float:
         return float(Config.remote_timeout)
 
 
-def _session() -> aiohttp.ClientSession:
+def upstream_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
         total=None, connect=CONNECT_TIMEOUT_S, sock_read=read_timeout()))
 
 
-async def _stream(entry: ModelEntry, path: str, payload: dict,
+async def stream_text(entry: ModelEntry, path: str, payload: dict,
                   answer: RemoteAnswer) -> AsyncIterator[str]:
     """Text pieces of the upstream's streamed answer, filling `answer` as they come. The
     first step raises ApiError when the upstream cannot be used; later ones UpstreamError."""
     payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
-    async with _session() as session:
-        response = await _post(session, entry, path, payload)
+    async with upstream_session() as session:
+        response = await post(session, entry, path, payload)
         async with response:
-            async for chunk in _chunks(response, entry):
+            async for chunk in chunks(response, entry):
                 if chunk.get("usage"):
                     answer.usage = chunk["usage"]
                 if isinstance(chunk.get("timings"), dict):
@@ -211,7 +183,7 @@ async def _stream(entry: ModelEntry, path: str, payload: dict,
                         yield piece
 
 
-# ---- Ollama routes -----------------------------------------------------------------------------
+# ---- Ollama's options, for the upstream -------------------------------------------------------
 
 # The table's samplers an upstream OpenAI-compatible server takes under the same name; load
 # options (num_ctx, num_gpu...) are the upstream's own business.
@@ -241,124 +213,3 @@ def _openai_options(body: dict) -> dict:
         out["response_format"] = {"type": "json_schema",
                                   "json_schema": {"name": "format", "schema": fmt}}
     return out
-
-
-def _now_iso() -> str:
-    import datetime as dt
-
-    return dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")
-
-
-async def ollama(request: web.Request, body: dict, entry: ModelEntry) -> web.StreamResponse:
-    """/api/generate and /api/chat for a remote model."""
-    remote = entry.remote
-    assert remote is not None
-    chat = request.path == "/api/chat"
-    model = str(entry.name)
-    stream = get_bool(body, "stream", True)
-    if chat:
-        shape = lambda text: {"message": {"role": "assistant", "content": text}}
-        if body.get("messages") in (None, []):
-            return _loaded(model, shape(""), body)
-        path, payload = "/chat/completions", {"messages": list(get_messages(body))}
-        if isinstance(body.get("tools"), list):
-            payload["tools"] = body["tools"]
-    else:
-        shape = lambda text: {"response": text}
-        prompt = get_str(body, "prompt", default="")
-        if not prompt:
-            return _loaded(model, shape(""), body)
-        system = get_str(body, "system")
-        if body.get("raw"):
-            path = "/completions"
-            payload = {"prompt": f"{system}\n\n{prompt}" if system else prompt}
-        else:
-            path = "/chat/completions"
-            messages = [{"role": "system", "content": system}] if system else []
-            payload = {"messages": messages + [{"role": "user", "content": prompt}]}
-    payload = {"model": remote.model, **payload, **_openai_options(body)}
-    answer = RemoteAnswer()
-    pieces = _stream(entry, path, payload, answer)
-    try:
-        first = await anext(pieces, None)  # ApiError from here on still sets the status
-        if not stream:
-            async for _ in pieces:
-                pass
-            return web.json_response({"model": model, "created_at": _now_iso(),
-                                      **shape("".join(answer.text)), "done": True,
-                                      **answer.ollama_metrics()})
-    except UpstreamError as e:
-        raise ApiError(502, str(e)) from None
-    response = web.StreamResponse(headers={"Content-Type": NDJSON})
-    await response.prepare(request)
-
-    async def send(line: dict) -> None:
-        await response.write(json.dumps(line).encode() + b"\n")
-
-    try:
-        piece = first
-        while piece is not None:
-            await send({"model": model, "created_at": _now_iso(), **shape(piece), "done": False})
-            piece = await anext(pieces, None)
-        await send({"model": model, "created_at": _now_iso(), **shape(""), "done": True,
-                    **answer.ollama_metrics(), "stats": answer.stats()})
-    except UpstreamError as e:
-        await send({"error": str(e)})
-    except ConnectionError:
-        return response  # the client went away; leaving closes the upstream request
-    finally:
-        await pieces.aclose()
-    await response.write_eof()
-    return response
-
-
-def _loaded(model: str, empty: dict, body: dict) -> web.Response:
-    """An empty prompt asks Ollama to load (or with keep_alive 0 unload) the model: a remote
-    one is always ready, so the answer is immediate."""
-    reason = "unload" if body.get("keep_alive") in (0, "0", "0s") else "load"
-    return web.json_response({"model": model, "created_at": _now_iso(), **empty, "done": True,
-                              "done_reason": reason})
-
-
-# ---- OpenAI routes -----------------------------------------------------------------------------
-
-async def openai(request: web.Request, body: dict, entry: ModelEntry) -> web.StreamResponse:
-    """/v1/chat/completions and /v1/completions for a remote model: the body goes through with
-    the upstream's model name, the answer comes back with ours."""
-    remote = entry.remote
-    assert remote is not None
-    path = "/chat/completions" if request.path.endswith("/chat/completions") else "/completions"
-    model = str(entry.name)
-    payload = {**body, "model": remote.model}
-    async with _session() as session:
-        if not get_bool(body, "stream", False):
-            response = await _post(session, entry, path, payload)
-            async with response:
-                try:
-                    doc = await response.json(content_type=None)
-                except TimeoutError:
-                    raise ApiError(504, f"remote model {entry.name}: no answer within "
-                                        f"{read_timeout():.0f} s") from None
-                except (aiohttp.ClientError, ValueError) as e:
-                    raise ApiError(502, f"remote model {entry.name}: no valid answer "
-                                        f"({type(e).__name__})") from None
-            if not isinstance(doc, dict):
-                raise ApiError(502, f"remote model {entry.name}: the answer is not an object")
-            return web.json_response({**doc, "model": model})
-        response = await _post(session, entry, path, payload)
-        async with response:
-            out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                              "Cache-Control": "no-cache"})
-            await out.prepare(request)
-            try:
-                async for chunk in _chunks(response, entry):
-                    await out.write(f"data: {json.dumps({**chunk, 'model': model})}\n\n".encode())
-                await out.write(b"data: [DONE]\n\n")
-            except UpstreamError as e:
-                error = {"error": {"message": str(e), "type": "upstream_error", "param": None,
-                                   "code": None}}
-                await out.write(f"data: {json.dumps(error)}\n\n".encode())
-            except ConnectionError:
-                return out
-            await out.write_eof()
-            return out

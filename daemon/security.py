@@ -38,6 +38,7 @@ from localllm import paths
 from localllm.config import Config
 from localllm.modelstore.store import StoreError, shown_path
 
+from .http_errors import error_body
 from .peer_uid import peer_uid, plain_ip
 
 LOCAL_ORIGIN = re.compile(r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?$")
@@ -58,8 +59,6 @@ def is_unix(request: web.Request) -> bool:
 
 
 def _json_error(request: web.Request, status: int, message: str) -> web.Response:
-    from .api.errors import error_body
-
     return web.json_response(error_body(request.path, status, message), status=status)
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from aiohttp import web
 from localllm.profiles.tuning.saved import profiles_dir
-from localllm.modelstore.store import ModelNotFound, ModelStore, default_store
+from localllm.modelstore.names import BadModelName
+from localllm.modelstore.store import ModelNotFound, ModelStore, StoreError, default_store
 from localllm.modelstore.sweep import sweep_store
 
 from localllm import paths
@@ -26,10 +27,20 @@ from localllm.config import Config, config_file
 from localllm.errors import UserError
 
 from . import security
-from .api import anthropic, create, embed, ollama, openai, responses, stats
-from .api.common import MAX_BODY_BYTES
-from .api.errors import error_body, is_anthropic
+from .api import (
+    anthropic,
+    create,
+    embed,
+    ollama,
+    ollama_models,
+    openai,
+    remote_routes,
+    responses,
+    stats,
+)
+from .api.common import MAX_BODY_BYTES, find_model, read_json
 from .config_watch import watch_config, watch_profiles
+from .http_errors import OVERLOADED, error_body, is_anthropic
 from .logging_setup import ACCESS_LOG, AccessLogger, setup_logging
 from .scheduler import Scheduler
 from .state import CONFIG, SCHEDULER, STORE
@@ -55,11 +66,31 @@ async def error_middleware(request: web.Request, handler):
         param = getattr(e, "param", None)
         headers = {"Retry-After": "5"} if status == 503 else None
         if status == 503 and is_anthropic(request.path):
-            status = anthropic.OVERLOADED
+            status = OVERLOADED
         code = getattr(e, "code", None) or (
             "model_not_found" if isinstance(e, ModelNotFound) else None)
         return web.json_response(error_body(request.path, status, message, param, code),
                                  status=status, headers=headers)
+
+
+@web.middleware
+async def remote_middleware(request: web.Request, handler):
+    """Remote models, routed once: a POST to a route of remote_routes.ROUTES that names a
+    remote model is answered there. The body is read and the model looked up here once; the
+    route gets both (read_json and find_model answer what was found, errors too)."""
+    answer = remote_routes.ROUTES.get(request.path) if request.method == "POST" else None
+    if answer is None:
+        return await handler(request)
+    body = await read_json(request)
+    name = body.get("model") or body.get("name")
+    if isinstance(name, str):
+        try:
+            entry = find_model(request, name)
+        except (StoreError, BadModelName):
+            entry = None  # the route answers for it, after its own checks
+        if entry is not None and entry.remote is not None:
+            return await answer(request, body, entry)
+    return await handler(request)
 
 
 async def root(request: web.Request) -> web.Response:
@@ -70,10 +101,10 @@ async def root(request: web.Request) -> web.Response:
 def create_app(config: Config, store: ModelStore | None = None) -> web.Application:
     # Outermost first: who is asking (Host, Origin, which local user) before anything runs,
     # errors turned into JSON around the handlers, the key checked inside so a 401 has the
-    # API's error shape.
+    # API's error shape, and only then a remote model sent to its upstream.
     middlewares = [security.host_middleware(config), security.cors_middleware(config),
                    security.owner_middleware(config), error_middleware,
-                   security.key_middleware(config.api_key)]
+                   security.key_middleware(config.api_key), remote_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app.on_response_prepare.append(security.cors_headers(config))
     app[CONFIG] = config
@@ -81,6 +112,7 @@ def create_app(config: Config, store: ModelStore | None = None) -> web.Applicati
     app[SCHEDULER] = Scheduler(app[STORE], config, paths.state_dir() / "logs")
     app.router.add_get("/", root)  # GET and HEAD, as Ollama answers both
     app.add_routes(ollama.routes)
+    app.add_routes(ollama_models.routes)
     app.add_routes(openai.routes)
     app.add_routes(anthropic.routes)
     app.add_routes(responses.routes)

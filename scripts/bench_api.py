@@ -3,6 +3,7 @@
 
     python scripts/bench_api.py                       # CPU: the default model, 1 and 4 streams
     python scripts/bench_api.py --model M.gguf [--model M2.gguf ...] [--tokens 256]
+    python scripts/bench_api.py --routes [--tokens 128]  # one stream through each API route
 
 For each model: llama-bench `tg` (when llama-bench is on PATH), llama-server (when on PATH) and
 the localllm daemon, each greedy and with Ollama's default sampling (temperature 0.8, top_k 40,
@@ -116,6 +117,92 @@ def concurrent(stream, url: str, n: int, sampling: dict, streams: int = 4) -> fl
     for t in threads:
         t.join()
     return sum(counts) / (time.perf_counter() - start)
+
+
+# ---- each route ----------------------------------------------------------------------------
+STORY = "Write a long story about a lighthouse keeper and the sea."
+
+
+def _chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# route -> (the body of a greedy streamed request of n tokens, the bytes that mark a streamed
+# line carrying answer text, the line's text before the final token count, and where that
+# count is in it). The chat routes ask for a story: greedy decode may stop early, which is the
+# same before and after a change.
+ROUTES = {
+    "/api/generate": (lambda n: {"prompt": PROMPT, "raw": True, "options": {
+        "num_predict": n, **GREEDY, "seed": 1, "speculative": "off"}},
+        b'"response": "', b'"done": true', ("eval_count",)),
+    "/api/chat": (lambda n: {"messages": _chat(STORY), "options": {
+        "num_predict": n, **GREEDY, "seed": 1, "speculative": "off"}},
+        b'"content": "', b'"done": true', ("eval_count",)),
+    "/v1/completions": (lambda n: {
+        "prompt": PROMPT, "max_tokens": n, "temperature": 0, "top_k": 1, "seed": 1,
+        "speculative": "off", "stream_options": {"include_usage": True}},
+        b'"text": "', b'"usage": {', ("usage", "completion_tokens")),
+    "/v1/chat/completions": (lambda n: {
+        "messages": _chat(STORY), "max_tokens": n, "temperature": 0, "top_k": 1, "seed": 1,
+        "speculative": "off", "stream_options": {"include_usage": True}},
+        b'"content": "', b'"usage": {', ("usage", "completion_tokens")),
+    "/v1/messages": (lambda n: {"messages": _chat(STORY), "max_tokens": n, "temperature": 0,
+                                "top_k": 1, "speculative": "off"},
+                     b'"text_delta"', b'"message_delta"', ("usage", "output_tokens")),
+    "/v1/responses": (lambda n: {"input": STORY, "max_output_tokens": n, "temperature": 0,
+                                 "top_k": 1, "speculative": "off"},
+                      b'"response.output_text.delta"', b'"response.completed"',
+                      ("response", "usage", "output_tokens")),
+}
+
+
+def stream_route(url: str, route: str, n: int) -> tuple[int, float, float]:
+    """(tokens, first text chunk time, last text chunk time) of one stream on `route`."""
+    make, marker, final, where = ROUTES[route]
+    body = json.dumps({"model": "bench", "stream": True, **make(n)})
+    req = urllib.request.Request(url + route, data=body.encode(),
+                                 headers={"Content-Type": "application/json"})
+    first = last = 0.0
+    count = 0
+    with urllib.request.urlopen(req, timeout=900) as resp:
+        for line in resp:  # parsed only at the end: the client shares the machine's cores
+            if final in line:
+                doc = json.loads(line.removeprefix(b"data: "))
+                for key in where:
+                    doc = doc[key]
+                count = doc
+                break
+            if marker in line and b'": ""' not in line:
+                last = time.perf_counter()
+                first = first or last
+    return count, first, last
+
+
+def bench_routes(model: Path, n: int, rounds: int) -> str:
+    """Decode tok/s of one greedy stream through each route (median of `rounds`)."""
+    from daemon_process import isolated_env, start_daemon
+
+    from localllm.modelstore.store import ModelStore
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = isolated_env(Path(tmp), LOCALLLM_CONTEXT_POLICY="fixed")
+        ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
+        daemon = start_daemon(env)
+        try:
+            stream_route(daemon.url, "/api/generate", 16)  # load and warm up
+            for route in ROUTES:
+                rates, counts = [], []
+                for _ in range(rounds):
+                    count, first, last = stream_route(daemon.url, route, n)
+                    counts.append(count)
+                    rates.append((count - 1) / (last - first) if last > first else 0.0)
+                rows.append(f"| {route} | {min(counts)} | {statistics.median(rates):.1f} |")
+        finally:
+            daemon.stop()
+    return "\n".join([f"Decode through each route, {model.name}, one greedy stream, up to {n} "
+                      f"tokens (tok/s from first text to last, client-side, median of {rounds})",
+                      "", "| route | tokens | tok/s |", "| --- | --- | --- |", *rows])
 
 
 # ---- servers ---------------------------------------------------------------------------
@@ -247,12 +334,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", type=Path, action="append")
+    parser.add_argument("--routes", action="store_true",
+                        help="one greedy stream through each API route instead")
     args = parser.parse_args()
     models = args.model
     if not models:
         import fetch_test_models
 
         models = [fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")]
+    if args.routes:
+        for model in models:
+            print(bench_routes(model.resolve(), args.tokens, args.rounds), flush=True)
+        return
     rows = []
     for model in models:
         rows.append(bench_model(model.resolve(), args.tokens, args.rounds))

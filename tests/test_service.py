@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from localllm.cli.main import main
-from localllm.daemon import user_service as us
+from localllm.cli import user_service as us
 from localllm.daemon.logging_setup import log_file
 from localllm.config import Config
 

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from localllm.daemon import systemd
-from localllm.daemon.user_service import Listen, render_units
+from localllm.cli.user_service import Listen, render_units
 
 DEADLINE_S = 30
 

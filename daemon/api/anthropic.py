@@ -15,18 +15,16 @@ are tools with `defer_loading: true` (Claude Code's placeholder, never to be cal
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
-from ..chat.answer import answer, count_prompt_tokens, model_for
-from ..chat.custom import Customization
+from ..chat.custom import Customization, model_for
 from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
 from ..runner.process import new_request_id
-from ..runner.protocol import Done, Failure, Progress, Token
+from ..runner.protocol import Done, Progress, Token
 from .common import (
     answer_limit,
     bad_request,
@@ -37,23 +35,12 @@ from .common import (
     message_images,
     read_json,
 )
+from .respond import Part, Writer, count_prompt_tokens, respond
 
-log = logging.getLogger("localllm.daemon")
 routes = web.RouteTableDef()
 
 # Anthropic's names for the table's options; temperature, top_p and top_k share the table's.
 ANTHROPIC_NAMES = {"max_tokens": "num_predict", "stop_sequences": "stop"}
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-               429: "rate_limit_error", 529: "overloaded_error"}
-OVERLOADED = 529  # Anthropic's status for a busy server; the queue's 503 becomes this here
-
-
-def error_json(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
-                                       "message": message}}
-
 
 # ---- request -------------------------------------------------------------------------------
 def _blocks(content, where: str) -> list[dict]:
@@ -335,30 +322,30 @@ def _start_usage(event) -> dict:
 async def messages(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     entry, custom, chat, parallel = await chat_request(request, body)
-    stream = get_bool(body, "stream", False)
-    base = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
-            "model": str(entry.name)}
-    async with answer(request.app, entry, chat, custom=custom) as run:
-        if not stream:
-            parsed, done, _ = await run.whole()
-            reason, sequence = stop_reason(done, bool(parsed.tool_calls))
-            return web.json_response({**base, "content": content_blocks(parsed, parallel),
-                                      "stop_reason": reason, "stop_sequence": sequence,
-                                      "usage": usage(done)})
-        return await _stream(request, run.parts(), base, parallel)
+    return await respond(request, chat, MessagesWriter(str(entry.name), parallel),
+                         entry=entry, custom=custom, stream=get_bool(body, "stream", False))
 
 
-class _EventWriter:
-    """Anthropic's SSE events for one answer: blocks opened, filled and closed in order."""
+class MessagesWriter(Writer):
+    """Anthropic's answer: a `message` with content blocks, or its SSE events, the blocks
+    opened, filled and closed in order."""
 
-    def __init__(self, response: web.StreamResponse):
-        self.response = response
+    def __init__(self, model: str, parallel: bool):
+        self.base = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message",
+                     "role": "assistant", "model": model}
+        self.parallel = parallel
         self.index = -1
         self.open: str | None = None  # the kind of the block being written
+        self.any_calls = False
+
+    def whole(self, parsed: Parsed, done: Done, logprobs: list[dict]) -> dict:
+        reason, sequence = stop_reason(done, bool(parsed.tool_calls))
+        return {**self.base, "content": content_blocks(parsed, self.parallel),
+                "stop_reason": reason, "stop_sequence": sequence, "usage": usage(done)}
 
     async def send(self, kind: str, data: dict) -> None:
         payload = json.dumps({"type": kind, **data})
-        await self.response.write(f"event: {kind}\ndata: {payload}\n\n".encode())
+        await self.write(f"event: {kind}\ndata: {payload}\n\n".encode())
 
     async def close_block(self) -> None:
         if self.open is not None:
@@ -386,51 +373,34 @@ class _EventWriter:
             "type": "input_json_delta", "partial_json": json.dumps(call.arguments)}})
         await self.close_block()
 
+    async def start(self, first: Part) -> None:
+        await self.send("message_start", {"message": {
+            **self.base, "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": _start_usage(first.event)}})
 
-async def _stream(request: web.Request, parts, base: dict, parallel: bool
-                  ) -> web.StreamResponse:
-    part = await anext(parts)  # a failure here is still an HTTP error: nothing is sent yet
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    out = _EventWriter(response)
-    any_calls = False
-    try:
-        await out.send("message_start", {"message": {
-            **base, "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": _start_usage(part.event)}})
-        while True:
-            event, parsed = part.event, part.parsed
-            if isinstance(event, Progress):  # the prompt is being read
-                await out.send("ping", {})
-            if parsed.thinking:
-                await out.text("thinking", parsed.thinking)
-            if parsed.content:
-                await out.text("text", parsed.content)
-            for call in kept_calls(parsed.tool_calls, parallel):
-                await out.tool_use(call)
-                any_calls = True
-            if isinstance(event, Failure):
-                await out.send("error", {"error": {"type": "api_error",
-                                                   "message": event.message}})
-                break
-            if isinstance(event, Done):
-                await out.close_block()
-                reason, sequence = stop_reason(event, any_calls)
-                await out.send("message_delta", {
-                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": usage(event)})
-                await out.send("message_stop", {})
-                break
-            part = await anext(parts)
-    except ConnectionError:
-        return response  # client went away: leaving `generate` cancels the runner
-    except Exception as e:  # headers are sent: the client hears of it as an error event
-        log.exception("error streaming /v1/messages")
-        await out.send("error", {"error": {"type": "api_error",
-                                           "message": f"internal error: {e}"}})
-    await response.write_eof()
-    return response
+    async def part(self, part: Part) -> None:
+        parsed = part.parsed
+        if isinstance(part.event, Progress):  # the prompt is being read
+            await self.send("ping", {})
+        if parsed.thinking:
+            await self.text("thinking", parsed.thinking)
+        if parsed.content:
+            await self.text("text", parsed.content)
+        for call in kept_calls(parsed.tool_calls, self.parallel):
+            await self.tool_use(call)
+            self.any_calls = True
+
+    async def done(self, part: Part) -> None:
+        await self.part(part)
+        await self.close_block()
+        reason, sequence = stop_reason(part.event, self.any_calls)
+        await self.send("message_delta", {
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage(part.event)})
+        await self.send("message_stop", {})
+
+    async def error(self, message: str) -> None:
+        await self.send("error", {"error": {"type": "api_error", "message": message}})
 
 
 @routes.post("/v1/messages/count_tokens")

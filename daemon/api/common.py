@@ -12,29 +12,16 @@ import weakref
 from typing import Any
 
 from aiohttp import web
-from localllm.modelstore.store import ModelEntry
+from localllm.modelstore.names import BadModelName
+from localllm.modelstore.store import ModelEntry, StoreError
 
-from localllm.errors import UserError
 from localllm import options
 from localllm.options import LoadOptions, SamplingOptions
 
 from ..chat.custom import Customization, read_customization
-from ..generation import find_model
+from ..chat.images import ImageSource, slot
+from ..http_errors import ApiError, bad_request
 from ..state import STORE
-
-
-class ApiError(UserError):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code  # OpenAI's error code, where one fits better than the status's
-
-
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param)
 
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the app's client_max_size: past it, a 413
@@ -78,11 +65,22 @@ def _lone_surrogate(value: Any) -> bool:
     return False
 
 
+BODY = "localllm.body"  # the request's parsed body, read once (a middleware may read it first)
+MODEL = "localllm.model"  # (name, the stored model or the error its lookup raised)
+
+
 async def read_json(request: web.Request) -> dict:
     """The request body as a JSON object, or a 400 (413 when too big) saying what is wrong.
 
     Stricter than json.loads: no NaN or Infinity, integers within int64, no lone surrogates,
-    so nothing a handler passes on can fail later for a reason the client caused."""
+    so nothing a handler passes on can fail later for a reason the client caused. Parsed once
+    a request: a second call answers what the first found."""
+    if BODY not in request:
+        request[BODY] = await _read_json(request)
+    return request[BODY]
+
+
+async def _read_json(request: web.Request) -> dict:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -151,11 +149,26 @@ async def local_model(request: web.Request, body: dict, route: str
                       ) -> tuple[ModelEntry, Customization]:
     """The stored local model a request names (404 naming it when there is none) and what its
     Modelfile added. A remote model is a 400: these routes translate onto the local engine."""
-    entry = find_model(request.app, get_str(body, "model", required=True))
+    entry = find_model(request, get_str(body, "model", required=True))
     if entry.remote is not None:
         raise bad_request(f"{entry.name} is a remote model: {route} serves local models only "
                           f"(use /v1/chat/completions or /api/chat)", "model")
     return entry, await asyncio.to_thread(read_customization, request.app[STORE], entry)
+
+
+def find_model(request: web.Request, name: str) -> ModelEntry:
+    """The stored model `name` names (ModelNotFound -> 404 in the middleware), looked up once a
+    request: the remote middleware looks first, and the route gets what it found."""
+    found = request.get(MODEL)
+    if found is None or found[0] != name:
+        try:
+            found = (name, request.app[STORE].get(name))
+        except (StoreError, BadModelName) as e:
+            found = (name, e)
+        request[MODEL] = found
+    if isinstance(found[1], Exception):
+        raise found[1]
+    return found[1]
 
 
 def get_model_field(body: dict) -> str:
@@ -270,8 +283,6 @@ def get_prompt_images(body: dict, images: list) -> str:
 
 
 def _ollama_images(value, where: str, images: list) -> str:
-    from ..chat.images import ImageSource, slot
-
     if value is None:
         return ""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -286,8 +297,6 @@ def _ollama_images(value, where: str, images: list) -> str:
 def _image_part(i: int, j: int, part: dict, images: list) -> str:
     """An OpenAI `image_url` part: {"image_url": {"url": "data:..." | "https://..."}} (or the
     URL as a bare string)."""
-    from ..chat.images import ImageSource, slot
-
     where = f"messages[{i}].content[{j}].image_url"
     value = part.get("image_url")
     url = value.get("url") if isinstance(value, dict) else value
@@ -362,8 +371,6 @@ def message_images(messages: tuple[dict, ...]) -> tuple[tuple[dict, ...], tuple]
     """Messages carrying `images` (base64, data: or http(s) URLs, as the Anthropic and
     Responses routes collect them) -> the messages with each image's slot written at the start
     of its content, and the ImageSources (chat/images.py), as get_messages gives them."""
-    from ..chat.images import ImageSource, slot
-
     images: list = []
     out = []
     for i, message in enumerate(messages):

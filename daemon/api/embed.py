@@ -12,10 +12,18 @@ import time
 
 from aiohttp import web
 
-from ..generation import find_model, hold
 from ..runner.process import new_request_id
 from ..runner.protocol import EmbedRequest, Embeddings
-from .common import bad_request, get_bool, get_model_field, get_number, get_str, read_json
+from ..state import SCHEDULER
+from .common import (
+    bad_request,
+    find_model,
+    get_bool,
+    get_model_field,
+    get_number,
+    get_str,
+    read_json,
+)
 from .ollama import ollama_options, parse_keep_alive
 
 routes = web.RouteTableDef()
@@ -37,9 +45,9 @@ async def _embed(request: web.Request, body: dict, inputs: tuple[str, ...], trun
                  dimensions: int | None) -> tuple[Embeddings, int, int]:
     """(embeddings, load ns, total ns) of `inputs` with the body's model."""
     started, started_wall = time.perf_counter_ns(), time.time()
-    entry = find_model(request.app, get_model_field(body))
+    entry = find_model(request, get_model_field(body))
     _, load = ollama_options(body)
-    async with hold(request.app, entry, load, parse_keep_alive(body)) as runner:
+    async with request.app[SCHEDULER].use(entry, load, parse_keep_alive(body)) as runner:
         load_ns = runner.load_duration_ns if runner.loaded_at >= started_wall else 0
         result = await runner.embed(EmbedRequest(id=new_request_id(), inputs=inputs,
                                                  truncate=truncate, dimensions=dimensions))
@@ -52,7 +60,7 @@ async def api_embed(request: web.Request) -> web.Response:
     inputs = get_inputs(body, "input")
     name = get_model_field(body)
     if not inputs:
-        find_model(request.app, name)  # an unknown model is still a 404
+        find_model(request, name)  # an unknown model is still a 404
         return web.json_response({"model": name, "embeddings": []})
     dimensions = get_number(body, "dimensions", int, 1)
     result, load_ns, total_ns = await _embed(request, body, inputs,
@@ -68,7 +76,7 @@ async def api_embeddings(request: web.Request) -> web.Response:
     body = await read_json(request)
     prompt = get_str(body, "prompt", default="")
     if not prompt:
-        find_model(request.app, get_model_field(body))
+        find_model(request, get_model_field(body))
         return web.json_response({"embedding": []})
     result, _, _ = await _embed(request, body, (prompt,), True, None)
     return web.json_response({"embedding": list(result.vectors[0])})

@@ -1,6 +1,10 @@
-"""Ollama's native API (/api/*): request and response shapes, as Ollama's api/types.go has them.
+"""Ollama's native API (/api/*) as Ollama's api/types.go has it: the request fields its routes
+share, /api/generate and /api/chat (the one `ChatRequest`, answered in NDJSON lines or one
+object through the one response pipeline, respond.py) and what is loaded (/api/ps). The model
+routes are ollama_models.py.
 
-Durations on the wire are nanoseconds; `num_ctx` on the wire is `n_ctx` inside.
+Durations on the wire are nanoseconds; `num_ctx` on the wire is `n_ctx` inside. An empty
+prompt loads the model (with keep_alive 0 unloads it), as Ollama does.
 """
 
 from __future__ import annotations
@@ -8,43 +12,37 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-import os
 import time
 from dataclasses import dataclass
 
 from aiohttp import web
-from localllm.modelstore.projector import projector_info, show_info
-from localllm.modelstore.store import ModelEntry, projector_path
+from localllm.modelstore.store import ModelEntry
 
-from localllm import __version__
 from localllm.config import ConfigError, parse_duration
 from localllm.options import LoadOptions, SamplingOptions
 from localllm.profiles.planning.quality import kv_label
 
-from .. import remote, security
-from ..chat.answer import answer, model_for
-from ..chat.custom import Customization, capabilities, read_customization
+from ..chat.custom import Customization, read_customization
 from ..chat.parse import Parsed
 from ..chat.request import THINK_LEVELS, ChatRequest
-from ..chat.template import DEFAULT_TEMPLATE
-from ..generation import Generation, find_model, hold
-from ..runner.protocol import Done, Failure, Progress, Token
 from ..runner.process import new_request_id
-from ..state import CONFIG, SCHEDULER, STORE
+from ..runner.protocol import Done, Token
+from ..state import SCHEDULER, STORE
 from .common import (
     bad_request,
+    find_model,
     get_bool,
     get_messages,
-    get_model_field,
     get_number,
+    get_prompt_images,
     get_str,
     get_tool_choice,
     get_tools,
-    get_prompt_images,
     has_images,
-    read_json,
     parse_options,
+    read_json,
 )
+from .respond import Generation, Part, Writer, respond
 
 routes = web.RouteTableDef()
 NDJSON = "application/x-ndjson"  # Ollama streams one JSON object a line
@@ -61,7 +59,7 @@ def iso(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat().replace("+00:00", "Z")
 
 
-# ---- request parsing -----------------------------------------------------------------------
+# ---- request fields -----------------------------------------------------------------------
 def ollama_options(body: dict, stored: dict | None = None
                    ) -> tuple[SamplingOptions, LoadOptions]:
     """Ollama `options` (the table's names) over a Modelfile's stored PARAMETERs."""
@@ -81,6 +79,13 @@ def parse_keep_alive(body: dict):
         raise bad_request(str(e), "keep_alive") from None
 
 
+# ---- models ----------------------------------------------------------------------------------
+def model_json(entry) -> dict:
+    return {"name": str(entry.name), "model": str(entry.name), "modified_at": entry.modified_at,
+            "size": entry.size, "digest": entry.manifest_digest.removeprefix("sha256:"),
+            "details": entry.details}
+
+
 @dataclass(frozen=True)
 class Common:
     """What /api/generate and /api/chat share, parsed once: the model, the sampling options,
@@ -94,9 +99,9 @@ class Common:
     custom: Customization
 
 
-async def parse_common(app: web.Application, body: dict) -> Common:
-    entry = find_model(app, get_str(body, "model", required=True))
-    custom = await asyncio.to_thread(read_customization, app[STORE], entry)
+async def parse_common(request: web.Request, body: dict) -> Common:
+    entry = find_model(request, get_str(body, "model", required=True))
+    custom = await asyncio.to_thread(read_customization, request.app[STORE], entry)
     sampling, load = ollama_options(body, custom.parameters)
     return Common(entry=entry, sampling=sampling, load=load,
                   keep_alive=parse_keep_alive(body), stream=get_bool(body, "stream", True),
@@ -179,60 +184,63 @@ def generate_fields(parsed: Parsed) -> dict:
     return fields
 
 
+class OllamaWriter(Writer):
+    """Ollama's answer to /api/chat (a `message`) and /api/generate (a `response`): NDJSON, one
+    object a line, as it streams; or one object."""
+
+    headers = {"Content-Type": NDJSON}
+
+    def __init__(self, model: str, chat: ChatRequest, shape, final_extra):
+        self.model, self.logprobs = model, chat.logprobs is not None
+        self.shape, self.final_extra = shape, final_extra
+        self.ttft_ns = 0  # request received -> first answer text, set at the first token
+
+    def whole(self, parsed: Parsed, done: Done, logprobs: list[dict]) -> dict:
+        run = self.run
+        extra = {"logprobs": logprobs} if self.logprobs else {}
+        return {"model": self.model, "created_at": now_iso(), **self.shape(parsed),
+                "done": True, **self.final_extra(done), **metrics(run.gen, done), **extra,
+                **run.truncation(), "stats": live_stats(done, done.n_ctx, run.first_token_ns)}
+
+    def _line(self, parsed: Parsed, **fields) -> dict:
+        return {"model": self.model, "created_at": now_iso(), **self.shape(parsed),
+                "done": False, **fields}
+
+    async def _send(self, *lines: dict) -> None:
+        await self.write(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+
+    async def part(self, part: Part) -> None:
+        event, gen = part.event, self.run.gen
+        if isinstance(event, Token):
+            self.ttft_ns = self.ttft_ns or gen.total_duration_ns()
+            line = self._line(part.parsed, stats=live_stats(event, gen.runner.n_ctx,
+                                                            self.ttft_ns))
+            if self.logprobs:
+                line["logprobs"] = part.logprobs
+        else:  # a long prompt is being read (localllm addition)
+            line = self._line(Parsed(), progress={
+                "prompt_read": event.prompt_read, "prompt_total": event.prompt_total,
+                **({"note": event.note} if event.note else {})})
+        await self._send(line)
+
+    async def done(self, part: Part) -> None:
+        done, run = part.event, self.run
+        tail = [self._line(part.parsed)] if part.parsed else []  # a call, a held-back tail
+        await self._send(*tail, {
+            **self._line(Parsed()), "done": True, **self.final_extra(done),
+            **metrics(run.gen, done), **run.truncation(),
+            "stats": live_stats(done, done.n_ctx, self.ttft_ns)})
+
+    async def error(self, message: str) -> None:
+        await self._send({"error": message})
+
+
 async def _respond(request: web.Request, common: Common, chat: ChatRequest, shape,
                    final_extra, truncate: bool = True) -> web.StreamResponse:
-    """Run a chat request and answer as NDJSON (stream) or one object (stream:false)."""
-    model = str(common.entry.name)
-    async with answer(request.app, common.entry, chat, common.keep_alive, truncate=truncate,
-                      custom=common.custom) as run:
-        gen = run.gen
-        if not common.stream:
-            parsed, done, logprobs = await run.whole()
-            extra = {"logprobs": logprobs} if chat.logprobs is not None else {}
-            return web.json_response({"model": model, "created_at": now_iso(),
-                                      **shape(parsed), "done": True, **final_extra(done),
-                                      **metrics(gen, done), **extra, **run.truncation(),
-                                      "stats": live_stats(done, done.n_ctx, run.first_token_ns)})
-        response = web.StreamResponse(headers={"Content-Type": NDJSON})
-        parts = run.parts()
-        part = await anext(parts)
-        await response.prepare(request)
-        ttft_ns = 0  # request received -> first answer text, set at the first token
-        while True:
-            event = part.event
-            lines = []
-            if isinstance(event, Token):
-                ttft_ns = ttft_ns or gen.total_duration_ns()
-                lines.append({"model": model, "created_at": now_iso(), **shape(part.parsed),
-                              "done": False, "stats": live_stats(event, gen.runner.n_ctx, ttft_ns)})
-                if chat.logprobs is not None:
-                    lines[-1]["logprobs"] = part.logprobs
-            elif isinstance(event, Progress):  # a long prompt is being read (localllm addition)
-                lines.append({"model": model, "created_at": now_iso(), **shape(Parsed()),
-                              "done": False, "progress": {
-                                  "prompt_read": event.prompt_read,
-                                  "prompt_total": event.prompt_total,
-                                  **({"note": event.note} if event.note else {})}})
-            elif isinstance(event, Failure):
-                lines.append({"error": event.message})
-            else:
-                if part.parsed:  # what the parser held back until the end (a call, a tail)
-                    lines.append({"model": model, "created_at": now_iso(), **shape(part.parsed),
-                                  "done": False})
-                lines.append({"model": model, "created_at": now_iso(), **shape(Parsed()),
-                              "done": True, **final_extra(event), **metrics(gen, event),
-                              **run.truncation(),
-                              "stats": live_stats(event, event.n_ctx, ttft_ns)})
-            try:
-                for line in lines:
-                    await response.write(json.dumps(line).encode() + b"\n")
-            except ConnectionError:
-                return response  # client went away: leaving `generate` cancels the runner
-            if not isinstance(event, (Token, Progress)):
-                break
-            part = await anext(parts)
-        await response.write_eof()
-        return response
+    writer = OllamaWriter(str(common.entry.name), chat, shape, final_extra)
+    return await respond(request, chat, writer, entry=common.entry, custom=common.custom,
+                         stream=common.stream, keep_alive=common.keep_alive,
+                         truncate=truncate)
 
 
 def get_logprobs(body: dict) -> int | None:
@@ -252,12 +260,10 @@ def _chat_request(common: Common, body: dict, **fields) -> ChatRequest:
 @routes.post("/api/generate")
 async def api_generate(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    if (remote_model := remote.remote_entry(request.app, body)) is not None:
-        return await remote.ollama(request, body, remote_model)
     prompt = get_str(body, "prompt", default="")
     suffix = get_str(body, "suffix")
     raw = get_bool(body, "raw", False)
-    common = await parse_common(request.app, body)
+    common = await parse_common(request, body)
     if not prompt and not suffix:
         return await _load_only(request, common)
     if raw and (body.get("template") or body.get("system") or body.get("context")):
@@ -273,9 +279,7 @@ async def api_generate(request: web.Request) -> web.StreamResponse:
 @routes.post("/api/chat")
 async def api_chat(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    if (remote_model := remote.remote_entry(request.app, body)) is not None:
-        return await remote.ollama(request, body, remote_model)
-    common = await parse_common(request.app, body)
+    common = await parse_common(request, body)
     if body.get("messages") in (None, []):
         return await _load_only(request, common)
     images: list = []
@@ -305,138 +309,14 @@ async def _load_only(request: web.Request, common: Common) -> web.Response:
         await app[SCHEDULER].unload(str(entry.name))
         reason = "unload"
     else:
-        async with hold(app, entry, common.load, common.keep_alive):
+        async with app[SCHEDULER].use(entry, common.load, common.keep_alive):
             pass
         reason = "load"
     return web.json_response({"model": str(entry.name), "created_at": now_iso(), key: empty,
                               "done": True, "done_reason": reason})
 
 
-# ---- models --------------------------------------------------------------------------------
-def _model_json(entry) -> dict:
-    return {"name": str(entry.name), "model": str(entry.name), "modified_at": entry.modified_at,
-            "size": entry.size, "digest": entry.manifest_digest.removeprefix("sha256:"),
-            "details": entry.details}
-
-
-@routes.get("/api/version")
-async def api_version(request: web.Request) -> web.Response:
-    """The Ollama API level these routes match (clients gate features on it; VS Code refuses
-    anything below 0.6.4), and localllm's own version beside it."""
-    return web.json_response({"version": OLLAMA_API_LEVEL, "localllm_version": __version__})
-
-
-@routes.get("/api/status")
-async def api_status(request: web.Request) -> web.Response:
-    """The daemon itself: which process, since when, and what it holds loaded."""
-    scheduler = request.app[SCHEDULER]
-    return web.json_response({
-        "version": __version__,
-        "ollama_api": OLLAMA_API_LEVEL,
-        "pid": os.getpid(),
-        "started_at": iso(STARTED_AT),
-        "loaded": [{"model": name, "runner_pid": slot.runner.pid, "busy": slot.busy,
-                    "active": slot.active, "waiting": slot.waiting,
-                    "num_parallel": slot.runner.n_parallel,
-                    "tokens_generated": slot.runner.tokens_generated}
-                   for name, slot in scheduler.models.items()],
-    })
-
-
-@routes.get("/api/tags")
-async def api_tags(request: web.Request) -> web.Response:
-    return web.json_response({"models": [_model_json(e) for e in request.app[STORE].list()]})
-
-
-def show_parameters(num_ctx: int, stops: list[str], stored: dict) -> str:
-    """Ollama's `parameters` text: one `name value` line each, strings quoted (Continue reads
-    `num_ctx` and JSON-parses each `stop`)."""
-    lines = [("num_ctx", str(num_ctx))]
-    for key, value in stored.items():
-        if key in ("num_ctx", "stop"):
-            continue
-        lines.append((key, json.dumps(value) if isinstance(value, str) else str(value)))
-    lines += [("stop", json.dumps(stop)) for stop in stored.get("stop", stops)]
-    return "\n".join(f"{key:<30} {value}" for key, value in lines)
-
-
-@routes.post("/api/show")
-async def api_show(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    entry = find_model(request.app, get_model_field(body))
-    if entry.remote is not None:
-        return web.json_response(remote.show(entry))
-    model = await model_for(entry)
-    custom = await asyncio.to_thread(read_customization, request.app[STORE], entry)
-    slot = request.app[SCHEDULER].models.get(str(entry.name))
-    num_ctx = custom.parameters.get("num_ctx") or (
-        slot.runner.n_ctx if slot else request.app[CONFIG].default_ctx)
-    # A model without a template is chatted with through Ollama's default, and shown so.
-    template = custom.template or model.template or DEFAULT_TEMPLATE
-    details = {key: value if isinstance(value, list) else str(value)
-               for key, value in {"parent_model": "", **entry.details}.items()}
-    modelfile = f"FROM {entry.model_path}\n"
-    if custom.template:
-        modelfile += f'TEMPLATE """{custom.template}"""\n'
-    if custom.system:
-        modelfile += f'SYSTEM """{custom.system}"""\n'
-    for key, value in custom.parameters.items():
-        for item in value if isinstance(value, list) else [value]:
-            modelfile += f"PARAMETER {key} {json.dumps(item) if isinstance(item, str) else item}\n"
-    info = dict(model.info)
-    if request.headers.get("User-Agent", "").startswith("GitHubCopilotChat/"):
-        info["general.basename"] = str(entry.name)  # what Ollama does: Copilot shows this name
-    projector = projector_path(request.app[STORE], entry)
-    extra = {}
-    if projector is not None:  # Ollama's projector_info: the mmproj's clip.* keys
-        found = await asyncio.to_thread(projector_info, projector)
-        extra["projector_info"] = show_info(found)
-    return web.json_response({**extra,
-        "license": str(model.info.get("general.license", "")),
-        "modelfile": modelfile,
-        "parameters": show_parameters(num_ctx, model.stop_pieces, custom.parameters),
-        "template": template,
-        "system": custom.system or "",
-        "details": details,
-        "model_info": info,
-        "capabilities": capabilities(model, custom),
-        "modified_at": entry.modified_at,
-    })
-
-
-@routes.delete("/api/delete")
-async def api_delete(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    name = get_model_field(body)
-    entry = find_model(request.app, name)
-    await request.app[SCHEDULER].unload(str(entry.name))  # never delete a file in use
-    request.app[STORE].remove(entry.name)
-    return web.json_response({})
-
-
-@routes.post("/api/import")
-async def api_import(request: web.Request) -> web.Response:
-    """A GGUF file on this machine into the store (what `localllm import` does without a
-    daemon). The daemon runs as the user, so it reads only what the user could read."""
-    body = await read_json(request)
-    name = get_str(body, "model", required=True)
-    path = get_str(body, "path", required=True)
-    link = not get_bool(body, "copy", False)
-    roots = request.app[SCHEDULER].config.import_roots
-    source = await asyncio.to_thread(security.import_source, request, path, roots)
-    entry = await asyncio.to_thread(request.app[STORE].import_gguf, source, name, link)
-    return web.json_response(_model_json(entry))
-
-
-@routes.post("/api/copy")
-async def api_copy(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    source = get_str(body, "source", required=True)
-    destination = get_str(body, "destination", required=True)
-    request.app[STORE].copy(source, destination)
-    return web.json_response({})
-
-
+# ---- what is loaded ---------------------------------------------------------------------------
 @routes.get("/api/ps")
 async def api_ps(request: web.Request) -> web.Response:
     models = []
@@ -448,7 +328,7 @@ async def api_ps(request: web.Request) -> web.Response:
         size = slot.entry.model_layer.size + kv
         vram = plan.vram_bytes()
         models.append({
-            **_model_json(slot.entry),
+            **model_json(slot.entry),
             "size": size,
             "size_vram": vram,
             "expires_at": FOREVER if slot.keep_alive is None else (

@@ -11,19 +11,17 @@ from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 from localllm.options import LoadOptions, SamplingOptions
 
-from .. import remote
-from ..chat.answer import answer
 from ..chat.custom import Customization, read_customization
 from ..chat.parse import Parsed
 from ..chat.request import ChatRequest
-from ..generation import find_model
 from ..runner.process import new_request_id
-from ..runner.protocol import Done, Failure, Progress, Token
+from ..runner.protocol import Done, Token
 from ..state import STORE
 from .common import (
     answer_limit,
     bad_request,
     body_options,
+    find_model,
     get_bool,
     get_messages,
     get_number,
@@ -34,6 +32,7 @@ from .common import (
     read_json,
     think_from_effort,
 )
+from .respond import Part, Writer, respond
 
 routes = web.RouteTableDef()
 
@@ -143,117 +142,109 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
 
 
 async def _model(request: web.Request, body: dict) -> tuple[ModelEntry, Customization]:
-    entry = find_model(request.app, get_str(body, "model", required=True))
+    entry = find_model(request, get_str(body, "model", required=True))
     return entry, await asyncio.to_thread(read_customization, request.app[STORE], entry)
+
+
+class OpenAIWriter(Writer):
+    """OpenAI's answer to /v1/chat/completions (`chat`: a message, or deltas) and
+    /v1/completions (text): one object, or SSE chunks ending in [DONE]."""
+
+    def __init__(self, body: dict, model: str, request: ChatRequest, chat: bool):
+        stream_options = body.get("stream_options") or {}
+        if not isinstance(stream_options, dict):
+            raise bad_request("field 'stream_options' must be an object", "stream_options")
+        self.include_usage = bool(stream_options.get("include_usage"))
+        self.request, self.chat = request, chat
+        self.want_logprobs = request.logprobs is not None
+        self.base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+                     "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": model,
+                     "system_fingerprint": "localllm"}
+        self.first, self.any_calls, self.text_offset = True, False, 0
+
+    def whole(self, parsed: Parsed, done: Done, logprobs: list[dict]) -> dict:
+        reason = finish_reason(done, bool(parsed.tool_calls))
+        if self.chat:
+            message: dict = {"role": "assistant",
+                             "content": parsed.content or (None if parsed.tool_calls else "")}
+            if parsed.thinking:
+                message["reasoning_content"] = parsed.thinking
+            if parsed.tool_calls:
+                message["tool_calls"] = tool_calls_json(parsed.tool_calls, False)
+            choice = {"index": 0, "message": message, "finish_reason": reason,
+                      "logprobs": chat_logprobs(logprobs) if self.want_logprobs else None}
+        else:
+            text = parsed.content
+            if self.request.echo:  # the prompt, then the answer (max_tokens 0: none)
+                text = (self.request.prompt or "") + text
+                logprobs = [*(done.prompt_logprobs or ()), *logprobs]
+            choice = {"index": 0, "text": text, "finish_reason": reason,
+                      "logprobs": completion_logprobs(logprobs) if self.want_logprobs
+                      else None}
+        base = self.base
+        return {"id": base["id"], "object": "chat.completion" if self.chat else "text_completion",
+                "created": base["created"], "model": base["model"], "choices": [choice],
+                "usage": usage(done), "system_fingerprint": "localllm"}
+
+    async def send(self, data) -> None:
+        payload = data if isinstance(data, str) else json.dumps(data)
+        await self.write(f"data: {payload}\n\n".encode())
+
+    def choice(self, parsed: Parsed, reason: str | None, logprobs: list[dict]) -> dict:
+        if not self.chat:
+            out = {"index": 0, "text": parsed.content, "finish_reason": reason,
+                   "logprobs": completion_logprobs(logprobs, self.text_offset)
+                   if self.want_logprobs else None}
+            self.text_offset += len(parsed.content)
+            return out
+        delta: dict = {"role": "assistant"} if self.first else {}
+        if parsed.content or not (parsed.thinking or parsed.tool_calls):
+            delta["content"] = parsed.content
+        if parsed.thinking:
+            delta["reasoning_content"] = parsed.thinking
+        if parsed.tool_calls:
+            delta["tool_calls"] = tool_calls_json(parsed.tool_calls, True)
+        return {"index": 0, "delta": delta, "finish_reason": reason,
+                "logprobs": chat_logprobs(logprobs) if self.want_logprobs and logprobs
+                else None}
+
+    async def part(self, part: Part) -> None:
+        event = part.event
+        if isinstance(event, Token):
+            self.any_calls = self.any_calls or bool(part.parsed.tool_calls)
+            await self.send({**self.base, "choices": [self.choice(part.parsed, None,
+                                                                  part.logprobs)]})
+            self.first = False
+        else:  # a long prompt is being read: an SSE comment, which clients skip
+            await self.write(f": prompt {event.prompt_read}/{event.prompt_total}\n\n".encode())
+
+    async def done(self, part: Part) -> None:
+        self.any_calls = self.any_calls or bool(part.parsed.tool_calls)
+        if part.parsed:
+            await self.send({**self.base, "choices": [self.choice(part.parsed, None, [])]})
+            self.first = False
+        await self.send({**self.base, "choices": [self.choice(
+            Parsed(), finish_reason(part.event, self.any_calls), [])]})
+        if self.include_usage:
+            await self.send({**self.base, "choices": [], "usage": usage(part.event)})
+        await self.send("[DONE]")
+
+    async def error(self, message: str) -> None:
+        await self.send({"error": {"message": message, "type": "server_error", "param": None,
+                                   "code": None}})
 
 
 async def _complete(request: web.Request, body: dict, entry: ModelEntry, custom: Customization,
                     chat_request: ChatRequest, chat: bool) -> web.StreamResponse:
-    app = request.app
-    stream = get_bool(body, "stream", False)
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise bad_request("field 'stream_options' must be an object", "stream_options")
-    include_usage = bool(stream_options.get("include_usage"))
-    model = str(entry.name)
-    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    created = int(time.time())
-    want_logprobs = chat_request.logprobs is not None
-
-    async with answer(app, entry, chat_request, custom=custom) as run:
-        if not stream:
-            parsed, done, logprobs = await run.whole()
-            reason = finish_reason(done, bool(parsed.tool_calls))
-            if chat:
-                message: dict = {"role": "assistant",
-                                 "content": parsed.content or (None if parsed.tool_calls
-                                                               else "")}
-                if parsed.thinking:
-                    message["reasoning_content"] = parsed.thinking
-                if parsed.tool_calls:
-                    message["tool_calls"] = tool_calls_json(parsed.tool_calls, False)
-                choice = {"index": 0, "message": message, "finish_reason": reason,
-                          "logprobs": chat_logprobs(logprobs) if want_logprobs else None}
-            else:
-                text = parsed.content
-                if chat_request.echo:  # the prompt, then the answer (max_tokens 0: none)
-                    text = (chat_request.prompt or "") + text
-                    logprobs = [*(done.prompt_logprobs or ()), *logprobs]
-                choice = {"index": 0, "text": text, "finish_reason": reason,
-                          "logprobs": completion_logprobs(logprobs) if want_logprobs else None}
-            return web.json_response({
-                "id": ident, "object": "chat.completion" if chat else "text_completion",
-                "created": created, "model": model, "choices": [choice],
-                "usage": usage(done), "system_fingerprint": "localllm",
-            })
-        parts = run.parts()
-        part = await anext(parts)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-        base = {"id": ident, "object": chunk_obj, "created": created, "model": model,
-                "system_fingerprint": "localllm"}
-        first, any_calls, text_offset = True, False, 0
-
-        async def send(data) -> None:
-            payload = data if isinstance(data, str) else json.dumps(data)
-            await response.write(f"data: {payload}\n\n".encode())
-
-        def choice(parsed, reason, logprobs) -> dict:
-            nonlocal text_offset
-            if not chat:
-                out = {"index": 0, "text": parsed.content, "finish_reason": reason,
-                       "logprobs": completion_logprobs(logprobs, text_offset)
-                       if want_logprobs else None}
-                text_offset += len(parsed.content)
-                return out
-            delta: dict = {"role": "assistant"} if first else {}
-            if parsed.content or not (parsed.thinking or parsed.tool_calls):
-                delta["content"] = parsed.content
-            if parsed.thinking:
-                delta["reasoning_content"] = parsed.thinking
-            if parsed.tool_calls:
-                delta["tool_calls"] = tool_calls_json(parsed.tool_calls, True)
-            return {"index": 0, "delta": delta, "finish_reason": reason,
-                    "logprobs": chat_logprobs(logprobs) if want_logprobs and logprobs else None}
-
-        try:
-            while True:
-                event = part.event
-                any_calls = any_calls or bool(part.parsed.tool_calls)
-                if isinstance(event, Token):
-                    await send({**base, "choices": [choice(part.parsed, None, part.logprobs)]})
-                    first = False
-                elif isinstance(event, Progress):  # an SSE comment: clients skip it
-                    await response.write(
-                        f": prompt {event.prompt_read}/{event.prompt_total}\n\n".encode())
-                elif isinstance(event, Failure):
-                    await send({"error": {"message": event.message, "type": "server_error",
-                                          "param": None, "code": None}})
-                    break
-                else:
-                    if part.parsed:
-                        await send({**base, "choices": [choice(part.parsed, None, [])]})
-                        first = False
-                    await send({**base, "choices": [choice(Parsed(), finish_reason(
-                        event, any_calls), [])]})
-                    if include_usage:
-                        await send({**base, "choices": [], "usage": usage(event)})
-                    await send("[DONE]")
-                    break
-                part = await anext(parts)
-        except ConnectionError:
-            return response  # client went away: leaving `generate` cancels the runner
-        await response.write_eof()
-        return response
+    writer = OpenAIWriter(body, str(entry.name), chat_request, chat)
+    return await respond(request, chat_request, writer, entry=entry, custom=custom,
+                         stream=get_bool(body, "stream", False))
 
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    if (remote_model := remote.remote_entry(request.app, body)) is not None:
-        return await remote.openai(request, body, remote_model)
     entry, custom = await _model(request, body)
     sampling, load = openai_options(body, custom.parameters)
     images: list = []
@@ -269,8 +260,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    if (remote_model := remote.remote_entry(request.app, body)) is not None:
-        return await remote.openai(request, body, remote_model)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -298,7 +287,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 @routes.get("/v1/models/{name:.+}")
 async def get_model(request: web.Request) -> web.Response:
-    entry = find_model(request.app, request.match_info["name"])
+    entry = find_model(request, request.match_info["name"])
     return web.json_response({"id": str(entry.name), "object": "model", "owned_by": "library",
                               "created": _created(entry.modified_at)})
 

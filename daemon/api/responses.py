@@ -15,7 +15,6 @@ Accepted and ignored: `metadata`, `user`, `include`, `prompt_cache_key`, `servic
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -24,12 +23,11 @@ from dataclasses import dataclass
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
-from ..chat.answer import answer, model_for
-from ..chat.custom import Customization
+from ..chat.custom import Customization, model_for
 from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
 from ..runner.process import new_request_id
-from ..runner.protocol import Done, Failure, Progress
+from ..runner.protocol import Done, Progress
 from .common import (
     ApiError,
     answer_limit,
@@ -42,6 +40,7 @@ from .common import (
     message_images,
     read_json,
 )
+from .respond import Part, Writer, respond
 from .responses_input import (
     ToolSet,
     input_messages,
@@ -51,7 +50,6 @@ from .responses_input import (
     text_format,
 )
 
-log = logging.getLogger("localllm.daemon")
 routes = web.RouteTableDef()
 
 # The Responses names for the table's options; temperature and top_p share the table's.
@@ -261,14 +259,10 @@ class Response:
 async def create_response(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     turn = await read_turn(request, body)
-    truncation = body.get("truncation")
-    async with answer(request.app, turn.entry, turn.chat, custom=turn.custom,
-                      truncate=truncation != "disabled") as run:
-        if not get_bool(body, "stream", False):
-            parsed, done, _ = await run.whole()
-            return web.json_response(Response(turn).finish(
-                request.app, parsed, done, output_items(parsed, turn)))
-        return await _stream(request, run.parts(), turn)
+    return await respond(request, turn.chat, ResponsesWriter(request.app, turn),
+                         entry=turn.entry, custom=turn.custom,
+                         stream=get_bool(body, "stream", False),
+                         truncate=body.get("truncation") != "disabled")
 
 
 @routes.get("/v1/responses/{id}")
@@ -283,21 +277,26 @@ async def delete_response(request: web.Request) -> web.Response:
     return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-class _EventWriter:
-    """The Responses SSE events of one answer: output items opened, filled and closed in
-    order, each event numbered."""
+class ResponsesWriter(Writer):
+    """The Responses answer: the response object, or its SSE events, output items opened,
+    filled and closed in order, each event numbered."""
 
-    def __init__(self, response: web.StreamResponse, turn: Turn):
-        self.response, self.turn = response, turn
+    def __init__(self, app: web.Application, turn: Turn):
+        self.app, self.turn = app, turn
+        self.answer = Response(turn)
+        self.whole_text = Parsed()  # all of the answer, for the stored history
         self.sequence = 0
         self.output: list[dict] = []  # items done
         self.open: dict | None = None  # the reasoning or message item being written
         self.text = ""
 
+    def whole(self, parsed: Parsed, done: Done, logprobs: list[dict]) -> dict:
+        return self.answer.finish(self.app, parsed, done, output_items(parsed, self.turn))
+
     async def send(self, kind: str, data: dict) -> None:
         payload = json.dumps({"type": kind, "sequence_number": self.sequence, **data})
         self.sequence += 1
-        await self.response.write(f"event: {kind}\ndata: {payload}\n\n".encode())
+        await self.write(f"event: {kind}\ndata: {payload}\n\n".encode())
 
     def _at(self) -> dict:
         return {"item_id": self.open["id"], "output_index": len(self.output)}
@@ -365,47 +364,31 @@ class _EventWriter:
                                                       "item": done})
         self.output.append(done)
 
+    async def start(self, first: Part) -> None:
+        await self.send("response.created", {"response": self.answer.body})
+        await self.send("response.in_progress", {"response": self.answer.body})
 
-async def _stream(request: web.Request, parts, turn: Turn) -> web.StreamResponse:
-    part = await anext(parts)  # a failure here is still an HTTP error: nothing is sent yet
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    out, answer_so_far = _EventWriter(response, turn), Response(turn)
-    whole = Parsed()
-    try:
-        await out.send("response.created", {"response": answer_so_far.body})
-        await out.send("response.in_progress", {"response": answer_so_far.body})
-        while True:
-            event, parsed = part.event, part.parsed
-            whole.add(parsed)
-            if isinstance(event, Progress):  # an SSE comment: clients skip it
-                await response.write(
-                    f": prompt {event.prompt_read}/{event.prompt_total}\n\n".encode())
-            if parsed.thinking:
-                await out.add_text("reasoning", parsed.thinking)
-            if parsed.content:
-                await out.add_text("message", parsed.content)
-            for call in kept_calls(parsed.tool_calls, turn.parallel):
-                await out.call(call)
-            if isinstance(event, Failure):
-                await out.close_item()
-                await out.send("response.failed", {"response": answer_so_far.fail(
-                    event.message)})
-                break
-            if isinstance(event, Done):
-                await out.close_item()
-                # Also when the answer ran out of tokens: the response's status says so, and
-                # the SDK's stream reader (as Codex's) finishes only on response.completed.
-                await out.send("response.completed", {"response": answer_so_far.finish(
-                    request.app, whole, event, out.output)})
-                break
-            part = await anext(parts)
-    except ConnectionError:
-        return response  # client went away: leaving `generate` cancels the runner
-    except Exception as e:  # headers are sent: the client hears of it as an error event
-        log.exception("error streaming /v1/responses")
-        await out.send("error", {"code": "server_error", "message": f"internal error: {e}",
-                                 "param": None})
-    await response.write_eof()
-    return response
+    async def part(self, part: Part) -> None:
+        parsed = part.parsed
+        self.whole_text.add(parsed)
+        if isinstance(part.event, Progress):  # an SSE comment: clients skip it
+            await self.write(f": prompt {part.event.prompt_read}/"
+                             f"{part.event.prompt_total}\n\n".encode())
+        if parsed.thinking:
+            await self.add_text("reasoning", parsed.thinking)
+        if parsed.content:
+            await self.add_text("message", parsed.content)
+        for call in kept_calls(parsed.tool_calls, self.turn.parallel):
+            await self.call(call)
+
+    async def done(self, part: Part) -> None:
+        await self.part(part)
+        await self.close_item()
+        # Also when the answer ran out of tokens: the response's status says so, and the
+        # SDK's stream reader (as Codex's) finishes only on response.completed.
+        await self.send("response.completed", {"response": self.answer.finish(
+            self.app, self.whole_text, part.event, self.output)})
+
+    async def error(self, message: str) -> None:
+        await self.close_item()
+        await self.send("response.failed", {"response": self.answer.fail(message)})

@@ -12,10 +12,18 @@ from dataclasses import dataclass, field, replace
 
 from localllm.errors import UserError
 from localllm import options
-from localllm.modelstore.store import Layer, ModelEntry, ModelStore, no_room_is_disk_full
+from localllm.modelstore.gguf_header import GGUFError
+from localllm.modelstore.store import (
+    PROJECTOR_LAYER,
+    DamagedModel,
+    Layer,
+    ModelEntry,
+    ModelStore,
+    no_room_is_disk_full,
+)
 from localllm.options import OPTIONS
 
-from .model import ChatModel
+from .model import ChatModel, chat_model
 from .template import template_style
 
 PARAMS_LAYER = "application/vnd.localllm.params"
@@ -92,6 +100,18 @@ def customized(model: ChatModel, custom: Customization) -> ChatModel:
         return model
     return replace(model, template=custom.template,
                    style=template_style(custom.template, model.architecture))
+
+
+async def model_for(entry: ModelEntry, custom: Customization | None = None) -> ChatModel:
+    """The model as the chat layer sees it: with a Modelfile's template when `custom` has one;
+    it takes images only when stored with a vision projector (the manifest's projector layer)."""
+    try:
+        model = await chat_model(entry.digest, entry.model_path)
+    except (GGUFError, OSError) as e:
+        raise DamagedModel(entry.name, str(e).replace(str(entry.model_path), "its blob")) \
+            from None
+    model = replace(model, has_vision=entry.companion(PROJECTOR_LAYER) is not None)
+    return customized(model, custom) if custom is not None else model
 
 
 def capabilities(model: ChatModel, custom: Customization) -> list[str]:

@@ -1,0 +1,261 @@
+"""One response pipeline for every wire format: a `ChatRequest` checked, rendered and run on
+the model's runner, its tokens parsed into parts, and the parts handed to the wire format's
+`Writer`, streamed or whole.
+
+A route parses its body into a ChatRequest and picks its writer; `respond` does the rest the
+same way for all of them: check and render the request (a 400 comes before the model loads),
+hold a runner of the model from the scheduler (loading it if need be), drop the oldest turns
+that do not fit its context, read the first event before any header is sent (a failure there
+is still an HTTP error), then `start`, a `part` for each token or progress note, and `done` or
+`error`. A client that goes away ends the answer, and leaving `answer` cancels the runner's
+work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from aiohttp import web
+from localllm.errors import UserError
+from localllm.modelstore.store import ModelEntry
+from localllm.options import LoadOptions
+
+from ..chat.custom import Customization, model_for
+from ..chat.images import load_images
+from ..chat.model import ChatModel
+from ..chat.parse import Parsed
+from ..chat.request import ChatRequest, Prepared, prepare
+from ..chat.truncate import check_request_text, fit_to_context
+from ..runner.process import RunnerProcess
+from ..runner.protocol import Done, Event, Failure, GenerationRequest, Progress, Token
+from ..state import CONFIG, SCHEDULER
+
+log = logging.getLogger("localllm.daemon")
+
+
+# ---- running a request ---------------------------------------------------------------------
+@dataclass
+class Generation:
+    entry: ModelEntry
+    runner: RunnerProcess
+    events: AsyncIterator[Event]
+    load_duration_ns: int  # time spent loading for this request (0 when it was loaded)
+    started_ns: int = field(default_factory=time.perf_counter_ns)
+
+    def total_duration_ns(self) -> int:
+        return time.perf_counter_ns() - self.started_ns
+
+
+class GenerationFailed(UserError):
+    """The runner answered with a Failure before anything was sent (status from the runner)."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(failure.message)
+        self.status = failure.status
+
+
+async def first_event(gen: Generation) -> Event:
+    """The first event of a streamed request: a Failure here still becomes an HTTP error
+    status, because nothing has been sent yet."""
+    event = await anext(gen.events)
+    if isinstance(event, Failure):
+        raise GenerationFailed(event)
+    return event
+
+
+@contextlib.asynccontextmanager
+async def generate(app: web.Application, entry: ModelEntry, request: GenerationRequest,
+                   load: LoadOptions, keep_alive="default", fit=None,
+                   hint: str | None = None) -> AsyncIterator[Generation]:
+    """`fit(runner)`, when given, may replace the request once the runner is held (the chat
+    layer drops old turns that do not fit the loaded context). `hint`: what the route says of
+    the session, should this request load the model (profiles.traffic)."""
+    started, started_wall = time.perf_counter_ns(), time.time()
+    async with app[SCHEDULER].use(entry, load, keep_alive, len(request.prompt),
+                                  hint) as runner:
+        load_ns = runner.load_duration_ns if runner.loaded_at >= started_wall else 0
+        if fit is not None:
+            request = await fit(runner)
+        async with contextlib.aclosing(runner.generate(request)) as events:
+            yield Generation(entry, runner, events, load_ns, started)
+
+
+@dataclass
+class Part:
+    """Parsed text of one or more tokens, with the runner's event it came with."""
+    parsed: Parsed
+    event: Token | Done | Failure | Progress
+    logprobs: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Answer:
+    gen: Generation
+    prepared: Prepared
+    model: ChatModel
+    first_token_ns: int = 0  # request received -> first token, load included (0: none yet)
+
+    def truncation(self) -> dict:
+        """A localllm addition to the last line: how many of the oldest messages were left
+        out to fit the context, so that a client can say so (nothing when none were)."""
+        dropped = self.prepared.dropped_messages
+        return {"dropped_messages": dropped} if dropped else {}
+
+    async def whole(self) -> tuple[Parsed, Done, list[dict]]:
+        parser = self.prepared.parser
+        out, logprobs = Parsed(), []
+        async for event in self.gen.events:
+            if isinstance(event, Token):
+                self.first_token_ns = self.first_token_ns or self.gen.total_duration_ns()
+                out.add(parser.feed(event.text))
+                logprobs += event.logprobs or []
+            elif isinstance(event, Failure):
+                raise GenerationFailed(event)
+            elif isinstance(event, Done):
+                out.add(parser.finish())
+                return out, event, logprobs
+        raise GenerationFailed(Failure("the runner ended the answer without finishing it"))
+
+    async def parts(self) -> AsyncIterator[Part]:
+        """Parts as they come; the first event is read before anything is sent, so a failure
+        there can still be an HTTP error. The last part carries the Done (or a Failure)."""
+        parser = self.prepared.parser
+        event = await first_event(self.gen)
+        while True:
+            if isinstance(event, Token):
+                parsed = parser.feed(event.text)
+                if parsed or event.logprobs:
+                    yield Part(parsed, event, list(event.logprobs or []))
+            elif isinstance(event, Done):
+                yield Part(parser.finish(), event)
+                return
+            elif isinstance(event, Failure):
+                yield Part(Parsed(), event)
+                return
+            elif isinstance(event, Progress):  # a long prompt is being read
+                yield Part(Parsed(), event)
+            event = await anext(self.gen.events)
+
+
+def with_default_system(request: ChatRequest, system: str | None) -> ChatRequest:
+    if not system:
+        return request
+    if request.messages is not None:
+        if any(m["role"] == "system" for m in request.messages):
+            return request
+        return replace(request, messages=({"role": "system", "content": system},
+                                          *request.messages))
+    return request if request.system or request.raw else replace(request, system=system)
+
+
+@contextlib.asynccontextmanager
+async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
+                 keep_alive="default",
+                 truncate: bool = True,
+                 custom: Customization | None = None) -> AsyncIterator[Answer]:
+    """Check and render the request (400s come from here, before the model loads), then run it.
+    A chat longer than the context drops its oldest turns, or with `truncate` False is a 400.
+    `custom` is what a Modelfile added: its template and its default system prompt."""
+    check_request_text(request)
+    model = await model_for(entry, custom)
+    if custom is not None:
+        request = with_default_system(request, custom.system)
+    if request.images and model.has_vision:  # (prepare refuses them for any other model)
+        data = await load_images(request.images, app[CONFIG].image_urls == "on")
+        request = replace(request, image_data=data)
+    # Rendering runs the model's template (a worker process, up to its time limit): never on
+    # the event loop, which serves everyone else meanwhile.
+    prepared = await asyncio.to_thread(prepare, model, request)
+
+    async def fit(runner):
+        nonlocal prepared
+        prepared = await fit_to_context(model, request, prepared, runner, truncate)
+        return prepared.generation
+
+    hint = request.workload_hint or ("tools" if request.tools else None)
+    async with generate(app, entry, prepared.generation, request.load, keep_alive,
+                        fit=fit, hint=hint) as gen:
+        yield Answer(gen, prepared, model)
+
+
+async def count_prompt_tokens(app: web.Application, entry: ModelEntry, request: ChatRequest,
+                              custom: Customization | None = None) -> int:
+    """Tokens the rendered prompt of `request` is, as the runner reads it (loads the model)."""
+    check_request_text(request)
+    model = await model_for(entry, custom)
+    if custom is not None:
+        request = with_default_system(request, custom.system)
+    prepared = await asyncio.to_thread(prepare, model, request)  # the template's worker: waits
+    async with app[SCHEDULER].use(entry, request.load) as runner:
+        return await runner.count_tokens(prepared.prompt)
+
+
+# ---- the wire format -------------------------------------------------------------------------
+SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class Writer:
+    """One wire format's answer. `whole` is the answer sent at once; a stream is `start`,
+    then `part` for each Token or Progress, then `done` (the Done, with the text the parser
+    held back until the end) or `error` (the runner failed, or this daemon did, after the
+    headers went out). `response` and `run` are set before `start`."""
+
+    headers: dict = SSE
+    response: web.StreamResponse
+    run: Answer
+
+    def whole(self, parsed: Parsed, done: Done, logprobs: list[dict]) -> dict:
+        raise NotImplementedError
+
+    async def start(self, first: Part) -> None:
+        """What the stream says before the first part (`first` is that part)."""
+
+    async def part(self, part: Part) -> None:
+        raise NotImplementedError
+
+    async def done(self, part: Part) -> None:
+        raise NotImplementedError
+
+    async def error(self, message: str) -> None:
+        raise NotImplementedError
+
+    async def write(self, data: bytes) -> None:
+        await self.response.write(data)
+
+
+async def respond(request: web.Request, chat: ChatRequest, writer: Writer, *,
+                  entry: ModelEntry, custom: Customization, stream: bool,
+                  keep_alive="default", truncate: bool = True) -> web.StreamResponse:
+    """Answer `chat` in `writer`'s wire format: one object (stream False) or a stream."""
+    async with answer(request.app, entry, chat, keep_alive, truncate=truncate,
+                      custom=custom) as run:
+        writer.run = run
+        if not stream:
+            return web.json_response(writer.whole(*await run.whole()))
+        parts = run.parts()
+        part = await anext(parts)  # a failure here is still an HTTP error: nothing is sent yet
+        response = writer.response = web.StreamResponse(headers=writer.headers)
+        await response.prepare(request)
+        try:
+            await writer.start(part)
+            while True:
+                if isinstance(part.event, Done):
+                    await writer.done(part)
+                    break
+                if isinstance(part.event, Failure):
+                    await writer.error(part.event.message)
+                    break
+                await writer.part(part)
+                part = await anext(parts)
+        except ConnectionError:
+            return response  # client went away: leaving `answer` cancels the runner
+        except Exception as e:  # headers are sent: the client hears of it in the stream
+            log.exception("error streaming %s", request.path)
+            await writer.error(f"internal error: {e}")
+        await response.write_eof()
+        return response
