@@ -28,18 +28,16 @@ from localllm.config import Config, config_file
 from localllm.errors import UserError
 from localllm.image_paths import attach_images
 from localllm.repeats import LoopGuard
-from localllm.units import human_size
 
 from . import keys
 from .actions import ChatActions
 from .chatstore import ChatStore
 from .slash import request_extra
+from .startup import CONNECTION_ERRORS, Startup, lost_daemon_text, not_stored_hint
 from .stats import DecodeRate, RunnerStats, Segment, TurnStats, answer_footer, answer_notes, \
     find_runner, segments
 from .widgets import Entry, MessageView, Note, ProgressLine, PromptInput, StatsLine
 
-# What a lost or refused connection to the daemon looks like from aiohttp.
-CONNECTION_ERRORS = (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError)
 SAVE_EVERY_S = 1.0  # a streaming answer is written to the database this often
 # Drawing costs the runner decode speed where the CPU is shared: ten draws a second look live.
 RENDER_EVERY_S = 0.1
@@ -60,6 +58,7 @@ class ChatApp(ChatActions, App[int]):
         self.store = store
         self.resume = resume  # None: a new chat; "": pick from the list; else an id or name
         self.client = Client(config)
+        self.startup = Startup(self)
         self.connected = False  # the daemon answered since the last lost connection
         self.chat_id: int | None = None
         self.system = ""
@@ -299,41 +298,10 @@ class ChatApp(ChatActions, App[int]):
         self.workers.cancel_group(self, "answer")
         return True
 
-    # ---- startup: daemon, model, load ------------------------------------------------------
+    # ---- startup: daemon, model, load (startup.py) ----------------------------------------
     @work(exclusive=True, group="prepare")
     async def prepare(self, model: str, offer_pull: bool = True) -> None:
-        progress = self.progress_line
-        try:
-            try:
-                await self.client.connect(start=False)
-            except UserError:
-                progress.start("Starting the daemon…")
-                await self.client.connect(start=True)
-            self.connected = True
-            if not await self.ensure_model(model, offer_pull):
-                return
-            self.switch_model(model)
-            progress.start(f"Loading {model}: choosing a plan for this machine…")
-            started = time.monotonic()
-            body = {"model": model, "messages": []}
-            if self.options:
-                body["options"] = self.options
-            reply = await self.client.request("POST", "/api/chat", body)
-            self.stored_name = reply.get("model", model)
-            await self._poll_runner_once()
-            self.note(self._loaded_text(model, time.monotonic() - started))
-        except DaemonError as e:
-            self.note(self._explain(e, model) if e.status == 404 else
-                      f"Cannot load {model}: {e}", "error")
-        except UserError as e:
-            self.note(str(e), "error")
-        except CONNECTION_ERRORS:
-            self.connected = False
-            await self.client.close()  # the next request reconnects (and starts the daemon)
-            self.note(lost_daemon_text(f"while loading {model}",
-                                       f"/load {model} starts it again."), "error")
-        finally:
-            progress.stop()
+        await self.startup.prepare(model, offer_pull)
 
     def _loaded_text(self, model: str, seconds: float) -> str:
         r = self.runner
@@ -344,46 +312,6 @@ class ChatApp(ChatActions, App[int]):
         capped = f" (num_ctx {asked} was capped at {r.n_ctx})" if r.n_ctx < asked else ""
         return (f"{model} ready in {seconds:.1f} s: {where}, KV {r.kv_type}, context {r.n_ctx}"
                 f"{capped} (plan: {r.plan_source or 'default'}; /show plan says why).")
-
-    async def ensure_model(self, model: str, offer_pull: bool) -> bool:
-        """True when the model is stored. When it is not: with offer_pull (the model named on
-        the command line, before the user types), a question whether to pull it; else (a
-        typed /load) a note on how to pull it. A question there would take the keys the user
-        typed on after /load, and a typed-ahead Enter would answer it."""
-        try:
-            await self.client.request("POST", "/api/show", {"model": model})
-            await self._list_models()
-            return True
-        except DaemonError as e:
-            if e.status != 404:
-                raise
-        if not offer_pull:
-            self.note(f"{model} is not in the store: {not_stored_hint(model, self.models)}",
-                      "warning")
-            return False
-        from .screens import ConfirmScreen
-
-        if not await self.push_screen_wait(ConfirmScreen(
-                f"{model} is not in the store. Pull it now?", "Pull", "Cancel")):
-            self.note(f"{model} is not stored; /load another model.", "warning")
-            return False
-        progress = self.progress_line
-        progress.start(f"Pulling {model}…")
-        sizes: dict[str, int] = {}  # per blob
-        async for status in self.client.pull(model):
-            label = f"Pulling {model}: {status.get('status', '')}"
-            if status.get("total"):
-                progress.advance(label, status.get("completed", 0), status["total"])
-                sizes[status.get("digest", status["status"])] = status["total"]
-            else:  # "verifying sha256 digest", "writing manifest": the bar stays where it got
-                progress.label(label)
-        self.note(f"Pulled {model} ({human_size(sum(sizes.values()))}).")
-        await self._list_models()
-        return True
-
-    async def _list_models(self) -> None:
-        data = await self.client.request("GET", "/api/tags")
-        self.models[:] = [m["name"].removesuffix(":latest") for m in data.get("models", [])]
 
     # ---- stats -----------------------------------------------------------------------------
     def refresh_stats(self) -> None:
@@ -415,17 +343,6 @@ class ChatApp(ChatActions, App[int]):
 
     def mount_views(self, views: Iterable[Widget]) -> None:
         self.log_view.mount_all(list(views))
-
-
-def lost_daemon_text(when: str, what_now: str) -> str:
-    return (f"Lost the connection to the daemon {when}: it stopped or crashed "
-            f"(`localllm service logs` shows its log). {what_now}")
-
-
-def not_stored_hint(model: str, stored: list[str]) -> str:
-    others = [m for m in stored if m != model]
-    load = f"/load one of {', '.join(others[:6])}" if others else "/load another model"
-    return f"pull it with `localllm pull {model}` in a shell and /load it again, or {load}."
 
 
 async def run_chat(config: Config, model: str, resume: str | None = None,
