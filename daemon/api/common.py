@@ -438,3 +438,20 @@ def get_tool_choice(body: dict):
         return {"name": choice["function"]["name"]}
     raise bad_request("tool_choice must be 'auto', 'none', 'required' or "
                       "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+
+
+def output_format(spec, schema, param: str, schema_name: str, spec_name: str = ""):
+    """An OpenAI structured-output spec (`{"type": "text" | "json_object" | "json_schema"}`,
+    its `schema` found by the caller: the two APIs keep it in different places) -> the chat
+    layer's format: None, "json" or the schema. A 400 naming `param` when it is neither."""
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        if not isinstance(schema, dict):
+            raise bad_request(f"{schema_name} must be a JSON schema object", param)
+        return schema
+    raise bad_request(f"{spec_name or param}.type must be 'text', 'json_object' or "
+                      "'json_schema'", param)

@@ -29,6 +29,7 @@ from .common import (
     get_tool_choice,
     get_tools,
     has_images,
+    output_format,
     read_json,
     think_from_effort,
 )
@@ -77,20 +78,9 @@ def parse_response_format(body: dict):
     value = body.get("response_format")
     if value is None:
         return None
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return "json"
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise bad_request("response_format.json_schema.schema must be a JSON schema object",
-                              "response_format")
-        return schema
-    raise bad_request("response_format.type must be 'text', 'json_object' or 'json_schema'",
-                      "response_format")
+    spec = value.get("json_schema") if isinstance(value, dict) else None
+    return output_format(value, spec.get("schema") if isinstance(spec, dict) else None,
+                         "response_format", "response_format.json_schema.schema")
 
 
 def parse_logprobs(body: dict, chat: bool) -> int | None:

@@ -13,6 +13,7 @@ work.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 import asyncio
 import contextlib
 import logging
@@ -199,7 +200,7 @@ async def count_prompt_tokens(app: web.Application, entry: ModelEntry, request: 
 SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
-class Writer:
+class Writer(ABC):
     """One wire format's answer. `whole` is the answer sent at once; a stream is `start`,
     then `part` for each Token or Progress, then `done` (the Done, with the text the parser
     held back until the end) or `error` (the runner failed, or this daemon did, after the
@@ -209,20 +210,24 @@ class Writer:
     response: web.StreamResponse
     run: Answer
 
+    @abstractmethod
     def whole(self, parsed: Parsed, done: Done, logprobs: list[dict]) -> dict:
-        raise NotImplementedError
+        ...
 
-    async def start(self, first: Part) -> None:
+    async def start(self, first: Part) -> None:  # noqa: B027 (a hook: most formats say nothing)
         """What the stream says before the first part (`first` is that part)."""
 
+    @abstractmethod
     async def part(self, part: Part) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     async def done(self, part: Part) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     async def error(self, message: str) -> None:
-        raise NotImplementedError
+        ...
 
     async def write(self, data: bytes) -> None:
         await self.response.write(data)

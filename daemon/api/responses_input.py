@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .common import bad_request, think_from_effort
+from .common import bad_request, output_format, think_from_effort
 
 # Items of hosted tools' calls that may come back in `input`: nothing here can read them.
 HOSTED_ITEMS = ("web_search_call", "file_search_call", "computer_call",
@@ -244,16 +244,8 @@ def text_format(body: dict):
     spec = text.get("format") if isinstance(text, dict) else None
     if spec is None:
         return None
-    kind = spec.get("type") if isinstance(spec, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return "json"
-    if kind == "json_schema":
-        if not isinstance(spec.get("schema"), dict):
-            raise bad_request("text.format.schema must be a JSON schema object", "text")
-        return spec["schema"]
-    raise bad_request("text.format.type must be 'text', 'json_object' or 'json_schema'", "text")
+    return output_format(spec, spec.get("schema") if isinstance(spec, dict) else None,
+                         "text", "text.format.schema", "text.format")
 
 
 def reasoning_effort(body: dict) -> bool | str | None:
