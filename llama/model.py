@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import llama_cpp
 from localllm.profiles.planning.plan import Plan
 
-from .params import MAX_DRAFT, context_params, model_params
+from localllm.speculative import MAX_DRAFT
+
+from .params import context_params, model_params
 from .resident import ResidentWeights
 
 

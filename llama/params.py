@@ -12,7 +12,6 @@ import ctypes
 
 import llama_cpp
 from localllm.profiles.planning.plan import Plan
-from localllm.speculative import MAX_DRAFT  # noqa: F401 (the runner's batches size with it)
 
 from .overrides import apply_tensor_overrides
 

@@ -20,7 +20,7 @@ from conftest import import_models
 DECODE = r"""
 import sys
 import llama_cpp
-from localllm.daemon.runner.model import Tokenizer, load
+from localllm.llama.model import Tokenizer, load
 from localllm.profiles.planning.plan import Plan
 
 lm = load(sys.argv[1], Plan(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2, n_threads_batch=2))

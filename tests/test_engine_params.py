@@ -7,7 +7,7 @@ from __future__ import annotations
 import llama_cpp
 import pytest
 
-from localllm.daemon.runner import model as runner_model
+from localllm.llama import model as runner_model
 from localllm.llama import dryrun
 from localllm.profiles.planning.plan import Plan, TensorOverride
 

@@ -12,11 +12,12 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from localllm.daemon.runner import model as llama
-from localllm.daemon.runner import seqstate
+from localllm.llama import model as llama
+from localllm.llama import state as seqstate
 from localllm.daemon.runner.process import RunnerProcess
 from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOptions
-from localllm.daemon.runner.seqstate import PromptCache, SavedSequence
+from localllm.daemon.runner.seqstate import PromptCache
+from localllm.llama.state import SavedSequence
 from localllm.profiles.planning.plan import cpu_plan
 
 GREEDY = SamplingOptions(num_predict=8, temperature=0)

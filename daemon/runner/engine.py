@@ -24,11 +24,10 @@ from dataclasses import dataclass, replace
 
 from localllm.llama.loaded import LoadedModel
 from localllm.llama.model import ModelLoadError
-from localllm.llama.params import MAX_DRAFT
 from localllm.llama.sampling import RequestError, Sampler
 from localllm.llama.vision import MediaPrompt, is_image_token, text_tokens
 from localllm.profiles.planning.plan import Plan
-from localllm.speculative import Mode, UnknownMode
+from localllm.speculative import MAX_DRAFT, Mode, UnknownMode
 from localllm.speculative import mode as mode_row
 
 from . import checkpoints

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import collections
 
-# save, restore and state_size: imported from here by the tests of the prompt cache
-from localllm.llama.state import SavedSequence, restore, save, state_size  # noqa: F401
+from localllm.llama.state import SavedSequence
 
 
 def common_prefix(a, b) -> int:

@@ -21,7 +21,7 @@ import collections
 import statistics
 from dataclasses import dataclass, field
 
-from localllm.llama.params import MAX_DRAFT
+from localllm.speculative import MAX_DRAFT
 
 # Longest first: a longer match is a better guess. A 2-gram matches somewhere in most free text
 # and its guesses mostly fail: a copy starts from 3 tokens in common.
