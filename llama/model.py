@@ -11,13 +11,14 @@ import ctypes
 import logging
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import llama_cpp
 from localllm.profiles.planning.plan import Plan
 
 from localllm.speculative import MAX_DRAFT
 
+from .host_pin import PinnedMapping, pin_mapped
 from .params import context_params, model_params
 from .resident import ResidentWeights
 
@@ -47,6 +48,7 @@ class LlamaModel:
     recurrent: bool  # recurrent or hybrid: the state cannot be cut back to an earlier position
     n_rollback: int  # ... except by this many positions (recurrent-state snapshots)
     resident: ResidentWeights | None = None  # past RAM: the weights locked in RAM
+    pinned: PinnedMapping | None = None  # the mapped weights pinned in place for the GPU
 
 
 def load(model_path: str, plan: Plan) -> LlamaModel:
@@ -58,8 +60,20 @@ def load(model_path: str, plan: Plan) -> LlamaModel:
     del keep_alive  # llama.cpp has copied the patterns and devices while loading
     if not model:
         raise ModelLoadError(f"llama.cpp could not load {model_path} (see the runner log)")
+    pinned = None
+    if plan.pin_in_place and plan.use_mmap:
+        pinned = pin_mapped(model_path)
+        if pinned.error:
+            log.warning("could not pin the mapped weights in place (%s): loading them into "
+                        "pinned memory instead", pinned.error)
+            llama_cpp.llama_model_free(model)
+            return load(model_path, replace(plan, use_mmap=False, pin_in_place=False))
+        log.info("pinned %.1f GiB of mapped weights in place for the GPU",
+                 pinned.pinned_bytes / 2**30)
     ctx = llama_cpp.llama_init_from_model(model, context_params(plan))
     if not ctx:
+        if pinned is not None:
+            pinned.release()
         llama_cpp.llama_model_free(model)
         raise ModelLoadError("llama.cpp could not create the context (out of memory for the "
                              "KV cache or compute buffers? see the runner log)")
@@ -78,6 +92,7 @@ def load(model_path: str, plan: Plan) -> LlamaModel:
         n_seq=llama_cpp.llama_n_seq_max(ctx), n_vocab=llama_cpp.llama_vocab_n_tokens(vocab),
         n_swa=0 if plan.swa_full else llama_cpp.llama_model_n_swa(model),
         recurrent=recurrent, n_rollback=llama_cpp.llama_n_rs_seq(ctx), resident=resident,
+        pinned=pinned,
     )
 
 
@@ -165,6 +180,8 @@ def free(lm: LlamaModel) -> None:
     """Give back the context and the model (their VRAM and RAM): a band switch loads another
     placement of the same file (engine.py)."""
     llama_cpp.llama_free(lm.ctx)
+    if lm.pinned is not None:  # a registered range must not be unmapped
+        lm.pinned.release()
     llama_cpp.llama_model_free(lm.model)
     if lm.resident is not None:
         lm.resident.close()

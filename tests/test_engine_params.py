@@ -79,3 +79,32 @@ def test_every_setting_reaches_a_field_llama_cpp_reads(smollm2_gguf, recorded, u
     [loaded] = recorded["model"]
     assert loaded["load_mode"] == (llama_cpp.LLAMA_LOAD_MODE_MMAP if use_mmap
                                    else llama_cpp.LLAMA_LOAD_MODE_NONE)
+
+
+def test_pinning_in_place_falls_back_to_a_pinned_copy_without_cuda(smollm2_gguf, recorded):
+    """A plan that pins its mapped weights in place (llama/host_pin.py) on an engine that
+    cannot (here: no CUDA backend) loads them into pinned memory instead: the model loads,
+    the second load is llama.cpp's load mode `none`, nothing stays registered."""
+    from localllm.llama.host_pin import mapped_ranges
+
+    lm = runner_model.load(str(smollm2_gguf), Plan(n_ctx=512, pin_in_place=True))
+    try:
+        assert lm.pinned is None
+        assert [m["load_mode"] for m in recorded["model"]] == [
+            llama_cpp.LLAMA_LOAD_MODE_MMAP, llama_cpp.LLAMA_LOAD_MODE_NONE]
+        assert mapped_ranges(str(smollm2_gguf)) == []  # the mapped load was given back
+    finally:
+        runner_model.free(lm)
+
+
+def test_mapped_ranges_are_this_process_s_mappings_of_the_file(smollm2_gguf):
+    lm = runner_model.load(str(smollm2_gguf), Plan(n_ctx=512))
+    try:
+        from localllm.llama.host_pin import mapped_ranges
+
+        ranges = mapped_ranges(str(smollm2_gguf))
+        assert ranges and all(length > 0 for _, length in ranges)
+        assert sum(length for _, length in ranges) <= smollm2_gguf.stat().st_size + 4096
+    finally:
+        runner_model.free(lm)
+    assert mapped_ranges(str(smollm2_gguf)) == []

@@ -42,11 +42,12 @@ def test_weights_past_ram_are_read_from_disk_and_cost_speed(big):
     cpu = next(m for m in spilled.memory if m.device == "CPU")
     excess = cpu.total - ram_budget(small)
     assert excess > 0 and line.startswith(f"{excess / GIB:.1f} GiB read from disk")
-    # Past RAM the file stays mapped; within RAM the weights load pinned (PCIe-speed copies
-    # when a prompt's micro-batches take them to the GPU: speed.py).
-    assert spilled.use_mmap and not in_ram.use_mmap
-    assert any("pinned host memory" in r for r in in_ram.reasons)
-    assert not any("pinned host memory" in r for r in spilled.reasons)
+    # Past RAM the file stays mapped and pageable; within RAM the mapped weights are pinned in
+    # place (PCIe-speed copies when a prompt's micro-batches take them to the GPU: speed.py).
+    assert spilled.use_mmap and in_ram.use_mmap
+    assert in_ram.pin_in_place and not spilled.pin_in_place
+    assert any("pin_in_place" in r for r in in_ram.reasons)
+    assert not any("pin_in_place" in r for r in spilled.reasons)
     assert spilled.predicted_decode_tps < in_ram.predicted_decode_tps
     # Reading the excess at the assumed rate alone bounds the speed from above.
     assert spilled.predicted_decode_tps < ASSUMED_DISK_GBS * 1e9 / excess

@@ -194,7 +194,7 @@ def test_agent_workload_buys_prompt_speed_and_depth_where_chat_buys_the_start(sh
     # long prompt at about the same speed, the chat's too (issue 36).
     ttft = dict(agent.predicted_ttft)[16384], dict(chat.predicted_ttft)[16384]
     assert ttft[0] == pytest.approx(ttft[1], rel=0.1), ttft
-    assert not agent.use_mmap and not chat.use_mmap
+    assert agent.pin_in_place and chat.pin_in_place
     # Each plan is the better one for its own session.
     chat_depths, agent_depths = dict(chat.predicted_decode_by_depth), \
         dict(agent.predicted_decode_by_depth)

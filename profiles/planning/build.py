@@ -102,7 +102,7 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
         workload_source=request.workload_source,
         predicted_session_s=round(best.session_seconds, 1),
         streamed_bytes=streamed,
-        use_mmap=not pinned,
+        pin_in_place=pinned,
         reasons=tuple(explain(shape, card, request, chosen, searches, evaluator, threads,
                               single, slot_note, speculation_notes or []))
         + ((PINNED_REASON,) if pinned else ()),
@@ -110,14 +110,14 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
     )
 
 
-PINNED_REASON = ("weights in RAM loaded into the GPU's pinned host memory (use_mmap off): a "
-                 "prompt's micro-batches copy them to the GPU at PCIe speed, not at the 7 GB/s "
-                 "of the file's mapped pages (speed.py)")
+PINNED_REASON = ("weights in RAM pinned for the GPU where the file maps them (pin_in_place): "
+                 "a prompt's micro-batches copy them to the GPU at PCIe speed, not at the 7 GB/s "
+                 "of pageable memory (speed.py), with no second copy of them to load")
 
 
 def loads_pinned(card: Card, plan: Plan, streamed_bytes: int) -> bool:
-    """Whether a plan loads its RAM-resident weights into pinned memory rather than mapping the
-    file: on a GPU, with blocks or tensors of blocks in RAM (the token table always is; alone
+    """Whether a plan pins its RAM-resident weights for the GPU (llama/host_pin.py) rather than
+    leaving them pageable: on a GPU, with blocks or tensors of blocks in RAM (the token table always is; alone
     it never crosses), all within the RAM budget (past RAM the file must stay mapped:
     profiles/disk.py)."""
     blocks_in_ram = any(device == CPU and n for device, n in plan.device_layers)

@@ -46,6 +46,11 @@ class Plan:
     n_threads: int = 1
     n_threads_batch: int = 1
     use_mmap: bool = True
+    # With use_mmap on a GPU: the mapped weights that stay in RAM are pinned for the GPU where
+    # the file maps them (llama/host_pin.py), so a prompt's micro-batches copy them at PCIe speed
+    # without a second, pinned copy of them. The runner falls back to that copy (use_mmap off)
+    # when the driver refuses.
+    pin_in_place: bool = False
     # llama.cpp's extra buffer types (weights repacked for the CPU's kernels, AMX): off when the
     # engine crashed with them on this CPU (the daemon's retry, issue #32); past RAM they are
     # off whatever this says (llama/params.py)
@@ -91,6 +96,7 @@ class Plan:
         return (self.n_ctx, self.n_gpu_layers, self.tensor_overrides, self.tensor_split,
                 self.type_k, self.type_v, self.flash_attn, self.swa_full, self.n_batch,
                 self.n_ubatch, self.n_threads, self.n_threads_batch, self.use_mmap,
+                self.pin_in_place,
                 self.extra_bufts, self.streamed_bytes,
                 self.n_parallel, self.speculative, self.draft_n_max, self.draft_n_gpu_layers,
                 self.rpc_workers, self.projector_on_gpu, self.gpus)
