@@ -30,8 +30,8 @@ from ..planning.plan import SPECULATIVE_ALIASES, Plan, TensorOverride, speculati
 EDITABLE: dict[str, type] = {
     "n_ctx": int, "n_gpu_layers": int, "type_k": str, "type_v": str, "flash_attn": bool,
     "swa_full": bool, "n_batch": int, "n_ubatch": int, "n_threads": int,
-    "n_threads_batch": int, "use_mmap": bool, "pin_in_place": bool, "n_parallel": int, "speculative": str,
-    "draft_n_max": int, "draft_n_gpu_layers": int, "streamed_bytes": int,
+    "n_threads_batch": int, "use_mmap": bool, "pin_in_place": bool, "n_parallel": int,
+    "speculative": str, "draft_n_max": int, "draft_n_gpu_layers": int, "streamed_bytes": int,
 }
 LIST_FIELDS = ("tensor_overrides", "tensor_split")
 HEADER = """\
