@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import checkout_imports  # noqa: E402
+import checkout_imports
 
 WAYS = ("copied", "mapped", "pinned-in-place")
 

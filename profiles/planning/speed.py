@@ -198,7 +198,8 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
 # 43 GB/s), and decoded at 66 mapped, 71 pinned. Plans within RAM on a GPU pin them where the
 # file maps them (build.py sets pin_in_place; llama/host_pin.py), which avoids load_mode none's
 # second copy (a band switch took 7.7 s that way instead of 1.8 s); past RAM the file's pages
-# must stay pageable, and reading them from the disk per micro-batch (per_ubatch_s) costs more than the crossing.
+# must stay pageable, and reading them from the disk per micro-batch (per_ubatch_s) costs
+# more than the crossing.
 PINNED_OFFLOAD_FRACTION = 0.85  # of the card's pcie_gbs (H200: 50 -> 43 GB/s)
 MAPPED_OFFLOAD_FRACTION = 0.14  # from the file's mapped pages (H200: 7 GB/s)
 
