@@ -15,15 +15,11 @@ steps did. Weights stay in plain host buffers (no CPU repacking), as the cache n
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import llama_cpp  # noqa: E402
-import numpy as np  # noqa: E402
+import llama_cpp
+import numpy as np
 
 
 def _argmax(ctx, i: int, n_vocab: int) -> int:
