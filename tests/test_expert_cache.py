@@ -45,13 +45,19 @@ def models(tmp_path_factory) -> dict[str, Path]:
             for routing in ("zipf:1", "uniform")}
 
 
-def _run(model: Path, verify: int = 0, **cache) -> dict:
+VERIFY = 5  # then the output again, 5 tokens a batch, every row's logits: verification batches
+
+
+def _run(model: Path, **cache) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
+    zero_slot = cache.pop("zero_slot", None)
     if cache:
         env.update(expert_cache.environment(**cache))
+    if zero_slot is not None:
+        env["LLAMA_MOE_CACHE_ZERO_SLOT"] = str(int(zero_slot))
     result = subprocess.run(
         [sys.executable, str(CHECK), str(model), "--prompt", str(PROMPT),
-         "--tokens", str(TOKENS), "--verify", str(verify)],
+         "--tokens", str(TOKENS), "--verify", str(VERIFY)],
         capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
@@ -68,23 +74,37 @@ def _lookups(steps: int) -> int:
     return LAYERS * USED * steps + USED
 
 
-def test_greedy_tokens_are_the_same_with_the_cache_on(models, without_cache):
+def _same_answers(on: dict, off: dict) -> None:
+    assert on["tokens"] == off["tokens"]
+    assert on["verify_argmax"] == off["verify_argmax"]
+    assert len(on["verify_argmax"]) == TOKENS
+
+
+@pytest.mark.parametrize("zero_slot", [False, True], ids=["misses-skipped", "misses-on-zero-slot"])
+def test_greedy_answers_are_the_same_with_the_cache_on(models, without_cache, zero_slot):
+    """One-token steps and verification batches alike; misses skipped by the pool (id -1, a
+    pool in RAM) or computed against its slot of zeros (a GPU pool's way)."""
     for routing, path in models.items():
         off = without_cache[routing]
         assert off["stats"] is None  # LLAMA_MOE_CACHE_SLOTS unset: no cache
-        on = _run(path, slots=8, device="cpu", swaps=2)
-        assert on["tokens"] == off["tokens"], routing
-        assert on["stats"]["layers"] == LAYERS and on["stats"]["slots"] == 8
         assert len(set(off["tokens"])) > 5  # the model's output varies: a real comparison
+        on = _run(path, slots=8, device="cpu", swaps=2, zero_slot=zero_slot)
+        _same_answers(on, off)
+        assert on["stats"]["layers"] == LAYERS and on["stats"]["slots"] == 8
 
 
 def test_every_lookup_is_a_hit_or_a_miss_and_swaps_stay_bounded(models):
     on = _run(models["zipf:1"], slots=8, device="cpu", swaps=2)
-    stats = on["stats_single"]
-    assert stats["steps"] == on["steps"] + 1  # + the prompt batch (its last block)
-    assert stats["hits"] + stats["misses"] == _lookups(on["steps"])
-    assert 0 < stats["swaps"] <= 2 * stats["steps"]
-    assert stats["hits"] > 0
+    single, total = on["stats_single"], on["stats"]
+    assert single["steps"] == on["steps"] + 1  # + the prompt batch (its last block)
+    assert single["hits"] + single["misses"] == _lookups(on["steps"])
+    assert 0 < single["swaps"] <= 2 * single["steps"]
+    assert single["hits"] > 0
+    # the verification batches go through the cache too: every row of every block
+    verify_lookups = total["hits"] + total["misses"] - single["hits"] - single["misses"]
+    assert verify_lookups == LAYERS * USED * TOKENS
+    assert total["steps"] == single["steps"] + -(-TOKENS // VERIFY)
+    assert total["swaps"] <= 2 * total["steps"]
 
 
 def test_skewed_routing_hits_more_than_uniform(models):
@@ -97,24 +117,14 @@ def test_skewed_routing_hits_more_than_uniform(models):
     assert rates["zipf:1"] > 0.3 > rates["uniform"], rates
 
 
-def test_a_pool_with_no_slots_misses_everything_and_answers_the_same(models, without_cache):
-    on = _run(models["zipf:1"], slots=0, device="cpu")
+@pytest.mark.parametrize("zero_slot", [False, True], ids=["misses-skipped", "misses-on-zero-slot"])
+def test_a_pool_with_no_slots_misses_everything_and_answers_the_same(models, without_cache,
+                                                                    zero_slot):
+    on = _run(models["zipf:1"], slots=0, device="cpu", zero_slot=zero_slot)
+    _same_answers(on, without_cache["zipf:1"])
     stats = on["stats_single"]
-    assert on["tokens"] == without_cache["zipf:1"]["tokens"]
     assert stats["hits"] == 0 and stats["swaps"] == 0
     assert stats["misses"] == _lookups(on["steps"])
-
-
-def test_verification_batches_predict_what_single_steps_did(models, without_cache):
-    """The generated tokens decoded again 5 at a time (a speculative verification batch: small
-    enough for the cache) with every row's logits: each row predicts the next token as the
-    one-token steps did, with a warm pool and with an empty one."""
-    for slots in (0, 12):
-        on = _run(models["zipf:1"], verify=5, slots=slots, device="cpu")
-        assert on["tokens"] == without_cache["zipf:1"]["tokens"]
-        assert on["verified"] is True
-        extra = on["stats"]["hits"] + on["stats"]["misses"] - _lookups(on["steps"])
-        assert extra == LAYERS * USED * TOKENS  # ceil(47 / 5) batches cover 48 rows
 
 
 def test_no_gpu_and_no_cpu_pool_leaves_the_cache_off(models, without_cache):
