@@ -5,6 +5,8 @@ cache setting: the cache is read from the environment when the context is create
 
     LLAMA_MOE_CACHE_SLOTS=8 LLAMA_MOE_CACHE_DEVICE=cpu \\
         python scripts/moe_cache_check.py MODEL.gguf --prompt 40 --tokens 24
+    # a CUDA build: every layer on the GPU but the experts, a pool of 512 slots there
+    LLAMA_MOE_CACHE_SLOTS=512 python scripts/moe_cache_check.py MODEL.gguf --gpu --threads 16
 
 The prompt is token ids (one batch, 32 or more tokens: the cache serves only smaller batches);
 then one token per decode. --verify K decodes the generated tokens again K at a time, as a
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=24, help="tokens to generate")
     p.add_argument("--verify", type=int, default=0, help="re-decode the output K at a time")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--gpu", action="store_true",
+                   help="all layers on the GPU, the MoE experts in RAM (-ot exps=CPU)")
     args = p.parse_args(argv)
 
     from localllm.llama import expert_cache
@@ -59,7 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     llama_cpp.llama_backend_init()
     mparams = llama_cpp.llama_model_default_params()
     mparams.use_extra_bufts = False
+    mparams.n_gpu_layers = 999 if args.gpu else 0
+    keep = None
+    if args.gpu:
+        from localllm.llama.overrides import apply_tensor_overrides
+        from localllm.profiles.planning.plan import TensorOverride
+
+        experts = TensorOverride(r"\.ffn_(up|gate|down)_exps\.weight$", "CPU")
+        keep = apply_tensor_overrides(mparams, [experts])
     model = llama_cpp.llama_model_load_from_file(args.model.encode(), mparams)
+    del keep  # the override patterns are read while loading only
     if not model:
         raise SystemExit(f"error: could not load {args.model}")
     cparams = llama_cpp.llama_context_default_params()
