@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Greedy decode with llama.cpp's low-level API and print the tokens and the expert cache's
+figures as one JSON line (tests/test_expert_cache.py runs it in a child process, once per
+cache setting: the cache is read from the environment when the context is created).
+
+    LLAMA_MOE_CACHE_SLOTS=8 LLAMA_MOE_CACHE_DEVICE=cpu \\
+        python scripts/moe_cache_check.py MODEL.gguf --prompt 40 --tokens 24
+    # a CUDA build: every layer on the GPU but the experts, a pool of 512 slots there
+    LLAMA_MOE_CACHE_SLOTS=512 python scripts/moe_cache_check.py MODEL.gguf --gpu --threads 16
+
+The prompt is token ids (one batch, 32 or more tokens: the cache serves only smaller batches);
+then one token per decode. --verify K decodes the generated tokens again K at a time, as a
+speculative verification batch would, and reports every row's greedy token (a batch's
+arithmetic may differ from a one-token step's: compare it with the same run without the
+cache). Weights stay in plain host buffers (no CPU repacking), as the cache needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import llama_cpp
+import numpy as np
+
+
+def _argmax(ctx, i: int, n_vocab: int) -> int:
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,))
+    return int(np.argmax(logits))
+
+
+def _decode(ctx, tokens: list[int], pos: int, all_logits: bool) -> None:
+    batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+    try:
+        for i, t in enumerate(tokens):
+            batch.token[i] = t
+            batch.pos[i] = pos + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = all_logits or i == len(tokens) - 1
+        batch.n_tokens = len(tokens)
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise SystemExit("error: llama_decode failed")
+    finally:
+        llama_cpp.llama_batch_free(batch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("--prompt", type=int, default=40, help="prompt length in tokens")
+    p.add_argument("--tokens", type=int, default=24, help="tokens to generate")
+    p.add_argument("--verify", type=int, default=0, help="re-decode the output K at a time")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--gpu", action="store_true",
+                   help="all layers on the GPU, the MoE experts in RAM (-ot exps=CPU)")
+    args = p.parse_args(argv)
+
+    from localllm.llama import expert_cache
+
+    llama_cpp.llama_backend_init()
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.use_extra_bufts = False
+    mparams.n_gpu_layers = 999 if args.gpu else 0
+    keep = None
+    if args.gpu:
+        from localllm.llama.overrides import apply_tensor_overrides
+        from localllm.profiles.planning.plan import TensorOverride
+
+        experts = TensorOverride(r"\.ffn_(up|gate|down)_exps\.weight$", "CPU")
+        keep = apply_tensor_overrides(mparams, [experts])
+    model = llama_cpp.llama_model_load_from_file(args.model.encode(), mparams)
+    del keep  # the override patterns are read while loading only
+    if not model:
+        raise SystemExit(f"error: could not load {args.model}")
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = 512
+    cparams.n_batch = 512
+    cparams.n_ubatch = 512
+    cparams.n_threads = cparams.n_threads_batch = args.threads
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+
+    prompt = [(7 * i + 3) % (n_vocab - 10) + 5 for i in range(args.prompt)]
+    _decode(ctx, prompt, 0, False)
+    out = [_argmax(ctx, -1, n_vocab)]
+    pos = len(prompt)
+    started = time.perf_counter()
+    for _ in range(args.tokens - 1):
+        _decode(ctx, [out[-1]], pos, False)
+        pos += 1
+        out.append(_argmax(ctx, -1, n_vocab))
+    steps_single = args.tokens - 1
+    seconds = time.perf_counter() - started
+    stats_single = expert_cache.read(ctx)
+
+    verify_argmax = []
+    if args.verify:
+        # the same continuation again, K tokens a batch, from just after the prompt
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), 0, len(prompt), -1)
+        pos = len(prompt)
+        for start in range(0, len(out), args.verify):
+            chunk = out[start:start + args.verify]
+            _decode(ctx, chunk, pos, True)
+            verify_argmax += [_argmax(ctx, i, n_vocab) for i in range(len(chunk))]
+            pos += len(chunk)
+
+    stats = expert_cache.read(ctx)
+    print(json.dumps({
+        "tokens": out, "steps": steps_single, "verify_argmax": verify_argmax,
+        "decode_tok_s": round(steps_single / seconds, 1) if seconds > 0 else None,
+        "stats_single": stats_single.__dict__ if stats_single else None,
+        "stats": stats.__dict__ if stats else None,
+    }))
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

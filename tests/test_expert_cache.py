@@ -1,0 +1,236 @@
+"""The MoE expert cache of patches/0002-moe-expert-cache.patch, on the CPU backend: the pool of
+expert slots in RAM (`LLAMA_MOE_CACHE_DEVICE=cpu`), so that the split of every decode step's
+experts between the pool and the model's own tensors runs with no GPU. Real llama.cpp (the
+engine install.sh built with the patches) in child processes (the cache is read from the
+environment when a context is created), on a tiny synthetic qwen3moe: 4 MoE blocks of 32
+experts, 4 routed per token, every weight drawn; one file with skewed routing (zipf:1), one
+uniform. The slot bookkeeping (eviction order) is compiled from the patch and run alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import synth_gguf  # scripts/ is on the path (conftest)
+
+from localllm.llama import expert_cache
+
+ROOT = Path(__file__).resolve().parent.parent
+PATCH = ROOT / "patches" / "0002-moe-expert-cache.patch"
+CHECK = ROOT / "scripts" / "moe_cache_check.py"
+LAYERS, EXPERTS, USED = 4, 32, 4
+TOKENS = 48  # generated: the prompt's batch, then TOKENS - 1 one-token decodes
+PROMPT = 40  # 32 or more: the prompt batch's FFNs keep today's path, but for its last block
+
+
+def _shape(name: str):
+    tiny = synth_gguf.tiny(synth_gguf.SHAPES["qwen3-30b-a3b"])
+    return dataclasses.replace(tiny, name=name, n_layer=LAYERS, n_expert=EXPERTS,
+                               n_expert_used=USED)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    directory = tmp_path_factory.mktemp("moe")
+    return {routing: synth_gguf.write_gguf(directory / f"{routing}.gguf", _shape("moe-cache"),
+                                           "Q4_0", "noise", routing=routing)
+            for routing in ("zipf:1", "uniform")}
+
+
+VERIFY = 5  # then the output again, 5 tokens a batch, every row's logits: verification batches
+
+
+def _run(model: Path, **cache) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
+    zero_slot = cache.pop("zero_slot", None)
+    if cache:
+        env.update(expert_cache.environment(**cache))
+    if zero_slot is not None:
+        env["LLAMA_MOE_CACHE_ZERO_SLOT"] = str(int(zero_slot))
+    result = subprocess.run(
+        [sys.executable, str(CHECK), str(model), "--prompt", str(PROMPT),
+         "--tokens", str(TOKENS), "--verify", str(VERIFY)],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def without_cache(models) -> dict[str, dict]:
+    return {routing: _run(path) for routing, path in models.items()}
+
+
+def _lookups(steps: int) -> int:
+    # every routed expert of every block of every one-token step, plus the prompt batch's
+    # last block, which computes the output row alone (1 row: a small batch)
+    return LAYERS * USED * steps + USED
+
+
+def _same_answers(on: dict, off: dict) -> None:
+    assert on["tokens"] == off["tokens"]
+    assert on["verify_argmax"] == off["verify_argmax"]
+    assert len(on["verify_argmax"]) == TOKENS
+
+
+@pytest.mark.parametrize("zero_slot", [False, True], ids=["misses-skipped", "misses-on-zero-slot"])
+def test_greedy_answers_are_the_same_with_the_cache_on(models, without_cache, zero_slot):
+    """One-token steps and verification batches alike; misses skipped by the pool (id -1, a
+    pool in RAM) or computed against its slot of zeros (a GPU pool's way)."""
+    for routing, path in models.items():
+        off = without_cache[routing]
+        assert off["stats"] is None  # LLAMA_MOE_CACHE_SLOTS unset: no cache
+        assert len(set(off["tokens"])) > 5  # the model's output varies: a real comparison
+        on = _run(path, slots=8, device="cpu", swaps=2, zero_slot=zero_slot)
+        _same_answers(on, off)
+        assert on["stats"]["layers"] == LAYERS and on["stats"]["slots"] == 8
+
+
+def test_every_lookup_is_a_hit_or_a_miss_and_swaps_stay_bounded(models):
+    on = _run(models["zipf:1"], slots=8, device="cpu", swaps=2)
+    single, total = on["stats_single"], on["stats"]
+    assert single["steps"] == on["steps"] + 1  # + the prompt batch (its last block)
+    assert single["hits"] + single["misses"] == _lookups(on["steps"])
+    assert 0 < single["swaps"] <= 2 * single["steps"]
+    assert single["hits"] > 0
+    # the verification batches go through the cache too: every row of every block
+    verify_lookups = total["hits"] + total["misses"] - single["hits"] - single["misses"]
+    assert verify_lookups == LAYERS * USED * TOKENS
+    assert total["steps"] == single["steps"] + -(-TOKENS // VERIFY)
+    assert total["swaps"] <= 2 * total["steps"]
+
+
+def test_skewed_routing_hits_more_than_uniform(models):
+    rates = {}
+    for routing, path in models.items():
+        stats = _run(path, slots=16, device="cpu")["stats_single"]
+        rates[routing] = stats["hits"] / (stats["hits"] + stats["misses"])
+    # 16 slots for 4 x 32 experts: measured 0.62 skewed, 0.16 uniform (a token repeated
+    # in the output routes as before)
+    assert rates["zipf:1"] > 0.3 > rates["uniform"], rates
+
+
+@pytest.mark.parametrize("zero_slot", [False, True], ids=["misses-skipped", "misses-on-zero-slot"])
+def test_a_pool_with_no_slots_misses_everything_and_answers_the_same(models, without_cache,
+                                                                    zero_slot):
+    on = _run(models["zipf:1"], slots=0, device="cpu", zero_slot=zero_slot)
+    _same_answers(on, without_cache["zipf:1"])
+    stats = on["stats_single"]
+    assert stats["hits"] == 0 and stats["swaps"] == 0
+    assert stats["misses"] == _lookups(on["steps"])
+
+
+def test_no_gpu_and_no_cpu_pool_leaves_the_cache_off(models, without_cache):
+    on = _run(models["zipf:1"], slots=8)  # the pool's default home is a GPU: none here
+    assert on["stats"] is None
+    assert on["tokens"] == without_cache["zipf:1"]["tokens"]
+
+
+def test_environment_refuses_a_negative_pool():
+    with pytest.raises(ValueError, match="0 or more"):
+        expert_cache.environment(-1)
+    assert expert_cache.environment(4, device="cpu") == {
+        "LLAMA_MOE_CACHE_SLOTS": "4", "LLAMA_MOE_CACHE_DEVICE": "cpu"}
+
+
+# ---- the slot bookkeeping alone, compiled from the patch ----------------------------------
+
+POLICY_TEST = r"""
+#include "llama-moe-cache-policy.h"
+#include <cstdio>
+static void step(llama_moe_cache_policy & p, std::initializer_list<std::pair<int, int>> routed) {
+    for (auto [layer, expert] : routed) { int32_t e = expert; p.observe(layer, &e, 1); }
+    for (const auto & s : p.plan())
+        printf("swap slot=%d in=%d.%d out=%d.%d\n",
+               s.slot, s.layer, s.expert, s.old_layer, s.old_expert);
+    printf("end hits=%lld misses=%lld\n", (long long) p.hits, (long long) p.misses);
+}
+int main() {
+    llama_moe_cache_policy p(2, 4, 2, 0.5f, 1);  // 2 layers of 4 experts, 2 slots, 1 swap a step
+    step(p, {{0, 0}});            // free slot 0
+    step(p, {{0, 1}, {1, 2}});    // one swap a step: the first of two equally hot misses
+    step(p, {{1, 2}});            // the coldest holder (0.0, count 0.25) gives way
+    step(p, {{0, 0}});            // now 0.1 (0.25) is the coldest
+    step(p, {{1, 2}, {0, 0}});    // both hit: nothing moves
+    llama_moe_cache_policy q(1, 4, 1, 0.9f, 4);  // one slot, a longer memory
+    for (int i = 0; i < 4; ++i) step(q, {{0, 3}});  // the holder's count: 3.1
+    step(q, {{0, 1}}); step(q, {{0, 1}});  // 1, then 1.9: colder than the holder, kept out
+    step(q, {{0, 1}});            // 2.71 against 2.51: it takes the slot
+    return 0;
+}
+"""
+
+
+def _new_file(patch: str, name: str) -> str:
+    """The text of a file that the patch creates (every line added)."""
+    part = patch.split(f"+++ b/vendor/llama.cpp/src/{name}\n", 1)[1]
+    part = re.split(r"\ndiff ", part, maxsplit=1)[0]
+    return "".join(line[1:] + "\n" for line in part.splitlines() if line.startswith("+"))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
+def test_policy_evicts_the_coldest_slot_and_admits_only_hotter_experts(tmp_path):
+    (tmp_path / "llama-moe-cache-policy.h").write_text(
+        _new_file(PATCH.read_text(), "llama-moe-cache-policy.h"))
+    (tmp_path / "t.cpp").write_text(POLICY_TEST)
+    subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(tmp_path / "t"), str(tmp_path / "t.cpp"),
+                    "-I", str(tmp_path)], check=True, timeout=120)
+    out = subprocess.run([str(tmp_path / "t")], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == [
+        "swap slot=0 in=0.0 out=-1.-1", "end hits=0 misses=1",
+        "swap slot=1 in=0.1 out=-1.-1", "end hits=0 misses=3",
+        "swap slot=0 in=1.2 out=0.0", "end hits=0 misses=4",
+        "swap slot=1 in=0.0 out=0.1", "end hits=0 misses=5",
+        "end hits=2 misses=5",
+        "swap slot=0 in=0.3 out=-1.-1", "end hits=0 misses=1",
+        "end hits=1 misses=1", "end hits=2 misses=1", "end hits=3 misses=1",
+        "end hits=3 misses=2",
+        "end hits=3 misses=3",
+        "swap slot=0 in=0.1 out=0.3", "end hits=3 misses=4",
+    ]
+
+
+# ---- the build -----------------------------------------------------------------------------
+
+def test_the_installed_engine_carries_the_patch():
+    import llama_cpp.llama_cpp as llama_lib
+
+    assert hasattr(llama_lib._lib, "llama_moe_cache_stats")
+
+
+def _wheel_dir(repo: Path) -> str:
+    return subprocess.run(["bash", str(repo / "scripts" / "install.sh"), "--wheel-dir"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+
+def test_the_wheel_key_names_the_patches(tmp_path):
+    without = tmp_path / "repo"
+    shutil.copytree(ROOT / "scripts", without / "scripts")
+    shutil.copytree(ROOT / "patches", without / "patches")
+    (without / "patches" / PATCH.name).unlink()
+    assert _wheel_dir(without) != _wheel_dir(ROOT)
+
+
+@pytest.mark.network
+def test_the_patches_apply_to_the_engine_source(tmp_path):
+    fetched = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+         "-d", str(tmp_path), "llama-cpp-python==0.3.36"],
+        capture_output=True, text=True, timeout=300)
+    if fetched.returncode != 0:
+        pytest.skip(f"no llama-cpp-python source from the package index: {fetched.stderr[-300:]}")
+    with tarfile.open(next(tmp_path.glob("llama_cpp_python-0.3.36.tar.gz"))) as tar:
+        tar.extractall(tmp_path, filter="data")
+    src = tmp_path / "llama_cpp_python-0.3.36"
+    applied = subprocess.run(["bash", str(ROOT / "scripts" / "apply_patches.sh"), str(src)],
+                             capture_output=True, text=True, timeout=120)
+    assert applied.returncode == 0, applied.stderr
+    assert "patched: 0002-moe-expert-cache.patch" in applied.stdout
+    assert (src / "vendor/llama.cpp/src/llama-moe-cache.cpp").is_file()
