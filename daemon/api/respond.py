@@ -30,8 +30,8 @@ from ..chat.custom import Customization
 from ..chat.images import load_images
 from ..chat.model import ChatModel, model_for
 from ..chat.parse import Parsed
-from ..chat.request import ChatRequest, Prepared, prepare
-from ..chat.truncate import check_request_text, fit_to_context
+from ..chat.request import ChatRequest, Prepared, check_request_text, prepare
+from ..chat.truncate import fit_to_context
 from ..runner.process import RunnerProcess
 from ..runner.protocol import Done, Event, Failure, GenerationRequest, Progress, Token
 from ..state import CONFIG, SCHEDULER
@@ -175,7 +175,8 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
 
     async def fit(runner):
         nonlocal prepared
-        prepared = await fit_to_context(model, request, prepared, runner, truncate)
+        if not prepared.fits_whole(runner.n_ctx):
+            prepared = await fit_to_context(model, request, prepared, runner, truncate)
         return prepared.generation
 
     hint = request.workload_hint or ("tools" if request.tools else None)
