@@ -180,7 +180,8 @@ def _render(model: ChatModel, messages: list[dict], tools: list[dict],
             think: bool | str | None) -> str:
     if model.template is None:  # a base model: Ollama's default template, as Ollama does
         return render_default(messages)
-    messages = place_system_messages(messages, model.template, model.bos, model.eos)
+    if any(m["role"] == "system" for m in messages[1:]):  # a system message after other turns
+        messages = place_system_messages(messages, model.template, model.bos, model.eos)
     try:
         return render(model.template, messages, tools=tools or None, bos=model.bos,
                       eos=model.eos, think=think if model.style.thinking else None)
