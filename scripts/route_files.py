@@ -17,19 +17,21 @@ more request of the same kind and prints two counts of the files of ours that it
   answer's writer, the traffic record, stats) and anything else the daemon ran meanwhile.
 
 A profile hook that each process installs at start (a sitecustomize on PYTHONPATH) does the
-recording: switched on by SIGUSR1, it notes the first time each file's code runs (a function
-of it is called, or calls another) at or after the moment the script is about to send the
-request, by `time.monotonic()` (one clock for every process on the
-machine), and the time of the first call to `llama_cpp.llama_decode` (wrapped while the hook is
-on); SIGUSR2 writes them out. Nothing of the project changes.
+recording. Switched on by SIGUSR1, it notes, by `time.monotonic()` (one clock for every process
+on the machine), the first time each file's code runs (a function of it is called, or calls
+another) from the moment the script sends the request (the script writes that moment into a
+file every hook maps, just before sending), and the first call to `llama_cpp.llama_decode`
+(wrapped while the hook is on); SIGUSR2 writes them out. Nothing of the project changes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
+import struct
 import sys
 import tempfile
 import time
@@ -48,55 +50,64 @@ ROOMS = ("localllm", "daemon", "llama", "profiles", "modelstore", "cli", "tui")
 
 HOOK = '''
 import os
-if os.environ.get("ROUTE_FILES_OUT"):
-    import signal, sys, threading, time
+if os.environ.get("ROUTE_FILES_DIR"):
+    import json, mmap, signal, struct, sys, threading, time
+    _dir = os.environ["ROUTE_FILES_DIR"]
     _clock = time.monotonic
-    _first = {}  # file -> the time of its first call since the request was sent
-    _state = {"from": None, "decode": None, "real": None}
+    _first = {}  # file -> the time its code first ran since the request was sent
+    _state = {"on": False, "sent": None, "decode": None, "real": None}
+
+    def _sent():
+        # When the request was sent, as the script writes it into the shared file just before
+        # sending (infinity until then): nothing is noted before it.
+        return struct.unpack_from("d", _state["sent"])[0]
 
     def _note(frame):
         name = frame.f_code.co_filename
         if name not in _first:
             now = _clock()
-            if now >= _state["from"]:
+            if now >= _sent():
                 _first[name] = now
 
     def _profile(frame, event, arg):
         # A call runs the callee's code and the caller's: a loop entered before the request
         # (the runner's command reader) makes calls for it, and so counts too.
-        if _state["from"] is not None and event == "call":
+        if _state["on"] and event == "call":
             _note(frame)
             if frame.f_back is not None:
                 _note(frame.f_back)
 
     def _decode(ctx, batch, /):
-        if _state["decode"] is None and _clock() >= _state["from"]:
-            _state["decode"] = _clock()
+        if _state["decode"] is None and _state["on"]:
+            now = _clock()
+            if now >= _sent():
+                _state["decode"] = now
         return _state["real"](ctx, batch)
 
     def _start(*_):
         _first.clear()
         _state["decode"] = None
-        with open(os.environ["ROUTE_FILES_FROM"]) as f:
-            _state["from"] = float(f.read())
+        with open(os.path.join(_dir, "sent"), "rb") as f:
+            _state["sent"] = mmap.mmap(f.fileno(), 8, access=mmap.ACCESS_READ)
         lib = sys.modules.get("llama_cpp")
         if lib is not None and _state["real"] is None:
             _state["real"] = lib.llama_decode
             lib.llama_decode = _decode
+        _state["on"] = True
+        open(os.path.join(_dir, "on", str(os.getpid())), "w").close()
 
     def _stop(*_):
-        _state["from"] = None
+        _state["on"] = False
         lib = sys.modules.get("llama_cpp")
         if _state["real"] is not None:
             lib.llama_decode = _state["real"]
             _state["real"] = None
-        out = os.path.join(os.environ["ROUTE_FILES_OUT"], str(os.getpid()))
+        out = os.path.join(_dir, "out", str(os.getpid()))
         with open(out + ".part", "w") as f:
             json.dump({"command": " ".join(sys.argv), "decode": _state["decode"],
                        "files": _first}, f)
-        os.rename(out + ".part", out)
+        os.rename(out + ".part", os.path.join(_dir, "out", str(os.getpid()) + ".json"))
 
-    import json
     signal.signal(signal.SIGUSR1, _start)
     signal.signal(signal.SIGUSR2, _stop)
     sys.setprofile(_profile)
@@ -115,7 +126,6 @@ BODIES = {
                       "stream": True},
 }
 
-LEAD = 0.5  # seconds from switching the hooks on to sending the request: each takes its signal
 
 
 def ours(path: str) -> str | None:
@@ -148,6 +158,15 @@ def children(pid: int) -> list[int]:
     return out + [g for k in out for g in children(k)]
 
 
+def wait_for(folder: Path, count: int, what: str, suffix: str = "") -> None:
+    """Poll until `count` processes have left their file in `folder` (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while len(list(folder.glob(f"*{suffix}"))) < count:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not every process of the daemon's tree did {what} in 30 s")
+        time.sleep(0.05)
+
+
 def process_name(command: str) -> str:
     """The daemon, the runner or the template worker, from a process's command line."""
     if "template_worker" in command:
@@ -166,34 +185,35 @@ def measure(route: str) -> dict:
 
     model = fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")
     with tempfile.TemporaryDirectory() as tmp:
-        hook, out, start = Path(tmp, "hook"), Path(tmp, "out"), Path(tmp, "from")
-        hook.mkdir()
-        out.mkdir()
+        hook, work = Path(tmp, "hook"), Path(tmp, "work")
+        for folder in (hook, work / "on", work / "out"):
+            folder.mkdir(parents=True)
         (hook / "sitecustomize.py").write_text(HOOK)
+        sent_file = work / "sent"
+        sent_file.write_bytes(struct.pack("d", math.inf))
         env = isolated_env(Path(tmp), LOCALLLM_CONTEXT_POLICY="fixed",
-                           ROUTE_FILES_OUT=str(out), ROUTE_FILES_FROM=str(start))
+                           ROUTE_FILES_DIR=str(work))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")]))
         ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "m")
         daemon = start_daemon(env)
         try:
             post(daemon.url, route)  # load the model, start the template worker
             pids = [daemon.proc.pid, *children(daemon.proc.pid)]
-            sent = time.monotonic() + LEAD
-            start.write_text(repr(sent))
             for pid in pids:
                 os.kill(pid, signal.SIGUSR1)
-            time.sleep(max(0.0, sent - time.monotonic()))
+            wait_for(work / "on", len(pids), "switch its hook on")
+            with sent_file.open("r+b") as f:  # the hooks note nothing before this moment
+                sent = time.monotonic()
+                f.write(struct.pack("d", sent))
             post(daemon.url, route)
             for pid in pids:
                 os.kill(pid, signal.SIGUSR2)
-            deadline = time.monotonic() + 30
-            while len(list(out.iterdir())) < len(pids) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_for(work / "out", len(pids), "write what it saw", suffix=".json")
         finally:
             daemon.stop()
         processes: dict[str, dict[str, float]] = {}
         decode = None
-        for record in sorted(out.iterdir()):
+        for record in sorted((work / "out").glob("*.json")):
             seen = json.loads(record.read_text())
             files = processes.setdefault(process_name(seen["command"]), {})
             for path, at in seen["files"].items():
@@ -201,8 +221,8 @@ def measure(route: str) -> dict:
                 if name and (name not in files or at - sent < files[name]):
                     files[name] = at - sent
             if seen["decode"] is not None:
-                decode = seen["decode"] - sent if decode is None else min(decode,
-                                                                          seen["decode"] - sent)
+                at = seen["decode"] - sent
+                decode = at if decode is None else min(decode, at)
     if decode is None:
         raise SystemExit("no llama_decode was seen in the runner: nothing to count up to")
     return {"route": route, "decode": decode, "processes": processes}
