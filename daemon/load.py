@@ -50,6 +50,8 @@ class Load:
         for name, value in asked.given().items():
             if name in planned and value not in (planned[name], getattr(self.asked, name)):
                 return False
+        if asked.speculative is None and asked.draft_model is None:
+            return True  # no drafter asked for: whichever this load has serves
         return not differs(self.plan.speculative, self.draft_name, asked)
 
 

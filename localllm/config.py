@@ -121,6 +121,7 @@ import os
 import re
 import tomllib
 from dataclasses import asdict, dataclass, fields, replace
+from functools import cached_property
 from pathlib import Path
 
 import tomli_w
@@ -177,11 +178,13 @@ class Config:
         """import_dirs as absolute, resolved folders (`~` expanded)."""
         return tuple(Path(d).expanduser().resolve() for d in self.import_dirs)
 
-    @property
+    # The durations every request reads (the scheduler's keep_alive and queue wait): parsed
+    # once per Config (a changed config.toml makes a new one), not on each request.
+    @cached_property
     def keep_alive_seconds(self) -> float | None:
         return parse_duration(self.keep_alive)
 
-    @property
+    @cached_property
     def queue_timeout_seconds(self) -> float:
         return max(0.0, parse_duration(self.queue_timeout) or 0.0)
 

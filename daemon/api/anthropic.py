@@ -20,7 +20,8 @@ import uuid
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
-from ..chat.custom import Customization, model_for
+from ..chat.custom import Customization
+from ..chat.model import model_for
 from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
 from ..runner.process import new_request_id
@@ -263,7 +264,7 @@ async def chat_request(request: web.Request, body: dict, count_only: bool = Fals
     messages, images = message_images(anthropic_messages(body))
     tool_choice, parallel = anthropic_tool_choice(body)
     think = anthropic_think(body)
-    if think and not (await model_for(entry, custom)).style.thinking:
+    if think and not (await model_for(entry, custom.template)).style.thinking:
         think = None  # Claude Code asks every model to think: one that cannot just answers
     return entry, custom, ChatRequest(
         id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,

@@ -18,7 +18,7 @@ from localllm.modelstore.store import ModelEntry, StoreError
 from localllm import options
 from localllm.options import LoadOptions, SamplingOptions
 
-from ..chat.custom import Customization, read_customization
+from ..chat.custom import CUSTOM_LAYERS, Customization, read_customization
 from ..chat.images import ImageSource, slot
 from ..http_errors import ApiError, bad_request
 from ..state import STORE
@@ -153,7 +153,16 @@ async def local_model(request: web.Request, body: dict, route: str
     if entry.remote is not None:
         raise bad_request(f"{entry.name} is a remote model: {route} serves local models only "
                           f"(use /v1/chat/completions or /api/chat)", "model")
-    return entry, await asyncio.to_thread(read_customization, request.app[STORE], entry)
+    return entry, await customization(request, entry)
+
+
+async def customization(request: web.Request, entry: ModelEntry) -> Customization:
+    """What the model's Modelfile added, read off the event loop. A model stored without one
+    (no parameters, template or system layer: most) has nothing to read, and a request for it
+    never enters the Modelfile code."""
+    if not any(entry.companion(layer) for layer in CUSTOM_LAYERS):
+        return Customization()
+    return await asyncio.to_thread(read_customization, request.app[STORE], entry)
 
 
 def find_model(request: web.Request, name: str) -> ModelEntry:

@@ -9,7 +9,6 @@ prompt loads the model (with keep_alive 0 unloads it), as Ollama does.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import json
 import time
@@ -22,14 +21,15 @@ from localllm.config import ConfigError, parse_duration
 from localllm.options import LoadOptions, SamplingOptions
 from localllm.profiles.planning.quality import kv_label
 
-from ..chat.custom import Customization, read_customization
+from ..chat.custom import Customization
 from ..chat.parse import Parsed
 from ..chat.request import THINK_LEVELS, ChatRequest
 from ..runner.process import new_request_id
 from ..runner.protocol import Done, Token
-from ..state import SCHEDULER, STORE
+from ..state import SCHEDULER
 from .common import (
     bad_request,
+    customization,
     find_model,
     get_bool,
     get_messages,
@@ -101,7 +101,7 @@ class Common:
 
 async def parse_common(request: web.Request, body: dict) -> Common:
     entry = find_model(request, get_str(body, "model", required=True))
-    custom = await asyncio.to_thread(read_customization, request.app[STORE], entry)
+    custom = await customization(request, entry)
     sampling, load = ollama_options(body, custom.parameters)
     return Common(entry=entry, sampling=sampling, load=load,
                   keep_alive=parse_keep_alive(body), stream=get_bool(body, "stream", True),

@@ -14,10 +14,11 @@ from localllm.modelstore.store import projector_path
 from localllm import __version__
 
 from .. import security
-from ..chat.custom import capabilities, model_for, read_customization
+from ..chat.custom import capabilities
+from ..chat.model import model_for
 from ..chat.template import DEFAULT_TEMPLATE
 from ..state import CONFIG, SCHEDULER, STORE
-from .common import find_model, get_bool, get_model_field, get_str, read_json
+from .common import customization, find_model, get_bool, get_model_field, get_str, read_json
 from .ollama import OLLAMA_API_LEVEL, STARTED_AT, iso, model_json
 
 routes = web.RouteTableDef()
@@ -69,7 +70,7 @@ async def api_show(request: web.Request) -> web.Response:
     body = await read_json(request)
     entry = find_model(request, get_model_field(body))  # (a remote one: remote_routes.py)
     model = await model_for(entry)
-    custom = await asyncio.to_thread(read_customization, request.app[STORE], entry)
+    custom = await customization(request, entry)
     slot = request.app[SCHEDULER].models.get(str(entry.name))
     num_ctx = custom.parameters.get("num_ctx") or (
         slot.runner.n_ctx if slot else request.app[CONFIG].default_ctx)

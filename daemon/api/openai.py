@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -11,7 +10,7 @@ from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 from localllm.options import LoadOptions, SamplingOptions
 
-from ..chat.custom import Customization, read_customization
+from ..chat.custom import Customization
 from ..chat.parse import Parsed
 from ..chat.request import ChatRequest
 from ..runner.process import new_request_id
@@ -21,6 +20,7 @@ from .common import (
     answer_limit,
     bad_request,
     body_options,
+    customization,
     find_model,
     get_bool,
     get_messages,
@@ -133,7 +133,7 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
 
 async def _model(request: web.Request, body: dict) -> tuple[ModelEntry, Customization]:
     entry = find_model(request, get_str(body, "model", required=True))
-    return entry, await asyncio.to_thread(read_customization, request.app[STORE], entry)
+    return entry, await customization(request, entry)
 
 
 class OpenAIWriter(Writer):

@@ -26,12 +26,12 @@ from localllm.errors import UserError
 from localllm.modelstore.store import ModelEntry
 from localllm.options import LoadOptions
 
-from ..chat.custom import Customization, model_for
+from ..chat.custom import Customization
 from ..chat.images import load_images
-from ..chat.model import ChatModel
+from ..chat.model import ChatModel, model_for
 from ..chat.parse import Parsed
-from ..chat.request import ChatRequest, Prepared, prepare
-from ..chat.truncate import check_request_text, fit_to_context
+from ..chat.request import ChatRequest, Prepared, check_request_text, prepare
+from ..chat.truncate import fit_to_context
 from ..runner.process import RunnerProcess
 from ..runner.protocol import Done, Event, Failure, GenerationRequest, Progress, Token
 from ..state import CONFIG, SCHEDULER
@@ -163,7 +163,7 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     A chat longer than the context drops its oldest turns, or with `truncate` False is a 400.
     `custom` is what a Modelfile added: its template and its default system prompt."""
     check_request_text(request)
-    model = await model_for(entry, custom)
+    model = await model_for(entry, custom.template if custom is not None else None)
     if custom is not None:
         request = with_default_system(request, custom.system)
     if request.images and model.has_vision:  # (prepare refuses them for any other model)
@@ -175,7 +175,8 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
 
     async def fit(runner):
         nonlocal prepared
-        prepared = await fit_to_context(model, request, prepared, runner, truncate)
+        if not prepared.fits_whole(runner.n_ctx):
+            prepared = await fit_to_context(model, request, prepared, runner, truncate)
         return prepared.generation
 
     hint = request.workload_hint or ("tools" if request.tools else None)
@@ -188,7 +189,7 @@ async def count_prompt_tokens(app: web.Application, entry: ModelEntry, request: 
                               custom: Customization | None = None) -> int:
     """Tokens the rendered prompt of `request` is, as the runner reads it (loads the model)."""
     check_request_text(request)
-    model = await model_for(entry, custom)
+    model = await model_for(entry, custom.template if custom is not None else None)
     if custom is not None:
         request = with_default_system(request, custom.system)
     prepared = await asyncio.to_thread(prepare, model, request)  # the template's worker: waits

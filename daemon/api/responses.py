@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
-from ..chat.custom import Customization, model_for
+from ..chat.custom import Customization
+from ..chat.model import model_for
 from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
 from ..runner.process import new_request_id
@@ -148,7 +149,7 @@ async def read_turn(request: web.Request, body: dict) -> Turn:
     messages, images = message_images(
         (({"role": "system", "content": instructions},) if instructions else ()) + history)
     think = reasoning_effort(body)
-    if think and not (await model_for(entry, custom)).style.thinking:
+    if think and not (await model_for(entry, custom.template)).style.thinking:
         think = None  # Codex always sends an effort: a model that cannot think just answers
     parallel = get_bool(body, "parallel_tool_calls", True)
     chat = ChatRequest(

@@ -8,23 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from localllm.errors import UserError
 from localllm import options
-from localllm.modelstore.gguf_header import GGUFError
-from localllm.modelstore.store import (
-    PROJECTOR_LAYER,
-    DamagedModel,
-    Layer,
-    ModelEntry,
-    ModelStore,
-    no_room_is_disk_full,
-)
+from localllm.modelstore.store import Layer, ModelEntry, ModelStore, no_room_is_disk_full
 from localllm.options import OPTIONS
 
-from .model import ChatModel, chat_model
-from .template import template_style
+from .model import ChatModel
 
 PARAMS_LAYER = "application/vnd.localllm.params"
 TEMPLATE_LAYER = "application/vnd.localllm.template"
@@ -94,25 +85,6 @@ def text_layer(store: ModelStore, media_type: str, text: str) -> Layer:
     return Layer(media_type, digest, len(data))
 
 
-def customized(model: ChatModel, custom: Customization) -> ChatModel:
-    """The model as a request sees it: a Modelfile TEMPLATE replaces the GGUF's."""
-    if not custom.template:
-        return model
-    return replace(model, template=custom.template,
-                   style=template_style(custom.template, model.architecture))
-
-
-async def model_for(entry: ModelEntry, custom: Customization | None = None) -> ChatModel:
-    """The model as the chat layer sees it: with a Modelfile's template when `custom` has one;
-    it takes images only when stored with a vision projector (the manifest's projector layer)."""
-    try:
-        model = await chat_model(entry.digest, entry.model_path)
-    except (GGUFError, OSError) as e:
-        raise DamagedModel(entry.name, str(e).replace(str(entry.model_path), "its blob")) \
-            from None
-    model = replace(model, has_vision=entry.companion(PROJECTOR_LAYER) is not None)
-    return customized(model, custom) if custom is not None else model
-
-
 def capabilities(model: ChatModel, custom: Customization) -> list[str]:
-    return customized(model, custom).capabilities
+    """/api/show's capabilities: the model's, with a Modelfile TEMPLATE in place of the GGUF's."""
+    return (model.with_template(custom.template) if custom.template else model).capabilities

@@ -6,10 +6,11 @@ it pools embeddings, and from all of that the capabilities that /api/show report
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from localllm.modelstore.gguf_header import read_header, read_token_pieces
+from localllm.modelstore.gguf_header import GGUFError, read_header, read_token_pieces
+from localllm.modelstore.store import PROJECTOR_LAYER, DamagedModel, ModelEntry
 
 from .template import TemplateStyle, template_style
 
@@ -53,6 +54,10 @@ class ChatModel:
         if self.style.thinking:
             caps.append("thinking")
         return caps
+
+    def with_template(self, template: str) -> ChatModel:
+        """The model rendered with another chat template (a Modelfile's TEMPLATE)."""
+        return replace(self, template=template, style=template_style(template, self.architecture))
 
     @property
     def stop_pieces(self) -> list[str]:
@@ -117,3 +122,16 @@ async def chat_model(digest: str, path: str | Path) -> ChatModel:
         found = await asyncio.to_thread(read_chat_model, path)
         _cache[digest] = found
     return found
+
+
+async def model_for(entry: ModelEntry, template: str | None = None) -> ChatModel:
+    """The model as a request sees it: with `template` (a Modelfile's TEMPLATE) in place of the
+    GGUF's when given; it takes images only when stored with a vision projector (the manifest's
+    projector layer)."""
+    try:
+        model = await chat_model(entry.digest, entry.model_path)
+    except (GGUFError, OSError) as e:
+        raise DamagedModel(entry.name, str(e).replace(str(entry.model_path), "its blob")) \
+            from None
+    model = replace(model, has_vision=entry.companion(PROJECTOR_LAYER) is not None)
+    return model.with_template(template) if template else model

@@ -8,6 +8,7 @@ with the parser that splits the answer into content, thinking and tool calls.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from localllm.options import LoadOptions, SamplingOptions
@@ -56,6 +57,44 @@ class Prepared:
     parser: object  # OutputParser or HarmonyParser: feed(text) / finish() -> Parsed
     prompt: str
     dropped_messages: int = 0  # oldest messages left out to fit the context (truncate.py)
+
+    def fits_whole(self, n_ctx: int) -> bool:
+        """Whether the prompt fits a context of `n_ctx` tokens as it is, known without
+        tokenizing it: no token is shorter than a byte, a BOS may be added, and one token is
+        left for the answer. Only a prompt that may not fit goes to truncate.py."""
+        return len(self.prompt.encode()) + 1 <= n_ctx - 1
+
+
+MAX_REQUEST_TEXT_BYTES = 8 << 20
+
+
+def turn_text(turn: list[dict]) -> str:
+    """What a turn puts into the prompt besides the template's markers (for counting)."""
+    parts = []
+    for m in turn:
+        content = m.get("content")
+        parts.append(content if isinstance(content, str) else json.dumps(content))
+        if m.get("tool_calls"):
+            parts.append(json.dumps(m["tool_calls"]))
+    return "\n".join(parts)
+
+
+def request_text_bytes(request: ChatRequest) -> int:
+    """The text a request brings (its messages or prompt), in UTF-8 bytes."""
+    if request.messages is None:
+        return sum(len((t or "").encode()) for t in (request.prompt, request.system,
+                                                     request.suffix))
+    return sum(len(turn_text([m]).encode()) for m in request.messages)
+
+
+def check_request_text(request: ChatRequest) -> None:
+    """A request's text is capped far past any context (8 MiB): a 400 before anything reads it."""
+    size = request_text_bytes(request)
+    if size > MAX_REQUEST_TEXT_BYTES:
+        raise ChatError(f"the request's text is {size / (1 << 20):.1f} MiB, more than the "
+                        f"{MAX_REQUEST_TEXT_BYTES >> 20} MiB a request may carry (far past any "
+                        f"context); send only the part the model should read",
+                        "prompt" if request.messages is None else "messages")
 
 
 def _check(model: ChatModel, request: ChatRequest) -> None:
@@ -111,16 +150,19 @@ def prepare(model: ChatModel, request: ChatRequest) -> Prepared:
         messages.append({"role": "user", "content": request.prompt or ""})
         prompt = _render(model, messages, tools, think)
     forced = _forced_tools(request)
+    grammar = None  # free text: neither a forced call nor a `format` (None or "")
     try:
         if forced:
             grammar = tool_call_grammar(forced, model.style.tool_format)
-        else:
+        elif request.format not in (None, ""):
             grammar = format_grammar(request.format)
     except BadFormat as e:
         raise ChatError(str(e), "format") from None
     if forced and model.style.tool_format == HARMONY:
         grammar = None  # harmony calls pass through control tokens a grammar cannot name
-    prompt, images = place_images(prompt, request.image_data)
+    images = ()
+    if request.image_data:
+        prompt, images = place_images(prompt, request.image_data)
     generation = GenerationRequest(id=request.id, prompt=prompt,
                                    options=request.options, grammar=grammar,
                                    logprobs=request.logprobs, images=images,
@@ -138,7 +180,8 @@ def _render(model: ChatModel, messages: list[dict], tools: list[dict],
             think: bool | str | None) -> str:
     if model.template is None:  # a base model: Ollama's default template, as Ollama does
         return render_default(messages)
-    messages = place_system_messages(messages, model.template, model.bos, model.eos)
+    if any(m["role"] == "system" for m in messages[1:]):  # a system message after other turns
+        messages = place_system_messages(messages, model.template, model.bos, model.eos)
     try:
         return render(model.template, messages, tools=tools or None, bos=model.bos,
                       eos=model.eos, think=think if model.style.thinking else None)

@@ -10,44 +10,25 @@ llama.cpp's tokenizer is quadratic in the special tokens of its text (a rendered
 per message: 20,000 turns, 2 MB, took minutes on the runner's only thread). So no text is
 tokenized that cannot fit for sure: a prompt past BYTES_PER_TOKEN bytes per token of room first
 keeps only as many of its newest turns as could fit by size, and a plain prompt that long is a
-400 without being read. A request's text is capped at MAX_REQUEST_TEXT_BYTES.
+400 without being read. (A request's text is capped at MAX_REQUEST_TEXT_BYTES: request.py.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import replace
 
 from .model import ChatModel
 from .errors import ChatError
-from .request import ChatRequest, Prepared, prepare
+from .request import ChatRequest, Prepared, prepare, turn_text
 
 log = logging.getLogger("localllm.chat")
 
 # More bytes than any real text averages per token (prose is about 4; the longest tokens, runs
 # of spaces, reach about 80 on their own): a text of more than this per token of room cannot fit.
 BYTES_PER_TOKEN = 32
-MAX_REQUEST_TEXT_BYTES = 8 << 20
-
-
-def request_text_bytes(request: ChatRequest) -> int:
-    """The text a request brings (its messages or prompt), in UTF-8 bytes."""
-    if request.messages is None:
-        return sum(len((t or "").encode()) for t in (request.prompt, request.system,
-                                                     request.suffix))
-    return sum(len(turn_text([m]).encode()) for m in request.messages)
-
-
-def check_request_text(request: ChatRequest) -> None:
-    size = request_text_bytes(request)
-    if size > MAX_REQUEST_TEXT_BYTES:
-        raise ChatError(f"the request's text is {size / (1 << 20):.1f} MiB, more than the "
-                        f"{MAX_REQUEST_TEXT_BYTES >> 20} MiB a request may carry (far past any "
-                        f"context); send only the part the model should read",
-                        "prompt" if request.messages is None else "messages")
 
 
 def room_for_prompt(n_ctx: int, num_predict: int) -> int:
@@ -101,17 +82,6 @@ def split_turns(messages: list[dict]) -> tuple[list[dict], list[list[dict]]]:
     return messages[:first], turns
 
 
-def turn_text(turn: list[dict]) -> str:
-    """What a turn puts into the prompt besides the template's markers (for counting)."""
-    parts = []
-    for m in turn:
-        content = m.get("content")
-        parts.append(content if isinstance(content, str) else json.dumps(content))
-        if m.get("tool_calls"):
-            parts.append(json.dumps(m["tool_calls"]))
-    return "\n".join(parts)
-
-
 def first_kept(costs: list[float], budget: float) -> int:
     """The index of the oldest turn to keep so that it and every newer one fit `budget`; the
     newest turn is kept even when it alone does not."""
@@ -150,8 +120,8 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
         raise ChatError(f"the prompt is {size} bytes, more than a context of {runner.n_ctx} "
                         f"tokens can hold; shorten it, or load the model with a larger "
                         f"num_ctx", "prompt")
-    if request.messages is None or size + 1 <= whole:
-        return prepared  # no token is shorter than a byte: it fits without asking the runner
+    if request.messages is None or prepared.fits_whole(runner.n_ctx):
+        return prepared
     if size > whole * BYTES_PER_TOKEN:  # bound the text before tokenizing it (quadratic)
         if not truncate:
             raise ChatError(f"the prompt is {size} bytes, more than a context of "

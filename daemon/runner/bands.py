@@ -32,6 +32,9 @@ class FillBands:
         """`plans`: one per band, smallest context first; the last holds the whole context."""
         self.plans = plans
         self.band = max(0, min(start, len(plans) - 1))
+        # In the last band, which holds the whole context: no switch is left to watch for (a
+        # load without bands starts there). An attribute the engine reads before each step.
+        self.last = self.band == len(plans) - 1
         self.model = model
         self.slots = slots
         self.room = room
@@ -42,10 +45,6 @@ class FillBands:
     def plan(self) -> Plan:
         """The plan of the band loaded now."""
         return self.plans[self.band]
-
-    @property
-    def last(self) -> bool:
-        return self.band == len(self.plans) - 1
 
     def follow(self) -> Plan | None:
         """Move up to the next fill band's plan before a sequence outgrows the loaded one
@@ -95,6 +94,7 @@ class FillBands:
             target, new = self.band, old
             why = f"{why} failed (out of memory?); stayed in the {old.n_ctx}-token band"
         self.band = target
+        self.last = self.band == len(self.plans) - 1
         self.room.seq = self.model.lm.n_ctx_seq
         if self.last:
             self.room.n_ctx = min(self.room.n_ctx, self.room.seq)

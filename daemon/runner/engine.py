@@ -301,7 +301,7 @@ class Engine:
                 f"the prompt is {len(tokens)} tokens{images} but the loaded context holds "
                 f"{self.n_ctx}; shorten it{', send fewer images' if images else ''} or "
                 f"{bigger}")
-        if is_image_token(tokens[-1]):
+        if media is not None and is_image_token(tokens[-1]):  # (text tokens are never one)
             raise RequestError("the prompt ends with an image: put text after it")
 
     def _drafting_mode(self, request: GenerationRequest) -> str | None:
@@ -347,9 +347,10 @@ class Engine:
 
     def step(self) -> None:
         """One decode step (step.py), in the fill band that holds every sequence."""
-        switched = self.bands.follow()
-        if switched is not None:
-            self._pace(switched)
+        if not self.bands.last:  # a load in its last band (or with none) has no switch to make
+            switched = self.bands.follow()
+            if switched is not None:
+                self._pace(switched)
         self.steps.step()
 
 

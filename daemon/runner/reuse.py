@@ -88,6 +88,8 @@ class PromptReuse:
             common = min(common, self.model.drafter.reusable(slot.seq_id, common))
             reach = self.model.drafter.reusable(slot.seq_id, reach)
         common = max(0, whole_images(common, media))
+        if not self.checkpoint_spacing:  # the model takes no checkpoints: a slot holds none
+            return common, None
         checkpoint = slot.checkpoints.latest(whole_images(reach, media))
         if checkpoint is not None and checkpoint.n_tokens > common:
             return checkpoint.n_tokens, checkpoint
@@ -208,7 +210,8 @@ class PromptReuse:
             self.model.cut(seq, -1)
             slot.tokens.clear()
             common, checkpoint = 0, None
-        slot.checkpoints.cut(common)
+        if self.checkpoint_spacing:
+            slot.checkpoints.cut(common)
         if self.model.drafter is not None:
             self.model.drafter.forget(seq, common)
         return common, checkpoint

@@ -149,7 +149,8 @@ class Steps:
         batch holds tokens or embeddings, not both)."""
         for slot in self.slots:
             work = slot.work
-            if not slot.reading_prompt or not is_image_token(slot.to_decode[0]):
+            if not slot.reading_prompt or work.media is None or \
+                    not is_image_token(slot.to_decode[0]):
                 continue
             if work.cancelled.is_set():
                 continue  # the loop's cancel check ends it before the next image
@@ -192,7 +193,9 @@ class Steps:
         for slot in reading:
             if budget <= 0:
                 break
-            take = min(slot.unread, budget, _text_run(slot.to_decode, slot.unread))
+            text = slot.unread if slot.work.media is None else _text_run(slot.to_decode,
+                                                                          slot.unread)
+            take = min(slot.unread, budget, text)
             if take == 0:
                 continue  # an image comes next: _read_images reads it before the next step
             if slot.replaying:  # a chunk replays KV or reads the prompt, never both

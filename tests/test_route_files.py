@@ -1,0 +1,47 @@
+"""A plain request enters no module of a feature it does not use (issue #35's route figure).
+
+Measured as `scripts/route_files.py` measures it: a real daemon on the small test model, a
+profile hook in each process of its tree (the daemon, the template worker, the runner) noting
+every file of ours whose code runs while one warm POST /api/chat is answered.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Modules of features a plain text chat with a model stored without a Modelfile does not use:
+# images, a `format` grammar, a Modelfile's template, truncation (the prompt fits), system
+# messages after other turns, a drafter asked for, checkpoints (the model is of full attention),
+# fill bands (one band), config durations (parsed once per Config).
+UNUSED = (
+    "daemon/chat/images.py",
+    "llama/vision.py",
+    "daemon/chat/grammar.py",
+    "daemon/chat/custom.py",
+    "daemon/chat/truncate.py",
+    "daemon/chat/roles.py",
+    "daemon/drafting.py",
+    "daemon/runner/checkpoints.py",
+    "llama/state.py",
+    "daemon/runner/bands.py",
+    "localllm/config_values.py",
+)
+# What every request runs, in each process: the hook saw the request at all.
+ON_THE_WAY = ("daemon/api/ollama.py", "daemon/chat/template_worker.py",
+              "daemon/runner/engine.py", "llama/loaded.py")
+
+
+def test_plain_chat_enters_no_unused_feature():
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "route_files.py"), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.splitlines()[-1])
+    first = {f for files in found["to_first_decode"].values() for f in files}
+    whole = {f for files in found["whole"].values() for f in files}
+    assert set(ON_THE_WAY) <= first <= whole
+    assert not whole & set(UNUSED), sorted(whole & set(UNUSED))
