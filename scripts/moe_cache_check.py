@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import llama_cpp
 import numpy as np
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="all layers on the GPU, the MoE experts in RAM (-ot exps=CPU)")
     args = p.parse_args(argv)
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import checkout_imports  # the GPU machine has no editable install
+
+    checkout_imports.bootstrap()
     from localllm.llama import expert_cache
 
     llama_cpp.llama_backend_init()
