@@ -291,6 +291,9 @@ def cmd_ps(args) -> int:
         if m.get("extra_bufts") is False:
             print(f"{m['name']} engine: extra buffer types (repack, AMX) off, after llama.cpp "
                   "crashed with them on this CPU (see the daemon log)")
+    for m in data["models"]:  # the MoE expert cache's slots and hit rate (issue #40)
+        if m.get("expert_cache"):
+            print(f"{m['name']} {m['expert_cache']['text']}")
     for m in data["models"]:  # the session the plan is made for, and whence
         if m.get("workload"):
             w = m["workload"]

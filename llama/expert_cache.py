@@ -8,14 +8,25 @@ pool in RAM, `LLAMA_MOE_CACHE_SWAPS`, `LLAMA_MOE_CACHE_DECAY`), which leaves lla
 ctypes structs as they are. `environment` writes those variables; `read` asks the context for
 its figures through the one C function the patch exports. An engine built without the patch
 has no such function: `read` then says None, as for a context with no cache.
+
+The runner gives a pool to the target context alone (`switched_on` around its creation, from
+the plan's expert_cache_slots): drafter, embedding and vision contexts get none, so the
+runner's environment never carries the slots variable itself (`without_switch`).
+LLAMA_MOE_CACHE_DEVICE=cpu, where the daemon's environment has it, passes through to the
+runner: a pool in RAM, for tests on a machine without a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 FIELDS = ("slots", "layers", "hits", "misses", "swaps", "steps", "pool_bytes")
+SLOTS_VARIABLE = "LLAMA_MOE_CACHE_SLOTS"
 
 
 @dataclass(frozen=True)
@@ -39,7 +50,7 @@ def environment(slots: int, device: str | None = None, swaps: int | None = None,
     """The variables that switch the cache on for contexts created after they are set."""
     if slots < 0:
         raise ValueError(f"expert cache slots must be 0 or more, not {slots}")
-    env = {"LLAMA_MOE_CACHE_SLOTS": str(slots)}
+    env = {SLOTS_VARIABLE: str(slots)}
     if device is not None:
         env["LLAMA_MOE_CACHE_DEVICE"] = device
     if swaps is not None:
@@ -49,6 +60,33 @@ def environment(slots: int, device: str | None = None, swaps: int | None = None,
     return env
 
 
+def without_switch(env: dict[str, str]) -> dict[str, str]:
+    """`env` less the slots variable: a process started with it would give every context it
+    creates a pool of its own (the runner sets it around the target context only)."""
+    return {k: v for k, v in env.items() if k != SLOTS_VARIABLE}
+
+
+@contextlib.contextmanager
+def switched_on(slots: int) -> Iterator[None]:
+    """While it lasts, a context created gets a pool of `slots` experts (0: none, whatever
+    the environment said); the environment is as it was afterwards."""
+    if slots < 0:
+        raise ValueError(f"expert cache slots must be 0 or more, not {slots}")
+    before = os.environ.get(SLOTS_VARIABLE)
+    if slots:
+        os.environ[SLOTS_VARIABLE] = str(slots)
+    else:
+        os.environ.pop(SLOTS_VARIABLE, None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SLOTS_VARIABLE, None)
+        else:
+            os.environ[SLOTS_VARIABLE] = before
+
+
+@functools.cache  # read after every answer: look the symbol up once
 def _stats_function():
     import llama_cpp.llama_cpp as llama_lib
 

@@ -16,6 +16,7 @@ import logging
 import llama_cpp
 from localllm.profiles.planning.plan import Plan
 
+from . import expert_cache
 from .drafters import DraftModel, MTPDrafter, load_drafter
 from .embedding import Embedder
 from .model import LlamaModel, ModelLoadError, Tokenizer, batch_capacity, free, load
@@ -98,6 +99,10 @@ class LoadedModel:
 
     def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
         llama_cpp.llama_set_n_threads(self.lm.ctx, n_threads, n_threads_batch)
+
+    def expert_cache_stats(self) -> expert_cache.ExpertCacheStats | None:
+        """The target context's expert cache figures so far (None: it has no pool)."""
+        return expert_cache.read(self.lm.ctx)
 
     @property
     def n_ctx_train(self) -> int:

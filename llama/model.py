@@ -18,6 +18,7 @@ from localllm.profiles.planning.plan import Plan
 
 from localllm.speculative import MAX_DRAFT
 
+from . import expert_cache
 from .host_pin import PinnedMapping, pin_mapped
 from .params import context_params, model_params
 from .resident import ResidentWeights
@@ -70,7 +71,8 @@ def load(model_path: str, plan: Plan) -> LlamaModel:
             return load(model_path, replace(plan, use_mmap=False, pin_in_place=False))
         log.info("pinned %.1f GiB of mapped weights in place for the GPU",
                  pinned.pinned_bytes / 2**30)
-    ctx = llama_cpp.llama_init_from_model(model, context_params(plan))
+    with expert_cache.switched_on(plan.expert_cache_slots):  # this context alone gets a pool
+        ctx = llama_cpp.llama_init_from_model(model, context_params(plan))
     if not ctx:
         if pinned is not None:
             pinned.release()

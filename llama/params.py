@@ -36,6 +36,10 @@ def model_params(plan: Plan, metadata_only: bool = False):
     params.load_mode = load_mode(plan)
     if not plan.extra_bufts:  # the engine crashed with them on this CPU (daemon/scheduler.py)
         params.use_extra_bufts = False
+    elif plan.expert_cache_slots:
+        # The expert cache fills its pool with the experts' bytes as they sit in RAM: experts
+        # repacked for the CPU's kernels cannot be cached (llama/expert_cache.py).
+        params.use_extra_bufts = False
     elif plan.streamed_bytes and plan.use_mmap:
         # Past RAM the CPU's weights must stay the file's pages (llama/resident.py): repacked
         # for the CPU they would be anonymous copies, which cannot be read back from the file.

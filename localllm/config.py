@@ -32,6 +32,7 @@
 | image_urls        | LOCALLLM_IMAGE_URLS        | on                            | live      |
 | prompt_cache_ram  | LOCALLLM_PROMPT_CACHE_RAM  | auto                          | next load |
 | fill_bands        | LOCALLLM_FILL_BANDS        | auto                          | next load |
+| expert_cache      | LOCALLLM_EXPERT_CACHE      | off                           | next load |
 
 - num_parallel: the most requests one loaded model serves at once (llama.cpp sequences, each
   slot with its own KV cache of the full context). `auto`: as many as fit beside the tuner's
@@ -107,6 +108,13 @@
   context's and they decode faster after a short prompt, on a GPU, for plans the tuner made
   (not a saved profile, a draft model or a vision projector); `off`: one plan for the whole
   context; token counts (`4096,16384`): these bands, on any machine.
+- expert_cache: experimental until measured on a GPU (issue #40, docs/expert-cache.md). `off`
+  (or 0), or N: a pool of N MoE experts in VRAM serving the experts a plan keeps in RAM (the
+  routed experts found there are computed on the GPU, the rest on the CPU). The tuner keeps
+  its VRAM (N+1 times one expert's up, gate and down matrices) out of the placement's budget
+  for MoE models whose experts it keeps in RAM, else the plan's reasons say why it is off; its
+  speed is not priced yet. ps and /api/stats show slots and hit rate. A saved profile keeps
+  its own `expert_cache_slots`.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
@@ -164,6 +172,7 @@ class Config:
     image_urls: str = "on"
     prompt_cache_ram: int | str = "auto"
     fill_bands: str = "auto"
+    expert_cache: int | str = "off"
 
     @property
     def socket_path(self) -> Path:
@@ -224,6 +233,7 @@ ENV = {
     "image_urls": "LOCALLLM_IMAGE_URLS",
     "prompt_cache_ram": "LOCALLLM_PROMPT_CACHE_RAM",
     "fill_bands": "LOCALLLM_FILL_BANDS",
+    "expert_cache": "LOCALLLM_EXPERT_CACHE",
 }
 
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
@@ -254,7 +264,11 @@ LIMITS = {
     "expected_fill": (0.05, 1.0),
     "remote_timeout": (1, None),
     "prompt_cache_ram": (0, None),
+    "expert_cache": (0, None),
 }
+
+# The word a setting of a number or a word takes besides a number (the others: auto).
+NUMBER_OR = {"expert_cache": "off"}
 
 # A Unix socket path must fit sockaddr_un.sun_path (108 bytes with the terminating NUL).
 _MAX_SOCKET_PATH = 107
@@ -275,15 +289,17 @@ def coerce(name: str, value: object) -> bool | int | float | str | tuple[str, ..
     """A raw value (TOML, env or command line) as the setting's type; ConfigError if it is not."""
     if name not in ENV:
         raise ConfigError(f"unknown setting {name!r} (known: {', '.join(setting_names())})")
-    if _kind(name) == "int | str":  # a number, or the word auto
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
+    if _kind(name) == "int | str":  # a number, or the word auto (or NUMBER_OR's)
+        word = NUMBER_OR.get(name, "auto")
+        if isinstance(value, str) and value.strip().lower() == word:
+            return word
         if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
-            raise ConfigError(f"{name} must be a whole number or auto, not {value!r}")
+            raise ConfigError(f"{name} must be a whole number or {word}, not {value!r}")
         try:
             return int(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
-            raise ConfigError(f"{name} must be a whole number or auto, not {value!r}") from None
+            raise ConfigError(f"{name} must be a whole number or {word}, not {value!r}") \
+                from None
     if _kind(name) == "bool":  # TOML true/false, or a word from the env or command line
         if isinstance(value, bool):
             return value

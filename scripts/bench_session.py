@@ -10,7 +10,8 @@
 
 For one synthetic model (scripts/synth_gguf.py, random Q4_0 weights) and one context, each
 system in turn: the localllm daemon (12 GiB budget: vram_margin_mib = free - budget + margin,
-workload from --workload, default auto: the daemon's default settings),
+workload from --workload, default auto: the daemon's default settings; `ours-cache`: the same
+with expert_cache = --expert-cache, its hits and misses beside each run),
 `llama-server --fit on --fit-target (free - budget)` with f16 and with q8_0 KV.
 Runs (--runs, in this order):
   short    decode of --tokens after a short prompt
@@ -162,6 +163,11 @@ class Ours:
                 return round(t0 + f * (t1 - t0), 2)
         return round(curve[-1][1], 2)
 
+    def expert_cache(self) -> dict | None:
+        """The MoE expert cache's slots, hits and misses so far (/api/stats; None: off)."""
+        [m] = self.daemon.get("/api/stats")["models"] or [{}]
+        return m.get("expert_cache")
+
     def band(self) -> dict | None:
         """The fill band the runner is in and the pauses of its switches (ps)."""
         [m] = self.daemon.get("/api/ps")["models"] or [{}]
@@ -258,7 +264,7 @@ def run_system(system, args, record) -> None:
             r = system.generate("The quick brown fox jumps over the lazy dog. " * 6, args.tokens)
             record({"system": system.name, "run": "short", "decode_tps": round(r["decode_tps"], 2),
                     "answer_tokens": r["answer_tokens"], "band": system.band(),
-                    **predicted(system, r["prompt_tokens"])})
+                    **predicted(system, r["prompt_tokens"]), **expert_cache(system)})
         elif run == "prompt":
             c = calibrate(system, cpt, args.ctx)
             prompt = text_of(int(args.prompt_tokens * c), 2)
@@ -267,12 +273,19 @@ def run_system(system, args, record) -> None:
                     "ttft": round(r["ttft"], 2),
                     "prompt_tps": round(r["prompt_tokens"] / max(1e-9, r["ttft"]), 1),
                     "decode_tps": round(r["decode_tps"], 2), "answer_tokens": r["answer_tokens"],
-                    "band": system.band(), **predicted(system, r["prompt_tokens"])})
+                    "band": system.band(), **predicted(system, r["prompt_tokens"]),
+                    **expert_cache(system)})
         elif run in ("agent", "agent-rerendered"):
             record(agent_replay(system, args, calibrate(system, cpt, args.ctx),
                                 rerendered=run == "agent-rerendered"))
         elif run == "session-order":
             session_order(system, args, record, calibrate(system, cpt, args.ctx))
+
+
+def expert_cache(system) -> dict:
+    """Ours with --expert-cache: the pool's figures so far (hits, misses, hit rate)."""
+    figures = system.expert_cache() if hasattr(system, "expert_cache") else None
+    return {"expert_cache": figures} if figures else {}
 
 
 def predicted(system, depth: int) -> dict:
@@ -348,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="ours: the workload setting (auto: the default, learned as it serves)")
     p.add_argument("--systems", default="ours,fit-f16,fit-q8_0")
     p.add_argument("--fill-bands", default="auto", help="ours: the fill_bands setting")
+    p.add_argument("--expert-cache", type=int, default=512,
+                   help="system ours-cache: the expert_cache setting (slots)")
     p.add_argument("--runs", default="short,prompt")
     p.add_argument("--tokens", type=int, default=48, help="decoded per decode measurement")
     p.add_argument("--short-count", type=int, default=10,
@@ -399,6 +414,11 @@ def main(argv: list[str] | None = None) -> int:
                     if name == "ours":
                         system = Ours(model, args.ctx, budget_mib, args.margin, args.workload,
                                       Path(tmp), args.fill_bands)
+                    elif name == "ours-cache":  # the expert_cache setting (issue 40)
+                        system = Ours(model, args.ctx, budget_mib, args.margin, args.workload,
+                                      Path(tmp), args.fill_bands,
+                                      LOCALLLM_EXPERT_CACHE=str(args.expert_cache))
+                        system.name = name
                     elif name.startswith("fit-"):
                         if args.tiny:
                             record({"system": name, "skipped": "--tiny"})
@@ -414,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                     if system is not None:
                         system.stop()
                     logs = Path(tmp) / "xdg_state_home" / "localllm" / "logs"
-                    if name == "ours" and logs.is_dir():  # the daemon's and runner's logs
-                        shutil.copytree(logs, out / f"ours-logs-{args.shape}-{args.ctx}",
+                    if name.startswith("ours") and logs.is_dir():  # the daemon's and runner's logs
+                        shutil.copytree(logs, out / f"{name}-logs-{args.shape}-{args.ctx}",
                                         dirs_exist_ok=True)
             record({"system": name, "peak_vram_mib": mem.delta // MIB, "budget_mib": budget_mib})
     (out / "session.md").write_text(markdown(rows) + "\n")

@@ -23,8 +23,13 @@ import sys
 import time
 from pathlib import Path
 
-import llama_cpp
+import llama_cpp  # (a CUDA build must load before numpy)
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout_imports
+
+checkout_imports.bootstrap()  # the GPU machine has no install of localllm
 
 
 def _argmax(ctx, i: int, n_vocab: int) -> int:

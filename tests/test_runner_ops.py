@@ -15,6 +15,7 @@ from localllm.daemon.runner.protocol import (
     Done,
     EmbedRequest,
     Embeddings,
+    ExpertCache,
     Failure,
     GenerationRequest,
     Progress,
@@ -47,6 +48,7 @@ EVENTS_SEEN = (
     TokenCount(5, (2, 3)),
     Threads(3, "busy"),
     Band(1, 2048, 0.5, 1, 0, "moved"),
+    ExpertCache(16, 4, 350, 294, 72, 41, 2089984),
 )
 
 

@@ -43,6 +43,7 @@ from .common import (
     read_json,
 )
 from .respond import Generation, Part, Writer, respond
+from .stats import expert_cache_report, expert_cache_words
 
 routes = web.RouteTableDef()
 NDJSON = "application/x-ndjson"  # Ollama streams one JSON object a line
@@ -356,6 +357,8 @@ async def api_ps(request: web.Request) -> web.Response:
                if plan.workload else {}),
             **({"fill_band": runner.fill_band()} if runner.bands else {}),
             **({"past_ram": runner.past_ram} if runner.past_ram else {}),
+            **({"expert_cache": {**cache, "text": expert_cache_words(cache)}}
+               if (cache := expert_cache_report(plan, runner.expert_cache)) else {}),
             **({"projector": {"device": "GPU" if plan.projector_on_gpu else "CPU",
                               "seconds_per_image": round(plan.predicted_image_s, 3)}}
                if runner.projector_path else {}),

@@ -2,7 +2,8 @@
 
 Per loaded model: the runner's pid, its resident memory (from /proc), its GPU memory (NVML, per
 process; `null` without a GPU), the plan it was loaded with (layer split, KV type, context) and
-the counters of its last request. Every figure is measured except where `vram_source` says
+the counters of its last request, and its MoE expert cache's slots, hits, misses and swaps
+(`expert_cache`, null without one). Every figure is measured except where `vram_source` says
 "plan": NVML cannot see the runner (another PID namespace), so the plan's prediction stands in
 and clients should mark it as an estimate.
 """
@@ -64,6 +65,7 @@ def plan_summary(plan, n_layer: int) -> dict:
         # (tokens in context, tok/s): the plan's decode at its start, middle and end
         "predicted_decode_by_depth": [list(point) for point in plan.predicted_decode_by_depth],
         "n_ubatch": plan.n_ubatch,
+        "expert_cache_slots": plan.expert_cache_slots,
         "source": plan.source,
         "reasons": list(plan.reasons),
     }
@@ -88,6 +90,33 @@ def last_request(done) -> dict | None:
     if done.drafted is not None:
         last["draft"] = {"drafted": done.drafted, "accepted": done.draft_accepted or 0}
     return last
+
+
+def expert_cache_report(plan, figures) -> dict | None:
+    """The MoE expert cache as the plan asked it and as the runner's context has it (figures:
+    protocol.ExpertCache as of the last answer, None where the engine made no pool); None for a
+    plan that asked none and a runner that has none."""
+    if figures is None and not plan.expert_cache_slots:
+        return None
+    report = {"planned_slots": plan.expert_cache_slots, "on": figures is not None}
+    if figures is not None:
+        report.update(slots=figures.slots, layers=figures.layers, hits=figures.hits,
+                      misses=figures.misses, hit_rate=round(figures.hit_rate, 4),
+                      swaps=figures.swaps, steps=figures.steps, pool_bytes=figures.pool_bytes)
+    return report
+
+
+def expert_cache_words(report: dict | None) -> str:
+    """`expert cache: 16 slots, 62% hits` for ps; "" without one."""
+    if report is None:
+        return ""
+    if not report["on"]:
+        return (f"expert cache: {report['planned_slots']} slots planned, none made by "
+                "llama.cpp (see the runner log)")
+    lookups = report["hits"] + report["misses"]
+    rate = f"{report['hit_rate']:.0%} hits of {lookups} lookups" if lookups else \
+        "no lookups yet"
+    return f"expert cache: {report['slots']} slots, {rate}, {report['swaps']} swaps"
 
 
 def vram_of(pid: int | None, by_pid: dict[int, int] | None, plan) -> tuple[int | None, str | None]:
@@ -125,6 +154,7 @@ async def api_stats(request: web.Request) -> web.Response:
             "context_used": done.context_used if done else 0,
             "context_length": runner.n_ctx,
             "tokens_generated": runner.tokens_generated,
+            "expert_cache": expert_cache_report(runner.running_plan, runner.expert_cache),
             "last": last_request(done),
         })
     return web.json_response({"models": models, "time": time.time()})

@@ -12,6 +12,7 @@ stdout and fd 1 is pointed at stderr before the library loads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -108,9 +109,12 @@ def main() -> int:
         return 1
     engine.steps.on_threads = lambda event: channel.send(event_to_wire("", event))
     engine.bands.on_band = lambda event: channel.send(event_to_wire("", event))
+    engine.replies.on_expert_cache = lambda event: channel.send(event_to_wire("", event))
     resident = engine.lm.resident
+    pool = engine.model.expert_cache_stats()  # None: the plan asked none, or the engine refused
     channel.send({"event": "loaded", "pid": os.getpid(), "load_duration_ns": load_ns,
                   "n_ctx": engine.n_ctx, "n_parallel": len(engine.slots),
+                  "expert_cache": dataclasses.asdict(pool) if pool else None,
                   **({"past_ram": resident.report()} if resident else {})})
     log.info("loaded %s with %d slots of %d tokens", load["model_path"], len(engine.slots),
              engine.n_ctx)

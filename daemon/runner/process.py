@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from localllm.errors import UserError
+from localllm.llama import expert_cache
 from localllm.llama.cpu import describe_crash, is_engine_crash
 from localllm.paths import open_private_log
 from localllm.profiles.planning.plan import Plan
@@ -35,6 +36,7 @@ from .protocol import (
     EmbedRequest,
     Embeddings,
     Event,
+    ExpertCache,
     Failure,
     GenerationRequest,
     Request,
@@ -52,8 +54,10 @@ RUNNER_COMMAND = (sys.executable, "-m", "localllm.daemon.runner")
 
 def runner_env(plan: Plan) -> dict[str, str]:
     """The runner's environment: the daemon's, with the plan's GPUs as CUDA_VISIBLE_DEVICES in
-    NVML's (PCI bus) order, so that CUDA0, CUDA1... are the GPUs the plan was made for."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    NVML's (PCI bus) order, so that CUDA0, CUDA1... are the GPUs the plan was made for, and
+    without the expert cache's slots variable."""
+    # the plan alone gives the target context an expert cache (llama/expert_cache.py)
+    env = {**expert_cache.without_switch(dict(os.environ)), "PYTHONUNBUFFERED": "1"}
     if plan.gpus:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in plan.gpus)
@@ -115,6 +119,8 @@ class RunnerProcess:
         self.threads_reason = ""  # why they differ from the plan's
         self.loaded_at = 0.0
         self.last_done: Done | None = None
+        # The expert cache's figures as of the last answer (None: the model has no pool)
+        self.expert_cache: ExpertCache | None = None
         self.tokens_generated = 0  # every token the runner produced, cancelled ones included
         self._events: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
@@ -197,6 +203,12 @@ class RunnerProcess:
         self.n_parallel = reply.get("n_parallel", 1)
         # Past RAM: the weights the runner locked in RAM and those read per token (llama/resident)
         self.past_ram = reply.get("past_ram")
+        if reply.get("expert_cache"):
+            self.expert_cache = ExpertCache(**reply["expert_cache"])
+        elif self.plan.expert_cache_slots:
+            log.warning("runner for %s: the plan asked an expert cache of %d slots and "
+                        "llama.cpp made none (see %s)", self.model_name,
+                        self.plan.expert_cache_slots, self.log_path)
         if self.past_ram:
             log.info("runner for %s, past RAM: %s", self.model_name, self.past_ram["text"])
         self.loaded_at = time.time()
@@ -219,6 +231,9 @@ class RunnerProcess:
                 if isinstance(event, Threads):
                     self.n_threads, self.threads_reason = event.n_threads, event.reason
                     log.info("runner for %s: %s", self.model_name, event.reason)
+                    continue
+                if isinstance(event, ExpertCache):
+                    self.expert_cache = event
                     continue
                 if isinstance(event, Band):
                     self.band = event.band

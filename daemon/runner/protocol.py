@@ -196,13 +196,34 @@ class Band:
 
 
 @dataclass(frozen=True)
+class ExpertCache:
+    """Sent by the runner on its own, after each answer (before its Done) when the model's
+    context has an expert cache: the context's figures so far (llama/expert_cache.py; a fill
+    band switch starts them again with the new context)."""
+    kind: ClassVar[str] = "expert_cache"
+    slots: int
+    layers: int  # MoE blocks the pool serves
+    hits: int
+    misses: int
+    swaps: int
+    steps: int
+    pool_bytes: int
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+
+@dataclass(frozen=True)
 class Failure:
     kind: ClassVar[str] = "error"
     message: str
     status: int = 500  # 400 when the request itself was at fault (prompt too long, no template)
 
 
-Event = Token | Done | Failure | Progress | Embeddings | TokenCount | Threads | Band
+Event = (Token | Done | Failure | Progress | Embeddings | TokenCount | Threads | Band
+         | ExpertCache)
 Request = GenerationRequest | EmbedRequest | TokenizeRequest
 
 
@@ -229,8 +250,8 @@ OP_OF_REQUEST = {op.request: op for op in OPS}
 # Events that end a request (after one, nothing more comes for its id)
 ENDING_EVENTS = tuple(dict.fromkeys(cls for op in OPS for cls in op.ends))
 # Every event on the wire: those that end requests, progress on the way, and what the runner
-# sends on its own (no request id: a change of threads or of fill band)
-EVENTS = (*ENDING_EVENTS, Token, Progress, Threads, Band)
+# sends on its own (no request id: a change of threads or of fill band, the expert cache's figures)
+EVENTS = (*ENDING_EVENTS, Token, Progress, Threads, Band, ExpertCache)
 EVENT_KINDS = {cls: cls.kind for cls in EVENTS}  # each class's "event" on the wire
 EVENT_BY_KIND = {cls.kind: cls for cls in EVENTS}
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import asdict
 
 from localllm.llama.loaded import LoadedModel
 from localllm.llama.sampling import log_probs
 from localllm.llama.vision import text_tokens
 
-from .protocol import Done, Failure, Token
+from .protocol import Done, ExpertCache, Failure, Token
 from .slots import Room, Slot, Work
 
 log = logging.getLogger("localllm.runner")
@@ -25,6 +27,9 @@ class Replies:
     def __init__(self, model: LoadedModel, room: Room):
         self.model = model
         self.room = room
+        # The expert cache's figures after each answer, before its Done, so that /api/stats
+        # has them when the answer ends (a cheap ctypes call; nothing without a pool)
+        self.on_expert_cache: Callable[[ExpertCache], None] | None = None
 
     def text(self, slot: Slot, token: int) -> None:
         """Decode one answer token into text; hold back what may start a stop string."""
@@ -68,6 +73,7 @@ class Replies:
             if tail or work.pending_tokens:
                 work.emit(self._token_event(slot, tail))
         eval_ns = work.eval_ns
+        self.report_expert_cache()
         work.emit(Done(
             done_reason=reason,
             prompt_eval_count=len(work.prompt) - work.cached,
@@ -99,6 +105,13 @@ class Replies:
         slot.unread = slot.replaying = 0
         slot.drafts = []
         slot.last_used = time.monotonic()
+
+    def report_expert_cache(self) -> None:
+        if self.on_expert_cache is None:
+            return
+        figures = self.model.expert_cache_stats()
+        if figures is not None:
+            self.on_expert_cache(ExpertCache(**asdict(figures)))
 
     def fail(self, slots: list[Slot], code: int | str) -> None:
         """llama_decode refused the batch: fail the requests in it and forget their caches."""

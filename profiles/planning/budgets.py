@@ -12,15 +12,17 @@ from .search import Request
 RAM_RESERVE = 1 * GIB
 
 
-def vram_budget(card: Card, margin: int) -> int:
+def vram_budget(card: Card, margin: int, reserved: int = 0) -> int:
     """Per GPU: free memory less the user's margin (the CUDA overhead is counted per device);
     several GPUs: the smallest of theirs."""
-    return min(vram_budgets(card, margin).values(), default=0)
+    return min(vram_budgets(card, margin, reserved).values(), default=0)
 
 
-def vram_budgets(card: Card, margin: int) -> dict[str, int]:
-    """Each GPU's free memory less the user's margin."""
-    return {g.device: max(0, g.free_vram_bytes - margin) for g in card.gpu_list}
+def vram_budgets(card: Card, margin: int, reserved: int = 0) -> dict[str, int]:
+    """Each GPU's free memory less the user's margin, and the first GPU's less `reserved`
+    (the expert cache's pool, which the engine puts on the model's first GPU)."""
+    return {g.device: max(0, g.free_vram_bytes - margin - (reserved if i == 0 else 0))
+            for i, g in enumerate(card.gpu_list)}
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ class Evaluator:
     def __init__(self, costs: ModelCosts, card: Card, request: Request,
                  compute: ComputeTable | None, speculators: tuple[Speculator, ...] = ()):
         self.costs, self.card, self.request, self.compute = costs, card, request, compute
-        self.vram_budget = vram_budget(card, request.margin_bytes)
-        self.budgets = vram_budgets(card, request.margin_bytes)
+        self.vram_budget = vram_budget(card, request.margin_bytes, request.reserved_vram_bytes)
+        self.budgets = vram_budgets(card, request.margin_bytes, request.reserved_vram_bytes)
         self.device_budgets = tuple(self.budgets.items()) if card.n_gpus > 1 else ()
         # Several GPUs: each placement is tried under each layout (None: one GPU, no split)
         self.layouts: tuple[Layout | None, ...] = \

@@ -231,11 +231,17 @@ def _budget_line(card: Card, request: Request, best: Option) -> str:
     if card.n_gpus > 1:
         gpus = "; ".join(f"{g.device} {g.label} {gib(g.free_vram_bytes)} free, "
                          f"{g.bandwidth_gbs:g} GB/s" for g in card.gpu_list)
+        pool = (f" (the first also less {gib(request.reserved_vram_bytes)} for the expert "
+                "cache's pool)" if request.reserved_vram_bytes else "")
         return (f"{card.n_gpus} GPUs ({gpus}): each less a {gib(request.margin_bytes)} margin "
-                f"is usable, of which {gib(card.overhead_bytes)} go to its CUDA context; {host}")
+                f"is usable{pool}, of which {gib(card.overhead_bytes)} go to its CUDA context; "
+                f"{host}")
     gpus = f"{card.n_gpus} x " if card.n_gpus > 1 else ""
+    pool = (f" and {gib(request.reserved_vram_bytes)} for the expert cache's pool"
+            if request.reserved_vram_bytes else "")
     return (f"{gpus}{card.label}: {gib(card.free_vram_bytes)} free less a "
-            f"{gib(request.margin_bytes)} margin leaves {gib(best.vram_budget)} usable, of which "
+            f"{gib(request.margin_bytes)} margin{pool} leaves {gib(best.vram_budget)} usable, "
+            "of which "
             f"{gib(card.overhead_bytes)} go to the CUDA context; {host}")
 
 

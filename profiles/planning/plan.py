@@ -59,6 +59,9 @@ class Plan:
     # each token needs them. The runner locks the rest in RAM so they stay (llama/resident.py).
     streamed_bytes: int = 0
     n_parallel: int = 1  # slots: sequences decoded together, each with n_ctx of KV
+    # MoE: experts the engine's expert cache holds (patches/0002, profiles/planning/
+    # expert_pool.py), a pool the target context alone gets; 0: off
+    expert_cache_slots: int = 0
     # Speculative decoding: "off", "lookup" (n-grams of the prompt), "mtp" (the model's NextN
     # layers) or "draft" (the paired draft model). A profile's "prompt-lookup" reads as "lookup",
     # "none" (the name before requests and plans shared one vocabulary) as "off".
@@ -98,7 +101,8 @@ class Plan:
                 self.n_ubatch, self.n_threads, self.n_threads_batch, self.use_mmap,
                 self.pin_in_place,
                 self.extra_bufts, self.streamed_bytes,
-                self.n_parallel, self.speculative, self.draft_n_max, self.draft_n_gpu_layers,
+                self.n_parallel, self.expert_cache_slots, self.speculative, self.draft_n_max,
+                self.draft_n_gpu_layers,
                 self.rpc_workers, self.projector_on_gpu, self.gpus)
 
     @property

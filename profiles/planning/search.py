@@ -62,6 +62,12 @@ class Request:
     # The smallest context a plan chosen without n_ctx gets (config default_ctx under the
     # `fit` policy): the tuner goes larger only where that costs no speed.
     min_ctx: int = MIN_DEFAULT_CTX
+    # MoE expert cache (config expert_cache; profiles/planning/expert_pool.py): the slots asked
+    # (0: off), and whether the pool is in RAM (the test knob LLAMA_MOE_CACHE_DEVICE=cpu)
+    expert_cache_slots: int = 0
+    expert_pool_in_ram: bool = False
+    # VRAM kept out of the first GPU's budget for the placement (the expert cache's pool)
+    reserved_vram_bytes: int = 0
 
 
 @dataclass(frozen=True)

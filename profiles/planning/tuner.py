@@ -27,6 +27,7 @@ from .build import build_plan
 from .card import Card
 from .costs import model_costs
 from .evaluator import Evaluator
+from .expert_pool import with_expert_pool
 from .explain import impossible_message
 from .memory import CPU, ComputeTable, ContextSettings
 from .plan import Plan
@@ -160,6 +161,9 @@ def tune(shape: ModelShape, card: Card, request: Request | None = None,
     `draft` is the shape of a draft model paired with this one (same vocabulary): the search
     then also prices speculative decoding with it, its weights and KV inside the budget."""
     request = request or Request()
+    if request.expert_cache_slots:  # the pool's VRAM first, then the placement around it
+        return with_expert_pool(shape, card, request,
+                                lambda plain: tune(shape, card, plain, compute, draft))
     if request.n_ctx is not None and request.n_ctx < 256:
         raise NoPlanFits(f"context {request.n_ctx} is too small: use at least 256")
     if request.quality not in quality.POLICIES:

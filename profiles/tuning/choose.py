@@ -65,9 +65,10 @@ def tuning_config(config: Config | None = None) -> tuple[Config | None, bool]:
 def config_request(model_name: str | None = None, file_size: int = 0,
                    hint: str | None = None, config: Config | None = None) -> Request:
     """The config's tuner settings (quality, kv_cache_type, num_parallel, vram_margin_mib,
-    ram_budget), the workload (learned from what the model served, else the config's or the
-    route's `hint`: profiles.tuning.traffic; the older expected_fill where set), the model's
-    `localllm eval` results and the draft acceptance measured while serving it, as a Request.
+    ram_budget, expert_cache), the workload (learned from what the model served, else the
+    config's or the route's `hint`: profiles.tuning.traffic; the older expected_fill where
+    set), the model's `localllm eval` results and the draft acceptance measured while serving
+    it, as a Request.
     `config`: the daemon's live settings (None: config.toml, see tuning_config)."""
     config, fill_set = tuning_config(config)
     if config is None:
@@ -90,7 +91,16 @@ def config_request(model_name: str | None = None, file_size: int = 0,
         measured_kl=measured_kl(model_name, file_size) if model_name else {},
         acceptance=measured_acceptance(model_name, file_size) if model_name else {},
         min_ctx=config.default_ctx,
+        expert_cache_slots=0 if config.expert_cache == "off" else int(config.expert_cache),
+        expert_pool_in_ram=pool_in_ram(),
     )
+
+
+def pool_in_ram() -> bool:
+    """Whether the expert cache's pool goes in RAM: llama.cpp's own LLAMA_MOE_CACHE_DEVICE=cpu
+    in this process's environment (the runner inherits it: llama/expert_cache.py), a knob for
+    tests and development on a machine without a GPU."""
+    return os.environ.get("LLAMA_MOE_CACHE_DEVICE") == "cpu"  # as the engine compares it
 
 
 def gpus_setting(config: Config | None = None) -> str:

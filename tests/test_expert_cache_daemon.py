@@ -1,0 +1,108 @@
+"""Issue 40, the expert cache from the setting to the user: a real daemon with `expert_cache =
+16` plans the pool, its runner creates the model's context with it (in RAM here: the knob
+LLAMA_MOE_CACHE_DEVICE=cpu passed through from the daemon's environment, no GPU on this
+machine), and the figures come back in /api/stats, /api/ps and `localllm ps`. Real llama.cpp
+with the patched engine, a tiny synthetic qwen3moe (4 MoE blocks of 32 experts, 4 routed,
+skewed routing, every weight drawn) in Q4_1, a type llama.cpp does not repack for the CPU, so
+that the runs with and without the cache differ in nothing else."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+import synth_gguf
+
+from conftest import import_models
+from daemon_process import isolated_env, start_daemon
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "assistant:")
+ASK = {"model": "moe", "stream": False,
+       "messages": [{"role": "user", "content": "Name three colours of the sea at dusk."}],
+       "options": {"temperature": 0, "num_predict": 40, "seed": 1}}
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory) -> Path:
+    tiny = synth_gguf.tiny(synth_gguf.SHAPES["qwen3-30b-a3b"])
+    shape = dataclasses.replace(tiny, name="moe-cache", n_layer=4, n_expert=32, n_expert_used=4)
+    return synth_gguf.write_gguf(tmp_path_factory.mktemp("moe") / "moe.gguf", shape, "Q4_1",
+                                 "noise", routing="zipf:1", chat_template=TEMPLATE)
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def _serve(tmp_path: Path, models: dict[str, Path], **settings: str):
+    env = isolated_env(tmp_path, LLAMA_MOE_CACHE_DEVICE="cpu", LOCALLLM_CONTEXT_LENGTH="1024",
+                       LOCALLLM_CONTEXT_POLICY="fixed", LOCALLLM_NUM_PARALLEL="1", **settings)
+    import_models(env, models)
+    return start_daemon(env)
+
+
+@pytest.fixture(scope="module")
+def answer_without_cache(tmp_path_factory, moe_gguf) -> dict:
+    d = _serve(tmp_path_factory.mktemp("off"), {"moe": moe_gguf})
+    try:
+        answer = _post(f"{d.url}/api/chat", ASK)
+        stats = d.get("/api/stats")["models"][0]
+        assert stats["expert_cache"] is None
+        assert stats["plan"]["expert_cache_slots"] == 0
+        assert "expert_cache" not in d.ps()[0]
+        return answer
+    finally:
+        d.stop()
+
+
+def test_a_daemon_with_the_setting_answers_alike_and_reports_hits(tmp_path, moe_gguf,
+                                                                  smollm2_gguf,
+                                                                  answer_without_cache):
+    d = _serve(tmp_path, {"moe": moe_gguf, "dense": smollm2_gguf},
+               LOCALLLM_EXPERT_CACHE="16")
+    try:
+        answer = _post(f"{d.url}/api/chat", ASK)
+        text = answer["message"]["content"]
+        assert answer["eval_count"] > 20 and len(set(text.split())) > 3  # a real comparison
+        assert text == answer_without_cache["message"]["content"]
+
+        stats = next(m for m in d.get("/api/stats")["models"] if m["model"] == "moe:latest")
+        cache = stats["expert_cache"]
+        assert cache["on"] and cache["slots"] == cache["planned_slots"] == 16
+        assert cache["layers"] == 4
+        lookups = cache["hits"] + cache["misses"]
+        assert cache["hits"] > 0 and lookups >= 4 * 4 * answer["eval_count"]
+        assert cache["hit_rate"] == round(cache["hits"] / lookups, 4)
+        assert cache["swaps"] > 0 and cache["steps"] >= answer["eval_count"]
+        assert stats["plan"]["expert_cache_slots"] == 16
+        assert any(r.startswith("expert cache on: 16 expert slots") and "in RAM" in r
+                   for r in stats["plan"]["reasons"]), stats["plan"]["reasons"]
+        assert any("not priced yet" in r for r in stats["plan"]["reasons"])
+
+        ps = d.ps()[0]
+        assert ps["expert_cache"]["slots"] == 16
+        assert ps["expert_cache"]["text"] == (
+            f"expert cache: 16 slots, {cache['hit_rate']:.0%} hits of {lookups} lookups, "
+            f"{cache['swaps']} swaps")
+        shown = d.cli("ps")
+        assert shown.returncode == 0, shown.stderr
+        assert f"moe:latest expert cache: 16 slots, {cache['hit_rate']:.0%} hits" in shown.stdout
+
+        # a dense model under the same setting: loaded without a pool, and the plan says why
+        dense = _post(f"{d.url}/api/generate", {"model": "dense", "prompt": "Hi", "stream": False,
+                                                "options": {"num_predict": 4}})
+        assert dense["done"]
+        stats = next(m for m in d.get("/api/stats")["models"] if m["model"] == "dense:latest")
+        assert stats["expert_cache"] is None and stats["plan"]["expert_cache_slots"] == 0
+        assert any(r.startswith("expert cache off:") and "dense model" in r
+                   for r in stats["plan"]["reasons"]), stats["plan"]["reasons"]
+        assert "dense:latest expert cache" not in d.cli("ps").stdout
+    finally:
+        d.stop()

@@ -1,0 +1,157 @@
+"""Issue 40, the expert cache in the plan: the pool's bytes from the model's shape (checked
+against what the patched engine allocates), the VRAM the tuner keeps out of the placement for
+it on a card profile, why it is off where it is, the setting, saved profiles, and the runner's
+side of the switch (only the target context gets a pool). Real tuner searches over synthetic
+GGUF headers (scripts/synth_gguf.py, `sparse`: the real tensor table, no weights), real
+llama.cpp for the pool's size, the real `localllm tune` command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import synth_gguf
+
+from daemon_process import isolated_env
+from localllm.config import ConfigError, coerce, load_config
+from localllm.daemon.runner.process import runner_env
+from localllm.llama import expert_cache
+from localllm.llama.params import model_params
+from localllm.modelstore.shape import read_shape
+from localllm.profiles.planning.card import GIB, load_card
+from localllm.profiles.planning.costs import model_costs
+from localllm.profiles.planning.expert_pool import blocks_in_ram, pool_shape
+from localllm.profiles.planning.memory import memory_by_device
+from localllm.profiles.planning.plan import Plan
+from localllm.profiles.planning.search import Request
+from localllm.profiles.planning.tuner import tune
+from localllm.profiles.tuning.choose import placement_of, settings_of
+from localllm.profiles.tuning.saved import ProfileError, load_profile, save_profile
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def headers(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("headers")
+    return {name: synth_gguf.write_gguf(d / f"{name}.gguf", synth_gguf.SHAPES[name], "Q4_0",
+                                        "sparse")
+            for name in ("qwen3-30b-a3b", "llama-8b")}
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> Path:
+    tiny = synth_gguf.tiny(synth_gguf.SHAPES["qwen3-30b-a3b"])
+    shape = dataclasses.replace(tiny, name="moe-cache", n_layer=4, n_expert=32, n_expert_used=4)
+    return synth_gguf.write_gguf(tmp_path_factory.mktemp("tiny") / "moe.gguf", shape, "Q4_1",
+                                 "noise", routing="zipf:1")
+
+
+def test_the_pool_costs_what_the_engine_allocates(tiny_moe):
+    """(slots + 1 zero slot) x one expert's up+gate+down, plus each block's map: the bytes the
+    patched llama.cpp reports for its pool (in RAM, here)."""
+    env = {**expert_cache.without_switch(dict(os.environ)),
+           **expert_cache.environment(8, device="cpu")}
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "moe_cache_check.py"),
+                          str(tiny_moe), "--tokens", "4"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    engine = json.loads(run.stdout.splitlines()[-1])["stats"]
+    pool = pool_shape(read_shape(tiny_moe))
+    assert pool.blocks == (0, 1, 2, 3) and pool.n_expert == 32
+    assert engine["slots"] == 8 and engine["pool_bytes"] == pool.bytes(8)
+    assert pool.slots_in(pool.bytes(8)) == 8 and pool.slots_in(pool.bytes(8) - 1) == 7
+    assert pool.slots_in(0) == 0
+
+
+def test_the_tuner_keeps_the_pools_vram_out_of_the_placement(headers):
+    shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
+    without = tune(shape, card, Request())
+    plan = tune(shape, card, Request(expert_cache_slots=512))
+    pool = pool_shape(shape)
+    need = pool.bytes(512)
+    assert 1.2 * GIB < need < 1.3 * GIB  # 512 x 2.5 MiB of Q4_0 up/gate/down (768 x 2048)
+    assert plan.expert_cache_slots == 512 and without.expert_cache_slots == 0
+    # the placement gets less VRAM: more blocks' experts stay in RAM, all served by the pool
+    assert len(blocks_in_ram(plan, shape, pool)) > len(blocks_in_ram(without, shape, pool)) > 0
+    # the plan's VRAM is the placement's, which fits what the pool leaves, and the pool's
+    budget = card.free_vram_bytes - Request().margin_bytes
+    placed = {m.device: m for m in memory_by_device(
+        model_costs(shape), placement_of(plan, shape), settings_of(plan), card)}
+    gpu = next(m for m in plan.memory if m.device == "CUDA0")
+    assert gpu.weights == placed["CUDA0"].weights + need
+    assert placed["CUDA0"].total <= budget - need < plan.vram_bytes() <= budget
+    assert any("and 1.3 GiB for the expert cache's pool leaves" in r for r in plan.reasons)
+    on = next(r for r in plan.reasons if r.startswith("expert cache on:"))
+    assert "512 expert slots of 2.5 MiB on CUDA0 (1.3 GiB of VRAM kept out" in on
+    assert any("not priced yet" in r for r in plan.reasons)
+    assert plan.load_key() != dataclasses.replace(plan, expert_cache_slots=0).load_key()
+
+
+def test_tune_on_a_card_profile_reads_the_setting(headers, tmp_path):
+    env = isolated_env(tmp_path, LOCALLLM_EXPERT_CACHE="256")
+    result = subprocess.run([sys.executable, "-m", "localllm.cli", "tune",
+                             str(headers["qwen3-30b-a3b"]), "--card", "rtx3060-12g", "--json",
+                             "--no-save"], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)["plan"]
+    assert plan["expert_cache_slots"] == 256
+    assert any(r.startswith("expert cache on: 256 expert slots") for r in plan["reasons"])
+
+
+def test_a_dense_model_is_refused_with_a_reason_not_an_error(headers):
+    plan = tune(read_shape(headers["llama-8b"]), load_card("rtx3060-12g"),
+                Request(expert_cache_slots=16))
+    assert plan.expert_cache_slots == 0
+    assert any(r.startswith("expert cache off:") and "dense model" in r for r in plan.reasons)
+
+
+def test_no_pool_where_every_expert_fits_on_the_gpu_or_there_is_no_gpu(headers):
+    shape = read_shape(headers["qwen3-30b-a3b"])
+    roomy = tune(shape, load_card("h200"), Request(expert_cache_slots=64))
+    assert roomy.expert_cache_slots == 0
+    assert any("every expert on the GPU" in r for r in roomy.reasons)
+    cpu = load_card("cpu-only")
+    bare = tune(shape, cpu, Request(expert_cache_slots=64))
+    assert bare.expert_cache_slots == 0 and any("no GPU to hold the pool" in r
+                                                for r in bare.reasons)
+    in_ram = tune(shape, cpu, Request(expert_cache_slots=64, expert_pool_in_ram=True))
+    assert in_ram.expert_cache_slots == 64
+    ram = next(m for m in in_ram.memory if m.device == "CPU")
+    assert ram.weights == next(m for m in bare.memory if m.device == "CPU").weights \
+        + pool_shape(shape).bytes(64)
+
+
+def test_the_setting_and_saved_profiles(tmp_path):
+    assert coerce("expert_cache", "off") == "off" and coerce("expert_cache", "16") == 16
+    with pytest.raises(ConfigError, match="whole number or off"):
+        coerce("expert_cache", "lots")
+    assert load_config(tmp_path / "none.toml", {}).expert_cache == "off"
+    with pytest.raises(ConfigError, match="at least 0"):
+        load_config(tmp_path / "none.toml", {"LOCALLLM_EXPERT_CACHE": "-3"})
+    path = save_profile(Plan(n_ctx=4096, expert_cache_slots=16), "moe", "rtx3060-12g", 1,
+                        directory=tmp_path)
+    assert "expert_cache_slots = 16" in path.read_text()
+    assert load_profile(path).plan.expert_cache_slots == 16
+    path.write_text(path.read_text().replace("expert_cache_slots = 16",
+                                             "expert_cache_slots = -1"))
+    with pytest.raises(ProfileError, match="expert_cache_slots must be 0 or more"):
+        load_profile(path)
+
+
+def test_only_the_target_context_gets_a_pool(monkeypatch):
+    monkeypatch.setenv(expert_cache.SLOTS_VARIABLE, "99")
+    assert expert_cache.SLOTS_VARIABLE not in runner_env(Plan(n_ctx=4096))
+    with expert_cache.switched_on(16):
+        assert os.environ[expert_cache.SLOTS_VARIABLE] == "16"
+    with expert_cache.switched_on(0):
+        assert expert_cache.SLOTS_VARIABLE not in os.environ
+    assert os.environ[expert_cache.SLOTS_VARIABLE] == "99"  # as it was
+    # the pool is filled from the experts' bytes in RAM: no repacking for the CPU's kernels
+    assert model_params(Plan(n_ctx=4096, expert_cache_slots=16))[0].use_extra_bufts is False
+    assert model_params(Plan(n_ctx=4096))[0].use_extra_bufts is True
