@@ -108,13 +108,11 @@
   context's and they decode faster after a short prompt, on a GPU, for plans the tuner made
   (not a saved profile, a draft model or a vision projector); `off`: one plan for the whole
   context; token counts (`4096,16384`): these bands, on any machine.
-- expert_cache: experimental until measured on a GPU (issue #40, docs/expert-cache.md). `off`
-  (or 0), or N: a pool of N MoE experts in VRAM serving the experts a plan keeps in RAM (the
-  routed experts found there are computed on the GPU, the rest on the CPU). The tuner keeps
-  its VRAM (N+1 times one expert's up, gate and down matrices) out of the placement's budget
-  for MoE models whose experts it keeps in RAM, else the plan's reasons say why it is off; its
-  speed is not priced yet. ps and /api/stats show slots and hit rate. A saved profile keeps
-  its own `expert_cache_slots`.
+- expert_cache: experimental (issue #40, docs/expert-cache.md). `off` (or 0), or N: a pool of
+  N MoE experts in VRAM for a plan's experts in RAM (those routed there run on the GPU, the rest
+  on the CPU). The tuner keeps its VRAM (N+1 experts) out of the placement's budget where it
+  keeps experts in RAM, else the plan says why it is off; its speed is not priced yet. ps and
+  /api/stats show slots and hit rate. A saved profile keeps its own `expert_cache_slots`.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
