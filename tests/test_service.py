@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pty
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -99,9 +100,14 @@ def test_without_systemd_each_command_says_so_in_one_line(home, tmp_path, comman
         assert main(["service", "install", "--no-start"]) == 0
     empty_bin = tmp_path / "empty-bin"
     empty_bin.mkdir()
+    # A port no daemon listens on: `status` asks whether one runs outside systemd, and a daemon
+    # of the user's own on the default port would answer.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{probe.getsockname()[1]}"
     result = subprocess.run([sys.executable, "-m", "localllm.cli", "service", *command],
-                            env={**os.environ, "PATH": str(empty_bin)}, capture_output=True,
-                            text=True)
+                            env={**os.environ, "PATH": str(empty_bin), "LOCALLLM_HOST": nobody},
+                            capture_output=True, text=True)
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert "systemd is not available here" in result.stderr
