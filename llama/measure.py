@@ -1,7 +1,7 @@
 """`tune --measure`'s benchmark, in a child process (`python -m localllm.llama.measure`, the
-request as JSON on stdin, one JSON line out): the model and context built from the plan by
-llama/params.py, as the runner builds them, then a prompt read and a greedy decode timed over a
-bare llama_decode loop."""
+request as JSON on stdin, one JSON line out): the model and context loaded from the plan by the
+runner's own load (llama/model.py: the weights in RAM pinned in place, the expert pool), then a
+prompt read and a greedy decode timed over a bare llama_decode loop."""
 
 from __future__ import annotations
 
@@ -14,22 +14,14 @@ from localllm.profiles.planning.plan import Plan
 
 from . import nvml
 from .batch import fill
-from .params import context_params, model_params
+from .model import free, load
 
 
 def run(model_path: str, plan: Plan, prompt_tokens: int = 128, decode_tokens: int = 32) -> dict:
     import numpy as np
 
-    llama_cpp.llama_backend_init()
-    mparams, keep_alive = model_params(plan)
-    model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
-    del keep_alive
-    if not model:
-        raise RuntimeError(f"llama.cpp could not load {model_path}")
-    ctx = llama_cpp.llama_init_from_model(model, context_params(plan))
-    if not ctx:
-        raise RuntimeError("llama.cpp could not create the context")
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    lm = load(model_path, plan)  # ModelLoadError says what llama.cpp refused
+    ctx, n_vocab = lm.ctx, lm.n_vocab
     prompt_tokens = max(8, min(prompt_tokens, plan.n_ctx - decode_tokens - 8))
     # Ordinary token ids past the specials: any text-like sequence times the same.
     tokens = [(7 + 31 * i) % max(1, n_vocab - 300) + 259 for i in range(prompt_tokens)]
@@ -50,8 +42,7 @@ def run(model_path: str, plan: Plan, prompt_tokens: int = 128, decode_tokens: in
     decode_s = time.perf_counter() - start
     vram = nvml.process_vram_bytes()
     llama_cpp.llama_batch_free(batch)
-    llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(model)
+    free(lm)
     return {"prefill_tps": prompt_tokens / prefill_s, "decode_tps": decode_tokens / decode_s,
             "vram_bytes": vram, "prompt_tokens": prompt_tokens, "decoded_tokens": decode_tokens}
 
