@@ -13,6 +13,18 @@ then one token per decode. --verify K decodes the generated tokens again K at a 
 speculative verification batch would, and reports every row's greedy token (a batch's
 arithmetic may differ from a one-token step's: compare it with the same run without the
 cache). Weights stay in plain host buffers (no CPU repacking), as the cache needs.
+
+Greedy tokens agree only while no two logits come within the arithmetic's rounding of each
+other, and an expert computed on the GPU rounds differently from the CPU's (ggml-cuda quantizes
+the activations to q8_1, the CPU to q8_0): on random weights near ties are common. So
+`--force RUN.json` decodes another run's tokens instead of its own choices and records each
+step's top logits, and `--compare A.json B.json` says, step by step over the same tokens, how
+often the two picked the same token and how far their top logits moved:
+
+    python scripts/moe_cache_check.py MODEL.gguf --gpu > off.json
+    LLAMA_MOE_CACHE_SLOTS=16 python scripts/moe_cache_check.py MODEL.gguf --gpu \
+        --force off.json > on.json
+    python scripts/moe_cache_check.py --compare off.json on.json
 """
 
 from __future__ import annotations
@@ -53,13 +65,48 @@ def _decode(ctx, tokens: list[int], pos: int, all_logits: bool) -> None:
         llama_cpp.llama_batch_free(batch)
 
 
+TOP = 8  # logits kept per step for --compare
+
+
+def _top(ctx, i: int, n_vocab: int) -> list[tuple[int, float]]:
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,))
+    ids = np.argsort(logits)[::-1][:TOP]
+    return [(int(t), float(logits[t])) for t in ids]
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Step by step over the same tokens (b forced with a's, or both forced alike): the share of
+    steps whose greedy token agrees, and the largest move of a's top logits in b, relative to
+    the spread of a's top logits at that step."""
+    tops_a, tops_b = a["top"], b["top"]
+    steps = min(len(tops_a), len(tops_b))
+    same = sum(tops_a[i][0][0] == tops_b[i][0][0] for i in range(steps))
+    moved = []
+    for i in range(steps):
+        in_b = dict(tops_b[i])
+        spread = tops_a[i][0][1] - tops_a[i][-1][1] or 1.0
+        moved += [abs(v - in_b[t]) / spread for t, v in tops_a[i] if t in in_b]
+    return {"steps": steps, "same_greedy": round(same / steps, 4) if steps else None,
+            "max_rel_move": round(max(moved), 4) if moved else None,
+            "mean_rel_move": round(sum(moved) / len(moved), 5) if moved else None}
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--compare"]:
+        if len(argv) != 3:
+            raise SystemExit("usage: moe_cache_check.py --compare A.json B.json")
+        a, b = (json.loads(Path(f).read_text().splitlines()[-1]) for f in argv[1:])
+        print(json.dumps(compare(a, b)))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
     p.add_argument("--prompt", type=int, default=40, help="prompt length in tokens")
     p.add_argument("--tokens", type=int, default=24, help="tokens to generate")
     p.add_argument("--verify", type=int, default=0, help="re-decode the output K at a time")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--force", type=Path, help="decode this run's tokens (its JSON), not ours")
     p.add_argument("--gpu", action="store_true",
                    help="all layers on the GPU, the MoE experts in RAM (-ot exps=CPU)")
     args = p.parse_args(argv)
@@ -94,15 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
 
     prompt = [(7 * i + 3) % (n_vocab - 10) + 5 for i in range(args.prompt)]
+    forced = json.loads(args.force.read_text().splitlines()[-1])["tokens"] if args.force else None
     _decode(ctx, prompt, 0, False)
-    out = [_argmax(ctx, -1, n_vocab)]
+    top = [_top(ctx, -1, n_vocab)]
+    out = [forced[0] if forced else top[-1][0][0]]
     pos = len(prompt)
     started = time.perf_counter()
-    for _ in range(args.tokens - 1):
+    for step in range(1, len(forced) if forced else args.tokens):
         _decode(ctx, [out[-1]], pos, False)
         pos += 1
-        out.append(_argmax(ctx, -1, n_vocab))
-    steps_single = args.tokens - 1
+        top.append(_top(ctx, -1, n_vocab))
+        out.append(forced[step] if forced else top[-1][0][0])
+    steps_single = len(out) - 1
     seconds = time.perf_counter() - started
     stats_single = expert_cache.read(ctx)
 
@@ -119,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stats = expert_cache.read(ctx)
     print(json.dumps({
-        "tokens": out, "steps": steps_single, "verify_argmax": verify_argmax,
+        "tokens": out, "steps": steps_single, "verify_argmax": verify_argmax, "top": top,
         "decode_tok_s": round(steps_single / seconds, 1) if seconds > 0 else None,
         "stats_single": stats_single.__dict__ if stats_single else None,
         "stats": stats.__dict__ if stats else None,

@@ -48,7 +48,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 VERIFY = 5  # then the output again, 5 tokens a batch, every row's logits: verification batches
 
 
-def _run(model: Path, **cache) -> dict:
+def _run(model: Path, *extra: str, **cache) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
     zero_slot = cache.pop("zero_slot", None)
     if cache:
@@ -57,7 +57,7 @@ def _run(model: Path, **cache) -> dict:
         env["LLAMA_MOE_CACHE_ZERO_SLOT"] = str(int(zero_slot))
     result = subprocess.run(
         [sys.executable, str(CHECK), str(model), "--prompt", str(PROMPT),
-         "--tokens", str(TOKENS), "--verify", str(VERIFY)],
+         "--tokens", str(TOKENS), "--verify", str(VERIFY), *extra],
         capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
@@ -125,6 +125,31 @@ def test_a_pool_with_no_slots_misses_everything_and_answers_the_same(models, wit
     stats = on["stats_single"]
     assert stats["hits"] == 0 and stats["swaps"] == 0
     assert stats["misses"] == _lookups(on["steps"])
+
+
+def _compare(a: Path, b: Path) -> dict:
+    result = subprocess.run([sys.executable, str(CHECK), "--compare", str(a), str(b)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout)
+
+
+def test_forced_tokens_compare_the_logits_step_by_step(models, without_cache, tmp_path):
+    """--force decodes another run's tokens, --compare says how far each step's top logits
+    moved: the way to judge a GPU pool, whose rounding flips near-tie greedy picks. A pool in
+    RAM does the CPU's own arithmetic: nothing moves. Another model over the same tokens
+    picks otherwise: the comparison sees it."""
+    off = tmp_path / "off.json"
+    off.write_text(json.dumps(without_cache["zipf:1"]))
+    on = tmp_path / "on.json"
+    on.write_text(json.dumps(_run(models["zipf:1"], "--force", str(off), slots=8,
+                                  device="cpu")))
+    assert json.loads(on.read_text())["tokens"] == without_cache["zipf:1"]["tokens"]
+    assert _compare(off, on) == {"steps": TOKENS, "same_greedy": 1.0, "max_rel_move": 0.0,
+                                 "mean_rel_move": 0.0}
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(_run(models["uniform"], "--force", str(off))))
+    assert _compare(off, other)["same_greedy"] < 0.5
 
 
 def test_no_gpu_and_no_cpu_pool_leaves_the_cache_off(models, without_cache):
