@@ -291,6 +291,10 @@ def cmd_ps(args) -> int:
         if m.get("extra_bufts") is False:
             print(f"{m['name']} engine: extra buffer types (repack, AMX) off, after llama.cpp "
                   "crashed with them on this CPU (see the daemon log)")
+    for m in data["models"]:  # the driver refused to pin the weights in RAM where they are
+        if m.get("pin_in_place") and m.get("weights_in_ram") == "copied":
+            print(f"{m['name']} weights in RAM: copied into pinned memory, as the driver refused "
+                  "to pin them in place (a slower load; see the daemon log)")
     for m in data["models"]:  # the MoE expert cache's slots and hit rate (issue #40)
         if m.get("expert_cache"):
             print(f"{m['name']} {m['expert_cache']['text']}")

@@ -50,6 +50,10 @@ class LlamaModel:
     n_rollback: int  # ... except by this many positions (recurrent-state snapshots)
     resident: ResidentWeights | None = None  # past RAM: the weights locked in RAM
     pinned: PinnedMapping | None = None  # the mapped weights pinned in place for the GPU
+    # How the weights in RAM really sit: "mapped" (the file's pages), "pinned in place" (those
+    # pages, pinned for the GPU) or "copied" (load_mode none: a copy, in the GPU's pinned host
+    # buffer on a GPU). A plan that asks to pin in place gets "copied" when the driver refuses.
+    weights_in_ram: str = "mapped"
 
 
 def load(model_path: str, plan: Plan) -> LlamaModel:
@@ -94,7 +98,8 @@ def load(model_path: str, plan: Plan) -> LlamaModel:
         n_seq=llama_cpp.llama_n_seq_max(ctx), n_vocab=llama_cpp.llama_vocab_n_tokens(vocab),
         n_swa=0 if plan.swa_full else llama_cpp.llama_model_n_swa(model),
         recurrent=recurrent, n_rollback=llama_cpp.llama_n_rs_seq(ctx), resident=resident,
-        pinned=pinned,
+        pinned=pinned, weights_in_ram="pinned in place" if pinned is not None
+        else "mapped" if plan.use_mmap else "copied",
     )
 
 

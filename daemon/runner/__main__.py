@@ -115,6 +115,7 @@ def main() -> int:
     channel.send({"event": "loaded", "pid": os.getpid(), "load_duration_ns": load_ns,
                   "n_ctx": engine.n_ctx, "n_parallel": len(engine.slots),
                   "expert_cache": dataclasses.asdict(pool) if pool else None,
+                  "weights_in_ram": engine.lm.weights_in_ram,
                   **({"past_ram": resident.report()} if resident else {})})
     log.info("loaded %s with %d slots of %d tokens", load["model_path"], len(engine.slots),
              engine.n_ctx)

@@ -121,6 +121,7 @@ class RunnerProcess:
         self.last_done: Done | None = None
         # The expert cache's figures as of the last answer (None: the model has no pool)
         self.expert_cache: ExpertCache | None = None
+        self.weights_in_ram = ""
         self.tokens_generated = 0  # every token the runner produced, cancelled ones included
         self._events: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
@@ -203,6 +204,12 @@ class RunnerProcess:
         self.n_parallel = reply.get("n_parallel", 1)
         # Past RAM: the weights the runner locked in RAM and those read per token (llama/resident)
         self.past_ram = reply.get("past_ram")
+        # what really holds the weights in RAM (llama/model.py), which a refused pin changes
+        self.weights_in_ram = reply.get("weights_in_ram", "")
+        if self.plan.pin_in_place and self.weights_in_ram != "pinned in place":
+            log.warning("runner for %s: the plan pins the weights in RAM in place and the driver "
+                        "refused: they were copied into pinned memory instead (see %s)",
+                        self.model_name, self.log_path)
         if reply.get("expert_cache"):
             self.expert_cache = ExpertCache(**reply["expert_cache"])
         elif self.plan.expert_cache_slots:
