@@ -50,15 +50,11 @@ def _argmax(ctx, i: int, n_vocab: int) -> int:
 
 
 def _decode(ctx, tokens: list[int], pos: int, all_logits: bool) -> None:
+    from localllm.llama.batch import fill  # after checkout_imports.bootstrap (main)
+
     batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
     try:
-        for i, t in enumerate(tokens):
-            batch.token[i] = t
-            batch.pos[i] = pos + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = all_logits or i == len(tokens) - 1
-        batch.n_tokens = len(tokens)
+        fill(batch, tokens, pos, all_logits=all_logits)
         if llama_cpp.llama_decode(ctx, batch) != 0:
             raise SystemExit("error: llama_decode failed")
     finally:
