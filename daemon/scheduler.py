@@ -132,6 +132,8 @@ class Scheduler:
         model.active += 1
         model.expires_at = None
         try:
+            if model.active == 1:
+                await self._share_cpu(model)
             yield model.runner
         finally:
             model.active -= 1
@@ -139,10 +141,22 @@ class Scheduler:
             model.keep_alive = keep
             if model.active == 0:
                 model.expires_at = None if keep is None else time.time() + keep
+                asyncio.ensure_future(self._share_cpu())
             model.slots.release()
             self._wake.set()
             if keep == 0 and model.idle and self.models.get(name) is model:
                 asyncio.ensure_future(self._unload_if_idle(name, model))
+
+    async def _share_cpu(self, entering: LoadedModel | None = None) -> None:
+        """Tell each busy runner that computes on the CPU how many do at once: each takes its
+        plan's share of the threads (runner/step.py). The runner of a request that starts
+        (`entering`) hears it before the request; the others between two of their steps."""
+        busy = [m for m in self.models.values() if m.active and computes_on_cpu(m)]
+        for model in busy:
+            if model is not entering:
+                asyncio.ensure_future(model.runner.share_cpu(len(busy)))
+        if entering in busy:
+            await entering.runner.share_cpu(len(busy))
 
     async def _acquire(self, entry: ModelEntry, load: LoadOptions,
                        prompt_chars: int = 0, hint: str | None = None) -> LoadedModel:
@@ -389,6 +403,15 @@ def record_served(model: str, done: Done) -> None:
                done.eval_count)
     except OSError as e:  # a full disk must not fail the answer
         log.warning("could not save the workload record: %s", e)
+
+
+def computes_on_cpu(model: LoadedModel) -> bool:
+    """Whether the model's running plan leaves work to the CPU's threads: a block or the
+    output layer there (llama.cpp's n_gpu_layers counts the output as one more), or tensors
+    an override keeps there (MoE experts)."""
+    plan = model.runner.running_plan
+    return plan.n_gpu_layers <= model.shape.n_layer \
+        or any(o.device == "CPU" for o in plan.tensor_overrides)
 
 
 def serves(model: LoadedModel, load: LoadOptions) -> bool:

@@ -100,6 +100,11 @@ class LoadedModel:
     def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
         llama_cpp.llama_set_n_threads(self.lm.ctx, n_threads, n_threads_batch)
 
+    def threads(self) -> tuple[int, int]:
+        """(decode threads, prompt threads) as the target context holds them."""
+        return (llama_cpp.llama_n_threads(self.lm.ctx),
+                llama_cpp.llama_n_threads_batch(self.lm.ctx))
+
     def expert_cache_stats(self) -> expert_cache.ExpertCacheStats | None:
         """The target context's expert cache figures so far (None: it has no pool)."""
         return expert_cache.read(self.lm.ctx)

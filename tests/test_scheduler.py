@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from dataclasses import replace
 
@@ -96,3 +97,61 @@ def test_context_policy_decides_the_context_asked_for(smollm2_gguf):
     assert context_to_ask(Config(context_policy="max"), None, shape) == 8192
     assert context_to_ask(Config(context_policy="fit"), None, shape) is None
     assert context_to_ask(Config(context_policy="fit"), 1024, shape) == 1024
+
+
+class FourThreads(Planner):
+    """CPU plans of 4 decode and 4 prompt threads, whatever this host's cores."""
+
+    def choose(self, shape, model_name, n_ctx, options, draft_shape=None, hint=None):
+        return replace(cpu_plan(n_ctx or 512, shape.context_length), n_threads=4,
+                       n_threads_batch=4)
+
+
+async def until(check, what: str, seconds: float = 60) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def test_two_models_busy_on_the_cpu_share_its_threads_and_one_alone_takes_all_back(
+        store, smollm2_gguf, gemma_gguf, tmp_path):
+    smol = store.import_gguf(smollm2_gguf, "smollm2")
+    gemma = store.import_gguf(gemma_gguf, "gemma")
+    scheduler = Scheduler(store, Config(), tmp_path / "logs", FourThreads())
+    await scheduler.start()
+    load = LoadOptions(num_ctx=512)
+    try:
+        async with scheduler.use(smol, load) as first:
+            assert first.n_threads == 4 and first.threads_reason == ""  # alone: the plan's
+            async with scheduler.use(gemma, load) as second:
+                # told before its request: llama.cpp's own count, half the plan's
+                assert second.n_threads == 2
+                assert "2 models compute on the CPU at once: 2 of the plan's 4 threads, 2 of " \
+                       "4 for prompts" in second.threads_reason
+                await until(lambda: first.n_threads == 2, "the busy runner kept 4 threads")
+                request = GenerationRequest(id="s", prompt="Hello",
+                                            options=SamplingOptions(num_predict=3))
+                events = [e async for e in second.generate(request)]
+                assert isinstance(events[-1], Done) and events[-1].eval_count > 0
+            await until(lambda: first.n_threads == 4, "the runner left alone stayed at 2")
+            assert "alone on the CPU again: 4 threads, 4 for prompts" in first.threads_reason
+    finally:
+        await scheduler.close()
+
+
+def test_a_model_whole_on_the_gpu_does_not_take_a_share_of_the_cpu():
+    from types import SimpleNamespace
+
+    from localllm.daemon.scheduler import computes_on_cpu
+    from localllm.profiles.planning.plan import Plan, TensorOverride
+
+    def loaded(plan):
+        return SimpleNamespace(runner=SimpleNamespace(running_plan=plan),
+                               shape=SimpleNamespace(n_layer=24))
+
+    assert not computes_on_cpu(loaded(Plan(512, n_gpu_layers=25)))
+    assert computes_on_cpu(loaded(Plan(512, n_gpu_layers=24)))  # the output layer on the CPU
+    assert computes_on_cpu(loaded(Plan(512, n_gpu_layers=0)))
+    experts = (TensorOverride(r"ffn_.*_exps", "CPU"),)
+    assert computes_on_cpu(loaded(Plan(512, n_gpu_layers=25, tensor_overrides=experts)))

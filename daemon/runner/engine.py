@@ -34,12 +34,14 @@ from . import checkpoints
 from .bands import FillBands
 from .protocol import (
     VOCAB_SLACK,
+    CpuShare,
     Done,
     EmbedRequest,
     Embeddings,
     Event,
     Failure,
     GenerationRequest,
+    Threads,
     TokenCount,
     TokenizeRequest,
 )
@@ -137,6 +139,8 @@ class Engine:
                                        plan.predicted_decode_by_depth) \
             if self.adapt_threads else None
         steps.n_threads = plan.n_threads
+        if steps.cpu_share > 1:  # a band's new context starts at the plan's threads
+            steps.set_threads()
 
     # ---- what the runner's main and the benchmarks read -------------------------------------
     @property
@@ -188,6 +192,9 @@ class Engine:
     def count_tokens_each(self, texts: list[str]) -> TokenCount:
         counts = tuple(len(self.model.tokenizer.tokenize(t, add_bos=False)) for t in texts)
         return TokenCount(sum(counts), counts)
+
+    def share_cpu(self, request: CpuShare) -> Threads:
+        return self.steps.share_cpu(request.runners)
 
     def embed(self, request: EmbedRequest) -> Embeddings:
         """Embeddings in a context of their own, made on first use (llama/embedding.py)."""

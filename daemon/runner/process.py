@@ -32,6 +32,7 @@ from .protocol import (
     ENDING_EVENTS,
     RUNNER_SILENCE_S,
     Band,
+    CpuShare,
     Done,
     EmbedRequest,
     Embeddings,
@@ -117,6 +118,7 @@ class RunnerProcess:
         self.past_ram: dict | None = None
         self.n_threads = plan.n_threads  # decode threads in use (the runner may drop some)
         self.threads_reason = ""  # why they differ from the plan's
+        self.cpu_share = 1  # the runners computing on the CPU at once that it was told of
         self.loaded_at = 0.0
         self.last_done: Done | None = None
         # The expert cache's figures as of the last answer (None: the model has no pool)
@@ -235,10 +237,11 @@ class RunnerProcess:
                 data = json.loads(line)
                 queue = self._events.get(data.get("id", ""))
                 event = event_from_wire(data)
-                if isinstance(event, Threads):
+                if isinstance(event, Threads):  # on its own, or a CpuShare's answer
                     self.n_threads, self.threads_reason = event.n_threads, event.reason
                     log.info("runner for %s: %s", self.model_name, event.reason)
-                    continue
+                    if queue is None:
+                        continue
                 if isinstance(event, ExpertCache):
                     self.expert_cache = event
                     continue
@@ -306,6 +309,15 @@ class RunnerProcess:
                 raise RunnerRequestFailed(event)
             return event
         raise RunnerRequestFailed(Failure("the runner ended the request without an answer"))
+
+    async def share_cpu(self, runners: int) -> None:
+        """Tell the runner how many runners compute on the CPU at once now, itself among them
+        (it takes its plan's share of the threads); nothing when it was told that already."""
+        if runners == self.cpu_share or not self.alive:
+            return
+        self.cpu_share = runners
+        with contextlib.suppress(RunnerRequestFailed):  # it died: its requests hear of it
+            await self.ask(CpuShare(new_request_id(), runners))
 
     async def embed(self, request: EmbedRequest,
                     silence_s: float = RUNNER_SILENCE_S) -> Embeddings:

@@ -157,6 +157,22 @@ class TokenizeRequest:
 
 
 @dataclass(frozen=True)
+class CpuShare:
+    """How many of the daemon's runners compute on the CPU at once now, this one among them:
+    the runner caps its threads at its plan's share (`runners` 1: the plan's own counts).
+    Answered with a Threads event."""
+    id: str
+    runners: int
+
+    def to_wire(self) -> dict:
+        return request_to_wire(self)
+
+    @classmethod
+    def from_wire(cls, data: dict) -> CpuShare:
+        return cls(id=data["id"], runners=max(1, int(data["runners"])))
+
+
+@dataclass(frozen=True)
 class Embeddings:
     kind: ClassVar[str] = "embeddings"
     vectors: tuple[tuple[float, ...], ...]  # unit length, one per input
@@ -176,7 +192,8 @@ class TokenCount:
 
 @dataclass(frozen=True)
 class Threads:
-    """Sent by the runner on its own (no request id) when it changes its decode threads."""
+    """Sent by the runner on its own (no request id) when it changes its decode threads, and as
+    the answer to a CpuShare."""
     kind: ClassVar[str] = "threads"
     n_threads: int
     reason: str
@@ -224,7 +241,7 @@ class Failure:
 
 Event = (Token | Done | Failure | Progress | Embeddings | TokenCount | Threads | Band
          | ExpertCache)
-Request = GenerationRequest | EmbedRequest | TokenizeRequest
+Request = GenerationRequest | EmbedRequest | TokenizeRequest | CpuShare
 
 
 @dataclass(frozen=True)
@@ -244,6 +261,7 @@ OPS = (
     Op("generate", GenerationRequest, (Done, Failure), "submit", stream=True),
     Op("embed", EmbedRequest, (Embeddings, Failure), "embed"),
     Op("tokenize", TokenizeRequest, (TokenCount, Failure), "tokenize"),
+    Op("share", CpuShare, (Threads, Failure), "share_cpu"),
 )
 OP_BY_NAME = {op.name: op for op in OPS}
 OP_OF_REQUEST = {op.request: op for op in OPS}
@@ -251,7 +269,7 @@ OP_OF_REQUEST = {op.request: op for op in OPS}
 ENDING_EVENTS = tuple(dict.fromkeys(cls for op in OPS for cls in op.ends))
 # Every event on the wire: those that end requests, progress on the way, and what the runner
 # sends on its own (no request id: a change of threads or of fill band, the expert cache's figures)
-EVENTS = (*ENDING_EVENTS, Token, Progress, Threads, Band, ExpertCache)
+EVENTS = tuple(dict.fromkeys((*ENDING_EVENTS, Token, Progress, Threads, Band, ExpertCache)))
 EVENT_KINDS = {cls: cls.kind for cls in EVENTS}  # each class's "event" on the wire
 EVENT_BY_KIND = {cls.kind: cls for cls in EVENTS}
 

@@ -46,6 +46,7 @@ class Steps:
         self.prompt_chunk = 0
         self.threads: ThreadGovernor | None = None
         self.n_threads = 0
+        self.cpu_share = 1  # runners of the daemon computing on the CPU at once, this one too
 
     def step(self) -> None:
         """One llama_decode over every busy slot, then sampling for those that answer."""
@@ -90,7 +91,7 @@ class Steps:
         if all(not slot.unread for slot, _, _ in rows):  # answering only: what drafts cost
             seconds = (time.perf_counter_ns() - started) / 1e9
             self.step_costs.record(n_tokens, seconds)
-            if self.threads is not None:
+            if self.threads is not None and self.cpu_share == 1:  # (sharing: others are ours)
                 self._adapt_threads(seconds, max(len(slot.tokens) for slot, _, _ in rows))
         if isinstance(self.model.drafter, MTPDrafter):
             self._feed_mtp(rows, n_tokens)
@@ -100,12 +101,39 @@ class Steps:
         change = self.threads.observe(step_seconds, depth)
         if change is None:
             return
-        self.n_threads = change.n_threads
-        self.model.set_threads(change.n_threads,
-                               min(self.plan.n_threads_batch, change.n_threads))
+        self.set_threads()
         log.info("threads: %s", change.reason)
         if self.on_threads is not None and not change.trial:  # ps shows what is kept
             self.on_threads(Threads(change.n_threads, change.reason))
+
+    def share_cpu(self, runners: int) -> Threads:
+        """Threads for `runners` runners of the daemon computing on the CPU at once, this one
+        among them: each takes its plan's share. Two runners at the plan's full count each
+        meet at llama.cpp's barriers on cores the other holds: on 2 cores, a one-token answer
+        of a small model took 0.67 s beside another model's prompt, 0.05 s alone."""
+        self.cpu_share = max(1, runners)
+        self.set_threads()
+        decode, prompt = self.model.threads()  # what llama.cpp holds now
+        if self.cpu_share == 1:
+            reason = f"alone on the CPU again: {decode} threads, {prompt} for prompts"
+        else:
+            reason = (f"{self.cpu_share} models compute on the CPU at once: {decode} of the "
+                      f"plan's {self.plan.n_threads} threads, {prompt} of "
+                      f"{self.plan.n_threads_batch} for prompts")
+        log.info("threads: %s", reason)
+        return Threads(decode, reason)
+
+    def set_threads(self) -> None:
+        """The decode and prompt threads: the plan's, less what the governor took away while
+        other processes held cores, within this runner's share of the CPU."""
+        share = self.cpu_share
+        governed = self.threads.n_threads if self.threads is not None else self.plan.n_threads
+        n = max(1, min(governed, self.plan.n_threads // share))
+        batch = max(1, self.plan.n_threads_batch // share)
+        if governed < self.plan.n_threads:
+            batch = min(batch, n)
+        self.n_threads = n
+        self.model.set_threads(n, batch)
 
     def _feed_mtp(self, rows: list[Row], n_tokens: int) -> None:
         """Tell the MTP drafter what this step committed, with the target's hidden states."""
