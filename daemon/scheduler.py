@@ -229,7 +229,8 @@ class Scheduler:
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                                 load=decided, keep_alive=self.config.keep_alive_seconds)
             runner.on_drafts = DraftCounts(name, shape.file_size).add
-            runner.on_done = lambda done: record_served(name, done)
+            runner.on_done = lambda done: (record_served(name, done),
+                                           record_expert_hits(name, shape, runner))
             self.models[name] = model
             return model
 
@@ -403,6 +404,21 @@ def record_served(model: str, done: Done) -> None:
                done.eval_count)
     except OSError as e:  # a full disk must not fail the answer
         log.warning("could not save the workload record: %s", e)
+
+
+def record_expert_hits(model: str, shape: ModelShape, runner: RunnerProcess) -> None:
+    """The expert cache's hits so far, for the tuner's next pricing of a pool for this model
+    (profiles/tuning/expert_hits.py); nothing for a model without a pool."""
+    pool = runner.expert_cache
+    if pool is None or not pool.layers or not shape.expert_count:
+        return
+    from localllm.profiles.tuning.expert_hits import record
+
+    try:
+        record(model, shape.file_size, pool.slots / (pool.layers * shape.expert_count),
+               pool.hits, pool.misses, pool.swaps, pool.steps)
+    except OSError as e:  # a full disk must not fail the answer
+        log.warning("could not save the expert cache's hit rate: %s", e)
 
 
 def computes_on_cpu(model: LoadedModel) -> bool:

@@ -108,11 +108,11 @@
   context's and they decode faster after a short prompt, on a GPU, for plans the tuner made
   (not a saved profile, a draft model or a vision projector); `off`: one plan for the whole
   context; token counts (`4096,16384`): these bands, on any machine.
-- expert_cache: experimental (issue #40, docs/expert-cache.md). `off` (or 0), or N: a pool of
-  N MoE experts in VRAM for a plan's experts in RAM (those routed there run on the GPU, the rest
-  on the CPU). The tuner keeps its VRAM (N+1 experts) out of the placement's budget where it
-  keeps experts in RAM, else the plan says why it is off; its speed is not priced yet. ps and
-  /api/stats show slots and hit rate. A saved profile keeps its own `expert_cache_slots`.
+- expert_cache: experimental (issue #40, docs/expert-cache.md). `off` (or 0), `auto` (the tuner
+  prices a few pool sizes and none, and keeps the fastest), or N: a pool of N MoE experts in VRAM
+  for a plan's experts in RAM (those routed there run on the GPU, the rest on the CPU), its VRAM
+  kept out of the placement's budget; hits priced from measured hit rates once the model served.
+  ps and /api/stats show slots and hit rate. A saved profile keeps its own `expert_cache_slots`.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
@@ -266,7 +266,7 @@ LIMITS = {
 }
 
 # The word a setting of a number or a word takes besides a number (the others: auto).
-NUMBER_OR = {"expert_cache": "off"}
+NUMBER_OR = {"expert_cache": ("off", "auto")}
 
 # A Unix socket path must fit sockaddr_un.sun_path (108 bytes with the terminating NUL).
 _MAX_SOCKET_PATH = 107
@@ -287,10 +287,11 @@ def coerce(name: str, value: object) -> bool | int | float | str | tuple[str, ..
     """A raw value (TOML, env or command line) as the setting's type; ConfigError if it is not."""
     if name not in ENV:
         raise ConfigError(f"unknown setting {name!r} (known: {', '.join(setting_names())})")
-    if _kind(name) == "int | str":  # a number, or the word auto (or NUMBER_OR's)
-        word = NUMBER_OR.get(name, "auto")
-        if isinstance(value, str) and value.strip().lower() == word:
-            return word
+    if _kind(name) == "int | str":  # a number, or the word auto (or NUMBER_OR's words)
+        words = NUMBER_OR.get(name, ("auto",))
+        if isinstance(value, str) and value.strip().lower() in words:
+            return value.strip().lower()
+        word = " or ".join(words)
         if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
             raise ConfigError(f"{name} must be a whole number or {word}, not {value!r}")
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -84,7 +85,10 @@ def test_a_daemon_with_the_setting_answers_alike_and_reports_hits(tmp_path, moe_
         assert stats["plan"]["expert_cache_slots"] == 16
         assert any(r.startswith("expert cache on: 16 expert slots") and "in RAM" in r
                    for r in stats["plan"]["reasons"]), stats["plan"]["reasons"]
-        assert any("not priced yet" in r for r in stats["plan"]["reasons"])
+        # what the pool hit is kept for the tuner's next pricing of this model's pool
+        [hits_file] = Path(d.env["XDG_CONFIG_HOME"]).glob("**/expert_hits.toml")
+        kept = tomllib.loads(hits_file.read_text())["moe:latest"][f"{16 / (4 * 32):.4f}"]
+        assert (kept["hits"], kept["misses"]) == (cache["hits"], cache["misses"])
 
         ps = d.ps()[0]
         assert ps["expert_cache"]["slots"] == 16

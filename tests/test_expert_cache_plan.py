@@ -25,7 +25,13 @@ from localllm.llama.params import model_params
 from localllm.modelstore.shape import read_shape
 from localllm.profiles.planning.card import GIB, load_card
 from localllm.profiles.planning.costs import model_costs
-from localllm.profiles.planning.expert_pool import blocks_in_ram, pool_shape
+from localllm.profiles.planning.expert_pool import (
+    AUTO_SLOTS,
+    PRIOR_HITS,
+    blocks_in_ram,
+    hit_curve,
+    pool_shape,
+)
 from localllm.profiles.planning.memory import memory_by_device
 from localllm.profiles.planning.plan import Plan
 from localllm.profiles.planning.search import Request
@@ -89,8 +95,71 @@ def test_the_tuner_keeps_the_pools_vram_out_of_the_placement(headers):
     assert any("and 1.3 GiB for the expert cache's pool leaves" in r for r in plan.reasons)
     on = next(r for r in plan.reasons if r.startswith("expert cache on:"))
     assert "512 expert slots of 2.5 MiB on CUDA0 (1.3 GiB of VRAM kept out" in on
-    assert any("not priced yet" in r for r in plan.reasons)
+    # priced at the same context as the plan without a pool: its hits against no pool
+    assert plan.n_ctx == without.n_ctx
+    priced = next(r for r in plan.reasons if r.startswith("expert cache: expected hit rate"))
+    assert "assumed from routing studies" in priced
+    assert f"against {without.predicted_decode_tps:.1f} without" in priced
     assert plan.load_key() != dataclasses.replace(plan, expert_cache_slots=0).load_key()
+
+
+def test_a_hit_moves_an_experts_read_from_the_cpu_to_the_gpu(headers):
+    """The speed model: the served blocks' routed experts found in the pool are read at the
+    GPU's bandwidth, the rest at the host's; more hits, faster decode; none, slower (the
+    second chains and the copies still cost)."""
+    from localllm.profiles.planning.speed import ExpertPool, curve_at, predict_speed
+    from localllm.profiles.tuning.choose import placement_of, settings_of
+
+    assert curve_at(PRIOR_HITS, 0.25) == pytest.approx(0.67)
+    assert curve_at(PRIOR_HITS, 0.375) == pytest.approx(0.74)
+    assert curve_at(PRIOR_HITS, 0.0) == 0.0 and curve_at(PRIOR_HITS, 1.0) == 1.0
+    shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
+    plan = tune(shape, card, Request())
+    costs, placement, settings = model_costs(shape), placement_of(plan, shape), settings_of(plan)
+    blocks = frozenset(pool_shape(shape).blocks)
+
+    def decode(curve) -> float:
+        pool = ExpertPool(128 * 8, 128, blocks, curve, swap_bytes=0)
+        return predict_speed(costs, placement, settings, card, pool=pool).decode_tps
+
+    plain = predict_speed(costs, placement, settings, card).decode_tps
+    assert decode(((0.25, 0.9),)) > decode(PRIOR_HITS) > plain > decode(((0.5, 0.0),))
+
+
+def test_auto_sizes_the_pool_and_turns_it_off_where_measured_hits_do_not_pay(headers):
+    shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
+    without = tune(shape, card, Request())
+    skewed = tune(shape, card, Request(expert_cache_slots=AUTO_SLOTS,
+                                       measured_hits=((0.2, 0.75, 0.5),)))
+    assert skewed.expert_cache_slots > 0 and skewed.expert_cache_slots % 128 == 0
+    assert skewed.n_ctx == without.n_ctx
+    assert skewed.predicted_decode_tps > without.predicted_decode_tps
+    priced = next(r for r in skewed.reasons if r.startswith("expert cache: expected hit"))
+    assert "from this model's hits measured while serving" in priced
+    # uniform routing, as measured: the pool's VRAM is worth more as experts on the GPU
+    uniform = tune(shape, card, Request(expert_cache_slots=AUTO_SLOTS,
+                                        measured_hits=((0.1, 0.05, 3.5),)))
+    assert uniform.expert_cache_slots == 0
+    assert uniform.predicted_decode_tps == without.predicted_decode_tps
+    off = next(r for r in uniform.reasons if r.startswith("expert cache off:"))
+    assert "does not pay" in off and "expected hit rate" in off
+    # a measured share replaces the prior there, and scales it elsewhere
+    curve = hit_curve(((0.125, 0.2, 1.0),))
+    assert (0.125, 0.2) in curve
+    assert dict(curve)[0.5] < dict(PRIOR_HITS)[0.5]
+
+
+def test_measured_hits_are_kept_per_model_file(tmp_path):
+    from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, measured_hits, record
+
+    path = tmp_path / "expert_hits.toml"
+    record("moe", 100, 0.125, 30_000, 10_000, 500, 1000, path=path)
+    assert measured_hits("moe", 100, path) == ((0.125, 0.75, 0.5),)
+    assert measured_hits("moe", 101, path) == ()  # another file of that name
+    record("moe", 100, 0.125, 10, 5, 1, 2, path=path)  # a new load's first answer
+    assert measured_hits("moe", 100, path) == ((0.125, 0.75, 0.5),)
+    record("moe", 100, 0.25, MIN_LOOKUPS - 1, 0, 0, 1, path=path)  # too few to count
+    assert len(measured_hits("moe", 100, path)) == 1
 
 
 def test_tune_on_a_card_profile_reads_the_setting(headers, tmp_path):
@@ -102,6 +171,14 @@ def test_tune_on_a_card_profile_reads_the_setting(headers, tmp_path):
     plan = json.loads(result.stdout)["plan"]
     assert plan["expert_cache_slots"] == 256
     assert any(r.startswith("expert cache on: 256 expert slots") for r in plan["reasons"])
+    env["LOCALLLM_EXPERT_CACHE"] = "auto"  # sized by the tuner, from the prior curve here
+    result = subprocess.run([sys.executable, "-m", "localllm.cli", "tune",
+                             str(headers["qwen3-30b-a3b"]), "--card", "rtx3060-12g", "--json",
+                             "--no-save"], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)["plan"]
+    assert plan["expert_cache_slots"] > 0 and plan["expert_cache_slots"] % 128 == 0
+    assert any("assumed from routing studies" in r for r in plan["reasons"])
 
 
 def test_a_dense_model_is_refused_with_a_reason_not_an_error(headers):
@@ -129,7 +206,8 @@ def test_no_pool_where_every_expert_fits_on_the_gpu_or_there_is_no_gpu(headers):
 
 def test_the_setting_and_saved_profiles(tmp_path):
     assert coerce("expert_cache", "off") == "off" and coerce("expert_cache", "16") == 16
-    with pytest.raises(ConfigError, match="whole number or off"):
+    assert coerce("expert_cache", "Auto") == "auto"
+    with pytest.raises(ConfigError, match="whole number or off or auto"):
         coerce("expert_cache", "lots")
     assert load_config(tmp_path / "none.toml", {}).expert_cache == "off"
     with pytest.raises(ConfigError, match="at least 0"):

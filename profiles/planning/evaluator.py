@@ -101,7 +101,7 @@ class Evaluator:
         if spec is not None:
             return self.speculative(placement, settings, depth, spec)[0]
         speed = predict_speed(self.costs, placement, settings, self.card, self.request.n_threads,
-                              depth)
+                              depth, self.request.expert_pool)
         disk = self.disk_bytes(self.memory(placement, settings))
         return with_disk_reads(speed, disk, self.card, settings.n_ubatch)
 

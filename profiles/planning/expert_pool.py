@@ -6,8 +6,15 @@ zeros, of the first cacheable block's up/gate/down type and shape, in a pool on 
 first GPU (or in RAM: the test knob LLAMA_MOE_CACHE_DEVICE=cpu). It serves only the blocks
 whose experts stay in RAM, in plain host buffers. So the plan reserves the pool's bytes out of
 the first GPU's budget before the placement is searched, and keeps the pool only where the
-placement it gets leaves experts in RAM. A hit is not priced yet: the plan's speeds are
-those without the cache, and its reasons say so.
+placement it gets leaves experts in RAM.
+
+A hit is priced (speed.ExpertPool): the share of the served blocks' routed experts found in
+the pool is read by the GPU instead of the CPU, each served block pays a second chain of
+kernels, and the experts copied in after each step cross PCIe. The share comes from a curve of
+hit rate against slots per served block (a share of its experts): routing studies of real
+models until this model's own hits were measured while serving (profiles/tuning/expert_hits.py),
+then those. With `expert_cache = auto` the tuner prices a few pool sizes against none and keeps
+the fastest: a pool whose hits do not pay for the dense weights its VRAM displaces is off.
 """
 
 from __future__ import annotations
@@ -22,13 +29,23 @@ from .memory import CPU
 from .placements import placement_of_overrides
 from .plan import DeviceMemory, Plan
 from .search import NoPlanFits, Request
-from .words import gib
+from .speed import ExpertPool, curve_at
+from .words import gib, seconds
 
 # The three matrices of one expert the pool holds, as the GGUF names their stacks.
 POOL_TENSORS = ("ffn_up_exps.weight", "ffn_gate_exps.weight", "ffn_down_exps.weight")
 MAP_BYTES_PER_EXPERT = 8  # each cached block's map: (slot or miss id, expert), two int32
-UNPRICED = ("expert cache: experimental, its speed is not priced yet (the predicted decode "
-            "is without it) and it has been measured on the CPU backend only")
+AUTO_SLOTS = -1  # Request.expert_cache_slots for `expert_cache = auto`: the tuner sizes it
+# Hit rate against slots per served block as a share of its experts. Routing studies of real
+# MoE models (256 experts, 8 a token) find an LRU of 64 hitting about 67% of lookups and 128
+# about 81% (docs/bench/synthetic-routing.md). The engine's decayed counts, a few swaps a step,
+# are not an LRU: hits measured while serving replace these.
+PRIOR_HITS = ((0.25, 0.67), (0.5, 0.81))
+SWAPS_PER_STEP = 4  # LLAMA_MOE_CACHE_SWAPS's default: the most experts a step copies in
+# Pool sizes `auto` prices, in slots per expert of one block (x n_expert), within this share
+# of the first GPU's budget.
+AUTO_SIZES = (2, 4, 8, 16, 32, 64)
+AUTO_VRAM_SHARE = 0.6
 
 
 @dataclass(frozen=True)
@@ -104,15 +121,61 @@ def _off(plan: Plan, why: str) -> Plan:
                    reasons=(*plan.reasons, f"expert cache off: {why}"))
 
 
+def hit_curve(measured: tuple[tuple[float, float, float], ...] = ()
+              ) -> tuple[tuple[float, float], ...]:
+    """(share, hit rate) points, rising: the measured ones (share, hit rate, swaps a step),
+    and the prior's elsewhere, scaled by how the nearest measurement compares with it."""
+    if not measured:
+        return PRIOR_HITS
+    points = {round(share, 4): rate for share, rate, _ in measured}
+    for share, rate in PRIOR_HITS:
+        nearest = min(measured, key=lambda m: abs(m[0] - share))
+        if abs(nearest[0] - share) > 0.05:
+            scale = nearest[1] / max(curve_at(PRIOR_HITS, nearest[0]), 1e-6)
+            points[share] = min(1.0, rate * scale)
+    return tuple(sorted(points.items()))
+
+
+def priced_pool(pool: PoolShape, slots: int, request: Request) -> ExpertPool:
+    """The pool as decode prices it: its curve, and the bytes a step copies in (measured swaps
+    a step where the hits were measured, else the most a step copies at the misses' share)."""
+    curve = hit_curve(request.measured_hits)
+    if request.measured_hits:
+        swaps = max(m[2] for m in request.measured_hits)
+    else:
+        swaps = SWAPS_PER_STEP * (1.0 - ExpertPool(slots, pool.n_expert, frozenset(),
+                                                   curve).hit_rate(len(pool.blocks)))
+    return ExpertPool(slots, pool.n_expert, frozenset(pool.blocks), curve,
+                      swap_bytes=swaps * pool.slot_bytes)
+
+
+def _faster(a: Plan, b: Plan) -> bool:
+    """Whether plan `a` serves the planned session faster than `b` (its decode where either
+    has no session priced)."""
+    if a.predicted_session_s > 0 and b.predicted_session_s > 0:
+        return a.predicted_session_s < b.predicted_session_s
+    return a.predicted_decode_tps > b.predicted_decode_tps
+
+
+def _sizes(pool: PoolShape, card: Card, request: Request) -> list[int]:
+    """The pool sizes `auto` prices: AUTO_SIZES experts a block, within AUTO_VRAM_SHARE of the
+    first GPU's budget."""
+    room = (card.gpu_list[0].free_vram_bytes - request.margin_bytes) * AUTO_VRAM_SHARE
+    return [k * pool.n_expert for k in AUTO_SIZES if pool.bytes(k * pool.n_expert) <= room]
+
+
 def with_expert_pool(shape: ModelShape, card: Card, request: Request,
                      tune: Callable[[Request], Plan]) -> Plan:
-    """The plan `tune` makes for `request` with its expert cache decided: on with
-    request.expert_cache_slots slots where the model's experts can be cached and the plan
-    keeps some in RAM, their VRAM kept out of the first GPU's budget; off otherwise, and the
-    reasons say why. `tune` plans one request (the tuner's search, called with no slots)."""
+    """The plan `tune` makes for `request` with its expert cache decided. N slots asked: on
+    where the model's experts can be cached and the plan keeps some in RAM, their VRAM kept out
+    of the first GPU's budget and their hits priced; off otherwise, and the reasons say why.
+    AUTO_SLOTS: the fastest of a few priced pool sizes and none. `tune` plans one request (the
+    tuner's search, called with no slots)."""
     slots = request.expert_cache_slots
+    auto = slots == AUTO_SLOTS
     plain = replace(request, expert_cache_slots=0)
-    asked = f"expert_cache = {slots} applies to MoE models only"
+    asked = ("expert_cache = auto" if auto else f"expert_cache = {slots}") + \
+        " applies to MoE models only"
     pool = pool_shape(shape)
     if pool is None:
         why = (f"{shape.name or 'this model'} is a dense model (no MoE experts): {asked}"
@@ -124,26 +187,67 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
     if not in_ram and not card.has_gpu:
         return _off(tune(plain), "no GPU to hold the pool (LLAMA_MOE_CACHE_DEVICE=cpu puts it "
                                  "in RAM, for tests)")
-    need = pool.bytes(slots)
-    device = CPU if in_ram else card.gpu_list[0].device
-    try:
-        plan = tune(plain if in_ram else replace(plain, reserved_vram_bytes=need))
-    except NoPlanFits:
-        plan = None
-    cached = blocks_in_ram(plan, shape, pool) if plan is not None else []
-    if not cached:
-        whole = tune(plain)
-        if not blocks_in_ram(whole, shape, pool):
-            return _off(whole, "the plan keeps every expert on the GPU: no expert in RAM for "
-                               "the pool to serve")
-        return _off(whole, f"its {slots} slots ({gib(need)}) do not fit in VRAM beside the "
-                           "smallest placement")
-    where = (f"in RAM ({gib(need)}, LLAMA_MOE_CACHE_DEVICE=cpu)" if in_ram else
-             f"on {device} ({gib(need)} of VRAM kept out of the placement's budget)")
+    without = tune(plain)
+    if not blocks_in_ram(without, shape, pool):
+        return _off(without, "the plan keeps every expert on the GPU: no expert in RAM for "
+                             "the pool to serve")
+    if in_ram:  # a test knob: the CPU computes hits and misses alike, nothing to price
+        if auto:
+            return _off(without, "a pool in RAM (LLAMA_MOE_CACHE_DEVICE=cpu) gains no speed: "
+                                 "auto sizes a pool on a GPU only")
+        return _on(_with_pool_memory(without, CPU, pool.bytes(slots)), shape, pool, slots,
+                   f"in RAM ({gib(pool.bytes(slots))}, LLAMA_MOE_CACHE_DEVICE=cpu)", None)
+    device = card.gpu_list[0].device
+    # Priced at the context the plan without a pool gets: a pool that only fits beside a
+    # smaller context would win by a shallower session, not by its hits.
+    same = replace(plain, n_ctx=without.n_ctx)
+    best: tuple[Plan, int, ExpertPool] | None = None
+    for n in _sizes(pool, card, request) if auto else [slots]:
+        priced = priced_pool(pool, n, request)
+        try:
+            plan = tune(replace(same, reserved_vram_bytes=pool.bytes(n), expert_pool=priced))
+        except NoPlanFits:
+            continue
+        if blocks_in_ram(plan, shape, pool) and (best is None or _faster(plan, best[0])):
+            best = (plan, n, priced)
+    if best is None:
+        smallest = AUTO_SIZES[0] * pool.n_expert if auto else slots
+        what = f"no pool of {smallest} slots or more" if auto else f"its {slots} slots"
+        return _off(without, f"{what} ({gib(pool.bytes(smallest))}) do not fit in VRAM "
+                             "beside the smallest placement")
+    plan, n, priced = best
+    versus = _versus(plan, without, shape, pool, priced, bool(request.measured_hits))
+    if auto and not _faster(plan, without):
+        return _off(without, f"the best pool priced, {n} slots, {versus}: it does not pay "
+                             f"for the weights its VRAM moves to RAM")
+    where = f"on {device} ({gib(pool.bytes(n))} of VRAM kept out of the placement's budget)"
+    plan = _with_pool_memory(plan, device, pool.bytes(n))
+    return _on(plan, shape, pool, n, where, versus + ("" if _faster(plan, without) else
+                                                      ": the pool does not pay here"))
+
+
+def _versus(plan: Plan, without: Plan, shape: ModelShape, pool: PoolShape,
+            priced: ExpertPool, measured: bool) -> str:
+    """The priced pool against no pool, in words: hit rate, decode, session."""
+    cached = len(blocks_in_ram(plan, shape, pool))
+    source = "from this model's hits measured while serving" if measured else \
+        "assumed from routing studies of real models until measured"
+    line = (f"expected hit rate {priced.hit_rate(cached):.0%} ({source}), "
+            f"predicted decode {plan.predicted_decode_tps:.1f} tok/s against "
+            f"{without.predicted_decode_tps:.1f} without")
+    if plan.predicted_session_s > 0 and without.predicted_session_s > 0:
+        line += (f", session {seconds(plan.predicted_session_s)} against "
+                 f"{seconds(without.predicted_session_s)}")
+    return line
+
+
+def _on(plan: Plan, shape: ModelShape, pool: PoolShape, slots: int, where: str,
+        versus: str | None) -> Plan:
+    cached = blocks_in_ram(plan, shape, pool)
     span = f"block {cached[0]}" if len(cached) == 1 else \
         f"{len(cached)} blocks ({cached[0]}-{cached[-1]})"
     on = (f"expert cache on: {slots} expert slots of {pool.slot_bytes / 2**20:.1f} MiB "
           f"{where} for the experts of {span} in RAM; llama.cpp's repacking of CPU weights "
           "is off, since the pool is filled with the experts' bytes as the file has them")
-    plan = _with_pool_memory(plan, device, need)
-    return replace(plan, expert_cache_slots=slots, reasons=(*plan.reasons, on, UNPRICED))
+    reasons = (on, f"expert cache: {versus}") if versus else (on,)
+    return replace(plan, expert_cache_slots=slots, reasons=(*plan.reasons, *reasons))

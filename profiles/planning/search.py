@@ -20,7 +20,7 @@ from .placements import Placement
 from .plan import DeviceMemory
 from .quality import kv_label
 from .speculation import SpeculationChoice, Speculator
-from .speed import Speed
+from .speed import ExpertPool, Speed
 from .workload import HALF_FILL, Turn, Workload
 
 MIN_DEFAULT_CTX = 4096
@@ -64,8 +64,12 @@ class Request:
     min_ctx: int = MIN_DEFAULT_CTX
     # MoE expert cache (config expert_cache; profiles/planning/expert_pool.py): the slots asked
     # (0: off), and whether the pool is in RAM (the test knob LLAMA_MOE_CACHE_DEVICE=cpu)
-    expert_cache_slots: int = 0
+    expert_cache_slots: int = 0  # AUTO_SLOTS: the tuner sizes it (or turns it off)
     expert_pool_in_ram: bool = False
+    # Hit rates measured while serving the model: (slots per served block / n_expert, hit
+    # rate), replacing the prior curve where they were measured (expert_pool.hit_curve)
+    measured_hits: tuple[tuple[float, float], ...] = ()
+    expert_pool: ExpertPool | None = None  # the pool as decode is priced with it (expert_pool.py)
     # VRAM kept out of the first GPU's budget for the placement (the expert cache's pool)
     reserved_vram_bytes: int = 0
 

@@ -73,6 +73,42 @@ CPU_ATTENTION_FLOPS_QUANTIZED = 2.25e9
 # blocks in RAM: measured 9.2 tok/s after a short prompt and 8.8 after 16K; predicted 9.1, 8.7).
 
 
+# The expert cache (issue #40, expert_pool.py): a block it serves runs a second
+# up/gate/act/down chain on the pool (a lookup, four kernels and an add) beside the CPU's.
+POOL_BLOCK_SECONDS = 25e-6
+
+
+@dataclass(frozen=True)
+class ExpertPool:
+    """An expert cache as decode sees it: `slots` experts in VRAM shared by the blocks of
+    `blocks` whose experts a placement keeps in RAM. Of their routed experts, the share
+    `hit_rate(served)` is found in the pool and read by the GPU; the rest by the CPU. After
+    each step the engine copies `swap_bytes` into the pool over PCIe (not overlapped yet)."""
+
+    slots: int
+    n_expert: int
+    blocks: frozenset[int]
+    curve: tuple[tuple[float, float], ...]  # (slots per served block / n_expert, hit rate)
+    swap_bytes: float = 0.0
+
+    def hit_rate(self, served: int) -> float:
+        """The expected hit rate with the slots spread over `served` blocks (the curve
+        interpolated, linear between its points; 1 past the last)."""
+        if served <= 0 or self.slots <= 0:
+            return 0.0
+        return curve_at(self.curve, self.slots / (served * self.n_expert))
+
+
+def curve_at(curve: tuple[tuple[float, float], ...], share: float) -> float:
+    """A hit-rate curve's value at `share` of a block's experts held: linear between its
+    points, from 0 at none to 1 at all."""
+    points = ((0.0, 0.0), *curve, (1.0, 1.0))
+    for (f0, h0), (f1, h1) in zip(points, points[1:], strict=False):
+        if share <= f1:
+            return h0 + (h1 - h0) * (share - f0) / max(f1 - f0, 1e-9)
+    return 1.0
+
+
 @dataclass(frozen=True)
 class Speed:
     decode_tps: float
@@ -117,8 +153,13 @@ def _gpu_element_seconds(cache_type: str) -> float:
 
 
 def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,
-                  n_threads: int | None = None, depth: int = DECODE_DEPTH) -> Speed:
+                  n_threads: int | None = None, depth: int = DECODE_DEPTH,
+                  pool: ExpertPool | None = None) -> Speed:
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
+    kept = in_ram(costs, placement)
+    served = [i for i in range(costs.n_blocks) if pool is not None and i in pool.blocks
+              and costs.expert_bytes[i] and (devices[i] == CPU or kept.experts[i])]
+    hits = pool.hit_rate(len(served)) if served else 0.0
     threads = min(n_threads or card.cores, card.cores)
     host_bw = card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
     bandwidths = gpu_bandwidths(card)
@@ -128,13 +169,19 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     cpu_flops = 0.0
     crossings = 0
     previous = CPU  # token embeddings are looked up on the CPU
-    kept = in_ram(costs, placement)
+    if served:  # the pool's GPU: its hits, its second chains, the copies after each step
+        pool_bw = bandwidths[card.gpu_list[0].device]
+        gpu_s += sum(costs.expert_bytes[i] for i in served) * costs.expert_active_fraction \
+            * hits / pool_bw + POOL_BLOCK_SECONDS * len(served)
+        gpu_s += pool.swap_bytes / (card.pcie_gbs * 1e9)
     for i in range(costs.n_blocks):
         if not costs.block_bytes[i] and not costs.expert_bytes[i]:
             continue  # a skipped NextN block
         d = devices[i]
         experts_on_cpu = kept.experts[i]
         expert_read = costs.expert_bytes[i] * costs.expert_active_fraction
+        if i in served:
+            expert_read *= 1.0 - hits  # what the CPU still reads (the hits: priced above)
         active_params = costs.block_params[i]
         if d == CPU:
             cpu_s += (costs.block_bytes[i] + expert_read) / host_bw
@@ -142,6 +189,8 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
                 cpu_s += CPU_RECURRENT_BLOCK_SECONDS
             if costs.expert_bytes[i]:
                 cpu_s += CPU_MOE_BLOCK_SECONDS
+            if i in served:  # the pool's hits: to the GPU and back
+                crossings += 2
             cpu_s += _attention_seconds(costs, i, settings, depth, False, card, threads)
             cpu_flops += 2 * active_params
         else:

@@ -22,6 +22,7 @@ from localllm.options import LoadOptions
 
 from ..planning.card import MIB, Card
 from ..planning.costs import model_costs
+from ..planning.expert_pool import AUTO_SLOTS
 from ..planning.memory import CPU, ComputeTable, ContextSettings, memory_by_device
 from ..planning.placements import Placement, placement_of_overrides
 from ..planning.plan import Plan
@@ -31,6 +32,7 @@ from ..planning.workload import from_fill
 from .acceptance import measured_acceptance
 from .dryrun import dry_run
 from .eval_results import measured_kl
+from .expert_hits import measured_hits
 from .saved import ProfileError, find_profile, record_event
 from .traffic import starting_workload
 
@@ -91,9 +93,16 @@ def config_request(model_name: str | None = None, file_size: int = 0,
         measured_kl=measured_kl(model_name, file_size) if model_name else {},
         acceptance=measured_acceptance(model_name, file_size) if model_name else {},
         min_ctx=config.default_ctx,
-        expert_cache_slots=0 if config.expert_cache == "off" else int(config.expert_cache),
+        expert_cache_slots=expert_cache_slots(config.expert_cache),
         expert_pool_in_ram=pool_in_ram(),
+        measured_hits=measured_hits(model_name, file_size) if model_name else (),
     )
+
+
+def expert_cache_slots(setting: int | str) -> int:
+    """The config's expert_cache as the Request's slots: 0 off, AUTO_SLOTS auto, else N."""
+    return {"off": 0, "auto": AUTO_SLOTS}.get(setting, setting) if isinstance(setting, str) \
+        else int(setting)
 
 
 def pool_in_ram() -> bool:

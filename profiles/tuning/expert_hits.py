@@ -1,0 +1,64 @@
+"""Expert cache hit rates measured while serving, per model file, for the tuner (issue #40).
+
+The tuner prices a pool of hot experts from a curve of hit rate against slots per served block
+(profiles/planning/expert_pool.py): routing studies of real models until this model has been
+served with a pool here, then what its pool really hit. After each answer the daemon stores
+the runner's running totals since its load (hits, misses, swaps, steps) under the share of a
+block's experts the pool held (slots / (blocks served x experts a block)); a load with fewer
+lookups than the one stored for the same share does not replace it until it has MIN_LOOKUPS.
+Stored in `<config dir>/profiles/expert_hits.toml`, one table per model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .saved import profiles_dir, read_tables, write_toml
+
+MIN_LOOKUPS = 20_000  # a share's lookups before its rate replaces the assumed curve there
+
+
+def hits_file() -> Path:
+    return profiles_dir() / "expert_hits.toml"
+
+
+def record(model: str, file_size: int, share: float, hits: int, misses: int, swaps: int,
+           steps: int, path: Path | None = None) -> None:
+    """The pool's totals since its load at `share` of a block's experts held."""
+    if share <= 0 or hits + misses <= 0:
+        return
+    path = path or hits_file()
+    doc = read_tables(path)
+    entry = doc.get(model, {})
+    if entry.get("file_size") != file_size:
+        entry = {"file_size": file_size}
+    key = f"{share:.4f}"
+    old = entry.get(key, {})
+    if hits + misses < MIN_LOOKUPS and \
+            int(old.get("hits", 0)) + int(old.get("misses", 0)) > hits + misses:
+        return  # a new load's first answers: the longer record stands for now
+    entry[key] = {"hits": hits, "misses": misses, "swaps": swaps, "steps": steps}
+    doc[model] = entry
+    write_toml(path, doc)
+
+
+def measured_hits(model: str, file_size: int, path: Path | None = None
+                  ) -> tuple[tuple[float, float, float], ...]:
+    """(share, hit rate, swaps a step) for each share this model file was served with long
+    enough (MIN_LOOKUPS); () where none was."""
+    entry = read_tables(path or hits_file()).get(model, {})
+    if entry.get("file_size") != file_size:
+        return ()
+    out = []
+    for key, counts in entry.items():
+        if not isinstance(counts, dict):
+            continue
+        try:
+            share = float(key)
+            hits, misses = int(counts["hits"]), int(counts["misses"])
+            swaps, steps = int(counts.get("swaps", 0)), int(counts.get("steps", 0))
+        except (KeyError, TypeError, ValueError):
+            continue
+        if hits + misses >= MIN_LOOKUPS:
+            out.append((share, hits / (hits + misses), swaps / max(steps, 1)))
+    return tuple(sorted(out))
