@@ -103,16 +103,16 @@
 - fill_bands: plans per fill band. A model loads with the plan of a smaller context first (less
   KV on the GPU leaves room for more of the weights: faster while the context is short); when a
   sequence is about to outgrow it, the runner reloads with the next band's plan and carries
-  every sequence's KV over (a pause of a model load; ps and the log show it). `auto`: the
-  tuner's bands (8K, 32K, then the whole context) where their placement differs from the whole
-  context's and they decode faster after a short prompt, on a GPU, for plans the tuner made
-  (not a saved profile, a draft model or a vision projector); `off`: one plan for the whole
-  context; token counts (`4096,16384`): these bands, on any machine.
+  every sequence's KV over (a pause of a model load; ps and the log show it), and back down
+  once that band went unneeded for 5 minutes. `auto`: the tuner's bands (8K, 32K, then the
+  whole context) where their placement differs from the whole context's and they decode faster
+  after a short prompt, on a GPU, for plans the tuner made (not a saved profile, a draft model
+  or a vision projector); `off`: one plan for the whole context; token counts (`4096,16384`):
+  these bands, on any machine.
 - expert_cache: experimental (issue #40, docs/expert-cache.md). `off` (or 0), `auto` (the tuner
-  prices a few pool sizes and none, and keeps the fastest), or N: a pool of N MoE experts in VRAM
-  for a plan's experts in RAM (those routed there run on the GPU, the rest on the CPU), its VRAM
-  kept out of the placement's budget; hits priced from measured hit rates once the model served.
-  ps and /api/stats show slots and hit rate. A saved profile keeps its own `expert_cache_slots`.
+  prices a few pool sizes and none, keeps the fastest), or N: a pool of N MoE experts in VRAM for
+  a plan's experts in RAM (hits run on the GPU, misses on the CPU), priced from the hit rates
+  measured once the model served. ps and /api/stats show slots and hit rate.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service

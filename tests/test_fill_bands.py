@@ -182,3 +182,43 @@ async def test_a_runner_told_to_start_in_the_last_band_never_switches(runner_for
     _, _, done, notes = await greedy(runner)
     assert done.eval_count == 200 and runner.band == 1 and runner.band_pauses == []
     assert not any(notes) and "band:" not in Path(runner.log_path).read_text()
+
+
+async def short_answer(runner: RunnerProcess, rid: str) -> tuple[str, list[str]]:
+    text, notes = "", []
+    request = GenerationRequest(id=rid, prompt="The capital of France is",
+                                options=SamplingOptions(num_predict=12, temperature=0))
+    async for event in runner.generate(request):
+        if isinstance(event, Progress):
+            notes.append(event.note)
+        elif not isinstance(event, Done):
+            text += event.text
+    return text, notes
+
+
+async def test_a_band_unneeded_for_a_while_is_left_as_the_next_request_starts(
+        runner_for, smollm2_gguf, monkeypatch):
+    """After a long answer moved the runner up, a short request of another conversation moves
+    it back down once the big band has gone unneeded for the wait (0 s here), with the same
+    answer as a runner that never had bands; with the default wait (minutes) it stays."""
+    start = runner_for(smollm2_gguf)
+    whole = whole_plan()
+    bands = (dataclasses.replace(whole, n_ctx=BAND),)
+    staying = await start(whole, bands=bands)
+    await greedy(staying)
+    assert staying.band == 1
+    expected, notes = await short_answer(await start(whole), "plain")
+    text, notes = await short_answer(staying, "short")
+    assert (text, staying.band, len(staying.band_pauses)) == (expected, 1, 1)
+
+    monkeypatch.setenv("LOCALLLM_BAND_DOWN_AFTER_S", "0")
+    leaving = await start(whole, bands=bands)
+    await greedy(leaving)
+    assert leaving.band == 1 and len(leaving.band_pauses) == 1
+    text, notes = await short_answer(leaving, "short")
+    assert text == expected
+    assert leaving.band == 0 and len(leaving.band_pauses) == 2
+    assert any(re.search(r"no sequence has needed the 2048-token band for \d+ s: moving to "
+                         r"the 512-token band's plan", n or "") for n in notes), notes
+    pieces, _, done, _ = await greedy(leaving, "again")  # and up again when it needs it
+    assert leaving.band == 1 and done.eval_count == 200

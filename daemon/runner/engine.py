@@ -121,7 +121,8 @@ class Engine:
         # KV is cut back anywhere, needs none (checkpoints.py)
         spacing = checkpoints.spacing(self.room.n_ctx) if lm.recurrent or lm.n_swa else 0
         self.reuse = PromptReuse(self.model, prompt_cache, spacing)
-        self.bands = FillBands(plans, start, self.model, self.slots, self.room)
+        self.bands = FillBands(plans, start, self.model, self.slots, self.room,
+                               stash=self.reuse.stash)
         self.replies = Replies(self.model, self.room)
         self.step_costs = StepCosts(per_token_prior=0.1 if plan.n_gpu_layers > 0 else 0.6)
         self.steps = Steps(self.model, self.slots, self.room, self.replies, self.reuse,
@@ -354,7 +355,7 @@ class Engine:
 
     def step(self) -> None:
         """One decode step (step.py), in the fill band that holds every sequence."""
-        if not self.bands.last:  # a load in its last band (or with none) has no switch to make
+        if self.bands.banded:  # a load without bands has no switch to make
             switched = self.bands.follow()
             if switched is not None:
                 self._pace(switched)

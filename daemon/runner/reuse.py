@@ -102,7 +102,10 @@ class PromptReuse:
     def _saved_prefix(self, entry: SavedSequence, shared: int, tokens: list[int],
                       media: MediaPrompt | None) -> int:
         """`_slot_reuse` for a saved prompt sharing `shared` tokens with the request.
-        Restored into a sequence, a recurrent state is exactly its tokens: no rollback."""
+        Restored into a sequence, a recurrent state is exactly its tokens: no rollback. None
+        of a prompt longer than the loaded fill band holds (saved before a move down)."""
+        if len(entry.tokens) >= self.model.lm.n_ctx_seq:
+            return 0
         common = whole_images(self._usable_prefix(shared, len(entry.tokens), entry.pos_min,
                                                   len(tokens), rollback=0), media)
         checkpoint = SlotCheckpoints(items=entry.checkpoints).latest(
@@ -152,21 +155,29 @@ class PromptReuse:
             return False
         kept = self._slot_prefix(slot, tokens, media)
         lost = len(slot.tokens) - kept
-        if lost >= MIN_SAVED_TOKENS and lost > kept // 4 and not cache.covers(slot.tokens):
-            started = time.perf_counter()
-            saved = state.save(self.model.lm.ctx, slot.seq_id, slot.tokens, limit=cache.budget,
-                                  checkpoints=slot.checkpoints.copy())
-            if saved is not None and cache.put(saved):
-                log.info("prompt cache: saved %d tokens of slot %d with %d checkpoints "
-                         "(%.1f MiB) in %.0f ms; %d prompts, %.1f of %.1f MiB",
-                         len(saved.tokens), slot.seq_id, len(saved.checkpoints),
-                         saved.nbytes / 2**20, (time.perf_counter() - started) * 1e3,
-                         len(cache), cache.used / 2**20, cache.budget / 2**20)
+        if lost >= MIN_SAVED_TOKENS and lost > kept // 4:
+            self.stash(slot)
         entry, common = cache.best(
             tokens, lambda e, n: self._saved_prefix(e, n, tokens, media))
         if entry is None or common < kept + MIN_RESTORE_GAIN:
             return False
         return self._restore(slot, entry, common)
+
+    def stash(self, slot: Slot) -> None:
+        """Save what `slot` holds to the prompt cache (unless it holds it already): a request
+        takes the slot for another prompt, or a fill band moved down drops the sequence."""
+        cache = self.prompt_cache
+        if cache is None or not slot.tokens or cache.covers(slot.tokens):
+            return
+        started = time.perf_counter()
+        saved = state.save(self.model.lm.ctx, slot.seq_id, slot.tokens, limit=cache.budget,
+                           checkpoints=slot.checkpoints.copy())
+        if saved is not None and cache.put(saved):
+            log.info("prompt cache: saved %d tokens of slot %d with %d checkpoints "
+                     "(%.1f MiB) in %.0f ms; %d prompts, %.1f of %.1f MiB",
+                     len(saved.tokens), slot.seq_id, len(saved.checkpoints),
+                     saved.nbytes / 2**20, (time.perf_counter() - started) * 1e3,
+                     len(cache), cache.used / 2**20, cache.budget / 2**20)
 
     def _restore(self, slot: Slot, entry: SavedSequence, common: int) -> bool:
         started = time.perf_counter()
