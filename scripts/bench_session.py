@@ -361,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="ours: the workload setting (auto: the default, learned as it serves)")
     p.add_argument("--systems", default="ours,fit-f16,fit-q8_0")
     p.add_argument("--fill-bands", default="auto", help="ours: the fill_bands setting")
-    p.add_argument("--expert-cache", type=int, default=512,
-                   help="system ours-cache: the expert_cache setting (slots)")
+    p.add_argument("--expert-cache", default="512",
+                   help="system ours-cache: the expert_cache setting (slots, or auto)")
     p.add_argument("--runs", default="short,prompt")
     p.add_argument("--tokens", type=int, default=48, help="decoded per decode measurement")
     p.add_argument("--short-count", type=int, default=10,
