@@ -56,6 +56,9 @@ class FillBands:
         self.plans = plans
         self.band = max(0, min(start, len(plans) - 1))
         self.last = self.band == len(plans) - 1  # in the band that holds the whole context
+        # Whether there is another band to move to (a load without bands has one): an
+        # attribute, which the engine reads before each step
+        self.banded = len(plans) > 1
         self.model = model
         self.slots = slots
         self.room = room
@@ -65,11 +68,6 @@ class FillBands:
         self.needed_at = clock()  # when a sequence last needed the loaded band
         self.pauses: list[float] = []  # seconds each switch stopped decoding
         self.on_band: Callable[[Band], None] | None = None  # after each switch
-
-    @property
-    def banded(self) -> bool:
-        """Whether there is another band to move to (a load without bands has one)."""
-        return len(self.plans) > 1
 
     @property
     def plan(self) -> Plan:
@@ -143,6 +141,7 @@ class FillBands:
                 raise SystemExit(1) from None  # the daemon fails the requests and reloads
             if target > self.band:
                 self.plans = self.plans[:self.band + 1]
+                self.banded = len(self.plans) > 1
             else:  # a move down that failed: stay, and try no other
                 self.down_after_s = float("inf")
             target, new = self.band, old

@@ -74,6 +74,9 @@ class Replies:
                 work.emit(self._token_event(slot, tail))
         eval_ns = work.eval_ns
         self.report_expert_cache()
+        if reason == "cancelled":  # logged before the Done: whoever sees it sees the line
+            log.info("request %s cancelled after %d answer tokens", work.request.id,
+                     len(work.answer))
         work.emit(Done(
             done_reason=reason,
             prompt_eval_count=len(work.prompt) - work.cached,
@@ -94,9 +97,6 @@ class Replies:
             prompt_logprobs=tuple(work.prompt_logprobs) if work.request.prompt_logprobs
             else None,
         ))
-        if reason == "cancelled":
-            log.info("request %s cancelled after %d answer tokens", work.request.id,
-                     len(work.answer))
         work.sampler.free()
         if work.media is not None:
             work.media.free()
