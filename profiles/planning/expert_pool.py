@@ -216,6 +216,11 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
         return _off(without, f"{what} ({gib(pool.bytes(smallest))}) do not fit in VRAM "
                              "beside the smallest placement")
     plan, n, priced = best
+    if request.n_ctx is None:  # the context was chosen for the plan without a pool: say why
+        chosen = [r for r in without.reasons if r.startswith(f"context {without.n_ctx}")]
+        plan = replace(plan, reasons=tuple(
+            chosen[0] if chosen and r == f"context {plan.n_ctx}, as asked" else r
+            for r in plan.reasons))
     versus = _versus(plan, without, shape, pool, priced, bool(request.measured_hits))
     if auto and not _faster(plan, without):
         return _off(without, f"the best pool priced, {n} slots, {versus}: it does not pay "
