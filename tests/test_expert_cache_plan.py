@@ -107,7 +107,12 @@ def test_a_hit_moves_an_experts_read_from_the_cpu_to_the_gpu(headers):
     """The speed model: the served blocks' routed experts found in the pool are read at the
     GPU's bandwidth, the rest at the host's; more hits, faster decode; none, slower (the
     second chains and the copies still cost)."""
-    from localllm.profiles.planning.speed import ExpertPool, curve_at, predict_speed
+    from localllm.profiles.planning.speed import (
+        ExpertPool,
+        checking_terms,
+        curve_at,
+        predict_speed,
+    )
     from localllm.profiles.tuning.choose import placement_of, settings_of
 
     assert curve_at(PRIOR_HITS, 0.25) == pytest.approx(0.67)
@@ -124,6 +129,11 @@ def test_a_hit_moves_an_experts_read_from_the_cpu_to_the_gpu(headers):
 
     plain = predict_speed(costs, placement, settings, card).decode_tps
     assert decode(((0.25, 0.9),)) > decode(PRIOR_HITS) > plain > decode(((0.5, 0.0),))
+    # a checking pass of speculative decoding (4 tokens) reads its union of experts from the
+    # pool as decode does
+    pool = ExpertPool(128 * 8, 128, blocks, PRIOR_HITS, swap_bytes=0)
+    assert checking_terms(costs, placement, settings, card, pool=pool).seconds(4) < \
+        checking_terms(costs, placement, settings, card).seconds(4)
 
 
 def test_auto_sizes_the_pool_and_turns_it_off_where_measured_hits_do_not_pay(headers):

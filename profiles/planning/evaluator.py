@@ -108,7 +108,8 @@ class Evaluator:
     def speculative(self, placement: Placement, settings: ContextSettings, depth: int,
                     spec: Speculator) -> tuple[Speed, SpeculationChoice]:
         return speculation.speculative_speed(spec, self.costs, placement, settings, self.card,
-                                             self.request.n_threads, depth)
+                                             self.request.n_threads, depth,
+                                             self.request.expert_pool)
 
     def option_speed(self, option: Option, depth: int) -> Speed:
         """An option's decode at another depth, drafting as it was planned to."""

@@ -41,7 +41,8 @@ def speculation_lines(shape: ModelShape, card: Card, request: Request, chosen: S
             f"{SPECULATION_OFF}no way of drafting planned for this model"]
     s, p = best.settings, best.placement
     depth = min(s.n_ctx, objective_depth(s.n_ctx, request.workload))
-    terms = checking_terms(evaluator.costs, p, s, card, request.n_threads, depth)
+    terms = checking_terms(evaluator.costs, p, s, card, request.n_threads, depth,
+                           request.expert_pool)
     on_cpu = speculation.cpu_blocks(evaluator.costs, p, card)
     out = []
     choice = best.speculation

@@ -34,7 +34,7 @@ from .costs import ModelCosts, model_costs
 from .memory import CPU, ComputeTable, ContextSettings, block_devices, memory_by_device
 from .placements import Placement, in_ram
 from .plan import DeviceMemory
-from .speed import Speed, checking_terms, predict_speed
+from .speed import ExpertPool, Speed, checking_terms, predict_speed
 
 # Acceptance per drafted token, used until the runner has measured it (Request.acceptance):
 # - mtp 0.7: Qwen3.6-27B/35B-A3B with llama.cpp's draft-mtp accepted 0.80 of drafts over nine
@@ -216,10 +216,12 @@ def draft_step_seconds(spec: Speculator, placement: Placement, settings: Context
 
 def speculative_speed(spec: Speculator, costs: ModelCosts, placement: Placement,
                       settings: ContextSettings, card: Card, n_threads: int | None,
-                      depth: int) -> tuple[Speed, SpeculationChoice]:
-    """Decode with this speculator on this placement at the best draft length."""
-    terms = checking_terms(costs, placement, settings, card, n_threads, depth)
-    plain = predict_speed(costs, placement, settings, card, n_threads, depth)
+                      depth: int, pool: ExpertPool | None = None
+                      ) -> tuple[Speed, SpeculationChoice]:
+    """Decode with this speculator on this placement at the best draft length (`pool`: the
+    target's expert cache, which serves its checking passes too)."""
+    terms = checking_terms(costs, placement, settings, card, n_threads, depth, pool)
+    plain = predict_speed(costs, placement, settings, card, n_threads, depth, pool)
     draft_s = draft_step_seconds(spec, placement, settings, card, n_threads, depth)
     best: SpeculationChoice | None = None
     for k in spec.draft_lengths:

@@ -152,14 +152,21 @@ def _gpu_element_seconds(cache_type: str) -> float:
     return GPU_ATTENTION_ELEMENT_SECONDS.get(cache_type, GPU_ATTENTION_ELEMENT_SECONDS["q4_0"])
 
 
+def _pool_hits(costs: ModelCosts, devices: list[str], kept, pool: ExpertPool | None
+               ) -> tuple[list[int], float]:
+    """The blocks an expert pool serves on this placement (those of its blocks whose experts
+    are in RAM) and the hit rate its slots give them."""
+    served = [i for i in range(costs.n_blocks) if pool is not None and i in pool.blocks
+              and costs.expert_bytes[i] and (devices[i] == CPU or kept.experts[i])]
+    return served, pool.hit_rate(len(served)) if served else 0.0
+
+
 def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,
                   n_threads: int | None = None, depth: int = DECODE_DEPTH,
                   pool: ExpertPool | None = None) -> Speed:
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
     kept = in_ram(costs, placement)
-    served = [i for i in range(costs.n_blocks) if pool is not None and i in pool.blocks
-              and costs.expert_bytes[i] and (devices[i] == CPU or kept.experts[i])]
-    hits = pool.hit_rate(len(served)) if served else 0.0
+    served, hits = _pool_hits(costs, devices, kept, pool)
     threads = min(n_threads or card.cores, card.cores)
     host_bw = card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
     bandwidths = gpu_bandwidths(card)
@@ -439,10 +446,12 @@ def _experts_read(active_fraction: float, n_tokens: int) -> float:
 
 def checking_terms(costs: ModelCosts, placement: Placement, settings: ContextSettings,
                    card: Card, n_threads: int | None = None,
-                   depth: int = DECODE_DEPTH) -> CheckingCost:
+                   depth: int = DECODE_DEPTH, pool: ExpertPool | None = None) -> CheckingCost:
     """The per-device terms of a checking pass of this placement at this depth, built on the
-    decode prediction (its bytes per device, its CPU FLOPs)."""
-    plain = predict_speed(costs, placement, settings, card, n_threads, depth)
+    decode prediction (its bytes per device, its CPU FLOPs). With an expert pool, the hits'
+    share of a served block's experts is read on the GPU (the engine's pool serves checking
+    passes, batches under 32 rows, as it serves decode)."""
+    plain = predict_speed(costs, placement, settings, card, n_threads, depth, pool)
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
     threads = min(n_threads or card.cores, card.cores)
     host_bw = card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
@@ -451,6 +460,7 @@ def checking_terms(costs: ModelCosts, placement: Placement, settings: ContextSet
     cpu_attention = 0.0
     gpu_experts, cpu_experts = [], []
     kept = in_ram(costs, placement)
+    served, hits = _pool_hits(costs, devices, kept, pool)
     for i in range(costs.n_blocks):
         if devices[i] == CPU:
             # CPU attention is compute over the cells (see _attention_seconds): each token of
@@ -458,8 +468,11 @@ def checking_terms(costs: ModelCosts, placement: Placement, settings: ContextSet
             cpu_attention += _attention_seconds(costs, i, settings, depth, False, card, threads)
         if costs.expert_bytes[i]:
             on_cpu = devices[i] == CPU or bool(kept.experts[i])
+            share = hits if i in served else 0.0  # of the union, what the pool holds
             (cpu_experts if on_cpu else gpu_experts).append(
-                (costs.expert_bytes[i], costs.expert_active_fraction))
+                (costs.expert_bytes[i] * (1.0 - share), costs.expert_active_fraction))
+            if share:
+                gpu_experts.append((costs.expert_bytes[i] * share, costs.expert_active_fraction))
     cpu_rate = threads * CPU_GFLOPS_PER_CORE * 1e9 * CPU_CHECK_EFFICIENCY
     per_token = plain.decode_flops_cpu / cpu_rate + cpu_attention
     fixed = 1.0 / plain.decode_tps - plain.decode_seconds_gpu - plain.decode_seconds_cpu
