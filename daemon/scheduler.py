@@ -97,6 +97,9 @@ class Scheduler:
         # Set once the engine crashed on this CPU with llama.cpp's extra buffer types and loaded
         # without them: every later load goes without them at once (issue #32).
         self.no_extra_bufts = ""
+        # Runners busy on the CPU at once share its threads (_share_cpu); `off` for benchmarks
+        # that compare with every runner at its plan's threads (scripts/bench_cpu_share.py)
+        self.cpu_share = os.environ.get("LOCALLLM_CPU_SHARE", "on") != "off"
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -151,6 +154,8 @@ class Scheduler:
         """Tell each busy runner that computes on the CPU how many do at once: each takes its
         plan's share of the threads (runner/step.py). The runner of a request that starts
         (`entering`) hears it before the request; the others between two of their steps."""
+        if not self.cpu_share:
+            return
         busy = [m for m in self.models.values() if m.active and computes_on_cpu(m)]
         for model in busy:
             if model is not entering:
