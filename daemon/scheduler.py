@@ -160,6 +160,9 @@ class Scheduler:
         for model in busy:
             if model is not entering:
                 asyncio.ensure_future(model.runner.share_cpu(len(busy)))
+        for model in self.models.values():  # idle now: its plan's threads back (and in ps)
+            if not model.active and model.runner.cpu_share != 1:
+                asyncio.ensure_future(model.runner.share_cpu(1))
         if entering in busy:
             await entering.runner.share_cpu(len(busy))
 

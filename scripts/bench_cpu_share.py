@@ -4,11 +4,11 @@ with the daemon's runners sharing the cores (the default: each busy runner takes
 share of the threads, scheduler._share_cpu) and without (LOCALLLM_CPU_SHARE=off: both at the
 plan's threads, llama.cpp's threads of each meeting at barriers on cores the other holds).
 
-    .venv/bin/python scripts/bench_cpu_share.py [--rounds 5] [--words 1200]
+    .venv/bin/python scripts/bench_cpu_share.py [--rounds 5] [--words 600] [--every 0.25]
 
 A real daemon on the test models: SmolLM2 reads a raw prompt of `--words` numbered words (a new
 one each round, so nothing is reused; num_predict 1), and meanwhile Gemma 3 270M answers "hi"
-with one token, again and again. Per mode it prints Gemma's answer alone, the median and the
+with one token, every `--every` seconds. Per mode it prints Gemma's answer alone, the median and the
 worst of its answers while SmolLM2 reads, and how long SmolLM2's prompt took. Other processes
 on the machine count as load too: say what else ran when quoting the figures.
 """
@@ -44,7 +44,7 @@ def one_token(url: str) -> float:
     return time.monotonic() - started
 
 
-def run(mode: str, rounds: int, words: int, models: dict[str, Path]) -> dict:
+def run(mode: str, rounds: int, words: int, every: float, models: dict[str, Path]) -> dict:
     from conftest import import_models
     from daemon_process import isolated_env, start_daemon
 
@@ -74,7 +74,10 @@ def run(mode: str, rounds: int, words: int, models: dict[str, Path]) -> dict:
                 reader.start()
                 while reader.is_alive():
                     beside.append(one_token(daemon.url))
+                    reader.join(every)  # a user's or an agent's pace, not a flood
                 reader.join()
+                if "s" not in took:
+                    raise SystemExit("SmolLM2's prompt failed (see the traceback above)")
                 reads.append(took["s"])
             threads = {m["name"]: m.get("threads_reason", "") for m in daemon.ps()}
         finally:
@@ -88,14 +91,17 @@ def run(mode: str, rounds: int, words: int, models: dict[str, Path]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--words", type=int, default=1200, help="SmolLM2's prompt, in words")
+    p.add_argument("--every", type=float, default=0.25,
+                   help="seconds between the end of one of Gemma's answers and the next")
+    p.add_argument("--words", type=int, default=600,
+                   help="SmolLM2's prompt, in words (about 4 tokens each; within 4096)")
     args = p.parse_args()
     import fetch_test_models
 
     models = {"smollm2": fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf"),
               "gemma": fetch_test_models.ensure("gemma-3-270m-q4_k_m.gguf")}
     for mode in ("on", "off"):
-        print(json.dumps(run(mode, args.rounds, args.words, models)), flush=True)
+        print(json.dumps(run(mode, args.rounds, args.words, args.every, models)), flush=True)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,8 @@ async def test_two_models_busy_on_the_cpu_share_its_threads_and_one_alone_takes_
                 assert isinstance(events[-1], Done) and events[-1].eval_count > 0
             await until(lambda: first.n_threads == 4, "the runner left alone stayed at 2")
             assert "alone on the CPU again: 4 threads, 4 for prompts" in first.threads_reason
+            # the idle one gets its plan's threads back too (ps shows what it holds)
+            await until(lambda: second.n_threads == 4, "the idle runner stayed at 2")
     finally:
         await scheduler.close()
 
