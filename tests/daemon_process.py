@@ -82,13 +82,29 @@ def start_daemon(env: dict, timeout: float = 60) -> Daemon:
     raise RuntimeError("daemon did not start listening in time")
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
-    """Poll until predicate() is truthy; return its value, or fail after the deadline."""
+def _polled(predicate, timeout: float, what: str):
+    """Each poll's value of predicate(); fails once `timeout` has passed without a truthy one."""
     deadline = time.monotonic() + timeout
     while True:
-        value = predicate()
-        if value:
-            return value
+        yield predicate()
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
+    """Poll until predicate() is truthy; return its value, or fail after the deadline."""
+    for value in _polled(predicate, timeout, what):
+        if value:
+            return value
         time.sleep(interval)  # ok-sleep: the poll interval of a deadline loop
+
+
+async def wait_for_async(predicate, timeout: float, interval: float = 0.02,
+                         what: str = "condition"):
+    """wait_for in a test's event loop: the loop runs on while it polls."""
+    import asyncio
+
+    for value in _polled(predicate, timeout, what):
+        if value:
+            return value
+        await asyncio.sleep(interval)  # ok-sleep: the poll interval of a deadline loop

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
+from daemon_process import wait_for_async
 from hub_server import FILE, REPO
 from localllm.modelstore.download import (
     AuthRequired, DiskTooSmall, DownloadOptions, HashMismatch, NotGGUF, RangeRefused,
@@ -173,10 +173,7 @@ async def test_disk_too_small(kept, hub, settings):
 
 
 async def poll(condition, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        await asyncio.sleep(0.02)  # ok-sleep: the poll interval of a deadline loop
+    await wait_for_async(condition, seconds)
 
 
 async def test_two_concurrent_pulls_download_once(store, hub, settings, smollm2_gguf):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from dataclasses import replace
 
 import pytest
 
+from daemon_process import wait_for_async
 from localllm.config import Config
 from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.daemon.runner.process import LoadError
@@ -107,13 +107,6 @@ class FourThreads(Planner):
                        n_threads_batch=4)
 
 
-async def until(check, what: str, seconds: float = 60) -> None:
-    deadline = asyncio.get_running_loop().time() + seconds
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, what
-        await asyncio.sleep(0.05)
-
-
 async def test_two_models_busy_on_the_cpu_share_its_threads_and_one_alone_takes_all_back(
         store, smollm2_gguf, gemma_gguf, tmp_path):
     smol = store.import_gguf(smollm2_gguf, "smollm2")
@@ -129,15 +122,18 @@ async def test_two_models_busy_on_the_cpu_share_its_threads_and_one_alone_takes_
                 assert second.n_threads == 2
                 assert "2 models compute on the CPU at once: 2 of the plan's 4 threads, 2 of " \
                        "4 for prompts" in second.threads_reason
-                await until(lambda: first.n_threads == 2, "the busy runner kept 4 threads")
+                await wait_for_async(lambda: first.n_threads == 2, 60,
+                                     what="the busy runner to drop to 2 threads")
                 request = GenerationRequest(id="s", prompt="Hello",
                                             options=SamplingOptions(num_predict=3))
                 events = [e async for e in second.generate(request)]
                 assert isinstance(events[-1], Done) and events[-1].eval_count > 0
-            await until(lambda: first.n_threads == 4, "the runner left alone stayed at 2")
+            await wait_for_async(lambda: first.n_threads == 4, 60,
+                                 what="the runner left alone to take 4 threads back")
             assert "alone on the CPU again: 4 threads, 4 for prompts" in first.threads_reason
             # the idle one gets its plan's threads back too (ps shows what it holds)
-            await until(lambda: second.n_threads == 4, "the idle runner stayed at 2")
+            await wait_for_async(lambda: second.n_threads == 4, 60,
+                                 what="the idle runner to take 4 threads back")
     finally:
         await scheduler.close()
 

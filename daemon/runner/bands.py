@@ -48,24 +48,18 @@ def down_after_seconds() -> float:
 class FillBands:
     def __init__(self, plans: tuple[Plan, ...], start: int, model: LoadedModel,
                  slots: list[Slot], room: Room,
-                 stash: Callable[[Slot], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 stash: Callable[[Slot], None] | None = None):
         """`plans`: one per band, smallest context first; the last holds the whole context.
         `stash` saves an idle slot's sequence to the prompt cache before a move down drops
         it."""
         self.plans = plans
         self.band = max(0, min(start, len(plans) - 1))
-        self.last = self.band == len(plans) - 1  # in the band that holds the whole context
-        # Whether there is another band to move to (a load without bands has one): an
-        # attribute, which the engine reads before each step
-        self.banded = len(plans) > 1
         self.model = model
         self.slots = slots
         self.room = room
         self.stash = stash
-        self.clock = clock
         self.down_after_s = down_after_seconds()
-        self.needed_at = clock()  # when a sequence last needed the loaded band
+        self.needed_at = time.monotonic()  # when a sequence last needed the loaded band
         self.pauses: list[float] = []  # seconds each switch stopped decoding
         self.on_band: Callable[[Band], None] | None = None  # after each switch
 
@@ -74,11 +68,16 @@ class FillBands:
         """The plan of the band loaded now."""
         return self.plans[self.band]
 
+    @property
+    def last(self) -> bool:
+        """Whether the band loaded is the one that holds the whole context."""
+        return self.band == len(self.plans) - 1
+
     def follow(self) -> Plan | None:
         """Move up to the next fill band's plan before a sequence outgrows the loaded one, or
         down as a request starts once the loaded band has gone unneeded (the module's head).
         The new band's plan, or None when the loaded one stays."""
-        now = self.clock()
+        now = time.monotonic()
         busy = [s for s in self.slots if not s.free]
         need = max((len(s.tokens) + len(s.to_decode) + 1 for s in busy), default=0)
         if self.band and need > self.plans[self.band - 1].n_ctx:
@@ -96,8 +95,7 @@ class FillBands:
         # not a band the answers outgrow at once
         need = max(len(s.tokens) + len(s.to_decode) + min(s.work.limit, ANSWER_ROOM)
                    for s in busy)
-        target = next(i for i in range(self.band) if self.plans[i].n_ctx >= need) \
-            if need <= self.plans[self.band - 1].n_ctx else self.band
+        target = next((i for i in range(self.band) if self.plans[i].n_ctx >= need), self.band)
         if target == self.band:
             return None
         for slot in self.slots:  # idle sequences too long for the smaller band
@@ -141,17 +139,14 @@ class FillBands:
                 raise SystemExit(1) from None  # the daemon fails the requests and reloads
             if target > self.band:
                 self.plans = self.plans[:self.band + 1]
-                self.banded = len(self.plans) > 1
             else:  # a move down that failed: stay, and try no other
                 self.down_after_s = float("inf")
             target, new = self.band, old
             why = f"{why} failed (out of memory?); stayed in the {old.n_ctx}-token band"
         self.band = target
-        self.last = self.band == len(self.plans) - 1
         self.room.seq = self.model.lm.n_ctx_seq
         if self.last:
             self.room.n_ctx = min(self.room.n_ctx, self.room.seq)
-
         carried = reread = 0
         for slot in self.slots:
             copy = saved.get(slot.seq_id)

@@ -355,7 +355,7 @@ class Engine:
 
     def step(self) -> None:
         """One decode step (step.py), in the fill band that holds every sequence."""
-        if self.bands.banded:  # a load without bands has no switch to make
+        if len(self.bands.plans) > 1:  # a load without bands has no switch to make
             switched = self.bands.follow()
             if switched is not None:
                 self._pace(switched)

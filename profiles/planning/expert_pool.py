@@ -143,8 +143,8 @@ def priced_pool(pool: PoolShape, slots: int, request: Request) -> ExpertPool:
     if request.measured_hits:
         swaps = max(m[2] for m in request.measured_hits)
     else:
-        swaps = SWAPS_PER_STEP * (1.0 - ExpertPool(slots, pool.n_expert, frozenset(),
-                                                   curve).hit_rate(len(pool.blocks)))
+        misses = 1.0 - curve_at(curve, slots / (len(pool.blocks) * pool.n_expert))
+        swaps = SWAPS_PER_STEP * misses
     return ExpertPool(slots, pool.n_expert, frozenset(pool.blocks), curve,
                       swap_bytes=swaps * pool.slot_bytes)
 

@@ -153,12 +153,14 @@ def _gpu_element_seconds(cache_type: str) -> float:
 
 
 def _pool_hits(costs: ModelCosts, devices: list[str], kept, pool: ExpertPool | None
-               ) -> tuple[list[int], float]:
+               ) -> tuple[set[int], float]:
     """The blocks an expert pool serves on this placement (those of its blocks whose experts
     are in RAM) and the hit rate its slots give them."""
-    served = [i for i in range(costs.n_blocks) if pool is not None and i in pool.blocks
-              and costs.expert_bytes[i] and (devices[i] == CPU or kept.experts[i])]
-    return served, pool.hit_rate(len(served)) if served else 0.0
+    if pool is None:
+        return set(), 0.0
+    served = {i for i in pool.blocks
+              if costs.expert_bytes[i] and (devices[i] == CPU or kept.experts[i])}
+    return served, pool.hit_rate(len(served))
 
 
 def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,

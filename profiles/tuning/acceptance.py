@@ -13,7 +13,7 @@ from pathlib import Path
 
 from localllm.speculative import DRAFTING_MODES
 
-from .saved import profiles_dir, read_tables, write_toml
+from .saved import model_table, profiles_dir, read_tables, write_toml
 
 MIN_DRAFTED = 256  # drafted tokens before a measured rate replaces the assumed one
 DECAY_AT = 4096
@@ -30,9 +30,7 @@ def record(model: str, file_size: int, mode: str, drafted: int, accepted: int,
         return
     path = path or acceptance_file()
     doc = read_tables(path)
-    entry = doc.get(model, {})
-    if entry.get("file_size") != file_size:
-        entry = {"file_size": file_size}
+    entry = model_table(doc, model, file_size)
     counts = entry.get(mode, {})
     total = int(counts.get("drafted", 0)) + drafted
     taken = int(counts.get("accepted", 0)) + min(accepted, drafted)
@@ -46,9 +44,7 @@ def record(model: str, file_size: int, mode: str, drafted: int, accepted: int,
 def measured_acceptance(model: str, file_size: int, path: Path | None = None
                         ) -> dict[str, float]:
     """{mode: accepted / drafted} for the modes this model file has drafted enough with."""
-    entry = read_tables(path or acceptance_file()).get(model, {})
-    if entry.get("file_size") != file_size:
-        return {}
+    entry = model_table(read_tables(path or acceptance_file()), model, file_size)
     out = {}
     for mode in DRAFTING_MODES:
         counts = entry.get(mode)

@@ -101,8 +101,9 @@ def config_request(model_name: str | None = None, file_size: int = 0,
 
 def expert_cache_slots(setting: int | str) -> int:
     """The config's expert_cache as the Request's slots: 0 off, AUTO_SLOTS auto, else N."""
-    return {"off": 0, "auto": AUTO_SLOTS}.get(setting, setting) if isinstance(setting, str) \
-        else int(setting)
+    if setting == "off":
+        return 0
+    return AUTO_SLOTS if setting == "auto" else int(setting)
 
 
 def pool_in_ram() -> bool:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..planning.quality import REFERENCE
-from .saved import profiles_dir, read_tables, write_toml
+from .saved import model_table, profiles_dir, read_tables, write_toml
 
 def results_file() -> Path:
     return profiles_dir() / "quality.toml"
@@ -20,9 +20,7 @@ def save_result(model: str, file_size: int, setting: str, reference: str, metric
     replaces the model's table (the old figures described other weights)."""
     path = path or results_file()
     doc = read_tables(path)
-    entry = doc.get(model, {})
-    if entry.get("file_size") != file_size:
-        entry = {"file_size": file_size}
+    entry = model_table(doc, model, file_size)
     table = "kv" if reference == REFERENCE else "vs"
     key = setting if table == "kv" else reference
     results = dict(entry.get(table, {}))
@@ -37,9 +35,7 @@ def save_result(model: str, file_size: int, setting: str, reference: str, metric
 
 def measured_kl(model: str, file_size: int, path: Path | None = None) -> dict[str, float]:
     """{KV label: mean KL vs f16} measured for this model file; empty when none is."""
-    entry = read_tables(path or results_file()).get(model, {})
-    if not entry or entry.get("file_size") != file_size:
-        return {}
+    entry = model_table(read_tables(path or results_file()), model, file_size)
     out = {}
     for label, result in entry.get("kv", {}).items():
         if isinstance(result, dict) and isinstance(result.get("kl_mean"), (int, float)):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .saved import profiles_dir, read_tables, write_toml
+from .saved import model_table, profiles_dir, read_tables, write_toml
 
 MIN_LOOKUPS = 20_000  # a share's lookups before its rate replaces the assumed curve there
 
@@ -29,9 +29,7 @@ def record(model: str, file_size: int, share: float, hits: int, misses: int, swa
         return
     path = path or hits_file()
     doc = read_tables(path)
-    entry = doc.get(model, {})
-    if entry.get("file_size") != file_size:
-        entry = {"file_size": file_size}
+    entry = model_table(doc, model, file_size)
     key = f"{share:.4f}"
     old = entry.get(key, {})
     if hits + misses < MIN_LOOKUPS and \
@@ -46,9 +44,7 @@ def measured_hits(model: str, file_size: int, path: Path | None = None
                   ) -> tuple[tuple[float, float, float], ...]:
     """(share, hit rate, swaps a step) for each share this model file was served with long
     enough (MIN_LOOKUPS); () where none was."""
-    entry = read_tables(path or hits_file()).get(model, {})
-    if entry.get("file_size") != file_size:
-        return ()
+    entry = model_table(read_tables(path or hits_file()), model, file_size)
     out = []
     for key, counts in entry.items():
         if not isinstance(counts, dict):

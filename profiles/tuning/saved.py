@@ -116,6 +116,13 @@ def read_tables(path: Path) -> dict[str, dict]:
     return {k: v for k, v in doc.items() if isinstance(v, dict)}
 
 
+def model_table(doc: dict[str, dict], model: str, file_size: int) -> dict:
+    """A per-model results file's table for this model file: the one stored, or a new one
+    where the file of that name changed (the figures stored describe other weights)."""
+    entry = doc.get(model, {})
+    return entry if entry.get("file_size") == file_size else {"file_size": file_size}
+
+
 def _check(path: Path, key: str, value: Any, kind: type) -> Any:
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ProfileError(f"{path}: plan.{key} must be a whole number, not {value!r}")
