@@ -172,8 +172,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     plan = tune_checked(shape, card, request)
     measured = None
     if args.measure:
-        measured = measure_and_calibrate(shape, plan, card, store=not args.no_save,
-                                         force=args.save)
+        measured = measure_and_calibrate(shape, model_name, plan, card,
+                                         store=not args.no_save, force=args.save)
     saved = None
     if not args.no_save and args.vram is None and not remote:
         saved = save_profile(plan, model_name, card.name, shape.file_size,
@@ -207,6 +207,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
                   f"/ {plan.predicted_decode_tps:.1f})"
                   + (f", VRAM {gib(measured.vram_bytes)} (predicted {gib(plan.vram_bytes())})"
                      if measured.vram_bytes else ""))
+            if pool := measured.expert_cache:
+                lookups = pool["hits"] + pool["misses"]
+                print(f"expert cache: {pool['slots']} slots, "
+                      f"{pool['hits'] / max(lookups, 1):.0%} hits of {lookups} lookups"
+                      + ("" if args.no_save else " (kept for the tuner's next pricing)"))
         if saved:
             print(f"\nsaved profile: {saved}")
         if remote:
@@ -267,14 +272,23 @@ def request_from_args(args: argparse.Namespace, base: Request) -> Request:
     return replace(base, **changes)
 
 
-def measure_and_calibrate(shape: ModelShape, plan: Plan, card: Card, store: bool = True,
-                          force: bool = False):
+def measure_and_calibrate(shape: ModelShape, model_name: str, plan: Plan, card: Card,
+                          store: bool = True, force: bool = False):
     """Time the plan for real; the figure becomes this card's calibration unless `store` is
-    off, or it looks disturbed by other work (`force` stores it anyway)."""
+    off, or it looks disturbed by other work (`force` stores it anyway). A plan with an expert
+    pool decodes long enough to measure its hit rate, which is stored for the tuner."""
+    from localllm.llama.expert_cache import ExpertCacheStats
+    from localllm.profiles.tuning.expert_hits import record_pool, tokens_for_lookups
+
     print(f"measuring {shape.name} with the plan...", file=sys.stderr)
-    measured = measure_in_child(shape.path, plan)
+    tokens = max(32, tokens_for_lookups(shape.n_layer_main, shape.expert_used_count)
+                 if plan.expert_cache_slots else 0)
+    measured = measure_in_child(shape.path, plan, decode_tokens=tokens)
     if not store:
         return measured
+    if measured.expert_cache:
+        record_pool(model_name, shape.file_size, shape.expert_count,
+                    ExpertCacheStats(**measured.expert_cache))
     why = doubtful(measured, plan.predicted_decode_tps)
     if why and not force:
         print(f"warning: {why}; the calibration was not stored (measure again on a quiet "

@@ -417,14 +417,12 @@ def record_served(model: str, done: Done) -> None:
 def record_expert_hits(model: str, shape: ModelShape, runner: RunnerProcess) -> None:
     """The expert cache's hits so far, for the tuner's next pricing of a pool for this model
     (profiles/tuning/expert_hits.py); nothing for a model without a pool."""
-    pool = runner.expert_cache
-    if pool is None or not pool.layers or not shape.expert_count:
+    if runner.expert_cache is None:
         return
-    from localllm.profiles.tuning.expert_hits import record
+    from localllm.profiles.tuning.expert_hits import record_pool
 
     try:
-        record(model, shape.file_size, pool.slots / (pool.layers * shape.expert_count),
-               pool.hits, pool.misses, pool.swaps, pool.steps)
+        record_pool(model, shape.file_size, shape.expert_count, runner.expert_cache)
     except OSError as e:  # a full disk must not fail the answer
         log.warning("could not save the expert cache's hit rate: %s", e)
 

@@ -1,18 +1,20 @@
 """`tune --measure`'s benchmark, in a child process (`python -m localllm.llama.measure`, the
 request as JSON on stdin, one JSON line out): the model and context loaded from the plan by the
 runner's own load (llama/model.py: the weights in RAM pinned in place, the expert pool), then a
-prompt read and a greedy decode timed over a bare llama_decode loop."""
+prompt read and a greedy decode timed over a bare llama_decode loop; with an expert pool, its
+hits too."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from dataclasses import asdict
 
 import llama_cpp  # before numpy: with a CUDA build, numpy loaded first crashes the model load
 from localllm.profiles.planning.plan import Plan
 
-from . import nvml
+from . import expert_cache, nvml
 from .batch import fill
 from .model import free, load
 
@@ -41,10 +43,12 @@ def run(model_path: str, plan: Plan, prompt_tokens: int = 128, decode_tokens: in
         position += 1
     decode_s = time.perf_counter() - start
     vram = nvml.process_vram_bytes()
+    pool = expert_cache.read(ctx)  # None without a pool
     llama_cpp.llama_batch_free(batch)
     free(lm)
     return {"prefill_tps": prompt_tokens / prefill_s, "decode_tps": decode_tokens / decode_s,
-            "vram_bytes": vram, "prompt_tokens": prompt_tokens, "decoded_tokens": decode_tokens}
+            "vram_bytes": vram, "prompt_tokens": prompt_tokens, "decoded_tokens": decode_tokens,
+            "expert_cache": asdict(pool) if pool else None}
 
 
 def main() -> int:

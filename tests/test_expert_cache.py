@@ -193,12 +193,12 @@ static void step(llama_moe_cache_policy & p, std::initializer_list<std::pair<int
     end(p, true);
 }
 int main() {
-    llama_moe_cache_policy p(2, 4, 2, 0.5f, 1);  // 2 layers of 4 experts, 2 slots, 1 eviction a step
+    llama_moe_cache_policy p(2, 4, 2, 0.5f, 1);  // 2 layers x 4 experts, 2 slots, 1 eviction a step
     step(p, {{0, 0}, {0, 1}, {1, 2}});  // both free slots fill at once; 1.2, no hotter, waits
     step(p, {{1, 2}});            // 1.2 (1.5) evicts the coldest holder, 0.0 (0.5; first of two)
     step(p, {{0, 0}, {0, 3}});    // 0.0 (1.25) evicts 0.1 (0.25); 0.3: one eviction a step
     step(p, {{1, 2}, {0, 0}});    // both hit: nothing moves
-    llama_moe_cache_policy q(1, 4, 2, 0.9f, 4);  // a prompt batch fills the pool, counting no lookup
+    llama_moe_cache_policy q(1, 4, 2, 0.9f, 4);  // a prompt batch fills the pool, no lookups
     const int32_t prompt[] = {3, 3, 1, 3, 2, 1};
     q.learn(0, prompt, 6);
     end(q, false);                // the two most used, 0.3 then 0.1, take the free slots

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -110,3 +112,29 @@ def test_a_daemon_with_the_setting_answers_alike_and_reports_hits(tmp_path, moe_
         assert "dense:latest expert cache" not in d.cli("ps").stdout
     finally:
         d.stop()
+
+
+def test_tune_measure_stores_the_pools_hit_rate_for_the_tuner(tmp_path, moe_gguf):
+    # `tune --measure` on a plan with a pool decodes until the pool has seen MIN_LOOKUPS
+    # lookups (4 blocks x 4 experts a token: 1250 tokens) and keeps what it hit, as serving does
+    from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, measured_hits
+
+    env = isolated_env(tmp_path, LLAMA_MOE_CACHE_DEVICE="cpu", LOCALLLM_EXPERT_CACHE="16")
+    import_models(env, {"moe": moe_gguf})
+    result = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", "moe", "--measure",
+                             "--ctx", "2048", "--json"], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout)
+    assert out["plan"]["expert_cache_slots"] == 16
+    pool = out["measured"]["expert_cache"]
+    assert pool["slots"] == 16 and pool["layers"] == 4
+    assert pool["hits"] + pool["misses"] >= MIN_LOOKUPS and pool["hits"] > 0
+    assert out["measured"]["decoded_tokens"] == -(-MIN_LOOKUPS // (4 * 4))
+    [hits_file] = Path(env["XDG_CONFIG_HOME"]).glob("**/expert_hits.toml")
+    kept = tomllib.loads(hits_file.read_text())["moe:latest"][f"{16 / (4 * 32):.4f}"]
+    assert (kept["hits"], kept["misses"]) == (pool["hits"], pool["misses"])
+    # what the tuner reads back for its next pricing of this model's pool
+    assert measured_hits("moe:latest", moe_gguf.stat().st_size, hits_file) == (
+        (16 / (4 * 32), pool["hits"] / (pool["hits"] + pool["misses"]),
+         pool["swaps"] / pool["steps"]),)

@@ -6,7 +6,8 @@ served with a pool here, then what its pool really hit. After each answer the da
 the runner's running totals since its load (hits, misses, swaps, steps) under the share of a
 block's experts the pool held (slots / (blocks served x experts a block)); a load with fewer
 lookups than the one stored for the same share does not replace it until it has MIN_LOOKUPS.
-Stored in `<config dir>/profiles/expert_hits.toml`, one table per model.
+Stored in `<config dir>/profiles/expert_hits.toml`, one table per model. `tune --measure`
+stores what its benchmark's pool hit the same way, decoding enough tokens for MIN_LOOKUPS.
 """
 
 from __future__ import annotations
@@ -38,6 +39,22 @@ def record(model: str, file_size: int, share: float, hits: int, misses: int, swa
     entry[key] = {"hits": hits, "misses": misses, "swaps": swaps, "steps": steps}
     doc[model] = entry
     write_toml(path, doc)
+
+
+def record_pool(model: str, file_size: int, expert_count: int, pool,
+                path: Path | None = None) -> None:
+    """A pool's figures so far (`pool`: slots, layers, hits, misses, swaps, steps, as the
+    runner's ExpertCache event and llama/expert_cache.read give them) under the share of a
+    block's experts it held; nothing for a pool that served no block."""
+    if not pool.layers or not expert_count:
+        return
+    record(model, file_size, pool.slots / (pool.layers * expert_count), pool.hits,
+           pool.misses, pool.swaps, pool.steps, path)
+
+
+def tokens_for_lookups(n_layer: int, experts_used: int) -> int:
+    """Decoded tokens that give MIN_LOOKUPS lookups when every block's experts are pooled."""
+    return -(-MIN_LOOKUPS // max(1, n_layer * experts_used))
 
 
 def measured_hits(model: str, file_size: int, path: Path | None = None

@@ -29,6 +29,7 @@ class Measurement:
     prompt_tokens: int
     decoded_tokens: int
     other_load: float = 0.0  # CPU cores other processes kept busy while it ran
+    expert_cache: dict | None = None  # the expert pool's figures (llama/expert_cache.py)
 
 
 # What update_calibration writes (reset_calibration removes them).
