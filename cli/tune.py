@@ -177,7 +177,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     saved = None
     if not args.no_save and args.vram is None and not remote:
         saved = save_profile(plan, model_name, card.name, shape.file_size,
-                             measured=asdict(measured) if measured else None)
+                             measured=measured_fields(measured))
     setting = parse_bands(bands_setting())
     bands = []
     if setting != "off":
@@ -270,6 +270,14 @@ def request_from_args(args: argparse.Namespace, base: Request) -> Request:
         else:
             raise UserError("--parallel must be auto or a number from 1 to 64")
     return replace(base, **changes)
+
+
+def measured_fields(measured) -> dict | None:
+    """--measure's figures as a saved profile keeps them (TOML has no null: a plan without an
+    expert pool leaves its figures out)."""
+    if measured is None:
+        return None
+    return {k: v for k, v in asdict(measured).items() if v is not None}
 
 
 def measure_and_calibrate(shape: ModelShape, model_name: str, plan: Plan, card: Card,

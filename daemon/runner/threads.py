@@ -32,7 +32,7 @@ log = logging.getLogger("localllm.runner")
 
 WINDOW_S = 1.0  # decode time between two looks at the host
 IDLE_RESET_S = 2.0  # a gap longer than this between steps starts a new window (no decode)
-SLOW = 0.8  # decode below this part of the plan's speed is worth a trial with a thread less
+SLOW = 0.8  # decode below this part of the expected speed is worth a trial with a thread less
 KEEP_GAIN = 1.05  # the trial's decode must beat the window before it by this much to stay
 HOLD_WINDOWS = 8  # windows after a trial that did not pay before the next one
 BUSY_CORES = 0.5  # other processes using this many cores or more: the host is busy
@@ -111,7 +111,8 @@ class ThreadGovernor:
         self._depths: list[int] = []
         self._last_step = 0.0
         self._quiet = 0
-        self._best_tps = 0.0
+        self._best_tps = 0.0  # the fastest window yet (no plan figure to compare with)
+        self._best_ratio = 1.0  # the fastest window against the plan at its depth, 1 at least
         self._trial_from: float | None = None  # the decode speed before a trial, during one
         self._hold = 0
 
@@ -150,7 +151,13 @@ class ThreadGovernor:
     def _decide(self, measured_tps: float, others: float,
                 predicted: float) -> ThreadChange | None:
         self._best_tps = max(self._best_tps, measured_tps)
-        expected = predicted if predicted > 0 else self._best_tps
+        # What this runner decodes at this depth when it is not slowed: the plan's figure, or
+        # above it as fast as a window has already gone (a plan that undersells this machine
+        # would otherwise hide a slowdown); only windows with the host quiet count.
+        if predicted > 0 and others < BUSY_CORES:
+            self._best_ratio = max(self._best_ratio, measured_tps / predicted)
+        expected = predicted * self._best_ratio if predicted > 0 else self._best_tps
+        whose = "the plan's" if self._best_ratio == 1.0 else "this machine's"
         # The cores the others leave us (a core they use 0.8 of counts as theirs).
         left = max(1, len(self.cpus) - math.ceil(others - 0.25))
         if self._trial_from is not None:
@@ -160,7 +167,7 @@ class ThreadGovernor:
                 self._quiet = 0
                 return ThreadChange(n, (
                     f"decode at {measured_tps:.1f} tok/s with {_threads(n)} against "
-                    f"{before:.1f} with {n + 1} (the plan's {expected:.1f}), while other "
+                    f"{before:.1f} with {n + 1} ({whose} {expected:.1f}), while other "
                     f"processes use {others:.1f} of {len(self.cpus)} cores: "
                     f"{n + 1} -> {_threads(n)}"))
             self.n_threads, self._hold = n + 1, HOLD_WINDOWS
@@ -174,7 +181,7 @@ class ThreadGovernor:
             self._trial_from = measured_tps
             self.n_threads -= 1
             return ThreadChange(self.n_threads, (
-                f"decode at {measured_tps:.1f} tok/s, under {SLOW:.0%} of the plan's "
+                f"decode at {measured_tps:.1f} tok/s, under {SLOW:.0%} of {whose} "
                 f"{expected:.1f}, while other processes use {others:.1f} of "
                 f"{len(self.cpus)} cores: trying {_threads(self.n_threads)}"), trial=True)
         if self.n_threads < self.planned and left > self.n_threads:
