@@ -177,7 +177,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     saved = None
     if not args.no_save and args.vram is None and not remote:
         saved = save_profile(plan, model_name, card.name, shape.file_size,
-                             measured=measured_fields(measured))
+                             measured=asdict(measured) if measured else None)
     setting = parse_bands(bands_setting())
     bands = []
     if setting != "off":
@@ -272,14 +272,6 @@ def request_from_args(args: argparse.Namespace, base: Request) -> Request:
     return replace(base, **changes)
 
 
-def measured_fields(measured) -> dict | None:
-    """--measure's figures as a saved profile keeps them (TOML has no null: a plan without an
-    expert pool leaves its figures out)."""
-    if measured is None:
-        return None
-    return {k: v for k, v in asdict(measured).items() if v is not None}
-
-
 def measure_and_calibrate(shape: ModelShape, model_name: str, plan: Plan, card: Card,
                           store: bool = True, force: bool = False):
     """Time the plan for real; the figure becomes this card's calibration unless `store` is
@@ -289,8 +281,9 @@ def measure_and_calibrate(shape: ModelShape, model_name: str, plan: Plan, card: 
     from localllm.profiles.tuning.expert_hits import record_pool, tokens_for_lookups
 
     print(f"measuring {shape.name} with the plan...", file=sys.stderr)
-    tokens = max(32, tokens_for_lookups(shape.n_layer_main, shape.expert_used_count)
-                 if plan.expert_cache_slots else 0)
+    tokens = 32  # measure_in_child's own default
+    if plan.expert_cache_slots:  # long enough for the pool's hit rate to be kept
+        tokens = max(tokens, tokens_for_lookups(shape.n_layer_main, shape.expert_used_count))
     measured = measure_in_child(shape.path, plan, decode_tokens=tokens)
     if not store:
         return measured

@@ -21,6 +21,7 @@ import synth_gguf
 
 from conftest import import_models
 from daemon_process import isolated_env, start_daemon
+from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, measured_hits
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "assistant:")
@@ -117,8 +118,6 @@ def test_a_daemon_with_the_setting_answers_alike_and_reports_hits(tmp_path, moe_
 def test_tune_measure_stores_the_pools_hit_rate_for_the_tuner(tmp_path, moe_gguf):
     # `tune --measure` on a plan with a pool decodes until the pool has seen MIN_LOOKUPS
     # lookups (4 blocks x 4 experts a token: 1250 tokens) and keeps what it hit, as serving does
-    from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, measured_hits
-
     env = isolated_env(tmp_path, LLAMA_MOE_CACHE_DEVICE="cpu", LOCALLLM_EXPERT_CACHE="16")
     import_models(env, {"moe": moe_gguf})
     result = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", "moe", "--measure",

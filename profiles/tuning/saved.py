@@ -91,8 +91,8 @@ def save_profile(plan: Plan, model_name: str, card_name: str, model_size: int,
             "reasons": list(plan.reasons),
         },
     }
-    if measured:
-        doc["measured"] = dict(measured)
+    if measured:  # TOML has no null: a figure not taken (no expert pool) is left out
+        doc["measured"] = {k: v for k, v in measured.items() if v is not None}
     if history:
         doc["history"] = [dict(h) for h in history]
     write_toml(path, doc, HEADER)
