@@ -62,8 +62,7 @@ class PoolShape:
             len(self.blocks) * self.n_expert * MAP_BYTES_PER_EXPERT
 
     def slots_in(self, budget: int) -> int:
-        """The most slots `budget` bytes hold (0: not even one), for a tuner that sizes the
-        pool from what a placement leaves (the next step of issue #40)."""
+        """The most slots `budget` bytes hold (0: not even one)."""
         room = budget - len(self.blocks) * self.n_expert * MAP_BYTES_PER_EXPERT
         return max(0, room // self.slot_bytes - 1) if self.slot_bytes else 0
 
@@ -158,10 +157,16 @@ def _faster(a: Plan, b: Plan) -> bool:
 
 
 def _sizes(pool: PoolShape, card: Card, request: Request) -> list[int]:
-    """The pool sizes `auto` prices: AUTO_SIZES experts a block, within AUTO_VRAM_SHARE of the
-    first GPU's budget."""
-    room = (card.gpu_list[0].free_vram_bytes - request.margin_bytes) * AUTO_VRAM_SHARE
-    return [k * pool.n_expert for k in AUTO_SIZES if pool.bytes(k * pool.n_expert) <= room]
+    """The pool sizes `auto` prices: AUTO_SIZES experts a block, and the most slots that fit,
+    within AUTO_VRAM_SHARE of the first GPU's budget. The largest matters for a model of many
+    experts a block (512 on the 80B class), where 64 a block is under a tenth of them."""
+    room = int((card.gpu_list[0].free_vram_bytes - request.margin_bytes) * AUTO_VRAM_SHARE)
+    sizes = [k * pool.n_expert for k in AUTO_SIZES if pool.bytes(k * pool.n_expert) <= room]
+    most = pool.slots_in(room)
+    if most >= AUTO_SIZES[0] * pool.n_expert and most not in sizes and \
+            most < len(pool.blocks) * pool.n_expert:
+        sizes.append(most)
+    return sizes
 
 
 def with_expert_pool(shape: ModelShape, card: Card, request: Request,

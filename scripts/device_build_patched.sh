@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# On the GPU machine: the patched engine (patches/) in DIR (default /tmp/cuda-src/llama.cpp/build/bin),
+# for LLAMA_CPP_LIB_PATH, in about a minute instead of three or four.
+#
+#   source .device-carry/on-device.sh
+#   bash scripts/device_build_patched.sh .device-carry/llama-src.tgz [DIR]
+#
+# The patches change libllama, ggml-base and ggml-cpu only, never ggml-cuda (check: `grep '^+++'
+# patches/*.patch`). So those three are built from the patched source without CUDA, and the
+# unpatched CUDA build that on-device.sh unpacked (/tmp/llama-cuda/bin) lends the rest: libggml
+# (the backend registry, linked to the CUDA and RPC backends) and libggml-cuda, built from the
+# same llama.cpp release, so every ggml struct they share has the same layout. The result must
+# offload to the GPU and export the patch's function; when it does not, the whole engine is
+# built with CUDA instead (the slow way), so a run never measures a half-patched engine.
+set -euo pipefail
+src=${1:?source tgz}; dest=${2:-/tmp/cuda-src/llama.cpp/build/bin}
+prebuilt=${PREBUILT:-/tmp/llama-cuda/bin}
+work=/tmp/patched-src
+start=$(date +%s)
+rm -rf "$work" && mkdir -p "$work" && tar xzf "$src" -C "$work"
+cd "$work/llama.cpp"
+common=(-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF
+        -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+        -DCMAKE_BUILD_TYPE=Release)
+
+check() {  # the engine in $1 offloads to the GPU and has the expert cache
+    LLAMA_CPP_LIB_PATH=$1 LD_LIBRARY_PATH=$1:${LD_LIBRARY_PATH:-} python3 -c '
+import ctypes, os, llama_cpp
+lib = ctypes.CDLL(os.path.join(os.environ["LLAMA_CPP_LIB_PATH"], "libllama.so"))
+assert llama_cpp.llama_supports_gpu_offload(), "no GPU offload"
+assert hasattr(lib, "llama_moe_cache_stats"), "no expert cache"
+print("patched engine: GPU offload, expert cache")'
+}
+
+if cmake -B build-cpu -DGGML_CUDA=OFF "${common[@]}" > "$work/cmake-cpu.log" 2>&1 &&
+   cmake --build build-cpu -j "$(nproc)" --target llama > "$work/build-cpu.log" 2>&1; then
+    mkdir -p "$dest"
+    # the prebuilt CUDA side first, then the patched libraries over it
+    find "$prebuilt" -maxdepth 1 -name 'lib*.so*' ! -name 'libllama.so*' \
+        ! -name 'libggml-base.so*' ! -name 'libggml-cpu.so*' -exec cp -a {} "$dest/" \;
+    for lib in libllama libggml-base libggml-cpu; do
+        find build-cpu -name "$lib.so*" -exec cp -a {} "$dest/" \;
+    done
+    if check "$dest"; then
+        echo "built the patched libraries in $(( $(date +%s) - start )) s (CUDA libraries unpatched, prebuilt)"
+        exit 0
+    fi
+    echo "the quick build did not load as a patched GPU engine: building it all with CUDA" >&2
+else
+    tail -20 "$work/build-cpu.log" >&2
+fi
+cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real "${common[@]}" \
+    > "$work/cmake.log" 2>&1
+cmake --build build -j "$(nproc)" --target llama > "$work/build.log" 2>&1
+rm -rf "$dest" && mkdir -p "$dest" && find build -name '*.so*' -exec cp -a {} "$dest/" \;
+check "$dest"
+echo "built the whole patched engine with CUDA in $(( $(date +%s) - start )) s"
