@@ -19,8 +19,9 @@ work=/tmp/patched-src
 start=$(date +%s)
 rm -rf "$work" && mkdir -p "$work" && tar xzf "$src" -C "$work"
 cd "$work/llama.cpp"
+# the carried tree leaves out app/, tools/, examples/ and tests/: their options must be off
 common=(-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF
-        -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+        -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
         -DCMAKE_BUILD_TYPE=Release)
 
 check() {  # the engine in $1 offloads to the GPU and has the expert cache
@@ -47,7 +48,8 @@ if cmake -B build-cpu -DGGML_CUDA=OFF "${common[@]}" > "$work/cmake-cpu.log" 2>&
     fi
     echo "the quick build did not load as a patched GPU engine: building it all with CUDA" >&2
 else
-    tail -20 "$work/build-cpu.log" >&2
+    tail -20 "$work/cmake-cpu.log" "$work/build-cpu.log" >&2 2>/dev/null || true
+    echo "the quick build failed: building it all with CUDA" >&2
 fi
 cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real "${common[@]}" \
     > "$work/cmake.log" 2>&1
