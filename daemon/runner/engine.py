@@ -46,8 +46,7 @@ from .protocol import (
     TokenizeRequest,
 )
 from .replies import Replies
-from .reuse import PromptReuse
-from .seqstate import PromptCache
+from .reuse import PromptCache, PromptReuse
 from .slots import Room, Slot, Work
 from .speculation import Drafting, StepCosts
 from .step import Steps
@@ -111,7 +110,7 @@ class Engine:
         self.inbox: queue.Queue[Submission | Question | None] = queue.Queue()
         self.backlog: collections.deque[Submission] = collections.deque()
         self._closing = False
-        # Prompts of slots taken for other requests, in RAM (seqstate.py). Not with MTP: its
+        # Prompts of slots taken for other requests, in RAM (reuse.py). Not with MTP: its
         # own cache of each sequence would have to be saved and restored beside the target's.
         prompt_cache = None
         if prompt_cache_bytes > 0 and drafting.prompt_cache:
