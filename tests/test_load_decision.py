@@ -4,6 +4,7 @@ Load the planner decides in one call, and a runner that is never sent "auto"."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 
@@ -12,6 +13,7 @@ from localllm.daemon.drafting import DraftChoice
 from localllm.daemon.load import Load, Planner
 from localllm.daemon.runner.process import RunnerProcess
 from localllm.daemon.runner.protocol import Done, GenerationRequest
+from localllm.daemon.scheduler import SERVED_REMEMBERED, LoadedModel
 from localllm.llama.params import context_params
 from localllm.modelstore.shape import read_shape
 from localllm.options import LoadOptions, SamplingOptions
@@ -82,6 +84,26 @@ def test_one_planning_call_decides_a_frozen_load_with_no_auto_left(home, store, 
     assert drafted.serves(drafted.plan, asked)
     assert not drafted.serves(drafted.plan, LoadOptions(speculative="mtp"))
     assert not drafted.serves(drafted.plan, LoadOptions(draft_model="other"))
+
+
+def test_a_loaded_model_decides_once_per_load_options_whether_it_serves(monkeypatch):
+    plan = cpu_plan(2048)
+    load = Load(plan, LoadOptions(num_ctx=2048))
+    decided: list[LoadOptions] = []
+    real = Load.serves
+    monkeypatch.setattr(Load, "serves", lambda self, running, asked: (
+        decided.append(asked), real(self, running, asked))[1])
+    model = LoadedModel(runner=types.SimpleNamespace(plan=plan, n_parallel=1), entry=None,
+                        shape=None, file_id=(), load=load)
+    assert decided == [LoadOptions(num_ctx=2048)]  # what it was loaded for, at load
+    for _ in range(3):  # warm requests: the answer the load gave the first time
+        assert model.serves(LoadOptions(num_ctx=2048)) and model.serves(LoadOptions())
+        assert not model.serves(LoadOptions(num_ctx=1024))
+    assert decided == [LoadOptions(num_ctx=2048), LoadOptions(), LoadOptions(num_ctx=1024)]
+    for n in range(2 * SERVED_REMEMBERED):  # a client asking every num_ctx there is
+        model.serves(LoadOptions(num_ctx=512 + n))
+    assert len(model.served) <= SERVED_REMEMBERED
+    assert not model.serves(LoadOptions(num_ctx=1024))
 
 
 async def test_the_runner_is_sent_the_plans_mode_never_auto(tmp_path, smollm2_gguf):
