@@ -19,7 +19,13 @@ from localllm.modelstore.shape import read_shape
 from localllm.options import LoadOptions, SamplingOptions
 from localllm.profiles.tuning.choose import settings_of
 from localllm.profiles.planning.plan import Plan, cpu_plan
-from localllm.speculative import AUTO, MODES, SPECULATIVE_MODES, UnknownMode
+from localllm.speculative import (
+    AUTO,
+    MODES,
+    SPECULATIVE_CHOICES,
+    SPECULATIVE_MODES,
+    UnknownMode,
+)
 
 
 @pytest.mark.parametrize("mode, draft_n_max, ceiling", [
@@ -49,6 +55,15 @@ def test_auto_is_the_plans_mode_and_a_named_mode_is_itself():
         plan = Plan(n_ctx=512, speculative=row.name)
         assert plan.request_mode(AUTO) == row.name
         assert plan.request_mode("off") == "off"
+
+
+def test_a_runner_decides_at_load_what_each_speculative_choice_means(tmp_path):
+    for row in MODES:
+        plan = Plan(n_ctx=512, speculative=row.name)
+        runner = RunnerProcess("m", tmp_path / "m.gguf", plan, tmp_path / "runner.log")
+        assert runner.request_modes == {name: plan.request_mode(name)
+                                        for name in SPECULATIVE_CHOICES}
+        assert runner.request_modes[AUTO] == row.name
 
 
 def fields_of(load: Load):
