@@ -11,6 +11,7 @@ import pytest
 from localllm.config import Config
 from localllm.daemon.drafting import DraftChoice
 from localllm.daemon.load import Load, Planner
+from localllm.daemon.runner.engine import drafting_modes
 from localllm.daemon.runner.process import RunnerProcess
 from localllm.daemon.runner.protocol import Done, GenerationRequest
 from localllm.daemon.scheduler import SERVED_REMEMBERED, LoadedModel
@@ -64,6 +65,22 @@ def test_a_runner_decides_at_load_what_each_speculative_choice_means(tmp_path):
         assert runner.request_modes == {name: plan.request_mode(name)
                                         for name in SPECULATIVE_CHOICES}
         assert runner.request_modes[AUTO] == row.name
+
+
+def test_the_engine_decides_at_load_what_each_mode_drafts_with():
+    attention = types.SimpleNamespace(recurrent=False, n_rollback=0)
+    decided = drafting_modes(None, attention, draft_cap=8)
+    assert decided["off"] == (None, "") and decided["lookup"] == ("lookup", "")
+    assert decided["prompt-lookup"] == ("lookup", "")  # an older name reads the same
+    assert decided["mtp"][0] is None and "loaded without" in decided["mtp"][1]
+    mtp = types.SimpleNamespace(kind="mtp")
+    assert drafting_modes(mtp, attention, 3)["mtp"] == ("mtp", "")
+    assert "loaded without" in drafting_modes(mtp, attention, 3)["draft"][1]
+    # a recurrent state takes drafts back only as far as llama.cpp keeps snapshots of it
+    recurrent = types.SimpleNamespace(recurrent=True, n_rollback=0)
+    assert drafting_modes(None, recurrent, 8)["lookup"] == (None, "")
+    assert drafting_modes(None, types.SimpleNamespace(recurrent=True, n_rollback=9),
+                          8)["lookup"] == ("lookup", "")
 
 
 def fields_of(load: Load):
