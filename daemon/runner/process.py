@@ -106,8 +106,7 @@ class RunnerProcess:
         self.model_path = model_path
         self.draft_model_path = draft_model_path
         self.plan = plan  # the whole context's: what the load was asked for
-        # What each `speculative` a request may say means on this load ("auto": the plan's
-        # mode), decided once by the plan's rule (Plan.request_mode) rather than per request.
+        # decided at start: what each `speculative` a request may say runs as (Plan.request_mode)
         self.request_modes = {name: plan.request_mode(name) for name in SPECULATIVE_CHOICES}
         self.bands = tuple(bands)
         self.band = start_band  # the band whose plan runs now (index into bands + (plan,))
@@ -296,8 +295,7 @@ class RunnerProcess:
                        silence_s: float = RUNNER_SILENCE_S) -> AsyncIterator[Event]:
         """Events of one request; cancels it in the runner if the consumer stops early. The
         request's `auto` drafting is the plan's mode here: the runner sees no `auto`."""
-        asked = request.options.speculative
-        mode = self.request_modes.get(asked) or self.plan.request_mode(asked)
+        mode = self.request_modes.get(request.options.speculative, request.options.speculative)
         request = replace(request, options=replace(request.options, speculative=mode))
         async for event in self._exchange(request.id, request.to_wire(), silence_s):
             if isinstance(event, Done) and event.drafted and self.on_drafts is not None:
