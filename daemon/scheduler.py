@@ -37,6 +37,7 @@ from .runner.process import RUNNER_COMMAND, EngineCrashed, LoadError, RunnerProc
 from .runner.protocol import Done
 
 log = logging.getLogger("localllm.scheduler")
+SERVED_REMEMBERED = 64  # distinct load options a loaded model remembers answering
 
 
 class QueueFull(UserError):
@@ -59,9 +60,23 @@ class LoadedModel:
     keep_alive: float | None = 300.0  # seconds after the last request; None = forever
     expires_at: float | None = None  # wall-clock time; None while in use or kept forever
     last_used: float = 0.0
+    # Whether this load serves a request's load options (Load.serves), decided once per load
+    # and options (the load and its runner's plan never change while it is loaded): at load
+    # for the options it was loaded for, so the requests that follow, asking the same, find it.
+    served: dict[LoadOptions, bool] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.slots = asyncio.Semaphore(max(1, self.runner.n_parallel))
+        self.serves(self.load.asked)
+
+    def serves(self, asked: LoadOptions) -> bool:
+        """Whether the loaded model serves a request's load options as it is (Load.serves)."""
+        found = self.served.get(asked)
+        if found is None:
+            if len(self.served) >= SERVED_REMEMBERED:
+                self.served.clear()  # clients that vary num_ctx at will: no growing memory
+            found = self.served[asked] = self.load.serves(self.runner.plan, asked)
+        return found
 
     @property
     def busy(self) -> bool:
@@ -193,7 +208,7 @@ class Scheduler:
 
     def _current(self, model: LoadedModel | None, entry: ModelEntry, load: LoadOptions) -> bool:
         return bool(model and model.runner.alive and model.entry.digest == entry.digest
-                    and serves(model, load)
+                    and model.serves(load)
                     and file_id(model.runner.model_path) == model.file_id)
 
     async def _loaded(self, entry: ModelEntry, load: LoadOptions,
@@ -434,8 +449,3 @@ def computes_on_cpu(model: LoadedModel) -> bool:
     plan = model.runner.running_plan
     return plan.n_gpu_layers <= model.shape.n_layer \
         or any(o.device == "CPU" for o in plan.tensor_overrides)
-
-
-def serves(model: LoadedModel, load: LoadOptions) -> bool:
-    """Whether the loaded model serves a request's load options as it is (Load.serves)."""
-    return model.load.serves(model.runner.plan, load)

@@ -5,7 +5,7 @@ its recurrent state, with their positions) as a `SavedSequence`, restored into a
 context of the same model, KV types and number of sequences (another context, a larger `n_ctx`,
 another seq id are all fine; llama.cpp writes one record per KV stream, one per sequence here
 since the KV is not unified, and refuses a state whose stream count differs). The runner's
-prompt cache and fill band switch use them (daemon/runner/seqstate.py, bands.py).
+prompt cache and fill band switch use them (daemon/runner/reuse.py, bands.py).
 
 `take` / `load`: a `Checkpoint`, the part that cannot be cut back only
 (`LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`: for hybrid memory the recurrent part, for an iSWA cache

@@ -32,8 +32,9 @@ class Mode:
     # request; the others adapt up to MAX_DRAFT at the acceptance measured.
     default_draft: int = MAX_DRAFT
     plan_bounds_length: bool = False
-    # Prompts of taken slots may be kept in RAM (seqstate.py); not with MTP, whose own cache
-    # of each sequence would have to be saved and restored beside the target's.
+    # Prompts of taken slots may be kept in RAM (the prompt cache, daemon/runner/reuse.py); not
+    # with MTP, whose own cache of each sequence would have to be saved and restored beside the
+    # target's.
     prompt_cache: bool = True
 
 

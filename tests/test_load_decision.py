@@ -4,20 +4,29 @@ Load the planner decides in one call, and a runner that is never sent "auto"."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 
 from localllm.config import Config
 from localllm.daemon.drafting import DraftChoice
 from localllm.daemon.load import Load, Planner
+from localllm.daemon.runner.engine import drafting_modes
 from localllm.daemon.runner.process import RunnerProcess
 from localllm.daemon.runner.protocol import Done, GenerationRequest
+from localllm.daemon.scheduler import SERVED_REMEMBERED, LoadedModel
 from localllm.llama.params import context_params
 from localllm.modelstore.shape import read_shape
 from localllm.options import LoadOptions, SamplingOptions
 from localllm.profiles.tuning.choose import settings_of
 from localllm.profiles.planning.plan import Plan, cpu_plan
-from localllm.speculative import AUTO, MODES, SPECULATIVE_MODES, UnknownMode
+from localllm.speculative import (
+    AUTO,
+    MODES,
+    SPECULATIVE_CHOICES,
+    SPECULATIVE_MODES,
+    UnknownMode,
+)
 
 
 @pytest.mark.parametrize("mode, draft_n_max, ceiling", [
@@ -47,6 +56,31 @@ def test_auto_is_the_plans_mode_and_a_named_mode_is_itself():
         plan = Plan(n_ctx=512, speculative=row.name)
         assert plan.request_mode(AUTO) == row.name
         assert plan.request_mode("off") == "off"
+
+
+def test_a_runner_decides_at_load_what_each_speculative_choice_means(tmp_path):
+    for row in MODES:
+        plan = Plan(n_ctx=512, speculative=row.name)
+        runner = RunnerProcess("m", tmp_path / "m.gguf", plan, tmp_path / "runner.log")
+        assert runner.request_modes == {name: plan.request_mode(name)
+                                        for name in SPECULATIVE_CHOICES}
+        assert runner.request_modes[AUTO] == row.name
+
+
+def test_the_engine_decides_at_load_what_each_mode_drafts_with():
+    attention = types.SimpleNamespace(recurrent=False, n_rollback=0)
+    decided = drafting_modes(None, attention, draft_cap=8)
+    assert decided["off"] == (None, "") and decided["lookup"] == ("lookup", "")
+    assert decided["prompt-lookup"] == ("lookup", "")  # an older name reads the same
+    assert decided["mtp"][0] is None and "loaded without" in decided["mtp"][1]
+    mtp = types.SimpleNamespace(kind="mtp")
+    assert drafting_modes(mtp, attention, 3)["mtp"] == ("mtp", "")
+    assert "loaded without" in drafting_modes(mtp, attention, 3)["draft"][1]
+    # a recurrent state takes drafts back only as far as llama.cpp keeps snapshots of it
+    recurrent = types.SimpleNamespace(recurrent=True, n_rollback=0)
+    assert drafting_modes(None, recurrent, 8)["lookup"] == (None, "")
+    assert drafting_modes(None, types.SimpleNamespace(recurrent=True, n_rollback=9),
+                          8)["lookup"] == ("lookup", "")
 
 
 def fields_of(load: Load):
@@ -82,6 +116,26 @@ def test_one_planning_call_decides_a_frozen_load_with_no_auto_left(home, store, 
     assert drafted.serves(drafted.plan, asked)
     assert not drafted.serves(drafted.plan, LoadOptions(speculative="mtp"))
     assert not drafted.serves(drafted.plan, LoadOptions(draft_model="other"))
+
+
+def test_a_loaded_model_decides_once_per_load_options_whether_it_serves(monkeypatch):
+    plan = cpu_plan(2048)
+    load = Load(plan, LoadOptions(num_ctx=2048))
+    decided: list[LoadOptions] = []
+    real = Load.serves
+    monkeypatch.setattr(Load, "serves", lambda self, running, asked: (
+        decided.append(asked), real(self, running, asked))[1])
+    model = LoadedModel(runner=types.SimpleNamespace(plan=plan, n_parallel=1), entry=None,
+                        shape=None, file_id=(), load=load)
+    assert decided == [LoadOptions(num_ctx=2048)]  # what it was loaded for, at load
+    for _ in range(3):  # warm requests: the answer the load gave the first time
+        assert model.serves(LoadOptions(num_ctx=2048)) and model.serves(LoadOptions())
+        assert not model.serves(LoadOptions(num_ctx=1024))
+    assert decided == [LoadOptions(num_ctx=2048), LoadOptions(), LoadOptions(num_ctx=1024)]
+    for n in range(2 * SERVED_REMEMBERED):  # a client asking every num_ctx there is
+        model.serves(LoadOptions(num_ctx=512 + n))
+    assert len(model.served) <= SERVED_REMEMBERED
+    assert not model.serves(LoadOptions(num_ctx=1024))
 
 
 async def test_the_runner_is_sent_the_plans_mode_never_auto(tmp_path, smollm2_gguf):

@@ -16,7 +16,7 @@ from localllm.llama import model as llama
 from localllm.llama import state as seqstate
 from localllm.daemon.runner.process import RunnerProcess
 from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOptions
-from localllm.daemon.runner.seqstate import PromptCache
+from localllm.daemon.runner.reuse import PromptCache
 from localllm.llama.state import SavedSequence
 from localllm.profiles.planning.plan import cpu_plan
 

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import import_models
 from daemon_process import isolated_env, start_daemon
-from localllm.daemon.peer_uid import find_uid, parse_address
+from localllm.daemon.security import find_uid, parse_address
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="a second local user needs root to "
                                "create (useradd) and to run as (runuser)")

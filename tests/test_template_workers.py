@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from localllm.daemon.chat import template_process
-from localllm.daemon.chat.template_process import close_workers, render_in_worker
+from localllm.daemon.chat import template
+from localllm.daemon.chat.template import close_workers, render_in_worker
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 VARIABLES = {"messages": [{"role": "user", "content": "hi"}]}
@@ -29,14 +29,14 @@ def many_open_files():
 
 def test_a_render_with_descriptors_past_1023_succeeds(many_open_files):
     assert render_in_worker(TEMPLATE, VARIABLES) == "<user>hi"
-    worker = template_process._idle[-1]
+    worker = template._idle[-1]
     assert worker.proc.stdout.fileno() > 1023  # what select() could not wait on
 
 
 def test_a_worker_killed_while_idle_is_replaced_not_blamed_on_memory():
     close_workers()
     assert render_in_worker(TEMPLATE, VARIABLES) == "<user>hi"
-    worker = template_process._idle[-1]
+    worker = template._idle[-1]
     os.kill(worker.proc.pid, signal.SIGKILL)
     worker.proc.wait()
     assert render_in_worker(TEMPLATE, VARIABLES) == "<user>hi"

@@ -3,7 +3,7 @@
 A chat template is code from whoever made the model or wrote the Modelfile (/api/create). It
 renders here, in a child of the daemon, in jinja2's immutable sandbox (no attribute of Python
 internals, no mutation of the request), so that:
-- a template that runs too long is killed by the daemon (template_process.py) without a thread
+- a template that runs too long is killed by the daemon (template.py) without a thread
   left spinning: Python threads cannot be stopped, processes can;
 - a template that builds a huge value fails at once: `*`, `+` and `**` are intercepted (which also
   stops jinja folding `"a" * 10**10` at compile time), output is counted as it is produced, and

@@ -27,7 +27,7 @@ from localllm.llama.model import ModelLoadError
 from localllm.llama.sampling import RequestError, Sampler
 from localllm.llama.vision import MediaPrompt, is_image_token, text_tokens
 from localllm.profiles.planning.plan import Plan
-from localllm.speculative import MAX_DRAFT, Mode, UnknownMode
+from localllm.speculative import ALIASES, BY_NAME, MAX_DRAFT, Mode, UnknownMode
 from localllm.speculative import mode as mode_row
 
 from . import checkpoints
@@ -46,8 +46,7 @@ from .protocol import (
     TokenizeRequest,
 )
 from .replies import Replies
-from .reuse import PromptReuse
-from .seqstate import PromptCache
+from .reuse import PromptCache, PromptReuse
 from .slots import Room, Slot, Work
 from .speculation import Drafting, StepCosts
 from .step import Steps
@@ -111,7 +110,7 @@ class Engine:
         self.inbox: queue.Queue[Submission | Question | None] = queue.Queue()
         self.backlog: collections.deque[Submission] = collections.deque()
         self._closing = False
-        # Prompts of slots taken for other requests, in RAM (seqstate.py). Not with MTP: its
+        # Prompts of slots taken for other requests, in RAM (reuse.py). Not with MTP: its
         # own cache of each sequence would have to be saved and restored beside the target's.
         prompt_cache = None
         if prompt_cache_bytes > 0 and drafting.prompt_cache:
@@ -142,6 +141,7 @@ class Engine:
         steps.n_threads = plan.n_threads
         if steps.cpu_share > 1:  # a band's new context starts at the plan's threads
             steps.set_threads()
+        self.drafting_modes = drafting_modes(self.drafter, self.lm, self.draft_cap)
 
     # ---- what the runner's main and the benchmarks read -------------------------------------
     @property
@@ -314,22 +314,18 @@ class Engine:
 
     def _drafting_mode(self, request: GenerationRequest) -> str | None:
         """Where this request's drafts come from (`options.speculative`, which the daemon
-        resolved: `auto` never reaches the runner), or None. A drafter loaded with the model
-        (MTP, a draft model) must be the one asked for (the daemon reloads the model when a
-        request asks for another); a recurrent state can take drafts back only when the plan
-        drafts (llama.cpp then keeps snapshots of it)."""
-        try:
-            row = mode_row(request.options.speculative)
-        except UnknownMode as e:
-            raise RequestError(str(e)) from None
-        if not row.drafts:
-            return None
-        if row.loaded and (self.drafter is None or self.drafter.kind != row.name):
-            raise RequestError(f"speculative '{row.name}': the model was loaded without "
-                               f"{row.help}")
-        if self.lm.recurrent and self.lm.n_rollback < self.draft_cap:
-            return None
-        return row.name
+        resolved: `auto` never reaches the runner), or None, as decided at load
+        (`drafting_modes`)."""
+        name = request.options.speculative
+        if name not in self.drafting_modes:
+            try:
+                mode_row(name)  # not a mode: it names the modes there are
+            except UnknownMode as e:
+                raise RequestError(str(e)) from None
+        mode, refused = self.drafting_modes[name]
+        if refused:
+            raise RequestError(refused)
+        return mode
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> None:
@@ -360,6 +356,28 @@ class Engine:
             if switched is not None:
                 self._pace(switched)
         self.steps.step()
+
+
+def drafting_modes(drafter, lm, draft_cap: int) -> dict[str, tuple[str | None, str]]:
+    """What each `speculative` a request may send means on the model as loaded (decided at
+    load and after a band switch): the mode its drafts come from (None: it does not draft) and
+    why it is refused ("": it is not). A drafter loaded with the model (MTP, a draft model)
+    must be the one asked for (the daemon reloads the model when a request asks for another);
+    a recurrent state can take drafts back only when the plan drafts (llama.cpp then keeps
+    snapshots of it)."""
+    decided = {}
+    for name in (*BY_NAME, *ALIASES):
+        row = mode_row(name)
+        if not row.drafts:
+            decided[name] = (None, "")
+        elif row.loaded and (drafter is None or drafter.kind != row.name):
+            decided[name] = (None, f"speculative '{row.name}': the model was loaded without "
+                                   f"{row.help}")
+        elif lm.recurrent and lm.n_rollback < draft_cap:
+            decided[name] = (None, "")
+        else:
+            decided[name] = (row.name, "")
+    return decided
 
 
 def known_mode(plan: Plan) -> Mode:

@@ -26,6 +26,7 @@ from localllm.llama import expert_cache
 from localllm.llama.cpu import describe_crash, is_engine_crash
 from localllm.paths import open_private_log
 from localllm.profiles.planning.plan import Plan
+from localllm.speculative import SPECULATIVE_CHOICES
 
 from ..logging_setup import LOG_FILE_BACKUPS, LOG_FILE_BYTES
 from .protocol import (
@@ -105,6 +106,8 @@ class RunnerProcess:
         self.model_path = model_path
         self.draft_model_path = draft_model_path
         self.plan = plan  # the whole context's: what the load was asked for
+        # decided at start: what each `speculative` a request may say runs as (Plan.request_mode)
+        self.request_modes = {name: plan.request_mode(name) for name in SPECULATIVE_CHOICES}
         self.bands = tuple(bands)
         self.band = start_band  # the band whose plan runs now (index into bands + (plan,))
         self.band_pauses: list[float] = []  # seconds each band switch stopped decoding
@@ -292,7 +295,7 @@ class RunnerProcess:
                        silence_s: float = RUNNER_SILENCE_S) -> AsyncIterator[Event]:
         """Events of one request; cancels it in the runner if the consumer stops early. The
         request's `auto` drafting is the plan's mode here: the runner sees no `auto`."""
-        mode = self.plan.request_mode(request.options.speculative)
+        mode = self.request_modes.get(request.options.speculative, request.options.speculative)
         request = replace(request, options=replace(request.options, speculative=mode))
         async for event in self._exchange(request.id, request.to_wire(), silence_s):
             if isinstance(event, Done) and event.drafted and self.on_drafts is not None:
