@@ -175,3 +175,18 @@ def test_no_modules_import_each_other_around_a_loop_inside_a_room():
                     for start in sorted(arrows) if (trail := loop_from(start))
                     and trail[0] == min(trail)})
     assert not loops, loops
+
+
+def test_no_file_over_500_lines_and_no_class_over_300():
+    """Issue #35's bounds: a module a reader can hold, a class that owns one thing."""
+    long_files, long_classes = [], []
+    for path in _sources():
+        text = path.read_text()
+        if text.count("\n") > 500:
+            long_files.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno > 300:
+                long_classes.append(f"{path.relative_to(ROOT)} {node.name}: "
+                                    f"{node.end_lineno - node.lineno} lines")
+    assert not long_files, long_files
+    assert not long_classes, long_classes

@@ -184,17 +184,8 @@ class RunnerProcess:
                             f"runner was stopped (see {self.log_path}; config load_timeout)"
                             ) from None
         if not line:
-            code = await self._release()
-            if is_engine_crash(code):
-                raise EngineCrashed(f"the runner crashed while loading {self.model_name}: "
-                                    f"{describe_crash(code, self.plan.extra_bufts)}; see "
-                                    f"{self.log_path}")
-            # SIGKILL that no one here sent, while weights are read: the kernel's OOM killer
-            oom = (" - most likely out of memory: the kernel kills a process that outgrows RAM "
-                   "or its cgroup's limit; a smaller ram_budget or context plans for less"
-                   if code == -signal.SIGKILL else "")
-            raise LoadError(f"the runner exited while loading {self.model_name} "
-                            f"({describe_exit(code)}{oom}); see {self.log_path}")
+            raise exit_while_loading(self.model_name, await self._release(), self.plan,
+                                     self.log_path)
         try:
             reply = json.loads(line)
         except ValueError:
@@ -211,16 +202,9 @@ class RunnerProcess:
         self.past_ram = reply.get("past_ram")
         # what really holds the weights in RAM (llama/model.py), which a refused pin changes
         self.weights_in_ram = reply.get("weights_in_ram", "")
-        if self.plan.pin_in_place and self.weights_in_ram != "pinned in place":
-            log.warning("runner for %s: the plan pins the weights in RAM in place and the driver "
-                        "refused: they were copied into pinned memory instead (see %s)",
-                        self.model_name, self.log_path)
         if reply.get("expert_cache"):
             self.expert_cache = ExpertCache(**reply["expert_cache"])
-        elif self.plan.expert_cache_slots:
-            log.warning("runner for %s: the plan asked an expert cache of %d slots and "
-                        "llama.cpp made none (see %s)", self.model_name,
-                        self.plan.expert_cache_slots, self.log_path)
+        warn_of_refusals(self.model_name, self.plan, reply, self.log_path)
         if self.past_ram:
             log.info("runner for %s, past RAM: %s", self.model_name, self.past_ram["text"])
         self.loaded_at = time.time()
@@ -406,6 +390,31 @@ class RunnerProcess:
             with contextlib.suppress(ConnectionError):
                 await stdin.wait_closed()
         return await self.proc.wait()
+
+
+def warn_of_refusals(model_name: str, plan: Plan, loaded: dict, log_path: Path) -> None:
+    """Log what the plan asked that the runner's `loaded` reply says did not happen."""
+    if plan.pin_in_place and loaded.get("weights_in_ram", "") != "pinned in place":
+        log.warning("runner for %s: the plan pins the weights in RAM in place and the driver "
+                    "refused: they were copied into pinned memory instead (see %s)",
+                    model_name, log_path)
+    if plan.expert_cache_slots and not loaded.get("expert_cache"):
+        log.warning("runner for %s: the plan asked an expert cache of %d slots and llama.cpp "
+                    "made none (see %s)", model_name, plan.expert_cache_slots, log_path)
+
+
+def exit_while_loading(model_name: str, code: int | None, plan: Plan,
+                       log_path: Path) -> LoadError:
+    """The error for a runner that exited before it said it had loaded."""
+    if is_engine_crash(code):
+        return EngineCrashed(f"the runner crashed while loading {model_name}: "
+                             f"{describe_crash(code, plan.extra_bufts)}; see {log_path}")
+    # SIGKILL that no one here sent, while weights are read: the kernel's OOM killer
+    oom = (" - most likely out of memory: the kernel kills a process that outgrows RAM "
+           "or its cgroup's limit; a smaller ram_budget or context plans for less"
+           if code == -signal.SIGKILL else "")
+    return LoadError(f"the runner exited while loading {model_name} "
+                     f"({describe_exit(code)}{oom}); see {log_path}")
 
 
 def new_request_id() -> str:
