@@ -64,6 +64,9 @@ class LoadedModel:
     # and options (the load and its runner's plan never change while it is loaded): at load
     # for the options it was loaded for, so the requests that follow, asking the same, find it.
     served: dict[LoadOptions, bool] = field(init=False, default_factory=dict)
+    # Why this load should be planned again once idle ("": it serves as planned): its expert
+    # pool's measured hit rate is far from the one the plan was priced with
+    replan: str = ""
 
     def __post_init__(self) -> None:
         self.slots = asyncio.Semaphore(max(1, self.runner.n_parallel))
@@ -104,6 +107,7 @@ class Scheduler:
         self.planner = planner or Planner(lambda: self.config)
         self.runner_command = tuple(runner_command)
         self.models: dict[str, LoadedModel] = {}
+        self._replanned: set[str] = set()  # models planned again for their pool's hits
         self.queued = 0  # requests waiting for a slot or a load, over all models
         self._model_locks: dict[str, asyncio.Lock] = {}
         self._room_lock = asyncio.Lock()
@@ -209,7 +213,8 @@ class Scheduler:
     def _current(self, model: LoadedModel | None, entry: ModelEntry, load: LoadOptions) -> bool:
         return bool(model and model.runner.alive and model.entry.digest == entry.digest
                     and model.serves(load)
-                    and file_id(model.runner.model_path) == model.file_id)
+                    and file_id(model.runner.model_path) == model.file_id
+                    and not (model.replan and not model.active))
 
     async def _loaded(self, entry: ModelEntry, load: LoadOptions,
                       prompt_chars: int = 0, hint: str | None = None) -> LoadedModel:
@@ -238,6 +243,9 @@ class Scheduler:
             if model is not None:
                 if model.runner.alive and file_id(model.runner.model_path) != model.file_id:
                     log.warning("the file of %s changed under it; loading it again", name)
+                elif model.replan:
+                    log.info("loading %s again with a plan priced from what it measured: %s",
+                             name, model.replan)
                 del self.models[name]  # new requests wait for the new load, not this one
                 await self._retire(name, model)
             async with self._room_lock:
@@ -252,10 +260,27 @@ class Scheduler:
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                                 load=decided, keep_alive=self.config.keep_alive_seconds)
             runner.on_drafts = DraftCounts(name, shape.file_size).add
-            runner.on_done = lambda done: (record_served(name, done),
-                                           record_expert_hits(name, shape, runner))
+            runner.on_done = lambda done: self._served(model, done)
             self.models[name] = model
             return model
+
+    def _served(self, model: LoadedModel, done: Done) -> None:
+        """After each answer: what it served and what its expert pool hit, for the tuner; and
+        a load whose pool `auto` priced far from what it hits is marked to be planned again
+        (once a model per daemon: the next plan is priced from the hits measured here)."""
+        name = str(model.entry.name)
+        record_served(name, done)
+        record_expert_hits(name, model.shape, model.runner)
+        if name in self._replanned or model.runner.expert_cache is None:
+            return
+        from localllm.profiles.tuning.expert_hits import pool_far_from_its_price
+
+        runner = model.runner
+        if why := pool_far_from_its_price(runner.expert_cache, runner.running_plan,
+                                          self.config.expert_cache):
+            self._replanned.add(name)
+            model.replan = why
+            log.info("%s: %s; it loads again with a plan priced from that once idle", name, why)
 
     async def _retire(self, name: str, model: LoadedModel) -> None:
         """Unload a replaced runner once the answers it is giving have ended."""

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tomllib
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,12 @@ import synth_gguf
 
 from conftest import import_models
 from daemon_process import isolated_env, start_daemon
-from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, measured_hits
+from localllm.config import Config
+from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOptions
+from localllm.daemon.scheduler import Planner, Scheduler
+from localllm.options import LoadOptions
+from localllm.profiles.planning.plan import cpu_plan
+from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, REPLAN_HIT_GAP, measured_hits
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "assistant:")
@@ -137,3 +143,68 @@ def test_tune_measure_stores_the_pools_hit_rate_for_the_tuner(tmp_path, moe_gguf
     assert measured_hits("moe:latest", moe_gguf.stat().st_size, hits_file) == (
         (16 / (4 * 32), pool["hits"] / (pool["hits"] + pool["misses"]),
          pool["swaps"] / pool["steps"]),)
+
+
+FIRST_PRICE = 0.2
+
+
+class PricedLow(Planner):
+    """CPU plans with a pool of 16 slots (in RAM here) that the first load prices at a hit rate
+    of FIRST_PRICE, the way `auto` prices a first load from the prior curve (this model's
+    routing hits far more); later loads say what the tuner would, from the hits measured
+    since (profiles/tuning/expert_hits.py)."""
+
+    def __init__(self):
+        self.priced_at: list[float] = []
+
+    def choose(self, shape, model_name, n_ctx, options, draft_shape=None, hint=None):
+        measured = measured_hits(model_name, shape.file_size)
+        rate = measured[0][1] if measured else FIRST_PRICE
+        self.priced_at.append(rate)
+        return replace(cpu_plan(n_ctx or 1024, shape.context_length), expert_cache_slots=16,
+                       expected_hit_rate=rate)
+
+
+async def test_a_pool_that_misses_its_price_is_planned_again_from_its_hits(
+        store, moe_gguf, monkeypatch, tmp_path):
+    """`expert_cache = auto`: once the pool has MIN_LOOKUPS lookups and hits far from what its
+    plan assumed, the model loads again when idle, priced from the hits it measured; once."""
+    monkeypatch.setenv("LLAMA_MOE_CACHE_DEVICE", "cpu")
+    entry = store.import_gguf(moe_gguf, "moe")
+    name = str(entry.name)
+    planner = PricedLow()
+    scheduler = Scheduler(store, Config(expert_cache="auto"), tmp_path / "logs", planner)
+    await scheduler.start()
+    load = LoadOptions(num_ctx=1024)
+
+    async def answer(runner) -> None:
+        request = GenerationRequest(id="r", prompt="Name three colours of the sea at dusk.",
+                                    options=SamplingOptions(num_predict=600, temperature=0))
+        events = [e async for e in runner.generate(request)]
+        assert isinstance(events[-1], Done), events[-1]
+
+    try:
+        first = None
+        for _ in range(10):  # 16 lookups a token (4 blocks x 4 experts): about 1250 tokens
+            async with scheduler.use(entry, load) as runner:
+                first = first or runner
+                assert runner is first  # no reload before the pool has its lookups
+                await answer(runner)
+            if scheduler.models[name].replan:
+                break
+        pool = first.expert_cache
+        lookups = pool.hits + pool.misses
+        assert lookups >= MIN_LOOKUPS and pool.hits / lookups - FIRST_PRICE >= REPLAN_HIT_GAP
+        assert scheduler.models[name].replan == (
+            f"its expert cache hit {pool.hits / lookups:.0%} of {lookups} lookups where the "
+            f"plan assumed {FIRST_PRICE:.0%}")
+        assert measured_hits(name, entry.model_path.stat().st_size)  # stored for the tuner
+
+        async with scheduler.use(entry, load) as runner:  # idle now: loaded again
+            assert runner is not first and not first.alive
+            assert planner.priced_at == [FIRST_PRICE, pytest.approx(pool.hits / lookups)]
+            assert runner.plan.expected_hit_rate == planner.priced_at[1]
+            await answer(runner)
+        assert not scheduler.models[name].replan  # priced from its own hits: no second time
+    finally:
+        await scheduler.close()

@@ -148,6 +148,7 @@ def test_auto_sizes_the_pool_and_turns_it_off_where_measured_hits_do_not_pay(hea
     assert slots > 0 and (slots % 128 == 0 or slots == pool.slots_in(int(room)))
     assert pool.bytes(slots) <= room
     assert skewed.n_ctx == without.n_ctx
+    assert 0 < skewed.expected_hit_rate <= 1 and without.expected_hit_rate == 0
     assert skewed.predicted_decode_tps > without.predicted_decode_tps
     priced = next(r for r in skewed.reasons if r.startswith("expert cache: expected hit"))
     assert "from this model's hits measured while serving" in priced
@@ -248,3 +249,28 @@ def test_only_the_target_context_gets_a_pool(monkeypatch):
     # the pool is filled from the experts' bytes in RAM: no repacking for the CPU's kernels
     assert model_params(Plan(n_ctx=4096, expert_cache_slots=16))[0].use_extra_bufts is False
     assert model_params(Plan(n_ctx=4096))[0].use_extra_bufts is True
+
+
+def test_only_an_auto_pool_far_from_its_price_is_planned_again():
+    """The scheduler's rule (profiles/tuning/expert_hits.py): `auto`, MIN_LOOKUPS lookups, and a
+    measured rate REPLAN_HIT_GAP or more from the plan's, either way."""
+    from types import SimpleNamespace
+
+    from localllm.profiles.tuning.expert_hits import (
+        MIN_LOOKUPS,
+        REPLAN_HIT_GAP,
+        pool_far_from_its_price,
+    )
+
+    plan = Plan(n_ctx=8192, expert_cache_slots=1024, expected_hit_rate=0.68)
+
+    def pool(rate: float, lookups: int = MIN_LOOKUPS):
+        return SimpleNamespace(hits=round(rate * lookups), misses=lookups - round(rate * lookups))
+
+    assert pool_far_from_its_price(pool(0.30), plan, "auto") == (
+        f"its expert cache hit 30% of {MIN_LOOKUPS} lookups where the plan assumed 68%")
+    assert pool_far_from_its_price(pool(0.95), plan, "auto")  # better than priced: too
+    assert not pool_far_from_its_price(pool(0.68 - REPLAN_HIT_GAP + 0.01), plan, "auto")
+    assert not pool_far_from_its_price(pool(0.30, MIN_LOOKUPS - 1), plan, "auto")
+    assert not pool_far_from_its_price(pool(0.30), plan, 1024)  # the user's own size
+    assert not pool_far_from_its_price(None, plan, "auto")

@@ -232,6 +232,8 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
                              f"for the weights its VRAM moves to RAM")
     where = f"on {device} ({gib(pool.bytes(n))} of VRAM kept out of the placement's budget)"
     plan = _with_pool_memory(plan, device, pool.bytes(n))
+    plan = replace(plan, expected_hit_rate=round(
+        priced.hit_rate(len(blocks_in_ram(plan, shape, pool))), 4))
     return _on(plan, shape, pool, n, where, versus + ("" if _faster(plan, without) else
                                                       ": the pool does not pay here"))
 

@@ -62,6 +62,9 @@ class Plan:
     # MoE: experts the engine's expert cache holds (patches/0002, profiles/planning/
     # expert_pool.py), a pool the target context alone gets; 0: off
     expert_cache_slots: int = 0
+    # the hit rate that pool was priced with (expert_pool.py; 0.0: no pool); the scheduler
+    # plans again once the pool's measured rate is far from it
+    expected_hit_rate: float = 0.0
     # Speculative decoding: "off", "lookup" (n-grams of the prompt), "mtp" (the model's NextN
     # layers) or "draft" (the paired draft model). A profile's "prompt-lookup" reads as "lookup",
     # "none" (the name before requests and plans shared one vocabulary) as "off".

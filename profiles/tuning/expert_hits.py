@@ -17,6 +17,9 @@ from pathlib import Path
 from .saved import model_table, profiles_dir, read_tables, write_toml
 
 MIN_LOOKUPS = 20_000  # a share's lookups before its rate replaces the assumed curve there
+# How far a pool's measured hit rate may be from the one its plan was priced with before the
+# daemon plans the model again (pool_far_from_its_price)
+REPLAN_HIT_GAP = 0.15
 
 
 def hits_file() -> Path:
@@ -75,3 +78,21 @@ def measured_hits(model: str, file_size: int, path: Path | None = None
         if hits + misses >= MIN_LOOKUPS:
             out.append((share, hits / (hits + misses), swaps / max(steps, 1)))
     return tuple(sorted(out))
+
+
+def pool_far_from_its_price(pool, plan, setting: int | str) -> str:
+    """Why a loaded plan's expert pool should be priced again ("" where it should not):
+    `expert_cache = auto` sized it from a hit rate (the prior curve, or an older measurement)
+    that the pool (`pool`: its running hits and misses), over MIN_LOOKUPS lookups, missed by
+    REPLAN_HIT_GAP or more either way. By then `record` has stored the measured rate, so the
+    next plan is priced from it. An explicit pool size is the user's: never replanned."""
+    if setting != "auto" or pool is None or not plan.expected_hit_rate:
+        return ""
+    lookups = pool.hits + pool.misses
+    if lookups < MIN_LOOKUPS:
+        return ""
+    rate = pool.hits / lookups
+    if abs(rate - plan.expected_hit_rate) < REPLAN_HIT_GAP:
+        return ""
+    return (f"its expert cache hit {rate:.0%} of {lookups} lookups where the plan assumed "
+            f"{plan.expected_hit_rate:.0%}")
