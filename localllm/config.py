@@ -32,7 +32,7 @@
 | image_urls        | LOCALLLM_IMAGE_URLS        | on                            | live      |
 | prompt_cache_ram  | LOCALLLM_PROMPT_CACHE_RAM  | auto                          | next load |
 | fill_bands        | LOCALLLM_FILL_BANDS        | auto                          | next load |
-| expert_cache      | LOCALLLM_EXPERT_CACHE      | off                           | next load |
+| expert_cache      | LOCALLLM_EXPERT_CACHE      | auto                          | next load |
 
 - num_parallel: the most requests one loaded model serves at once (llama.cpp sequences, each
   slot with its own KV cache of the full context). `auto`: as many as fit beside the tuner's
@@ -109,10 +109,12 @@
   after a short prompt, on a GPU, for plans the tuner made (not a saved profile, a draft model
   or a vision projector); `off`: one plan for the whole context; token counts (`4096,16384`):
   these bands, on any machine.
-- expert_cache: experimental (issue #40, docs/expert-cache.md). `off` (or 0), `auto` (the tuner
-  prices a few pool sizes and none, keeps the fastest), or N: a pool of N MoE experts in VRAM for
-  a plan's experts in RAM (hits run on the GPU, misses on the CPU), priced from the hit rates
-  measured once the model served. ps and /api/stats show slots and hit rate.
+- expert_cache: a pool of MoE experts in VRAM for the experts a plan keeps in RAM (issue #40,
+  docs/expert-cache.md): hits run on the GPU, misses on the CPU. `auto`: the tuner prices a few
+  pool sizes and none on a GPU and keeps the fastest, from routing studies of real models until
+  the model's own hits are measured; a pool whose measured hit rate is 15 points or more from its
+  price loads again, priced from it, once idle (once a model). `off` (or 0), or N slots (never
+  replanned). ps and /api/stats show slots and hit rate.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
@@ -170,7 +172,7 @@ class Config:
     image_urls: str = "on"
     prompt_cache_ram: int | str = "auto"
     fill_bands: str = "auto"
-    expert_cache: int | str = "off"
+    expert_cache: int | str = "auto"
 
     @property
     def socket_path(self) -> Path:

@@ -225,7 +225,7 @@ def test_the_setting_and_saved_profiles(tmp_path):
     assert coerce("expert_cache", "Auto") == "auto"
     with pytest.raises(ConfigError, match="whole number or off or auto"):
         coerce("expert_cache", "lots")
-    assert load_config(tmp_path / "none.toml", {}).expert_cache == "off"
+    assert load_config(tmp_path / "none.toml", {}).expert_cache == "auto"  # the default
     with pytest.raises(ConfigError, match="at least 0"):
         load_config(tmp_path / "none.toml", {"LOCALLLM_EXPERT_CACHE": "-3"})
     path = save_profile(Plan(n_ctx=4096, expert_cache_slots=16), "moe", "rtx3060-12g", 1,
