@@ -265,19 +265,12 @@ class Scheduler:
             return model
 
     def _served(self, model: LoadedModel, done: Done) -> None:
-        """After each answer: what it served and what its expert pool hit, for the tuner; and
-        a load whose pool `auto` priced far from what it hits is marked to be planned again
-        (once a model per daemon: the next plan is priced from the hits measured here)."""
+        """After each answer: its record for the tuner, and a re-plan where it is due (once a
+        model per daemon: the next plan is priced from the hits measured here)."""
         name = str(model.entry.name)
         record_served(name, done)
         record_expert_hits(name, model.shape, model.runner)
-        if name in self._replanned or model.runner.expert_cache is None:
-            return
-        from localllm.profiles.tuning.expert_hits import pool_far_from_its_price
-
-        runner = model.runner
-        if why := pool_far_from_its_price(runner.expert_cache, runner.running_plan,
-                                          self.config.expert_cache):
+        if name not in self._replanned and (why := replan_reason(model, self.config)):
             self._replanned.add(name)
             model.replan = why
             log.info("%s: %s; it loads again with a plan priced from that once idle", name, why)
@@ -465,6 +458,19 @@ def record_expert_hits(model: str, shape: ModelShape, runner: RunnerProcess) -> 
         record_pool(model, shape.file_size, shape.expert_count, runner.expert_cache)
     except OSError as e:  # a full disk must not fail the answer
         log.warning("could not save the expert cache's hit rate: %s", e)
+
+
+def replan_reason(model: LoadedModel, config: Config) -> str:
+    """Why a loaded model should be planned again once idle ("": it should not): its expert
+    pool, sized by `auto`, hits far from the rate its plan was priced with
+    (profiles/tuning/expert_hits.py)."""
+    runner = model.runner
+    if runner.expert_cache is None:
+        return ""
+    from localllm.profiles.tuning.expert_hits import pool_far_from_its_price
+
+    return pool_far_from_its_price(runner.expert_cache, runner.running_plan,
+                                   config.expert_cache)
 
 
 def computes_on_cpu(model: LoadedModel) -> bool:

@@ -109,12 +109,9 @@
   after a short prompt, on a GPU, for plans the tuner made (not a saved profile, a draft model
   or a vision projector); `off`: one plan for the whole context; token counts (`4096,16384`):
   these bands, on any machine.
-- expert_cache: a pool of MoE experts in VRAM for the experts a plan keeps in RAM (issue #40,
-  docs/expert-cache.md): hits run on the GPU, misses on the CPU. `auto`: the tuner prices a few
-  pool sizes and none on a GPU and keeps the fastest, from routing studies of real models until
-  the model's own hits are measured; a pool whose measured hit rate is 15 points or more from its
-  price loads again, priced from it, once idle (once a model). `off` (or 0), or N slots (never
-  replanned). ps and /api/stats show slots and hit rate.
+- expert_cache: a VRAM pool of the MoE experts a plan keeps in RAM (docs/expert-cache.md). `auto`:
+  the tuner prices pool sizes and none on a GPU, from the model's measured hits (a pool 15 points
+  off its price loads again once, priced from them); `off` (or 0); or N slots. ps shows hits.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
