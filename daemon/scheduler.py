@@ -244,17 +244,18 @@ class Scheduler:
                 if model.runner.alive and file_id(model.runner.model_path) != model.file_id:
                     log.warning("the file of %s changed under it; loading it again", name)
                 elif model.replan:
-                    log.info("loading %s again with a plan priced from what it measured: %s",
-                             name, model.replan)
+                    log.info("loading %s again, priced from its hits: %s", name, model.replan)
                 del self.models[name]  # new requests wait for the new load, not this one
                 await self._retire(name, model)
             async with self._room_lock:
                 await self._make_room()
             # One planning call decides the load (it may probe the GPU and dry-run llama.cpp:
             # seconds, off the event loop).
+            started = time.monotonic()
             decided = await asyncio.to_thread(
                 self.planner.decide, self.config, entry, shape, load, draft, draft_shape,
                 projector_path(self.store, entry), hint, prompt_chars)
+            log.info("planned %s in %.1fs", name, time.monotonic() - started)
             path = model_file(self.store, entry)
             runner = await self._load_stepping_down(name, path, shape, decided)
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
@@ -265,8 +266,7 @@ class Scheduler:
             return model
 
     def _served(self, model: LoadedModel, done: Done) -> None:
-        """After each answer: its record for the tuner, and a re-plan where it is due (once a
-        model per daemon: the next plan is priced from the hits measured here)."""
+        """After each answer: its record for the tuner, and a re-plan where due (once a model)."""
         name = str(model.entry.name)
         record_served(name, done)
         record_expert_hits(name, model.shape, model.runner)
