@@ -104,6 +104,8 @@ class Ours:
         # 37 GiB model beside the others filled the GPU machine's 64 GiB disk.
         os.chmod(model, 0o600)
         ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
+        if os.environ.get("BENCH_DRAFTS", "unaccepted") == "unaccepted":
+            never_accepted(model, env)
         self.daemon = start_daemon(env)
         self.url = self.daemon.url
         self.ctx = ctx
@@ -175,6 +177,23 @@ class Ours:
 
     def stop(self) -> None:
         self.daemon.stop()
+
+
+def never_accepted(model: Path, env: dict) -> None:
+    """Tell the tuner what the daemon would measure of this model's drafts: random weights
+    draft tokens the model never picks. Without it, a model with MTP heads is planned for
+    drafting at the assumed 70% acceptance (VRAM for the NextN block, its KV, a pool priced
+    with the drafts' speed), and the bench, which asks every request with `speculative: off`
+    to compare plain decode with llama-server's, measures a plan made for something else. The
+    record is the one `DraftCounts` writes after MIN_DRAFTED drafted tokens
+    (profiles/tuning/acceptance.py). BENCH_DRAFTS=assumed leaves it out."""
+    from localllm.profiles.tuning.acceptance import MIN_DRAFTED, record
+    from localllm.speculative import DRAFTING_MODES
+
+    config_dir = Path(env["XDG_CONFIG_HOME"]) / "localllm" / "profiles"
+    for mode in DRAFTING_MODES:
+        record("bench:latest", model.stat().st_size, mode, MIN_DRAFTED * 4, 0,
+               path=config_dir / "acceptance.toml")
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float) -> None:

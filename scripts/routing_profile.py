@@ -194,13 +194,20 @@ def _zipf_exponent(counts: list[int]) -> float:
     return -sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / var
 
 
-def tiny_moe(shape: str) -> synth_gguf.ShapeConfig:
-    """The shape at toy width with its real expert count and experts per token."""
+def tiny_moe(shape: str, blocks: int = 0) -> synth_gguf.ShapeConfig:
+    """The shape at toy width with its real expert count and experts per token; `blocks` > 0
+    gives it that many blocks (the real depth: skew that fades with depth shows there)."""
     real = synth_gguf.SHAPES[shape]
     if not real.n_expert:
         raise SystemExit(f"{shape} is not a mixture of experts")
-    return replace(synth_gguf.tiny(real), n_expert=real.n_expert,
-                   n_expert_used=real.n_expert_used, n_ff_expert=32)
+    config = replace(synth_gguf.tiny(real), n_expert=real.n_expert,
+                     n_expert_used=real.n_expert_used, n_ff_expert=32 if not blocks else 16)
+    return replace(config, n_layer=blocks) if blocks else config
+
+
+def per_block(blocks: dict, size: int) -> list[float]:
+    """The LRU hit rate of each block, in block order."""
+    return [lru_hit_rate(blocks[b], size) for b in sorted(blocks)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="specs separated by ;, each uniform or zipf:S (synth_gguf --routing)")
     p.add_argument("--fill", default="noise", choices=("noise", "random"))
     p.add_argument("--tokens", type=int, default=3000, help="about this many tokens of text")
+    p.add_argument("--blocks", type=int, default=0,
+                   help="toy models with this many blocks (default: the toy's 4)")
+    p.add_argument("--per-block", type=int, metavar="K", default=0,
+                   help="also print each block's hit rate with an LRU of K")
     p.add_argument("--json", action="store_true", help="one JSON line per profile")
     args = p.parse_args(argv)
     text = corpus(args.tokens)  # the synthetic vocabulary reads about one token per character
@@ -219,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append((args.model, args.model))
     else:
         tmp = Path(tempfile.mkdtemp(prefix="routing-"))
-        config = tiny_moe(args.shape)
+        config = tiny_moe(args.shape, args.blocks)
         for spec in args.routing.split(";"):
             path = tmp / f"{config.name}-{spec.replace(':', '_')}.gguf"
             synth_gguf.write_gguf(path, config, "Q8_0", args.fill, routing=spec)
@@ -229,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, path in runs:
         blocks, n_expert, _ = route(path, text)
         result = profile(blocks, n_expert)
+        if args.per_block:
+            result[f"per_block_lru{args.per_block}"] = per_block(blocks, args.per_block)
         if args.json:
             print(json.dumps({"routing": label, **result}))
             continue
@@ -237,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:22} {cells}  {result[f'static_{STATIC}']:7.1%}  "
               f"{result['top_eighth_share']:7.1%} {result['next_token_overlap']:5.1%}  "
               f"{result['zipf_exponent']:5.2f}")
+        if args.per_block:
+            rates = result[f"per_block_lru{args.per_block}"]
+            print(f"{'':22} LRU{args.per_block} by block: "
+                  + " ".join(f"{r:.0%}" for r in rates))
     return 0
 
 

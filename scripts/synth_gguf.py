@@ -371,14 +371,17 @@ def _random_row_block(ne0: int, ggml_type: GGMLQuantizationType, rng) -> bytes:
     return _encode(rows, ggml_type)
 
 
-def _noise(name: str, dims: tuple[int, ...], ggml_type: GGMLQuantizationType, rng) -> bytes:
+def _noise(name: str, dims: tuple[int, ...], ggml_type: GGMLQuantizationType, rng,
+           scale: float = 1.0) -> bytes:
     """Every weight of one tensor drawn at random, scaled so that activations neither vanish
-    nor explode through the blocks: matrices ~ N(0, 1/fan_in), norms near one, the recurrent
-    decay (ssm_a, stored negated as llama.cpp expects) near -1; the output matrix larger."""
+    nor explode through the blocks: matrices ~ N(0, scale^2/fan_in), norms near one, the
+    recurrent decay (ssm_a, stored negated as llama.cpp expects) near -1; the output matrix
+    larger."""
     if len(dims) == 1:
         center = -1.0 if name.endswith("ssm_a") else 0.0 if name.endswith("bias") else 1.0
         return (center + 0.1 * rng.standard_normal(dims[0])).astype(np.float32).tobytes()
-    rows = rng.standard_normal((_rows(dims), dims[0]), dtype=np.float32) / np.sqrt(dims[0])
+    rows = rng.standard_normal((_rows(dims), dims[0]), dtype=np.float32)
+    rows *= scale / np.sqrt(dims[0])
     if name == "output.weight":  # sharp logits: greedy picks seldom hang on a near-tie
         rows *= 8.0
     return _encode(rows, ggml_type)
@@ -432,14 +435,17 @@ def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
         # with routers drawn uniformly). MoE models draw their dense matrices in full and
         # tile each expert tensor with one drawn expert: the routing is the routers'.
         fill = "moe-random"
-    _write_table(w, path, table, fill, seed, synth_routing.writer(routing, config, fill, seed))
+    _write_table(w, path, table, fill, seed, synth_routing.writer(routing, config, fill, seed),
+                 synth_routing.branch_scale(routing, config))
     return path
 
 
 def _write_table(w: GGUFWriter, path: Path, table: list[tuple[str, tuple[int, ...],
-                 GGMLQuantizationType]], fill: str, seed: int, special=None) -> None:
+                 GGMLQuantizationType]], fill: str, seed: int, special=None,
+                 scale_of=lambda name: 1.0) -> None:
     """Write the header, metadata already added to `w`, the tensor infos and the data.
-    `special(name, dims, type)` may give a tensor's bytes (routing decides those)."""
+    `special(name, dims, type)` may give a tensor's bytes (routing decides those);
+    `scale_of(name)` scales a drawn matrix (routing shrinks the residual branches)."""
     for name, dims, ggml_type in table:
         nbytes = tensor_bytes(dims, ggml_type)
         # The writer takes numpy order (last ggml dim first) and, for raw types, the byte shape.
@@ -468,9 +474,10 @@ def _write_table(w: GGUFWriter, path: Path, table: list[tuple[str, tuple[int, ..
             elif fill == "noise" or (fill == "moe-random" and len(dims) < 3):
                 for rows in range(0, max(1, _rows(dims)), 8192):  # a 248K vocabulary is 2 GB
                     part = dims if len(dims) == 1 else (dims[0], min(8192, _rows(dims) - rows))
-                    f.write(_noise(_name, part, ggml_type, rng))
+                    f.write(_noise(_name, part, ggml_type, rng, scale_of(_name)))
             elif fill == "moe-random":  # one expert drawn, repeated over the others
-                _write_repeated(f, _noise(_name, dims[:2], ggml_type, rng), nbytes)
+                _write_repeated(f, _noise(_name, dims[:2], ggml_type, rng, scale_of(_name)),
+                                nbytes)
             else:
                 key = (dims[0], ggml_type)
                 if key not in blocks:
