@@ -193,7 +193,8 @@ def find_model(request: web.Request, name: str) -> ModelEntry:
 
 # The store's entries by the name a request gave, each with its manifest file and that file's
 # (inode, size, mtime) when it was read. Whatever changes a model (a pull, rm, cp, create or
-# import, by this daemon or by the CLI writing the store itself) replaces or removes that file.
+# import, by this daemon or by the CLI writing the store itself) removes that file or renames a
+# new one over it, which the stat of the next request sees.
 KNOWN = web.AppKey("known_models", dict)
 KNOWN_AT_MOST = 256  # names kept: clients that spell one model many ways grow no memory
 
