@@ -77,7 +77,7 @@ class Planner:
         check_speculation) whose prompt is `prompt_chars` characters, under `config`. Probes
         the GPU and may dry-run llama.cpp: seconds, so the scheduler calls it off the event
         loop."""
-        name = str(entry.name)
+        name = entry.name.tagged
         vision = {}  # (a planner without projectors is asked as before)
         if projector is not None:
             from localllm.modelstore.projector import projector_info

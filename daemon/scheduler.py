@@ -148,7 +148,7 @@ class Scheduler:
         """Hold one slot of the model's runner for one request, loading it as needed (in the
         fill band a prompt of `prompt_chars` characters needs; `hint`: what the route says of
         the session, for a model not yet seen serving: profiles.traffic)."""
-        name = str(entry.name)
+        name = entry.name.tagged
         keep = self.config.keep_alive_seconds if keep_alive == "default" else keep_alive
         model = await self._acquire(entry, load, prompt_chars, hint)
         model.active += 1
@@ -204,7 +204,7 @@ class Scheduler:
                                     f"to be free; try again later") from None
                 finally:
                     model.waiting -= 1
-                if model.runner.alive and self.models.get(str(entry.name)) is model:
+                if model.runner.alive and self.models.get(entry.name.tagged) is model:
                     return model
                 model.slots.release()  # it died or was replaced while we waited: again
         finally:
@@ -218,7 +218,7 @@ class Scheduler:
 
     async def _loaded(self, entry: ModelEntry, load: LoadOptions,
                       prompt_chars: int = 0, hint: str | None = None) -> LoadedModel:
-        name = str(entry.name)
+        name = entry.name.tagged
         model = self.models.get(name)
         if self._current(model, entry, load):
             return model  # the common case takes no lock
@@ -267,7 +267,7 @@ class Scheduler:
 
     def _served(self, model: LoadedModel, done: Done) -> None:
         """After each answer: its record for the tuner, and a re-plan where due (once a model)."""
-        name = str(model.entry.name)
+        name = model.entry.name.tagged
         record_served(name, done)
         record_expert_hits(name, model.shape, model.runner)
         if name not in self._replanned and (why := replan_reason(model, self.config)):

@@ -38,7 +38,7 @@ from .api import (
     responses,
     stats,
 )
-from .api.common import MAX_BODY_BYTES, find_model, read_json
+from .api.common import KNOWN, MAX_BODY_BYTES, find_model, read_json
 from .config_watch import watch_config, watch_profiles
 from .http_errors import OVERLOADED, error_body, is_anthropic
 from .logging_setup import ACCESS_LOG, AccessLogger, setup_logging
@@ -109,6 +109,7 @@ def create_app(config: Config, store: ModelStore | None = None) -> web.Applicati
     app.on_response_prepare.append(security.cors_headers(config))
     app[CONFIG] = config
     app[STORE] = store or default_store()
+    app[KNOWN] = {}
     app[SCHEDULER] = Scheduler(app[STORE], config, paths.state_dir() / "logs")
     app.router.add_get("/", root)  # GET and HEAD, as Ollama answers both
     app.add_routes(ollama.routes)

@@ -1,10 +1,19 @@
 """The model a runner serves, with everything bound to it: its context of `n_parallel`
 sequences, the tokenizer, the batch each decode step fills, the drafter (the model's MTP layers
-or a draft model), the vision projector and, made on first use, an embedding context.
+or a draft model), the vision projector, made on first use an embedding context, and each
+request's sampler (a llama.cpp sampler chain holds the model's vocabulary: a reload rebuilds
+the samplers of the requests in flight).
 
 `LoadedModel` owns their lifecycle (load, free, reload with another plan for a fill band
-switch) and the llama.cpp calls the runner's slot loop makes on the target context, so the
-loop (daemon/runner/) deals in slots and requests, not in llama.cpp handles.
+switch) and the llama.cpp calls the runner's slot loop makes on the target context (decode,
+cut a sequence, sample), so the loop (daemon/runner/) deals in slots and requests, not in
+llama.cpp handles.
+
+A request's sampler chain follows Ollama's and llama.cpp's order: penalties, grammar, then
+top-k, typical, top-p, min-p, temperature and the random draw. The penalty sampler is fed the
+prompt first, as Ollama does, so a repeat penalty also covers what the user wrote. Greedy
+decoding with nothing else in the chain skips llama.cpp's candidate array (a copy of the whole
+vocabulary per token) and takes the argmax of the logits in place.
 
 Runs inside the runner process only.
 """
@@ -12,14 +21,25 @@ Runs inside the runner process only.
 from __future__ import annotations
 
 import logging
+import random
 
 import llama_cpp
+import numpy as np
+from localllm.options import SamplingOptions
 from localllm.profiles.planning.plan import Plan
 
 from . import expert_cache
 from .drafters import DraftModel, MTPDrafter, load_drafter
 from .embedding import Embedder
-from .model import LlamaModel, ModelLoadError, Tokenizer, batch_capacity, free, load
+from .model import (
+    LlamaModel,
+    ModelLoadError,
+    RequestError,
+    Tokenizer,
+    batch_capacity,
+    free,
+    load,
+)
 from .vision import Vision
 
 log = logging.getLogger("localllm.runner.model")
@@ -75,6 +95,12 @@ class LoadedModel:
             self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
 
     # ---- the slot loop's calls on the target context ------------------------------------
+    def sampler(self, options: SamplingOptions, grammar: str | None, prompt: list[int],
+                n_ctx: int) -> Sampler:
+        """A request's sampler on this model's vocabulary (RequestError: the grammar does not
+        parse); `prompt` feeds the penalties."""
+        return Sampler(self.lm.vocab, self.lm.n_vocab, options, grammar, prompt, n_ctx)
+
     def decode(self) -> int:
         """Decode the batch as filled (0: done; llama_decode's code otherwise)."""
         return llama_cpp.llama_decode(self.lm.ctx, self.batch)
@@ -112,3 +138,82 @@ class LoadedModel:
     @property
     def n_ctx_train(self) -> int:
         return llama_cpp.llama_model_n_ctx_train(self.lm.model)
+
+
+class Sampler:
+    def __init__(self, vocab, n_vocab: int, options: SamplingOptions, grammar: str | None,
+                 prompt: list[int], n_ctx: int):
+        self.n_vocab = n_vocab
+        self.chain = llama_cpp.llama_sampler_chain_init(
+            llama_cpp.llama_sampler_chain_default_params())
+        last_n = n_ctx if options.repeat_last_n < 0 else options.repeat_last_n
+        penalize = last_n > 0 and (options.repeat_penalty != 1.0
+                                   or options.frequency_penalty != 0.0
+                                   or options.presence_penalty != 0.0)
+        self.greedy = options.temperature <= 0
+        self.fast_greedy = self.greedy and not penalize and not grammar
+        if penalize:
+            penalties = llama_cpp.llama_sampler_init_penalties(
+                n_vocab, last_n, options.repeat_penalty, options.frequency_penalty,
+                options.presence_penalty)
+            for token in prompt[-last_n:]:
+                llama_cpp.llama_sampler_accept(penalties, token)
+            self._add(penalties)
+        if grammar:
+            compiled = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+            if not compiled:
+                self.free()
+                raise RequestError("the grammar does not parse (GBNF with a 'root' rule)")
+            self._add(compiled)
+        if self.greedy:
+            self._add(llama_cpp.llama_sampler_init_greedy())
+            return
+        if options.top_k > 0:
+            self._add(llama_cpp.llama_sampler_init_top_k(options.top_k))
+        if 0 < options.typical_p < 1:
+            self._add(llama_cpp.llama_sampler_init_typical(options.typical_p, 1))
+        if 0 < options.top_p < 1:
+            self._add(llama_cpp.llama_sampler_init_top_p(options.top_p, 1))
+        if options.min_p > 0:
+            self._add(llama_cpp.llama_sampler_init_min_p(options.min_p, 1))
+        self._add(llama_cpp.llama_sampler_init_temp(options.temperature))
+        seed = options.seed if options.seed is not None and options.seed >= 0 \
+            else random.getrandbits(31)
+        self._add(llama_cpp.llama_sampler_init_dist(seed))
+
+    def _add(self, sampler) -> None:
+        llama_cpp.llama_sampler_chain_add(self.chain, sampler)
+
+    def logits(self, ctx, index: int) -> np.ndarray:
+        """The logits of batch row `index`, in place (valid until the next decode)."""
+        pointer = llama_cpp.llama_get_logits_ith(ctx, index)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+
+    def sample(self, ctx, index: int) -> int:
+        """The next token from batch row `index`; the chain also records it (penalties,
+        grammar state)."""
+        if self.fast_greedy:
+            return int(self.logits(ctx, index).argmax())
+        return llama_cpp.llama_sampler_sample(self.chain, ctx, index)
+
+    def accept(self, token: int) -> None:
+        """Record a token chosen earlier (a sampler rebuilt mid-answer catches up)."""
+        llama_cpp.llama_sampler_accept(self.chain, token)
+
+    def free(self) -> None:
+        if self.chain:
+            llama_cpp.llama_sampler_free(self.chain)
+            self.chain = None
+
+
+def log_probs(logits: np.ndarray, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` and its `top_n` likeliest tokens (raw logits,
+    before the sampler's temperature and cuts, as OpenAI reports them)."""
+    top = logits.max()
+    log_sum = float(top + np.log(np.exp(logits - top).sum()))
+    chosen = float(logits[token]) - log_sum
+    if top_n <= 0:
+        return chosen, []
+    best = np.argpartition(-logits, top_n)[:top_n]
+    best = best[np.argsort(-logits[best])]
+    return chosen, [(int(t), float(logits[t]) - log_sum) for t in best]

@@ -35,6 +35,10 @@ class ModelLoadError(Exception):
     """llama.cpp refused the model or the context (the message says which)."""
 
 
+class RequestError(Exception):
+    """The request cannot be served as asked (status 400): prompt too long, bad grammar."""
+
+
 @dataclass
 class LlamaModel:
     model: llama_cpp.llama_model_p

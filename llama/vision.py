@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import llama_cpp
 
-from .sampling import RequestError
+from .model import RequestError
 
 log = logging.getLogger("localllm.runner")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from localllm.errors import UserError
 
@@ -30,8 +31,14 @@ class ModelName:
     def base(self) -> str:
         return "/".join(self.parts)
 
-    def __str__(self) -> str:
+    @cached_property
+    def tagged(self) -> str:
+        """`base:tag`, as replies name the model. Kept once worked out: the daemon keeps the
+        entries of the models it serves (daemon/api/common.py), so a warm request reads it."""
         return f"{self.base}:{self.tag}"
+
+    def __str__(self) -> str:
+        return self.tagged
 
 
 def parse_name(text: str) -> ModelName:

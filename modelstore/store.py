@@ -26,6 +26,7 @@ import shutil
 import stat
 import tempfile
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 from localllm.paths import private_dir, write_private
@@ -140,14 +141,16 @@ class ModelEntry:
     def model_layer(self) -> Layer:
         return next(layer for layer in self.layers if layer.media_type == MODEL_LAYER)
 
-    @property
+    # Worked out once per entry: the daemon keeps the entries of the models it serves, and every
+    # request to one compares or keys by these.
+    @cached_property
     def digest(self) -> str:
         if self.remote is not None:  # stable for the same upstream, as a blob's would be
             text = json.dumps([self.remote.url, self.remote.model])
             return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
         return self.model_layer.digest
 
-    @property
+    @cached_property
     def manifest_digest(self) -> str:
         """What names this model as a whole, as Ollama's tags digest does: any layer (the
         template, the parameters, a companion) changes it; a copy keeps it."""
@@ -352,6 +355,11 @@ class ModelStore:
         path = self._manifest_path(model)
         self._write_manifest_file(path, doc)
         return self._entry(model, path)
+
+    def manifest_file(self, name: str | ModelName) -> Path:
+        """Where the manifest of `name` is (whether or not there is one): what a cache of
+        entries stats to see the model changed (BadModelName for a name that is not one)."""
+        return self._manifest_path(parse_name(name) if isinstance(name, str) else name)
 
     def get(self, name: str | ModelName) -> ModelEntry:
         model = parse_name(name) if isinstance(name, str) else name

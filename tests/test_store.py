@@ -91,3 +91,31 @@ def test_a_damaged_manifest_does_not_hide_the_other_models(store, smollm2_gguf, 
     assert [str(e.name) for e in store.list()] == ["smollm2:latest"]
     with pytest.raises(StoreError, match="damaged"):
         store.get("gemma")
+
+
+def test_the_daemon_reads_a_manifest_again_only_when_it_changed(store, smollm2_gguf,
+                                                                gemma_gguf):
+    """The daemon keeps the entries requests name (daemon/api/common.py): the same object while
+    the manifest stays, a fresh one after a copy over it or an import under its name (as the
+    CLI writes the store behind the daemon's back), and a 404 once it is removed."""
+    from aiohttp import web
+
+    from localllm.daemon.api.common import KNOWN, known_entry
+    from localllm.daemon.state import STORE
+
+    app = web.Application()
+    app[STORE], app[KNOWN] = store, {}
+    first = store.import_gguf(smollm2_gguf, "m")
+    store.import_gguf(gemma_gguf, "g")
+    seen = known_entry(app, "m")
+    assert seen.digest == first.digest and known_entry(app, "m") is seen
+    assert known_entry(app, "m:latest").digest == first.digest  # another spelling, read once
+    store.copy("g", "m")
+    assert known_entry(app, "m").digest == store.get("g").digest
+    store.import_gguf(smollm2_gguf, "m")
+    assert known_entry(app, "m").digest == first.digest
+    store.remove("m")
+    with pytest.raises(ModelNotFound):
+        known_entry(app, "m")
+    with pytest.raises(BadModelName):
+        known_entry(app, "../m")

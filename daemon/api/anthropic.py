@@ -21,7 +21,6 @@ from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
 from ..chat.custom import Customization
-from ..chat.model import model_for
 from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
 from ..runner.process import new_request_id
@@ -36,7 +35,7 @@ from .common import (
     message_images,
     read_json,
 )
-from .respond import Part, Writer, count_prompt_tokens, respond
+from .respond import Part, Writer, chat_model, count_prompt_tokens, respond
 
 routes = web.RouteTableDef()
 
@@ -264,10 +263,10 @@ async def chat_request(request: web.Request, body: dict, count_only: bool = Fals
     messages, images = message_images(anthropic_messages(body))
     tool_choice, parallel = anthropic_tool_choice(body)
     think = anthropic_think(body)
-    if think and not (await model_for(entry, custom.template)).style.thinking:
+    if think and not (await chat_model(entry, custom)).style.thinking:
         think = None  # Claude Code asks every model to think: one that cannot just answers
     return entry, custom, ChatRequest(
-        id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
+        id=new_request_id(), model_name=entry.name.tagged, options=sampling, load=load,
         messages=messages, tools=anthropic_tools(body), tool_choice=tool_choice, think=think,
         format=anthropic_format(body), has_images=bool(images), images=images,
         workload_hint="/v1/messages"), parallel
@@ -323,7 +322,7 @@ def _start_usage(event) -> dict:
 async def messages(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     entry, custom, chat, parallel = await chat_request(request, body)
-    return await respond(request, chat, MessagesWriter(str(entry.name), parallel),
+    return await respond(request, chat, MessagesWriter(entry.name.tagged, parallel),
                          entry=entry, custom=custom, stream=get_bool(body, "stream", False))
 
 

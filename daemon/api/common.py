@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import weakref
 from typing import Any
 
@@ -156,13 +157,23 @@ async def local_model(request: web.Request, body: dict, route: str
     return entry, await customization(request, entry)
 
 
+# What a manifest's layers say, by its digest: blobs never change, so neither does this.
+_customizations: dict[str, Customization] = {}
+
+
 async def customization(request: web.Request, entry: ModelEntry) -> Customization:
-    """What the model's Modelfile added, read off the event loop. A model stored without one
-    (no parameters, template or system layer: most) has nothing to read, and a request for it
-    never enters the Modelfile code."""
-    if not any(entry.companion(layer) for layer in CUSTOM_LAYERS):
-        return Customization()
-    return await asyncio.to_thread(read_customization, request.app[STORE], entry)
+    """What the model's Modelfile added, read off the event loop once per manifest. A model
+    stored without one (no parameters, template or system layer: most) has nothing to read,
+    and a request for it never enters the Modelfile code."""
+    found = _customizations.get(entry.manifest_digest)
+    if found is None:
+        found = Customization()
+        if any(entry.companion(layer) for layer in CUSTOM_LAYERS):
+            found = await asyncio.to_thread(read_customization, request.app[STORE], entry)
+        if len(_customizations) >= KNOWN_AT_MOST:
+            _customizations.clear()
+        _customizations[entry.manifest_digest] = found
+    return found
 
 
 def find_model(request: web.Request, name: str) -> ModelEntry:
@@ -171,13 +182,50 @@ def find_model(request: web.Request, name: str) -> ModelEntry:
     found = request.get(MODEL)
     if found is None or found[0] != name:
         try:
-            found = (name, request.app[STORE].get(name))
+            found = (name, known_entry(request.app, name))
         except (StoreError, BadModelName) as e:
             found = (name, e)
         request[MODEL] = found
     if isinstance(found[1], Exception):
         raise found[1]
     return found[1]
+
+
+# The store's entries by the name a request gave, each with its manifest file and that file's
+# (inode, size, mtime) when it was read. Whatever changes a model (a pull, rm, cp, create or
+# import, by this daemon or by the CLI writing the store itself) removes that file or renames a
+# new one over it, which the stat of the next request sees.
+KNOWN = web.AppKey("known_models", dict)
+KNOWN_AT_MOST = 256  # names kept: clients that spell one model many ways grow no memory
+
+
+def known_entry(app: web.Application, name: str) -> ModelEntry:
+    """`app[STORE].get(name)`, read again only when its manifest file changed: a request to a
+    model already seen parses no name and reads no manifest, one stat instead."""
+    known = app[KNOWN]
+    found = known.get(name)
+    if found is not None:
+        path, stamp, entry = found
+        if _stamp(path) == stamp:
+            return entry
+        del known[name]
+    store = app[STORE]
+    path = store.manifest_file(name)
+    stamp = _stamp(path)  # before reading: a change meanwhile is seen next time
+    entry = store.get(name)
+    if stamp is not None:
+        if len(known) >= KNOWN_AT_MOST:
+            known.clear()
+        known[name] = (path, stamp, entry)
+    return entry
+
+
+def _stamp(path) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def get_model_field(body: dict) -> str:
@@ -250,20 +298,6 @@ def body_options(body: dict, names: dict[str, str], stored: dict | None = None
         if body.get(theirs) is not None:
             values[ours], labels[ours] = body[theirs], theirs
     return parse_options(values, labels, stored)
-
-
-# OpenAI's reasoning efforts -> the chat layer's think levels ("none" turns thinking off).
-EFFORTS = {"none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high",
-           "xhigh": "high"}
-
-
-def think_from_effort(effort, label: str) -> bool | str | None:
-    if effort is None:
-        return None
-    if effort not in EFFORTS:
-        raise bad_request(f"{label} must be one of {', '.join(repr(e) for e in EFFORTS)}",
-                          label)
-    return EFFORTS[effort]
 
 
 def kept_calls(calls: list, parallel: bool) -> list:
@@ -447,20 +481,3 @@ def get_tool_choice(body: dict):
         return {"name": choice["function"]["name"]}
     raise bad_request("tool_choice must be 'auto', 'none', 'required' or "
                       "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
-
-
-def output_format(spec, schema, param: str, schema_name: str, spec_name: str = ""):
-    """An OpenAI structured-output spec (`{"type": "text" | "json_object" | "json_schema"}`,
-    its `schema` found by the caller: the two APIs keep it in different places) -> the chat
-    layer's format: None, "json" or the schema. A 400 naming `param` when it is neither."""
-    kind = spec.get("type") if isinstance(spec, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return "json"
-    if kind == "json_schema":
-        if not isinstance(schema, dict):
-            raise bad_request(f"{schema_name} must be a JSON schema object", param)
-        return schema
-    raise bad_request(f"{spec_name or param}.type must be 'text', 'json_object' or "
-                      "'json_schema'", param)

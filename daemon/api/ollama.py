@@ -82,7 +82,7 @@ def parse_keep_alive(body: dict):
 
 # ---- models ----------------------------------------------------------------------------------
 def model_json(entry) -> dict:
-    return {"name": str(entry.name), "model": str(entry.name), "modified_at": entry.modified_at,
+    return {"name": entry.name.tagged, "model": entry.name.tagged, "modified_at": entry.modified_at,
             "size": entry.size, "digest": entry.manifest_digest.removeprefix("sha256:"),
             "details": entry.details}
 
@@ -238,7 +238,7 @@ class OllamaWriter(Writer):
 
 async def _respond(request: web.Request, common: Common, chat: ChatRequest, shape,
                    final_extra, truncate: bool = True) -> web.StreamResponse:
-    writer = OllamaWriter(str(common.entry.name), chat, shape, final_extra)
+    writer = OllamaWriter(common.entry.name.tagged, chat, shape, final_extra)
     return await respond(request, chat, writer, entry=common.entry, custom=common.custom,
                          stream=common.stream, keep_alive=common.keep_alive,
                          truncate=truncate)
@@ -252,7 +252,7 @@ def get_logprobs(body: dict) -> int | None:
 
 
 def _chat_request(common: Common, body: dict, **fields) -> ChatRequest:
-    return ChatRequest(id=new_request_id(), model_name=str(common.entry.name),
+    return ChatRequest(id=new_request_id(), model_name=common.entry.name.tagged,
                        options=common.sampling, load=common.load, format=get_format(body),
                        think=get_think(body), has_images=has_images(body),
                        logprobs=get_logprobs(body), **fields)
@@ -307,13 +307,13 @@ async def _load_only(request: web.Request, common: Common) -> web.Response:
     key = "message" if request.path == "/api/chat" else "response"
     empty = {"role": "assistant", "content": ""} if key == "message" else ""
     if common.keep_alive == 0:
-        await app[SCHEDULER].unload(str(entry.name))
+        await app[SCHEDULER].unload(entry.name.tagged)
         reason = "unload"
     else:
         async with app[SCHEDULER].use(entry, common.load, common.keep_alive):
             pass
         reason = "load"
-    return web.json_response({"model": str(entry.name), "created_at": now_iso(), key: empty,
+    return web.json_response({"model": entry.name.tagged, "created_at": now_iso(), key: empty,
                               "done": True, "done_reason": reason})
 
 

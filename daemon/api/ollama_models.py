@@ -71,7 +71,7 @@ async def api_show(request: web.Request) -> web.Response:
     entry = find_model(request, get_model_field(body))  # (a remote one: remote_routes.py)
     model = await model_for(entry)
     custom = await customization(request, entry)
-    slot = request.app[SCHEDULER].models.get(str(entry.name))
+    slot = request.app[SCHEDULER].models.get(entry.name.tagged)
     num_ctx = custom.parameters.get("num_ctx") or (
         slot.runner.n_ctx if slot else request.app[CONFIG].default_ctx)
     # A model without a template is chatted with through Ollama's default, and shown so.
@@ -88,7 +88,7 @@ async def api_show(request: web.Request) -> web.Response:
             modelfile += f"PARAMETER {key} {json.dumps(item) if isinstance(item, str) else item}\n"
     info = dict(model.info)
     if request.headers.get("User-Agent", "").startswith("GitHubCopilotChat/"):
-        info["general.basename"] = str(entry.name)  # what Ollama does: Copilot shows this name
+        info["general.basename"] = entry.name.tagged  # what Ollama does: Copilot shows this name
     projector = projector_path(request.app[STORE], entry)
     extra = {}
     if projector is not None:  # Ollama's projector_info: the mmproj's clip.* keys
@@ -112,7 +112,7 @@ async def api_delete(request: web.Request) -> web.Response:
     body = await read_json(request)
     name = get_model_field(body)
     entry = find_model(request, name)
-    await request.app[SCHEDULER].unload(str(entry.name))  # never delete a file in use
+    await request.app[SCHEDULER].unload(entry.name.tagged)  # never delete a file in use
     request.app[STORE].remove(entry.name)
     return web.json_response({})
 

@@ -29,11 +29,41 @@ from .common import (
     get_tool_choice,
     get_tools,
     has_images,
-    output_format,
     read_json,
-    think_from_effort,
 )
 from .respond import Part, Writer, respond
+
+
+# OpenAI's reasoning efforts -> the chat layer's think levels ("none" turns thinking off).
+EFFORTS = {"none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high",
+           "xhigh": "high"}
+
+
+def think_from_effort(effort, label: str) -> bool | str | None:
+    if effort is None:
+        return None
+    if effort not in EFFORTS:
+        raise bad_request(f"{label} must be one of {', '.join(repr(e) for e in EFFORTS)}",
+                          label)
+    return EFFORTS[effort]
+
+
+def output_format(spec, schema, param: str, schema_name: str, spec_name: str = ""):
+    """An OpenAI structured-output spec (`{"type": "text" | "json_object" | "json_schema"}`,
+    its `schema` found by the caller: the two APIs keep it in different places) -> the chat
+    layer's format: None, "json" or the schema. A 400 naming `param` when it is neither."""
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        if not isinstance(schema, dict):
+            raise bad_request(f"{schema_name} must be a JSON schema object", param)
+        return schema
+    raise bad_request(f"{spec_name or param}.type must be 'text', 'json_object' or "
+                      "'json_schema'", param)
+
 
 routes = web.RouteTableDef()
 
@@ -227,7 +257,7 @@ class OpenAIWriter(Writer):
 
 async def _complete(request: web.Request, body: dict, entry: ModelEntry, custom: Customization,
                     chat_request: ChatRequest, chat: bool) -> web.StreamResponse:
-    writer = OpenAIWriter(body, str(entry.name), chat_request, chat)
+    writer = OpenAIWriter(body, entry.name.tagged, chat_request, chat)
     return await respond(request, chat_request, writer, entry=entry, custom=custom,
                          stream=get_bool(body, "stream", False))
 
@@ -239,7 +269,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     sampling, load = openai_options(body, custom.parameters)
     images: list = []
     chat_request = ChatRequest(
-        id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
+        id=new_request_id(), model_name=entry.name.tagged, options=sampling, load=load,
         messages=get_messages(body, images), tools=get_tools(body),
         tool_choice=get_tool_choice(body), format=parse_response_format(body),
         think=parse_think(body), has_images=has_images(body), images=tuple(images),
@@ -261,7 +291,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     entry, custom = await _model(request, body)
     sampling, load = openai_options(body, custom.parameters, chat=False)
     chat_request = ChatRequest(
-        id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
+        id=new_request_id(), model_name=entry.name.tagged, options=sampling, load=load,
         prompt=prompt, raw=True,
         suffix=get_str(body, "suffix") or None, logprobs=parse_logprobs(body, chat=False),
         echo=echo)
@@ -270,7 +300,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
-    data = [{"id": str(e.name), "object": "model", "owned_by": "library",
+    data = [{"id": e.name.tagged, "object": "model", "owned_by": "library",
              "created": _created(e.modified_at)} for e in request.app[STORE].list()]
     return web.json_response({"object": "list", "data": data})
 
@@ -278,7 +308,7 @@ async def list_models(request: web.Request) -> web.Response:
 @routes.get("/v1/models/{name:.+}")
 async def get_model(request: web.Request) -> web.Response:
     entry = find_model(request, request.match_info["name"])
-    return web.json_response({"id": str(entry.name), "object": "model", "owned_by": "library",
+    return web.json_response({"id": entry.name.tagged, "object": "model", "owned_by": "library",
                               "created": _created(entry.modified_at)})
 
 

@@ -51,7 +51,7 @@ async def ollama(request: web.Request, body: dict, entry: ModelEntry) -> web.Str
     remote = entry.remote
     assert remote is not None
     chat = request.path == "/api/chat"
-    model = str(entry.name)
+    model = entry.name.tagged
     stream = get_bool(body, "stream", True)
     if chat:
         shape = lambda text: {"message": {"role": "assistant", "content": text}}
@@ -125,7 +125,7 @@ async def openai(request: web.Request, body: dict, entry: ModelEntry) -> web.Str
     remote = entry.remote
     assert remote is not None
     path = "/chat/completions" if request.path.endswith("/chat/completions") else "/completions"
-    model = str(entry.name)
+    model = entry.name.tagged
     payload = {**body, "model": remote.model}
     async with upstream_session() as session:
         if not get_bool(body, "stream", False):

@@ -24,7 +24,6 @@ from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
 from ..chat.custom import Customization
-from ..chat.model import model_for
 from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
 from ..runner.process import new_request_id
@@ -41,7 +40,7 @@ from .common import (
     message_images,
     read_json,
 )
-from .respond import Part, Writer, respond
+from .respond import Part, Writer, chat_model, respond
 from .responses_input import (
     ToolSet,
     input_messages,
@@ -149,11 +148,11 @@ async def read_turn(request: web.Request, body: dict) -> Turn:
     messages, images = message_images(
         (({"role": "system", "content": instructions},) if instructions else ()) + history)
     think = reasoning_effort(body)
-    if think and not (await model_for(entry, custom.template)).style.thinking:
+    if think and not (await chat_model(entry, custom)).style.thinking:
         think = None  # Codex always sends an effort: a model that cannot think just answers
     parallel = get_bool(body, "parallel_tool_calls", True)
     chat = ChatRequest(
-        id=new_request_id(), model_name=str(entry.name), options=sampling, load=load,
+        id=new_request_id(), model_name=entry.name.tagged, options=sampling, load=load,
         messages=messages, tools=tools.tools, tool_choice=responses_tool_choice(body),
         format=text_format(body), think=think,
         has_images=bool(images), images=images, workload_hint="/v1/responses")
@@ -236,7 +235,7 @@ class Response:
     def __init__(self, turn: Turn):
         self.turn = turn
         self.body = {"id": _id("resp"), "object": "response", "created_at": int(time.time()),
-                     "status": "in_progress", "model": str(turn.entry.name), "output": [],
+                     "status": "in_progress", "model": turn.entry.name.tagged, "output": [],
                      "error": None, "incomplete_details": None, **turn.echo,
                      "store": turn.store, "usage": None}
 

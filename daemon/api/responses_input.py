@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .common import bad_request, output_format, think_from_effort
+from .common import bad_request
+from .openai import output_format, think_from_effort
 
 # Items of hosted tools' calls that may come back in `input`: nothing here can read them.
 HOSTED_ITEMS = ("web_search_call", "file_search_call", "computer_call",

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from localllm.llama import state
 from localllm.llama.loaded import LoadedModel
 from localllm.llama.model import ModelLoadError
-from localllm.llama.sampling import Sampler
 from localllm.profiles.planning.plan import Plan
 
 from .protocol import Band, Progress
@@ -169,9 +168,8 @@ class FillBands:
             slot.tokens = []
         for slot in busy:
             work = slot.work
-            work.sampler = Sampler(self.model.lm.vocab, self.model.lm.n_vocab,
-                                   work.request.options, work.request.grammar, work.prompt,
-                                   self.room.n_ctx)
+            work.sampler = self.model.sampler(work.request.options, work.request.grammar,
+                                              work.prompt, self.room.n_ctx)
             for token in work.answer:  # the grammar's state and the penalties' history
                 work.sampler.accept(token)
         pause = time.perf_counter() - started

@@ -23,8 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from localllm.llama.loaded import LoadedModel
-from localllm.llama.model import ModelLoadError
-from localllm.llama.sampling import RequestError, Sampler
+from localllm.llama.model import ModelLoadError, RequestError
 from localllm.llama.vision import MediaPrompt, is_image_token, text_tokens
 from localllm.profiles.planning.plan import Plan
 from localllm.speculative import ALIASES, BY_NAME, MAX_DRAFT, Mode, UnknownMode
@@ -260,8 +259,8 @@ class Engine:
             kept = self.reuse.keep_prefix(slot, tokens, media,
                                           reuse=not request.prompt_logprobs)
             options = request.options
-            sampler = Sampler(self.lm.vocab, self.lm.n_vocab, options, request.grammar,
-                              text_tokens(tokens) if media else tokens, self.n_ctx)
+            sampler = self.model.sampler(options, request.grammar,
+                                         text_tokens(tokens) if media else tokens, self.n_ctx)
         except BaseException:
             if media is not None:
                 media.free()

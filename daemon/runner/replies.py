@@ -13,8 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from localllm.llama.loaded import LoadedModel
-from localllm.llama.sampling import log_probs
+from localllm.llama.loaded import LoadedModel, log_probs
 from localllm.llama.vision import text_tokens
 
 from .protocol import Done, ExpertCache, Failure, Token
