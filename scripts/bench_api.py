@@ -205,6 +205,46 @@ def bench_routes(model: Path, n: int, rounds: int) -> str:
                       "", "| route | tokens | tok/s |", "| --- | --- | --- |", *rows])
 
 
+def bench_routes_versus(model: Path, n: int, rounds: int, other: Path) -> str:
+    """Decode tok/s through each route of this checkout's daemon and another checkout's,
+    both up at once and asked in turn (which goes first alternates each round), so that the
+    machine's drift between runs falls on both alike: per route the median of each side and
+    the median of the per-round ratios (this / other)."""
+    from daemon_process import isolated_env, start_daemon
+
+    from localllm.modelstore.store import ModelStore
+
+    pythons = {"this": sys.executable, "other": str(other / ".venv" / "bin" / "python")}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        daemons = {}
+        try:
+            for side, python in pythons.items():
+                env = isolated_env(Path(tmp) / side, LOCALLLM_CONTEXT_POLICY="fixed")
+                ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(
+                    model, "bench")
+                daemons[side] = start_daemon(env, python=python)
+                stream_route(daemons[side].url, "/api/generate", 16)  # load and warm up
+            for route in ROUTES:
+                rates: dict[str, list[float]] = {"this": [], "other": []}
+                for r in range(rounds):
+                    for side in (("this", "other") if r % 2 else ("other", "this")):
+                        count, first, last = stream_route(daemons[side].url, route, n)
+                        rates[side].append((count - 1) / (last - first) if last > first else 0)
+                ratios = [a / b for a, b in zip(rates["this"], rates["other"], strict=True) if b]
+                rows.append(f"| {route} | {statistics.median(rates['other']):.1f} | "
+                            f"{statistics.median(rates['this']):.1f} | "
+                            f"{statistics.median(ratios):.3f} |")
+        finally:
+            for daemon in daemons.values():
+                daemon.stop()
+    return "\n".join([f"Decode through each route, {model.name}, one greedy stream, up to {n} "
+                      f"tokens, {rounds} rounds asked in turn of {other} (other) and this "
+                      "checkout (this)", "",
+                      "| route | other tok/s | this tok/s | median ratio this/other |",
+                      "| --- | --- | --- | --- |", *rows])
+
+
 # ---- servers ---------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -336,6 +376,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, action="append")
     parser.add_argument("--routes", action="store_true",
                         help="one greedy stream through each API route instead")
+    parser.add_argument("--versus", type=Path, metavar="CHECKOUT",
+                        help="with --routes: against another checkout's daemon (its .venv), "
+                             "asked in turn")
     args = parser.parse_args()
     models = args.model
     if not models:
@@ -344,7 +387,9 @@ def main() -> None:
         models = [fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")]
     if args.routes:
         for model in models:
-            print(bench_routes(model.resolve(), args.tokens, args.rounds), flush=True)
+            print(bench_routes_versus(model.resolve(), args.tokens, args.rounds, args.versus)
+                  if args.versus else bench_routes(model.resolve(), args.tokens, args.rounds),
+                  flush=True)
         return
     rows = []
     for model in models:

@@ -64,9 +64,10 @@ class Daemon:
 DAEMON_LOGS: list[Path] = []
 
 
-def start_daemon(env: dict, timeout: float = 60) -> Daemon:
+def start_daemon(env: dict, timeout: float = 60, python: str = sys.executable) -> Daemon:
+    """The daemon of the checkout `python` has installed (this one's by default)."""
     DAEMON_LOGS.append(Path(env["XDG_STATE_HOME"]) / "localllm" / "logs" / "localllm.log")
-    proc = subprocess.Popen([sys.executable, "-m", "localllm.cli", "serve"], env=env,
+    proc = subprocess.Popen([python, "-m", "localllm.cli", "serve"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
