@@ -32,6 +32,12 @@ case "${1:-}" in
     echo "queue started: $(grep -cv '^\(#\|$\)' "$2") commands"
     ;;
   wait)
+    if [ ! -e "$Q/queue" ]; then
+      # A call that came after the warm window gets a fresh machine: waiting there would
+      # spend the whole limit on nothing (round 8 lost 512 s of device time that way).
+      echo "no queue on this machine (a fresh one: the last was released); start it again" >&2
+      exit 3
+    fi
     limit=${2:-560}
     start=$(date +%s)
     while [ ! -e "$Q/done" ] && [ $(( $(date +%s) - start )) -lt "$limit" ]; do sleep 5; done
