@@ -178,19 +178,26 @@ def stream_route(url: str, route: str, n: int) -> tuple[int, float, float]:
     return count, first, last
 
 
-def bench_routes(model: Path, n: int, rounds: int) -> str:
-    """Decode tok/s of one greedy stream through each route (median of `rounds`)."""
+def route_daemon(root: Path, model: Path, python: str = sys.executable):
+    """A daemon of the checkout `python` has installed, in its own dirs under `root`, with
+    `model` stored as "bench", loaded and warmed up."""
     from daemon_process import isolated_env, start_daemon
 
     from localllm.modelstore.store import ModelStore
 
+    env = isolated_env(root, LOCALLLM_CONTEXT_POLICY="fixed")
+    ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
+    daemon = start_daemon(env, python=python)
+    stream_route(daemon.url, "/api/generate", 16)
+    return daemon
+
+
+def bench_routes(model: Path, n: int, rounds: int) -> str:
+    """Decode tok/s of one greedy stream through each route (median of `rounds`)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        env = isolated_env(Path(tmp), LOCALLLM_CONTEXT_POLICY="fixed")
-        ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
-        daemon = start_daemon(env)
+        daemon = route_daemon(Path(tmp), model)
         try:
-            stream_route(daemon.url, "/api/generate", 16)  # load and warm up
             for route in ROUTES:
                 rates, counts = [], []
                 for _ in range(rounds):
@@ -210,21 +217,13 @@ def bench_routes_versus(model: Path, n: int, rounds: int, other: Path) -> str:
     both up at once and asked in turn (which goes first alternates each round), so that the
     machine's drift between runs falls on both alike: per route the median of each side and
     the median of the per-round ratios (this / other)."""
-    from daemon_process import isolated_env, start_daemon
-
-    from localllm.modelstore.store import ModelStore
-
     pythons = {"this": sys.executable, "other": str(other / ".venv" / "bin" / "python")}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         daemons = {}
         try:
             for side, python in pythons.items():
-                env = isolated_env(Path(tmp) / side, LOCALLLM_CONTEXT_POLICY="fixed")
-                ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(
-                    model, "bench")
-                daemons[side] = start_daemon(env, python=python)
-                stream_route(daemons[side].url, "/api/generate", 16)  # load and warm up
+                daemons[side] = route_daemon(Path(tmp) / side, model, python)
             for route in ROUTES:
                 rates: dict[str, list[float]] = {"this": [], "other": []}
                 for r in range(rounds):

@@ -200,8 +200,9 @@ def tiny_moe(shape: str, blocks: int = 0) -> synth_gguf.ShapeConfig:
     real = synth_gguf.SHAPES[shape]
     if not real.n_expert:
         raise SystemExit(f"{shape} is not a mixture of experts")
+    # 16 wide at the real depth: 48 blocks of 512 experts stay a file of a few hundred MB
     config = replace(synth_gguf.tiny(real), n_expert=real.n_expert,
-                     n_expert_used=real.n_expert_used, n_ff_expert=32 if not blocks else 16)
+                     n_expert_used=real.n_expert_used, n_ff_expert=16 if blocks else 32)
     return replace(config, n_layer=blocks) if blocks else config
 
 

@@ -35,7 +35,7 @@ from .common import (
     message_images,
     read_json,
 )
-from .respond import Part, Writer, chat_model, count_prompt_tokens, respond
+from .respond import Part, Writer, served_model, count_prompt_tokens, respond
 
 routes = web.RouteTableDef()
 
@@ -263,7 +263,7 @@ async def chat_request(request: web.Request, body: dict, count_only: bool = Fals
     messages, images = message_images(anthropic_messages(body))
     tool_choice, parallel = anthropic_tool_choice(body)
     think = anthropic_think(body)
-    if think and not (await chat_model(entry, custom)).style.thinking:
+    if think and not (await served_model(entry, custom)).style.thinking:
         think = None  # Claude Code asks every model to think: one that cannot just answers
     return entry, custom, ChatRequest(
         id=new_request_id(), model_name=entry.name.tagged, options=sampling, load=load,

@@ -170,9 +170,7 @@ async def customization(request: web.Request, entry: ModelEntry) -> Customizatio
         found = Customization()
         if any(entry.companion(layer) for layer in CUSTOM_LAYERS):
             found = await asyncio.to_thread(read_customization, request.app[STORE], entry)
-        if len(_customizations) >= KNOWN_AT_MOST:
-            _customizations.clear()
-        _customizations[entry.manifest_digest] = found
+        remember(_customizations, entry.manifest_digest, found)
     return found
 
 
@@ -196,7 +194,7 @@ def find_model(request: web.Request, name: str) -> ModelEntry:
 # import, by this daemon or by the CLI writing the store itself) removes that file or renames a
 # new one over it, which the stat of the next request sees.
 KNOWN = web.AppKey("known_models", dict)
-KNOWN_AT_MOST = 256  # names kept: clients that spell one model many ways grow no memory
+KNOWN_AT_MOST = 256  # keys a per-request cache holds (remember)
 
 
 def known_entry(app: web.Application, name: str) -> ModelEntry:
@@ -214,10 +212,16 @@ def known_entry(app: web.Application, name: str) -> ModelEntry:
     stamp = _stamp(path)  # before reading: a change meanwhile is seen next time
     entry = store.get(name)
     if stamp is not None:
-        if len(known) >= KNOWN_AT_MOST:
-            known.clear()
-        known[name] = (path, stamp, entry)
+        remember(known, name, (path, stamp, entry))
     return entry
+
+
+def remember(cache: dict, key, value) -> None:
+    """`cache[key] = value` in a per-request cache, emptied first once it holds KNOWN_AT_MOST
+    keys: clients that spell one model many ways grow no memory."""
+    if len(cache) >= KNOWN_AT_MOST:
+        cache.clear()
+    cache[key] = value
 
 
 def _stamp(path) -> tuple | None:

@@ -35,7 +35,7 @@ from ..chat.truncate import fit_to_context
 from ..runner.process import RunnerProcess
 from ..runner.protocol import Done, Event, Failure, GenerationRequest, Progress, Token
 from ..state import CONFIG, SCHEDULER
-from .common import KNOWN_AT_MOST
+from .common import remember
 
 log = logging.getLogger("localllm.daemon")
 
@@ -149,16 +149,15 @@ class Answer:
 _chat_models: dict[tuple[str, str | None], ChatModel] = {}
 
 
-async def chat_model(entry: ModelEntry, custom: Customization | None) -> ChatModel:
-    """`model_for(entry, custom.template)`, worked out once per manifest."""
+async def served_model(entry: ModelEntry, custom: Customization | None) -> ChatModel:
+    """`model_for(entry, custom.template)`, worked out once per manifest and template (its
+    projector check and a Modelfile template's style: chat/model.py caches per blob only)."""
     template = custom.template if custom is not None else None
     key = (entry.manifest_digest, template)
     found = _chat_models.get(key)
     if found is None:
         found = await model_for(entry, template)
-        if len(_chat_models) >= KNOWN_AT_MOST:
-            _chat_models.clear()
-        _chat_models[key] = found
+        remember(_chat_models, key, found)
     return found
 
 
@@ -182,7 +181,7 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     A chat longer than the context drops its oldest turns, or with `truncate` False is a 400.
     `custom` is what a Modelfile added: its template and its default system prompt."""
     check_request_text(request)
-    model = await chat_model(entry, custom)
+    model = await served_model(entry, custom)
     if custom is not None:
         request = with_default_system(request, custom.system)
     if request.images and model.has_vision:  # (prepare refuses them for any other model)
@@ -208,7 +207,7 @@ async def count_prompt_tokens(app: web.Application, entry: ModelEntry, request: 
                               custom: Customization | None = None) -> int:
     """Tokens the rendered prompt of `request` is, as the runner reads it (loads the model)."""
     check_request_text(request)
-    model = await chat_model(entry, custom)
+    model = await served_model(entry, custom)
     if custom is not None:
         request = with_default_system(request, custom.system)
     prepared = await asyncio.to_thread(prepare, model, request)  # the template's worker: waits

@@ -40,7 +40,7 @@ from .common import (
     message_images,
     read_json,
 )
-from .respond import Part, Writer, chat_model, respond
+from .respond import Part, Writer, served_model, respond
 from .responses_input import (
     ToolSet,
     input_messages,
@@ -148,7 +148,7 @@ async def read_turn(request: web.Request, body: dict) -> Turn:
     messages, images = message_images(
         (({"role": "system", "content": instructions},) if instructions else ()) + history)
     think = reasoning_effort(body)
-    if think and not (await chat_model(entry, custom)).style.thinking:
+    if think and not (await served_model(entry, custom)).style.thinking:
         think = None  # Codex always sends an effort: a model that cannot think just answers
     parallel = get_bool(body, "parallel_tool_calls", True)
     chat = ChatRequest(
