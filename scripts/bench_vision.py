@@ -5,7 +5,7 @@ its projector at a 12 GiB budget, in one run.
     source .device-carry/on-device.sh && python scripts/bench_vision.py
     python scripts/bench_vision.py --tiny      # the toy pair: check the script on a CPU
 
-1. Writes the full-size synthetic Gemma 3 pair (scripts/synth_gguf.py --vision --shape
+1. Writes the full-size synthetic Gemma 3 pair (scripts/synth_vision.py --shape
    gemma3-27b: the 27B language model in Q4_0 and its SigLIP projector in f16).
 2. Time to the first answer token of a chat with one new 896x896 image (encode, the prompt
    read, one token), measured by the client, median of --rounds images (each new, so neither
@@ -286,11 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, help="where the pair is written (default: a temp dir)")
     p.add_argument("--tiny", action="store_true", help="the toy pair: a CPU check of the script")
     args = p.parse_args(argv)
-    import synth_gguf
+    import synth_vision
 
     directory = args.dir or Path(tempfile.mkdtemp(prefix="bench-vision-"))
     t0 = time.time()
-    model, mmproj = synth_gguf.write_vision_pair(directory, None if args.tiny else "gemma3-27b")
+    model, mmproj = synth_vision.write_vision_pair(directory, None if args.tiny else "gemma3-27b")
     print(f"pair written in {time.time() - t0:.0f}s: {model} ({model.stat().st_size / GIB:.1f} "
           f"GiB), {mmproj} ({mmproj.stat().st_size / MIB:.0f} MiB)", flush=True)
     size = 224 if args.tiny else 896

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import ollama
-import synth_gguf
+import synth_vision
 from daemon_process import isolated_env, start_daemon, wait_for
 from test_vision import RED
 
@@ -28,7 +28,7 @@ def mode(path: Path) -> int:
 
 def test_an_image_prompt_is_in_no_log_and_the_logs_are_the_users_alone(tmp_path):
     env = isolated_env(tmp_path / "home")
-    model, mmproj = synth_gguf.write_vision_pair(tmp_path / "vl")
+    model, mmproj = synth_vision.write_vision_pair(tmp_path / "vl")
     ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(
         model, "vl", projector=mmproj)
     d = start_daemon(env)

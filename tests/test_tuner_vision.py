@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import synth_gguf
+import synth_vision
 
 from localllm.modelstore.projector import projector_info
 from localllm.modelstore.shape import read_shape
@@ -17,7 +18,7 @@ from localllm.profiles.planning.vision import plan_with_projector, projector_cos
 @pytest.fixture(scope="module")
 def full_projector(tmp_path_factory):
     path = tmp_path_factory.mktemp("proj") / "mmproj.gguf"
-    return projector_info(synth_gguf.write_projector(path, synth_gguf.PROJECTORS["gemma3-27b"],
+    return projector_info(synth_vision.write_projector(path, synth_vision.PROJECTORS["gemma3-27b"],
                                                      fill="sparse"))
 
 

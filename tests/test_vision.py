@@ -1,5 +1,5 @@
 """Images through the real `ollama` and `openai` clients, a real daemon and real mtmd, with the
-synthetic Gemma 3 pair (scripts/synth_gguf.py --vision): a tiny language model and a projector
+synthetic Gemma 3 pair (scripts/synth_vision.py): a tiny language model and a projector
 of the real tensor table, weights drawn at random, 64 image tokens per image."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import ollama
 import openai
 import pytest
 import synth_gguf
+import synth_vision
 from PIL import Image
 
 from localllm.modelstore.store import PROJECTOR_LAYER, ModelStore
@@ -45,7 +46,7 @@ GIF = b64(image_bytes((200, 200, 40), "GIF"))
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return synth_gguf.write_vision_pair(tmp_path_factory.mktemp("vl"))
+    return synth_vision.write_vision_pair(tmp_path_factory.mktemp("vl"))
 
 
 @pytest.fixture(scope="module")
@@ -289,8 +290,8 @@ def test_pull_of_a_hub_repo_brings_its_projector_and_show_reports_vision(tmp_pat
 
     model, mmproj = pair
     tmp_path = tmp_path_factory.mktemp("pull")  # (short: the daemon's socket path must fit)
-    f32 = synth_gguf.write_projector(tmp_path / "mmproj-f32.gguf",
-                                     synth_gguf.tiny_projector(synth_gguf.tiny(
+    f32 = synth_vision.write_projector(tmp_path / "mmproj-f32.gguf",
+                                     synth_vision.tiny_projector(synth_gguf.tiny(
                                          synth_gguf.SHAPES["gemma3-27b"])), seed=7)
     with Hub() as hub:
         hub.add("test/VL-GGUF", "vl-Q8_0.gguf", model)
