@@ -11,7 +11,10 @@ has no such function: `read` then says None, as for a context with no cache.
 
 The runner gives a pool to the target context alone (`switched_on` around its creation, from
 the plan's expert_cache_slots): drafter, embedding and vision contexts get none, so the
-runner's environment never carries the slots variable itself (`without_switch`).
+runner's environment never carries the slots variable itself (`without_switch`). With the
+plan's expert_misses_on_gpu it also sets LLAMA_MOE_CACHE_MISSES=gpu there (patches/0003): the
+GPU computes the misses from the experts where they lie in pinned RAM; the engine says in the
+figures whether it did (`misses_on_gpu`), since it falls back to the CPU where it cannot.
 LLAMA_MOE_CACHE_DEVICE=cpu, where the daemon's environment has it, passes through to the
 runner: a pool in RAM, for tests on a machine without a GPU.
 """
@@ -25,8 +28,9 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-FIELDS = ("slots", "layers", "hits", "misses", "swaps", "steps", "pool_bytes")
+FIELDS = ("slots", "layers", "hits", "misses", "swaps", "steps", "pool_bytes", "misses_on_gpu")
 SLOTS_VARIABLE = "LLAMA_MOE_CACHE_SLOTS"
+MISSES_VARIABLE = "LLAMA_MOE_CACHE_MISSES"
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class ExpertCacheStats:
     swaps: int  # experts copied into the pool
     steps: int  # decode steps (ubatches of fewer than 32 tokens) seen
     pool_bytes: int
+    misses_on_gpu: int = 0  # 1: the GPU computed the misses from RAM in place (patches/0003)
 
     @property
     def hit_rate(self) -> float:
@@ -46,11 +51,13 @@ class ExpertCacheStats:
 
 
 def environment(slots: int, device: str | None = None, swaps: int | None = None,
-                decay: float | None = None) -> dict[str, str]:
+                decay: float | None = None, misses: str | None = None) -> dict[str, str]:
     """The variables that switch the cache on for contexts created after they are set."""
     if slots < 0:
         raise ValueError(f"expert cache slots must be 0 or more, not {slots}")
     env = {SLOTS_VARIABLE: str(slots)}
+    if misses is not None:
+        env[MISSES_VARIABLE] = misses
     if device is not None:
         env["LLAMA_MOE_CACHE_DEVICE"] = device
     if swaps is not None:
@@ -61,29 +68,35 @@ def environment(slots: int, device: str | None = None, swaps: int | None = None,
 
 
 def without_switch(env: dict[str, str]) -> dict[str, str]:
-    """`env` less the slots variable: a process started with it would give every context it
-    creates a pool of its own (the runner sets it around the target context only)."""
-    return {k: v for k, v in env.items() if k != SLOTS_VARIABLE}
+    """`env` less the slots and misses variables: a process started with them would give
+    every context it creates a pool of its own (the runner sets them around the target context
+    only)."""
+    return {k: v for k, v in env.items() if k not in (SLOTS_VARIABLE, MISSES_VARIABLE)}
 
 
 @contextlib.contextmanager
-def switched_on(slots: int) -> Iterator[None]:
+def switched_on(slots: int, misses_on_gpu: bool = False) -> Iterator[None]:
     """While it lasts, a context created gets a pool of `slots` experts (0: none, whatever
-    the environment said); the environment is as it was afterwards."""
+    the environment said), its misses computed by the GPU with `misses_on_gpu`; the
+    environment is as it was afterwards."""
     if slots < 0:
         raise ValueError(f"expert cache slots must be 0 or more, not {slots}")
-    before = os.environ.get(SLOTS_VARIABLE)
-    if slots:
-        os.environ[SLOTS_VARIABLE] = str(slots)
-    else:
-        os.environ.pop(SLOTS_VARIABLE, None)
+    wanted = {SLOTS_VARIABLE: str(slots) if slots else None,
+              MISSES_VARIABLE: "gpu" if slots and misses_on_gpu else None}
+    before = {name: os.environ.get(name) for name in wanted}
+    _set(wanted)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(SLOTS_VARIABLE, None)
+        _set(before)
+
+
+def _set(values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
         else:
-            os.environ[SLOTS_VARIABLE] = before
+            os.environ[name] = value
 
 
 @functools.cache  # read after every answer: look the symbol up once
@@ -103,6 +116,7 @@ def read(ctx) -> ExpertCacheStats | None:
     if fn is None:
         return None
     out = (ctypes.c_int64 * len(FIELDS))()
-    if fn(ctx, out, len(FIELDS)) < len(FIELDS):
+    given = fn(ctx, out, len(FIELDS))
+    if given < len(FIELDS) - 1:  # an engine before patches/0003 gives all but misses_on_gpu
         return None
-    return ExpertCacheStats(*out)
+    return ExpertCacheStats(*out[:given])

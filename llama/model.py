@@ -79,7 +79,8 @@ def load(model_path: str, plan: Plan) -> LlamaModel:
             return load(model_path, replace(plan, use_mmap=False, pin_in_place=False))
         log.info("pinned %.1f GiB of mapped weights in place for the GPU",
                  pinned.pinned_bytes / 2**30)
-    with expert_cache.switched_on(plan.expert_cache_slots):  # this context alone gets a pool
+    # this context alone gets a pool
+    with expert_cache.switched_on(plan.expert_cache_slots, plan.expert_misses_on_gpu):
         ctx = llama_cpp.llama_init_from_model(model, context_params(plan))
     if not ctx:
         if pinned is not None:

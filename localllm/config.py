@@ -33,6 +33,7 @@
 | prompt_cache_ram  | LOCALLLM_PROMPT_CACHE_RAM  | auto                          | next load |
 | fill_bands        | LOCALLLM_FILL_BANDS        | auto                          | next load |
 | expert_cache      | LOCALLLM_EXPERT_CACHE      | auto                          | next load |
+| expert_misses     | LOCALLLM_EXPERT_MISSES     | auto                          | next load |
 
 - num_parallel: the most requests one loaded model serves at once (llama.cpp sequences, each
   slot with its own KV cache of the full context). `auto`: as many as fit beside the tuner's
@@ -112,6 +113,10 @@
 - expert_cache: a VRAM pool of the MoE experts a plan keeps in RAM (docs/expert-cache.md). `auto`:
   the tuner prices pool sizes and none on a GPU, from the model's measured hits (a pool 15 points
   off its price loads again once, priced from them); `off` (or 0); or N slots. ps shows hits.
+- expert_misses: who computes the experts that pool misses, on a GPU: `cpu` (llama.cpp's way for
+  experts in RAM: each such block's hidden state goes to the CPU and back), `gpu` (the GPU reads
+  them where they lie in pinned RAM, over PCIe: a step never leaves the GPU; not past RAM) or
+  `auto` (the tuner prices both and keeps the faster). ps says which ran.
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
@@ -170,6 +175,7 @@ class Config:
     prompt_cache_ram: int | str = "auto"
     fill_bands: str = "auto"
     expert_cache: int | str = "auto"
+    expert_misses: str = "auto"
 
     @property
     def socket_path(self) -> Path:
@@ -231,6 +237,7 @@ ENV = {
     "prompt_cache_ram": "LOCALLLM_PROMPT_CACHE_RAM",
     "fill_bands": "LOCALLLM_FILL_BANDS",
     "expert_cache": "LOCALLLM_EXPERT_CACHE",
+    "expert_misses": "LOCALLLM_EXPERT_MISSES",
 }
 
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
@@ -245,6 +252,7 @@ CHOICES = {
     "workload": ("auto", "chat", "agent"),
     "log_level": ("debug", "info", "warning", "error"),
     "image_urls": ("on", "off"),
+    "expert_misses": ("auto", "cpu", "gpu"),
 }
 
 # Tables of config.toml that belong to one client: [keys] is the chat TUI's key bindings

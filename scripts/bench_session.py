@@ -11,7 +11,8 @@
 For one synthetic model (scripts/synth_gguf.py, random Q4_0 weights) and one context, each
 system in turn: the localllm daemon (12 GiB budget: vram_margin_mib = free - budget + margin,
 workload from --workload, default auto: the daemon's default settings; `ours-cache`: the same
-with expert_cache = --expert-cache, its hits and misses beside each run),
+with expert_cache = --expert-cache, its hits and misses beside each run; `ours-misses-cpu`,
+`ours-misses-gpu`: default settings but expert_misses),
 `llama-server --fit on --fit-target (free - budget)` with f16 and with q8_0 KV.
 Runs (--runs, in this order):
   short    decode of --tokens after a short prompt
@@ -437,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
                         system = Ours(model, args.ctx, budget_mib, args.margin, args.workload,
                                       Path(tmp), args.fill_bands,
                                       LOCALLLM_EXPERT_CACHE=str(args.expert_cache))
+                        system.name = name
+                    elif name.startswith("ours-misses-"):  # expert_misses: cpu, gpu (#40)
+                        system = Ours(model, args.ctx, budget_mib, args.margin, args.workload,
+                                      Path(tmp), args.fill_bands,
+                                      LOCALLLM_EXPERT_MISSES=name.removeprefix("ours-misses-"))
                         system.name = name
                     elif name.startswith("fit-"):
                         if args.tiny:

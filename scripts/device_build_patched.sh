@@ -5,13 +5,14 @@
 #   source .device-carry/on-device.sh
 #   bash scripts/device_build_patched.sh .device-carry/llama-src.tgz [DIR]
 #
-# The patches change libllama, ggml-base and ggml-cpu only, never ggml-cuda (check: `grep '^+++'
-# patches/*.patch`). So those three are built from the patched source without CUDA, and the
-# unpatched CUDA build that on-device.sh unpacked (/tmp/llama-cuda/bin) lends the rest: libggml
-# (the backend registry, linked to the CUDA and RPC backends) and libggml-cuda, built from the
-# same llama.cpp release, so every ggml struct they share has the same layout. The result must
-# offload to the GPU and export the patch's function; when it does not, the whole engine is
-# built with CUDA instead (the slow way), so a run never measures a half-patched engine.
+# libllama, ggml-base and ggml-cpu are built from the patched source without CUDA, and the CUDA
+# build that on-device.sh unpacked (/tmp/llama-cuda/bin) lends the rest: libggml (the backend
+# registry, linked to the CUDA and RPC backends) and libggml-cuda, built from the same llama.cpp
+# release, so every ggml struct they share has the same layout. patches/0003 changes ggml-cuda
+# too: scripts/carry_patched_cuda.sh puts a patched libggml-cuda into the carry before the run.
+# The result must offload to the GPU, export the expert cache's function and have 0003's mapped
+# buffers in ggml-cuda; when it does not, the whole engine is built with CUDA instead (the slow
+# way), so a run never measures a half-patched engine.
 set -euo pipefail
 src=${1:?source tgz}; dest=${2:-/tmp/cuda-src/llama.cpp/build/bin}
 prebuilt=${PREBUILT:-/tmp/llama-cuda/bin}
@@ -30,7 +31,14 @@ import ctypes, os, llama_cpp
 lib = ctypes.CDLL(os.path.join(os.environ["LLAMA_CPP_LIB_PATH"], "libllama.so"))
 assert llama_cpp.llama_supports_gpu_offload(), "no GPU offload"
 assert hasattr(lib, "llama_moe_cache_stats"), "no expert cache"
-print("patched engine: GPU offload, expert cache")'
+base = ctypes.CDLL(os.path.join(os.environ["LLAMA_CPP_LIB_PATH"], "libggml-base.so"))
+cuda = ctypes.CDLL(os.path.join(os.environ["LLAMA_CPP_LIB_PATH"], "libggml-cuda.so"))
+cuda.ggml_backend_cuda_reg.restype = ctypes.c_void_p
+base.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+base.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+assert base.ggml_backend_reg_get_proc_address(
+    cuda.ggml_backend_cuda_reg(), b"ggml_backend_cuda_mapped_buffer"), "ggml-cuda without 0003"
+print("patched engine: GPU offload, expert cache, mapped misses")'
 }
 
 if cmake -B build-cpu -DGGML_CUDA=OFF "${common[@]}" > "$work/cmake-cpu.log" 2>&1 &&

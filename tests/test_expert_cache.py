@@ -138,6 +138,16 @@ def test_a_pool_with_no_slots_misses_everything_and_answers_the_same(models, wit
     assert stats["misses"] == _lookups(on["steps"])
 
 
+def test_misses_asked_of_a_gpu_stay_on_the_cpu_where_the_pool_has_none(models, without_cache):
+    """LLAMA_MOE_CACHE_MISSES=gpu (patches/0003) needs a pool on a GPU that can read RAM in
+    place; with the pool in RAM the engine keeps the misses on the CPU, says so in its figures,
+    and answers as before."""
+    on = _run(models["zipf:1"], slots=8, device="cpu", misses="gpu")
+    _same_answers(on, without_cache["zipf:1"])
+    assert on["stats_single"]["misses_on_gpu"] == 0
+    assert on["stats_single"]["hits"] > 0
+
+
 def _compare(a: Path, b: Path) -> dict:
     result = subprocess.run([sys.executable, str(CHECK), "--compare", str(a), str(b)],
                             capture_output=True, text=True, timeout=60)

@@ -106,7 +106,8 @@ def test_a_daemon_with_the_setting_answers_alike_and_reports_hits(tmp_path, moe_
         assert ps["expert_cache"]["slots"] == 16
         assert ps["expert_cache"]["text"] == (
             f"expert cache: 16 slots, {cache['hit_rate']:.0%} hits of {lookups} lookups, "
-            f"{cache['swaps']} swaps")
+            f"{cache['swaps']} swaps, misses on the CPU")
+        assert cache["misses_on"] == "cpu"  # a pool in RAM: the CPU computes them
         shown = d.cli("ps")
         assert shown.returncode == 0, shown.stderr
         assert f"moe:latest expert cache: 16 slots, {cache['hit_rate']:.0%} hits" in shown.stdout

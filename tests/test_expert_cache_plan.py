@@ -274,3 +274,76 @@ def test_only_an_auto_pool_far_from_its_price_is_planned_again():
     assert not pool_far_from_its_price(pool(0.30, MIN_LOOKUPS - 1), plan, "auto")
     assert not pool_far_from_its_price(pool(0.30), plan, 1024)  # the user's own size
     assert not pool_far_from_its_price(None, plan, "auto")
+
+
+def test_misses_on_the_gpu_trade_the_crossings_for_pcie_reads(headers):
+    """patches/0003: with expert_misses_on_gpu the served blocks' misses are read by the GPU
+    from pinned RAM over PCIe (speed.MAPPED_READ_FRACTION of the card's pcie_gbs), and their two
+    crossings a block go. Where the pool hits most, that is faster; where it misses most, the
+    PCIe reads cost more than the host's. Checking passes price the misses the same way."""
+    from localllm.profiles.planning.speed import ExpertPool, checking_terms, predict_speed
+
+    shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
+    plan = tune(shape, card, Request())
+    costs, placement, settings = model_costs(shape), placement_of(plan, shape), settings_of(plan)
+    blocks = frozenset(pool_shape(shape).blocks)
+
+    def decode(curve, on_gpu: bool) -> float:
+        pool = ExpertPool(128 * 8, 128, blocks, curve, misses_on_gpu=on_gpu)
+        return predict_speed(costs, placement, settings, card, pool=pool).decode_tps
+
+    assert decode(((0.25, 0.95),), True) > decode(((0.25, 0.95),), False)
+    assert decode(((0.5, 0.0),), True) < decode(((0.5, 0.0),), False)
+    mapped = ExpertPool(128 * 8, 128, blocks, ((0.25, 0.95),), misses_on_gpu=True)
+    cpu = dataclasses.replace(mapped, misses_on_gpu=False)
+    assert checking_terms(costs, placement, settings, card, pool=mapped).mapped_expert_bytes
+    assert not checking_terms(costs, placement, settings, card, pool=cpu).mapped_expert_bytes
+
+
+def test_the_expert_misses_setting_picks_who_computes_them(headers, tmp_path):
+    """`expert_misses`: cpu and gpu are kept as asked; auto prices both and keeps the faster,
+    and the plan says so. Past RAM (pageable pages) the GPU cannot read them in place."""
+    from localllm.profiles.planning.expert_pool import misses_can_go_to_gpu
+
+    shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
+    hits = ((0.2, 0.9, 0.5),)
+    plans = {setting: tune(shape, card, Request(expert_cache_slots=AUTO_SLOTS,
+                                                measured_hits=hits, expert_misses=setting))
+             for setting in ("cpu", "gpu", "auto")}
+    assert plans["cpu"].expert_misses_on_gpu is False
+    assert plans["gpu"].expert_misses_on_gpu is True
+    assert plans["gpu"].pin_in_place
+    assert any("misses read by the GPU" in r for r in plans["gpu"].reasons)
+    assert not any("misses read by the GPU" in r for r in plans["cpu"].reasons)
+    faster = max(plans["cpu"], plans["gpu"], key=lambda p: (-p.predicted_session_s,
+                                                            p.predicted_decode_tps))
+    assert plans["auto"].expert_misses_on_gpu == faster.expert_misses_on_gpu
+    assert plans["auto"].predicted_session_s == faster.predicted_session_s
+    assert plans["gpu"].load_key() != plans["cpu"].load_key() or \
+        plans["gpu"].expert_cache_slots != plans["cpu"].expert_cache_slots
+    assert misses_can_go_to_gpu(Plan(n_ctx=4096, pin_in_place=True))
+    assert misses_can_go_to_gpu(Plan(n_ctx=4096, use_mmap=False))
+    assert not misses_can_go_to_gpu(Plan(n_ctx=4096, streamed_bytes=1 << 30))
+    # the setting
+    assert load_config(tmp_path / "none.toml", {"LOCALLLM_EXPERT_MISSES": "gpu"}) \
+        .expert_misses == "gpu"
+    with pytest.raises(ConfigError, match="expert_misses must be one of auto, cpu, gpu"):
+        load_config(tmp_path / "none.toml", {"LOCALLLM_EXPERT_MISSES": "disk"})
+
+
+def test_the_runner_asks_the_engine_for_misses_on_the_gpu_around_the_target_only(
+        monkeypatch, tmp_path):
+    monkeypatch.delenv(expert_cache.MISSES_VARIABLE, raising=False)
+    monkeypatch.setenv(expert_cache.MISSES_VARIABLE, "gpu")
+    assert expert_cache.MISSES_VARIABLE not in runner_env(Plan(n_ctx=4096))
+    monkeypatch.delenv(expert_cache.MISSES_VARIABLE)
+    with expert_cache.switched_on(16, misses_on_gpu=True):
+        assert os.environ[expert_cache.MISSES_VARIABLE] == "gpu"
+    assert expert_cache.MISSES_VARIABLE not in os.environ
+    with expert_cache.switched_on(0, misses_on_gpu=True):  # no pool, nothing to ask
+        assert expert_cache.MISSES_VARIABLE not in os.environ
+    # a saved profile keeps and edits the choice
+    path = save_profile(Plan(n_ctx=4096, expert_cache_slots=16, expert_misses_on_gpu=True),
+                        "moe", "rtx3060-12g", 1, directory=tmp_path)
+    assert "expert_misses_on_gpu = true" in path.read_text()
+    assert load_profile(path).plan.expert_misses_on_gpu is True

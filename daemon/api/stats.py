@@ -66,6 +66,7 @@ def plan_summary(plan, n_layer: int) -> dict:
         "predicted_decode_by_depth": [list(point) for point in plan.predicted_decode_by_depth],
         "n_ubatch": plan.n_ubatch,
         "expert_cache_slots": plan.expert_cache_slots,
+        "expert_misses_on_gpu": plan.expert_misses_on_gpu,
         "source": plan.source,
         "reasons": list(plan.reasons),
     }
@@ -102,7 +103,8 @@ def expert_cache_report(plan, figures) -> dict | None:
     if figures is not None:
         report.update(slots=figures.slots, layers=figures.layers, hits=figures.hits,
                       misses=figures.misses, hit_rate=round(figures.hit_rate, 4),
-                      swaps=figures.swaps, steps=figures.steps, pool_bytes=figures.pool_bytes)
+                      swaps=figures.swaps, steps=figures.steps, pool_bytes=figures.pool_bytes,
+                      misses_on="gpu" if figures.misses_on_gpu else "cpu")
     return report
 
 
@@ -116,7 +118,8 @@ def expert_cache_words(report: dict | None) -> str:
     lookups = report["hits"] + report["misses"]
     rate = f"{report['hit_rate']:.0%} hits of {lookups} lookups" if lookups else \
         "no lookups yet"
-    return f"expert cache: {report['slots']} slots, {rate}, {report['swaps']} swaps"
+    return (f"expert cache: {report['slots']} slots, {rate}, {report['swaps']} swaps, "
+            f"misses on the {report['misses_on'].upper()}")
 
 
 def vram_of(pid: int | None, by_pid: dict[int, int] | None, plan) -> tuple[int | None, str | None]:

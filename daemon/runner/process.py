@@ -398,9 +398,13 @@ def warn_of_refusals(model_name: str, plan: Plan, loaded: dict, log_path: Path) 
         log.warning("runner for %s: the plan pins the weights in RAM in place and the driver "
                     "refused: they were copied into pinned memory instead (see %s)",
                     model_name, log_path)
-    if plan.expert_cache_slots and not loaded.get("expert_cache"):
+    cache = loaded.get("expert_cache")
+    if plan.expert_cache_slots and not cache:
         log.warning("runner for %s: the plan asked an expert cache of %d slots and llama.cpp "
                     "made none (see %s)", model_name, plan.expert_cache_slots, log_path)
+    elif plan.expert_misses_on_gpu and cache and not cache.get("misses_on_gpu"):
+        log.warning("runner for %s: the plan asked the GPU to compute the expert cache's misses "
+                    "and llama.cpp leaves them to the CPU (see %s)", model_name, log_path)
 
 
 def exit_while_loading(model_name: str, code: int | None, plan: Plan,

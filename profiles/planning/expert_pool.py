@@ -46,6 +46,7 @@ SWAPS_PER_STEP = 4  # LLAMA_MOE_CACHE_SWAPS's default: the most experts a step c
 # of the first GPU's budget.
 AUTO_SIZES = (2, 4, 8, 16, 32, 64)
 AUTO_VRAM_SHARE = 0.6
+UNQUANTIZED = {"F32", "F16", "BF16"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class PoolShape:
     slot_bytes: int  # one expert's up + gate + down bytes (the first cacheable block's)
     n_expert: int
     blocks: tuple[int, ...]  # blocks of that same type and shape: those the pool can serve
+    # quantized experts: the GPU can compute the misses from RAM (its kernels that skip a row
+    # are the quantized ones, patches/0003)
+    quantized: bool = True
 
     def bytes(self, slots: int) -> int:
         """The pool of `slots` experts: the slots, the zero slot and the blocks' maps."""
@@ -93,7 +97,8 @@ def pool_shape(shape: ModelShape) -> PoolShape | None:
     if first is None:
         return None
     slot = sum(first[name][2] for name in POOL_TENSORS) // shape.expert_count
-    return PoolShape(slot, shape.expert_count, tuple(blocks))
+    quantized = all(first[name][0] not in UNQUANTIZED for name in POOL_TENSORS)
+    return PoolShape(slot, shape.expert_count, tuple(blocks), quantized)
 
 
 def blocks_in_ram(plan: Plan, shape: ModelShape, pool: PoolShape) -> list[int]:
@@ -135,7 +140,8 @@ def hit_curve(measured: tuple[tuple[float, float, float], ...] = ()
     return tuple(sorted(points.items()))
 
 
-def priced_pool(pool: PoolShape, slots: int, request: Request) -> ExpertPool:
+def priced_pool(pool: PoolShape, slots: int, request: Request,
+                misses_on_gpu: bool = False) -> ExpertPool:
     """The pool as decode prices it: its curve, and the bytes a step copies in (measured swaps
     a step where the hits were measured, else the most a step copies at the misses' share)."""
     curve = hit_curve(request.measured_hits)
@@ -145,7 +151,22 @@ def priced_pool(pool: PoolShape, slots: int, request: Request) -> ExpertPool:
         misses = 1.0 - curve_at(curve, slots / (len(pool.blocks) * pool.n_expert))
         swaps = SWAPS_PER_STEP * misses
     return ExpertPool(slots, pool.n_expert, frozenset(pool.blocks), curve,
-                      swap_bytes=swaps * pool.slot_bytes)
+                      swap_bytes=swaps * pool.slot_bytes, misses_on_gpu=misses_on_gpu)
+
+
+def misses_ways(pool: PoolShape, setting: str) -> tuple[bool, ...]:
+    """Whether the misses go to the GPU, in the ways the tuner prices for `setting`
+    (config expert_misses): both for auto, where the GPU can compute them (quantized experts)."""
+    if setting == "cpu" or not pool.quantized:
+        return (False,)
+    return (True,) if setting == "gpu" else (False, True)
+
+
+def misses_can_go_to_gpu(plan: Plan) -> bool:
+    """Whether the GPU can read this plan's experts in RAM in place: pinned where the file
+    maps them, or copied into the GPU's pinned host buffer (load_mode none). Past RAM the
+    file's pages must stay pageable."""
+    return not plan.streamed_bytes and (plan.pin_in_place or not plan.use_mmap)
 
 
 def _faster(a: Plan, b: Plan) -> bool:
@@ -207,14 +228,18 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
     # smaller context would win by a shallower session, not by its hits.
     same = replace(plain, n_ctx=without.n_ctx)
     best: tuple[Plan, int, ExpertPool] | None = None
+    ways = misses_ways(pool, request.expert_misses)
     for n in _sizes(pool, card, request) if auto else [slots]:
-        priced = priced_pool(pool, n, request)
-        try:
-            plan = tune(replace(same, reserved_vram_bytes=pool.bytes(n), expert_pool=priced))
-        except NoPlanFits:
-            continue
-        if blocks_in_ram(plan, shape, pool) and (best is None or _faster(plan, best[0])):
-            best = (plan, n, priced)
+        for on_gpu in ways:
+            priced = priced_pool(pool, n, request, on_gpu)
+            try:
+                plan = tune(replace(same, reserved_vram_bytes=pool.bytes(n), expert_pool=priced))
+            except NoPlanFits:
+                continue
+            if on_gpu and not misses_can_go_to_gpu(plan):
+                continue
+            if blocks_in_ram(plan, shape, pool) and (best is None or _faster(plan, best[0])):
+                best = (plan, n, priced)
     if best is None:
         smallest = AUTO_SIZES[0] * pool.n_expert if auto else slots
         what = f"no pool of {smallest} slots or more" if auto else f"its {slots} slots"
@@ -233,7 +258,11 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
     where = f"on {device} ({gib(pool.bytes(n))} of VRAM kept out of the placement's budget)"
     plan = _with_pool_memory(plan, device, pool.bytes(n))
     plan = replace(plan, expected_hit_rate=round(
-        priced.hit_rate(len(blocks_in_ram(plan, shape, pool))), 4))
+        priced.hit_rate(len(blocks_in_ram(plan, shape, pool))), 4),
+        expert_misses_on_gpu=priced.misses_on_gpu)
+    if priced.misses_on_gpu:
+        where += ("; its misses read by the GPU where they lie in pinned RAM, over PCIe, so "
+                  "a decode step never passes through the CPU")
     return _on(plan, shape, pool, n, where, versus + ("" if _faster(plan, without) else
                                                       ": the pool does not pay here"))
 

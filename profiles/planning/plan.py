@@ -62,6 +62,9 @@ class Plan:
     # MoE: experts the engine's expert cache holds (patches/0002, profiles/planning/
     # expert_pool.py), a pool the target context alone gets; 0: off
     expert_cache_slots: int = 0
+    # With a pool on a GPU: its misses computed by the GPU from the experts where they lie in
+    # pinned RAM (patches/0003: a decode step never passes through the CPU), not by the CPU
+    expert_misses_on_gpu: bool = False
     # the hit rate that pool was priced with (expert_pool.py; 0.0: no pool); the scheduler
     # plans again once the pool's measured rate is far from it
     expected_hit_rate: float = 0.0
@@ -104,8 +107,8 @@ class Plan:
                 self.n_ubatch, self.n_threads, self.n_threads_batch, self.use_mmap,
                 self.pin_in_place,
                 self.extra_bufts, self.streamed_bytes,
-                self.n_parallel, self.expert_cache_slots, self.speculative, self.draft_n_max,
-                self.draft_n_gpu_layers,
+                self.n_parallel, self.expert_cache_slots, self.expert_misses_on_gpu,
+                self.speculative, self.draft_n_max, self.draft_n_gpu_layers,
                 self.rpc_workers, self.projector_on_gpu, self.gpus)
 
     @property

@@ -66,6 +66,8 @@ class Request:
     # (0: off), and whether the pool is in RAM (the test knob LLAMA_MOE_CACHE_DEVICE=cpu)
     expert_cache_slots: int = 0  # AUTO_SLOTS: the tuner sizes it (or turns it off)
     expert_pool_in_ram: bool = False
+    # who computes the pool's misses (config expert_misses): "auto" prices both, "cpu", "gpu"
+    expert_misses: str = "auto"
     # Hit rates measured while serving the model: (slots per served block / n_expert, hit
     # rate), replacing the prior curve where they were measured (expert_pool.hit_curve)
     measured_hits: tuple[tuple[float, float], ...] = ()

@@ -76,20 +76,26 @@ CPU_ATTENTION_FLOPS_QUANTIZED = 2.25e9
 # The expert cache (issue #40, expert_pool.py): a block it serves runs a second
 # up/gate/act/down chain on the pool (a lookup, four kernels and an add) beside the CPU's.
 POOL_BLOCK_SECONDS = 25e-6
+# With its misses on the GPU (patches/0003, ExpertPool.misses_on_gpu) the GPU reads the missed
+# experts where they lie in pinned RAM, over PCIe, at this share of the card's pcie_gbs (a
+# kernel's scattered reads, not one long copy); the CPU's chain and its two crossings go.
+MAPPED_READ_FRACTION = 0.7
 
 
 @dataclass(frozen=True)
 class ExpertPool:
     """An expert cache as decode sees it: `slots` experts in VRAM shared by the blocks of
     `blocks` whose experts a placement keeps in RAM. Of their routed experts, the share
-    `hit_rate(served)` is found in the pool and read by the GPU; the rest by the CPU. After
-    each step the engine copies `swap_bytes` into the pool over PCIe (not overlapped yet)."""
+    `hit_rate(served)` is found in the pool and read by the GPU; the rest by the CPU, or, with
+    `misses_on_gpu`, by the GPU from pinned RAM over PCIe. After each step the engine copies
+    `swap_bytes` into the pool over PCIe (not overlapped yet)."""
 
     slots: int
     n_expert: int
     blocks: frozenset[int]
     curve: tuple[tuple[float, float], ...]  # (slots per served block / n_expert, hit rate)
     swap_bytes: float = 0.0
+    misses_on_gpu: bool = False
 
     def hit_rate(self, served: int) -> float:
         """The expected hit rate with the slots spread over `served` blocks (the curve
@@ -116,6 +122,12 @@ class Speed:
     decode_seconds_gpu: float  # per token, weights and KV read on the GPUs
     decode_seconds_cpu: float  # per token, weights and KV read from host RAM
     decode_flops_cpu: float = 0.0  # per token, matmul FLOPs of the weights the CPU multiplies
+
+
+def mapped_bandwidth(card: Card) -> float:
+    """Bytes/s a GPU kernel reads pinned host memory at, in place (the expert cache's misses
+    on the GPU)."""
+    return max(1.0, card.pcie_gbs * 1e9 * MAPPED_READ_FRACTION)
 
 
 def gpu_bandwidths(card: Card) -> dict[str, float]:
@@ -178,11 +190,15 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     cpu_flops = 0.0
     crossings = 0
     previous = CPU  # token embeddings are looked up on the CPU
+    mapped = bool(served) and pool.misses_on_gpu
     if served:  # the pool's GPU: its hits, its second chains, the copies after each step
         pool_bw = bandwidths[card.gpu_list[0].device]
         gpu_s += sum(costs.expert_bytes[i] for i in served) * costs.expert_active_fraction \
             * hits / pool_bw + POOL_BLOCK_SECONDS * len(served)
         gpu_s += pool.swap_bytes / (card.pcie_gbs * 1e9)
+    if mapped:  # the misses too, read from pinned RAM, in a chain of their own
+        gpu_s += sum(costs.expert_bytes[i] for i in served) * costs.expert_active_fraction \
+            * (1.0 - hits) / mapped_bandwidth(card) + POOL_BLOCK_SECONDS * len(served)
     for i in range(costs.n_blocks):
         if not costs.block_bytes[i] and not costs.expert_bytes[i]:
             continue  # a skipped NextN block
@@ -190,7 +206,8 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
         experts_on_cpu = kept.experts[i]
         expert_read = costs.expert_bytes[i] * costs.expert_active_fraction
         if i in served:
-            expert_read *= 1.0 - hits  # what the CPU still reads (the hits: priced above)
+            # what the CPU still reads (the hits, and mapped misses, are priced above)
+            expert_read *= 0.0 if mapped else 1.0 - hits
         active_params = costs.block_params[i]
         if d == CPU:
             cpu_s += (costs.block_bytes[i] + expert_read) / host_bw
@@ -213,10 +230,10 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
                 ffn_params = active_params * ffn_cpu / max(1, costs.block_bytes[i])
                 cpu_flops += 2 * ffn_params
                 active_params = 0
-            if experts_on_cpu:
+            if experts_on_cpu and not (mapped and i in served):
                 cpu_s += expert_read / host_bw
                 crossings += 2
-            else:
+            elif not experts_on_cpu:
                 gpu_s += expert_read / gpu_bw
         crossings += d != previous
         previous = d
@@ -424,6 +441,8 @@ class CheckingCost:
     cpu_expert_bytes: tuple[tuple[int, float], ...] = ()
     gpu_bandwidth: float = 1.0  # bytes/s
     host_bandwidth: float = 1.0
+    mapped_expert_bytes: tuple[tuple[int, float], ...] = ()  # misses the GPU reads from RAM
+    mapped_bandwidth: float = 1.0
 
     def seconds(self, n_tokens: int) -> float:
         extra = max(0, n_tokens - 1)
@@ -435,6 +454,8 @@ class CheckingCost:
             / self.gpu_bandwidth
         cpu += sum(b * (_experts_read(f, n_tokens) - f) for b, f in self.cpu_expert_bytes) \
             / self.host_bandwidth
+        gpu += sum(b * (_experts_read(f, n_tokens) - f) for b, f in self.mapped_expert_bytes) \
+            / self.mapped_bandwidth
         return self.fixed_seconds + gpu + cpu
 
     def ratio(self, n_tokens: int) -> float:
@@ -460,7 +481,7 @@ def checking_terms(costs: ModelCosts, placement: Placement, settings: ContextSet
     gpu_bw = card.bandwidth_gbs * 1e9 * card.decode_efficiency
     depth = min(depth, settings.n_ctx)
     cpu_attention = 0.0
-    gpu_experts, cpu_experts = [], []
+    gpu_experts, cpu_experts, mapped_experts = [], [], []
     kept = in_ram(costs, placement)
     served, hits = _pool_hits(costs, devices, kept, pool)
     for i in range(costs.n_blocks):
@@ -471,15 +492,17 @@ def checking_terms(costs: ModelCosts, placement: Placement, settings: ContextSet
         if costs.expert_bytes[i]:
             on_cpu = devices[i] == CPU or bool(kept.experts[i])
             share = hits if i in served else 0.0  # of the union, what the pool holds
-            (cpu_experts if on_cpu else gpu_experts).append(
-                (costs.expert_bytes[i] * (1.0 - share), costs.expert_active_fraction))
+            misses = mapped_experts if i in served and pool.misses_on_gpu else \
+                cpu_experts if on_cpu else gpu_experts
+            misses.append((costs.expert_bytes[i] * (1.0 - share), costs.expert_active_fraction))
             if share:
                 gpu_experts.append((costs.expert_bytes[i] * share, costs.expert_active_fraction))
     cpu_rate = threads * CPU_GFLOPS_PER_CORE * 1e9 * CPU_CHECK_EFFICIENCY
     per_token = plain.decode_flops_cpu / cpu_rate + cpu_attention
     fixed = 1.0 / plain.decode_tps - plain.decode_seconds_gpu - plain.decode_seconds_cpu
     return CheckingCost(fixed, plain.decode_seconds_gpu, plain.decode_seconds_cpu, per_token,
-                        tuple(gpu_experts), tuple(cpu_experts), gpu_bw or 1.0, host_bw)
+                        tuple(gpu_experts), tuple(cpu_experts), gpu_bw or 1.0, host_bw,
+                        tuple(mapped_experts), mapped_bandwidth(card))
 
 
 def checking_cost(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,

@@ -94,6 +94,7 @@ def config_request(model_name: str | None = None, file_size: int = 0,
         acceptance=measured_acceptance(model_name, file_size) if model_name else {},
         min_ctx=config.default_ctx,
         expert_cache_slots=expert_cache_slots(config.expert_cache),
+        expert_misses=config.expert_misses,
         expert_pool_in_ram=pool_in_ram(),
         measured_hits=measured_hits(model_name, file_size) if model_name else (),
     )

@@ -32,7 +32,7 @@ EDITABLE: dict[str, type] = {
     "swa_full": bool, "n_batch": int, "n_ubatch": int, "n_threads": int,
     "n_threads_batch": int, "use_mmap": bool, "pin_in_place": bool, "n_parallel": int,
     "speculative": str, "draft_n_max": int, "draft_n_gpu_layers": int, "streamed_bytes": int,
-    "expert_cache_slots": int,
+    "expert_cache_slots": int, "expert_misses_on_gpu": bool,
 }
 LIST_FIELDS = ("tensor_overrides", "tensor_split")
 HEADER = """\

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Here, before a device run: build ggml-cuda from the patched source (patches/0003 changes it)
+# with this machine's nvcc, and put it into the carried CUDA build in place of the unpatched one,
+# so that scripts/device_build_patched.sh's quick path (patched libllama, ggml-base and
+# ggml-cpu over the carried CUDA libraries) runs a wholly patched engine without building CUDA
+# on the GPU machine (about four minutes of device time there; here about ten, on two cores).
+#
+#   bash ../shared/device/prepare.sh ...                 # fills .device-carry/
+#   bash scripts/carry_patched_cuda.sh [WORK_DIR]
+#
+# Needs nvcc (CUDA 13, as the GPU machine has), cuBLAS headers and libraries, and libcuda for
+# the link: where the toolkit lacks them, `pip download --no-deps "nvidia-cublas==13.0.*"`,
+# unzip it and link its include/*.h and lib/*.so.13 into the toolkit (with unversioned
+# libcublas.so and libcublasLt.so), and give the toolkit a stub lib/stubs/libcuda.so
+# (`gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o .../lib/stubs/libcuda.so -x c /dev/null`):
+# the GPU machine's driver provides the real one.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+work=${1:-/tmp/patched-cuda}
+carry=$root/.device-carry/llama-cpp-0.3.36-cuda-sm90.tgz
+[ -f "$carry" ] || { echo "error: no $carry: run ../shared/device/prepare.sh first" >&2; exit 1; }
+mkdir -p "$work"
+if [ ! -d "$work/llama_cpp_python-0.3.36" ]; then
+  python3 -m pip download -q --no-deps --no-binary=:all: -d "$work" llama-cpp-python==0.3.36
+  tar xzf "$work/llama_cpp_python-0.3.36.tar.gz" -C "$work"
+  bash "$root/scripts/apply_patches.sh" "$work/llama_cpp_python-0.3.36"
+fi
+src=$work/llama_cpp_python-0.3.36/vendor/llama.cpp
+# the carried build's options (../shared/device/build-cuda.sh), the ggml-cuda target alone
+cmake -S "$src" -B "$work/build" -G Ninja -DGGML_CUDA=ON -DGGML_RPC=ON \
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_COMMON=OFF \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release > "$work/cmake.log"
+ninja -C "$work/build" ggml-cuda > "$work/build.log"
+lib=$(find "$work/build" -name 'libggml-cuda.so.*.*.*' | head -1)
+name=$(basename "$lib")
+tar tzf "$carry" | grep -qx "bin/$name" || { echo "error: the carry has no bin/$name" >&2; exit 1; }
+unpack=$work/carry && rm -rf "$unpack" && mkdir -p "$unpack"
+tar xzf "$carry" -C "$unpack"
+cp "$lib" "$unpack/bin/$name"
+chmod u+w "$carry"
+tar czf "$carry" -C "$unpack" bin
+echo "put the patched $name ($(du -h "$lib" | cut -f1)) into $(basename "$carry")"
