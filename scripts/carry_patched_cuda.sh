@@ -11,9 +11,10 @@
 # Needs nvcc (CUDA 13, as the GPU machine has), cuBLAS headers and libraries, and libcuda for
 # the link: where the toolkit lacks them, `pip download --no-deps "nvidia-cublas==13.0.*"`,
 # unzip it and link its include/*.h and lib/*.so.13 into the toolkit (with unversioned
-# libcublas.so and libcublasLt.so), and give the toolkit a stub lib/stubs/libcuda.so
-# (`gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o .../lib/stubs/libcuda.so -x c /dev/null`):
-# the GPU machine's driver provides the real one.
+# libcublas.so and libcublasLt.so), and give the toolkit a stub lib/stubs/libcuda.so with
+# soname libcuda.so.1 that defines the driver functions ggml-cuda calls (cuMemCreate, cuMemMap,
+# ...: `int cuX(void){return 0;}` each; an empty stub is dropped by --as-needed and the library
+# then fails to load there): the GPU machine's driver provides the real one.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 work=${1:-/tmp/patched-cuda}
@@ -33,6 +34,8 @@ cmake -S "$src" -B "$work/build" -G Ninja -DGGML_CUDA=ON -DGGML_RPC=ON \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release > "$work/cmake.log"
 ninja -C "$work/build" ggml-cuda > "$work/build.log"
 lib=$(find "$work/build" -name 'libggml-cuda.so.*.*.*' | head -1)
+readelf -d "$lib" | grep -q 'libcuda.so.1' ||
+  { echo "error: $lib does not link libcuda.so.1 (an empty stub?): see this script's head" >&2; exit 1; }
 name=$(basename "$lib")
 tar tzf "$carry" | grep -qx "bin/$name" || { echo "error: the carry has no bin/$name" >&2; exit 1; }
 unpack=$work/carry && rm -rf "$unpack" && mkdir -p "$unpack"
