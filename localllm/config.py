@@ -138,7 +138,8 @@ import tomli_w
 
 from . import paths
 from .config_values import (
-    ConfigError, parse_bands, parse_duration, parse_endpoint, parse_gpus, parse_size,
+    CHOICES, LIMITS, NUMBER_OR, ConfigError, parse_bands, parse_duration, parse_endpoint,
+    parse_gpus, parse_size,
 )
 
 
@@ -245,35 +246,9 @@ ENV = {
 RESTART_NEEDED = frozenset({"host", "socket", "api_key", "origins", "allowed_hosts",
                             "shared_machine", "hf_endpoint"})
 
-CHOICES = {
-    "context_policy": ("fixed", "fit", "max"),
-    "kv_cache_type": ("auto", "f16", "bf16", "q8_0", "q4_0", "q8_0/q4_0"),
-    "quality": ("max", "balanced", "speed"),
-    "workload": ("auto", "chat", "agent"),
-    "log_level": ("debug", "info", "warning", "error"),
-    "image_urls": ("on", "off"),
-    "expert_misses": ("auto", "cpu", "gpu"),
-}
-
 # Tables of config.toml that belong to one client: [keys] is the chat TUI's key bindings
 # (localllm.tui.keys reads and checks it).
 CLIENT_TABLES = frozenset({"keys"})
-
-# (smallest, largest) for number settings; None means no bound.
-LIMITS = {
-    "max_loaded_models": (1, None),
-    "num_parallel": (1, 64),
-    "max_queue": (1, None),
-    "default_ctx": (256, None),
-    "vram_margin_mib": (0, None),
-    "expected_fill": (0.05, 1.0),
-    "remote_timeout": (1, None),
-    "prompt_cache_ram": (0, None),
-    "expert_cache": (0, None),
-}
-
-# The word a setting of a number or a word takes besides a number (the others: auto).
-NUMBER_OR = {"expert_cache": ("off", "auto")}
 
 # A Unix socket path must fit sockaddr_un.sun_path (108 bytes with the terminating NUL).
 _MAX_SOCKET_PATH = 107

@@ -107,12 +107,8 @@ def test_a_hit_moves_an_experts_read_from_the_cpu_to_the_gpu(headers):
     """The speed model: the served blocks' routed experts found in the pool are read at the
     GPU's bandwidth, the rest at the host's; more hits, faster decode; none, slower (the
     second chains and the copies still cost)."""
-    from localllm.profiles.planning.speed import (
-        ExpertPool,
-        checking_terms,
-        curve_at,
-        predict_speed,
-    )
+    from localllm.profiles.planning.checking import checking_terms
+    from localllm.profiles.planning.speed import ExpertPool, curve_at, predict_speed
     from localllm.profiles.tuning.choose import placement_of, settings_of
 
     assert curve_at(PRIOR_HITS, 0.25) == pytest.approx(0.67)
@@ -281,7 +277,8 @@ def test_misses_on_the_gpu_trade_the_crossings_for_pcie_reads(headers):
     from pinned RAM over PCIe (speed.MAPPED_READ_FRACTION of the card's pcie_gbs), and their two
     crossings a block go. Where the pool hits most, that is faster; where it misses most, the
     PCIe reads cost more than the host's. Checking passes price the misses the same way."""
-    from localllm.profiles.planning.speed import ExpertPool, checking_terms, predict_speed
+    from localllm.profiles.planning.checking import checking_terms
+    from localllm.profiles.planning.speed import ExpertPool, predict_speed
 
     shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
     plan = tune(shape, card, Request())

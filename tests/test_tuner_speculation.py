@@ -20,7 +20,7 @@ from localllm.profiles.planning.memory import ContextSettings, memory_by_device
 from localllm.profiles.planning.placements import Placement
 from localllm.profiles.planning.plan import Plan
 from localllm.profiles.tuning.saved import ProfileError, find_profile, profile_path, save_profile
-from localllm.profiles.planning.speed import checking_cost, checking_terms
+from localllm.profiles.planning.checking import checking_cost, checking_terms
 from localllm.profiles.planning.budgets import ram_budget, vram_budget
 from localllm.profiles.planning.search import Request
 from localllm.profiles.planning.tuner import tune

@@ -11,7 +11,7 @@ from .card import Card
 from .evaluator import Evaluator
 from .memory import CPU
 from .search import Option, Request, Search
-from .speed import checking_terms
+from .checking import checking_terms
 from .words import describe_placement, gib, tps
 from .workload import objective_depth
 

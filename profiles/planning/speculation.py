@@ -2,7 +2,7 @@
 in memory, and what it is expected to gain.
 
 A pass of the target model checks k drafted tokens and the next one together (its price per
-device is `speed.checking_terms`). At acceptance a per drafted token, a pass yields
+device is `checking.checking_terms`). At acceptance a per drafted token, a pass yields
 (1 - a^(k+1)) / (1 - a) tokens on average, so
 
     tok/s with speculation = expected tokens / (checking pass of k + 1 + k draft steps)
@@ -34,7 +34,8 @@ from .costs import ModelCosts, model_costs
 from .memory import CPU, ComputeTable, ContextSettings, block_devices, memory_by_device
 from .placements import Placement, in_ram
 from .plan import DeviceMemory
-from .speed import ExpertPool, Speed, checking_terms, predict_speed
+from .checking import checking_terms
+from .speed import ExpertPool, Speed, predict_speed
 
 # Acceptance per drafted token, used until the runner has measured it (Request.acceptance):
 # - mtp 0.7: Qwen3.6-27B/35B-A3B with llama.cpp's draft-mtp accepted 0.80 of drafts over nine

@@ -135,7 +135,7 @@ def gpu_bandwidths(card: Card) -> dict[str, float]:
     return {g.device: g.bandwidth_gbs * 1e9 * card.decode_efficiency for g in card.gpu_list}
 
 
-def _attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, depth: int,
+def attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, depth: int,
                        on_gpu: bool, card: Card, threads: int,
                        gpu_peak_gbs: float | None = None) -> float:
     """Attention of block i over `depth` cells, on the device that holds its KV (a GPU of
@@ -164,7 +164,7 @@ def _gpu_element_seconds(cache_type: str) -> float:
     return GPU_ATTENTION_ELEMENT_SECONDS.get(cache_type, GPU_ATTENTION_ELEMENT_SECONDS["q4_0"])
 
 
-def _pool_hits(costs: ModelCosts, devices: list[str], kept, pool: ExpertPool | None
+def pool_hits(costs: ModelCosts, devices: list[str], kept, pool: ExpertPool | None
                ) -> tuple[set[int], float]:
     """The blocks an expert pool serves on this placement (those of its blocks whose experts
     are in RAM) and the hit rate its slots give them."""
@@ -180,7 +180,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
                   pool: ExpertPool | None = None) -> Speed:
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
     kept = in_ram(costs, placement)
-    served, hits = _pool_hits(costs, devices, kept, pool)
+    served, hits = pool_hits(costs, devices, kept, pool)
     threads = min(n_threads or card.cores, card.cores)
     host_bw = card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
     bandwidths = gpu_bandwidths(card)
@@ -217,13 +217,13 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
                 cpu_s += CPU_MOE_BLOCK_SECONDS
             if i in served:  # the pool's hits: to the GPU and back
                 crossings += 2
-            cpu_s += _attention_seconds(costs, i, settings, depth, False, card, threads)
+            cpu_s += attention_seconds(costs, i, settings, depth, False, card, threads)
             cpu_flops += 2 * active_params
         else:
             gpu_bw = bandwidths[d]
             ffn_cpu = kept.dense[i]
             gpu_s += (costs.block_bytes[i] - ffn_cpu) / gpu_bw + GPU_BLOCK_SECONDS
-            gpu_s += _attention_seconds(costs, i, settings, depth, True, card, threads, peaks[d])
+            gpu_s += attention_seconds(costs, i, settings, depth, True, card, threads, peaks[d])
             if ffn_cpu:
                 cpu_s += ffn_cpu / host_bw
                 crossings += 1
@@ -409,103 +409,3 @@ def _combined_rate(card: Card, threads: int, flops_by_device: dict[str, float]) 
     total = sum(flops_by_device.values())
     seconds = sum(f / _prompt_rate(card, threads, d) for d, f in flops_by_device.items() if f)
     return total / seconds if seconds > 0 else _prompt_rate(card, threads)
-
-
-# ---- checking passes (speculative decoding) ---------------------------------------------------
-#
-# Speculative decoding checks k drafted tokens and the next one in one pass of the model. What
-# that pass costs decides whether drafting pays, and it differs by device (llama-bench ppB on the
-# H200, dense-27b Q4_0, 16 threads; see the device notes):
-# - On the GPU a pass reads every weight once whatever the batch: it stays bandwidth-bound and
-#   grows slowly (all 66 blocks on the GPU: a pass of 2 cost 1.03x a pass of 1, 4: 1.26x,
-#   8: 1.75x, 16: 2.1x), about 8% of one token's weight read per extra token (the quantized
-#   batch kernels dequantize per column group).
-# - On the CPU the matmuls turn compute-bound: 24 of 66 blocks on the CPU, a pass of 2 cost
-#   1.42x, 4: 2.5x, 8: 4.9x, 16: 8.7x, i.e. each extra token adds about half a token's read time:
-#   its FLOPs at half the prompt rate (small batches multiply at a fraction of what a
-#   512-token ubatch reaches).
-GPU_CHECK_TOKEN_FRACTION = 0.08
-CPU_CHECK_EFFICIENCY = 0.5  # of CPU_GFLOPS_PER_CORE, for batches of 2-16 tokens
-
-
-@dataclass(frozen=True)
-class CheckingCost:
-    """The parts of a checking pass, so that passes of any length are priced without walking
-    the blocks again: `seconds(n)` is a pass of n tokens, `seconds(1)` plain decode."""
-
-    fixed_seconds: float  # the runner's loop and the GPU/CPU crossings, once per pass
-    gpu_seconds: float  # one token's reads on the GPUs
-    cpu_seconds: float  # one token's reads from host RAM
-    cpu_seconds_per_extra_token: float  # matmul and attention compute on the CPU per token
-    gpu_expert_bytes: tuple[tuple[int, float], ...] = ()  # (bytes, active fraction) per block
-    cpu_expert_bytes: tuple[tuple[int, float], ...] = ()
-    gpu_bandwidth: float = 1.0  # bytes/s
-    host_bandwidth: float = 1.0
-    mapped_expert_bytes: tuple[tuple[int, float], ...] = ()  # misses the GPU reads from RAM
-    mapped_bandwidth: float = 1.0
-
-    def seconds(self, n_tokens: int) -> float:
-        extra = max(0, n_tokens - 1)
-        gpu = self.gpu_seconds * (1 + GPU_CHECK_TOKEN_FRACTION * extra)
-        cpu = self.cpu_seconds + self.cpu_seconds_per_extra_token * extra
-        # MoE: each token routes to its own experts, so a pass of n reads the union of their
-        # choices: 1 - (1 - f)^n of the experts instead of f.
-        gpu += sum(b * (_experts_read(f, n_tokens) - f) for b, f in self.gpu_expert_bytes) \
-            / self.gpu_bandwidth
-        cpu += sum(b * (_experts_read(f, n_tokens) - f) for b, f in self.cpu_expert_bytes) \
-            / self.host_bandwidth
-        gpu += sum(b * (_experts_read(f, n_tokens) - f) for b, f in self.mapped_expert_bytes) \
-            / self.mapped_bandwidth
-        return self.fixed_seconds + gpu + cpu
-
-    def ratio(self, n_tokens: int) -> float:
-        """A pass of n tokens over a pass of one."""
-        return self.seconds(n_tokens) / self.seconds(1)
-
-
-def _experts_read(active_fraction: float, n_tokens: int) -> float:
-    return 1.0 - (1.0 - active_fraction) ** n_tokens
-
-
-def checking_terms(costs: ModelCosts, placement: Placement, settings: ContextSettings,
-                   card: Card, n_threads: int | None = None,
-                   depth: int = DECODE_DEPTH, pool: ExpertPool | None = None) -> CheckingCost:
-    """The per-device terms of a checking pass of this placement at this depth, built on the
-    decode prediction (its bytes per device, its CPU FLOPs). With an expert pool, the hits'
-    share of a served block's experts is read on the GPU (the engine's pool serves checking
-    passes, batches under 32 rows, as it serves decode)."""
-    plain = predict_speed(costs, placement, settings, card, n_threads, depth, pool)
-    devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
-    threads = min(n_threads or card.cores, card.cores)
-    host_bw = card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
-    gpu_bw = card.bandwidth_gbs * 1e9 * card.decode_efficiency
-    depth = min(depth, settings.n_ctx)
-    cpu_attention = 0.0
-    gpu_experts, cpu_experts, mapped_experts = [], [], []
-    kept = in_ram(costs, placement)
-    served, hits = _pool_hits(costs, devices, kept, pool)
-    for i in range(costs.n_blocks):
-        if devices[i] == CPU:
-            # CPU attention is compute over the cells (see _attention_seconds): each token of
-            # the pass attends again.
-            cpu_attention += _attention_seconds(costs, i, settings, depth, False, card, threads)
-        if costs.expert_bytes[i]:
-            on_cpu = devices[i] == CPU or bool(kept.experts[i])
-            share = hits if i in served else 0.0  # of the union, what the pool holds
-            misses = mapped_experts if i in served and pool.misses_on_gpu else \
-                cpu_experts if on_cpu else gpu_experts
-            misses.append((costs.expert_bytes[i] * (1.0 - share), costs.expert_active_fraction))
-            if share:
-                gpu_experts.append((costs.expert_bytes[i] * share, costs.expert_active_fraction))
-    cpu_rate = threads * CPU_GFLOPS_PER_CORE * 1e9 * CPU_CHECK_EFFICIENCY
-    per_token = plain.decode_flops_cpu / cpu_rate + cpu_attention
-    fixed = 1.0 / plain.decode_tps - plain.decode_seconds_gpu - plain.decode_seconds_cpu
-    return CheckingCost(fixed, plain.decode_seconds_gpu, plain.decode_seconds_cpu, per_token,
-                        tuple(gpu_experts), tuple(cpu_experts), gpu_bw or 1.0, host_bw,
-                        tuple(mapped_experts), mapped_bandwidth(card))
-
-
-def checking_cost(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,
-                  depth: int, n_tokens: int, n_threads: int | None = None) -> float:
-    """Seconds of one pass that checks `n_tokens` (k drafts and the next token) at `depth`."""
-    return checking_terms(costs, placement, settings, card, n_threads, depth).seconds(n_tokens)
