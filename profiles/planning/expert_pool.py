@@ -38,9 +38,11 @@ MAP_BYTES_PER_EXPERT = 8  # each cached block's map: (slot or miss id, expert), 
 AUTO_SLOTS = -1  # Request.expert_cache_slots for `expert_cache = auto`: the tuner sizes it
 # Hit rate against slots per served block as a share of its experts. Routing studies of real
 # MoE models (256 experts, 8 a token) find an LRU of 64 hitting about 67% of lookups and 128
-# about 81% (docs/bench/synthetic-routing.md). The engine's decayed counts, a few swaps a step,
-# are not an LRU: hits measured while serving replace these.
-PRIOR_HITS = ((0.25, 0.67), (0.5, 0.81))
+# about 81% (docs/bench/synthetic-routing.md): 14 points a doubling, which the smaller shares
+# extend (an LRU's curve is concave: linear from none, the 80B class's pool at a share of 0.18
+# was priced at 49% and hit 61-64% on the H200, rounds 8 and 9). The engine's decayed counts,
+# a few swaps a step, are not an LRU: hits measured while serving replace these.
+PRIOR_HITS = ((0.0625, 0.39), (0.125, 0.53), (0.25, 0.67), (0.5, 0.81))
 SWAPS_PER_STEP = 4  # LLAMA_MOE_CACHE_SWAPS's default: the most experts a step copies in
 # Pool sizes `auto` prices, in slots per expert of one block (x n_expert), within this share
 # of the first GPU's budget.
