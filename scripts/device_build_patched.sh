@@ -51,7 +51,7 @@ if cmake -B build-cpu -DGGML_CUDA=OFF "${common[@]}" > "$work/cmake-cpu.log" 2>&
         find build-cpu -name "$lib.so*" -exec cp -a {} "$dest/" \;
     done
     if check "$dest"; then
-        echo "built the patched libraries in $(( $(date +%s) - start )) s (CUDA libraries unpatched, prebuilt)"
+        echo "built the patched libraries in $(( $(date +%s) - start )) s (the CUDA libraries: the carried ones)"
         exit 0
     fi
     echo "the quick build did not load as a patched GPU engine: building it all with CUDA" >&2
