@@ -42,7 +42,7 @@ class ExpertCacheStats:
     swaps: int  # experts copied into the pool
     steps: int  # decode steps (ubatches of fewer than 32 tokens) seen
     pool_bytes: int
-    misses_on_gpu: int = 0  # 1: the GPU computed the misses from RAM in place (patches/0003)
+    misses_on_gpu: int  # 1: the GPU computed the misses from RAM in place (patches/0003)
 
     @property
     def hit_rate(self) -> float:
@@ -116,7 +116,6 @@ def read(ctx) -> ExpertCacheStats | None:
     if fn is None:
         return None
     out = (ctypes.c_int64 * len(FIELDS))()
-    given = fn(ctx, out, len(FIELDS))
-    if given < len(FIELDS) - 1:  # an engine before patches/0003 gives all but misses_on_gpu
+    if fn(ctx, out, len(FIELDS)) < len(FIELDS):  # 0: no cache (every engine has 0003's figure)
         return None
-    return ExpertCacheStats(*out[:given])
+    return ExpertCacheStats(*out)
