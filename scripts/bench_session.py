@@ -347,6 +347,18 @@ def agent_replay(system, args, chars_per_token: float, rerendered: bool) -> dict
             "band": system.band()}
 
 
+def ours_settings(system: str, args) -> dict[str, str]:
+    """The daemon's settings for one of our systems: `ours` the defaults, `ours-cache` with
+    expert_cache = --expert-cache, `ours-misses-cpu` / `-gpu` with expert_misses (issue 40)."""
+    if system == "ours":
+        return {}
+    if system == "ours-cache":
+        return {"LOCALLLM_EXPERT_CACHE": str(args.expert_cache)}
+    if system in ("ours-misses-cpu", "ours-misses-gpu"):
+        return {"LOCALLLM_EXPERT_MISSES": system.removeprefix("ours-misses-")}
+    raise SystemExit(f"unknown system {system!r}")
+
+
 def session_order(system, args, record, chars_per_token: float) -> None:
     """Short requests, the long prompt, short requests again, each a request of its own (as an
     editor's side requests and a pasted file arrive): the long prompt's time to first token is
@@ -431,18 +443,9 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as tmp, MemorySampler() as mem:
                 system = None
                 try:
-                    if name == "ours":
+                    if name == "ours" or name.startswith("ours-"):
                         system = Ours(model, args.ctx, budget_mib, args.margin, args.workload,
-                                      Path(tmp), args.fill_bands)
-                    elif name == "ours-cache":  # the expert_cache setting (issue 40)
-                        system = Ours(model, args.ctx, budget_mib, args.margin, args.workload,
-                                      Path(tmp), args.fill_bands,
-                                      LOCALLLM_EXPERT_CACHE=str(args.expert_cache))
-                        system.name = name
-                    elif name.startswith("ours-misses-"):  # expert_misses: cpu, gpu (#40)
-                        system = Ours(model, args.ctx, budget_mib, args.margin, args.workload,
-                                      Path(tmp), args.fill_bands,
-                                      LOCALLLM_EXPERT_MISSES=name.removeprefix("ours-misses-"))
+                                      Path(tmp), args.fill_bands, **ours_settings(name, args))
                         system.name = name
                     elif name.startswith("fit-"):
                         if args.tiny:

@@ -48,7 +48,7 @@ EVENTS_SEEN = (
     TokenCount(5, (2, 3)),
     Threads(3, "busy"),
     Band(1, 2048, 0.5, 1, 0, "moved"),
-    ExpertCache(16, 4, 350, 294, 72, 41, 2089984),
+    ExpertCache(16, 4, 350, 294, 72, 41, 2089984, 1),
 )
 
 

@@ -225,7 +225,7 @@ class ExpertCache:
     swaps: int
     steps: int
     pool_bytes: int
-    misses_on_gpu: int = 0  # 1: the GPU computed the misses from RAM in place (patches/0003)
+    misses_on_gpu: int  # 1: the GPU computed the misses from RAM in place (patches/0003)
 
     @property
     def hit_rate(self) -> float:

@@ -192,13 +192,12 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     previous = CPU  # token embeddings are looked up on the CPU
     mapped = bool(served) and pool.misses_on_gpu
     if served:  # the pool's GPU: its hits, its second chains, the copies after each step
-        pool_bw = bandwidths[card.gpu_list[0].device]
-        gpu_s += sum(costs.expert_bytes[i] for i in served) * costs.expert_active_fraction \
-            * hits / pool_bw + POOL_BLOCK_SECONDS * len(served)
-        gpu_s += pool.swap_bytes / (card.pcie_gbs * 1e9)
-    if mapped:  # the misses too, read from pinned RAM, in a chain of their own
-        gpu_s += sum(costs.expert_bytes[i] for i in served) * costs.expert_active_fraction \
-            * (1.0 - hits) / mapped_bandwidth(card) + POOL_BLOCK_SECONDS * len(served)
+        routed = sum(costs.expert_bytes[i] for i in served) * costs.expert_active_fraction
+        gpu_s += routed * hits / bandwidths[card.gpu_list[0].device] \
+            + POOL_BLOCK_SECONDS * len(served) + pool.swap_bytes / (card.pcie_gbs * 1e9)
+        if mapped:  # the misses too, read from pinned RAM, in a chain of their own
+            gpu_s += routed * (1.0 - hits) / mapped_bandwidth(card) \
+                + POOL_BLOCK_SECONDS * len(served)
     for i in range(costs.n_blocks):
         if not costs.block_bytes[i] and not costs.expert_bytes[i]:
             continue  # a skipped NextN block
