@@ -18,6 +18,8 @@ Runs (--runs, in this order):
   short    decode of --tokens after a short prompt
   prompt   a --prompt-tokens prompt (default 16384; 65536 with --ctx 131072): time to first
            token, then decode after it
+  deep     the same with a prompt of 90% of --ctx (other text): decode at the context's end,
+           beside the plan's prediction there
   agent    a replay: a --system-tokens system prompt, then --turns turns that each add
            --turn-tokens of tool results and answer --answer-tokens; total wall time
   agent-rerendered
@@ -285,11 +287,11 @@ def run_system(system, args, record) -> None:
             record({"system": system.name, "run": "short", "decode_tps": round(r["decode_tps"], 2),
                     "answer_tokens": r["answer_tokens"], "band": system.band(),
                     **predicted(system, r["prompt_tokens"]), **expert_cache(system)})
-        elif run == "prompt":
+        elif run in ("prompt", "deep"):
             c = calibrate(system, cpt, args.ctx)
-            prompt = text_of(int(args.prompt_tokens * c), 2)
-            r = system.generate(prompt, args.tokens)
-            record({"system": system.name, "run": "prompt", "prompt_tokens": r["prompt_tokens"],
+            tokens, seed = (args.prompt_tokens, 2) if run == "prompt" else (int(args.ctx * 0.9), 3)
+            r = system.generate(text_of(int(tokens * c), seed), args.tokens)
+            record({"system": system.name, "run": run, "prompt_tokens": r["prompt_tokens"],
                     "ttft": round(r["ttft"], 2),
                     "prompt_tps": round(r["prompt_tokens"] / max(1e-9, r["ttft"]), 1),
                     "decode_tps": round(r["decode_tps"], 2), "answer_tokens": r["answer_tokens"],

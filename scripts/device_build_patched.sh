@@ -56,12 +56,13 @@ if cmake -B build-cpu -DGGML_CUDA=OFF "${common[@]}" > "$work/cmake-cpu.log" 2>&
     fi
     echo "the quick build did not load as a patched GPU engine: building it all with CUDA" >&2
 else
-    tail -20 "$work/cmake-cpu.log" "$work/build-cpu.log" >&2 2>/dev/null || true
+    grep -h -m 5 'error' "$work/cmake-cpu.log" "$work/build-cpu.log" >&2 || true
     echo "the quick build failed: building it all with CUDA" >&2
 fi
 cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real "${common[@]}" \
     > "$work/cmake.log" 2>&1
-cmake --build build -j "$(nproc)" --target llama > "$work/build.log" 2>&1
+cmake --build build -j "$(nproc)" --target llama > "$work/build.log" 2>&1 ||
+    { grep -m 5 'error' "$work/build.log" >&2; exit 1; }
 rm -rf "$dest" && mkdir -p "$dest" && find build -name '*.so*' -exec cp -a {} "$dest/" \;
 check "$dest"
 echo "built the whole patched engine with CUDA in $(( $(date +%s) - start )) s"

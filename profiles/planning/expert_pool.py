@@ -35,6 +35,9 @@ from .words import gib, seconds
 # The three matrices of one expert the pool holds, as the GGUF names their stacks.
 POOL_TENSORS = ("ffn_up_exps.weight", "ffn_gate_exps.weight", "ffn_down_exps.weight")
 MAP_BYTES_PER_EXPERT = 8  # each cached block's map: (slot or miss id, expert), two int32
+# each cached block's room for a short batch's routed experts, int32 per expert used per row,
+# read back in one copy a step (patches/0004): the rows of a batch the pool serves
+STEP_ID_ROWS = 31
 AUTO_SLOTS = -1  # Request.expert_cache_slots for `expert_cache = auto`: the tuner sizes it
 # Hit rate against slots per served block as a share of its experts. Routing studies of real
 # MoE models (256 experts, 8 a token) find an LRU of 64 hitting about 67% of lookups and 128
@@ -58,19 +61,25 @@ class PoolShape:
     slot_bytes: int  # one expert's up + gate + down bytes (the first cacheable block's)
     n_expert: int
     blocks: tuple[int, ...]  # blocks of that same type and shape: those the pool can serve
+    n_expert_used: int
     # quantized experts: the GPU can compute the misses from RAM (its kernels that skip a row
     # are the quantized ones, patches/0003)
     quantized: bool = True
 
     def bytes(self, slots: int) -> int:
-        """The pool of `slots` experts: the slots, the zero slot and the blocks' maps."""
-        return (slots + 1) * self.slot_bytes + \
-            len(self.blocks) * self.n_expert * MAP_BYTES_PER_EXPERT
+        """The pool of `slots` experts: the slots, the zero slot and the blocks' bookkeeping."""
+        return (slots + 1) * self.slot_bytes + self._bookkeeping()
 
     def slots_in(self, budget: int) -> int:
         """The most slots `budget` bytes hold (0: not even one)."""
-        room = budget - len(self.blocks) * self.n_expert * MAP_BYTES_PER_EXPERT
+        room = budget - self._bookkeeping()
         return max(0, room // self.slot_bytes - 1) if self.slot_bytes else 0
+
+    def _bookkeeping(self) -> int:
+        """The blocks' maps and the room for a step's routed experts."""
+        per_block = self.n_expert * MAP_BYTES_PER_EXPERT + \
+            max(1, self.n_expert_used) * STEP_ID_ROWS * 4
+        return len(self.blocks) * per_block
 
 
 def pool_shape(shape: ModelShape) -> PoolShape | None:
@@ -100,7 +109,8 @@ def pool_shape(shape: ModelShape) -> PoolShape | None:
         return None
     slot = sum(first[name][2] for name in POOL_TENSORS) // shape.expert_count
     quantized = all(first[name][0] not in UNQUANTIZED for name in POOL_TENSORS)
-    return PoolShape(slot, shape.expert_count, tuple(blocks), quantized)
+    return PoolShape(slot, shape.expert_count, tuple(blocks), shape.expert_used_count,
+                     quantized)
 
 
 def blocks_in_ram(plan: Plan, shape: ModelShape, pool: PoolShape) -> list[int]:
