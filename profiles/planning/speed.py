@@ -75,7 +75,10 @@ CPU_ATTENTION_FLOPS_QUANTIZED = 2.25e9
 
 # The expert cache (issue #40, expert_pool.py): a block it serves runs a second
 # up/gate/act/down chain on the pool (a lookup, four kernels and an add) beside the CPU's.
-POOL_BLOCK_SECONDS = 25e-6
+# Fitted to the H200 (round 10: the 80B class at 62-70% hits, 3-9% under measured at 25 us);
+# it was 25 us while each block's routed experts came back in a copy of their own, which
+# patches/0004 made one copy a step.
+POOL_BLOCK_SECONDS = 13e-6
 # With its misses on the GPU (patches/0003, ExpertPool.misses_on_gpu) the GPU reads the missed
 # experts where they lie in pinned RAM, over PCIe, at this share of the card's pcie_gbs (a
 # kernel's scattered reads, not one long copy); the CPU's chain and its two crossings go.
