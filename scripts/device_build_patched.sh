@@ -2,7 +2,8 @@
 # On the GPU machine: the patched engine (patches/) in DIR (default /tmp/cuda-src/llama.cpp/build/bin),
 # for LLAMA_CPP_LIB_PATH, in about a minute instead of three or four.
 #
-#   source .device-carry/on-device.sh
+#   bash scripts/carry_patched_source.sh             # here: .device-carry/llama-src.tgz
+#   source .device-carry/on-device.sh                # there, from the checkout's root
 #   bash scripts/device_build_patched.sh .device-carry/llama-src.tgz [DIR]
 #
 # libllama, ggml-base and ggml-cpu are built from the patched source without CUDA, and the CUDA
@@ -19,6 +20,13 @@ prebuilt=${PREBUILT:-/tmp/llama-cuda/bin}
 work=/tmp/patched-src
 start=$(date +%s)
 rm -rf "$work" && mkdir -p "$work" && tar xzf "$src" -C "$work"
+# a tarball made from other patches than this checkout's measures the wrong engine: stop here
+want=$(bash scripts/apply_patches.sh --hash)
+have=$(cat "$work/llama.cpp/LOCALLLM_PATCHES" 2>/dev/null || echo none)
+if [ "$have" != "$want" ]; then
+    echo "error: $src was made from patches $have, this checkout has $want: run scripts/carry_patched_source.sh" >&2
+    exit 1
+fi
 cd "$work/llama.cpp"
 # the carried tree leaves out app/, tools/, examples/ and tests/: their options must be off
 common=(-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF
