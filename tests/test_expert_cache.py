@@ -282,3 +282,29 @@ def test_the_patches_apply_to_the_engine_source(tmp_path):
     assert applied.returncode == 0, applied.stderr
     assert "patched: 0002-moe-expert-cache.patch" in applied.stdout
     assert (src / "vendor/llama.cpp/src/llama-moe-cache.cpp").is_file()
+
+
+def test_the_device_build_refuses_source_made_from_other_patches(tmp_path):
+    """The GPU machine's build (scripts/device_build_patched.sh) checks the carried source's
+    stamp (scripts/carry_patched_source.sh writes it) against this checkout's patches before
+    it compiles: a stale tarball would measure another engine, or fail after the build."""
+    def build(stamp: str | None) -> subprocess.CompletedProcess:
+        tree = tmp_path / (stamp or "none") / "llama.cpp"
+        tree.mkdir(parents=True)
+        if stamp is not None:
+            (tree / "LOCALLLM_PATCHES").write_text(stamp + "\n")
+        tgz = tmp_path / f"{stamp or 'none'}.tgz"
+        with tarfile.open(tgz, "w:gz") as tar:
+            tar.add(tree, arcname="llama.cpp")
+        return subprocess.run(["bash", "scripts/device_build_patched.sh", str(tgz),
+                               str(tmp_path / "engine")], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+
+    ours = subprocess.run(["bash", "scripts/apply_patches.sh", "--hash"], cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout.strip()
+    for stamp in ("0123456789abcdef", None):
+        refused = build(stamp)
+        assert refused.returncode == 1
+        assert f"made from patches {stamp or 'none'}, this checkout has {ours}" in refused.stderr
+        assert "carry_patched_source.sh" in refused.stderr
+        assert not (tmp_path / "engine").exists(), "nothing was built"
