@@ -6,7 +6,7 @@
 # on the GPU machine (about four minutes of device time there; here about ten, on two cores).
 #
 #   bash ../shared/device/prepare.sh ...                 # fills .device-carry/
-#   bash scripts/carry_patched_cuda.sh [WORK_DIR]
+#   bash scripts/carry_patched_cuda.sh [WORK_DIR]      # also writes llama-src.tgz
 #
 # Needs nvcc (CUDA 13, as the GPU machine has), cuBLAS headers and libraries, and libcuda for
 # the link: where the toolkit lacks them, `pip download --no-deps "nvidia-cublas==13.0.*"`,
@@ -20,13 +20,10 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 work=${1:-/tmp/patched-cuda}
 carry=$root/.device-carry/llama-cpp-0.3.36-cuda-sm90.tgz
 [ -f "$carry" ] || { echo "error: no $carry: run ../shared/device/prepare.sh first" >&2; exit 1; }
-mkdir -p "$work"
-if [ ! -d "$work/llama_cpp_python-0.3.36" ]; then
-  python3 -m pip download -q --no-deps --no-binary=:all: -d "$work" llama-cpp-python==0.3.36
-  tar xzf "$work/llama_cpp_python-0.3.36.tar.gz" -C "$work"
-  bash "$root/scripts/apply_patches.sh" "$work/llama_cpp_python-0.3.36"
-fi
-src=$work/llama_cpp_python-0.3.36/vendor/llama.cpp
+# the patched source, fresh whenever the patches change, and the source tarball with it, so
+# that both carried pieces come from the same patches
+bash "$root/scripts/carry_patched_source.sh" "$work"
+src=$(echo "$work"/src/llama_cpp_python-*/vendor/llama.cpp)
 # the carried build's options (../shared/device/build-cuda.sh), the ggml-cuda target alone
 cmake -S "$src" -B "$work/build" -G Ninja -DGGML_CUDA=ON -DGGML_RPC=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \

@@ -16,10 +16,15 @@ mkdir -p "$root/.device-carry" "$work"
 sdist=$work/llama_cpp_python-$version.tar.gz
 [ -f "$sdist" ] || python3 -m pip download -q --no-deps --no-binary=:all: -d "$work" \
   "llama-cpp-python==$version"
-rm -rf "$work/src" && mkdir -p "$work/src" && tar xzf "$sdist" -C "$work/src"
-bash "$root/scripts/apply_patches.sh" "$work/src/llama_cpp_python-$version"
+# the patched tree, $work/src/llama_cpp_python-VERSION, made again only when the patches
+# change (scripts/carry_patched_cuda.sh builds in it, incrementally while they do not)
 vendor=$work/src/llama_cpp_python-$version/vendor
-bash "$root/scripts/apply_patches.sh" --hash > "$vendor/llama.cpp/LOCALLLM_PATCHES"
+want=$(bash "$root/scripts/apply_patches.sh" --hash)
+if [ "$(cat "$vendor/llama.cpp/LOCALLLM_PATCHES" 2>/dev/null)" != "$want" ]; then
+  rm -rf "$work/src" && mkdir -p "$work/src" && tar xzf "$sdist" -C "$work/src"
+  bash "$root/scripts/apply_patches.sh" "$work/src/llama_cpp_python-$version"
+  echo "$want" > "$vendor/llama.cpp/LOCALLLM_PATCHES"
+fi
 # what a libllama build needs: the rest is large and unused there
 tar czf "$root/.device-carry/llama-src.tgz" -C "$vendor" \
   --exclude='llama.cpp/'{models,docs,media,tests,benches,examples,conversion,gguf-py,.github,tools,app,pocs} \

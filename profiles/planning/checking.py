@@ -55,14 +55,9 @@ class CheckingCost:
         extra = max(0, n_tokens - 1)
         gpu = self.gpu_seconds * (1 + GPU_CHECK_TOKEN_FRACTION * extra)
         cpu = self.cpu_seconds + self.cpu_seconds_per_extra_token * extra
-        # MoE: each token routes to its own experts, so a pass of n reads the union of their
-        # choices: 1 - (1 - f)^n of the experts instead of f.
-        gpu += sum(b * (_experts_read(f, n_tokens) - f) for b, f in self.gpu_expert_bytes) \
-            / self.gpu_bandwidth
-        cpu += sum(b * (_experts_read(f, n_tokens) - f) for b, f in self.cpu_expert_bytes) \
-            / self.host_bandwidth
-        gpu += sum(b * (_experts_read(f, n_tokens) - f) for b, f in self.mapped_expert_bytes) \
-            / self.mapped_bandwidth
+        gpu += _union_seconds(self.gpu_expert_bytes, n_tokens, self.gpu_bandwidth) \
+            + _union_seconds(self.mapped_expert_bytes, n_tokens, self.mapped_bandwidth)
+        cpu += _union_seconds(self.cpu_expert_bytes, n_tokens, self.host_bandwidth)
         return self.fixed_seconds + gpu + cpu
 
     def ratio(self, n_tokens: int) -> float:
@@ -70,8 +65,12 @@ class CheckingCost:
         return self.seconds(n_tokens) / self.seconds(1)
 
 
-def _experts_read(active_fraction: float, n_tokens: int) -> float:
-    return 1.0 - (1.0 - active_fraction) ** n_tokens
+def _union_seconds(expert_bytes: tuple[tuple[int, float], ...], n_tokens: int,
+                   bandwidth: float) -> float:
+    """The extra reads of a pass of n tokens over one token's, for (bytes, active fraction)
+    per block: each token routes to its own experts, so a pass reads the union of their
+    choices, 1 - (1 - f)^n of the experts instead of f."""
+    return sum(b * (1.0 - (1.0 - f) ** n_tokens - f) for b, f in expert_bytes) / bandwidth
 
 
 def checking_terms(costs: ModelCosts, placement: Placement, settings: ContextSettings,
