@@ -31,6 +31,7 @@ from dataclasses import dataclass
 FIELDS = ("slots", "layers", "hits", "misses", "swaps", "steps", "pool_bytes", "misses_on_gpu")
 SLOTS_VARIABLE = "LLAMA_MOE_CACHE_SLOTS"
 MISSES_VARIABLE = "LLAMA_MOE_CACHE_MISSES"
+SWAPS_VARIABLE = "LLAMA_MOE_CACHE_SWAPS"
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def environment(slots: int, device: str | None = None, swaps: int | None = None,
     if device is not None:
         env["LLAMA_MOE_CACHE_DEVICE"] = device
     if swaps is not None:
-        env["LLAMA_MOE_CACHE_SWAPS"] = str(swaps)
+        env[SWAPS_VARIABLE] = str(swaps)
     if decay is not None:
         env["LLAMA_MOE_CACHE_DECAY"] = str(decay)
     return env
@@ -75,14 +76,17 @@ def without_switch(env: dict[str, str]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def switched_on(slots: int, misses_on_gpu: bool = False) -> Iterator[None]:
+def switched_on(slots: int, misses_on_gpu: bool = False, swaps: int = 0) -> Iterator[None]:
     """While it lasts, a context created gets a pool of `slots` experts (0: none, whatever
-    the environment said), its misses computed by the GPU with `misses_on_gpu`; the
+    the environment said), its misses computed by the GPU with `misses_on_gpu`, taking in at
+    most `swaps` experts a step (0: the engine's default, or the environment's); the
     environment is as it was afterwards."""
     if slots < 0:
         raise ValueError(f"expert cache slots must be 0 or more, not {slots}")
     wanted = {SLOTS_VARIABLE: str(slots) if slots else None,
               MISSES_VARIABLE: "gpu" if slots and misses_on_gpu else None}
+    if slots and swaps > 0:
+        wanted[SWAPS_VARIABLE] = str(swaps)
     before = {name: os.environ.get(name) for name in wanted}
     _set(wanted)
     try:

@@ -80,7 +80,8 @@ def load(model_path: str, plan: Plan) -> LlamaModel:
         log.info("pinned %.1f GiB of mapped weights in place for the GPU",
                  pinned.pinned_bytes / 2**30)
     # this context alone gets a pool
-    with expert_cache.switched_on(plan.expert_cache_slots, plan.expert_misses_on_gpu):
+    with expert_cache.switched_on(plan.expert_cache_slots, plan.expert_misses_on_gpu,
+                                  plan.expert_cache_swaps):
         ctx = llama_cpp.llama_init_from_model(model, context_params(plan))
     if not ctx:
         if pinned is not None:

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,10 +28,13 @@ from localllm.profiles.planning.card import GIB, load_card
 from localllm.profiles.planning.costs import model_costs
 from localllm.profiles.planning.expert_pool import (
     AUTO_SLOTS,
+    AUTO_VRAM_SHARE,
     PRIOR_HITS,
+    SWAPS_PER_STEP,
     blocks_in_ram,
     hit_curve,
     pool_shape,
+    swaps_per_step,
 )
 from localllm.profiles.planning.memory import memory_by_device
 from localllm.profiles.planning.plan import Plan
@@ -139,12 +143,15 @@ def test_auto_sizes_the_pool_and_turns_it_off_where_measured_hits_do_not_pay(hea
                                        measured_hits=((0.2, 0.75, 0.5),)))
     # a whole number of experts a block, or the most that fit in the share of VRAM auto uses
     pool = pool_shape(shape)
-    room = (card.gpu_list[0].free_vram_bytes - Request().margin_bytes) * 0.6
+    room = (card.gpu_list[0].free_vram_bytes - Request().margin_bytes) * AUTO_VRAM_SHARE
     slots = skewed.expert_cache_slots
     assert slots > 0 and (slots % 128 == 0 or slots == pool.slots_in(int(room)))
     assert pool.bytes(slots) <= room
     assert skewed.n_ctx == without.n_ctx
     assert 0 < skewed.expected_hit_rate <= 1 and without.expected_hit_rate == 0
+    # the plan says how many experts the pool takes in a step: more for a bigger pool
+    assert skewed.expert_cache_swaps == swaps_per_step(slots) >= SWAPS_PER_STEP
+    assert any(f"taking in up to {skewed.expert_cache_swaps} a step" in r for r in skewed.reasons)
     assert skewed.predicted_decode_tps > without.predicted_decode_tps
     priced = next(r for r in skewed.reasons if r.startswith("expert cache: expected hit"))
     assert "from this model's hits measured while serving" in priced
@@ -344,3 +351,25 @@ def test_the_runner_asks_the_engine_for_misses_on_the_gpu_around_the_target_only
                         "moe", "rtx3060-12g", 1, directory=tmp_path)
     assert "expert_misses_on_gpu = true" in path.read_text()
     assert load_profile(path).plan.expert_misses_on_gpu is True
+
+
+def test_a_bigger_pool_takes_in_more_experts_a_step_and_the_runner_says_so(monkeypatch, tmp_path):
+    assert swaps_per_step(0) == swaps_per_step(2048) == SWAPS_PER_STEP
+    assert swaps_per_step(4322) == 8 and swaps_per_step(5043) == 9
+    monkeypatch.delenv(expert_cache.SWAPS_VARIABLE, raising=False)
+    with expert_cache.switched_on(5043, swaps=9):
+        assert os.environ[expert_cache.SWAPS_VARIABLE] == "9"
+    assert expert_cache.SWAPS_VARIABLE not in os.environ
+    with expert_cache.switched_on(16):  # 0: the engine's default
+        assert expert_cache.SWAPS_VARIABLE not in os.environ
+    with expert_cache.switched_on(0, swaps=9):  # no pool, nothing to ask
+        assert expert_cache.SWAPS_VARIABLE not in os.environ
+    # a saved profile keeps and edits it, and refuses a negative count
+    plan = Plan(n_ctx=4096, expert_cache_slots=5043, expert_cache_swaps=9)
+    assert plan.load_key() != replace(plan, expert_cache_swaps=4).load_key()
+    path = save_profile(plan, "moe", "rtx3060-12g", 1, directory=tmp_path)
+    assert "expert_cache_swaps = 9" in path.read_text()
+    assert load_profile(path).plan.expert_cache_swaps == 9
+    path.write_text(path.read_text().replace("expert_cache_swaps = 9", "expert_cache_swaps = -2"))
+    with pytest.raises(ProfileError, match="expert_cache_swaps must be 0 or more"):
+        load_profile(path)

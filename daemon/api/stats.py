@@ -67,6 +67,7 @@ def plan_summary(plan, n_layer: int) -> dict:
         "n_ubatch": plan.n_ubatch,
         "expert_cache_slots": plan.expert_cache_slots,
         "expert_misses_on_gpu": plan.expert_misses_on_gpu,
+        "expert_cache_swaps": plan.expert_cache_swaps,
         "source": plan.source,
         "reasons": list(plan.reasons),
     }

@@ -47,10 +47,21 @@ AUTO_SLOTS = -1  # Request.expert_cache_slots for `expert_cache = auto`: the tun
 # a few swaps a step, are not an LRU: hits measured while serving replace these.
 PRIOR_HITS = ((0.0625, 0.39), (0.125, 0.53), (0.25, 0.67), (0.5, 0.81))
 SWAPS_PER_STEP = 4  # LLAMA_MOE_CACHE_SWAPS's default: the most experts a step copies in
+# A bigger pool gets more swaps a step (one per SLOTS_PER_SWAP slots, SWAPS_PER_STEP at least),
+# so that it warms in about as many steps as a small one. Replayed on the routing the 80B class
+# reads in bench_session.py (docs/bench/synthetic-routing.md, "The policy"), 4322 slots over 46
+# blocks hit 61.8%, 68.3%, 73.2% in three answers with 4 a step and 63.2%, 73.1%, 76.7% with
+# 8; a swap costs one expert's copy, about 0.7 of what the miss it saves costs (the GPU reads a
+# miss from RAM at MAPPED_READ_FRACTION of PCIe). Pools of 1024-2048 slots gained nothing from
+# more (Qwen3-30B-A3B: 62.1% / 68.0% with 4, 62.6% / 67.3% with 8) and keep 4.
+SLOTS_PER_SWAP = 512
 # Pool sizes `auto` prices, in slots per expert of one block (x n_expert), within this share
-# of the first GPU's budget.
+# of the first GPU's budget. 0.6 until round 11 kept the 80B class's last two blocks' experts
+# whole on a 12 GiB card beside 4322 slots over 46 blocks; at 0.7 its pool takes them too,
+# 5043 slots over 48, and replayed on the benchmark's routing misses 163, 117, 96 experts a
+# token in three answers where 4322 over 46 missed 169, 124, 107 (8 swaps a step each).
 AUTO_SIZES = (2, 4, 8, 16, 32, 64)
-AUTO_VRAM_SHARE = 0.6
+AUTO_VRAM_SHARE = 0.7
 UNQUANTIZED = {"F32", "F16", "BF16"}
 
 
@@ -161,9 +172,14 @@ def priced_pool(pool: PoolShape, slots: int, request: Request,
         swaps = max(m[2] for m in request.measured_hits)
     else:
         misses = 1.0 - curve_at(curve, slots / (len(pool.blocks) * pool.n_expert))
-        swaps = SWAPS_PER_STEP * misses
+        swaps = swaps_per_step(slots) * misses
     return ExpertPool(slots, pool.n_expert, frozenset(pool.blocks), curve,
                       swap_bytes=swaps * pool.slot_bytes, misses_on_gpu=misses_on_gpu)
+
+
+def swaps_per_step(slots: int) -> int:
+    """The most experts a pool of `slots` takes in after a step (SLOTS_PER_SWAP)."""
+    return max(SWAPS_PER_STEP, slots // SLOTS_PER_SWAP)
 
 
 def misses_ways(pool: PoolShape, setting: str) -> tuple[bool, ...]:
@@ -271,7 +287,7 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
     plan = _with_pool_memory(plan, device, pool.bytes(n))
     plan = replace(plan, expected_hit_rate=round(
         priced.hit_rate(len(blocks_in_ram(plan, shape, pool))), 4),
-        expert_misses_on_gpu=priced.misses_on_gpu)
+        expert_misses_on_gpu=priced.misses_on_gpu, expert_cache_swaps=swaps_per_step(n))
     if priced.misses_on_gpu:
         where += ("; its misses read by the GPU where they lie in pinned RAM, over PCIe, so "
                   "a decode step never passes through the CPU")
@@ -300,7 +316,8 @@ def _on(plan: Plan, shape: ModelShape, pool: PoolShape, slots: int, where: str,
     span = f"block {cached[0]}" if len(cached) == 1 else \
         f"{len(cached)} blocks ({cached[0]}-{cached[-1]})"
     on = (f"expert cache on: {slots} expert slots of {pool.slot_bytes / 2**20:.1f} MiB "
-          f"{where} for the experts of {span} in RAM; llama.cpp's repacking of CPU weights "
-          "is off, since the pool is filled with the experts' bytes as the file has them")
+          f"{where} for the experts of {span} in RAM, taking in up to "
+          f"{plan.expert_cache_swaps or SWAPS_PER_STEP} a step; llama.cpp's repacking of CPU "
+          "weights is off, since the pool is filled with the experts' bytes as the file has them")
     reasons = (on, f"expert cache: {versus}") if versus else (on,)
     return replace(plan, expert_cache_slots=slots, reasons=(*plan.reasons, *reasons))

@@ -32,7 +32,7 @@ EDITABLE: dict[str, type] = {
     "swa_full": bool, "n_batch": int, "n_ubatch": int, "n_threads": int,
     "n_threads_batch": int, "use_mmap": bool, "pin_in_place": bool, "n_parallel": int,
     "speculative": str, "draft_n_max": int, "draft_n_gpu_layers": int, "streamed_bytes": int,
-    "expert_cache_slots": int, "expert_misses_on_gpu": bool,
+    "expert_cache_slots": int, "expert_misses_on_gpu": bool, "expert_cache_swaps": int,
 }
 LIST_FIELDS = ("tensor_overrides", "tensor_split")
 HEADER = """\
@@ -158,7 +158,7 @@ def parse_plan_table(path: Path, table: Any) -> Plan:
             raise ProfileError(f"{path}: plan.speculative = {values['speculative']!r} is not one "
                                f"of {', '.join(SPECULATIVE_MODES)}")
         values["speculative"] = speculative_mode(values["speculative"])
-    for key in ("draft_n_max", "draft_n_gpu_layers", "expert_cache_slots"):
+    for key in ("draft_n_max", "draft_n_gpu_layers", "expert_cache_slots", "expert_cache_swaps"):
         if key in values and values[key] < 0:
             raise ProfileError(f"{path}: plan.{key} must be 0 or more")
     if values.get("type_v", "f16") != "f16" and not values.get("flash_attn", False):
