@@ -28,7 +28,7 @@ from localllm.profiles.planning.card import GIB, load_card
 from localllm.profiles.planning.costs import model_costs
 from localllm.profiles.planning.expert_pool import (
     AUTO_SLOTS,
-    AUTO_VRAM_SHARE,
+    AUTO_VRAM_SHARES,
     PRIOR_HITS,
     SWAPS_PER_STEP,
     blocks_in_ram,
@@ -143,9 +143,11 @@ def test_auto_sizes_the_pool_and_turns_it_off_where_measured_hits_do_not_pay(hea
                                        measured_hits=((0.2, 0.75, 0.5),)))
     # a whole number of experts a block, or the most that fit in the share of VRAM auto uses
     pool = pool_shape(shape)
-    room = (card.gpu_list[0].free_vram_bytes - Request().margin_bytes) * AUTO_VRAM_SHARE
+    budget = card.gpu_list[0].free_vram_bytes - Request().margin_bytes
+    room = budget * max(AUTO_VRAM_SHARES)
     slots = skewed.expert_cache_slots
-    assert slots > 0 and (slots % 128 == 0 or slots == pool.slots_in(int(room)))
+    assert slots > 0 and (slots % 128 == 0 or any(slots == pool.slots_in(int(budget * share))
+                                                  for share in AUTO_VRAM_SHARES))
     assert pool.bytes(slots) <= room
     assert skewed.n_ctx == without.n_ctx
     assert 0 < skewed.expected_hit_rate <= 1 and without.expected_hit_rate == 0

@@ -55,13 +55,15 @@ SWAPS_PER_STEP = 4  # LLAMA_MOE_CACHE_SWAPS's default: the most experts a step c
 # miss from RAM at MAPPED_READ_FRACTION of PCIe). Pools of 1024-2048 slots gained nothing from
 # more (Qwen3-30B-A3B: 62.1% / 68.0% with 4, 62.6% / 67.3% with 8) and keep 4.
 SLOTS_PER_SWAP = 512
-# Pool sizes `auto` prices, in slots per expert of one block (x n_expert), within this share
-# of the first GPU's budget. 0.6 until round 11 kept the 80B class's last two blocks' experts
+# Pool sizes `auto` prices: AUTO_SIZES slots per expert of one block (x n_expert), and the
+# most slots that fit in each share of AUTO_VRAM_SHARES of the first GPU's budget, all within
+# the largest share. 0.6 alone until round 11 kept the 80B class's last two blocks' experts
 # whole on a 12 GiB card beside 4322 slots over 46 blocks; at 0.7 its pool takes them too,
 # 5043 slots over 48, and replayed on the benchmark's routing misses 163, 117, 96 experts a
-# token in three answers where 4322 over 46 missed 169, 124, 107 (8 swaps a step each).
+# token in three answers where 4322 over 46 missed 169, 124, 107 (8 swaps a step each). 0.7
+# alone lost Qwen3-30B-A3B's 1425 slots at 6 GiB (0.6's most) to 1024: each share is priced.
 AUTO_SIZES = (2, 4, 8, 16, 32, 64)
-AUTO_VRAM_SHARE = 0.7
+AUTO_VRAM_SHARES = (0.5, 0.6, 0.7)
 UNQUANTIZED = {"F32", "F16", "BF16"}
 
 
@@ -206,15 +208,17 @@ def _faster(a: Plan, b: Plan) -> bool:
 
 
 def _sizes(pool: PoolShape, card: Card, request: Request) -> list[int]:
-    """The pool sizes `auto` prices: AUTO_SIZES experts a block, and the most slots that fit,
-    within AUTO_VRAM_SHARE of the first GPU's budget. The largest matters for a model of many
-    experts a block (512 on the 80B class), where 64 a block is under a tenth of them."""
-    room = int((card.gpu_list[0].free_vram_bytes - request.margin_bytes) * AUTO_VRAM_SHARE)
+    """The pool sizes `auto` prices: AUTO_SIZES experts a block, and the most slots that fit
+    in each of AUTO_VRAM_SHARES of the first GPU's budget. The largest matter for a model of
+    many experts a block (512 on the 80B class), where 64 a block is under a tenth of them."""
+    budget = card.gpu_list[0].free_vram_bytes - request.margin_bytes
+    room = int(budget * max(AUTO_VRAM_SHARES))
     sizes = [k * pool.n_expert for k in AUTO_SIZES if pool.bytes(k * pool.n_expert) <= room]
-    most = pool.slots_in(room)
-    if most >= AUTO_SIZES[0] * pool.n_expert and most not in sizes and \
-            most < len(pool.blocks) * pool.n_expert:
-        sizes.append(most)
+    for share in AUTO_VRAM_SHARES:
+        most = pool.slots_in(int(budget * share))
+        if most >= AUTO_SIZES[0] * pool.n_expert and most not in sizes and \
+                most < len(pool.blocks) * pool.n_expert:
+            sizes.append(most)
     return sizes
 
 
