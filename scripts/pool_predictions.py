@@ -3,7 +3,7 @@ with the expert cache sized by `auto`: its slots, where its misses go, the hit r
 priced with, and decode by depth; from the prior hit curve, or from a measured hit rate.
 
     python scripts/pool_predictions.py qwen3-next-80b-a3b --card h200 --budget 12 \
-        [--hit 0.63] [--misses auto|cpu|gpu]
+        [--hit 0.63] [--misses auto|cpu|gpu] [--slots N]
 
 The same plan a daemon on that card makes with default settings at a 32K context, where the
 budget is emulated as bench_session.py does (vram_margin_mib = free - budget + 128 MiB). A
@@ -39,6 +39,8 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=32768)
     p.add_argument("--hit", type=float, help="the pool's measured hit rate")
     p.add_argument("--misses", default="auto", choices=("auto", "cpu", "gpu"))
+    p.add_argument("--slots", type=int, default=AUTO_SLOTS,
+                   help="a pool of this many slots (expert_cache = N; default: auto sizes it)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         header = synth_gguf.write_gguf(Path(tmp) / "m.gguf", synth_gguf.SHAPES[args.shape],
@@ -46,7 +48,7 @@ def main() -> int:
         shape = read_shape(header)
     card = load_card(args.card)
     margin = card.gpu_list[0].free_vram_bytes - int(args.budget * GIB) + 128 * MIB
-    request = Request(n_ctx=args.ctx, margin_bytes=margin, expert_cache_slots=AUTO_SLOTS,
+    request = Request(n_ctx=args.ctx, margin_bytes=margin, expert_cache_slots=args.slots,
                       expert_misses=args.misses)
     plan = tune(shape, card, request)
     if args.hit is not None and plan.expert_cache_slots:

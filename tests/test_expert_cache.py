@@ -308,3 +308,72 @@ def test_the_device_build_refuses_source_made_from_other_patches(tmp_path):
         assert f"made from patches {stamp or 'none'}, this checkout has {ours}" in refused.stderr
         assert "carry_patched_source.sh" in refused.stderr
         assert not (tmp_path / "engine").exists(), "nothing was built"
+
+
+POLICY_DRIVER = r"""
+#include "llama-moe-cache-policy.h"
+#include <cstdio>
+#include <vector>
+int main() {  // the policy under commands from stdin: o/l LAYER N IDS..., p (served) or q
+    int n_layer, n_expert, n_slots, max_swaps; float decay;
+    if (scanf("%d %d %d %f %d", &n_layer, &n_expert, &n_slots, &decay, &max_swaps) != 5) return 1;
+    llama_moe_cache_policy p(n_layer, n_expert, n_slots, decay, max_swaps);
+    char op;
+    while (scanf(" %c", &op) == 1) {
+        if (op == 'o' || op == 'l') {
+            int layer, n;
+            if (scanf("%d %d", &layer, &n) != 2) return 1;
+            std::vector<int32_t> ids(n);
+            for (auto & id : ids) if (scanf("%d", &id) != 1) return 1;
+            if (op == 'o') p.observe(layer, ids.data(), n); else p.learn(layer, ids.data(), n);
+            continue;
+        }
+        for (const auto & s : p.plan(op == 'p'))
+            printf("%d %d %d\n", s.slot, s.layer*n_expert + s.expert,
+                   s.old_layer < 0 ? -1 : s.old_layer*n_expert + s.old_expert);
+        printf("end %lld %lld %lld %lld\n", (long long) p.hits, (long long) p.misses,
+               (long long) p.swaps, (long long) p.steps);
+    }
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
+def test_the_replays_policy_swaps_and_counts_as_the_engines(tmp_path):
+    """scripts/pool_replay.py's port, which chose the planner's swaps a step, against the
+    engine's policy compiled from the patch: the same swaps, hits and misses on a skewed
+    session of prompt batches and steps."""
+    import numpy as np
+    from pool_replay import Policy
+
+    (tmp_path / "llama-moe-cache-policy.h").write_text(
+        _new_file(PATCH.read_text(), "llama-moe-cache-policy.h"))
+    (tmp_path / "d.cpp").write_text(POLICY_DRIVER)
+    subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(tmp_path / "d"), str(tmp_path / "d.cpp"),
+                    "-I", str(tmp_path)], check=True, timeout=120)
+    layers, experts, slots, decay, swaps = 3, 16, 10, 0.9, 2
+    rng = np.random.default_rng(7)
+    popularity = 1.0 / np.arange(1, experts + 1)  # Zipf-like, a shuffled order per layer
+    orders = [rng.permutation(experts) for _ in range(layers)]
+    commands, ours = [f"{layers} {experts} {slots} {decay} {swaps}"], []
+    policy = Policy(layers, experts, slots, decay, swaps)
+
+    def routed(layer: int, rows: int) -> list[int]:
+        return [int(e) for _ in range(rows) for e in orders[layer][
+            rng.choice(experts, 3, replace=False, p=popularity / popularity.sum())]]
+
+    for step in range(120):
+        served = step % 40 != 0  # every 40th a prompt batch of 12 rows
+        for layer in range(layers):
+            ids = routed(layer, 1 if served else 12)
+            op = "o" if served else "l"
+            commands.append(f"{op} {layer} {len(ids)} {' '.join(map(str, ids))}")
+            (policy.observe if served else policy.learn)(layer, ids)
+        commands.append("p" if served else "q")
+        ours += [f"{slot} {new} {old}" for slot, new, old in policy.plan(served)]
+        ours.append(f"end {policy.hits} {policy.misses} {policy.swaps} {policy.steps}")
+    engine = subprocess.run([str(tmp_path / "d")], input="\n".join(commands) + "\n",
+                            capture_output=True, text=True, check=True, timeout=60).stdout
+    assert engine.splitlines() == ours
+    assert policy.hits > 0 and policy.swaps > slots  # evictions happened, not only fills
