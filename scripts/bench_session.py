@@ -159,14 +159,13 @@ class Ours:
         """The running plan's predicted decode (tok/s) at `depth` tokens of context, read off its
         curve (start, middle, end) by straight lines: what issue 37 holds the measurement to."""
         [m] = self.daemon.get("/api/stats")["models"] or [{}]
-        curve = sorted((m.get("plan") or {}).get("predicted_decode_by_depth") or [])
-        if not curve:
-            return None
-        for (d0, t0), (d1, t1) in zip(curve, curve[1:], strict=False):
-            if depth <= d1:
-                f = 0.0 if d1 == d0 else max(0.0, (depth - d0) / (d1 - d0))
-                return round(t0 + f * (t1 - t0), 2)
-        return round(curve[-1][1], 2)
+        return at_depth((m.get("plan") or {}).get("predicted_decode_by_depth"), depth)
+
+    def curve_at_hits(self) -> list | None:
+        """The plan's decode by depth priced at its expert pool's hit rate measured so far
+        (/api/stats; None before the pool has enough lookups)."""
+        [m] = self.daemon.get("/api/stats")["models"] or [{}]
+        return (m.get("expert_cache") or {}).get("predicted_decode_by_depth")
 
     def expert_cache(self) -> dict | None:
         """The MoE expert cache's slots, hits and misses so far (/api/stats; None: off)."""
@@ -283,19 +282,21 @@ def run_system(system, args, record) -> None:
             record({"system": system.name, "run": run, "skipped": "deadline"})
             continue
         if run == "short":
+            before = curve_before(system)
             r = system.generate("The quick brown fox jumps over the lazy dog. " * 6, args.tokens)
             record({"system": system.name, "run": "short", "decode_tps": round(r["decode_tps"], 2),
                     "answer_tokens": r["answer_tokens"], "band": system.band(),
-                    **predicted(system, r["prompt_tokens"]), **expert_cache(system)})
+                    **predicted(system, r["prompt_tokens"], before), **expert_cache(system)})
         elif run in ("prompt", "deep"):
             c = calibrate(system, cpt, args.ctx)
             tokens, seed = (args.prompt_tokens, 2) if run == "prompt" else (int(args.ctx * 0.9), 3)
+            before = curve_before(system)
             r = system.generate(text_of(int(tokens * c), seed), args.tokens)
             record({"system": system.name, "run": run, "prompt_tokens": r["prompt_tokens"],
                     "ttft": round(r["ttft"], 2),
                     "prompt_tps": round(r["prompt_tokens"] / max(1e-9, r["ttft"]), 1),
                     "decode_tps": round(r["decode_tps"], 2), "answer_tokens": r["answer_tokens"],
-                    "band": system.band(), **predicted(system, r["prompt_tokens"]),
+                    "band": system.band(), **predicted(system, r["prompt_tokens"], before),
                     **expert_cache(system)})
         elif run in ("agent", "agent-rerendered"):
             record(agent_replay(system, args, calibrate(system, cpt, args.ctx),
@@ -310,10 +311,32 @@ def expert_cache(system) -> dict:
     return {"expert_cache": figures} if figures else {}
 
 
-def predicted(system, depth: int) -> dict:
-    """Ours: the plan's predicted decode at this depth, beside the measured figure."""
+def at_depth(curve, depth: int) -> float | None:
+    """A (depth, tok/s) curve read at `depth` by straight lines; None for no curve."""
+    curve = sorted(curve or [])
+    if not curve:
+        return None
+    for (d0, t0), (d1, t1) in zip(curve, curve[1:], strict=False):
+        if depth <= d1:
+            f = 0.0 if d1 == d0 else max(0.0, (depth - d0) / (d1 - d0))
+            return round(t0 + f * (t1 - t0), 2)
+    return round(curve[-1][1], 2)
+
+
+def predicted(system, depth: int, before_run=None) -> dict:
+    """Ours: the plan's predicted decode at this depth, beside the measured figure; and, once
+    the pool's hits were measured before this run (`before_run`: the curve /api/stats gave
+    then), the plan's decode priced at them."""
     guess = system.predicted(depth) if hasattr(system, "predicted") else None
-    return {"predicted_decode_tps": guess} if guess is not None else {}
+    out = {"predicted_decode_tps": guess} if guess is not None else {}
+    at_hits = at_depth(before_run, depth)
+    if at_hits is not None:
+        out["predicted_at_measured_hits_tps"] = at_hits
+    return out
+
+
+def curve_before(system):
+    return system.curve_at_hits() if hasattr(system, "curve_at_hits") else None
 
 
 def agent_replay(system, args, chars_per_token: float, rerendered: bool) -> dict:

@@ -375,3 +375,42 @@ def test_a_bigger_pool_takes_in_more_experts_a_step_and_the_runner_says_so(monke
     path.write_text(path.read_text().replace("expert_cache_swaps = 9", "expert_cache_swaps = -2"))
     with pytest.raises(ProfileError, match="expert_cache_swaps must be 0 or more"):
         load_profile(path)
+
+
+def test_the_running_plan_is_priced_again_at_its_pools_measured_hits(headers):
+    """/api/stats' expert_cache.predicted_decode_by_depth (decode_at_measured_hits): the same
+    placement with the pool's measured hit rate in place of the one it was priced with."""
+    from localllm.daemon.api.stats import expert_cache_report
+    from localllm.daemon.runner.protocol import ExpertCache
+    from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, decode_at_measured_hits
+
+    shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
+    plan = tune(shape, card, Request(expert_cache_slots=AUTO_SLOTS,
+                                     measured_hits=((0.2, 0.75, 0.5),)))
+    assert plan.expert_cache_slots > 0 and plan.speculative == "off"
+    layers = len(blocks_in_ram(plan, shape, pool_shape(shape)))
+
+    def figures(rate: float, lookups: int = 10 * MIN_LOOKUPS) -> ExpertCache:
+        hits = round(rate * lookups)
+        return ExpertCache(slots=plan.expert_cache_slots, layers=layers, hits=hits,
+                           misses=lookups - hits, swaps=500, steps=1000, pool_bytes=0,
+                           misses_on_gpu=int(plan.expert_misses_on_gpu))
+
+    # at the rate the plan was priced with: the plan's own curve
+    same = decode_at_measured_hits(plan, shape, card, figures(plan.expected_hit_rate))
+    assert [d for d, _ in same] == [d for d, _ in plan.predicted_decode_by_depth]
+    for (_, priced), (_, again) in zip(plan.predicted_decode_by_depth, same, strict=True):
+        assert again == pytest.approx(priced, rel=0.01)
+    # more hits than priced: faster at every depth; fewer: slower
+    better = decode_at_measured_hits(plan, shape, card, figures(plan.expected_hit_rate + 0.1))
+    worse = decode_at_measured_hits(plan, shape, card, figures(plan.expected_hit_rate - 0.2))
+    assert all(w < s < b for (_, w), (_, s), (_, b) in zip(worse, same, better, strict=True))
+    # not known yet, or not priced this way
+    assert decode_at_measured_hits(plan, shape, card, figures(0.9, MIN_LOOKUPS - 1)) == ()
+    assert decode_at_measured_hits(plan, shape, card, None) == ()
+    drafting = replace(plan, speculative="mtp")
+    assert decode_at_measured_hits(drafting, shape, card, figures(0.9)) == ()
+    # /api/stats' report carries it where known
+    report = expert_cache_report(plan, figures(0.9), better)
+    assert report["predicted_decode_by_depth"] == [list(p) for p in better]
+    assert "predicted_decode_by_depth" not in expert_cache_report(plan, figures(0.9))

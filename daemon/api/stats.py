@@ -3,7 +3,9 @@
 Per loaded model: the runner's pid, its resident memory (from /proc), its GPU memory (NVML, per
 process; `null` without a GPU), the plan it was loaded with (layer split, KV type, context) and
 the counters of its last request, and its MoE expert cache's slots, hits, misses and swaps
-(`expert_cache`, null without one). Every figure is measured except where `vram_source` says
+(`expert_cache`, null without one; once it has MIN_LOOKUPS lookups, the plan's decode priced at
+the hit rate it measured, `predicted_decode_by_depth`). Every figure is measured except where
+`vram_source` says
 "plan": NVML cannot see the runner (another PID namespace), so the plan's prediction stands in
 and clients should mark it as an estimate.
 """
@@ -11,6 +13,7 @@ and clients should mark it as an estimate.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from localllm.profiles.planning.quality import kv_label
 from ..state import SCHEDULER
 
 routes = web.RouteTableDef()
+log = logging.getLogger(__name__)
 
 
 def process_rss(pid: int | None, proc: Path = Path("/proc")) -> int | None:
@@ -94,10 +98,11 @@ def last_request(done) -> dict | None:
     return last
 
 
-def expert_cache_report(plan, figures) -> dict | None:
+def expert_cache_report(plan, figures, at_hits=()) -> dict | None:
     """The MoE expert cache as the plan asked it and as the runner's context has it (figures:
     protocol.ExpertCache as of the last answer, None where the engine made no pool); None for a
-    plan that asked none and a runner that has none."""
+    plan that asked none and a runner that has none. `at_hits`: the plan's decode by depth
+    with the pool priced at the measured hit rate (decode_at_measured_hits), where known."""
     if figures is None and not plan.expert_cache_slots:
         return None
     report = {"planned_slots": plan.expert_cache_slots, "on": figures is not None}
@@ -106,7 +111,27 @@ def expert_cache_report(plan, figures) -> dict | None:
                       misses=figures.misses, hit_rate=round(figures.hit_rate, 4),
                       swaps=figures.swaps, steps=figures.steps, pool_bytes=figures.pool_bytes,
                       misses_on="gpu" if figures.misses_on_gpu else "cpu")
+    if at_hits:
+        report["predicted_decode_by_depth"] = [list(point) for point in at_hits]
     return report
+
+
+async def decode_at_hits(scheduler, slot) -> tuple[tuple[int, float], ...]:
+    """The running plan's decode by depth at its pool's measured hit rate, on this machine's
+    card as the planner sees it; () before that is known. Priced in a thread (the card is
+    probed); a failure is logged and leaves the field out, never the whole report."""
+    from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, decode_at_measured_hits
+
+    runner = slot.runner
+    pool = runner.expert_cache
+    if pool is None or pool.hits + pool.misses < MIN_LOOKUPS:
+        return ()
+    try:
+        return await asyncio.to_thread(lambda: decode_at_measured_hits(
+            runner.running_plan, slot.shape, scheduler.planner.card(), pool))
+    except Exception as e:  # a report must not fail over a price
+        log.warning("could not price the plan at its measured hit rate: %s", e)
+        return ()
 
 
 def expert_cache_words(report: dict | None) -> str:
@@ -158,7 +183,8 @@ async def api_stats(request: web.Request) -> web.Response:
             "context_used": done.context_used if done else 0,
             "context_length": runner.n_ctx,
             "tokens_generated": runner.tokens_generated,
-            "expert_cache": expert_cache_report(runner.running_plan, runner.expert_cache),
+            "expert_cache": expert_cache_report(runner.running_plan, runner.expert_cache,
+                                                await decode_at_hits(scheduler, slot)),
             "last": last_request(done),
         })
     return web.json_response({"models": models, "time": time.time()})
