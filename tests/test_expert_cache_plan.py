@@ -176,6 +176,7 @@ def test_measured_hits_are_kept_per_model_file(tmp_path):
     path = tmp_path / "expert_hits.toml"
     record("moe", 100, 0.125, 30_000, 10_000, 500, 1000, path=path)
     assert measured_hits("moe", 100, path) == ((0.125, 0.75, 0.5),)
+    assert "evictions = 500" in path.read_text()
     assert measured_hits("moe", 101, path) == ()  # another file of that name
     record("moe", 100, 0.125, 10, 5, 1, 2, path=path)  # a new load's first answer
     assert measured_hits("moe", 100, path) == ((0.125, 0.75, 0.5),)
@@ -382,7 +383,11 @@ def test_the_running_plan_is_priced_again_at_its_pools_measured_hits(headers):
     placement with the pool's measured hit rate in place of the one it was priced with."""
     from localllm.daemon.api.stats import expert_cache_report
     from localllm.daemon.runner.protocol import ExpertCache
-    from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, decode_at_measured_hits
+    from localllm.profiles.tuning.expert_hits import (
+        MIN_LOOKUPS,
+        decode_at_measured_hits,
+        evicted,
+    )
 
     shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
     plan = tune(shape, card, Request(expert_cache_slots=AUTO_SLOTS,
@@ -410,6 +415,13 @@ def test_the_running_plan_is_priced_again_at_its_pools_measured_hits(headers):
     assert decode_at_measured_hits(plan, shape, card, None) == ()
     drafting = replace(plan, speculative="mtp")
     assert decode_at_measured_hits(drafting, shape, card, figures(0.9)) == ()
+    # a step's copies are the swaps past the pool's first fill (every slot filled once)
+    filling = replace(figures(0.9), swaps=plan.expert_cache_slots + 10 * 1000)
+    assert evicted(filling) == 10 * 1000 and evicted(figures(0.9)) == max(
+        0, 500 - plan.expert_cache_slots)
+    copying = decode_at_measured_hits(plan, shape, card, filling)
+    assert all(c < f for (_, c), (_, f) in zip(copying, decode_at_measured_hits(
+        plan, shape, card, replace(filling, swaps=plan.expert_cache_slots)), strict=True))
     # /api/stats' report carries it where known
     report = expert_cache_report(plan, figures(0.9), better)
     assert report["predicted_decode_by_depth"] == [list(p) for p in better]

@@ -3,7 +3,7 @@
 The tuner prices a pool of hot experts from a curve of hit rate against slots per served block
 (profiles/planning/expert_pool.py): routing studies of real models until this model has been
 served with a pool here, then what its pool really hit. After each answer the daemon stores
-the runner's running totals since its load (hits, misses, swaps, steps) under the share of a
+the runner's running totals since its load (hits, misses, evictions, steps) under the share of a
 block's experts the pool held (slots / (blocks served x experts a block)); a load with fewer
 lookups than the one stored for the same share does not replace it until it has MIN_LOOKUPS.
 Stored in `<config dir>/profiles/expert_hits.toml`, one table per model. `tune --measure`
@@ -26,9 +26,10 @@ def hits_file() -> Path:
     return profiles_dir() / "expert_hits.toml"
 
 
-def record(model: str, file_size: int, share: float, hits: int, misses: int, swaps: int,
+def record(model: str, file_size: int, share: float, hits: int, misses: int, evictions: int,
            steps: int, path: Path | None = None) -> None:
-    """The pool's totals since its load at `share` of a block's experts held."""
+    """The pool's totals since its load at `share` of a block's experts held (`evictions`:
+    swaps after it filled, `evicted`)."""
     if share <= 0 or hits + misses <= 0:
         return
     path = path or hits_file()
@@ -39,7 +40,7 @@ def record(model: str, file_size: int, share: float, hits: int, misses: int, swa
     if hits + misses < MIN_LOOKUPS and \
             int(old.get("hits", 0)) + int(old.get("misses", 0)) > hits + misses:
         return  # a new load's first answers: the longer record stands for now
-    entry[key] = {"hits": hits, "misses": misses, "swaps": swaps, "steps": steps}
+    entry[key] = {"hits": hits, "misses": misses, "evictions": evictions, "steps": steps}
     doc[model] = entry
     write_toml(path, doc)
 
@@ -52,7 +53,15 @@ def record_pool(model: str, file_size: int, expert_count: int, pool,
     if not pool.layers or not expert_count:
         return
     record(model, file_size, pool.slots / (pool.layers * expert_count), pool.hits,
-           pool.misses, pool.swaps, pool.steps, path)
+           pool.misses, evicted(pool), pool.steps, path)
+
+
+def evicted(pool) -> int:
+    """The swaps that replaced an expert: the engine's count less the pool's first fill.
+    Every slot is filled once (mostly while the first prompt is read, without a cap) and never
+    freed, so a step's copies are the swaps past `slots`; counting the fill priced the 80B
+    class's pool at 58 copies a step after its first answer where it made 9."""
+    return max(0, pool.swaps - pool.slots)
 
 
 def tokens_for_lookups(n_layer: int, experts_used: int) -> int:
@@ -72,7 +81,9 @@ def measured_hits(model: str, file_size: int, path: Path | None = None
         try:
             share = float(key)
             hits, misses = int(counts["hits"]), int(counts["misses"])
-            swaps, steps = int(counts.get("swaps", 0)), int(counts.get("steps", 0))
+            # "swaps" before round 11: the fill counted too
+            swaps = int(counts.get("evictions", counts.get("swaps", 0)))
+            steps = int(counts.get("steps", 0))
         except (KeyError, TypeError, ValueError):
             continue
         if hits + misses >= MIN_LOOKUPS:
@@ -117,7 +128,7 @@ def decode_at_measured_hits(plan, shape, card, pool) -> tuple[tuple[int, float],
             or plan.streamed_bytes):
         return ()
     share = pool.slots / (pool.layers * shape_of_pool.n_expert)
-    measured = ((share, pool.hit_rate, pool.swaps / max(pool.steps, 1)),)
+    measured = ((share, pool.hit_rate, evicted(pool) / max(pool.steps, 1)),)
     priced = priced_pool(shape_of_pool, plan.expert_cache_slots,
                          Request(measured_hits=measured), plan.expert_misses_on_gpu)
     costs, placement, settings = model_costs(shape), placement_of(plan, shape), settings_of(plan)
