@@ -383,11 +383,8 @@ def test_the_running_plan_is_priced_again_at_its_pools_measured_hits(headers):
     placement with the pool's measured hit rate in place of the one it was priced with."""
     from localllm.daemon.api.stats import expert_cache_report
     from localllm.daemon.runner.protocol import ExpertCache
-    from localllm.profiles.tuning.expert_hits import (
-        MIN_LOOKUPS,
-        decode_at_measured_hits,
-        evicted,
-    )
+    from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, evicted
+    from localllm.profiles.tuning.pool_price import decode_at_measured_hits
 
     shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
     plan = tune(shape, card, Request(expert_cache_slots=AUTO_SLOTS,

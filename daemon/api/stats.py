@@ -120,7 +120,8 @@ async def decode_at_hits(scheduler, slot) -> tuple[tuple[int, float], ...]:
     """The running plan's decode by depth at its pool's measured hit rate, on this machine's
     card as the planner sees it; () before that is known. Priced in a thread (the card is
     probed); a failure is logged and leaves the field out, never the whole report."""
-    from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, decode_at_measured_hits
+    from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS
+    from localllm.profiles.tuning.pool_price import decode_at_measured_hits
 
     runner = slot.runner
     pool = runner.expert_cache

@@ -1,0 +1,34 @@
+"""The running plan's decode priced at its expert pool's measured hit rate (issue #37): what
+/api/stats shows beside the plan's own curve once the pool has served MIN_LOOKUPS lookups.
+The same placement and settings as loaded; only the hit rate and the copies a step are the
+pool's own (expert_hits.py), in place of the ones the plan was priced with."""
+
+from __future__ import annotations
+
+from ..planning.costs import model_costs
+from ..planning.expert_pool import pool_shape, priced_pool
+from ..planning.search import Request
+from ..planning.speed import predict_speed
+from .choose import placement_of, settings_of
+from .expert_hits import MIN_LOOKUPS, evicted
+
+
+def decode_at_measured_hits(plan, shape, card, pool) -> tuple[tuple[int, float], ...]:
+    """The running plan's decode at the start, middle and end of its context, its expert pool
+    priced at the hit rate and swaps a step measured so far (`pool`: the runner's figures)
+    instead of the rate the plan was priced with: the same placement and settings, only the
+    hits known. () before MIN_LOOKUPS lookups, and where the plan's decode is not priced that
+    way alone: no pool, drafting, weights read from disk."""
+    shape_of_pool = pool_shape(shape)
+    if (pool is None or shape_of_pool is None or not plan.expert_cache_slots or not pool.layers
+            or pool.hits + pool.misses < MIN_LOOKUPS or plan.speculative != "off"
+            or plan.streamed_bytes):
+        return ()
+    share = pool.slots / (pool.layers * shape_of_pool.n_expert)
+    measured = ((share, pool.hit_rate, evicted(pool) / max(pool.steps, 1)),)
+    priced = priced_pool(shape_of_pool, plan.expert_cache_slots,
+                         Request(measured_hits=measured), plan.expert_misses_on_gpu)
+    costs, placement, settings = model_costs(shape), placement_of(plan, shape), settings_of(plan)
+    return tuple((depth, round(predict_speed(costs, placement, settings, card, plan.n_threads,
+                                             depth, pool=priced).decode_tps, 2))
+                 for depth in (0, plan.n_ctx // 2, plan.n_ctx))
