@@ -106,42 +106,14 @@ class Policy:
 def route_session(shape: str, routing: str, tokens: int, tmp: Path) -> tuple[dict, int, int]:
     """({block: [routed ids per token]}, prompt tokens, n_expert) of the short prompt and a
     greedy answer of `tokens`, on a toy of `shape` at its real depth."""
-    import llama_cpp  # a CUDA build must load before numpy's users below
-
     import routing_profile
     import synth_gguf
 
     config = routing_profile.tiny_moe(shape, synth_gguf.SHAPES[shape].n_layer)
     path = synth_gguf.write_gguf(tmp / "toy.gguf", config, "Q8_0", "random", routing=routing)
-    llama_cpp.llama_backend_init()
-    llama_cpp.llama_log_set(routing_profile._QUIET, None)
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(),
-                                                  llama_cpp.llama_model_default_params())
-    vocab = llama_cpp.llama_model_get_vocab(model)
-    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
-    raw = SHORT_PROMPT.encode()
-    prompt = (llama_cpp.llama_token * (len(raw) + 8))()
-    n = llama_cpp.llama_tokenize(vocab, raw, len(raw), prompt, len(prompt), True, False)
-    recorder = routing_profile.TopkRecorder(config.n_expert_used)
-    params = llama_cpp.llama_context_default_params()
-    params.n_ctx = n + tokens + 16
-    params.n_batch = params.n_ubatch = max(512, n)
-    params.cb_eval = recorder.callback
-    ctx = llama_cpp.llama_init_from_model(model, params)
-    try:
-        if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(prompt, n)) != 0:
-            raise SystemExit("llama_decode failed on the prompt")
-        token = (llama_cpp.llama_token * 1)()
-        for _ in range(tokens):
-            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1),
-                                           shape=(n_vocab,))
-            token[0] = int(logits.argmax())
-            if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(token, 1)) != 0:
-                raise SystemExit("llama_decode failed on the answer")
-    finally:
-        llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
-    return recorder.blocks, n, config.n_expert
+    blocks, n_expert, _ = routing_profile.route(str(path), SHORT_PROMPT, n_batch=512,
+                                                answer=tokens)
+    return blocks, len(next(iter(blocks.values()))) - tokens, n_expert
 
 
 def replay(blocks: dict, prompt: int, n_expert: int, slots_per_block: int, served: int,

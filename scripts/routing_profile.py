@@ -83,8 +83,10 @@ class TopkRecorder:
         return True
 
 
-def route(model_path: str, text: str, n_batch: int = 64) -> tuple[dict, int, int]:
-    """{block: [expert ids per token]}, the expert count and experts per token."""
+def route(model_path: str, text: str, n_batch: int = 64, answer: int = 0
+          ) -> tuple[dict, int, int]:
+    """{block: [expert ids per token]}, the expert count and experts per token: `text` read
+    in batches of `n_batch`, then `answer` tokens the model chooses greedily, one a step."""
     llama_cpp.llama_backend_init()
     llama_cpp.llama_log_set(_QUIET, None)
     mparams = llama_cpp.llama_model_default_params()
@@ -102,7 +104,7 @@ def route(model_path: str, text: str, n_batch: int = 64) -> tuple[dict, int, int
     n_tok = llama_cpp.llama_tokenize(vocab, raw, len(raw), tokens, len(tokens), True, False)
     recorder = TopkRecorder(n_used)
     cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = n_tok + 16
+    cparams.n_ctx = n_tok + answer + 16
     cparams.n_batch = cparams.n_ubatch = n_batch
     cparams.cb_eval = recorder.callback
     ctx = llama_cpp.llama_init_from_model(model, cparams)
@@ -114,6 +116,13 @@ def route(model_path: str, text: str, n_batch: int = 64) -> tuple[dict, int, int
                             ctypes.POINTER(llama_cpp.llama_token)), n)
             if llama_cpp.llama_decode(ctx, batch) != 0:
                 raise SystemExit("llama_decode failed")
+        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        token = (llama_cpp.llama_token * 1)()
+        for _ in range(answer):
+            logits = llama_cpp.llama_get_logits_ith(ctx, -1)
+            token[0] = max(range(n_vocab), key=logits.__getitem__)
+            if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(token, 1)) != 0:
+                raise SystemExit("llama_decode failed on the answer")
     finally:
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)

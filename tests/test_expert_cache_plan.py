@@ -423,3 +423,18 @@ def test_the_running_plan_is_priced_again_at_its_pools_measured_hits(headers):
     report = expert_cache_report(plan, figures(0.9), better)
     assert report["predicted_decode_by_depth"] == [list(p) for p in better]
     assert "predicted_decode_by_depth" not in expert_cache_report(plan, figures(0.9))
+    # priced once per answer's figures, not on every poll of /api/stats
+    import asyncio
+    from types import SimpleNamespace
+
+    from localllm.daemon.api.stats import decode_at_hits
+
+    probes = []
+    scheduler = SimpleNamespace(planner=SimpleNamespace(card=lambda: probes.append(1) or card))
+    runner = SimpleNamespace(expert_cache=figures(0.9), running_plan=plan)
+    slot = SimpleNamespace(runner=runner, shape=shape, priced_at_hits=())
+    first = asyncio.run(decode_at_hits(scheduler, slot))
+    assert first == decode_at_measured_hits(plan, shape, card, figures(0.9))
+    assert asyncio.run(decode_at_hits(scheduler, slot)) == first and len(probes) == 1
+    runner.expert_cache = figures(0.7)  # the next answer's figures
+    assert asyncio.run(decode_at_hits(scheduler, slot)) != first and len(probes) == 2

@@ -5,9 +5,8 @@ process; `null` without a GPU), the plan it was loaded with (layer split, KV typ
 the counters of its last request, and its MoE expert cache's slots, hits, misses and swaps
 (`expert_cache`, null without one; once it has MIN_LOOKUPS lookups, the plan's decode priced at
 the hit rate it measured, `predicted_decode_by_depth`). Every figure is measured except where
-`vram_source` says
-"plan": NVML cannot see the runner (another PID namespace), so the plan's prediction stands in
-and clients should mark it as an estimate.
+`vram_source` says "plan": NVML cannot see the runner (another PID namespace), so the plan's
+prediction stands in and clients should mark it as an estimate.
 """
 
 from __future__ import annotations
@@ -119,20 +118,25 @@ def expert_cache_report(plan, figures, at_hits=()) -> dict | None:
 async def decode_at_hits(scheduler, slot) -> tuple[tuple[int, float], ...]:
     """The running plan's decode by depth at its pool's measured hit rate, on this machine's
     card as the planner sees it; () before that is known. Priced in a thread (the card is
-    probed); a failure is logged and leaves the field out, never the whole report."""
+    probed) once per answer's figures (kept on the loaded model); a failure is logged and
+    leaves the field out, never the whole report."""
     from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS
     from localllm.profiles.tuning.pool_price import decode_at_measured_hits
 
     runner = slot.runner
-    pool = runner.expert_cache
+    pool, plan = runner.expert_cache, runner.running_plan
     if pool is None or pool.hits + pool.misses < MIN_LOOKUPS:
         return ()
+    if slot.priced_at_hits and slot.priced_at_hits[0] == (id(plan), pool):
+        return slot.priced_at_hits[1]
     try:
-        return await asyncio.to_thread(lambda: decode_at_measured_hits(
-            runner.running_plan, slot.shape, scheduler.planner.card(), pool))
+        curve = await asyncio.to_thread(lambda: decode_at_measured_hits(
+            plan, slot.shape, scheduler.planner.card(), pool))
     except Exception as e:  # a report must not fail over a price
         log.warning("could not price the plan at its measured hit rate: %s", e)
         return ()
+    slot.priced_at_hits = ((id(plan), pool), curve)
+    return curve
 
 
 def expert_cache_words(report: dict | None) -> str:

@@ -322,7 +322,7 @@ def _on(plan: Plan, shape: ModelShape, pool: PoolShape, slots: int, where: str,
         f"{len(cached)} blocks ({cached[0]}-{cached[-1]})"
     on = (f"expert cache on: {slots} expert slots of {pool.slot_bytes / 2**20:.1f} MiB "
           f"{where} for the experts of {span} in RAM, taking in up to "
-          f"{plan.expert_cache_swaps or SWAPS_PER_STEP} a step; llama.cpp's repacking of CPU "
+          f"{plan.expert_cache_swaps} a step; llama.cpp's repacking of CPU "
           "weights is off, since the pool is filled with the experts' bytes as the file has them")
     reasons = (on, f"expert cache: {versus}") if versus else (on,)
     return replace(plan, expert_cache_slots=slots, reasons=(*plan.reasons, *reasons))

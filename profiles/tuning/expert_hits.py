@@ -107,4 +107,3 @@ def pool_far_from_its_price(pool, plan, setting: int | str) -> str:
         return ""
     return (f"its expert cache hit {rate:.0%} of {lookups} lookups where the plan assumed "
             f"{plan.expected_hit_rate:.0%}")
-
