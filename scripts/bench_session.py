@@ -436,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=520, help="seconds; later runs skipped")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tiny", action="store_true", help="a toy model on a CPU, small sizes")
+    p.add_argument("--experts", type=int, default=0,
+                   help="MoE shapes: write N experts a block, not the real count (with a budget "
+                        "that holds every weight: bench_resident.py's files, through the daemon)")
     args = p.parse_args(argv)
     args.t0 = time.monotonic()
     args.runs = args.runs.split(",")
@@ -448,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = synth_gguf.tiny(synth_gguf.SHAPES[args.shape]) if args.tiny \
-        else synth_gguf.SHAPES[args.shape]
+        else synth_gguf.fewer_experts(synth_gguf.SHAPES[args.shape], args.experts)
     model = synth_gguf.ensure_model(args.models, config, routing=args.routing)
     rows: list[dict] = []
     with open(out / "session.jsonl", "a") as jsonl:

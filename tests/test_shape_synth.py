@@ -130,3 +130,22 @@ def test_gpt_oss_sliding_every_other_block_with_mxfp4_experts(shapes):
     biases = (2 * 2880 + 2880) * 128 * 4
     assert s.layers[0].expert_bytes == weights + biases
     assert s.kv_bytes_per_token(2, 2) == 18 * 8 * 64 * 2 * 2  # the full-attention blocks
+
+
+def test_fewer_experts_keep_a_decode_steps_work(tmp_path):
+    """bench_resident.py's files: the same routed bytes and per-block layout a token, a fraction
+    of the file."""
+    from localllm.profiles.planning.costs import model_costs
+
+    for name in ("qwen35-35b-a3b", "qwen3-next-80b-a3b"):
+        real = synth_gguf.SHAPES[name]
+        small = synth_gguf.fewer_experts(real, 16)
+        assert (small.n_expert, small.n_expert_used) == (16, real.n_expert_used)
+        full = model_costs(read_shape(synth_gguf.write_gguf(tmp_path / f"{name}.gguf", real)))
+        cut = model_costs(read_shape(synth_gguf.write_gguf(tmp_path / f"{name}-16.gguf", small)))
+        routed = [b * full.expert_active_fraction for b in full.expert_bytes]
+        assert [b * cut.expert_active_fraction for b in cut.expert_bytes] == pytest.approx(routed)
+        assert cut.state_bytes == full.state_bytes and cut.kinds == full.kinds
+        assert sum(cut.expert_bytes) * 4 < sum(full.expert_bytes)
+    dense = synth_gguf.SHAPES["llama-8b"]
+    assert synth_gguf.fewer_experts(dense, 16) is dense

@@ -33,6 +33,12 @@ from .placements import Placement, head_in_ram, in_ram
 # Decode is predicted at this depth: a conversation's first screens, where a user meets it.
 DECODE_DEPTH = 1024
 GPU_BLOCK_SECONDS = 33e-6  # kernel launches per block and token on the GPU
+# A recurrent (Gated DeltaNet) block on the GPU runs about twice the kernels of an attention
+# block at batch 1 (its convolution, gates, norms and the delta-rule scan), each bound by launch
+# and latency, not bytes. Fitted to the H200 (round 12, every weight on the GPU, through the
+# daemon: the hybrid 35B-A3B and 80B-A3B shapes decoded 273 and 227 tok/s where the model
+# without it priced 394 and 339; with it 267 and 230); scripts/bench_resident.py measures it.
+GPU_RECURRENT_BLOCK_SECONDS = 40e-6
 TOKEN_SECONDS = 0.5e-3  # the runner's own loop per token (sampling, Python)
 CROSSING_SECONDS = 0.1e-3  # hidden state between GPU and CPU, and the sync it forces
 # Flash attention at batch 1 on a GPU costs per query head, not per byte of KV: each query
@@ -81,8 +87,13 @@ CPU_ATTENTION_FLOPS_QUANTIZED = 2.25e9
 POOL_BLOCK_SECONDS = 13e-6
 # With its misses on the GPU (patches/0003, ExpertPool.misses_on_gpu) the GPU reads the missed
 # experts where they lie in pinned RAM, over PCIe, at this share of the card's pcie_gbs (a
-# kernel's scattered reads, not one long copy); the CPU's chain and its two crossings go.
-MAPPED_READ_FRACTION = 0.7
+# kernel's reads of whole experts, each a few hundred KB); the CPU's chain and its two
+# crossings go. 0.7 until round 12, fitted while a recurrent block on the GPU cost no more than
+# an attention block: the pool's 80B class was right for the wrong reason, and Qwen3-30B-A3B
+# (no recurrent blocks) 15-18% under at 6 GiB. Refitted with GPU_RECURRENT_BLOCK_SECONDS on
+# 21 H200 runs (the 80B class, the 35B hybrid and Qwen3-30B-A3B with their pools at the hit
+# rates they measured, and both hybrids with every weight on the GPU): all within -5%..+8%.
+MAPPED_READ_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -225,6 +236,8 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
             gpu_bw = bandwidths[d]
             ffn_cpu = kept.dense[i]
             gpu_s += (costs.block_bytes[i] - ffn_cpu) / gpu_bw + GPU_BLOCK_SECONDS
+            if costs.state_bytes[i]:
+                gpu_s += GPU_RECURRENT_BLOCK_SECONDS
             gpu_s += attention_seconds(costs, i, settings, depth, True, card, threads, peaks[d])
             if ffn_cpu:
                 cpu_s += ffn_cpu / host_bw
