@@ -457,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(out / "session.jsonl", "a") as jsonl:
         def record(row: dict) -> None:
             row = {"shape": args.shape, "ctx": args.ctx, "t": round(time.monotonic() - args.t0),
-                   **({"routing": args.routing} if args.routing != "uniform" else {}), **row}
+                   **({"routing": args.routing} if args.routing != "uniform" else {}),
+                   **({"experts": config.n_expert} if args.experts else {}), **row}
             rows.append(row)
             jsonl.write(json.dumps(row) + "\n")
             jsonl.flush()
