@@ -167,6 +167,14 @@ class Ours:
         [m] = self.daemon.get("/api/stats")["models"] or [{}]
         return (m.get("expert_cache") or {}).get("predicted_decode_by_depth")
 
+    def running(self) -> dict:
+        """What the run ran on: the running plan's placement, KV type, context and threads (a
+        fill band's plan once the runner moved into it), for scripts/reprice_runs.py."""
+        [m] = self.daemon.get("/api/stats")["models"] or [{}]
+        plan = m.get("plan") or {}
+        return {k: plan[k] for k in ("gpu_layers", "kv_type", "n_ctx", "n_threads",
+                                     "cpu_overrides") if k in plan}
+
     def expert_cache(self) -> dict | None:
         """The MoE expert cache's slots, hits and misses so far (/api/stats; None: off)."""
         [m] = self.daemon.get("/api/stats")["models"] or [{}]
@@ -286,7 +294,8 @@ def run_system(system, args, record) -> None:
             r = system.generate("The quick brown fox jumps over the lazy dog. " * 6, args.tokens)
             record({"system": system.name, "run": "short", "decode_tps": round(r["decode_tps"], 2),
                     "answer_tokens": r["answer_tokens"], "band": system.band(),
-                    **predicted(system, r["prompt_tokens"], before), **expert_cache(system)})
+                    **predicted(system, r["prompt_tokens"], before), **expert_cache(system),
+                    **running(system)})
         elif run in ("prompt", "deep"):
             c = calibrate(system, cpt, args.ctx)
             tokens, seed = (args.prompt_tokens, 2) if run == "prompt" else (int(args.ctx * 0.9), 3)
@@ -297,7 +306,7 @@ def run_system(system, args, record) -> None:
                     "prompt_tps": round(r["prompt_tokens"] / max(1e-9, r["ttft"]), 1),
                     "decode_tps": round(r["decode_tps"], 2), "answer_tokens": r["answer_tokens"],
                     "band": system.band(), **predicted(system, r["prompt_tokens"], before),
-                    **expert_cache(system)})
+                    **expert_cache(system), **running(system)})
         elif run in ("agent", "agent-rerendered"):
             record(agent_replay(system, args, calibrate(system, cpt, args.ctx),
                                 rerendered=run == "agent-rerendered"))
@@ -326,17 +335,30 @@ def at_depth(curve, depth: int) -> float | None:
 def predicted(system, depth: int, before_run=None) -> dict:
     """Ours: the plan's predicted decode at this depth, beside the measured figure; and, once
     the pool's hits were measured before this run (`before_run`: the curve /api/stats gave
-    then), the plan's decode priced at them."""
+    then, and the band it came from), the plan's decode priced at them: not for a run that
+    moved into another band, whose plan and pool are new."""
     guess = system.predicted(depth) if hasattr(system, "predicted") else None
     out = {"predicted_decode_tps": guess} if guess is not None else {}
-    at_hits = at_depth(before_run, depth)
+    curve, band = before_run or (None, None)
+    now = system.band() if hasattr(system, "band") else None
+    same_plan = (band or {}).get("n_ctx") == (now or {}).get("n_ctx")
+    at_hits = at_depth(curve, depth) if same_plan else None
     if at_hits is not None:
         out["predicted_at_measured_hits_tps"] = at_hits
     return out
 
 
 def curve_before(system):
-    return system.curve_at_hits() if hasattr(system, "curve_at_hits") else None
+    """The curve at the pool's measured hits before a run, with the band it was priced in:
+    a run that moves the runner into another band runs another plan and pool."""
+    if not hasattr(system, "curve_at_hits"):
+        return None
+    return system.curve_at_hits(), system.band()
+
+
+def running(system) -> dict:
+    """Ours: the plan the run ran on (/api/stats)."""
+    return {"running": system.running()} if hasattr(system, "running") else {}
 
 
 def agent_replay(system, args, chars_per_token: float, rerendered: bool) -> dict:

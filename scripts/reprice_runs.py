@@ -9,9 +9,11 @@ Reads bench_session.py's rows of system `ours` (decode after a short prompt, aft
 prompt, after 90% of the context). A run's placement is rebuilt from its rows: the plan's
 gpu_layers and KV type, and the experts of the pool's served blocks (the first `layers`
 blocks) in RAM, as the daemon plans an expert cache; its hits, misses and swaps are the
-differences of the pool's totals before and after the run. Runs in a fill band are left out
-(the band's plan is not in the rows). tests/test_speed_recorded.py holds the model to these
-runs, so that a constant changed for one shape cannot quietly break the others.
+differences of the pool's totals before and after the run. A run in a fill band runs the
+band's plan: its context is the band's, and its placement and KV type the row's `running`
+(rows since round 12; before, the first plan's, which both of round 12's bands kept).
+tests/test_speed_recorded.py holds the model to these runs, so that a constant changed for one
+shape cannot quietly break the others.
 """
 
 from __future__ import annotations
@@ -70,16 +72,21 @@ def runs(rows: list[dict], card_name: str = "h200") -> list[Run]:
             plan = dict(re.findall(r"(gpu_layers|kv_type) (\w+)", row["plan"]))
             before = None
             continue
-        if row.get("run") not in RUNS or row.get("band") or "decode_tps" not in row:
+        if row.get("run") not in RUNS or "decode_tps" not in row:
             continue
+        ran = {**plan, **row.get("running", {})}  # the plan that ran, where the row says it
+        n_ctx = ran.get("n_ctx") or (row.get("band") or {}).get("n_ctx") or row["ctx"]
         pool = row.get("expert_cache")
         shape = _costs(row["shape"], row.get("experts", 0))
         costs = model_costs(shape)
-        settings = ContextSettings(n_ctx=row["ctx"], type_k=plan["kv_type"],
-                                   type_v=plan["kv_type"])
-        placement = Placement(int(plan["gpu_layers"]),
+        settings = ContextSettings(n_ctx=int(n_ctx), type_k=ran["kv_type"],
+                                   type_v=ran["kv_type"])
+        placement = Placement(int(ran["gpu_layers"]),
                               n_cpu_expert_layers=pool["layers"] if pool else 0)
         priced = None
+        if pool and before and (pool["hits"] < before["hits"]
+                                or pool["layers"] != before["layers"]):
+            before = None  # a fill band's new context: a new pool, its counts from zero
         if pool:
             hits = pool["hits"] - (before or {}).get("hits", 0)
             misses = pool["misses"] - (before or {}).get("misses", 0)
@@ -93,7 +100,8 @@ def runs(rows: list[dict], card_name: str = "h200") -> list[Run]:
                                  pool.get("misses_on") == "gpu")
             before = pool
         depth = row.get("prompt_tokens", 60)
-        tps = predict_speed(costs, placement, settings, card, card.cores, depth,
+        threads = int(ran.get("n_threads") or card.cores)
+        tps = predict_speed(costs, placement, settings, card, threads, depth,
                             pool=priced).decode_tps
         label = (f"{row.get('lease', '')} {row['shape']}"
                  f"{'-e' + str(row['experts']) if row.get('experts') else ''}"

@@ -11,20 +11,23 @@ import reprice_runs
 BENCH = Path(__file__).resolve().parent.parent / "docs" / "bench"
 RECORDED = ("h200-2026-12-03-round10.jsonl", "h200-2026-12-03-round11.jsonl",
             "h200-2026-12-03-round12.jsonl")
-WITHIN = 0.10  # issue 37 asks 15% of the plan's prediction, which also guesses the hit rate
+# Issue 37 asks 15% of the plan's prediction, which also guesses the hit rate. The same plan
+# on the same file measured 5-7% apart from lease to lease (Qwen3-30B-A3B at 12 GiB, first
+# short answer: 119.8 tok/s in round 10, 126.3 in round 12).
+WITHIN = 0.12
 
 
 def recorded_runs():
     return reprice_runs.runs(reprice_runs.read_rows(BENCH / name for name in RECORDED))
 
 
-def test_every_recorded_moe_run_is_priced_within_ten_percent():
+def test_every_recorded_moe_run_is_priced_within_twelve_percent():
     runs = recorded_runs()
     shapes = {r.label.split()[1] for r in runs}
     # the pool's three shapes, and both hybrids with every weight on the GPU
     assert {"qwen3-next-80b-a3b", "qwen35-35b-a3b", "qwen3-30b-a3b",
             "qwen35-35b-a3b-e16", "qwen3-next-80b-a3b-e16"} <= shapes
-    assert len(runs) >= 25
+    assert len(runs) >= 40
     off = [f"{r.label}: {r.error:+.1%}" for r in runs if abs(r.error) > WITHIN]
     assert not off, off
 
