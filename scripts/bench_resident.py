@@ -62,6 +62,8 @@ def priced(path: Path, kv: str, depth: int, ctx: int, card) -> dict:
                   for i in blocks) / gpu_bw
     return {"priced_tps": round(1.0 / engine, 2), "priced_ms": round(engine * 1e3, 3),
             "parts_ms": {"launches": round(len(blocks) * speed.GPU_BLOCK_SECONDS * 1e3, 3),
+                         "recurrent": round(sum(1 for i in blocks if costs.state_bytes[i])
+                                            * speed.GPU_RECURRENT_BLOCK_SECONDS * 1e3, 3),
                          "weights": round(weights * 1e3, 3),
                          "attention": round(attention * 1e3, 3),
                          "lm_head": round(costs.output_bytes / gpu_bw * 1e3, 3)}}
