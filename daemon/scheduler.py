@@ -67,9 +67,9 @@ class LoadedModel:
     # Why this load should be planned again once idle ("": it serves as planned): its expert
     # pool's measured hit rate is far from the one the plan was priced with
     replan: str = ""
-    # /api/stats' price of the running plan at its pool's measured hits, with the (plan, pool
-    # figures) it was made from: made again only when an answer brings new figures, not on
-    # every poll of a live display
+    # /api/stats' price of the running plan at its pool's measured hits: (plan, pool figures,
+    # curve), made again only when the plan (a band switch) or an answer's figures change, not
+    # on every poll of a live display. The plan itself, not its id: a freed plan's id returns.
     priced_at_hits: tuple = ()
 
     def __post_init__(self) -> None:

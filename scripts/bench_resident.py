@@ -46,10 +46,9 @@ from localllm.profiles.planning.memory import ContextSettings  # noqa: E402
 from localllm.profiles.planning.placements import Placement  # noqa: E402
 
 
-def priced(path: Path, kv: str, depth: int, ctx: int, card) -> dict:
-    """The speed model's decode for `path` all on the GPU at `depth`, without the runner's loop,
-    and its parts in ms a token."""
-    costs = model_costs(read_shape(path))
+def priced(costs, kv: str, depth: int, ctx: int, card) -> dict:
+    """The speed model's decode for a file's `costs` all on the GPU at `depth`, without the
+    runner's loop, and its parts in ms a token."""
     settings = ContextSettings(n_ctx=ctx, type_k=kv, type_v=kv)
     everything = Placement(n_gpu_layers=costs.n_blocks + 1)
     s = speed.predict_speed(costs, everything, settings, card, depth=depth)
@@ -104,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.shapes.split(","):
             config = synth_gguf.fewer_experts(synth_gguf.SHAPES[name], args.experts)
             path = synth_gguf.ensure_model(args.models, config)
+            costs = model_costs(read_shape(path))
             for kv in args.kv.split(","):
                 try:
                     measured = llama_bench(path, kv, depths, args.tokens)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                     error = None
                 for depth in depths:
                     row = {"shape": name, "file": path.name, "kv": kv, "depth": depth,
-                           **priced(path, kv, depth, args.ctx, card)}
+                           **priced(costs, kv, depth, args.ctx, card)}
                     if depth in measured:
                         tps = measured[depth]
                         row |= {"bench_tps": round(tps, 2), "bench_ms": round(1e3 / tps, 3),

@@ -138,8 +138,8 @@ class Ours:
         decode = (count - 1) / (last - first) if count > 1 and last > first else 0.0
         if done.get("eval_count") and done.get("eval_duration"):  # the daemon's own timing
             decode = done["eval_count"] / (done["eval_duration"] / 1e9)
-        [m] = self.daemon.get("/api/stats")["models"] or [{}]
-        last = m.get("last") or {}  # this request's: the whole prompt and where its cache came from
+        # this request's: the whole prompt and where its cache came from
+        last = self._model("/api/stats").get("last") or {}
         return {"ttft": first - start if first else 0.0, "decode_tps": decode,
                 "answer_tokens": done.get("eval_count", count),
                 "prompt_tokens": done.get("prompt_eval_count", 0), "text": "".join(text),
@@ -149,8 +149,13 @@ class Ours:
                 "read": done.get("prompt_eval_count", 0) - done.get("prompt_eval_cached_count", 0),
                 "cached_from": last.get("cached_from"), "checkpoint": last.get("checkpoint")}
 
+    def _model(self, endpoint: str) -> dict:
+        """The loaded model's entry in /api/ps or /api/stats ({} when none is loaded)."""
+        [m] = self.daemon.get(endpoint)["models"] or [{}]
+        return m
+
     def plan(self) -> str:
-        [m] = self.daemon.get("/api/ps")["models"] or [{}]
+        m = self._model("/api/ps")
         keys = ("gpu_layers", "kv_type", "context_length", "processor", "fill_band",
                 "workload")
         return ", ".join(f"{k} {m.get(k)}" for k in keys if k in m)
@@ -158,32 +163,29 @@ class Ours:
     def predicted(self, depth: int) -> float | None:
         """The running plan's predicted decode (tok/s) at `depth` tokens of context, read off its
         curve (start, middle, end) by straight lines: what issue 37 holds the measurement to."""
-        [m] = self.daemon.get("/api/stats")["models"] or [{}]
-        return at_depth((m.get("plan") or {}).get("predicted_decode_by_depth"), depth)
+        plan = self._model("/api/stats").get("plan") or {}
+        return at_depth(plan.get("predicted_decode_by_depth"), depth)
 
     def curve_at_hits(self) -> list | None:
         """The plan's decode by depth priced at its expert pool's hit rate measured so far
         (/api/stats; None before the pool has enough lookups)."""
-        [m] = self.daemon.get("/api/stats")["models"] or [{}]
-        return (m.get("expert_cache") or {}).get("predicted_decode_by_depth")
+        return (self._model("/api/stats").get("expert_cache") or {}).get(
+            "predicted_decode_by_depth")
 
     def running(self) -> dict:
         """What the run ran on: the running plan's placement, KV type, context and threads (a
         fill band's plan once the runner moved into it), for scripts/reprice_runs.py."""
-        [m] = self.daemon.get("/api/stats")["models"] or [{}]
-        plan = m.get("plan") or {}
+        plan = self._model("/api/stats").get("plan") or {}
         return {k: plan[k] for k in ("gpu_layers", "kv_type", "n_ctx", "n_threads",
                                      "cpu_overrides") if k in plan}
 
     def expert_cache(self) -> dict | None:
         """The MoE expert cache's slots, hits and misses so far (/api/stats; None: off)."""
-        [m] = self.daemon.get("/api/stats")["models"] or [{}]
-        return m.get("expert_cache")
+        return self._model("/api/stats").get("expert_cache")
 
     def band(self) -> dict | None:
         """The fill band the runner is in and the pauses of its switches (ps)."""
-        [m] = self.daemon.get("/api/ps")["models"] or [{}]
-        return m.get("fill_band")
+        return self._model("/api/ps").get("fill_band")
 
     def stop(self) -> None:
         self.daemon.stop()

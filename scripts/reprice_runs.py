@@ -34,11 +34,11 @@ import synth_gguf
 from localllm.modelstore.shape import read_shape
 from localllm.profiles.planning.card import load_card
 from localllm.profiles.planning.costs import model_costs
-from localllm.profiles.planning.expert_pool import pool_shape, priced_pool
+from localllm.profiles.planning.expert_pool import pool_shape
 from localllm.profiles.planning.memory import ContextSettings
 from localllm.profiles.planning.placements import Placement
-from localllm.profiles.planning.search import Request
 from localllm.profiles.planning.speed import predict_speed
+from localllm.profiles.tuning.pool_price import measured_pool
 
 RUNS = ("short", "prompt", "deep")
 
@@ -55,7 +55,7 @@ class Run:
 
 
 @cache
-def _costs(shape: str, experts: int):
+def _shape(shape: str, experts: int):
     config = synth_gguf.fewer_experts(synth_gguf.SHAPES[shape], experts)
     with tempfile.TemporaryDirectory() as tmp:
         return read_shape(synth_gguf.write_gguf(Path(tmp) / "m.gguf", config, "Q4_0", "sparse"))
@@ -77,7 +77,7 @@ def runs(rows: list[dict], card_name: str = "h200") -> list[Run]:
         ran = {**plan, **row.get("running", {})}  # the plan that ran, where the row says it
         n_ctx = ran.get("n_ctx") or (row.get("band") or {}).get("n_ctx") or row["ctx"]
         pool = row.get("expert_cache")
-        shape = _costs(row["shape"], row.get("experts", 0))
+        shape = _shape(row["shape"], row.get("experts", 0))
         costs = model_costs(shape)
         settings = ContextSettings(n_ctx=int(n_ctx), type_k=ran["kv_type"],
                                    type_v=ran["kv_type"])
@@ -93,11 +93,9 @@ def runs(rows: list[dict], card_name: str = "h200") -> list[Run]:
             steps = pool["steps"] - (before or {}).get("steps", 0)
             # the first run's swaps include the pool's one-time fill of every slot
             swaps = pool["swaps"] - (before["swaps"] if before else pool["slots"])
-            served = pool_shape(shape)
-            share = pool["slots"] / (pool["layers"] * served.n_expert)
-            measured = ((share, hits / max(1, hits + misses), max(0, swaps) / max(1, steps)),)
-            priced = priced_pool(served, pool["slots"], Request(measured_hits=measured),
-                                 pool.get("misses_on") == "gpu")
+            priced = measured_pool(pool_shape(shape), pool["slots"], pool["layers"],
+                                   hits / max(1, hits + misses), max(0, swaps) / max(1, steps),
+                                   pool.get("misses_on") == "gpu")
             before = pool
         depth = row.get("prompt_tokens", 60)
         threads = int(ran.get("n_threads") or card.cores)

@@ -127,15 +127,16 @@ async def decode_at_hits(scheduler, slot) -> tuple[tuple[int, float], ...]:
     pool, plan = runner.expert_cache, runner.running_plan
     if pool is None or pool.hits + pool.misses < MIN_LOOKUPS:
         return ()
-    if slot.priced_at_hits and slot.priced_at_hits[0] == (id(plan), pool):
-        return slot.priced_at_hits[1]
+    if slot.priced_at_hits and slot.priced_at_hits[0] is plan \
+            and slot.priced_at_hits[1] == pool:
+        return slot.priced_at_hits[2]
     try:
         curve = await asyncio.to_thread(lambda: decode_at_measured_hits(
             plan, slot.shape, scheduler.planner.card(), pool))
     except Exception as e:  # a report must not fail over a price
         log.warning("could not price the plan at its measured hit rate: %s", e)
         return ()
-    slot.priced_at_hits = ((id(plan), pool), curve)
+    slot.priced_at_hits = (plan, pool, curve)
     return curve
 
 

@@ -6,9 +6,9 @@ pool's own (expert_hits.py), in place of the ones the plan was priced with."""
 from __future__ import annotations
 
 from ..planning.costs import model_costs
-from ..planning.expert_pool import pool_shape, priced_pool
+from ..planning.expert_pool import PoolShape, pool_shape, priced_pool
 from ..planning.search import Request
-from ..planning.speed import predict_speed
+from ..planning.speed import ExpertPool, predict_speed
 from .choose import placement_of, settings_of
 from .expert_hits import MIN_LOOKUPS, evicted
 
@@ -24,11 +24,18 @@ def decode_at_measured_hits(plan, shape, card, pool) -> tuple[tuple[int, float],
             or pool.hits + pool.misses < MIN_LOOKUPS or plan.speculative != "off"
             or plan.streamed_bytes):
         return ()
-    share = pool.slots / (pool.layers * shape_of_pool.n_expert)
-    measured = ((share, pool.hit_rate, evicted(pool) / max(pool.steps, 1)),)
-    priced = priced_pool(shape_of_pool, plan.expert_cache_slots,
-                         Request(measured_hits=measured), plan.expert_misses_on_gpu)
+    priced = measured_pool(shape_of_pool, pool.slots, pool.layers, pool.hit_rate,
+                           evicted(pool) / max(pool.steps, 1), plan.expert_misses_on_gpu)
     costs, placement, settings = model_costs(shape), placement_of(plan, shape), settings_of(plan)
     return tuple((depth, round(predict_speed(costs, placement, settings, card, plan.n_threads,
                                              depth, pool=priced).decode_tps, 2))
                  for depth in (0, plan.n_ctx // 2, plan.n_ctx))
+
+
+def measured_pool(shape_of_pool: PoolShape, slots: int, layers: int, hit_rate: float,
+                  copies_a_step: float, misses_on_gpu: bool) -> ExpertPool:
+    """A pool of `slots` over `layers` served blocks as decode prices it at a measured hit rate
+    and copies a step (scripts/reprice_runs.py prices recorded runs with it too)."""
+    share = slots / (layers * shape_of_pool.n_expert)
+    return priced_pool(shape_of_pool, slots,
+                       Request(measured_hits=((share, hit_rate, copies_a_step),)), misses_on_gpu)
