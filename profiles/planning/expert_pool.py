@@ -34,7 +34,6 @@ from .words import gib, seconds
 
 # The three matrices of one expert the pool holds, as the GGUF names their stacks.
 POOL_TENSORS = ("ffn_up_exps.weight", "ffn_gate_exps.weight", "ffn_down_exps.weight")
-MAP_BYTES_PER_EXPERT = 8  # each cached block's map: (slot or miss id, expert), two int32
 # each cached block's room for a short batch's routed experts, int32 per expert used per row,
 # read back in one copy a step (patches/0004): the rows of a batch the pool serves
 STEP_ID_ROWS = 31
@@ -80,19 +79,26 @@ class PoolShape:
     # are the quantized ones, patches/0003)
     quantized: bool = True
 
+    @property
+    def zero_slots(self) -> int:
+        """Slots of zeros where misses point, one per routed position: no two of a token's
+        experts may share a pool id (CUDA's batched MoE kernels take each expert once a
+        token)."""
+        return max(1, self.n_expert_used)
+
     def bytes(self, slots: int) -> int:
-        """The pool of `slots` experts: the slots, the zero slot and the blocks' bookkeeping."""
-        return (slots + 1) * self.slot_bytes + self._bookkeeping()
+        """The pool of `slots` experts: the slots, the zero slots and the blocks' bookkeeping."""
+        return (slots + self.zero_slots) * self.slot_bytes + self._bookkeeping()
 
     def slots_in(self, budget: int) -> int:
         """The most slots `budget` bytes hold (0: not even one)."""
         room = budget - self._bookkeeping()
-        return max(0, room // self.slot_bytes - 1) if self.slot_bytes else 0
+        return max(0, room // self.slot_bytes - self.zero_slots) if self.slot_bytes else 0
 
     def _bookkeeping(self) -> int:
         """The blocks' maps and the room for a step's routed experts."""
-        per_block = self.n_expert * MAP_BYTES_PER_EXPERT + \
-            max(1, self.n_expert_used) * STEP_ID_ROWS * 4
+        per_block = self.n_expert * (self.zero_slots + 1) * 4 + \
+            self.zero_slots * STEP_ID_ROWS * 4
         return len(self.blocks) * per_block
 
 

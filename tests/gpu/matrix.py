@@ -1,0 +1,17 @@
+"""The GPU suite's matrix: the shapes, the emulated card budgets and how to narrow them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# the MoE and hybrid shapes the planner serves with the expert cache, and one dense shape
+SHAPES = ("qwen3-30b-a3b", "qwen35-35b-a3b", "qwen3-next-80b-a3b", "gpt-oss-20b", "llama-8b")
+BUDGETS_GIB = (6, 12, 24)
+ROUTING = {"qwen3-next-80b-a3b": "zipf:0.4"}  # as the benchmarks route them; others zipf:0.3
+
+
+def selected(variable: str, default: tuple) -> tuple:
+    value = os.environ.get(variable, "")
+    return tuple(type(default[0])(v) for v in value.split(",") if v) or default
