@@ -18,14 +18,13 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from localllm.modelstore.gguf_header import GGUFError
 from localllm.errors import UserError
 from localllm.modelstore.pull import model_file
 from localllm.modelstore.shape import ModelShape, read_shape
 from localllm.modelstore.store import DamagedModel, ModelEntry, ModelStore, projector_path
-from localllm.profiles.planning.plan import Plan
 
 from localllm.config import Config
 from localllm.options import LoadOptions
@@ -33,7 +32,8 @@ from localllm.options import LoadOptions
 from .drafting import check_speculation, draft_model
 # Planner, context_to_ask and first_band are imported from here too (tests, callers).
 from .load import Load, Planner, context_to_ask, first_band  # noqa: F401
-from .runner.process import RUNNER_COMMAND, EngineCrashed, LoadError, RunnerProcess
+from .starting import RunnerStarter
+from .runner.process import RUNNER_COMMAND, RunnerProcess
 from .runner.protocol import Done
 
 log = logging.getLogger("localllm.scheduler")
@@ -117,9 +117,9 @@ class Scheduler:
         self._room_lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None
         self._wake = asyncio.Event()
-        # Set once the engine crashed on this CPU with llama.cpp's extra buffer types and loaded
-        # without them: every later load goes without them at once (issue #32).
-        self.no_extra_bufts = ""
+        self.starter = RunnerStarter(self.planner, lambda: self.config, log_dir,
+                                     self.runner_command)
+        self.crashes = self.starter.crashes  # runners that died on their own (ps shows notes)
         # Runners busy on the CPU at once share its threads (_share_cpu); `off` for benchmarks
         # that compare with every runner at its plan's threads (scripts/bench_cpu_share.py)
         self.cpu_share = os.environ.get("LOCALLLM_CPU_SHARE", "on") != "off"
@@ -261,11 +261,13 @@ class Scheduler:
                 projector_path(self.store, entry), hint, prompt_chars)
             log.info("planned %s in %.1fs", name, time.monotonic() - started)
             path = model_file(self.store, entry)
-            runner = await self._load_stepping_down(name, path, shape, decided)
+            runner = await self.starter.start(name, path, shape, decided)
             model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                                 load=decided, keep_alive=self.config.keep_alive_seconds)
             runner.on_drafts = DraftCounts(name, shape.file_size).add
             runner.on_done = lambda done: self._served(model, done)
+            runner.on_death = lambda plan, why: self.crashes.record(name, plan, why,
+                                                                     runner.log_path)
             self.models[name] = model
             return model
 
@@ -286,68 +288,6 @@ class Scheduler:
                 await model.slots.acquire()
         await model.runner.stop()
         log.info("unloaded %s", name)
-
-    async def _load_stepping_down(self, name: str, path, shape: ModelShape,
-                                  load: Load) -> RunnerProcess:
-        """Load with the plan (in its first fill band); when llama.cpp refuses it (out of
-        memory, as a rule, on a GPU), retry with the planner's next smaller plan, which it
-        records in the saved profile, and no bands. A runner that died or hung while loading
-        is not stepped down: the same error comes back. An engine that crashed on this CPU
-        is retried once without llama.cpp's extra buffer types."""
-        plan, bands, start_band = load.plan, load.bands, load.start_band
-        if self.no_extra_bufts:
-            plan, bands = without_extra_bufts(plan, bands, self.no_extra_bufts)
-        while True:
-            try:
-                return await self._load(name, path, replace(
-                    load, plan=plan, bands=bands, start_band=start_band,
-                    draft_path=load.draft_path if plan.draft_mode.draft_model else None))
-            except EngineCrashed as e:
-                if not plan.extra_bufts:
-                    raise
-                log.warning("%s; retrying with llama.cpp's extra buffer types (repack, AMX) "
-                            "off", e)
-                why = "extra buffer types (repack, AMX) off: llama.cpp crashed with them here"
-                plan, bands = without_extra_bufts(plan, bands, why)
-                self.no_extra_bufts = why
-            except LoadError as e:
-                if bands:  # the first band's plan failed: the whole context's, alone, next
-                    log.warning("loading %s in its %d-token fill band failed (%s); loading "
-                                "the whole context's plan without bands", name, bands[0].n_ctx,
-                                e)
-                    bands, start_band = (), 0
-                    continue
-                if not e.refused:  # died or hung: less on the GPU would not help
-                    raise
-                smaller = await asyncio.to_thread(self.planner.step_down, plan, shape, name,
-                                                  str(e))
-                if smaller is None:
-                    raise
-                log.warning("loading %s failed (%s); retrying with a smaller plan: %s",
-                            name, e, smaller.reasons[-1] if smaller.reasons else "")
-                plan, bands = smaller, ()
-
-    async def _load(self, name: str, path, load: Load) -> RunnerProcess:
-        """Start a runner with the load's values (a stepped-down plan in place of its own)."""
-        plan, bands, start_band = load.plan, load.bands, load.start_band
-        runner = RunnerProcess(name, path, plan, self.log_dir / "runner.log",
-                               command=self.runner_command, draft_model_path=load.draft_path,
-                               projector_path=load.projector,
-                               prompt_cache_bytes=load.prompt_cache_bytes, bands=bands,
-                               start_band=start_band)
-        log.info("loading %s: %s", name, "; ".join(plan.reasons))
-        if start_band < len(bands):
-            log.info("%s starts in the %d-token fill band (of %s): %s", name,
-                     bands[start_band].n_ctx, ", ".join(str(b.n_ctx) for b in (*bands, plan)),
-                     "; ".join(bands[start_band].reasons))
-        try:
-            await runner.start(timeout=self.config.load_timeout_seconds)
-        except LoadError:
-            await runner.stop()
-            raise
-        log.info("loaded %s in %.2fs (pid %s, %d slots)", name, runner.load_duration_ns / 1e9,
-                 runner.pid, runner.n_parallel)
-        return runner
 
     async def _make_room(self) -> None:
         """Unload the least recently used idle model while at the loaded-model limit."""
@@ -403,16 +343,6 @@ class Scheduler:
                 await asyncio.wait({woken}, timeout=max(next_check, 0.05))
             finally:
                 woken.cancel()
-
-
-def without_extra_bufts(plan: Plan, bands: tuple[Plan, ...],
-                        why: str) -> tuple[Plan, tuple[Plan, ...]]:
-    """The plan and its bands with llama.cpp's extra buffer types off, `why` among its reasons
-    (ps and the log show them)."""
-    def off(p: Plan) -> Plan:
-        return replace(p, extra_bufts=False, reasons=(*p.reasons, why))
-
-    return off(plan), tuple(off(b) for b in bands)
 
 
 class DraftCounts:

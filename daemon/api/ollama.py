@@ -351,6 +351,9 @@ async def api_ps(request: web.Request) -> web.Response:
             "active": slot.active,
             "plan_source": plan.source,
             "extra_bufts": plan.extra_bufts,  # off: the engine crashed with them on this CPU
+            # a part of the plan left off because the runner crashed with it (daemon/crashes)
+            **({"crash_note": note} if (note := request.app[SCHEDULER].crashes.notes.get(
+                slot.entry.name.tagged)) else {}),
             # as loaded: "mapped", "pinned in place" or "copied" (a refused pin copies them)
             "weights_in_ram": runner.weights_in_ram,
             "pin_in_place": plan.pin_in_place,  # what the plan asked for them

@@ -44,8 +44,8 @@ log = logging.getLogger("localllm.daemon")
 @dataclass
 class Generation:
     entry: ModelEntry
-    runner: RunnerProcess
-    events: AsyncIterator[Event]
+    runner: RunnerProcess | None  # the runner serving it (another after a retry); None before
+    events: AsyncIterator[Event] | None
     load_duration_ns: int  # time spent loading for this request (0 when it was loaded)
     started_ns: int = field(default_factory=time.perf_counter_ns)
 
@@ -76,15 +76,40 @@ async def generate(app: web.Application, entry: ModelEntry, request: GenerationR
                    hint: str | None = None) -> AsyncIterator[Generation]:
     """`fit(runner)`, when given, may replace the request once the runner is held (the chat
     layer drops old turns that do not fit the loaded context). `hint`: what the route says of
-    the session, should this request load the model (profiles.traffic)."""
-    started, started_wall = time.perf_counter_ns(), time.time()
-    async with app[SCHEDULER].use(entry, load, keep_alive, len(request.prompt),
-                                  hint) as runner:
-        load_ns = runner.load_duration_ns if runner.loaded_at >= started_wall else 0
-        if fit is not None:
-            request = await fit(runner)
-        async with contextlib.aclosing(runner.generate(request)) as events:
-            yield Generation(entry, runner, events, load_ns, started)
+    the session, should this request load the model (profiles.traffic). The runner is held,
+    and the model loaded, when the first event is read."""
+    gen = Generation(entry, None, None, 0)
+    started_wall = time.time()
+
+    async def events() -> AsyncIterator[Event]:
+        """The runner's events; a runner that dies before the answer's first token is loaded
+        again and asked once more (the client sees a slower answer, not an error). After a
+        token has gone out, its death ends the answer with the Failure."""
+        retried = False
+        while True:
+            async with app[SCHEDULER].use(entry, load, keep_alive, len(request.prompt),
+                                          hint) as runner:
+                gen.runner = runner
+                if runner.loaded_at >= started_wall:
+                    gen.load_duration_ns += runner.load_duration_ns
+                asked = await fit(runner) if fit is not None else request
+                answered = False
+                async with contextlib.aclosing(runner.generate(asked)) as inner:
+                    async for event in inner:
+                        if isinstance(event, Failure) and not runner.alive \
+                                and not answered and not retried:
+                            log.warning("the runner for %s died before answering (%s); "
+                                        "loading it again for this request", entry.name,
+                                        event.message)
+                            break
+                        answered = answered or isinstance(event, Token)
+                        yield event
+                    else:
+                        return
+            retried = True
+
+    async with contextlib.aclosing(events()) as gen.events:
+        yield gen
 
 
 @dataclass

@@ -135,6 +135,8 @@ class RunnerProcess:
         # Called with (mode, drafted, accepted) after each answer that drafted.
         self.on_drafts: Callable[[str, int, int], None] | None = None
         self.on_done: Callable[[Done], None] | None = None  # after each answer
+        # Called with (the plan that ran, why) when the runner ends without being asked to
+        self.on_death: Callable[[Plan, str], None] | None = None
 
     @property
     def running_plan(self) -> Plan:
@@ -259,6 +261,8 @@ class RunnerProcess:
             asked = self._stopping and not self._events
             log.log(logging.INFO if asked else logging.WARNING, "runner for %s (pid %s) %s: %s",
                     self.model_name, self.pid, "stopped" if asked else "ended", why)
+            if not self._stopping and self.on_death is not None:
+                self.on_death(self.running_plan, why)
         for queue in self._events.values():  # 503: asking again loads it afresh
             queue.put_nowait(Failure(
                 f"the runner for {self.model_name} stopped mid-answer ({self._exit_reason}); "

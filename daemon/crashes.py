@@ -1,0 +1,90 @@
+"""What the daemon does when a runner dies on its own: the log keeps what ran and what the
+runner said last, so the crash can be reported, and a model whose runner crashed twice with one
+risky part of its plan on loads the next time with that part off, most recent first: the expert
+cache's pool, then its misses read by the GPU from RAM. `ps` says which part is off and why.
+
+Requests are not this module's: the response pipeline asks again a request whose runner died
+before its first token (daemon/api/respond.py), and the runner's other requests end with the
+error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+from localllm.profiles.planning.plan import Plan
+
+log = logging.getLogger("localllm.scheduler")
+
+CRASHES_BEFORE_SAFER = 2  # crashes with a part on before a load goes without it
+LOG_LINES = 40  # of the runner's log, kept in the daemon's log with each crash
+
+
+def risk(plan: Plan) -> str:
+    """The riskiest part of the plan still on: "pool", "mapped misses", or "" (none)."""
+    if plan.expert_cache_slots and plan.expert_misses_on_gpu:
+        return "mapped misses"
+    if plan.expert_cache_slots:
+        return "pool"
+    return ""
+
+
+def without(part: str, plan: Plan, why: str) -> Plan:
+    """`plan` with `part` off and `why` among its reasons."""
+    if part == "mapped misses":
+        return replace(plan, expert_misses_on_gpu=False, reasons=(*plan.reasons, why))
+    return replace(plan, expert_cache_slots=0, expert_misses_on_gpu=False,
+                   reasons=(*plan.reasons, why))
+
+
+def log_tail(path: Path, lines: int = LOG_LINES) -> str:
+    """The last `lines` lines of a runner's log ("" when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def summary(plan: Plan) -> str:
+    """The plan in one line, for a crash report."""
+    return (f"context {plan.n_ctx}, {plan.n_gpu_layers} GPU layers, KV {plan.type_k}/"
+            f"{plan.type_v}, {plan.n_parallel} slots, batch {plan.n_batch}/{plan.n_ubatch}, "
+            f"expert pool {plan.expert_cache_slots} slots"
+            + (", misses on the GPU" if plan.expert_misses_on_gpu else "")
+            + (f", overrides {len(plan.tensor_overrides)}" if plan.tensor_overrides else ""))
+
+
+class Crashes:
+    """Crashes of each model's runners, by the riskiest part of the plan that ran."""
+
+    def __init__(self):
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.notes: dict[str, str] = {}  # model -> what its next loads leave off, for ps
+
+    def record(self, model: str, plan: Plan, why: str, log_path: Path) -> None:
+        part = risk(plan)
+        self.counts[(model, part)] += 1
+        log.warning("the runner for %s died (%s) running: %s. Its log (%s) ended:\n%s",
+                    model, why, summary(plan), log_path, log_tail(log_path))
+        if part and self.counts[(model, part)] == CRASHES_BEFORE_SAFER:
+            log.warning("%s: its runner crashed %d times with the expert cache's %s on; the "
+                        "next load goes without it", model, CRASHES_BEFORE_SAFER, part)
+
+    def safer(self, model: str, plan: Plan,
+              bands: tuple[Plan, ...]) -> tuple[Plan, tuple[Plan, ...]]:
+        """The plan and bands to load `model` with: each part whose crashes reached
+        CRASHES_BEFORE_SAFER off, most recent first."""
+        while (part := risk(plan)) and self.counts[(model, part)] >= CRASHES_BEFORE_SAFER:
+            why = (f"the expert cache's {part} off: the runner crashed "
+                   f"{self.counts[(model, part)]} times with it on")
+            self.notes[model] = why
+            plan = without(part, plan, why)
+            bands = tuple(without(part, b, why) if risk(b) == part else b for b in bands)
+        return plan, bands
