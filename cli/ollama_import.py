@@ -7,8 +7,13 @@ which localllm does not render, so the GGUF's own (Jinja) template is used.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import stat
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from localllm.daemon.api.create import Recipe, build
 from localllm.daemon.chat.custom import ModelfileError, check_template, parameter_value
@@ -20,51 +25,97 @@ from localllm.modelstore.ollama_store import (
     read_model,
     selected,
 )
+from localllm.modelstore.gguf_header import GGUFError, read_header
 from localllm.modelstore.store import (
     PROJECTOR_LAYER,
     Layer,
     ModelStore,
+    StoreError,
+    check_projector,
     default_store,
     sha256_file,
 )
 from localllm.units import human_size
 
-
-def store_blob(store: ModelStore, blob: OllamaBlob, copy: bool = False) -> tuple[str, str]:
-    """The blob in this store, linked when it can be; (digest, how it got there)."""
-    digest = f"sha256:{blob.hexdigest}"
-    if store.has_blob(digest):
-        return digest, "already stored"
-    reason = "--copy asked for a copy"
-    if not copy:
-        reason = link_blob(store, blob)
-        if reason.startswith("linked"):
-            return digest, reason
-    # A copy is read whole anyway: check it is what its name says before storing it.
-    if sha256_file(blob.path) != blob.hexdigest:
-        raise OllamaStoreError(f"Ollama's blob {blob.path} does not hash to its name: it is "
-                               f"damaged (ollama pull the model again)")
-    store.add_blob(blob.path, link=False)
-    return digest, f"copied {human_size(blob.size)}: {reason}"
+log = logging.getLogger("localllm.import")
 
 
-def link_blob(store: ModelStore, blob: OllamaBlob) -> str:
-    """Hard-link the blob in; "linked..." when done, else why it could not be."""
-    info = blob.path.stat()
-    if info.st_uid != os.getuid():
-        return "Ollama's blob belongs to another user (a link would share their file)"
+@dataclass
+class Staged:
+    """A blob checked and waiting in the store's tmp/ to be published (path None: stored
+    already), and how it got there."""
+
+    blob: OllamaBlob
+    path: Path | None
+    how: str
+
+
+def stage_blob(store: ModelStore, blob: OllamaBlob, copy: bool = False) -> Staged:
+    """The blob in the store's tmp/, hashed on the way (one read; a blob that does not hash to
+    its name is refused): hard-linked where it can be, copied where not. A symlink is copied,
+    never linked (a link would point outside both stores). Nothing is published here."""
+    if store.has_blob(f"sha256:{blob.hexdigest}"):
+        return Staged(blob, None, "already stored")
+    info = os.lstat(blob.path)
+    if stat.S_ISLNK(info.st_mode):
+        reason = "Ollama's blob is a symbolic link (its target is copied, never linked)"
+    elif not stat.S_ISREG(info.st_mode):
+        raise OllamaStoreError(f"Ollama's blob {blob.path} is not a regular file")
+    elif copy:
+        reason = "--copy asked for a copy"
+    elif info.st_uid != os.getuid():
+        reason = "Ollama's blob belongs to another user (a link would share their file)"
+    else:
+        reason = ""
     staged = store.staging_file("ollama-")
-    staged.unlink()
     try:
-        os.link(blob.path, staged)
-    except OSError as e:
-        return f"a hard link failed ({e.strerror or e}; another filesystem?)"
-    store.publish_blob(staged, blob.hexdigest)  # owner-only (0600), as every blob here
+        if not reason:
+            started = time.perf_counter()
+            _verify(blob, sha256_file(blob.path), started)
+            staged.unlink()
+            try:
+                os.link(blob.path, staged, follow_symlinks=False)
+                return Staged(blob, staged, _linked(info))
+            except OSError as e:
+                reason = f"a hard link failed ({e.strerror or e}; another filesystem?)"
+                staged.touch(mode=0o600)
+        started = time.perf_counter()
+        digest = hashlib.sha256()
+        with blob.path.open("rb") as src, staged.open("wb") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+        _verify(blob, digest.hexdigest(), started)
+        return Staged(blob, staged, f"copied {human_size(blob.size)}: {reason}")
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+
+
+def _verify(blob: OllamaBlob, hexdigest: str, started: float) -> None:
+    if hexdigest != blob.hexdigest:
+        raise OllamaStoreError(f"Ollama's blob {blob.path.name} does not hash to its name (its "
+                               f"content is sha256:{hexdigest[:12]}...): damaged, or not "
+                               f"Ollama's (ollama pull the model again)")
+    seconds = time.perf_counter() - started
+    log.info("hashed %s in %.1f s (%s/s)", blob.path.name, seconds,
+             human_size(int(blob.size / max(seconds, 1e-6))))
+
+
+def _linked(info: os.stat_result) -> str:
     mode = stat.S_IMODE(info.st_mode)
     if mode != 0o600:
         return (f"linked; the file is now owner-only (0600, was {mode:04o}): it is one file "
                 f"in both stores, which Ollama, running as you, still reads")
     return "linked"
+
+
+def discard(staged: list[Staged]) -> None:
+    """Staged blobs of a model that was refused: gone, the store and Ollama's files as they
+    were (a staged hard link shares the file; removing it changes nothing of Ollama's)."""
+    for s in staged:
+        if s.path is not None:
+            s.path.unlink(missing_ok=True)
 
 
 def recipe_for(model, digest: str) -> tuple[Recipe, list[str]]:
@@ -90,22 +141,53 @@ def recipe_for(model, digest: str) -> tuple[Recipe, list[str]]:
 
 
 def import_one(store: ModelStore, root, path, name, copy: bool) -> str:
+    """Every blob checked first (hashed, the model a GGUF, the projector a projector), then the
+    blobs published, the manifest last: a model refused leaves nothing behind, no blob and no
+    changed mode."""
     model = read_model(root, path, name)
-    digest, how = store_blob(store, model.model, copy)
+    staged: list[Staged] = []
+    try:
+        staged.append(stage_blob(store, model.model, copy))
+        _check_model(staged[0])
+        if model.projector is not None:
+            staged.append(stage_blob(store, model.projector, copy))
+            _check_projector(staged[1])
+    except BaseException:
+        discard(staged)
+        raise
+    for s in staged:
+        if s.path is not None:
+            store.publish_blob(s.path, s.blob.hexdigest)
+    digest = f"sha256:{model.model.hexdigest}"
     recipe, notes = recipe_for(model, digest)
-    build(store, str(name), recipe)
     if model.projector is not None:
-        proj_digest, proj_how = store_blob(store, model.projector, copy)
-        entry = store.get(name)
-        store.write_manifest(name, [*entry.layers, Layer(PROJECTOR_LAYER, proj_digest,
-                                                         model.projector.size)],
-                             entry.details, f"ollama:{path}")
-        notes.append(f"vision projector {proj_how}")
+        recipe = replace(recipe, layers=(Layer(PROJECTOR_LAYER,
+                                               f"sha256:{model.projector.hexdigest}",
+                                               model.projector.size),))
+        notes.append(f"vision projector {staged[1].how}")
+    build(store, str(name), recipe)
     kept = [what for what, there in (("system prompt", recipe.system),
                                      (f"{len(recipe.parameters)} parameter(s)",
                                       recipe.parameters)) if there]
-    said = "; ".join([f"{how}, {human_size(model.model.size)}", *kept, *notes])
+    said = "; ".join([f"{staged[0].how}, {human_size(model.model.size)}", *kept, *notes])
     return f"imported {name} ({said})"
+
+
+def _check_model(staged: Staged) -> None:
+    path = staged.path or staged.blob.path
+    try:
+        read_header(path)
+    except GGUFError as e:
+        raise OllamaStoreError(f"Ollama's model blob {staged.blob.path.name} is not a GGUF "
+                               f"({e}): nothing imported") from None
+
+
+def _check_projector(staged: Staged) -> None:
+    try:
+        check_projector(staged.path or staged.blob.path)
+    except StoreError as e:
+        raise OllamaStoreError(f"Ollama's vision projector {staged.blob.path.name} cannot be "
+                               f"used ({e}): nothing imported") from None
 
 
 def import_from_ollama(wanted: str | None, force: bool, copy: bool = False) -> int:
@@ -121,7 +203,7 @@ def import_from_ollama(wanted: str | None, force: bool, copy: bool = False) -> i
             if store.exists(name) and not force:
                 raise UserError(f"{name} is already stored; --force replaces it")
             print(import_one(store, root, path, name, copy))
-        except UserError as e:
+        except (UserError, OSError) as e:
             if wanted:
                 raise
             print(f"skipped {name}: {e}")

@@ -31,12 +31,14 @@ def write_private(path: Path, data: bytes) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
+        os.fsync(fd)  # on disk before a rename makes it the file (replace_private)
     finally:
         os.close(fd)
 
 
 def replace_private(path: Path, text: str) -> None:
-    """Atomically replace `path` with `text`, the new file 0600."""
+    """Atomically replace `path` with `text`, the new file 0600: a temporary file written and
+    fsynced, renamed over it, the folder fsynced."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         write_private(tmp, text.encode())
@@ -44,6 +46,16 @@ def replace_private(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    try:  # the rename itself on disk
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def private_dir(path: Path) -> Path:

@@ -95,18 +95,32 @@ def _blob(root: Path, layer: dict) -> OllamaBlob:
         size = path.stat().st_size
     except OSError:
         raise OllamaStoreError(f"blob {path.name} is missing from {root / 'blobs'}") from None
-    if "size" in layer and int(layer["size"]) != size:
+    declared = layer.get("size", size)
+    if isinstance(declared, bool) or not isinstance(declared, int):
+        raise OllamaStoreError(f"blob {path.name}: its manifest gives the size {declared!r}")
+    if declared != size:
         raise OllamaStoreError(f"blob {path.name} is {size} bytes, its manifest says "
                                f"{layer['size']}: Ollama's copy is damaged (ollama pull again)")
     return OllamaBlob(path, match.group(1), size)
 
 
 def read_model(root: Path, path: Path, name: ModelName) -> OllamaModel:
+    """The model a manifest describes; OllamaStoreError naming what is odd about it (a
+    manifest of any shape is said so, never a traceback)."""
     try:
-        doc = json.loads(path.read_text())
-        layers = list(doc["layers"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise OllamaStoreError(f"cannot read the Ollama manifest {path}: {e}") from None
+        return _read_model(root, path, name)
+    except OllamaStoreError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise OllamaStoreError(f"cannot read the Ollama manifest {path} "
+                               f"({type(e).__name__}: {e})") from None
+
+
+def _read_model(root: Path, path: Path, name: ModelName) -> OllamaModel:
+    doc = json.loads(path.read_bytes().decode("utf-8"))
+    layers = [layer for layer in doc["layers"]]
+    if not all(isinstance(layer, dict) for layer in layers):
+        raise OllamaStoreError(f"the Ollama manifest {path} has layers that are not objects")
     by_type = {str(layer.get("mediaType", "")).removeprefix(MEDIA): layer for layer in layers}
     if "model" not in by_type:
         raise OllamaStoreError(f"{name} has no GGUF layer in Ollama's store (a model of "

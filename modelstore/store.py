@@ -224,7 +224,12 @@ class ModelStore:
         if target.exists():
             staged.unlink(missing_ok=True)
         else:
-            os.chmod(staged, 0o600)
+            # the mode set on the file itself, never through a link: a staged symlink is refused
+            fd = os.open(staged, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
             os.replace(staged, target)
         return digest
 

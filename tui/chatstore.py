@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localllm import paths
+from localllm.state_file import set_aside
 
 SCHEMA_VERSION = 1
 SCHEMA = """
@@ -75,12 +76,29 @@ class StoredMessage:
     images: tuple[str, ...] = ()  # base64
 
 
+class NewerSchema(sqlite3.DatabaseError):
+    """The database was written by a newer localllm: kept as it is, the chat refuses it."""
+
+
 class ChatStore:
     def __init__(self, path: Path | None = None):
         self.path = path or default_path()
         # Every conversation is in here: the user's alone, as the store is. SQLite gives its
         # -wal and -shm files the database's mode.
         paths.private_dir(self.path.parent)
+        try:
+            self._open()
+        except NewerSchema:
+            raise
+        except sqlite3.DatabaseError as e:  # not a database, or a damaged one: set aside
+            if getattr(self, "db", None) is not None:
+                self.db.close()
+            for extra in ("-wal", "-shm"):
+                self.path.with_name(self.path.name + extra).unlink(missing_ok=True)
+            set_aside(self.path, "the chat database", e)
+            self._open()
+
+    def _open(self) -> None:
         os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
         os.chmod(self.path, 0o600)
         self.db = sqlite3.connect(self.path, isolation_level=None)  # autocommit: saved at once
@@ -88,10 +106,11 @@ class ChatStore:
         self.db.execute("PRAGMA journal_mode = WAL")
         version = self.db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(f"{self.path} is from a newer localllm "
-                                        f"(schema {version}); upgrade localllm to open it")
+            raise NewerSchema(f"{self.path} is from a newer localllm "
+                              f"(schema {version}); upgrade localllm to open it")
         self.db.executescript(SCHEMA)
         self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        self.db.execute("SELECT count(*) FROM chat").fetchone()  # a damaged file fails here
 
     def close(self) -> None:
         self.db.close()

@@ -56,6 +56,7 @@ class Recipe:
     parameters: dict = field(default_factory=dict)
     template: str | None = None
     system: str | None = None
+    layers: tuple[Layer, ...] = ()  # stored blobs added as they are (an import's projector)
 
 
 def parse_modelfile(text: str) -> Recipe:
@@ -188,7 +189,8 @@ def build(store: ModelStore, name: str, recipe: Recipe) -> None:
         inherited[TEMPLATE_LAYER] = text_layer(store, TEMPLATE_LAYER, recipe.template)
     if recipe.system is not None:
         inherited[SYSTEM_LAYER] = text_layer(store, SYSTEM_LAYER, recipe.system)
-    store.write_manifest(target, layers + list(inherited.values()), details, source)
+    store.write_manifest(target, layers + list(inherited.values()) + list(recipe.layers),
+                         details, source)
 
 
 @routes.post("/api/create")

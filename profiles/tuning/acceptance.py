@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from localllm.speculative import DRAFTING_MODES
+from localllm.state_file import unless_broken
 
 from .saved import model_table, profiles_dir, read_tables, write_toml
 
@@ -31,9 +32,14 @@ def record(model: str, file_size: int, mode: str, drafted: int, accepted: int,
     path = path or acceptance_file()
     doc = read_tables(path)
     entry = model_table(doc, model, file_size)
-    counts = entry.get(mode, {})
-    total = int(counts.get("drafted", 0)) + drafted
-    taken = int(counts.get("accepted", 0)) + min(accepted, drafted)
+    counts = {}
+    with unless_broken(path, "the draft acceptance record"):  # the counts so far, if sound
+        old = entry.get(mode, {})
+        counts = {"drafted": int(old.get("drafted", 0)), "accepted": int(old.get("accepted", 0))}
+    if not counts:  # set aside: a fresh record
+        doc, entry, counts = {}, {"file_size": file_size}, {"drafted": 0, "accepted": 0}
+    total = counts["drafted"] + drafted
+    taken = counts["accepted"] + min(accepted, drafted)
     if total > DECAY_AT:
         total, taken = total // 2, taken // 2
     entry[mode] = {"drafted": total, "accepted": taken}
@@ -44,10 +50,14 @@ def record(model: str, file_size: int, mode: str, drafted: int, accepted: int,
 def measured_acceptance(model: str, file_size: int, path: Path | None = None
                         ) -> dict[str, float]:
     """{mode: accepted / drafted} for the modes this model file has drafted enough with."""
-    entry = model_table(read_tables(path or acceptance_file()), model, file_size)
-    out = {}
-    for mode in DRAFTING_MODES:
-        counts = entry.get(mode)
-        if isinstance(counts, dict) and int(counts.get("drafted", 0)) >= MIN_DRAFTED:
-            out[mode] = int(counts.get("accepted", 0)) / int(counts["drafted"])
-    return out
+    path = path or acceptance_file()
+    entry = model_table(read_tables(path), model, file_size)
+    with unless_broken(path, "the draft acceptance record"):
+        out = {}
+        for mode in DRAFTING_MODES:
+            counts = entry.get(mode)
+            if isinstance(counts, dict) and int(counts.get("drafted", 0)) >= MIN_DRAFTED:
+                out[mode] = min(1.0, max(0.0, int(counts.get("accepted", 0)) /
+                                         int(counts["drafted"])))
+        return out
+    return {}

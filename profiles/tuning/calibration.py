@@ -6,12 +6,11 @@ applies them to a card. Written by profiles.tuning.measure and profiles.tuning.c
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import replace
 from pathlib import Path
 
 from ..planning.card import Card
-from .saved import profiles_dir
+from .saved import profiles_dir, read_tables
 
 HOST_KEY = "host"  # the calibration table of this machine's own figures (no card is so named)
 
@@ -21,12 +20,7 @@ def calibration_file() -> Path:
 
 
 def load_calibration(path: Path | None = None) -> dict:
-    path = path or calibration_file()
-    try:
-        doc = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return {}
-    return {k: v for k, v in doc.items() if isinstance(v, dict)}
+    return read_tables(path or calibration_file())
 
 
 def calibrated(card: Card, path: Path | None = None) -> Card:
@@ -39,7 +33,7 @@ def calibrated(card: Card, path: Path | None = None) -> Card:
     try:
         gpu = float(factors.get("gpu_bandwidth_factor", 1.0))
         host = float(factors.get("host_bandwidth_factor", 1.0))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return card
     card = with_measured_bandwidth(card, factors)  # from --calibrate, when it ran
     if not (0.01 <= gpu <= 100 and 0.01 <= host <= 100):
@@ -52,7 +46,7 @@ def with_measured_disk(card: Card, host: dict) -> Card:
     """The card with the host's measured disk read rate, when one is stored."""
     try:
         value = float(host["disk_read_gbs"])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         return card
     return replace(card, disk_read_gbs=value) if 0 < value < 1000 else card
 
@@ -63,7 +57,7 @@ def with_measured_bandwidth(card: Card, factors: dict) -> Card:
     for key, field in (("memory_bandwidth_gbs", "bandwidth_gbs"), ("pcie_gbs", "pcie_gbs")):
         try:
             value = float(factors[key])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             continue
         if 0 < value < 100_000:
             changes[field] = value

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from localllm import paths
+from localllm.state_file import unless_broken
 
 from ..planning.plan import Plan
 
@@ -33,8 +34,12 @@ def dry_run(model_path: str, plan: Plan, timeout: float = 120.0) -> dict | None:
     cache = _cache_file(model_path, plan)
     if cache.is_file():
         try:
-            return json.loads(cache.read_text())
-        except (OSError, ValueError):
+            with unless_broken(cache, "a cached dry run"):
+                found = json.loads(cache.read_bytes().decode("utf-8"))
+                if not isinstance(found, dict) or not isinstance(found.get("compute", {}), dict):
+                    raise ValueError("not a dry run's figures")
+                return found
+        except OSError:
             pass
     request = json.dumps({"model_path": model_path, "plan": plan.to_dict()})
     try:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from localllm.state_file import unless_broken
+
 from ..planning.quality import REFERENCE
 from .saved import model_table, profiles_dir, read_tables, write_toml
 
@@ -23,7 +25,11 @@ def save_result(model: str, file_size: int, setting: str, reference: str, metric
     entry = model_table(doc, model, file_size)
     table = "kv" if reference == REFERENCE else "vs"
     key = setting if table == "kv" else reference
-    results = dict(entry.get(table, {}))
+    results = {}
+    with unless_broken(path, "the eval results"):
+        results = dict(entry.get(table, {}))
+    if not path.exists():  # set aside: a fresh file
+        doc, entry = {}, {"file_size": file_size}
     results[key] = {**{k: round(float(v), 6) for k, v in metrics.items()},
                     "setting": setting, "reference": reference,
                     "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -37,7 +43,8 @@ def measured_kl(model: str, file_size: int, path: Path | None = None) -> dict[st
     """{KV label: mean KL vs f16} measured for this model file; empty when none is."""
     entry = model_table(read_tables(path or results_file()), model, file_size)
     out = {}
-    for label, result in entry.get("kv", {}).items():
+    kv = entry.get("kv", {})
+    for label, result in (kv.items() if isinstance(kv, dict) else ()):
         if isinstance(result, dict) and isinstance(result.get("kl_mean"), (int, float)):
             out[label] = float(result["kl_mean"])
     return out

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from localllm.state_file import unless_broken
+
 from .saved import model_table, profiles_dir, read_tables, write_toml
 
 MIN_LOOKUPS = 20_000  # a share's lookups before its rate replaces the assumed curve there
@@ -36,9 +38,13 @@ def record(model: str, file_size: int, share: float, hits: int, misses: int, evi
     doc = read_tables(path)
     entry = model_table(doc, model, file_size)
     key = f"{share:.4f}"
-    old = entry.get(key, {})
-    if hits + misses < MIN_LOOKUPS and \
-            int(old.get("hits", 0)) + int(old.get("misses", 0)) > hits + misses:
+    before = 0
+    with unless_broken(path, "the expert cache's hit record"):
+        old = entry.get(key, {})
+        before = int(old.get("hits", 0)) + int(old.get("misses", 0))
+    if not path.exists():  # set aside: a fresh record
+        doc, entry = {}, {"file_size": file_size}
+    if hits + misses < MIN_LOOKUPS and before > hits + misses:
         return  # a new load's first answers: the longer record stands for now
     entry[key] = {"hits": hits, "misses": misses, "evictions": evictions, "steps": steps}
     doc[model] = entry
@@ -84,7 +90,7 @@ def measured_hits(model: str, file_size: int, path: Path | None = None
             # "swaps" before round 11: the fill counted too
             swaps = int(counts.get("evictions", counts.get("swaps", 0)))
             steps = int(counts.get("steps", 0))
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError):
             continue
         if hits + misses >= MIN_LOOKUPS:
             out.append((share, hits / (hits + misses), swaps / max(steps, 1)))

@@ -18,6 +18,7 @@ from typing import Any
 import tomli_w
 
 from localllm import paths
+from localllm.state_file import set_aside, unless_broken
 from localllm.errors import UserError
 
 from localllm.speculative import SPECULATIVE_MODES
@@ -110,10 +111,12 @@ def read_tables(path: Path) -> dict[str, dict]:
     """The top-level tables of a per-model results file; a missing or broken file has none
     (the figures are measured again)."""
     try:
-        doc = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return {}
-    return {k: v for k, v in doc.items() if isinstance(v, dict)}
+        with unless_broken(path, "the tuner's record"):
+            doc = tomllib.loads(path.read_bytes().decode("utf-8"))
+            return {k: v for k, v in doc.items() if isinstance(v, dict)}
+    except OSError:
+        pass
+    return {}
 
 
 def model_table(doc: dict[str, dict], model: str, file_size: int) -> dict:
@@ -187,11 +190,22 @@ def parse_plan_table(path: Path, table: Any) -> Plan:
 def load_profile(path: Path) -> SavedProfile:
     """The profile at `path`; ProfileError with the file and reason when it cannot be used."""
     try:
-        doc = tomllib.loads(path.read_text())
+        doc = tomllib.loads(path.read_bytes().decode("utf-8"))
     except OSError as e:
         raise ProfileError(f"cannot read {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ProfileError(f"{path}: not valid TOML: {e}") from None
+    except (ValueError, RecursionError) as e:  # not TOML or not UTF-8: set aside, re-tuned
+        set_aside(path, "the saved profile", e)
+        raise ProfileError(f"{path}: not valid TOML ({e}); set aside, the model is tuned "
+                           "again") from None
+    try:
+        return _profile(path, doc)
+    except ProfileError:
+        raise
+    except (TypeError, ValueError, AttributeError, OverflowError) as e:  # a value a user broke
+        raise ProfileError(f"{path}: {type(e).__name__}: {e}") from None
+
+
+def _profile(path: Path, doc: dict) -> SavedProfile:
     plan = parse_plan_table(path, doc.get("plan"))
     predicted = doc.get("predicted", {}) if isinstance(doc.get("predicted"), dict) else {}
     plan = replace(

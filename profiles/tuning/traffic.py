@@ -22,6 +22,7 @@ import logging
 from pathlib import Path
 
 from localllm import paths
+from localllm.state_file import unless_broken
 
 from ..planning.workload import CHAT, MIN_LEARNED, Workload, learned, named
 
@@ -37,22 +38,29 @@ def traffic_file() -> Path:
 
 
 def _read(path: Path) -> dict[str, list[list[int]]]:
+    """The record; {} when there is none, or when it is broken (then set aside: any content,
+    localllm.state_file)."""
     try:
-        doc = json.loads(path.read_text())
+        with unless_broken(path, "the workload record"):
+            return _parse(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as e:
-        log.warning("workload record %s unreadable (%s): starting a new one", path, e)
-        return {}
-    models = doc.get("models") if isinstance(doc, dict) else None
-    if not isinstance(models, dict):
-        return {}
+    except OSError as e:
+        log.warning("workload record %s unreadable (%s)", path, e)
+    return {}
+
+
+def _parse(text: str) -> dict[str, list[list[int]]]:
+    doc = json.loads(text)
+    if not isinstance(doc, dict) or not isinstance(doc.get("models"), dict):
+        raise ValueError("not a workload record")
     out = {}
-    for name, rows in models.items():
+    for name, rows in doc["models"].items():
         if isinstance(rows, list):
             out[str(name)] = [[int(x) for x in r] for r in rows
                               if isinstance(r, list) and len(r) == 3
-                              and all(isinstance(x, int) and x >= 0 for x in r)][-KEEP:]
+                              and all(isinstance(x, int) and 0 <= x < 1 << 40 for x in r)
+                              ][-KEEP:]
     return out
 
 
