@@ -14,7 +14,6 @@ work.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-import asyncio
 import contextlib
 import logging
 import time
@@ -30,7 +29,8 @@ from ..chat.custom import Customization
 from ..chat.images import load_images
 from ..chat.model import ChatModel, model_for
 from ..chat.parse import Parsed
-from ..chat.request import ChatRequest, Prepared, check_request_text, prepare
+from ..chat.renders import prepare_queued
+from ..chat.request import ChatRequest, Prepared, check_request_text
 from ..chat.truncate import fit_to_context
 from ..runner.process import RunnerProcess
 from ..runner.protocol import Done, Event, Failure, GenerationRequest, Progress, Token
@@ -214,7 +214,7 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
         request = replace(request, image_data=data)
     # Rendering runs the model's template (a worker process, up to its time limit): never on
     # the event loop, which serves everyone else meanwhile.
-    prepared = await asyncio.to_thread(prepare, model, request)
+    prepared = await prepare_queued(model, request)
 
     async def fit(runner):
         nonlocal prepared
@@ -235,7 +235,7 @@ async def count_prompt_tokens(app: web.Application, entry: ModelEntry, request: 
     model = await served_model(entry, custom)
     if custom is not None:
         request = with_default_system(request, custom.system)
-    prepared = await asyncio.to_thread(prepare, model, request)  # the template's worker: waits
+    prepared = await prepare_queued(model, request)  # the template's worker: waits
     async with app[SCHEDULER].use(entry, request.load) as runner:
         return await runner.count_tokens(prepared.prompt)
 

@@ -6,8 +6,12 @@ internals, no mutation of the request), so that:
 - a template that runs too long is killed by the daemon (template.py) without a thread
   left spinning: Python threads cannot be stopped, processes can;
 - a template that builds a huge value fails at once: `*`, `+` and `**` are intercepted (which also
-  stops jinja folding `"a" * 10**10` at compile time), output is counted as it is produced, and
-  the process's address space is capped (RLIMIT_AS) for whatever else allocates;
+  stops jinja folding `"a" * 10**10` at compile time), `replace` is sized before it runs, every
+  call's result is sized, output is counted as it is produced, all against the 8 MiB cap of a
+  request's text, and the process's address space is capped (RLIMIT_AS) for whatever else
+  allocates;
+- a template nested past MAX_NESTING blocks, or one that recurses past Python's limit, is an
+  error naming the limit, and the worker lives on;
 - the daemon's event loop and memory are never the template's.
 
 Wire: one JSON object per message, each prefixed by its length (4 bytes, big-endian), over
@@ -20,6 +24,7 @@ import datetime as dt
 import json
 import math
 import operator
+import re
 import resource
 import signal
 import struct
@@ -29,7 +34,10 @@ from functools import lru_cache
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-MAX_OUTPUT_CHARS = 16 << 20  # far past any context: 16 Mi characters of prompt
+# A request's text is capped at 8 MiB (chat/request.py): a prompt may not be larger, and the cap
+# holds while the template renders, not after (every piece, every value it builds)
+MAX_OUTPUT_CHARS = 8 << 20
+MAX_NESTING = 100  # {% if %}, {% for %} ... blocks within blocks; real templates nest a few
 MAX_INT_BITS = 1 << 16  # `**` past this many bits of result is refused
 MEMORY_LIMIT_BYTES = 1 << 30  # the worker's address space
 HEADER = struct.Struct(">I")
@@ -72,6 +80,50 @@ class LimitedSandbox(ImmutableSandboxedEnvironment):
             return operator.pow(left, right)
         return super().call_binop(context, op, left, right)
 
+    def call(__self, __context, __obj, *args, **kwargs):  # jinja's own names: no clash
+        """A method or function the template calls: `str.replace` is sized before it runs
+        (one call can multiply a string), any other result after."""
+        if getattr(__obj, "__name__", "") == "replace" and isinstance(
+                getattr(__obj, "__self__", None), str):
+            _check_replace(__obj.__self__, *args)
+        result = super().call(__context, __obj, *args, **kwargs)
+        if isinstance(result, (str, list, tuple)) and len(result) > MAX_OUTPUT_CHARS:
+            raise _too_long(len(result))
+        return result
+
+
+def _check_replace(text: str, old="", new="", count: int = -1, *rest) -> None:
+    if isinstance(old, str) and isinstance(new, str) and len(new) > len(old):
+        n = text.count(old) if old else len(text) + 1
+        if isinstance(count, int) and count >= 0:
+            n = min(n, count)
+        if len(text) + n * (len(new) - len(old)) > MAX_OUTPUT_CHARS:
+            raise _too_long(len(text) + n * (len(new) - len(old)))
+
+
+def _replace_filter(value, old, new, count=None):
+    """jinja's `replace` filter, sized before it runs."""
+    text = str(value)
+    _check_replace(text, str(old), str(new), -1 if count is None else count)
+    return text.replace(str(old), str(new), -1 if count is None else count)
+
+
+_BLOCK_TAG = re.compile(r"\{%[-+]?\s*(\w+)")
+_OPENS = {"if", "for", "macro", "call", "filter", "block", "with", "raw", "trans"}
+
+
+def _nesting(template: str) -> int:
+    """How deep the template's blocks nest (an estimate from its tags, before compiling: the
+    compiler recurses once per level and a deep enough template exhausts Python's stack)."""
+    depth = deepest = 0
+    for word in _BLOCK_TAG.findall(template):
+        if word in _OPENS:
+            depth += 1
+            deepest = max(deepest, depth)
+        elif word.startswith("end"):
+            depth = max(0, depth - 1)
+    return deepest
+
 
 def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False, separators=None):
     # HF's tojson: no HTML escaping (jinja2's default would turn "<" into "\u003c").
@@ -92,6 +144,7 @@ def _compile(template: str):
     env = LimitedSandbox(trim_blocks=True, lstrip_blocks=True,
                          extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
+    env.filters["replace"] = _replace_filter
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(template)
@@ -99,12 +152,18 @@ def _compile(template: str):
 
 def render_here(template: str, variables: dict) -> dict:
     """One render in this process, as the reply to send."""
+    if (depth := _nesting(template)) > MAX_NESTING:
+        return {"error": f"the chat template nests its blocks {depth} deep, past the limit of "
+                         f"{MAX_NESTING}", "limit": "nesting"}
     try:
         compiled = _compile(template)
     except TemplateError as e:
         return {"error": f"the model's chat template does not compile: {e}"}
     except MemoryError:
         return {"error": _memory_message(), "limit": "memory"}
+    except RecursionError:
+        return {"error": "the chat template is nested past what can be compiled (recursion "
+                         "limit)", "limit": "nesting"}
     pieces, size = [], 0
     try:
         for piece in compiled.generate(**variables):
@@ -116,6 +175,9 @@ def render_here(template: str, variables: dict) -> dict:
         return {"error": str(e), "limit": "size"}
     except MemoryError:
         return {"error": _memory_message(), "limit": "memory"}
+    except RecursionError:
+        return {"error": "the chat template recursed past the recursion limit (a macro that "
+                         "calls itself?)", "limit": "nesting"}
     except Raised as e:
         return {"error": str(e)}
     except Exception as e:  # any jinja or Python error the template causes

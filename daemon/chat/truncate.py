@@ -15,14 +15,14 @@ keeps only as many of its newest turns as could fit by size, and a plain prompt 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import replace
 
 from .model import ChatModel
 from .errors import ChatError
-from .request import ChatRequest, Prepared, prepare, turn_text
+from .renders import prepare_queued
+from .request import ChatRequest, Prepared, turn_text
 
 log = logging.getLogger("localllm.chat")
 
@@ -102,7 +102,7 @@ async def _keep_what_could_fit(model: ChatModel, request: ChatRequest,
     for start in range(oldest, len(turns)):  # a template may refuse to start mid-conversation
         cut = replace(request, messages=(*head, *(m for t in turns[start:] for m in t)))
         try:
-            return cut, await asyncio.to_thread(prepare, model, cut)
+            return cut, await prepare_queued(model, cut)
         except ChatError:
             continue
     raise ChatError("the conversation's last turn alone is longer than the context can hold; "
@@ -150,8 +150,7 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
             kept = [*head, request.messages[-1]]
         renders += 1
         try:
-            candidate = await asyncio.to_thread(prepare, model,
-                                                replace(request, messages=tuple(kept)))
+            candidate = await prepare_queued(model, replace(request, messages=tuple(kept)))
         except ChatError:
             candidate = None  # some templates refuse a history that starts mid-conversation
         if candidate is not None:
