@@ -11,13 +11,17 @@ import json
 from pathlib import Path
 
 import pytest
-from test_ollama_habits import (  # noqa: F401 (empty_daemon: a fixture)
-    cli,
-    empty_daemon,
-    ollama_blob,
-    ollama_manifest,
-    one_line_error,
-)
+from test_ollama_habits import cli, ollama_blob, ollama_manifest, one_line_error
+
+
+@pytest.fixture
+def daemon_(tmp_path):
+    """A daemon whose store is empty."""
+    from daemon_process import isolated_env, start_daemon
+
+    d = start_daemon(isolated_env(tmp_path / "e"))
+    yield d
+    d.stop()
 
 
 def _ours(daemon) -> Path:
@@ -34,7 +38,7 @@ def store(tmp_path, smollm2_gguf) -> tuple[Path, dict]:
     return root, ollama_blob(root, source=smollm2_gguf)
 
 
-def test_a_blob_whose_name_lies_is_refused_and_nothing_changes(empty_daemon, store):
+def test_a_blob_whose_name_lies_is_refused_and_nothing_changes(daemon_, store):
     root, model = store
     liar = hashlib.sha256(b"another file").hexdigest()
     real = root / "blobs" / f"sha256-{model['digest'].split(':')[1]}"
@@ -43,15 +47,15 @@ def test_a_blob_whose_name_lies_is_refused_and_nothing_changes(empty_daemon, sto
     lying.chmod(0o644)
     ollama_manifest(root, "liar", "latest", {"model": {"digest": f"sha256:{liar}",
                                                        "size": lying.stat().st_size}})
-    one_line_error(cli(empty_daemon, "import", "--from-ollama", "liar",
+    one_line_error(cli(daemon_, "import", "--from-ollama", "liar",
                        OLLAMA_MODELS=str(root)), "does not hash to its name")
-    assert "liar:latest" not in _names(empty_daemon)
-    assert not list(_ours(empty_daemon).glob("sha256-*")), "no blob stored"
-    assert not list((_ours(empty_daemon).parent / "tmp").glob("*")), "nothing left staged"
+    assert "liar:latest" not in _names(daemon_)
+    assert not list(_ours(daemon_).glob("sha256-*")), "no blob stored"
+    assert not list((_ours(daemon_).parent / "tmp").glob("*")), "nothing left staged"
     assert lying.stat().st_mode & 0o777 == 0o644, "Ollama's file untouched"
 
 
-def test_a_symlinked_blob_is_copied_never_linked(empty_daemon, store, tmp_path, smollm2_gguf):
+def test_a_symlinked_blob_is_copied_never_linked(daemon_, store, tmp_path, smollm2_gguf):
     root, model = store
     real = root / "blobs" / f"sha256-{model['digest'].split(':')[1]}"
     outside = tmp_path / "elsewhere.gguf"
@@ -59,32 +63,32 @@ def test_a_symlinked_blob_is_copied_never_linked(empty_daemon, store, tmp_path, 
     outside.chmod(0o644)
     real.symlink_to(outside)
     ollama_manifest(root, "linked", "latest", {"model": model})
-    result = cli(empty_daemon, "import", "--from-ollama", "linked", OLLAMA_MODELS=str(root))
+    result = cli(daemon_, "import", "--from-ollama", "linked", OLLAMA_MODELS=str(root))
     assert result.returncode == 0, result.stderr
     assert "copied" in result.stdout and "symbolic link" in result.stdout
-    ours = _ours(empty_daemon) / real.name
+    ours = _ours(daemon_) / real.name
     assert ours.is_file() and not ours.is_symlink()
     assert ours.stat().st_ino != outside.stat().st_ino
     assert outside.stat().st_mode & 0o777 == 0o644, "the file outside both stores untouched"
-    assert "linked:latest" in _names(empty_daemon)
+    assert "linked:latest" in _names(daemon_)
 
 
-def test_a_damaged_projector_refuses_the_whole_model(empty_daemon, store):
+def test_a_damaged_projector_refuses_the_whole_model(daemon_, store):
     root, model = store
     ollama_manifest(root, "seer", "latest", {
         "model": model, "projector": ollama_blob(root, b"this is not a projector\n" * 40)})
-    one_line_error(cli(empty_daemon, "import", "--from-ollama", "seer",
+    one_line_error(cli(daemon_, "import", "--from-ollama", "seer",
                        OLLAMA_MODELS=str(root)), "vision projector")
-    assert "seer:latest" not in _names(empty_daemon), "not listed without its projector"
-    assert not list(_ours(empty_daemon).glob("sha256-*")), "no blob stored"
+    assert "seer:latest" not in _names(daemon_), "not listed without its projector"
+    assert not list(_ours(daemon_).glob("sha256-*")), "no blob stored"
     real = root / "blobs" / f"sha256-{model['digest'].split(':')[1]}"
     assert real.stat().st_mode & 0o777 == 0o644, "no mode changed for a refused model"
     # --force cannot link a text file as the projector either
-    one_line_error(cli(empty_daemon, "import", "--from-ollama", "seer", "--force",
+    one_line_error(cli(daemon_, "import", "--from-ollama", "seer", "--force",
                        OLLAMA_MODELS=str(root)), "vision projector")
 
 
-def test_odd_manifests_are_skipped_and_the_rest_imported(empty_daemon, store):
+def test_odd_manifests_are_skipped_and_the_rest_imported(daemon_, store):
     root, model = store
     ollama_manifest(root, "good", "latest", {"model": model})
     ollama_manifest(root, "bigsize", "latest", {"model": {**model, "size": "big"}})
@@ -94,10 +98,10 @@ def test_odd_manifests_are_skipped_and_the_rest_imported(empty_daemon, store):
     deep = root / "manifests" / "registry.ollama.ai" / "library" / "deep" / "latest"
     deep.parent.mkdir(parents=True)
     deep.write_text("[" * 100_000)
-    result = cli(empty_daemon, "import", "--from-ollama", OLLAMA_MODELS=str(root))
+    result = cli(daemon_, "import", "--from-ollama", OLLAMA_MODELS=str(root))
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     for name in ("bigsize", "oddlayers", "deep"):
         assert f"skipped {name}:latest: " in result.stdout, result.stdout
     assert "imported good:latest" in result.stdout
-    assert _names(empty_daemon) == {"good:latest"}
+    assert _names(daemon_) == {"good:latest"}
