@@ -384,6 +384,9 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
         reason = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(e)) or str(e)
         where = f"{source}:{line}" if line else source
         raise ConfigError(f"{where}: {reason}", path=source, line=line, reason=reason) from None
+    except RecursionError:
+        reason = "values nested too deep to read"
+        raise ConfigError(f"{source}: {reason}", path=source, reason=reason) from None
     values = {}
     for key, raw in doc.items():
         if key in CLIENT_TABLES and isinstance(raw, dict):

@@ -125,3 +125,12 @@ def test_a_damaged_chat_database_is_set_aside_and_a_new_one_opened(tmp_path):
     chat = store.create_chat("smollm2")
     assert chat and list(tmp_path.glob("chats.db.bad-*"))
     store.close()
+
+
+def test_a_config_nested_100000_deep_is_a_config_error_with_the_reason():
+    """config.toml is the user's own file: it is never set aside, but any content gives the
+    one-line ConfigError (the daemon keeps its last good config), never a RecursionError."""
+    from localllm.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="nested too deep"):
+        parse_config("a = " + "[" * 100_000)
