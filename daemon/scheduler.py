@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from localllm.modelstore.gguf_header import GGUFError
@@ -111,6 +111,7 @@ class Scheduler:
         self.planner = planner or Planner(lambda: self.config)
         self.runner_command = tuple(runner_command)
         self.models: dict[str, LoadedModel] = {}
+        self.on_answer: Callable[[str, Done], None] | None = None  # each answer (metrics)
         self._replanned: set[str] = set()  # models planned again for their pool's hits
         self.queued = 0  # requests waiting for a slot or a load, over all models
         self._model_locks: dict[str, asyncio.Lock] = {}
@@ -274,6 +275,8 @@ class Scheduler:
     def _served(self, model: LoadedModel, done: Done) -> None:
         """After each answer: its record for the tuner, and a re-plan where due (once a model)."""
         name = model.entry.name.tagged
+        if self.on_answer is not None:
+            self.on_answer(name, done)
         record_served(name, done)
         record_expert_hits(name, model.shape, model.runner)
         if name not in self._replanned and (why := replan_reason(model, self.config)):

@@ -42,6 +42,8 @@ from .api.common import KNOWN, MAX_BODY_BYTES, find_model, read_json
 from .config_watch import watch_config, watch_profiles
 from .http_errors import OVERLOADED, error_body, is_anthropic
 from .logging_setup import ACCESS_LOG, AccessLogger, setup_logging
+from .metrics import METRICS, Metrics, metrics_middleware
+from .metrics import routes as metrics_routes
 from .scheduler import Scheduler
 from .state import CONFIG, SCHEDULER, STORE
 from .systemd import listen_fds, notify
@@ -99,10 +101,12 @@ async def root(request: web.Request) -> web.Response:
 
 
 def create_app(config: Config, store: ModelStore | None = None) -> web.Application:
-    # Outermost first: who is asking (Host, Origin, which local user) before anything runs,
-    # errors turned into JSON around the handlers, the key checked inside so a 401 has the
-    # API's error shape, and only then a remote model sent to its upstream.
-    middlewares = [security.host_middleware(config), security.cors_middleware(config),
+    # Outermost first: every request counted (metrics), who is asking (Host, Origin, which
+    # local user) before anything runs, errors turned into JSON around the handlers, the key
+    # checked inside so a 401 has the API's error shape, and only then a remote model sent to
+    # its upstream.
+    middlewares = [metrics_middleware,
+                   security.host_middleware(config), security.cors_middleware(config),
                    security.owner_middleware(config), error_middleware,
                    security.key_middleware(config.api_key), remote_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
@@ -111,6 +115,9 @@ def create_app(config: Config, store: ModelStore | None = None) -> web.Applicati
     app[STORE] = store or default_store()
     app[KNOWN] = {}
     app[SCHEDULER] = Scheduler(app[STORE], config, paths.state_dir() / "logs")
+    app[METRICS] = Metrics()
+    app[SCHEDULER].on_answer = app[METRICS].answered
+    app.add_routes(metrics_routes)
     app.router.add_get("/", root)  # GET and HEAD, as Ollama answers both
     app.add_routes(ollama.routes)
     app.add_routes(ollama_models.routes)
