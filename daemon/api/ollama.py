@@ -125,6 +125,8 @@ def metrics(gen: Generation, done: Done) -> dict:
         "prompt_tokens": done.prompt_tokens,
         "context_used": done.context_used,
         "context_length": done.n_ctx,
+        # the prompt's tokens left out to fit the context (`truncate`, Ollama's default)
+        **({"prompt_truncated_count": done.prompt_truncated} if done.prompt_truncated else {}),
     }
 
 
@@ -239,9 +241,10 @@ class OllamaWriter(Writer):
 async def _respond(request: web.Request, common: Common, chat: ChatRequest, shape,
                    final_extra, truncate: bool = True) -> web.StreamResponse:
     writer = OllamaWriter(common.entry.name.tagged, chat, shape, final_extra)
+    # Ollama's `truncate`: the oldest turns dropped, then the prompt's oldest tokens
     return await respond(request, chat, writer, entry=common.entry, custom=common.custom,
                          stream=common.stream, keep_alive=common.keep_alive,
-                         truncate=truncate)
+                         truncate=truncate, cut_tokens=truncate)
 
 
 def get_logprobs(body: dict) -> int | None:
@@ -274,7 +277,8 @@ async def api_generate(request: web.Request) -> web.StreamResponse:
     chat = _chat_request(common, body, prompt=prompt, system=get_str(body, "system"),
                          suffix=suffix or None, raw=raw, images=tuple(images))
     return await _respond(request, common, chat, generate_fields,
-                          lambda done: {"context": list(done.context)})
+                          lambda done: {"context": list(done.context)},
+                          truncate=get_truncate(body))
 
 
 @routes.post("/api/chat")
@@ -298,6 +302,11 @@ def get_truncate(body: dict) -> bool:
     value = options.get("truncate", body.get("truncate", True))
     if not isinstance(value, bool):
         raise bad_request("field 'truncate' must be true or false", "truncate")
+    # Ollama's `shift` (move the context when the answer fills it): accepted; here an answer
+    # that fills the context ends with done_reason "length" either way
+    shift = options.get("shift", body.get("shift", True))
+    if not isinstance(shift, bool):
+        raise bad_request("field 'shift' must be true or false", "shift")
     return value
 
 

@@ -134,9 +134,10 @@ class Answer:
         return {"dropped_messages": dropped} if dropped else {}
 
     async def whole(self) -> tuple[Parsed, Done, list[dict]]:
-        parser = self.prepared.parser
         out, logprobs = Parsed(), []
+        parser = None  # the prepared request's, once the runner is held (it may be cut to fit)
         async for event in self.gen.events:
+            parser = parser or self.prepared.parser
             if isinstance(event, Token):
                 self.first_token_ns = self.first_token_ns or self.gen.total_duration_ns()
                 out.add(parser.feed(event.text))
@@ -151,8 +152,8 @@ class Answer:
     async def parts(self) -> AsyncIterator[Part]:
         """Parts as they come; the first event is read before anything is sent, so a failure
         there can still be an HTTP error. The last part carries the Done (or a Failure)."""
-        parser = self.prepared.parser
         event = await first_event(self.gen)
+        parser = self.prepared.parser  # as fitted to the runner's context, read once it is held
         while True:
             if isinstance(event, Token):
                 parsed = parser.feed(event.text)
@@ -200,7 +201,7 @@ def with_default_system(request: ChatRequest, system: str | None) -> ChatRequest
 @contextlib.asynccontextmanager
 async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
                  keep_alive="default",
-                 truncate: bool = True,
+                 truncate: bool = True, cut_tokens: bool = False,
                  custom: Customization | None = None) -> AsyncIterator[Answer]:
     """Check and render the request (400s come from here, before the model loads), then run it.
     A chat longer than the context drops its oldest turns, or with `truncate` False is a 400.
@@ -216,16 +217,22 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     # the event loop, which serves everyone else meanwhile.
     prepared = await prepare_queued(model, request)
 
+    run: Answer | None = None
+
     async def fit(runner):
         nonlocal prepared
         if not prepared.fits_whole(runner.n_ctx):
-            prepared = await fit_to_context(model, request, prepared, runner, truncate)
-        return prepared.generation
+            prepared = await fit_to_context(model, request, prepared, runner, truncate,
+                                            cut_tokens)
+        if run is not None:  # the answer reads what was sent: its parser, its dropped turns
+            run.prepared = prepared
+        return replace(prepared.generation, truncate=cut_tokens)
 
     hint = request.workload_hint or ("tools" if request.tools else None)
     async with generate(app, entry, prepared.generation, request.load, keep_alive,
                         fit=fit, hint=hint) as gen:
-        yield Answer(gen, prepared, model)
+        run = Answer(gen, prepared, model)
+        yield run
 
 
 async def count_prompt_tokens(app: web.Application, entry: ModelEntry, request: ChatRequest,
@@ -279,10 +286,13 @@ class Writer(ABC):
 
 async def respond(request: web.Request, chat: ChatRequest, writer: Writer, *,
                   entry: ModelEntry, custom: Customization, stream: bool,
-                  keep_alive="default", truncate: bool = True) -> web.StreamResponse:
-    """Answer `chat` in `writer`'s wire format: one object (stream False) or a stream."""
+                  keep_alive="default", truncate: bool = True,
+                  cut_tokens: bool = False) -> web.StreamResponse:
+    """Answer `chat` in `writer`'s wire format: one object (stream False) or a stream.
+    `truncate`: a chat longer than the context drops its oldest turns (else a 400);
+    `cut_tokens`: a prompt still too long loses its oldest tokens (Ollama's routes)."""
     async with answer(request.app, entry, chat, keep_alive, truncate=truncate,
-                      custom=custom) as run:
+                      cut_tokens=cut_tokens, custom=custom) as run:
         writer.run = run
         if not stream:
             return web.json_response(writer.whole(*await run.whole()))

@@ -110,12 +110,22 @@ async def _keep_what_could_fit(model: ChatModel, request: ChatRequest,
 
 
 async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepared, runner,
-                         truncate: bool) -> Prepared:
+                         truncate: bool, cut_tokens: bool = False) -> Prepared:
     """`prepared`, or the same request with its oldest turns dropped until the prompt fits.
-    A plain prompt (generate, completions) that is too long gets the runner's own 400."""
+    A plain prompt (generate, completions) that is too long gets the runner's own 400, unless
+    the runner cuts its oldest tokens (`cut_tokens`, Ollama's truncate): then a prompt too big
+    to tokenize is first cut to its newest bytes, and a chat whose last message alone does not
+    fit is sent for the runner to cut."""
     whole = whole_context(runner.n_ctx)
     limit = room_for_prompt(runner.n_ctx, request.options.num_predict)
     size = len(prepared.prompt.encode())
+    if request.messages is None and cut_tokens and size > runner.n_ctx * BYTES_PER_TOKEN:
+        newest = prepared.prompt.encode()[-runner.n_ctx * BYTES_PER_TOKEN:]
+        log.info("the prompt is %d bytes: its newest %d kept for the runner to cut to the "
+                 "context", size, len(newest))
+        return replace(prepared, prompt=newest.decode("utf-8", errors="ignore"),
+                       generation=replace(prepared.generation,
+                                          prompt=newest.decode("utf-8", errors="ignore")))
     if request.messages is None and size > runner.n_ctx * BYTES_PER_TOKEN:
         raise ChatError(f"the prompt is {size} bytes, more than a context of {runner.n_ctx} "
                         f"tokens can hold; shorten it, or load the model with a larger "
@@ -174,5 +184,7 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
         while start < len(turns) and (freed < excess or freed == 0):
             freed += costs[start]
             start += 1
+    if cut_tokens and candidate is not None:
+        return replace(candidate, dropped_messages=len(request.messages) - len(kept))
     raise too_long(count, runner.n_ctx, model.context_length,
                    "the system prompt, tools and last message alone are")

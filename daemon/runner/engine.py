@@ -253,6 +253,14 @@ class Engine:
         media = self._tokenize_media(request) if request.images else None
         try:
             tokens = media.tokens if media else self.model.tokenizer.tokenize(request.prompt)
+            truncated = 0
+            if request.truncate and media is None and len(tokens) >= self.n_ctx:
+                tokens, truncated = truncated_prompt(tokens, self.n_ctx,
+                                                     request.options.num_predict,
+                                                     self.model.tokenizer.bos)
+                log.info("request %s: the prompt was %d tokens; left out %d (the oldest after "
+                         "the first) to fit the %d-token context", request.id,
+                         len(tokens) + truncated, truncated, self.n_ctx)
             self._check_prompt(tokens, media)
             slot = self.reuse.choose_slot(free, tokens, media)
             # scoring the prompt reads all of it
@@ -269,7 +277,7 @@ class Engine:
         slot.work = work = Work(request=request, emit=sub.emit, cancelled=sub.cancelled,
                                 prompt=tokens, sampler=sampler, limit=limit,
                                 cached=kept.tokens, cached_from=kept.source,
-                                checkpoint=kept.checkpoint)
+                                checkpoint=kept.checkpoint, truncated=truncated)
         work.media = media
         # Drafters read token ids: a prompt with image placeholders is answered without them.
         mode = None if media else self._drafting_mode(request)
@@ -423,3 +431,17 @@ def prompt_chunk(plan: Plan, n_batch: int) -> int:
     while chunk * 2 <= min(want, n_batch):
         chunk *= 2
     return min(chunk, n_batch)
+
+
+def truncated_prompt(tokens: list[int], n_ctx: int, num_predict: int,
+                     bos: int) -> tuple[list[int], int]:
+    """A prompt the context cannot hold cut as Ollama's runner cuts it: its first token where
+    that is the BOS, then its newest tokens, leaving room for the answer (what it asked for,
+    64 tokens at least, a quarter of the context at most; 256 where it set no limit).
+    (tokens, left out)."""
+    answer = min(max(num_predict, 64) if num_predict > 0 else 256, n_ctx // 4)
+    room = max(1, n_ctx - max(answer, 1))
+    head = tokens[:1] if tokens and tokens[0] == bos else []
+    kept = head + tokens[len(tokens) - (room - len(head)):]
+    return kept, len(tokens) - len(kept)
+

@@ -46,6 +46,10 @@ class GenerationRequest:
     prompt_logprobs: bool = False
     # Base64 image files, one per IMAGE_MARKER in `prompt`, in order.
     images: tuple[str, ...] = ()
+    # A prompt longer than the context: keep its first token (the BOS) and its newest ones,
+    # leaving room for the answer, as Ollama's `truncate` does; False: a 400 (Done reports the
+    # tokens left out as prompt_truncated)
+    truncate: bool = False
 
     def to_wire(self) -> dict:
         return request_to_wire(self)
@@ -62,6 +66,7 @@ class GenerationRequest:
             logprobs=data.get("logprobs"),
             prompt_logprobs=bool(data.get("prompt_logprobs")),
             images=tuple(data.get("images") or ()),
+            truncate=bool(data.get("truncate")),
         )
 
 
@@ -109,6 +114,7 @@ class Done:
     # and the position of the checkpoint of the recurrent or sliding-window state restored
     cached_from: str = ""
     checkpoint: int | None = None
+    prompt_truncated: int = 0  # prompt tokens left out to fit the context (request.truncate)
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,7 @@ class Replies:
             cached_tokens=work.cached,
             cached_from=work.cached_from,
             checkpoint=work.checkpoint,
+            prompt_truncated=work.truncated,
             context_used=len(slot.tokens),
             n_ctx=self.room.n_ctx,
             context=tuple(text_tokens(work.prompt) if work.media else work.prompt)

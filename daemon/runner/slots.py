@@ -74,6 +74,7 @@ class Work:
     # checkpoint of it where `checkpoint` is set); "" when nothing was reused
     cached_from: str = ""
     checkpoint: int | None = None
+    truncated: int = 0  # prompt tokens left out to fit the context (request.truncate)
     stops: StopMatcher = field(init=False)
     decoder: codecs.IncrementalDecoder = field(init=False)
     answer: list[int] = field(default_factory=list)
