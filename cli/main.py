@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         message = user_message(e)
         if message is None:
             raise
-        print(f"Error: {message}", file=sys.stderr)
+        from localllm.cli.suggest import with_suggestion
+
+        print(f"Error: {with_suggestion(message)}", file=sys.stderr)
         return 1
 
 

@@ -106,8 +106,11 @@ def run(args: argparse.Namespace) -> int:
             print("dry run: nothing downloaded")
             return 0
     elif args.dry_run:
-        print(f"would pull {target.text}; --dry-run plans only hf.co/OWNER/REPO and catalog "
-              "names with --quant")
+        from localllm.modelstore.pull import plan_pull
+
+        planned = plan_pull(target.text)  # a name no pull can fetch fails here as it would
+        print(f"would pull {planned.source_label}; --dry-run plans the quants only of "
+              "hf.co/OWNER/REPO and of catalog names with --quant")
         return 0
     store = default_store()
     with ProgressView() as view:

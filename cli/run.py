@@ -110,12 +110,9 @@ def _known_model(name: str) -> bool:
 
 def _model_names() -> list[str]:
     """Stored and catalog names, as a user types them, for "did you mean"."""
-    from localllm.modelstore import catalog
-    from localllm.modelstore.store import default_store
+    from .suggest import model_names
 
-    names = [str(e.name) for e in default_store().list()]
-    names += [str(name) for name in catalog.load_catalog()]
-    return sorted({n.removesuffix(":latest") for n in names})
+    return model_names()
 
 
 def cmd_run(args) -> int:
