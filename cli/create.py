@@ -50,11 +50,12 @@ def cmd_create(args) -> int:
     replaced = refuse_to_replace(args.model, args.force)
     modelfile = with_absolute_from(text, args.file.resolve().parent)
 
-    async def go():
+    async def go() -> dict:
         async with Client(config_from_args(args)) as client:
-            await client.request("POST", "/api/create", {"model": args.model,
-                                                         "modelfile": modelfile,
-                                                         "stream": False})
-    asyncio.run(go())
-    print(f"created {args.model}{replaced}")
+            return await client.request("POST", "/api/create", {"model": args.model,
+                                                                "modelfile": modelfile,
+                                                                "stream": False})
+    answer = asyncio.run(go()) or {}
+    notes = answer.get("notes") if isinstance(answer, dict) else None
+    print(f"created {args.model}{replaced}" + (f" ({'; '.join(notes)})" if notes else ""))
     return 0

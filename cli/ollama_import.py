@@ -137,7 +137,7 @@ def recipe_for(model, digest: str) -> tuple[Recipe, list[str]]:
         except ModelfileError:
             notes.append("Ollama's Go template left out: the GGUF's own chat template is used")
     return Recipe(base=digest, parameters=parameters, template=template,
-                  system=model.system), notes
+                  system=model.system, license=model.license), notes
 
 
 def import_one(store: ModelStore, root, path, name, copy: bool) -> str:

@@ -44,6 +44,7 @@ class OllamaModel:
     template: str = ""
     system: str | None = None
     parameters: dict = field(default_factory=dict)
+    license: str | None = None
 
 
 def ollama_models_dir() -> Path:
@@ -132,6 +133,8 @@ def _read_model(root: Path, path: Path, name: ModelName) -> OllamaModel:
         model.template = _blob(root, by_type["template"]).path.read_text(errors="replace")
     if "system" in by_type:
         model.system = _blob(root, by_type["system"]).path.read_text(errors="replace")
+    if "license" in by_type:
+        model.license = _blob(root, by_type["license"]).path.read_text(errors="replace")
     if "params" in by_type:
         try:
             params = json.loads(_blob(root, by_type["params"]).path.read_text())

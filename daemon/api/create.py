@@ -34,6 +34,10 @@ from localllm.modelstore.store import (
 
 from ..chat.custom import (
     CUSTOM_LAYERS,
+    LICENSE_LAYER,
+    MESSAGE_ROLES,
+    MESSAGES_LAYER,
+    OLLAMA_ONLY,
     PARAMS_LAYER,
     SYSTEM_LAYER,
     TEMPLATE_LAYER,
@@ -57,6 +61,9 @@ class Recipe:
     template: str | None = None
     system: str | None = None
     layers: tuple[Layer, ...] = ()  # stored blobs added as they are (an import's projector)
+    messages: list[dict] = field(default_factory=list)  # MESSAGE lines
+    license: str | None = None
+    notes: list[str] = field(default_factory=list)  # what was taken but left out, said once
 
 
 def parse_modelfile(text: str) -> Recipe:
@@ -70,26 +77,48 @@ def parse_modelfile(text: str) -> Recipe:
             continue
         command, _, rest = line.partition(" ")
         command, rest = command.upper(), rest.strip()
-        if command in ("TEMPLATE", "SYSTEM") and rest.startswith('"""'):
+        role = ""
+        if command == "MESSAGE":
+            role, _, rest = rest.partition(" ")
+            role, rest = role.lower(), rest.strip()
+            if role not in MESSAGE_ROLES:
+                raise ModelfileError(f"MESSAGE takes a role of {', '.join(MESSAGE_ROLES)}, "
+                                     f"not {role!r}")
+        if command in ("TEMPLATE", "SYSTEM", "MESSAGE", "LICENSE") and rest.startswith('"""'):
             rest, i = _quoted_block(command, rest[3:], lines, i)
-        elif command in ("TEMPLATE", "SYSTEM") and len(rest) > 1 and rest[0] == rest[-1] == '"':
+        elif command in ("TEMPLATE", "SYSTEM", "MESSAGE", "LICENSE") and len(rest) > 1 \
+                and rest[0] == rest[-1] == '"':
             rest = rest[1:-1]
         if command == "FROM":
             recipe.base = rest
         elif command == "PARAMETER":
             key, _, value = rest.partition(" ")
-            value = parameter_value(key.strip(), value.strip())
+            key = key.strip()
+            if key in OLLAMA_ONLY:
+                recipe.notes.append(f"parameter {key} left out (localllm has no such option)")
+                continue
+            value = parameter_value(key, value.strip())
             if key == "stop":
                 recipe.parameters.setdefault("stop", []).append(value)
             else:
                 recipe.parameters[key] = value
+        elif command == "MESSAGE":
+            recipe.messages.append({"role": role, "content": rest})
+        elif command == "LICENSE":
+            recipe.license = rest if recipe.license is None else f"{recipe.license}\n\n{rest}"
+        elif command == "ADAPTER":
+            raise ModelfileError("ADAPTER is not supported: localllm serves GGUF models without "
+                                 "LoRA adapters; merge the adapter into the model first")
+        elif command == "REQUIRES":
+            raise ModelfileError("REQUIRES names an Ollama version; localllm cannot promise "
+                                 "what a given Ollama version does: remove the line")
         elif command == "TEMPLATE":
             recipe.template = check_template(rest)
         elif command == "SYSTEM":
             recipe.system = rest
         else:
             raise ModelfileError(f"{command} is not supported; localllm's Modelfile takes FROM, "
-                                 f"PARAMETER, TEMPLATE and SYSTEM")
+                                 f"PARAMETER, TEMPLATE, SYSTEM, MESSAGE and LICENSE")
     return recipe
 
 
@@ -125,7 +154,9 @@ def recipe_from_json(body: dict) -> Recipe:
         if not isinstance(params, dict):
             raise bad_request("field 'parameters' must be an object", "parameters")
         for key, value in params.items():
-            if key == "stop":
+            if key in OLLAMA_ONLY:
+                recipe.notes.append(f"parameter {key} left out (localllm has no such option)")
+            elif key == "stop":
                 stops = value if isinstance(value, list) else [value]
                 recipe.parameters["stop"] = [parameter_value("stop", s) for s in stops]
             else:
@@ -134,10 +165,27 @@ def recipe_from_json(body: dict) -> Recipe:
         recipe.template = check_template(body["template"])
     if get_str(body, "system") is not None:
         recipe.system = body["system"]
-    for unsupported in ("adapters", "quantize", "messages", "license"):
-        if body.get(unsupported):
-            raise bad_request(f"field '{unsupported}' is not supported by localllm's create",
-                              unsupported)
+    messages = body.get("messages")
+    if messages:
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and m.get("role") in MESSAGE_ROLES
+                and isinstance(m.get("content"), str) for m in messages):
+            raise bad_request("field 'messages' must be a list of {role, content} with a role "
+                              f"of {', '.join(MESSAGE_ROLES)}", "messages")
+        recipe.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    license_ = body.get("license")
+    if license_:
+        texts = license_ if isinstance(license_, list) else [license_]
+        if not all(isinstance(t, str) for t in texts):
+            raise bad_request("field 'license' must be a string or a list of strings", "license")
+        recipe.license = "\n\n".join(texts)
+    if body.get("adapters"):
+        raise bad_request("field 'adapters' is not supported: localllm serves GGUF models "
+                          "without LoRA adapters; merge the adapter into the model first",
+                          "adapters")
+    if body.get("quantize"):
+        raise bad_request("field 'quantize' is not supported by localllm's create; pull the "
+                          "quant you want (`localllm pull NAME --quant Q`)", "quantize")
     if not recipe.base:
         raise bad_request("a model needs a base: FROM in the modelfile, or 'from' / 'files'",
                           "from")
@@ -189,6 +237,10 @@ def build(store: ModelStore, name: str, recipe: Recipe) -> None:
         inherited[TEMPLATE_LAYER] = text_layer(store, TEMPLATE_LAYER, recipe.template)
     if recipe.system is not None:
         inherited[SYSTEM_LAYER] = text_layer(store, SYSTEM_LAYER, recipe.system)
+    if recipe.messages:
+        inherited[MESSAGES_LAYER] = text_layer(store, MESSAGES_LAYER, json.dumps(recipe.messages))
+    if recipe.license is not None:
+        inherited[LICENSE_LAYER] = text_layer(store, LICENSE_LAYER, recipe.license)
     store.write_manifest(target, layers + list(inherited.values()) + list(recipe.layers),
                          details, source)
 
@@ -207,9 +259,10 @@ async def api_create(request: web.Request) -> web.Response:
         recipe.base = str(source)
     await asyncio.to_thread(build, request.app[STORE], name, recipe)
     if not get_bool(body, "stream", True):
-        return web.json_response({"status": "success"})
-    lines = [{"status": "using existing layers"}, {"status": "writing manifest"},
-             {"status": "success"}]
+        return web.json_response({"status": "success",
+                                  **({"notes": recipe.notes} if recipe.notes else {})})
+    lines = [{"status": "using existing layers"}, *({"status": n} for n in recipe.notes),
+             {"status": "writing manifest"}, {"status": "success"}]
     return web.Response(text="".join(json.dumps(x) + "\n" for x in lines),
                         content_type="application/x-ndjson")
 

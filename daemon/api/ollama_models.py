@@ -83,9 +83,16 @@ async def api_show(request: web.Request) -> web.Response:
         modelfile += f'TEMPLATE """{custom.template}"""\n'
     if custom.system:
         modelfile += f'SYSTEM """{custom.system}"""\n'
-    for key, value in custom.parameters.items():
-        for item in value if isinstance(value, list) else [value]:
-            modelfile += f"PARAMETER {key} {json.dumps(item) if isinstance(item, str) else item}\n"
+    # the parameters `parameters` lists, the stop markers included (the template's where none
+    # is stored); num_ctx where it is stored (the loaded context is not the model's setting)
+    for line in show_parameters(num_ctx, model.stop_pieces, custom.parameters).splitlines():
+        key, _, value = line.partition(" ")
+        if key != "num_ctx" or "num_ctx" in custom.parameters:
+            modelfile += f"PARAMETER {key} {value.strip()}\n"
+    for message in custom.messages:
+        modelfile += f'MESSAGE {message["role"]} """{message["content"]}"""\n'
+    if custom.license:
+        modelfile += f'LICENSE """{custom.license}"""\n'
     info = dict(model.info)
     if request.headers.get("User-Agent", "").startswith("GitHubCopilotChat/"):
         info["general.basename"] = entry.name.tagged  # what Ollama does: Copilot shows this name
@@ -95,7 +102,8 @@ async def api_show(request: web.Request) -> web.Response:
         found = await asyncio.to_thread(projector_info, projector)
         extra["projector_info"] = show_info(found)
     return web.json_response({**extra,
-        "license": str(model.info.get("general.license", "")),
+        "license": custom.license or str(model.info.get("general.license", "")),
+        **({"messages": list(custom.messages)} if custom.messages else {}),
         "modelfile": modelfile,
         "parameters": show_parameters(num_ctx, model.stop_pieces, custom.parameters),
         "template": template,

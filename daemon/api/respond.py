@@ -187,6 +187,16 @@ async def served_model(entry: ModelEntry, custom: Customization | None) -> ChatM
     return found
 
 
+def with_messages(request: ChatRequest, messages: tuple[dict, ...]) -> ChatRequest:
+    """A chat with a Modelfile's MESSAGE lines before its own (after its system messages), as
+    Ollama sends them."""
+    if not messages or request.messages is None:
+        return request
+    own = list(request.messages)
+    first = next((i for i, m in enumerate(own) if m["role"] != "system"), len(own))
+    return replace(request, messages=(*own[:first], *messages, *own[first:]))
+
+
 def with_default_system(request: ChatRequest, system: str | None) -> ChatRequest:
     if not system:
         return request
@@ -209,7 +219,7 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     check_request_text(request)
     model = await served_model(entry, custom)
     if custom is not None:
-        request = with_default_system(request, custom.system)
+        request = with_default_system(with_messages(request, custom.messages), custom.system)
     if request.images and model.has_vision:  # (prepare refuses them for any other model)
         data = await load_images(request.images, app[CONFIG].image_urls == "on")
         request = replace(request, image_data=data)

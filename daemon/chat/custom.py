@@ -20,7 +20,16 @@ from .model import ChatModel
 PARAMS_LAYER = "application/vnd.localllm.params"
 TEMPLATE_LAYER = "application/vnd.localllm.template"
 SYSTEM_LAYER = "application/vnd.localllm.system"
-CUSTOM_LAYERS = (PARAMS_LAYER, TEMPLATE_LAYER, SYSTEM_LAYER)
+MESSAGES_LAYER = "application/vnd.localllm.messages"  # a Modelfile's MESSAGE lines, JSON
+LICENSE_LAYER = "application/vnd.localllm.license"
+CUSTOM_LAYERS = (PARAMS_LAYER, TEMPLATE_LAYER, SYSTEM_LAYER, MESSAGES_LAYER, LICENSE_LAYER)
+# Ollama's PARAMETERs that this engine has no use for: a Modelfile or an Ollama model with them
+# is taken, and each is left out with a note (`import --from-ollama` says the same)
+OLLAMA_ONLY = frozenset({"num_keep", "mirostat", "mirostat_eta", "mirostat_tau", "tfs_z",
+                         "penalize_newline", "num_gqa", "numa", "low_vram", "f16_kv",
+                         "logits_all", "vocab_only", "use_mlock", "embedding_only", "num_gpu",
+                         "main_gpu", "rope_frequency_base", "rope_frequency_scale"})
+MESSAGE_ROLES = ("system", "user", "assistant")
 
 class ModelfileError(UserError, ValueError):
     """A Modelfile line or create field localllm cannot take (400; the message says which)."""
@@ -31,6 +40,8 @@ class Customization:
     parameters: dict = field(default_factory=dict)
     template: str | None = None
     system: str | None = None
+    messages: tuple[dict, ...] = ()  # MESSAGE lines: sent before the conversation, as Ollama
+    license: str | None = None
 
 
 def parameter_value(key: str, value):
@@ -65,8 +76,11 @@ def read_customization(store: ModelStore, entry: ModelEntry) -> Customization:
         return store.blob_path(layer.digest).read_text() if layer else None
 
     params = text(PARAMS_LAYER)
+    messages = text(MESSAGES_LAYER)
     return Customization(parameters=json.loads(params) if params else {},
-                         template=text(TEMPLATE_LAYER), system=text(SYSTEM_LAYER))
+                         template=text(TEMPLATE_LAYER), system=text(SYSTEM_LAYER),
+                         messages=tuple(json.loads(messages)) if messages else (),
+                         license=text(LICENSE_LAYER))
 
 
 def text_layer(store: ModelStore, media_type: str, text: str) -> Layer:
