@@ -116,6 +116,8 @@ class Scheduler:
         self.queued = 0  # requests waiting for a slot or a load, over all models
         self._model_locks: dict[str, asyncio.Lock] = {}
         self._room_lock = asyncio.Lock()
+        self._loading: set[str] = set()  # models being loaded: they count toward the limit
+        self._room_freed = asyncio.Event()  # a model went idle or away: room may be made
         self._reaper: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self.starter = RunnerStarter(self.planner, lambda: self.config, log_dir,
@@ -169,6 +171,7 @@ class Scheduler:
             if model.active == 0:
                 model.expires_at = None if keep is None else time.time() + keep
                 asyncio.ensure_future(self._share_cpu())
+                self._room_freed.set()
             model.slots.release()
             self._wake.set()
             if keep == 0 and model.idle and self.models.get(name) is model:
@@ -253,24 +256,36 @@ class Scheduler:
                 del self.models[name]  # new requests wait for the new load, not this one
                 await self._retire(name, model)
             async with self._room_lock:
-                await self._make_room()
-            # One planning call decides the load (it may probe the GPU and dry-run llama.cpp:
-            # seconds, off the event loop).
-            started = time.monotonic()
-            decided = await asyncio.to_thread(
-                self.planner.decide, self.config, entry, shape, load, draft, draft_shape,
-                projector_path(self.store, entry), hint, prompt_chars)
-            log.info("planned %s in %.1fs", name, time.monotonic() - started)
-            path = model_file(self.store, entry)
-            runner = await self.starter.start(name, path, shape, decided)
-            model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
-                                load=decided, keep_alive=self.config.keep_alive_seconds)
-            runner.on_drafts = DraftCounts(name, shape.file_size).add
-            runner.on_done = lambda done: self._served(model, done)
-            runner.on_death = lambda plan, why: self.crashes.record(name, plan, why,
-                                                                     runner.log_path)
-            self.models[name] = model
-            return model
+                await self._make_room(time.monotonic() + self.config.queue_timeout_seconds)
+                self._loading.add(name)
+            try:
+                return await self._load_new(name, entry, shape, load, draft, draft_shape,
+                                            hint, prompt_chars)
+            finally:
+                self._loading.discard(name)
+                self._room_freed.set()
+
+    async def _load_new(self, name: str, entry: ModelEntry, shape: ModelShape,
+                        load: LoadOptions, draft, draft_shape, hint: str | None,
+                        prompt_chars: int) -> LoadedModel:
+        """Plan and start the model's runner (room made for it), and register it."""
+        # One planning call decides the load (it may probe the GPU and dry-run llama.cpp:
+        # seconds, off the event loop).
+        started = time.monotonic()
+        decided = await asyncio.to_thread(
+            self.planner.decide, self.config, entry, shape, load, draft, draft_shape,
+            projector_path(self.store, entry), hint, prompt_chars)
+        log.info("planned %s in %.1fs", name, time.monotonic() - started)
+        path = model_file(self.store, entry)
+        runner = await self.starter.start(name, path, shape, decided)
+        model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
+                            load=decided, keep_alive=self.config.keep_alive_seconds)
+        runner.on_drafts = DraftCounts(name, shape.file_size).add
+        runner.on_done = lambda done: self._served(model, done)
+        runner.on_death = lambda plan, why: self.crashes.record(name, plan, why,
+                                                                 runner.log_path)
+        self.models[name] = model
+        return model
 
     def _served(self, model: LoadedModel, done: Done) -> None:
         """After each answer: its record for the tuner, and a re-plan where due (once a model)."""
@@ -292,14 +307,24 @@ class Scheduler:
         await model.runner.stop()
         log.info("unloaded %s", name)
 
-    async def _make_room(self) -> None:
-        """Unload the least recently used idle model while at the loaded-model limit."""
-        while len(self.models) >= self.config.max_loaded_models:
+    async def _make_room(self, deadline: float) -> None:
+        """Unload the least recently used idle model while at the loaded-model limit (models
+        being loaded count); when every one is answering, wait for one to finish, as Ollama's
+        scheduler does (QueueFull past the queue's timeout)."""
+        limit = self.config.max_loaded_models
+        while len(self.models) + len(self._loading) >= limit:
             idle = [(m.last_used, n) for n, m in self.models.items() if m.idle]
-            if not idle:
-                return  # everything is busy: load beside them rather than deadlock
-            name = min(idle)[1]
-            await self._unload_if_idle(name, self.models[name])
+            if idle:
+                name = min(idle)[1]
+                await self._unload_if_idle(name, self.models[name])
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise QueueFull(f"{limit} models are loaded and answering (max_loaded_models "
+                                f"= {limit}); try again when one is free")
+            self._room_freed.clear()
+            with contextlib.suppress(TimeoutError):  # re-checked at least every second
+                await asyncio.wait_for(self._room_freed.wait(), min(left, 1.0))
 
     # ---- unload ------------------------------------------------------------------------
     async def unload(self, name: str) -> bool:
@@ -312,6 +337,7 @@ class Scheduler:
                 del self.models[name]
             await model.runner.stop()
             log.info("unloaded %s", name)
+        self._room_freed.set()
         return True
 
     async def _unload_if_idle(self, name: str, model: LoadedModel,

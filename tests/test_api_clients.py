@@ -211,11 +211,15 @@ def test_openai_client_raises_on_unknown_model(ai):
         ai.chat.completions.create(model="ghost", messages=[{"role": "user", "content": "a"}])
 
 
-def test_prompt_longer_than_the_context_is_a_400(daemon):
+def test_prompt_longer_than_the_context_is_cut_as_ollama_or_a_400_without_truncate(daemon):
     code, data = post(daemon, "/api/generate", json.dumps({
-        "model": "gemma3-270m", "prompt": "word " * 400, "stream": False,
+        "model": "gemma3-270m", "prompt": "word " * 400, "stream": False, "truncate": False,
         "options": {"num_ctx": 256}}).encode())
     assert code == 400 and "context" in data["error"]
+    code, data = post(daemon, "/api/generate", json.dumps({
+        "model": "gemma3-270m", "prompt": "word " * 400, "stream": False,
+        "options": {"num_ctx": 256, "num_predict": 4}}).encode())
+    assert code == 200 and data["prompt_truncated_count"] > 0
 
 
 def test_import_route_stores_a_gguf_and_refuses_junk(daemon, smollm2_gguf, tmp_path):
