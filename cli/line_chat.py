@@ -6,6 +6,7 @@ those that need the screen (/chats, /regen, ...) say so.
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 from localllm.client import Client, DaemonError
@@ -104,29 +105,84 @@ async def chat_lines(client: Client, model: str, options: dict, extra: dict,
 
 
 async def stream_answer(client: Client, model: str, messages: list[dict], options, extra,
-                        verbose: bool, guard: bool = False, raw: bool = False) -> dict:
+                        verbose: bool, guard: bool = False, raw: bool = False,
+                        show_thinking: bool = False, wrap: bool = False) -> dict:
     """Stream one answer to stdout; the last line's data, with the whole text as `text`.
     With `guard`, an answer caught in a loop is cut off (closing the stream stops the model).
-    With `raw`, the one message's text goes to /api/generate as it is (extra says raw)."""
+    With `raw`, the one message's text goes to /api/generate as it is (extra says raw).
+    `show_thinking`: a thinking model's thinking first, as `ollama run --think` shows it;
+    `wrap`: words wrapped at the terminal's edge, never split (`ollama run`'s default)."""
     parts = []
     loops = LoopGuard()
     final: dict = {}
     looping = 0
+    thinking = False
+    out = WordWrap(shutil.get_terminal_size().columns) if wrap else None
     stream = client.generate(model, messages[-1]["content"], options, **extra) if raw else \
         client.chat(model, messages, options, **extra)
     async for chunk in stream:
+        thought = (chunk.data.get("message") or {}).get("thinking") or \
+            chunk.data.get("thinking") or ""
+        if show_thinking and thought:
+            if not thinking:
+                sys.stdout.write("Thinking...\n")
+                thinking = True
+            sys.stdout.write(out.feed(thought) if out else thought)
+            sys.stdout.flush()
         if chunk.text:
+            if thinking:
+                sys.stdout.write((out.flush() if out else "") + "\n...done thinking.\n\n")
+                thinking = False
             parts.append(chunk.text)
-            sys.stdout.write(chunk.text)
+            sys.stdout.write(out.feed(chunk.text) if out else chunk.text)
             sys.stdout.flush()
         if chunk.done:
             final = chunk.data
         elif guard and (looping := loops.feed(chunk.text)):
             break
-    sys.stdout.write("\n")
+    sys.stdout.write((out.flush() if out else "") + "\n")
     sys.stdout.flush()
     if looping:
         print(f"note: {LoopGuard.note(looping)}", file=sys.stderr)
     if verbose and final:
         print(format_timings(final), file=sys.stderr)
     return {**final, "text": "".join(parts)}
+
+
+class WordWrap:
+    """Streamed text wrapped at `width` columns between words, never inside one: a word is
+    held until the space after it shows it whole (`ollama run` wraps so by default)."""
+
+    def __init__(self, width: int):
+        self.width = max(20, width)
+        self.column = 0
+        self.word = ""
+
+    def feed(self, text: str) -> str:
+        out = []
+        for ch in text:
+            if ch == "\n":
+                out.append(self._word() + "\n")
+                self.column = 0
+            elif ch == " ":
+                out.append(self._word())
+                if self.column < self.width:
+                    out.append(" ")
+                    self.column += 1
+            else:
+                self.word += ch
+        return "".join(out)
+
+    def flush(self) -> str:
+        return self._word()
+
+    def _word(self) -> str:
+        word, self.word = self.word, ""
+        if not word:
+            return ""
+        if self.column and self.column + len(word) > self.width:
+            self.column = len(word)
+            return "\n" + word
+        self.column += len(word)
+        return word
+

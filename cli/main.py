@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
+    parser.set_defaults(subcommands=sub.choices)  # a bad flag is told with its command's usage
     return parser
 
 
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra and words and not any(w.startswith("-") for w in extra):
         getattr(args, words).extend(extra)
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        own = (getattr(args, "subcommands", None) or {}).get(getattr(args, "command", None))
+        (own or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -43,6 +43,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-predict", type=option_flag("num_predict"), metavar="N",
                    help=f"most tokens for a one-shot answer (default {ONE_SHOT_NUM_PREDICT}; "
                    "-1: no cap); an answer that loops is stopped either way")
+    p.add_argument("--format", choices=("json",), help="the answer as JSON (`--format json`)")
+    p.add_argument("--think", nargs="?", const="true", type=think_flag, metavar="BOOL|LEVEL",
+                   help="let a thinking model think (true, false, low, medium, high) and show "
+                        "its thinking; --think=false answers without thinking")
+    p.add_argument("--hidethinking", action="store_true",
+                   help="let a thinking model think, but print only its answer")
+    p.add_argument("--nowordwrap", action="store_true",
+                   help="print the answer as it comes, without wrapping words at the "
+                        "terminal's edge")
     p.set_defaults(func=cmd_run, intermixed="words")  # options anywhere: run M --ctx 8192 hi
 
 
@@ -130,6 +139,16 @@ def cmd_run(args) -> int:
     return asyncio.run(_run_async(config, model, prompt, args))
 
 
+def think_flag(text: str):
+    """`--think`'s value as the API's `think`: a bool or an effort level."""
+    value = text.lower()
+    if value in ("true", "false"):
+        return value == "true"
+    if value in ("low", "medium", "high"):
+        return value
+    raise argparse.ArgumentTypeError("--think takes true, false, low, medium or high")
+
+
 def option_flag(name: str):
     """An argparse type checking a flag's value against the option table (same bounds and
     message as the API's)."""
@@ -169,6 +188,11 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
         extra = {}
         if args.keepalive is not None:
             extra["keep_alive"] = args.keepalive
+        if args.format:
+            extra["format"] = args.format
+        think = True if args.hidethinking and args.think is None else args.think
+        if think is not None:
+            extra["think"] = think
         options = run_options(args) or None
         if prompt:
             from localllm.image_paths import attach_images
@@ -186,8 +210,11 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
                          **({"images": message["images"]} if images else {})}
             from localllm.cli.line_chat import stream_answer
 
-            final = await stream_answer(client, model, [message], one_shot, extra, args.verbose,
-                                        guard=True, raw=args.raw)
+            final = await stream_answer(
+                client, model, [message], one_shot, extra, args.verbose, guard=True,
+                raw=args.raw, show_thinking=think is not None and think is not False
+                and not args.hidethinking,
+                wrap=not args.nowordwrap and sys.stdout.isatty())
             if args.ctx and 0 < final.get("context_length", 0) < args.ctx:
                 print(await context_cap_note(client, model, args.ctx, final["context_length"]),
                       file=sys.stderr)
