@@ -359,6 +359,9 @@ async def api_ps(request: web.Request) -> web.Response:
             "num_parallel": runner.n_parallel,
             "active": slot.active,
             "plan_source": plan.source,
+            # where the choices came from: the request's options, the daemon's settings, a
+            # saved profile (and why one was not used), the tuner
+            "plan_reasons": list(plan.reasons),
             "extra_bufts": plan.extra_bufts,  # off: the engine crashed with them on this CPU
             # a part of the plan left off because the runner crashed with it (daemon/crashes)
             **({"crash_note": note} if (note := request.app[SCHEDULER].crashes.notes.get(

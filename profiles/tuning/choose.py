@@ -26,6 +26,7 @@ from ..planning.expert_pool import AUTO_SLOTS
 from ..planning.memory import CPU, ComputeTable, ContextSettings, memory_by_device
 from ..planning.placements import Placement, placement_of_overrides
 from ..planning.plan import Plan
+from ..planning.quality import kv_label
 from ..planning.search import MIN_DEFAULT_CTX, NoPlanFits, Request
 from ..planning.tuner import tune
 from ..planning.workload import from_fill
@@ -135,6 +136,19 @@ def apply_options(plan: Plan, request: Request) -> Plan:
     return replace(plan, **changes, reasons=(*plan.reasons, f"from the request's options: {said}"))
 
 
+def settings_over_profile(plan: Plan, request: Request) -> str:
+    """Why the daemon's settings overrule a saved profile's plan ("" where they agree): a KV
+    type or a number of slots that the env or config pins, and the profile does otherwise."""
+    kv = kv_label(plan.type_k, plan.type_v)
+    if request.kv_types and kv not in request.kv_types:
+        return (f"the daemon's kv_cache_type ({', '.join(request.kv_types)}) comes before the "
+                f"profile's {kv}")
+    if request.num_parallel is not None and plan.n_parallel > request.num_parallel:
+        return (f"the daemon's num_parallel ({request.num_parallel}) comes before the "
+                f"profile's {plan.n_parallel}")
+    return ""
+
+
 def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: LoadOptions,
                 card: Card, draft_shape: ModelShape | None = None,
                 hint: str | None = None, config: Config | None = None) -> Plan:
@@ -166,12 +180,17 @@ def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: Loa
         floor = min(request.min_ctx, shape.context_length or request.min_ctx)
         wrong_ctx = n_ctx != saved.plan.n_ctx if n_ctx is not None \
             else request.min_ctx > MIN_DEFAULT_CTX and saved.plan.n_ctx < floor
-        if not wrong_file and not wrong_ctx and (card.has_gpu or saved.plan.n_gpu_layers == 0):
+        # The daemon's own settings come before a saved profile: one that pins the KV type or
+        # the slots otherwise is set aside for this load, and the plan says so (ps, /show plan)
+        overruled = settings_over_profile(saved.plan, request)
+        if not wrong_file and not wrong_ctx and not overruled \
+                and (card.has_gpu or saved.plan.n_gpu_layers == 0):
             return apply_options(saved.plan, request)
         notes.append(f"saved profile {saved.path} not used: "
                      + ("it was tuned for another file" if wrong_file
                         else f"it is for context {saved.plan.n_ctx}, asked {n_ctx or floor}"
-                        if wrong_ctx else "it puts layers on a GPU this machine lacks"))
+                        if wrong_ctx else overruled if overruled
+                        else "it puts layers on a GPU this machine lacks"))
     plan = tune_checked(shape, card, request, draft=draft_shape)
     return replace(plan, reasons=(*plan.reasons, *notes)) if notes else plan
 
