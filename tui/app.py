@@ -36,7 +36,7 @@ from .slash import request_extra
 from .startup import CONNECTION_ERRORS, Startup, lost_daemon_text, not_stored_hint
 from .stats import DecodeRate, RunnerStats, Segment, TurnStats, answer_footer, answer_notes, \
     find_runner, segments
-from .widgets import Entry, MessageView, Note, ProgressLine, PromptInput, StatsLine
+from .widgets import hard_breaks, Entry, MessageView, Note, ProgressLine, PromptInput, StatsLine
 
 SAVE_EVERY_S = 1.0  # a streaming answer is written to the database this often
 # Drawing costs the runner decode speed where the CPU is shared: ten draws a second look live.
@@ -271,8 +271,9 @@ class ChatApp(ChatActions, App[int]):
             turn = self.turn = replace(turn, done=True, done_reason="cancelled")
         entry.content, entry.state = text, state
         if entry.db_id:  # first the database: this also runs when the app is closing
+            # the model that wrote it kept beside its figures: /export names it after a /load
             self._safe(self.store.update_message, entry.db_id, text, state,
-                       turn.to_wire() if turn else None)
+                       {**(turn.to_wire() if turn else {}), "model": self.model})
         self.streaming = False
         footer = answer_footer(turn) if turn else ""
         if state == "error":
@@ -282,7 +283,8 @@ class ChatApp(ChatActions, App[int]):
         entry.view.finish(text, footer, state)
         await stream.stop()
         if entry.view.is_mounted:
-            await entry.view.markdown.update(text)  # one full render (streamed fences can lag)
+            # one full render (streamed fences can lag), the model's line breaks kept
+            await entry.view.markdown.update(hard_breaks(text))
 
     def _explain(self, error: DaemonError, model: str = "") -> str:
         if error.status == 404:

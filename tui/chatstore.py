@@ -227,7 +227,8 @@ def chat_markdown(chat: ChatInfo, messages: list[StoredMessage]) -> str:
         opts = ", ".join(f"{k} = {v}" for k, v in chat.options.items())
         lines += [f"*Parameters: {opts}*", ""]
     for message in messages:
-        who = {"user": "You", "assistant": chat.model}.get(message.role, message.role.title())
+        wrote = (message.stats or {}).get("model") or chat.model  # after a /load: that model
+        who = {"user": "You", "assistant": wrote}.get(message.role, message.role.title())
         note = {"stopped": " (stopped)", "error": " (error)"}.get(message.state, "")
         lines += [f"## {who}{note}", "", message.content.rstrip(), ""]
     return "\n".join(lines)

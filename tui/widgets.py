@@ -33,6 +33,22 @@ class Entry:
     images: tuple[str, ...] = ()
 
 
+def hard_breaks(text: str) -> str:
+    """The model's single line breaks kept as line breaks (Markdown would join the lines of a
+    poem or of a list written one item a line into one paragraph), outside code blocks, whose
+    lines are kept as they are anyway."""
+    out, fenced = [], False
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        last = i == len(lines) - 1
+        keep = fenced or last or not line.strip() or not lines[i + 1].strip() \
+            or line.endswith("  ")
+        out.append(line if keep else line + "  ")
+    return "\n".join(out)
+
+
 class MessageView(Vertical):
     """One message of the chat: who, the Markdown text, and (for answers) what it cost."""
 
@@ -43,7 +59,7 @@ class MessageView(Vertical):
         self.content = content
         self.who = who or {"user": "You", "assistant": "Assistant"}.get(role, role)
         self.footer = footer
-        self.markdown = Markdown(content)
+        self.markdown = Markdown(hard_breaks(content))
         self.footer_line = Static(footer, classes="footer", markup=False)
 
     def compose(self) -> ComposeResult:
