@@ -1,8 +1,9 @@
 """Prometheus metrics at GET /metrics (text format 0.0.4), behind the API's own access rules.
 
-Counted as the daemon serves: requests by route and status (a middleware, outermost, so that a
-refused request counts too), and for each answer its prompt and generated tokens, time to first
-token and decode speed (histograms) and drafts (Scheduler hands every Done to `answered`).
+Counted as the daemon serves: requests by route and status (server.py's outermost middleware
+bumps `requests`, so that a refused request counts too), and for each answer its prompt and
+generated tokens, time to first token and decode speed (histograms) and drafts (Scheduler
+hands every Done to `answered`).
 Read when scraped: the queue, each loaded model with its plan (GPU layers, KV type, context),
 the VRAM its plan holds and its runner's RAM, and its expert cache's hits, misses and swaps.
 No client library: the format is a few lines of text.
@@ -59,9 +60,6 @@ class Metrics:
         self.accepted: Counter[str] = Counter()
         self.ttft: dict[str, Histogram] = {}
         self.decode: dict[str, Histogram] = {}
-
-    def request(self, method: str, route: str, status: int) -> None:
-        self.requests[(method, route, status)] += 1
 
     def answered(self, model: str, done: Done) -> None:
         self.prompt_tokens[model] += done.prompt_tokens
@@ -144,28 +142,6 @@ def _rss(pid: int | None) -> int:
 
 
 METRICS = web.AppKey("metrics", Metrics)
-
-
-def route_of(request: web.Request) -> str:
-    """The route's pattern (`/api/chat`), never the raw path: a scanner's paths would make a
-    new series each."""
-    route = request.match_info.route
-    resource = getattr(route, "resource", None)
-    return resource.canonical if resource is not None else "unmatched"
-
-
-@web.middleware
-async def metrics_middleware(request: web.Request, handler):
-    try:
-        response = await handler(request)
-    except web.HTTPException as e:
-        request.app[METRICS].request(request.method, route_of(request), e.status)
-        raise
-    except Exception:
-        request.app[METRICS].request(request.method, route_of(request), 500)
-        raise
-    request.app[METRICS].request(request.method, route_of(request), response.status)
-    return response
 
 
 routes = web.RouteTableDef()

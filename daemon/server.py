@@ -42,13 +42,37 @@ from .api.common import KNOWN, MAX_BODY_BYTES, find_model, read_json
 from .config_watch import watch_config, watch_profiles
 from .http_errors import OVERLOADED, error_body, is_anthropic
 from .logging_setup import ACCESS_LOG, AccessLogger, setup_logging
-from .metrics import METRICS, Metrics, metrics_middleware
+from .metrics import METRICS, Metrics
 from .metrics import routes as metrics_routes
 from .scheduler import Scheduler
 from .state import CONFIG, SCHEDULER, STORE
 from .systemd import listen_fds, notify
 
 log = logging.getLogger("localllm.daemon")
+
+
+def route_of(request: web.Request) -> str:
+    """The route's pattern (`/api/chat`), never the raw path: a scanner's paths would make a
+    new series each."""
+    route = request.match_info.route
+    resource = getattr(route, "resource", None)
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler):
+    """Every request counted by route and status for /metrics (daemon/metrics.py), a refused
+    one too: the counter is bumped here, with no code of the metrics module on the way."""
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as e:
+        status = e.status
+        raise
+    finally:
+        request.app[METRICS].requests[(request.method, route_of(request), status)] += 1
 
 
 @web.middleware

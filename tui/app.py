@@ -271,8 +271,7 @@ class ChatApp(ChatActions, App[int]):
             turn = self.turn = replace(turn, done=True, done_reason="cancelled")
         entry.content, entry.state = text, state
         if entry.db_id:  # first the database: this also runs when the app is closing
-            # the model that wrote it kept beside its figures: /export names it after a /load
-            self._safe(self.store.update_message, entry.db_id, text, state,
+            self._safe(self.store.update_message, entry.db_id, text, state,  # +who wrote it
                        {**(turn.to_wire() if turn else {}), "model": self.model})
         self.streaming = False
         footer = answer_footer(turn) if turn else ""

@@ -29,8 +29,7 @@ from ..chat.custom import Customization
 from ..chat.images import load_images
 from ..chat.model import ChatModel, model_for
 from ..chat.parse import Parsed
-from ..chat.renders import prepare_queued
-from ..chat.request import ChatRequest, Prepared, check_request_text
+from ..chat.request import ChatRequest, Prepared, check_request_text, prepare_queued
 from ..chat.truncate import fit_to_context
 from ..runner.process import RunnerProcess
 from ..runner.protocol import Done, Event, Failure, GenerationRequest, Progress, Token

@@ -21,8 +21,7 @@ from dataclasses import replace
 
 from .model import ChatModel
 from .errors import ChatError
-from .renders import prepare_queued
-from .request import ChatRequest, Prepared, turn_text
+from .request import ChatRequest, Prepared, prepare_queued, turn_text
 
 log = logging.getLogger("localllm.chat")
 
