@@ -66,7 +66,7 @@ def test_a_runner_dying_mid_stream_ends_the_agents_streams_with_an_error(fresh_d
     assert fresh_daemon.proc.poll() is None, "the daemon stays up"
 
 
-def test_a_client_that_disconnects_stops_generation_within_a_second(fresh_daemon):
+def test_a_client_that_disconnects_stops_generation_soon_after(fresh_daemon):
     body = json.dumps({"model": "smollm2", "options": LONG,
                        "messages": [{"role": "user", "content": "Write a long story."}]})
     host, port = fresh_daemon.url.removeprefix("http://").split(":")
@@ -78,11 +78,14 @@ def test_a_client_that_disconnects_stops_generation_within_a_second(fresh_daemon
     while received.count(b'"done": false') < 5:
         received += conn.recv(65536)
     assert loaded(fresh_daemon)["busy"]
+    seen = received.count(b'"done": false')
     conn.close()
-    wait_for(lambda: not loaded(fresh_daemon)["busy"], timeout=1.0,
+    wait_for(lambda: not loaded(fresh_daemon)["busy"], timeout=60,
              what="the runner to stop generating after the client left")
     count = loaded(fresh_daemon)["tokens_generated"]
-    assert count < LONG["num_predict"]
+    # Measured in tokens, not seconds (a busy machine slows both): it stopped soon after the
+    # last token the client read, far before the 2,000 it asked for.
+    assert count < seen + 200 < LONG["num_predict"]
     # Nothing more is generated for the departed client.
     status = fresh_daemon.get("/api/status")
     assert {m["model"]: m for m in status["loaded"]}["smollm2:latest"]["tokens_generated"] == count

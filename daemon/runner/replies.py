@@ -74,8 +74,9 @@ class Replies:
         eval_ns = work.eval_ns
         self.report_expert_cache()
         if reason == "cancelled":  # logged before the Done: whoever sees it sees the line
-            log.info("request %s cancelled after %d answer tokens", work.request.id,
-                     len(work.answer))
+            log.info("request %s cancelled after %d answer tokens, %d of %d prompt tokens "
+                     "read", work.request.id, len(work.answer),
+                     min(len(slot.tokens), len(work.prompt)), len(work.prompt))
         work.emit(Done(
             done_reason=reason,
             prompt_eval_count=len(work.prompt) - work.cached,
