@@ -49,7 +49,7 @@ PRIOR_HITS = ((0.0625, 0.39), (0.125, 0.53), (0.25, 0.67), (0.5, 0.81))
 SWAPS_PER_STEP = 4  # LLAMA_MOE_CACHE_SWAPS's default: the most experts a step copies in
 # A bigger pool gets more swaps a step (one per SLOTS_PER_SWAP slots, SWAPS_PER_STEP at least),
 # so that it warms in about as many steps as a small one. Replayed on the routing the 80B class
-# reads in bench_session.py (scripts/pool_replay.py; docs/bench/synthetic-routing.md, "The
+# reads in bench_session.py (scripts/bench/pool_replay.py; docs/bench/synthetic-routing.md, "The
 # policy, replayed"), 4322 slots over 46 blocks hit 61.8%, 68.3%, 73.2% in three answers with
 # 4 a step and 63.2%, 73.1%, 76.7% with 8; a swap costs one expert's copy, about 0.7 of what
 # the miss it saves costs (the GPU reads a miss from RAM at MAPPED_READ_FRACTION of PCIe).

@@ -37,7 +37,7 @@ GPU_BLOCK_SECONDS = 33e-6  # kernel launches per block and token on the GPU
 # block at batch 1 (its convolution, gates, norms and the delta-rule scan), each bound by launch
 # and latency, not bytes. Fitted to the H200 (round 12, every weight on the GPU, through the
 # daemon: the hybrid 35B-A3B and 80B-A3B shapes decoded 273 and 227 tok/s where the model
-# without it priced 394 and 339; with it 267 and 228); scripts/bench_resident.py measures it.
+# without it priced 394 and 339; with it 267 and 228); scripts/bench/bench_resident.py measures it.
 GPU_RECURRENT_BLOCK_SECONDS = 40e-6
 TOKEN_SECONDS = 0.5e-3  # the runner's own loop per token (sampling, Python)
 CROSSING_SECONDS = 0.1e-3  # hidden state between GPU and CPU, and the sync it forces
