@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode speed through localllm's streaming API beside llama.cpp's own tools, in one run.
 
-    python scripts/bench/bench_api.py                       # CPU: the default model, 1 and 4 streams
+    python scripts/bench/bench_api.py                     # CPU: the default model, 1 and 4 streams
     python scripts/bench/bench_api.py --model M.gguf [--model M2.gguf ...] [--tokens 256]
     python scripts/bench/bench_api.py --routes [--tokens 128]  # one stream through each API route
 

@@ -1,7 +1,7 @@
 """Benchmark: a model split over two `localllm worker`s (RPC, loopback) by localllm's planner,
 against llama.cpp's own split over the same two workers.
 
-    python scripts/bench/bench_rpc.py                                  # GPU machine: 27B-class model
+    python scripts/bench/bench_rpc.py                                # GPU machine: 27B-class model
     python scripts/bench/bench_rpc.py --model .cache/test-models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 With two or more NVIDIA GPUs each worker gets one (CUDA_VISIBLE_DEVICES, `--device cuda0`);

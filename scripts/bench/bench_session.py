@@ -4,7 +4,7 @@
     source .device-carry/on-device.sh
     python3 scripts/bench/bench_session.py --shape dense-27b --ctx 32768 --runs short,prompt \
         --out $OUT
-    python3 scripts/bench/bench_session.py --tiny --out /tmp/s     # the same code on a CPU, toy model
+    python3 scripts/bench/bench_session.py --tiny --out /tmp/s  # the same code on a CPU, toy model
     python3 scripts/bench/bench_session.py --shape qwen35-27b --ctx 65536 --systems ours,fit-q8_0 \
         --runs agent-rerendered --answer-tokens 128 --out $OUT   # a changed history (#33)
 

@@ -4,7 +4,7 @@ card plus a `localllm worker` on the other, each against llama.cpp's own way.
 
     source .device-carry/on-device.sh
     python3 scripts/bench/bench_two_gpus.py --out $OUT            # nvidia-h200-x2, under 9 minutes
-    python3 scripts/bench/bench_two_gpus.py --tiny --out /tmp/b2  # the same code on a CPU, toy model
+    python3 scripts/bench/bench_two_gpus.py --tiny --out /tmp/b2  # the same code on a CPU, a toy
 
 The model is scripts/synth_gguf.py's `70b` (Q4_0, random weights, 37 GiB). Each card is
 limited to --budgets GiB (default 24 and 12): the daemon by vram_margin_mib = free - budget +

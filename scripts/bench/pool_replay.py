@@ -14,7 +14,7 @@ the engine's llama-moe-cache-policy.h (tests/test_expert_cache.py holds the two 
 swaps and counts), over that session as the benchmark asks it: the prompt learned once
 (the daemon's prompt cache serves the repeats), then --answers answers of --tokens steps,
 the pool shared by the last --blocks blocks. On the H200 the 80B class at zipf:0.4 hit 61.5%,
-66.3%, 69.6% in round 10 with 4322 slots over 46 blocks; this replay gives 61.8%, 68.3%,
+66.3%, 69.6% (2026-12-03) with 4322 slots over 46 blocks; this replay gives 61.8%, 68.3%,
 73.2% (the toy's width is not the real one, so its answers differ).
 """
 

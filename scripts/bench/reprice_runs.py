@@ -11,7 +11,7 @@ gpu_layers and KV type, and the experts of the pool's served blocks (the first `
 blocks) in RAM, as the daemon plans an expert cache; its hits, misses and swaps are the
 differences of the pool's totals before and after the run. A run in a fill band runs the
 band's plan: its context is the band's, and its placement and KV type the row's `running`
-(rows since round 12; before, the first plan's, which both of round 12's bands kept).
+(rows from 2026-12-03's last runs on; before, the first plan's).
 tests/test_speed_recorded.py holds the model to these runs, so that a constant changed for one
 shape cannot quietly break the others.
 """

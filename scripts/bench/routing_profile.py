@@ -2,7 +2,7 @@
 """Which experts a synthetic MoE model routes to, read from llama.cpp as it runs, and the hit
 rate an LRU cache of K experts per block would have had.
 
-    python scripts/bench/routing_profile.py                         # uniform vs zipf, tiny qwen35moe
+    python scripts/bench/routing_profile.py                       # uniform vs zipf, tiny qwen35moe
     python scripts/bench/routing_profile.py --routing "uniform;zipf:1.2" --tokens 4000
     python scripts/bench/routing_profile.py --model some.gguf       # any MoE GGUF
 

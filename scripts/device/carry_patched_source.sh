@@ -3,7 +3,7 @@
 # builds on the GPU machine, as .device-carry/llama-src.tgz, made from a fresh llama-cpp-python
 # sdist and this checkout's patches/ (scripts/apply_patches.sh). The tarball carries the
 # patches' hash (llama.cpp/LOCALLLM_PATCHES); the device build refuses a tarball whose hash is
-# not the checkout's, before compiling anything: a stale tarball once cost a lease (round 10).
+# not the checkout's, before compiling anything: a stale tarball once cost a lease.
 #
 #   bash ../shared/device/prepare.sh ...          # fills .device-carry/
 #   bash scripts/device/carry_patched_source.sh [WORK_DIR]

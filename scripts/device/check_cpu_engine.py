@@ -3,7 +3,7 @@
 crashed, on a model with the default model's tensor table (SmolLM2-135M-Instruct Q4_1: llama,
 n_embd 576, a Q8_0 token table) and random weights.
 
-    python3 scripts/device/check_cpu_engine.py --skeleton FILE      (here: the header of the real file)
+    python3 scripts/device/check_cpu_engine.py --skeleton FILE  (here: the header of the real file)
     LLAMA_CPP_LIB_PATH=DIR python3 scripts/device/check_cpu_engine.py --model /tmp/m.gguf \
         --header skeleton.gguf [--no-extra-bufts]
 

@@ -34,7 +34,7 @@ case "${1:-}" in
   wait)
     if [ ! -e "$Q/queue" ]; then
       # A call that came after the warm window gets a fresh machine: waiting there would
-      # spend the whole limit on nothing (round 8 lost 512 s of device time that way).
+      # spend the whole limit on nothing (a lease once lost 512 s of device time that way).
       echo "no queue on this machine (a fresh one: the last was released); start it again" >&2
       exit 3
     fi
