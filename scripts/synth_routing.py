@@ -14,7 +14,7 @@ block). The score then gains b_e (x . u), a bias of one sign for all tokens whos
 what the hidden state carries of u: popularity is Zipf-like, with an exponent of about S over
 the most used quarter of the experts, and moves with the text as far as the hidden state does
 (a token leaning less along u is routed more by its own content). It acts through the hidden
-state llama.cpp computes, with no change to the engine; scripts/routing_profile.py measures
+state llama.cpp computes, with no change to the engine; scripts/bench/routing_profile.py measures
 the LRU hit-rate curve it gives (docs/bench/synthetic-routing.md).
 
 Spec: "uniform" (default) or "zipf:S", S in (0, 3].
@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 # b_e per unit of S, in units of the spread of a score's content part: measured on tiny
-# qwen3moe / qwen35moe / qwen3next models (scripts/routing_profile.py), zipf:1 fits an
+# qwen3moe / qwen35moe / qwen3next models (scripts/bench/routing_profile.py), zipf:1 fits an
 # exponent of 1.05 / 1.11 / 1.33 over the head of the popularity curve, zipf:0.5 0.88 / 0.62
 # / 0.74 (docs/bench/synthetic-routing.md).
 STRENGTH_PER_EXPONENT = 1.0

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT / "scripts" / d) for d in ("bench", "device", ".")]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import fetch_test_models  # noqa: E402

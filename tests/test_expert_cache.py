@@ -25,7 +25,7 @@ from localllm.llama import expert_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = ROOT / "patches" / "0002-moe-expert-cache.patch"
-CHECK = ROOT / "scripts" / "moe_cache_check.py"
+CHECK = ROOT / "scripts" / "device" / "moe_cache_check.py"
 LAYERS, EXPERTS, USED = 4, 32, 4
 TOKENS = 48  # generated: the prompt's batch, then TOKENS - 1 one-token decodes
 PROMPT = 40  # 32 or more: the prompt batch's FFNs keep today's path, but for its last block
@@ -285,8 +285,8 @@ def test_the_patches_apply_to_the_engine_source(tmp_path):
 
 
 def test_the_device_build_refuses_source_made_from_other_patches(tmp_path):
-    """The GPU machine's build (scripts/device_build_patched.sh) checks the carried source's
-    stamp (scripts/carry_patched_source.sh writes it) against this checkout's patches before
+    """The GPU machine's build (scripts/device/build_patched.sh) checks the carried source's
+    stamp (scripts/device/carry_patched_source.sh writes it) against this checkout's patches before
     it compiles: a stale tarball would measure another engine, or fail after the build."""
     def build(stamp: str | None) -> subprocess.CompletedProcess:
         tree = tmp_path / (stamp or "none") / "llama.cpp"
@@ -296,7 +296,7 @@ def test_the_device_build_refuses_source_made_from_other_patches(tmp_path):
         tgz = tmp_path / f"{stamp or 'none'}.tgz"
         with tarfile.open(tgz, "w:gz") as tar:
             tar.add(tree, arcname="llama.cpp")
-        return subprocess.run(["bash", "scripts/device_build_patched.sh", str(tgz),
+        return subprocess.run(["bash", "scripts/device/build_patched.sh", str(tgz),
                                str(tmp_path / "engine")], cwd=ROOT, capture_output=True,
                               text=True, timeout=60)
 
@@ -341,7 +341,7 @@ int main() {  // the policy under commands from stdin: o/l LAYER N IDS..., p (se
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
 def test_the_replays_policy_swaps_and_counts_as_the_engines(tmp_path):
-    """scripts/pool_replay.py's port, which chose the planner's swaps a step, against the
+    """scripts/bench/pool_replay.py's port, which chose the planner's swaps a step, against the
     engine's policy compiled from the patch: the same swaps, hits and misses on a skewed
     session of prompt batches and steps."""
     import numpy as np

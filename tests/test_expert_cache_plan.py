@@ -67,7 +67,7 @@ def test_the_pool_costs_what_the_engine_allocates(tiny_moe):
     patched llama.cpp reports for its pool (in RAM, here)."""
     env = {**expert_cache.without_switch(dict(os.environ)),
            **expert_cache.environment(8, device="cpu")}
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "moe_cache_check.py"),
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "device" / "moe_cache_check.py"),
                           str(tiny_moe), "--tokens", "4"], capture_output=True, text=True,
                          env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

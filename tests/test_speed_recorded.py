@@ -1,5 +1,5 @@
-"""The speed model against decode the daemon measured on the H200 (docs/bench/*.jsonl, priced
-again at each run's measured expert-pool hits by scripts/reprice_runs.py): a constant refitted
+"""The speed model against decode the daemon measured on the H200 (docs/bench/runs/*.jsonl, priced
+again at each run's measured expert-pool hits by scripts/bench/reprice_runs.py): a constant refitted
 for one shape must not quietly break the others."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import reprice_runs
 
-BENCH = Path(__file__).resolve().parent.parent / "docs" / "bench"
+BENCH = Path(__file__).resolve().parent.parent / "docs" / "bench" / "runs"
 RECORDED = ("h200-2026-12-03-round10.jsonl", "h200-2026-12-03-round11.jsonl",
             "h200-2026-12-03-round12.jsonl")
 # Issue 37 asks 15% of the plan's prediction, which also guesses the hit rate. The same plan
 # on the same file measured 5-7% apart from lease to lease (Qwen3-30B-A3B at 12 GiB, first
-# short answer: 119.8 tok/s in round 10, 126.3 in round 12).
+# short answer: 119.8 tok/s in one lease, 126.3 in another).
 WITHIN = 0.12
 
 
@@ -34,7 +34,7 @@ def test_every_recorded_moe_run_is_priced_within_twelve_percent():
 
 def test_a_recurrent_block_on_the_gpu_is_priced(monkeypatch):
     """The hybrids' recurrent blocks cost their own kernels on the GPU: priced like attention
-    blocks, every weight on the GPU, the model was 35-50% fast (round 12)."""
+    blocks, every weight on the GPU, the model was 35-50% fast."""
     from localllm.profiles.planning import speed
 
     monkeypatch.setattr(speed, "GPU_RECURRENT_BLOCK_SECONDS", 0.0)

@@ -19,6 +19,7 @@ from localllm.modelstore.store import ModelEntry
 
 from localllm.config import ConfigError, parse_duration
 from localllm.options import LoadOptions, SamplingOptions
+from localllm.profiles.planning.memory import kv_element_bytes
 from localllm.profiles.planning.quality import kv_label
 
 from ..chat.custom import Customization
@@ -385,9 +386,7 @@ async def api_ps(request: web.Request) -> web.Response:
 
 
 def _kv_bytes(plan) -> tuple[float, float]:
-    per = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
-           "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
-    return per[plan.type_k], per[plan.type_v]
+    return kv_element_bytes(plan.type_k), kv_element_bytes(plan.type_v)
 
 
 def processor(vram: int, size: int) -> str:

@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar
 
+from localllm.llama.expert_cache import ExpertCacheStats
 from localllm.options import SamplingOptions
 
 DEFAULT_CTX = 4096
@@ -219,24 +220,12 @@ class Band:
 
 
 @dataclass(frozen=True)
-class ExpertCache:
+class ExpertCache(ExpertCacheStats):
     """Sent by the runner on its own, after each answer (before its Done) when the model's
-    context has an expert cache: the context's figures so far (llama/expert_cache.py; a fill
-    band switch starts them again with the new context)."""
+    context has an expert cache: the context's figures so far, as llama/expert_cache.py reads
+    them (its ExpertCacheStats owns the fields; a fill band switch starts them again with the
+    new context)."""
     kind: ClassVar[str] = "expert_cache"
-    slots: int
-    layers: int  # MoE blocks the pool serves
-    hits: int
-    misses: int
-    swaps: int
-    steps: int
-    pool_bytes: int
-    misses_on_gpu: int  # 1: the GPU computed the misses from RAM in place (patches/0003)
-
-    @property
-    def hit_rate(self) -> float:
-        lookups = self.hits + self.misses
-        return self.hits / lookups if lookups else 0.0
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,14 @@ KV_TYPES: dict[str, tuple[int, int]] = {
     "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
     "q4_1": (32, 20), "iq4_nl": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24),
 }
+
+
+def kv_element_bytes(kv_type: str) -> float:
+    """Bytes one element of the KV cache takes in `kv_type` (a block's bytes over its size)."""
+    block, size = KV_TYPES[kv_type]
+    return size / block
+
+
 def kv_row_bytes(kv_type: str, n_elements: int) -> int:
     block, size = KV_TYPES[kv_type]
     return n_elements // block * size

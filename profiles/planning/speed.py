@@ -35,9 +35,9 @@ DECODE_DEPTH = 1024
 GPU_BLOCK_SECONDS = 33e-6  # kernel launches per block and token on the GPU
 # A recurrent (Gated DeltaNet) block on the GPU runs about twice the kernels of an attention
 # block at batch 1 (its convolution, gates, norms and the delta-rule scan), each bound by launch
-# and latency, not bytes. Fitted to the H200 (round 12, every weight on the GPU, through the
+# and latency, not bytes. Fitted to the H200 (every weight on the GPU, through the
 # daemon: the hybrid 35B-A3B and 80B-A3B shapes decoded 273 and 227 tok/s where the model
-# without it priced 394 and 339; with it 267 and 228); scripts/bench_resident.py measures it.
+# without it priced 394 and 339; with it 267 and 228); scripts/bench/bench_resident.py measures it.
 GPU_RECURRENT_BLOCK_SECONDS = 40e-6
 TOKEN_SECONDS = 0.5e-3  # the runner's own loop per token (sampling, Python)
 CROSSING_SECONDS = 0.1e-3  # hidden state between GPU and CPU, and the sync it forces
@@ -81,14 +81,14 @@ CPU_ATTENTION_FLOPS_QUANTIZED = 2.25e9
 
 # The expert cache (issue #40, expert_pool.py): a block it serves runs a second
 # up/gate/act/down chain on the pool (a lookup, four kernels and an add) beside the CPU's.
-# Fitted to the H200 (round 10: the 80B class at 62-70% hits, 3-9% under measured at 25 us);
+# Fitted to the H200 (the 80B class at 62-70% hits, 3-9% under measured at 25 us);
 # it was 25 us while each block's routed experts came back in a copy of their own, which
 # patches/0004 made one copy a step.
 POOL_BLOCK_SECONDS = 13e-6
 # With its misses on the GPU (patches/0003, ExpertPool.misses_on_gpu) the GPU reads the missed
 # experts where they lie in pinned RAM, over PCIe, at this share of the card's pcie_gbs (a
 # kernel's reads of whole experts, each a few hundred KB); the CPU's chain and its two
-# crossings go. 0.7 until round 12, fitted while a recurrent block on the GPU cost no more than
+# crossings go. 0.7 before, fitted while a recurrent block on the GPU cost no more than
 # an attention block: the pool's 80B class was right for the wrong reason, and Qwen3-30B-A3B
 # (no recurrent blocks) 15-18% under at 6 GiB. Refitted with GPU_RECURRENT_BLOCK_SECONDS on
 # 21 H200 runs (the 80B class, the 35B hybrid and Qwen3-30B-A3B with their pools at the hit

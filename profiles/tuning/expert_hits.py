@@ -87,7 +87,7 @@ def measured_hits(model: str, file_size: int, path: Path | None = None
         try:
             share = float(key)
             hits, misses = int(counts["hits"]), int(counts["misses"])
-            # "swaps" before round 11: the fill counted too
+            # "swaps" in older records: the fill counted too
             swaps = int(counts.get("evictions", counts.get("swaps", 0)))
             steps = int(counts.get("steps", 0))
         except (KeyError, TypeError, ValueError, OverflowError, AttributeError):

@@ -35,7 +35,7 @@ def decode_at_measured_hits(plan, shape, card, pool) -> tuple[tuple[int, float],
 def measured_pool(shape_of_pool: PoolShape, slots: int, layers: int, hit_rate: float,
                   copies_a_step: float, misses_on_gpu: bool) -> ExpertPool:
     """A pool of `slots` over `layers` served blocks as decode prices it at a measured hit rate
-    and copies a step (scripts/reprice_runs.py prices recorded runs with it too)."""
+    and copies a step (scripts/bench/reprice_runs.py prices recorded runs with it too)."""
     share = slots / (layers * shape_of_pool.n_expert)
     return priced_pool(shape_of_pool, slots,
                        Request(measured_hits=((share, hit_rate, copies_a_step),)), misses_on_gpu)

@@ -1,0 +1,538 @@
+#!/usr/bin/env python3
+"""A session's moments through the daemon's API beside `llama-server --fit`, on an emulated budget.
+
+    source .device-carry/on-device.sh
+    python3 scripts/bench/bench_session.py --shape dense-27b --ctx 32768 --runs short,prompt \
+        --out $OUT
+    python3 scripts/bench/bench_session.py --tiny --out /tmp/s  # the same code on a CPU, toy model
+    python3 scripts/bench/bench_session.py --shape qwen35-27b --ctx 65536 --systems ours,fit-q8_0 \
+        --runs agent-rerendered --answer-tokens 128 --out $OUT   # a changed history (#33)
+
+For one synthetic model (scripts/synth_gguf.py, random Q4_0 weights) and one context, each
+system in turn: the localllm daemon (12 GiB budget: vram_margin_mib = free - budget + margin,
+workload from --workload, default auto: the daemon's default settings; `ours-cache`: the same
+with expert_cache = --expert-cache, its hits and misses beside each run; `ours-misses-cpu`,
+`ours-misses-gpu`: default settings but expert_misses),
+`llama-server --fit on --fit-target (free - budget)` with f16 and with q8_0 KV.
+Runs (--runs, in this order):
+  short    decode of --tokens after a short prompt
+  prompt   a --prompt-tokens prompt (default 16384; 65536 with --ctx 131072): time to first
+           token, then decode after it
+  deep     the same with a prompt of 90% of --ctx (other text): decode at the context's end,
+           beside the plan's prediction there
+  agent    a replay: a --system-tokens system prompt, then --turns turns that each add
+           --turn-tokens of tool results and answer --answer-tokens; total wall time
+  agent-rerendered
+           the same replay, but each turn sends other text of the answer's length back in the
+           answer's place (what agents send: templates drop earlier turns' thinking, clients
+           re-format tool calls), so the cached sequence diverges where the last prompt ended;
+           per turn the tokens read against the tokens the turn added
+  session-order
+           a real session's order (issue 36): --short-count short requests, then the
+           --prompt-tokens prompt (its time to first token, reading speed and decode after it),
+           then short requests again; decode after each short prompt before and after
+Peak VRAM is NVML's for the whole card, above the baseline before each system starts. Every
+measurement is appended to $OUT/session.jsonl as it is made; the table goes to
+$OUT/session.md. Runs that would pass --deadline (seconds since the start) are skipped.
+The prompts are text of a fixed pattern: their token count is calibrated once per system by a
+1-token answer (prompt_eval_count / timings.prompt_n), so both sides read the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
+
+import checkout_imports  # noqa: E402
+
+checkout_imports.bootstrap()
+import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
+
+import synth_gguf  # noqa: E402
+from bench_tuner import MemorySampler  # noqa: E402
+
+MIB = 1 << 20
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
+         "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi",
+         "chi", "psi", "omega"]
+
+
+def text_of(n_chars: int, seed: int) -> str:
+    words, i = [], seed
+    while sum(len(w) + 1 for w in words) < n_chars:
+        words.append(WORDS[(i * 7 + len(words) * 3) % len(WORDS)])
+        i += 1
+    return " ".join(words)
+
+
+def post(url: str, body: dict, timeout: float = 900) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class Ours:
+    """The daemon, one model loaded at the context asked, streaming /api/generate (raw)."""
+
+    name = "ours"
+
+    def __init__(self, model: Path, ctx: int, budget_mib: int, margin_mib: int, workload: str,
+                 tmp: Path, fill_bands: str = "auto", **settings: str):
+        from daemon_process import isolated_env, start_daemon
+
+        from localllm.modelstore.store import ModelStore
+
+        free = MemorySampler().free() // MIB
+        margin = max(0, free - budget_mib + margin_mib) if free else 0
+        env = isolated_env(tmp, LOCALLLM_NUM_PARALLEL="1", LOCALLLM_CONTEXT_POLICY="fixed",
+                           LOCALLLM_CONTEXT_LENGTH=str(ctx), LOCALLLM_WORKLOAD=workload,
+                           LOCALLLM_VRAM_MARGIN_MIB=str(margin), LOCALLLM_FILL_BANDS=fill_bands,
+                           **settings)
+        # The benchmark's own file, made private so that the import links it: a copy of a
+        # 37 GiB model beside the others filled the GPU machine's 64 GiB disk.
+        os.chmod(model, 0o600)
+        ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
+        if os.environ.get("BENCH_DRAFTS", "unaccepted") == "unaccepted":
+            never_accepted(model, env)
+        self.daemon = start_daemon(env)
+        self.url = self.daemon.url
+        self.ctx = ctx
+
+    def generate(self, prompt: str, n: int) -> dict:
+        """{ttft, decode_tps, prompt_tokens, text} of one streamed raw generation."""
+        body = json.dumps({"model": "bench", "prompt": prompt, "raw": True, "stream": True,
+                           "options": {"num_predict": n, "temperature": 0, "seed": 1,
+                                       "speculative": "off", "num_ctx": self.ctx}})
+        req = urllib.request.Request(self.url + "/api/generate", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+        start = time.perf_counter()
+        first = last = 0.0
+        count, text, done = 0, [], {}
+        with urllib.request.urlopen(req, timeout=1800) as resp:
+            for line in resp:
+                chunk = json.loads(line)
+                if chunk.get("done"):
+                    done = chunk
+                    break
+                if chunk.get("response"):
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    count += 1
+                    text.append(chunk["response"])
+        decode = (count - 1) / (last - first) if count > 1 and last > first else 0.0
+        if done.get("eval_count") and done.get("eval_duration"):  # the daemon's own timing
+            decode = done["eval_count"] / (done["eval_duration"] / 1e9)
+        # this request's: the whole prompt and where its cache came from
+        last = self._model("/api/stats").get("last") or {}
+        return {"ttft": first - start if first else 0.0, "decode_tps": decode,
+                "answer_tokens": done.get("eval_count", count),
+                "prompt_tokens": done.get("prompt_eval_count", 0), "text": "".join(text),
+                "prompt_total": last.get("prompt_tokens", 0),
+                # prompt_eval_count is the whole input, as Ollama counts it; the cached part
+                # beside it was not read
+                "read": done.get("prompt_eval_count", 0) - done.get("prompt_eval_cached_count", 0),
+                "cached_from": last.get("cached_from"), "checkpoint": last.get("checkpoint")}
+
+    def _model(self, endpoint: str) -> dict:
+        """The loaded model's entry in /api/ps or /api/stats ({} when none is loaded)."""
+        [m] = self.daemon.get(endpoint)["models"] or [{}]
+        return m
+
+    def plan(self) -> str:
+        m = self._model("/api/ps")
+        keys = ("gpu_layers", "kv_type", "context_length", "processor", "fill_band",
+                "workload")
+        return ", ".join(f"{k} {m.get(k)}" for k in keys if k in m)
+
+    def predicted(self, depth: int) -> float | None:
+        """The running plan's predicted decode (tok/s) at `depth` tokens of context, read off its
+        curve (start, middle, end) by straight lines: what issue 37 holds the measurement to."""
+        plan = self._model("/api/stats").get("plan") or {}
+        return at_depth(plan.get("predicted_decode_by_depth"), depth)
+
+    def curve_at_hits(self) -> list | None:
+        """The plan's decode by depth priced at its expert pool's hit rate measured so far
+        (/api/stats; None before the pool has enough lookups)."""
+        return (self._model("/api/stats").get("expert_cache") or {}).get(
+            "predicted_decode_by_depth")
+
+    def running(self) -> dict:
+        """What the run ran on: the running plan's placement, KV type, context and threads (a
+        fill band's plan once the runner moved into it), for scripts/bench/reprice_runs.py."""
+        plan = self._model("/api/stats").get("plan") or {}
+        return {k: plan[k] for k in ("gpu_layers", "kv_type", "n_ctx", "n_threads",
+                                     "cpu_overrides") if k in plan}
+
+    def expert_cache(self) -> dict | None:
+        """The MoE expert cache's slots, hits and misses so far (/api/stats; None: off)."""
+        return self._model("/api/stats").get("expert_cache")
+
+    def band(self) -> dict | None:
+        """The fill band the runner is in and the pauses of its switches (ps)."""
+        return self._model("/api/ps").get("fill_band")
+
+    def stop(self) -> None:
+        self.daemon.stop()
+
+
+def never_accepted(model: Path, env: dict) -> None:
+    """Tell the tuner what the daemon would measure of this model's drafts: random weights
+    draft tokens the model never picks. Without it, a model with MTP heads is planned for
+    drafting at the assumed 70% acceptance (VRAM for the NextN block, its KV, a pool priced
+    with the drafts' speed), and the bench, which asks every request with `speculative: off`
+    to compare plain decode with llama-server's, measures a plan made for something else. The
+    record is the one `DraftCounts` writes after MIN_DRAFTED drafted tokens
+    (profiles/tuning/acceptance.py). BENCH_DRAFTS=assumed leaves it out."""
+    from localllm.profiles.tuning.acceptance import MIN_DRAFTED, record
+    from localllm.speculative import DRAFTING_MODES
+
+    config_dir = Path(env["XDG_CONFIG_HOME"]) / "localllm" / "profiles"
+    for mode in DRAFTING_MODES:
+        record("bench:latest", model.stat().st_size, mode, MIN_DRAFTED * 4, 0,
+               path=config_dir / "acceptance.toml")
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float) -> None:
+    """Until llama-server answers /health (RuntimeError if it exits or the time runs out)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited {proc.returncode} (see {log})")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError("llama-server did not start")
+
+
+class Fit:
+    """llama-server with llama.cpp's own fitting for the same budget, /completion streamed."""
+
+    def __init__(self, model: Path, ctx: int, budget_mib: int, kv: str, threads: int,
+                 log: Path):
+        self.name = f"fit-{kv}"
+        free = MemorySampler().free() // MIB
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = ["llama-server", "-m", str(model), "-c", str(ctx), "--fit", "on", "--fit-target",
+               str(max(0, free - budget_mib)), "-t", str(threads), "-np", "1", "-fa", "on",
+               "-ctk", kv, "-ctv", kv, "--port", str(port), "--host", "127.0.0.1"]
+        self.log = open(log, "w")  # noqa: SIM115 (closed in stop(), after the server)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        wait_healthy(self.proc, self.url, log, 600)
+
+    def generate(self, prompt: str, n: int) -> dict:
+        start = time.perf_counter()
+        out = post(self.url + "/completion", {"prompt": prompt, "n_predict": n,
+                                              "temperature": 0, "cache_prompt": True,
+                                              "ignore_eos": True})
+        wall = time.perf_counter() - start
+        t = out.get("timings", {})
+        per_token = t.get("predicted_ms", 0) / max(1, t.get("predicted_n", 1))
+        return {"ttft": max(0.0, wall - t.get("predicted_ms", 0) / 1000 + per_token / 1000),
+                "decode_tps": t.get("predicted_per_second", 0.0),
+                "answer_tokens": t.get("predicted_n", 0),
+                "prompt_tokens": t.get("prompt_n", 0) + t.get("cache_n", 0),
+                "text": out.get("content", ""),
+                "prompt_total": t.get("prompt_n", 0) + t.get("cache_n", 0),
+                "read": t.get("prompt_n", 0)}
+
+    def band(self) -> None:
+        return None
+
+    def plan(self) -> str:
+        return "llama-server --fit"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def calibrate(system, chars_per_token: list[float], ctx: int) -> float:
+    if not chars_per_token:
+        sample = text_of(min(4000, ctx // 2), 1)
+        n = system.generate(sample, 1)["prompt_tokens"] or 1000
+        chars_per_token.append(len(sample) / n)
+    return chars_per_token[0]
+
+
+def run_system(system, args, record) -> None:
+    cpt: list[float] = []
+    warm = system.generate("Hello there. " * 4, 4)  # loads the model (ours) and warms up
+    record({"system": system.name, "plan": system.plan(), "warm_ttft": round(warm["ttft"], 2)})
+    for run in args.runs:
+        if time.monotonic() - args.t0 > args.deadline:
+            record({"system": system.name, "run": run, "skipped": "deadline"})
+            continue
+        if run == "short":
+            before = curve_before(system)
+            r = system.generate("The quick brown fox jumps over the lazy dog. " * 6, args.tokens)
+            record({"system": system.name, "run": "short", "decode_tps": round(r["decode_tps"], 2),
+                    "answer_tokens": r["answer_tokens"], "band": system.band(),
+                    **predicted(system, r["prompt_tokens"], before), **expert_cache(system),
+                    **running(system)})
+        elif run in ("prompt", "deep"):
+            c = calibrate(system, cpt, args.ctx)
+            tokens, seed = (args.prompt_tokens, 2) if run == "prompt" else (int(args.ctx * 0.9), 3)
+            before = curve_before(system)
+            r = system.generate(text_of(int(tokens * c), seed), args.tokens)
+            record({"system": system.name, "run": run, "prompt_tokens": r["prompt_tokens"],
+                    "ttft": round(r["ttft"], 2),
+                    "prompt_tps": round(r["prompt_tokens"] / max(1e-9, r["ttft"]), 1),
+                    "decode_tps": round(r["decode_tps"], 2), "answer_tokens": r["answer_tokens"],
+                    "band": system.band(), **predicted(system, r["prompt_tokens"], before),
+                    **expert_cache(system), **running(system)})
+        elif run in ("agent", "agent-rerendered"):
+            record(agent_replay(system, args, calibrate(system, cpt, args.ctx),
+                                rerendered=run == "agent-rerendered"))
+        elif run == "session-order":
+            session_order(system, args, record, calibrate(system, cpt, args.ctx))
+
+
+def expert_cache(system) -> dict:
+    """Ours with --expert-cache: the pool's figures so far (hits, misses, hit rate)."""
+    figures = system.expert_cache() if hasattr(system, "expert_cache") else None
+    return {"expert_cache": figures} if figures else {}
+
+
+def at_depth(curve, depth: int) -> float | None:
+    """A (depth, tok/s) curve read at `depth` by straight lines; None for no curve."""
+    curve = sorted(curve or [])
+    if not curve:
+        return None
+    for (d0, t0), (d1, t1) in zip(curve, curve[1:], strict=False):
+        if depth <= d1:
+            f = 0.0 if d1 == d0 else max(0.0, (depth - d0) / (d1 - d0))
+            return round(t0 + f * (t1 - t0), 2)
+    return round(curve[-1][1], 2)
+
+
+def predicted(system, depth: int, before_run=None) -> dict:
+    """Ours: the plan's predicted decode at this depth, beside the measured figure; and, once
+    the pool's hits were measured before this run (`before_run`: the curve /api/stats gave
+    then, and the band it came from), the plan's decode priced at them: not for a run that
+    moved into another band, whose plan and pool are new."""
+    guess = system.predicted(depth) if hasattr(system, "predicted") else None
+    out = {"predicted_decode_tps": guess} if guess is not None else {}
+    curve, band = before_run or (None, None)
+    now = system.band() if hasattr(system, "band") else None
+    same_plan = (band or {}).get("n_ctx") == (now or {}).get("n_ctx")
+    at_hits = at_depth(curve, depth) if same_plan else None
+    if at_hits is not None:
+        out["predicted_at_measured_hits_tps"] = at_hits
+    return out
+
+
+def curve_before(system):
+    """The curve at the pool's measured hits before a run, with the band it was priced in:
+    a run that moves the runner into another band runs another plan and pool."""
+    if not hasattr(system, "curve_at_hits"):
+        return None
+    return system.curve_at_hits(), system.band()
+
+
+def running(system) -> dict:
+    """Ours: the plan the run ran on (/api/stats)."""
+    return {"running": system.running()} if hasattr(system, "running") else {}
+
+
+def agent_replay(system, args, chars_per_token: float, rerendered: bool) -> dict:
+    """The agent session: each turn adds a tool result to the raw transcript and takes an
+    answer; the answer goes back as the model wrote it, or (`rerendered`) as other text of its
+    length. Per turn: time to first token, the whole prompt, the tokens read and the tokens the
+    turn added (the answer in the form sent back, then the tool result)."""
+    c = chars_per_token
+    # a system prompt of its own per run: the second run starts as cold as the first
+    conversation = text_of(int(args.system_tokens * c), 4 if rerendered else 3)
+    start = time.perf_counter()
+    turns, before = [], 0
+    for turn in range(args.turns):
+        conversation += "\nTool result:\n" + text_of(int(args.turn_tokens * c), 10 + turn)
+        r = system.generate(conversation, args.answer_tokens)
+        row = {"ttft": round(r["ttft"], 2), "decode_tps": round(r["decode_tps"], 2),
+               "prompt_tokens": r["prompt_total"], "read": r["read"],
+               "new": r["prompt_total"] - before if turn else r["prompt_total"]}
+        if r.get("cached_from") is not None:
+            row.update(cached_from=r["cached_from"], checkpoint=r["checkpoint"])
+        turns.append(row)
+        before = r["prompt_total"]
+        # Other words where the answer was: the cached sequence holds the model's own tokens
+        # and the next prompt diverges right where this one ended.
+        conversation += " " + text_of(max(16, len(r["text"])), 100 + turn) if rerendered \
+            else r["text"]
+    later = turns[1:]
+    return {"system": system.name, "run": "agent-rerendered" if rerendered else "agent",
+            "wall_s": round(time.perf_counter() - start, 1), "turns": turns,
+            # turns 2+: tokens read per token added (1.0: only what the turn added)
+            "read_per_new": round(sum(t["read"] for t in later)
+                                  / max(1, sum(t["new"] for t in later)), 2) if later else None,
+            "band": system.band()}
+
+
+def ours_settings(system: str, args) -> dict[str, str]:
+    """The daemon's settings for one of our systems: `ours` the defaults, `ours-cache` with
+    expert_cache = --expert-cache, `ours-misses-cpu` / `-gpu` with expert_misses (issue 40)."""
+    if system == "ours":
+        return {}
+    if system == "ours-cache":
+        return {"LOCALLLM_EXPERT_CACHE": str(args.expert_cache)}
+    if system in ("ours-misses-cpu", "ours-misses-gpu"):
+        return {"LOCALLLM_EXPERT_MISSES": system.removeprefix("ours-misses-")}
+    raise SystemExit(f"unknown system {system!r}")
+
+
+def session_order(system, args, record, chars_per_token: float) -> None:
+    """Short requests, the long prompt, short requests again, each a request of its own (as an
+    editor's side requests and a pasted file arrive): the long prompt's time to first token is
+    what a band planned for short prompts cost (issue 36)."""
+    def short(i: int) -> float:
+        prompt = f"Request {i}: " + "The quick brown fox jumps over the lazy dog. " * 6
+        return system.generate(prompt, args.tokens)["decode_tps"]
+
+    before = [short(i) for i in range(args.short_count)]
+    band_before = system.band()
+    r = system.generate(text_of(int(args.prompt_tokens * chars_per_token), 4), args.tokens)
+    band_long = system.band()
+    after = [short(100 + i) for i in range(max(1, args.short_count // 3))]
+    record({"system": system.name, "run": "session-order", "prompt_tokens": r["prompt_tokens"],
+            "ttft": round(r["ttft"], 2),
+            "prompt_tps": round(r["prompt_tokens"] / max(1e-9, r["ttft"]), 1),
+            "decode_after_prompt_tps": round(r["decode_tps"], 2),
+            "short_before_tps": round(sorted(before)[len(before) // 2], 2),
+            "short_after_tps": round(sorted(after)[len(after) // 2], 2),
+            "band_before": band_before, "band_after_prompt": band_long,
+            "plan": system.plan()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="dense-27b", choices=tuple(synth_gguf.SHAPES))
+    p.add_argument("--ctx", type=int, default=32768)
+    p.add_argument("--budget", type=float, default=12, metavar="GiB")
+    p.add_argument("--margin", type=int, default=128, metavar="MiB",
+                   help="VRAM the tuner leaves free inside the budget")
+    p.add_argument("--workload", default="auto", choices=("auto", "chat", "agent"),
+                   help="ours: the workload setting (auto: the default, learned as it serves)")
+    p.add_argument("--systems", default="ours,fit-f16,fit-q8_0")
+    p.add_argument("--fill-bands", default="auto", help="ours: the fill_bands setting")
+    p.add_argument("--expert-cache", default="512",
+                   help="system ours-cache: the expert_cache setting (slots, or auto)")
+    p.add_argument("--runs", default="short,prompt")
+    p.add_argument("--tokens", type=int, default=48, help="decoded per decode measurement")
+    p.add_argument("--short-count", type=int, default=10,
+                   help="session-order: short requests before the long prompt")
+    p.add_argument("--prompt-tokens", type=int, default=0, help="0: 16384, 65536 at >= 128K")
+    p.add_argument("--system-tokens", type=int, default=20000)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--turn-tokens", type=int, default=2048)
+    p.add_argument("--answer-tokens", type=int, default=256)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 16)
+    p.add_argument("--models", default="/tmp/bench-models")
+    p.add_argument("--routing", default="uniform",
+                   help="MoE routers of the synthetic model: uniform or zipf:S (synth_gguf)")
+    p.add_argument("--deadline", type=float, default=520, help="seconds; later runs skipped")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--tiny", action="store_true", help="a toy model on a CPU, small sizes")
+    p.add_argument("--experts", type=int, default=0,
+                   help="MoE shapes: write N experts a block, not the real count (with a budget "
+                        "that holds every weight: bench_resident.py's files, through the daemon)")
+    args = p.parse_args(argv)
+    args.t0 = time.monotonic()
+    args.runs = args.runs.split(",")
+    if args.tiny:
+        args.ctx, args.budget, args.tokens, args.short_count = 2048, 0.5, 8, 3
+        args.system_tokens, args.turn_tokens, args.answer_tokens, args.turns = 300, 100, 8, 3
+        args.prompt_tokens = args.prompt_tokens or 600
+    if not args.prompt_tokens:
+        args.prompt_tokens = 65536 if args.ctx >= 131072 else 16384
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = synth_gguf.tiny(synth_gguf.SHAPES[args.shape]) if args.tiny \
+        else synth_gguf.fewer_experts(synth_gguf.SHAPES[args.shape], args.experts)
+    model = synth_gguf.ensure_model(args.models, config, routing=args.routing)
+    rows: list[dict] = []
+    with open(out / "session.jsonl", "a") as jsonl:
+        def record(row: dict) -> None:
+            row = {"shape": args.shape, "ctx": args.ctx, "t": round(time.monotonic() - args.t0),
+                   **({"routing": args.routing} if args.routing != "uniform" else {}),
+                   **({"experts": config.n_expert} if args.experts else {}), **row}
+            rows.append(row)
+            jsonl.write(json.dumps(row) + "\n")
+            jsonl.flush()
+            print(json.dumps(row), flush=True)
+
+        budget_mib = int(args.budget * 1024)
+        for name in args.systems.split(","):
+            if time.monotonic() - args.t0 > args.deadline:
+                record({"system": name, "skipped": "deadline"})
+                continue
+            with tempfile.TemporaryDirectory() as tmp, MemorySampler() as mem:
+                system = None
+                try:
+                    if name == "ours" or name.startswith("ours-"):
+                        system = Ours(model, args.ctx, budget_mib, args.margin, args.workload,
+                                      Path(tmp), args.fill_bands, **ours_settings(name, args))
+                        system.name = name
+                    elif name.startswith("fit-"):
+                        if args.tiny:
+                            record({"system": name, "skipped": "--tiny"})
+                            continue
+                        system = Fit(model, args.ctx, budget_mib, name[4:], args.threads,
+                                     out / f"{name}-{args.shape}-{args.ctx}.log")
+                    else:
+                        raise SystemExit(f"unknown system {name!r}")
+                    run_system(system, args, record)
+                except Exception as e:  # one system failing must not lose the others' rows
+                    record({"system": name, "error": f"{type(e).__name__}: {e}"})
+                finally:
+                    if system is not None:
+                        system.stop()
+                    logs = Path(tmp) / "xdg_state_home" / "localllm" / "logs"
+                    if name.startswith("ours") and logs.is_dir():  # the daemon's and runner's logs
+                        shutil.copytree(logs, out / f"{name}-logs-{args.shape}-{args.ctx}",
+                                        dirs_exist_ok=True)
+            record({"system": name, "peak_vram_mib": mem.delta // MIB, "budget_mib": budget_mib})
+    (out / "session.md").write_text(markdown(rows) + "\n")
+    print(markdown(rows))
+    return 0
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| shape | ctx | system | run | figures |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        figures = {k: v for k, v in r.items() if k not in ("shape", "ctx", "system", "run", "t")}
+        lines.append(f"| {r['shape']} | {r['ctx']} | {r.get('system', '')} | {r.get('run', '')} "
+                     f"| {json.dumps(figures)} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
