@@ -124,7 +124,7 @@ class Scheduler:
                                      self.runner_command)
         self.crashes = self.starter.crashes  # runners that died on their own (ps shows notes)
         # Runners busy on the CPU at once share its threads (_share_cpu); `off` for benchmarks
-        # that compare with every runner at its plan's threads (scripts/bench_cpu_share.py)
+        # that compare with every runner at its plan's threads (scripts/bench/bench_cpu_share.py)
         self.cpu_share = os.environ.get("LOCALLLM_CPU_SHARE", "on") != "off"
 
     # ---- lifecycle ---------------------------------------------------------------------

@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports
 sys.path.insert(0, str(ROOT / "tests"))
 
 import checkout_imports  # noqa: E402

@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 
 from matrix import BUDGETS_GIB, ROOT, ROUTING, SHAPES, gpu_engine, selected
 
@@ -100,7 +101,7 @@ def test_the_crash_sequence_with_each_expert_setting(synthetic, tmp_path, shape,
     assert peak <= s.budget_mib
 
 
-CHECK = ROOT / "scripts" / "moe_cache_check.py"
+CHECK = ROOT / "scripts" / "device" / "moe_cache_check.py"
 
 
 def _check(model, *args: str, slots: int = 0) -> dict:
