@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 
 from . import paths
-from .config import Config, load_config
+from .config import DAEMON_ONLY, ENV, Config, load_config
 from .errors import UserError
 
 
@@ -37,6 +37,8 @@ class Chunk:
 
 
 class Client:
+    _noted = False  # the daemon-settings note is said once a process
+
     def __init__(self, config: Config | None = None):
         self.config = config or load_config()
         self._session: aiohttp.ClientSession | None = None
@@ -62,7 +64,9 @@ class Client:
         """Use the Unix socket when it answers, else TCP; start a daemon if neither does."""
         if self._session:
             return
-        if not await self._try_connect() and start:
+        if await self._try_connect():
+            await self._note_daemon_settings()
+        elif start:
             daemon = start_daemon(self.config)
             deadline = time.monotonic() + 60
             while not await self._try_connect():
@@ -72,6 +76,28 @@ class Client:
                 await asyncio.sleep(0.1)
         if not self._session:
             raise UserError("the localllm daemon is not running; start it with `localllm serve`")
+
+    async def _note_daemon_settings(self) -> None:
+        """One line on stderr when this command's environment sets a daemon-only variable
+        that the daemon already running does not have: it changes nothing there."""
+        mine = {ENV[n]: os.environ[ENV[n]] for n in DAEMON_ONLY if os.environ.get(ENV[n])}
+        if not mine or Client._noted:
+            return
+        try:
+            status = await self.request("GET", "/api/status")
+        except (DaemonError, aiohttp.ClientError):
+            return
+        theirs = status.get("env", {})
+        differ = [k for k, v in mine.items() if theirs.get(k) != v]
+        if differ:
+            Client._noted = True
+            names = {v: k for k, v in ENV.items()}
+            said = ", ".join(f"{k}={mine[k]}" for k in differ)
+            print(f"note: {said} does not apply to the daemon already running (pid "
+                  f"{status.get('pid')}); to apply it, restart the daemon with it set "
+                  f"(`localllm stop --daemon`, then run this again) or save it for the next "
+                  f"load with `localllm config set {names[differ[0]]} "
+                  f"{mine[differ[0]]}`", file=sys.stderr)
 
     async def _try_connect(self) -> bool:
         sock = self.config.socket_path

@@ -206,6 +206,14 @@ class Config:
         return max(1.0, parse_duration(self.load_timeout) or 0.0)
 
 
+# Settings only the daemon reads (its scheduler and planner): set in a client command's
+# environment they change nothing in a daemon that is already running (localllm.client says so).
+DAEMON_ONLY = ("max_loaded_models", "num_parallel", "max_queue", "queue_timeout",
+               "load_timeout", "default_ctx", "context_policy", "kv_cache_type",
+               "expected_fill", "vram_margin_mib", "ram_budget", "gpus", "prompt_cache_ram",
+               "fill_bands", "expert_misses", "keep_alive")
+
+
 ENV = {
     "host": "LOCALLLM_HOST",
     "socket": "LOCALLLM_SOCKET",

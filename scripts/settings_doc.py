@@ -49,7 +49,11 @@ def render(doc: str) -> str:
            "Each setting is read from `config.toml` in the config folder "
            "(`localllm config set KEY VALUE`, `localllm config show` says where each value "
            "comes from), overridden by its `LOCALLLM_*` variable. `applied` says when a change "
-           "takes effect.", "",
+           "takes effect. The daemon reads these variables from its own environment: a client "
+           "command (`localllm run`, `ps`...) run with a scheduler or planner variable "
+           "(`LOCALLLM_CONTEXT_LENGTH`, `LOCALLLM_KV_CACHE_TYPE`, `LOCALLLM_NUM_PARALLEL`...) "
+           "against a daemon already running prints a one-line note that it does not apply "
+           "there, and how to apply it.", "",
            "| setting | variable | default | applied | Ollama's twin |",
            "| --- | --- | --- | --- | --- |"]
     for name, env, default, applied in cells:

@@ -13,7 +13,7 @@ import pytest
 from daemon_process import wait_for
 
 from localllm.config import Config
-from localllm.tui.app import ChatApp
+from localllm.tui.app import ChatApp, last_exchange
 from localllm.tui.chatstore import ChatStore
 from localllm.tui.widgets import Note, StatsLine
 
@@ -123,11 +123,23 @@ async def test_a_set_parameter_reaches_the_daemon(daemon, chats):
         await wait_loaded(pilot, app)
         await type_line(pilot, app, "/set parameter num_predict 3")
         await type_line(pilot, app, "/set parameter temperature 0")
+        await type_line(pilot, app, "/set verbose")
         await type_line(pilot, app, LOOPING_PROMPT)
         await wait_until(pilot, lambda: not app.streaming and app.turn and app.turn.done,
                          "the answer")
         last = runner_stats(daemon, "smollm2")["last"]
         assert last["eval_count"] == 3 and last["done_reason"] == "length"
+        # /set verbose: Ollama's timings block after the answer, with the answer's own counts
+        def timings_note() -> str | None:
+            return next((n for n in notes(app) if n.startswith("total duration:")), None)
+
+        await wait_until(pilot, timings_note, "the timings after the answer", timeout=30)
+        timings = timings_note()
+        for line in ("load duration:", "prompt eval count:", "prompt eval duration:",
+                     "prompt eval rate:", "eval duration:", "eval rate:"):
+            assert line in timings, timings
+        assert re.search(r"^eval count: +3 token\(s\)$", timings, re.M), timings
+        await type_line(pilot, app, "/set quiet")
         assert chats.get_chat(app.chat_id).options == {"num_predict": 3, "temperature": 0.0}
         await type_line(pilot, app, "/unset parameter num_predict")
         await type_line(pilot, app, "/set parameter num_predict 5")
@@ -145,18 +157,25 @@ async def test_a_set_parameter_reaches_the_daemon(daemon, chats):
         assert len(chats.messages(app.chat_id)) == 4
 
 
-async def test_ctrl_c_stops_the_answer_in_the_daemon_and_a_second_one_quits(daemon, chats):
+async def test_ctrl_c_stops_the_answer_in_the_daemon_and_two_more_quit(daemon, chats):
     app = ChatApp(config_for(daemon), "smollm2", store=chats)
     async with app.run_test(size=(100, 30)) as pilot:
         await start_a_long_answer(pilot, app, tokens_seen=8)
         await pilot.press("ctrl+c")
         await wait_until(pilot, lambda: not app.streaming, "the answer to stop")
+        # The Ctrl+C that stopped the answer does not count toward quitting: a reflexive
+        # second press (ollama run's habit) leaves the chat open, a third within 3 s quits.
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert app.is_running
         await pilot.press("ctrl+c")
         await wait_until(pilot, lambda: not app.is_running, "the app to quit", timeout=10)
     assert app.return_code == 0
     answer = app.entries[-1]
     assert answer.state == "stopped" and answer.content
     assert answer.view.footer.endswith("stopped")
+    # What run_chat leaves on the terminal when the chat closes: the last question and answer.
+    assert last_exchange(app.entries) == f">>> {LOOPING_PROMPT}\n{answer.content.rstrip()}"
 
     def runner_idle() -> dict | None:
         stats = runner_stats(daemon, "smollm2")

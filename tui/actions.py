@@ -253,8 +253,10 @@ class ChatActions:
     def action_stop_or_quit(self) -> None:
         now = time.monotonic()
         if self.stop_answer():
-            self._quit_armed_until = now + QUIT_WINDOW_S
-            self.notify("Stopped. Ctrl+C again quits.", timeout=QUIT_WINDOW_S)
+            # A Ctrl+C that stops an answer does not count toward quitting: pressed twice by
+            # reflex (as in `ollama run`), the second one only arms the quit.
+            self._quit_armed_until = 0.0
+            self.notify("Stopped.", timeout=QUIT_WINDOW_S)
         elif now < self._quit_armed_until:
             self.exit(0)
         else:

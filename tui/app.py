@@ -366,4 +366,17 @@ async def run_chat(config: Config, model: str, resume: str | None = None,
     finally:
         await app.client.close()
         store.close()
+    if farewell := last_exchange(app.entries):
+        print(farewell)
     return app.return_code or 0
+
+
+def last_exchange(entries: list) -> str:
+    """The last question and its answer, printed when the chat closes: the full-screen chat
+    leaves nothing in the terminal's scrollback otherwise (`ollama run` leaves it all)."""
+    answer = next((i for i in range(len(entries) - 1, -1, -1)
+                   if entries[i].role == "assistant" and entries[i].content), None)
+    if answer is None:
+        return ""
+    question = next((e.content for e in reversed(entries[:answer]) if e.role == "user"), "")
+    return (f">>> {question}\n" if question else "") + entries[answer].content.rstrip()

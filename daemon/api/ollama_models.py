@@ -12,6 +12,7 @@ from localllm.modelstore.projector import projector_info, show_info
 from localllm.modelstore.store import projector_path
 
 from localllm import __version__
+from localllm.config import DAEMON_ONLY, ENV
 
 from .. import security
 from ..chat.custom import capabilities
@@ -40,6 +41,9 @@ async def api_status(request: web.Request) -> web.Response:
         "ollama_api": OLLAMA_API_LEVEL,
         "pid": os.getpid(),
         "started_at": iso(STARTED_AT),
+        # the daemon-only settings its environment set (a client compares its own: client.py)
+        "env": {ENV[name]: os.environ[ENV[name]] for name in DAEMON_ONLY
+                if os.environ.get(ENV[name])},
         "loaded": [{"model": name, "runner_pid": slot.runner.pid, "busy": slot.busy,
                     "active": slot.active, "waiting": slot.waiting,
                     "num_parallel": slot.runner.n_parallel,
