@@ -78,5 +78,9 @@ def test_modelfile_subset():
     assert recipe.system == "line one\nline two" and recipe.template == "{{ messages }}"
     with pytest.raises(ModelfileError, match="never closes"):
         parse_modelfile('FROM x\nSYSTEM """open')
-    with pytest.raises(ModelfileError, match="MESSAGE is not supported"):
-        parse_modelfile("FROM x\nMESSAGE user hi")
+    assert parse_modelfile("FROM x\nMESSAGE user hi").messages == [{"role": "user",
+                                                                     "content": "hi"}]
+    with pytest.raises(ModelfileError, match="MESSAGE takes a role"):
+        parse_modelfile("FROM x\nMESSAGE robot hi")
+    with pytest.raises(ModelfileError, match="QUANTIZE is not supported"):
+        parse_modelfile("FROM x\nQUANTIZE q4")
