@@ -25,7 +25,8 @@ def _post(daemon, path: str, body: dict) -> tuple[int, dict]:
 OPTIONS = {"num_predict": 4, "temperature": 0, "num_ctx": CTX}
 
 
-def test_generate_truncates_the_oldest_tokens_and_says_how_many(daemon):
+def test_generate_truncates_the_oldest_tokens_and_says_how_many(fresh_daemon):
+    daemon = fresh_daemon  # its own: the shared one must keep smollm2 at the default context
     status, done = _post(daemon, "/api/generate", {
         "model": "smollm2", "prompt": LONG + "\nWhich item came last?", "raw": True,
         "stream": False, "options": OPTIONS})
@@ -43,7 +44,8 @@ def test_generate_truncates_the_oldest_tokens_and_says_how_many(daemon):
     assert status == 400 and "shift" in body["error"]
 
 
-def test_chat_keeps_the_newest_part_of_a_message_longer_than_the_context(daemon):
+def test_chat_keeps_the_newest_part_of_a_message_longer_than_the_context(fresh_daemon):
+    daemon = fresh_daemon
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "An old question."},
                 {"role": "assistant", "content": "An old answer."},
