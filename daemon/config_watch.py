@@ -81,7 +81,7 @@ async def watch_profiles(directory: Path, log: logging.Logger) -> None:
     async for changes in watchfiles.awatch(directory, watch_filter=is_profile):
         for _change, changed in changes:
             try:
-                load_profile(Path(changed))
+                load_profile(Path(changed), set_aside_broken=False)  # maybe mid-edit
             except ProfileError as e:
                 log.error("tuned profile invalid, the tuner will plan instead: %s", e,
                           extra={"file": changed})

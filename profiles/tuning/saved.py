@@ -187,13 +187,17 @@ def parse_plan_table(path: Path, table: Any) -> Plan:
                 tensor_split=tuple(float(x) for x in split), source=f"profile:{path}")
 
 
-def load_profile(path: Path) -> SavedProfile:
-    """The profile at `path`; ProfileError with the file and reason when it cannot be used."""
+def load_profile(path: Path, set_aside_broken: bool = True) -> SavedProfile:
+    """The profile at `path`; ProfileError with the file and reason when it cannot be used.
+    One that is not TOML at all is set aside (a load re-tunes) unless `set_aside_broken` is
+    False: the profile watcher's case, where the user may be in the middle of an edit."""
     try:
         doc = tomllib.loads(path.read_bytes().decode("utf-8"))
     except OSError as e:
         raise ProfileError(f"cannot read {path}: {e.strerror}") from None
     except (ValueError, RecursionError) as e:  # not TOML or not UTF-8: set aside, re-tuned
+        if not set_aside_broken:
+            raise ProfileError(f"{path}: not valid TOML: {e}") from None
         set_aside(path, "the saved profile", e)
         raise ProfileError(f"{path}: not valid TOML ({e}); set aside, the model is tuned "
                            "again") from None
