@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import difflib
 import sys
 
 from localllm.cli.commands import config_from_args
+from localllm.cli.suggest import model_names, nearest
 from localllm.client import Client
 from localllm.errors import UserError
 from localllm.options import OptionError, from_text
@@ -74,9 +74,9 @@ def split_model_and_prompt(words: list[str], default_model: str, known,
     if " " not in first and (known(first) or _looks_like_reference(first)):
         return first, " ".join(words[1:])
     if " " not in first and _looks_like_model(first):
-        close = difflib.get_close_matches(first.lower(), list(candidates()), n=1, cutoff=0.75)
+        close = nearest(first, list(candidates()), cutoff=0.75)
         if len(words) > 1 or close:
-            raise UserError(_no_such_model(first, close[0] if close else None))
+            raise UserError(_no_such_model(first, close))
     return default_model, " ".join(words)
 
 
@@ -117,17 +117,10 @@ def _known_model(name: str) -> bool:
     return default_store().exists(parsed) or catalog.lookup(parsed) is not None
 
 
-def _model_names() -> list[str]:
-    """Stored and catalog names, as a user types them, for "did you mean"."""
-    from .suggest import model_names
-
-    return model_names()
-
-
 def cmd_run(args) -> int:
     config = config_from_args(args)
     model, prompt = split_model_and_prompt(args.words, config.default_model, _known_model,
-                                           _model_names)
+                                           model_names)
     # A lone word that could have been a model's name (`run llama3`) is said to be a prompt;
     # a quoted sentence (`run "Why is the sky blue?"`) plainly is one.
     if len(args.words) == 1 and model == config.default_model and prompt \

@@ -22,10 +22,11 @@ def model_names() -> list[str]:
     return sorted({n.removesuffix(":latest") for n in names})
 
 
-def nearest(name: str, names: list[str] | None = None) -> str | None:
+def nearest(name: str, names: list[str] | None = None, cutoff: float = 0.6) -> str | None:
+    """The stored or catalog name closest to `name` (None: nothing close enough)."""
     names = model_names() if names is None else names
     close = difflib.get_close_matches(name.lower().removesuffix(":latest"), names, n=1,
-                                      cutoff=0.6)
+                                      cutoff=cutoff)
     return close[0] if close else None
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter
-from pathlib import Path
 
 from aiohttp import web
 
+from .api.stats import process_rss
 from .runner.protocol import Done
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)  # seconds
@@ -110,7 +110,7 @@ class Metrics:
                           f'kv_type="{plan.type_k}/{plan.type_v}",context="{runner.n_ctx}",'
                           f'slots="{runner.n_parallel}"}} 1')
             vram.append(f"localllm_model_vram_bytes{{{m}}} {plan.vram_bytes()}")
-            ram.append(f"localllm_model_ram_bytes{{{m}}} {_rss(runner.pid)}")
+            ram.append(f"localllm_model_ram_bytes{{{m}}} {process_rss(runner.pid) or 0}")
             if runner.expert_cache is not None:
                 ec = runner.expert_cache
                 cache += [f'localllm_expert_cache_lookups_total{{{m},result="hit"}} {ec.hits}',
@@ -127,18 +127,6 @@ class Metrics:
         family("localllm_uptime_seconds", "gauge", "seconds since the daemon started",
                [f"localllm_uptime_seconds {time.time() - self.started:.1f}"])
         return "\n".join(out) + "\n"
-
-
-def _rss(pid: int | None) -> int:
-    if pid is None:
-        return 0
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 METRICS = web.AppKey("metrics", Metrics)

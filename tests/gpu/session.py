@@ -177,20 +177,9 @@ class Session:
         return answer
 
     def runner_pid(self) -> int | None:
-        """The runner process of the loaded model (a child of the daemon), or None."""
-        ours = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.daemon.proc.pid and b"localllm.daemon.runner" in cmd:
-                ours.append(int(entry.name))
-        return ours[0] if ours else None
+        """The runner process of the loaded model, as /api/ps reports it (None: unloaded)."""
+        models = self.daemon.ps()
+        return models[0]["runner_pid"] if models else None
 
     def step(self, name: str, fn, note: str = "") -> Step:
         s = Step(name, note=note, runner_before=self.runner_pid())
@@ -209,11 +198,6 @@ class Session:
                           + (f" error {a.error[:200]}" if a.error else "") for a in s.answers),
               flush=True)
         return s
-
-    def ps(self) -> dict:
-        """The loaded model's /api/ps entry ({} when none is loaded)."""
-        models = self.daemon.ps()
-        return models[0] if models else {}
 
     def unload(self) -> None:
         body = json.dumps({"model": "m", "keep_alive": 0}).encode()
