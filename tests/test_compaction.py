@@ -206,3 +206,29 @@ def test_claude_codes_own_compaction_turn_reads_a_tenth_again(agent_daemon, sess
     summary = messages_turn(agent_daemon.url, body)
     assert summary["usage"]["output_tokens"] > 0
     assert fresh(summary["usage"], "") <= transcript / 10, (summary["usage"], transcript)
+
+
+def test_a_streamed_compaction_then_answers_from_the_summary(agent_daemon, session):
+    """Without pause_after_compaction the answer goes on: the compaction block, then the
+    model's answer read from the summary alone; usage counts both generations."""
+    body = {"model": MODEL, "max_tokens": 12, "stream": True, "messages": [
+        {"role": "user", "content": f"Session {session}. My name is Ada."},
+        {"role": "assistant", "content": "Hello Ada."},
+        {"role": "user", "content": "What is my name?"}],
+        "context_management": {"edits": [{"type": "compact_20260112",
+                                          "trigger": {"type": "input_tokens", "value": 10}}]}}
+    with httpx.stream("POST", f"{agent_daemon.url}/v1/messages", json=body,
+                      timeout=300) as reply:
+        assert reply.status_code == 200
+        events = [json.loads(line[6:]) for line in reply.iter_lines()
+                  if line.startswith("data: ")]
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert starts[0]["type"] == "compaction" and starts[0]["content"].strip()
+    assert [b["type"] for b in starts[1:]] == ["text"]
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta"
+                   and e["delta"]["type"] == "text_delta")
+    assert text.strip()
+    [delta] = [e for e in events if e["type"] == "message_delta"]
+    assert delta["delta"]["stop_reason"] in ("end_turn", "max_tokens")
+    assert delta["usage"]["output_tokens"] > len(text.split())  # the summary's tokens too
+    assert delta["context_management"] == {"applied_edits": []}

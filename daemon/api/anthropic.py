@@ -171,9 +171,8 @@ def _assistant(where: str, blocks: list[dict], names: dict[str, str], tools: Too
             calls.append(_call(block, at, names))
         elif kind == "tool_search_tool_result":
             use_id = block.get("tool_use_id")
-            if use_id not in names:
-                raise bad_request(f"{at}.tool_use_id {use_id!r} answers no server_tool_use "
-                                  f"block before it", "messages")
+            if use_id not in names:  # a search of a tool this request no longer offers
+                continue
             close()
             out.append({"role": "tool", "content": result_text(block, tools.deferred),
                         "tool_call_id": use_id, "name": names[use_id]})
@@ -326,6 +325,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     writer = MessagesWriter(asked.entry.name.tagged, asked.parallel,
                             SearchRun(chat, asked.tools, assistant_turns))
     if edits is not None:
+        writer.edits = []  # reported, also when none applies
+    if edits:  # (clear_thinking alone needs no count of the prompt)
         chat, writer = await managed(request.app, asked.entry, asked.custom, chat, edits,
                                      writer, set(asked.tools.searches))
     return await respond(request, chat, writer, entry=asked.entry, custom=asked.custom,
