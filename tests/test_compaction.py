@@ -21,7 +21,7 @@ MODEL = "smollm2-tools"
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "agents"
 
 
-def filler(words: int = 900) -> str:
+def filler(words: int = 600) -> str:
     """A long tool output, as a file read or a test run prints (a few thousand tokens)."""
     lines = [f"line {i}: def handler_{i}(request): return render(request, 'page_{i}.html')"
              for i in range(words // 10)]
@@ -126,7 +126,7 @@ def claude_conversation(session: str, results: int = 1) -> list[dict]:
                                                "name": "Bash",
                                                "input": {"command": f"cat part{i}.py"}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}",
-                                          "content": filler(900 // results)}]}]
+                                          "content": filler(600 // results)}]}]
     return messages
 
 
