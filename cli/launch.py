@@ -136,6 +136,9 @@ def claude_env(base_url: str, model: str, token: str, n_ctx: int) -> dict[str, s
         "DISABLE_FEEDBACK_COMMAND": "1",
         "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
         "DISABLE_AUTOUPDATER": "1",
+        # Claude Code keeps MCP tools out of the prompt only where the server runs a tool
+        # search, which it assumes of Anthropic's own URL alone: this daemon runs one.
+        "ENABLE_TOOL_SEARCH": "true",
         "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(n_ctx),
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(answer_room(n_ctx)),
         # Claude Code takes a compaction window of 100K at least (it warns and ignores less):

@@ -36,6 +36,7 @@ from .api import (
     openai,
     remote_routes,
     responses,
+    responses_compact,
     stats,
 )
 from .api.common import KNOWN, MAX_BODY_BYTES, find_model, read_json
@@ -148,6 +149,7 @@ def create_app(config: Config, store: ModelStore | None = None) -> web.Applicati
     app.add_routes(openai.routes)
     app.add_routes(anthropic.routes)
     app.add_routes(responses.routes)
+    app.add_routes(responses_compact.routes)
     app[responses.STORED] = responses.StoredResponses()
     app.add_routes(stats.routes)
     app.add_routes(embed.routes)

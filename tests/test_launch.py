@@ -194,6 +194,7 @@ def test_each_agent_is_told_the_context_and_kept_off_the_network(launch_daemon, 
     assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in claude  # it takes 100K at least
     assert claude["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "2048"
     assert claude["DISABLE_TELEMETRY"] == claude["DISABLE_AUTOUPDATER"] == "1"
+    assert claude["ENABLE_TOOL_SEARCH"] == "true"  # the daemon runs the tool search
 
     r = launch(launch_daemon, tmp_path, "codex", "--print-config")
     argv = shlex.split(r.stdout.splitlines()[-1])

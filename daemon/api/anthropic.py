@@ -8,34 +8,35 @@ events. `output_config.format` (a JSON schema) constrains the answer as `format`
 Accepted and ignored: `metadata`, `cache_control`, `service_tier`, `output_config.effort`,
 `container`, `speed` and the other fields the chat layer has no use for, a thinking block's
 `signature`, `redacted_thinking` blocks, `thinking.budget_tokens`, and Anthropic's own server and
-versioned tools (web_search_..., bash_..., text_editor_...), which are left out of the prompt, as
-are tools with `defer_loading: true` (Claude Code's placeholder, never to be called).
+versioned tools (web_search_..., bash_..., text_editor_...), which are left out of the prompt.
+Tools with `defer_loading: true` are not rendered either: a tool search tool finds them, run by
+this server (anthropic_search.py).
 """
 
 from __future__ import annotations
 
-import json
-import uuid
+from dataclasses import dataclass
 
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
+from ..chat.compaction import summary_message
 from ..chat.custom import Customization
-from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
 from ..runner.process import new_request_id
-from ..runner.protocol import Done, Progress, Token
 from .common import (
     answer_limit,
     bad_request,
     body_options,
     get_bool,
-    kept_calls,
     local_model,
     message_images,
     read_json,
 )
-from .respond import Part, Writer, served_model, count_prompt_tokens, respond
+from .anthropic_search import SearchRun, Tools, anthropic_tools, result_text
+from .anthropic_context import context_edits, managed
+from .anthropic_writer import MessagesWriter
+from .respond import served_model, count_prompt_tokens, respond
 
 routes = web.RouteTableDef()
 
@@ -80,17 +81,21 @@ def system_prompt(body: dict) -> str | None:
                        if b.get("type") == "text")
 
 
-def _tool_result(block: dict, where: str, names: dict[str, str]) -> dict:
+def _tool_result(block: dict, where: str, names: dict[str, str], tools: Tools) -> dict:
     use_id = block.get("tool_use_id")
     if not isinstance(use_id, str):
         raise bad_request(f"{where}.tool_use_id must be a string", "messages")
     content = block.get("content", "")
-    texts, images = [], []
+    texts, images, referenced = [], [], []
     for j, part in enumerate(_blocks(content, f"{where}.content")):
         if part.get("type") == "text":
             texts.append(_text(part, f"{where}.content[{j}]"))
         elif part.get("type") == "image":
             images.append(image_from_block(part, f"{where}.content[{j}]"))
+        elif part.get("type") == "tool_reference":  # a search the client ran: the tools found
+            referenced.append(str(part.get("tool_name")))
+    if referenced:
+        texts.append(tools.deferred.definitions(referenced))
     text = "\n".join(texts)
     if block.get("is_error"):  # templates have no error flag: the model reads it in the text
         text = f"Error: {text}"
@@ -104,7 +109,7 @@ def _tool_result(block: dict, where: str, names: dict[str, str]) -> dict:
     return out
 
 
-def _user(i: int, blocks: list[dict], names: dict[str, str]) -> list[dict]:
+def _user(i: int, blocks: list[dict], names: dict[str, str], tools: Tools) -> list[dict]:
     """A user turn: its tool results first (as tool messages), then its text and images."""
     results, texts, images = [], [], []
     for j, block in enumerate(blocks):
@@ -114,7 +119,7 @@ def _user(i: int, blocks: list[dict], names: dict[str, str]) -> list[dict]:
         elif kind == "image":
             images.append(image_from_block(block, where))
         elif kind == "tool_result":
-            results.append(_tool_result(block, where, names))
+            results.append(_tool_result(block, where, names, tools))
         else:
             raise bad_request(f"{where}: a user block of type {kind!r} is not supported "
                               f"(text, image and tool_result are)", "messages")
@@ -126,41 +131,88 @@ def _user(i: int, blocks: list[dict], names: dict[str, str]) -> list[dict]:
     return results
 
 
-def _assistant(i: int, blocks: list[dict], names: dict[str, str]) -> dict:
+def _call(block: dict, where: str, names: dict[str, str]) -> dict:
+    """A tool_use (or a server_tool_use of the tool search) as the chat layer's tool call."""
+    name, use_id, arguments = block.get("name"), block.get("id"), block.get("input", {})
+    if not isinstance(name, str) or not isinstance(use_id, str):
+        raise bad_request(f"{where} needs an id and a name", "messages")
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{where}.input must be an object", "messages")
+    names[use_id] = name
+    return {"type": "function", "id": use_id, "function": {"name": name, "arguments": arguments}}
+
+
+def _assistant(where: str, blocks: list[dict], names: dict[str, str], tools: Tools
+               ) -> list[dict]:
+    """An assistant turn as messages: one, unless the server ran a tool search in it; then the
+    search call ends one assistant message, its result is a tool message (the tools found),
+    and what the model wrote after it is the next assistant message."""
+    out: list[dict] = []
     texts, thinking, calls = [], [], []
+
+    def close() -> None:
+        message: dict = {"role": "assistant", "content": "".join(texts)}
+        if calls:
+            message["tool_calls"] = list(calls)
+        if thinking:
+            message["reasoning_content"] = message["thinking"] = "\n".join(thinking)
+        out.append(message)
+        texts.clear(), thinking.clear(), calls.clear()
+
     for j, block in enumerate(blocks):
-        where, kind = f"messages[{i}].content[{j}]", block.get("type")
+        at, kind = f"{where}.content[{j}]", block.get("type")
         if kind == "text":
-            texts.append(_text(block, where))
+            texts.append(_text(block, at))
         elif kind == "thinking":
             if isinstance(block.get("thinking"), str):
                 thinking.append(block["thinking"])
-        elif kind == "tool_use":
-            name, use_id, arguments = block.get("name"), block.get("id"), block.get("input", {})
-            if not isinstance(name, str) or not isinstance(use_id, str):
-                raise bad_request(f"{where} needs an id and a name", "messages")
-            if not isinstance(arguments, dict):
-                raise bad_request(f"{where}.input must be an object", "messages")
-            names[use_id] = name
-            calls.append({"type": "function", "id": use_id,
-                          "function": {"name": name, "arguments": arguments}})
+        elif kind == "tool_use" or (kind == "server_tool_use"
+                                    and block.get("name") in tools.searches):
+            calls.append(_call(block, at, names))
+        elif kind == "tool_search_tool_result":
+            use_id = block.get("tool_use_id")
+            if use_id not in names:  # a search of a tool this request no longer offers
+                continue
+            close()
+            out.append({"role": "tool", "content": result_text(block, tools.deferred),
+                        "tool_call_id": use_id, "name": names[use_id]})
         elif kind in ("redacted_thinking", "server_tool_use", "web_search_tool_result"):
             continue  # nothing this server can read or run
         else:
-            raise bad_request(f"{where}: an assistant block of type {kind!r} is not supported "
+            raise bad_request(f"{at}: an assistant block of type {kind!r} is not supported "
                               f"(text, thinking and tool_use are)", "messages")
-    out: dict = {"role": "assistant", "content": "".join(texts)}
-    if calls:
-        out["tool_calls"] = calls
-    if thinking:
-        out["reasoning_content"] = out["thinking"] = "\n".join(thinking)
+    if texts or thinking or calls or not out:
+        close()
     return out
+
+
+def assistant_turns(blocks: list[dict], tools: Tools) -> list[dict]:
+    """The blocks of an answer under way as the messages the next generation reads (the same
+    messages the client's next request makes of them)."""
+    return _assistant("content", blocks, {}, tools)
 
 
 ROLES = ("user", "assistant", "system")
 
 
-def anthropic_messages(body: dict) -> tuple[dict, ...]:
+def _after_compaction(messages: list) -> tuple[str | None, list]:
+    """(the summary of the last `compaction` block, the messages after it: the assistant turn
+    that holds it keeps only the blocks after it); (None, messages) when there is none. What
+    came before a compaction is left out, as Anthropic's API leaves it out."""
+    for i in range(len(messages) - 1, -1, -1):
+        message = messages[i]
+        if not isinstance(message, dict) or message.get("role") != "assistant" \
+                or not isinstance(message.get("content"), list):
+            continue
+        content = message["content"]
+        for j in range(len(content) - 1, -1, -1):
+            if isinstance(content[j], dict) and content[j].get("type") == "compaction":
+                rest = [{**message, "content": content[j + 1:]}] if content[j + 1:] else []
+                return str(content[j].get("content") or ""), rest + messages[i + 1:]
+    return None, messages
+
+
+def anthropic_messages(body: dict, tools: Tools | None = None) -> tuple[dict, ...]:
     """`system` and `messages` in the HF shape the chat layer renders (see get_messages). A
     system message among `messages` (Claude Code sends them) stays where it is: the chat layer
     places it as the model's template allows (chat/roles.py)."""
@@ -168,8 +220,12 @@ def anthropic_messages(body: dict) -> tuple[dict, ...]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("field 'messages' must be a non-empty list of {role, content} "
                           "objects", "messages")
+    tools = tools if tools is not None else anthropic_tools(body)
     system = system_prompt(body)
     out = [{"role": "system", "content": system}] if system else []
+    summary, messages = _after_compaction(messages)
+    if summary is not None:
+        out.append(summary_message(summary))
     names: dict[str, str] = {}  # tool_use id -> tool name, for the results that follow
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
@@ -181,32 +237,9 @@ def anthropic_messages(body: dict) -> tuple[dict, ...]:
                 _text(b, f"messages[{i}].content[{j}]") for j, b in enumerate(blocks)
                 if b.get("type") == "text")})
         elif message["role"] == "user":
-            out += _user(i, blocks, names)
+            out += _user(i, blocks, names, tools)
         else:
-            out.append(_assistant(i, blocks, names))
-    return tuple(out)
-
-
-def anthropic_tools(body: dict) -> tuple[dict, ...]:
-    tools = body.get("tools")
-    if tools is None:
-        return ()
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise bad_request("field 'tools' must be a list of tool objects", "tools")
-    out = []
-    for i, tool in enumerate(tools):
-        if tool.get("type") not in (None, "custom"):
-            continue  # Anthropic's server and versioned tools: nothing here runs them
-        if tool.get("defer_loading"):
-            continue  # found through a tool search this server does not run: not offered
-        name, schema = tool.get("name"), tool.get("input_schema", {"type": "object"})
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"tools[{i}].name must be a string", "tools")
-        if not isinstance(schema, dict):
-            raise bad_request(f"tools[{i}].input_schema must be a JSON schema object", "tools")
-        out.append({"type": "function", "function": {
-            "name": name, "description": str(tool.get("description") or ""),
-            "parameters": schema}})
+            out += _assistant(f"messages[{i}]", blocks, names, tools)
     return tuple(out)
 
 
@@ -253,160 +286,57 @@ def anthropic_format(body: dict) -> dict | None:
     return spec["schema"]
 
 
-async def chat_request(request: web.Request, body: dict, count_only: bool = False
-                       ) -> tuple[ModelEntry, Customization, ChatRequest, bool]:
+@dataclass
+class Asked:
+    """A /v1/messages request, translated."""
+    entry: ModelEntry
+    custom: Customization
+    chat: ChatRequest
+    parallel: bool  # whether several tool calls may come in one answer
+    tools: Tools
+
+
+async def chat_request(request: web.Request, body: dict, count_only: bool = False) -> Asked:
     entry, custom = await local_model(request, body, "/v1/messages")
     if not count_only and body.get("max_tokens") is None:
         raise bad_request("missing required field 'max_tokens'", "max_tokens")
     answer_limit(body, "max_tokens")
     sampling, load = body_options(body, ANTHROPIC_NAMES, custom.parameters)
-    messages, images = message_images(anthropic_messages(body))
+    tools = anthropic_tools(body)
+    messages, images = message_images(anthropic_messages(body, tools))
     tool_choice, parallel = anthropic_tool_choice(body)
     think = anthropic_think(body)
     if think and not (await served_model(entry, custom)).style.thinking:
         think = None  # Claude Code asks every model to think: one that cannot just answers
-    return entry, custom, ChatRequest(
+    return Asked(entry, custom, ChatRequest(
         id=new_request_id(), model_name=entry.name.tagged, options=sampling, load=load,
-        messages=messages, tools=anthropic_tools(body), tool_choice=tool_choice, think=think,
+        messages=messages, tools=tools.offered, tool_choice=tool_choice, think=think,
         format=anthropic_format(body), has_images=bool(images), images=images,
-        workload_hint="/v1/messages"), parallel
+        workload_hint="/v1/messages"), parallel, tools)
 
 
-# ---- answer --------------------------------------------------------------------------------
-def tool_use_block(call: ToolCall) -> dict:
-    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"),
-            "name": call.name, "input": call.arguments}
-
-
-def content_blocks(parsed: Parsed, parallel: bool) -> list[dict]:
-    calls = kept_calls(parsed.tool_calls, parallel)
-    blocks: list[dict] = []
-    if parsed.thinking:
-        blocks.append({"type": "thinking", "thinking": parsed.thinking, "signature": ""})
-    if parsed.content.strip() or (parsed.content and not calls):
-        blocks.append({"type": "text", "text": parsed.content})
-    return blocks + [tool_use_block(call) for call in calls]
-
-
-def stop_reason(done: Done, any_calls: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence)."""
-    if any_calls:
-        return "tool_use", None
-    if done.done_reason == "length":
-        return "max_tokens", None
-    if done.stop_sequence:
-        return "stop_sequence", done.stop_sequence
-    return "end_turn", None
-
-
-def usage(done: Done) -> dict:
-    # input_tokens is the part of the prompt read afresh; the reused prefix is reported apart.
-    return {"input_tokens": done.prompt_tokens - done.cached_tokens,
-            "output_tokens": done.eval_count,
-            "cache_read_input_tokens": done.cached_tokens, "cache_creation_input_tokens": 0}
-
-
-def _start_usage(event) -> dict:
-    """Usage for message_start: what the first event knows (the final figures come last)."""
-    read = cached = 0
-    if isinstance(event, Token):
-        read = event.prompt_eval_count
-        cached = event.context_used - event.eval_count - read
-    elif isinstance(event, Progress):  # a long prompt is being read: its size is known
-        read, cached = event.prompt_total - event.prompt_cached, event.prompt_cached
-    return {"input_tokens": read, "output_tokens": 0, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0}
-
-
+# ---- routes ----------------------------------------------------------------------------------
 @routes.post("/v1/messages")
 async def messages(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    entry, custom, chat, parallel = await chat_request(request, body)
-    return await respond(request, chat, MessagesWriter(entry.name.tagged, parallel),
-                         entry=entry, custom=custom, stream=get_bool(body, "stream", False))
-
-
-class MessagesWriter(Writer):
-    """Anthropic's answer: a `message` with content blocks, or its SSE events, the blocks
-    opened, filled and closed in order."""
-
-    def __init__(self, model: str, parallel: bool):
-        self.base = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message",
-                     "role": "assistant", "model": model}
-        self.parallel = parallel
-        self.index = -1
-        self.open: str | None = None  # the kind of the block being written
-        self.any_calls = False
-
-    def whole(self, parsed: Parsed, done: Done, logprobs: list[dict]) -> dict:
-        reason, sequence = stop_reason(done, bool(parsed.tool_calls))
-        return {**self.base, "content": content_blocks(parsed, self.parallel),
-                "stop_reason": reason, "stop_sequence": sequence, "usage": usage(done)}
-
-    async def send(self, kind: str, data: dict) -> None:
-        payload = json.dumps({"type": kind, **data})
-        await self.write(f"event: {kind}\ndata: {payload}\n\n".encode())
-
-    async def close_block(self) -> None:
-        if self.open is not None:
-            await self.send("content_block_stop", {"index": self.index})
-            self.open = None
-
-    async def open_block(self, kind: str, block: dict) -> None:
-        await self.close_block()
-        self.index += 1
-        self.open = kind
-        await self.send("content_block_start", {"index": self.index, "content_block": block})
-
-    async def text(self, kind: str, text: str) -> None:
-        """Text or thinking, appended to the open block of that kind (else a new one)."""
-        if self.open != kind:
-            await self.open_block(kind, {"type": "text", "text": ""} if kind == "text" else
-                                  {"type": "thinking", "thinking": "", "signature": ""})
-        delta = ({"type": "text_delta", "text": text} if kind == "text" else
-                 {"type": "thinking_delta", "thinking": text})
-        await self.send("content_block_delta", {"index": self.index, "delta": delta})
-
-    async def tool_use(self, call: ToolCall) -> None:
-        await self.open_block("tool_use", {**tool_use_block(call), "input": {}})
-        await self.send("content_block_delta", {"index": self.index, "delta": {
-            "type": "input_json_delta", "partial_json": json.dumps(call.arguments)}})
-        await self.close_block()
-
-    async def start(self, first: Part) -> None:
-        await self.send("message_start", {"message": {
-            **self.base, "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": _start_usage(first.event)}})
-
-    async def part(self, part: Part) -> None:
-        parsed = part.parsed
-        if isinstance(part.event, Progress):  # the prompt is being read
-            await self.send("ping", {})
-        if parsed.thinking:
-            await self.text("thinking", parsed.thinking)
-        if parsed.content:
-            await self.text("text", parsed.content)
-        for call in kept_calls(parsed.tool_calls, self.parallel):
-            await self.tool_use(call)
-            self.any_calls = True
-
-    async def done(self, part: Part) -> None:
-        await self.part(part)
-        await self.close_block()
-        reason, sequence = stop_reason(part.event, self.any_calls)
-        await self.send("message_delta", {
-            "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": usage(part.event)})
-        await self.send("message_stop", {})
-
-    async def error(self, message: str) -> None:
-        await self.send("error", {"error": {"type": "api_error", "message": message}})
+    asked = await chat_request(request, body)
+    edits = context_edits(body)
+    chat = asked.chat
+    writer = MessagesWriter(asked.entry.name.tagged, asked.parallel,
+                            SearchRun(chat, asked.tools, assistant_turns))
+    if edits is not None:
+        writer.edits = []  # reported, also when none applies
+    if edits:  # (clear_thinking alone needs no count of the prompt)
+        chat, writer = await managed(request.app, asked.entry, asked.custom, chat, edits,
+                                     writer, set(asked.tools.searches))
+    return await respond(request, chat, writer, entry=asked.entry, custom=asked.custom,
+                         stream=get_bool(body, "stream", False))
 
 
 @routes.post("/v1/messages/count_tokens")
 async def count_tokens(request: web.Request) -> web.Response:
     body = await read_json(request)
-    entry, custom, chat, _ = await chat_request(request, body, count_only=True)
+    asked = await chat_request(request, body, count_only=True)
     return web.json_response({"input_tokens": await count_prompt_tokens(
-        request.app, entry, chat, custom)})
+        request.app, asked.entry, asked.chat, asked.custom)})
 

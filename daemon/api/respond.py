@@ -292,6 +292,19 @@ class Writer(ABC):
     async def write(self, data: bytes) -> None:
         await self.response.write(data)
 
+    # A writer whose answer may take more than one generation (a tool the server runs itself,
+    # its result read by the model before it goes on) says so here: it returns the request to
+    # run next, or None when the answer is complete.
+    def follow_up(self, parsed: Parsed, done: Done) -> ChatRequest | None:
+        """After each generation of an answer sent whole (`parsed`: all of its text), before
+        `whole`."""
+        return None
+
+    async def follow_up_stream(self, part: Part) -> ChatRequest | None:
+        """After each generation of a streamed answer (`part`: its last part, with the Done),
+        before `done`."""
+        return None
+
 
 async def respond(request: web.Request, chat: ChatRequest, writer: Writer, *,
                   entry: ModelEntry, custom: Customization, stream: bool,
@@ -299,27 +312,29 @@ async def respond(request: web.Request, chat: ChatRequest, writer: Writer, *,
                   cut_tokens: bool = False) -> web.StreamResponse:
     """Answer `chat` in `writer`'s wire format: one object (stream False) or a stream.
     `truncate`: a chat longer than the context drops its oldest turns (else a 400);
-    `cut_tokens`: a prompt still too long loses its oldest tokens (Ollama's routes)."""
-    async with answer(request.app, entry, chat, keep_alive, truncate=truncate,
-                      cut_tokens=cut_tokens, custom=custom) as run:
+    `cut_tokens`: a prompt still too long loses its oldest tokens (Ollama's routes). A writer's
+    follow-up request runs on the same model, its answer going on in the same response."""
+    def run_of(asked: ChatRequest):
+        return answer(request.app, entry, asked, keep_alive, truncate=truncate,
+                      cut_tokens=cut_tokens, custom=custom)
+
+    if not stream:
+        asked: ChatRequest | None = chat
+        while asked is not None:
+            async with run_of(asked) as run:
+                writer.run = run
+                parsed, done, logprobs = await run.whole()
+            asked = writer.follow_up(parsed, done)
+        return web.json_response(writer.whole(parsed, done, logprobs))
+    async with run_of(chat) as run:
         writer.run = run
-        if not stream:
-            return web.json_response(writer.whole(*await run.whole()))
         parts = run.parts()
         part = await anext(parts)  # a failure here is still an HTTP error: nothing is sent yet
         response = writer.response = web.StreamResponse(headers=writer.headers)
         await response.prepare(request)
         try:
             await writer.start(part)
-            while True:
-                if isinstance(part.event, Done):
-                    await writer.done(part)
-                    break
-                if isinstance(part.event, Failure):
-                    await writer.error(part.event.message)
-                    break
-                await writer.part(part)
-                part = await anext(parts)
+            await _stream(writer, part, parts, run_of)
         except ConnectionError:
             return response  # client went away: leaving `answer` cancels the runner
         except Exception as e:  # headers are sent: the client hears of it in the stream
@@ -327,3 +342,23 @@ async def respond(request: web.Request, chat: ChatRequest, writer: Writer, *,
             await writer.error(f"internal error: {e}")
         await response.write_eof()
         return response
+
+
+async def _stream(writer: Writer, part: Part, parts: AsyncIterator[Part], run_of) -> None:
+    """The parts of a streamed answer, into `writer`, through every follow-up generation."""
+    while True:
+        if isinstance(part.event, Done):
+            asked = await writer.follow_up_stream(part)
+            if asked is None:
+                await writer.done(part)
+                return
+            async with run_of(asked) as run:
+                writer.run = run
+                more = run.parts()
+                await _stream(writer, await anext(more), more, run_of)
+            return
+        if isinstance(part.event, Failure):
+            await writer.error(part.event.message)
+            return
+        await writer.part(part)
+        part = await anext(parts)

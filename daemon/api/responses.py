@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
+from ..chat.compaction import summarising, summary_text
 from ..chat.custom import Customization
 from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
@@ -259,8 +260,12 @@ class Response:
 async def create_response(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     turn = await read_turn(request, body)
-    return await respond(request, turn.chat, ResponsesWriter(request.app, turn),
-                         entry=turn.entry, custom=turn.custom,
+    writer = ResponsesWriter(request.app, turn)
+    chat = turn.chat
+    if compaction_asked(body):  # Codex's compaction: the answer is one compaction item
+        turn.store = False
+        chat, writer = summarising(chat), CompactionWriter(request.app, turn)
+    return await respond(request, chat, writer, entry=turn.entry, custom=turn.custom,
                          stream=get_bool(body, "stream", False),
                          truncate=body.get("truncation") != "disabled")
 
@@ -392,3 +397,37 @@ class ResponsesWriter(Writer):
     async def error(self, message: str) -> None:
         await self.close_item()
         await self.send("response.failed", {"response": self.answer.fail(message)})
+
+
+# ---- compaction ----------------------------------------------------------------------------
+def compaction_asked(body: dict) -> bool:
+    """Whether `input` ends with a `compaction_trigger` item (Codex's compaction request)."""
+    items = body.get("input")
+    return isinstance(items, list) and bool(items) and isinstance(items[-1], dict) \
+        and items[-1].get("type") == "compaction_trigger"
+
+
+def compaction_item(parsed: Parsed) -> dict:
+    """The model's summary as the item the client keeps in place of the conversation (the
+    text is plain: this server reads it back, nobody else does)."""
+    return {"type": "compaction", "id": _id("cmp"),
+            "encrypted_content": summary_text(parsed.content, parsed.thinking)}
+
+
+class CompactionWriter(ResponsesWriter):
+    """The answer to a compaction request: one `compaction` item holding the summary, written
+    once the summary is whole, and the usage of the turn that wrote it."""
+
+    def whole(self, parsed: Parsed, done: Done, logprobs: list[dict]) -> dict:
+        return self.answer.finish(self.app, parsed, done, [compaction_item(parsed)])
+
+    async def part(self, part: Part) -> None:
+        self.whole_text.add(part.parsed)
+
+    async def done(self, part: Part) -> None:
+        self.whole_text.add(part.parsed)
+        item = compaction_item(self.whole_text)
+        await self.send("response.output_item.added", {"output_index": 0, "item": item})
+        await self.send("response.output_item.done", {"output_index": 0, "item": item})
+        await self.send("response.completed", {"response": self.answer.finish(
+            self.app, self.whole_text, part.event, [item])})

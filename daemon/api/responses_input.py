@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..chat.compaction import summary_message
 from .common import bad_request
 from .openai import output_format, think_from_effort
 
@@ -134,7 +135,10 @@ def input_messages(value, earlier_calls: frozenset[str] = frozenset(),
             text, _ = _content(parts, where)
             if text:
                 reasoning.append(text)
-        elif kind in HOSTED_ITEMS:
+        elif kind in ("compaction", "compaction_summary"):  # a summary this server wrote
+            summary = item.get("encrypted_content") or item.get("summary") or ""
+            out.append(summary_message(str(summary)))
+        elif kind in HOSTED_ITEMS or kind == "compaction_trigger":  # (read by the route)
             continue
         else:
             raise bad_request(f"{where}: an item of type {kind!r} is not supported", "input")
