@@ -228,15 +228,20 @@ class Fit:
     """llama-server with llama.cpp's own fitting for the same budget, /completion streamed."""
 
     def __init__(self, model: Path, ctx: int, budget_mib: int, kv: str, threads: int,
-                 log: Path):
-        self.name = f"fit-{kv}"
+                 log: Path, *, binary: str = "llama-server", extra: tuple[str, ...] = (),
+                 reserve_mib: int = 0, name: str = ""):
+        """`threads` 0: llama.cpp's own default; `extra` arguments after the common ones;
+        `reserve_mib` more left free by --fit (memory the server takes after fitting, such as
+        --moe-cache-mib, which fitting does not count)."""
+        self.name = name or f"fit-{kv}"
         free = MemorySampler().free() // MIB
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = ["llama-server", "-m", str(model), "-c", str(ctx), "--fit", "on", "--fit-target",
-               str(max(0, free - budget_mib)), "-t", str(threads), "-np", "1", "-fa", "on",
-               "-ctk", kv, "-ctv", kv, "--port", str(port), "--host", "127.0.0.1"]
+        cmd = [binary, "-m", str(model), "-c", str(ctx), "--fit", "on", "--fit-target",
+               str(max(0, free - budget_mib + reserve_mib)),
+               *(["-t", str(threads)] if threads > 0 else []), "-np", "1", "-fa", "on",
+               "-ctk", kv, "-ctv", kv, "--port", str(port), "--host", "127.0.0.1", *extra]
         self.log = open(log, "w")  # noqa: SIM115 (closed in stop(), after the server)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)

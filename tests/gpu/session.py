@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -108,6 +109,10 @@ class Step:
     seconds: float = 0.0
     note: str = ""
     peak_mib: int = 0  # the card's peak so far above the baseline (sampling: Card.start)
+    # what the daemon planned for the VRAM after the step (/api/ps: size_vram and the device
+    # split), beside the measured peak: where the planner's memory model is off
+    planned_vram_mib: int = 0
+    devices: list = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -188,9 +193,14 @@ class Session:
         s.answers = result if isinstance(result, list) else [result]
         s.seconds = round(time.perf_counter() - started, 2)
         s.runner_after = self.runner_pid()
+        loaded = self.daemon.ps()
+        if loaded:
+            s.planned_vram_mib = loaded[0].get("size_vram", 0) // MIB
+            s.devices = loaded[0].get("devices", [])
         s.peak_mib = (self.card.peak - self.baseline) // MIB
         self.steps.append(s)
-        print(f"  {name}: {'ok' if s.ok else 'FAILED'} in {s.seconds} s, peak {s.peak_mib} MiB, "
+        print(f"  {name}: {'ok' if s.ok else 'FAILED'} in {s.seconds} s, peak {s.peak_mib} MiB "
+              f"(planned {s.planned_vram_mib}), "
               f"runner "
               f"{s.runner_before} -> {s.runner_after}; "
               + "; ".join(f"{a.status} {a.eval_count} tok {a.decode_tps:.1f} tok/s "
@@ -217,6 +227,22 @@ class Session:
             except OSError:
                 continue
             parts.append(f"==> {path.name} <==\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    def buffer_lines(self) -> str:
+        """Every line of the runners' logs where llama.cpp says what it allocated (the model,
+        KV, compute and pool buffers), from the whole log: these come at each load."""
+        keep = re.compile(r"buffer size|KV self|compute buffer|expert|pool|graph_reserve|CUDA0")
+        parts = []
+        for path in sorted(self.log.parent.glob("*.log")):
+            if path.name == self.log.name:
+                continue
+            try:
+                lines = path.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            parts.append(f"==> {path.name} (allocations) <==\n"
+                         + "\n".join(ln for ln in lines if keep.search(ln)))
         return "\n".join(parts)
 
     def stop(self) -> None:
@@ -291,7 +317,7 @@ def run_one(model: Path, args, settings: dict[str, str], tag: str) -> tuple[Sess
             (crash_sequence if args.steps == "crash" else full_session)(s, args.long_tokens)
         finally:
             peak = s.card.stop()
-            tail = s.log_tail(200)
+            tail = s.buffer_lines() + "\n" + s.log_tail(200)
             s.stop()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
