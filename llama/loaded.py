@@ -20,6 +20,7 @@ Runs inside the runner process only.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import random
 
@@ -57,6 +58,7 @@ class LoadedModel:
         self.tokenizer = Tokenizer(self.lm.model, self.lm.vocab)
         self.batch_capacity = batch_capacity(self.lm)
         self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
+        self._rows = batch_rows(self.batch)
         self.drafter: MTPDrafter | DraftModel | None = load_drafter(
             self.lm, plan, self.batch_capacity, draft_model_path, vocab_slack)
         self.vision: Vision | None = None
@@ -93,6 +95,7 @@ class LoadedModel:
             llama_cpp.llama_batch_free(self.batch)
             self.batch_capacity = batch_capacity(self.lm)
             self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
+            self._rows = batch_rows(self.batch)
 
     # ---- the slot loop's calls on the target context ------------------------------------
     def sampler(self, options: SamplingOptions, grammar: str | None, prompt: list[int],
@@ -107,12 +110,12 @@ class LoadedModel:
 
     def put(self, n: int, token: int, pos: int, seq: int, logits: bool) -> int:
         """Row `n` of the batch: `token` at `pos` of sequence `seq`; the next row's index."""
-        batch = self.batch
-        batch.token[n] = token
-        batch.pos[n] = pos
-        batch.n_seq_id[n] = 1
-        batch.seq_id[n][0] = seq
-        batch.logits[n] = logits
+        tokens, positions, n_seq_ids, seq_ids, wants_logits = self._rows
+        tokens[n] = token
+        positions[n] = pos
+        n_seq_ids[n] = 1
+        seq_ids[n][0] = seq
+        wants_logits[n] = logits
         return n + 1
 
     def cut(self, seq: int, keep: int) -> bool:
@@ -140,10 +143,17 @@ class LoadedModel:
         return llama_cpp.llama_model_n_ctx_train(self.lm.model)
 
 
+def batch_rows(batch) -> tuple:
+    """The batch's row arrays, read once: each `batch.token` makes a new ctypes pointer, and
+    a decode step fills a row per token on the path between two llama_decode calls."""
+    return batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
+
+
 class Sampler:
     def __init__(self, vocab, n_vocab: int, options: SamplingOptions, grammar: str | None,
                  prompt: list[int], n_ctx: int):
         self.n_vocab = n_vocab
+        self._row_type = ctypes.c_float * n_vocab
         self.chain = llama_cpp.llama_sampler_chain_init(
             llama_cpp.llama_sampler_chain_default_params())
         last_n = n_ctx if options.repeat_last_n < 0 else options.repeat_last_n
@@ -187,7 +197,9 @@ class Sampler:
     def logits(self, ctx, index: int) -> np.ndarray:
         """The logits of batch row `index`, in place (valid until the next decode)."""
         pointer = llama_cpp.llama_get_logits_ith(ctx, index)
-        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+        # a ctypes array type made once: np.ctypeslib.as_array builds one on every call
+        row = self._row_type.from_address(ctypes.addressof(pointer.contents))
+        return np.frombuffer(row, dtype=np.float32)
 
     def sample(self, ctx, index: int) -> int:
         """The next token from batch row `index`; the chain also records it (penalties,

@@ -134,6 +134,7 @@ class Tokenizer:
         self.model = model
         self.vocab = vocab
         self._piece_buf = ctypes.create_string_buffer(256)
+        self._pieces: dict[bool, dict[int, bytes]] = {False: {}, True: {}}
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(vocab))
         self.bos = llama_cpp.llama_vocab_bos(vocab)
         self.eos = llama_cpp.llama_vocab_eos(vocab)
@@ -156,13 +157,22 @@ class Tokenizer:
             capacity = -n
 
     def token_bytes(self, token: int, special: bool = False) -> bytes:
+        # A token's piece never changes: every answered token asks for one, on the runner's
+        # path between two decode steps, and a dict lookup is a fraction of a ctypes call.
+        pieces = self._pieces[special]
+        piece = pieces.get(token)
+        if piece is not None:
+            return piece
         buf = self._piece_buf
         n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
             big = ctypes.create_string_buffer(-n)
             n = llama_cpp.llama_token_to_piece(self.vocab, token, big, len(big), 0, special)
-            return big.raw[:n]
-        return buf.raw[:n]
+            piece = big.raw[:n]
+        else:
+            piece = buf.raw[:n]
+        pieces[token] = piece
+        return piece
 
     def piece(self, token: int, special: bool = True) -> str:
         if token < 0:

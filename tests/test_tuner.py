@@ -109,7 +109,11 @@ def test_plan_fits_and_its_bytes_agree(shapes, name, gib, ctx):
     assert set(memory) == {"CUDA0", "CPU"}
     assert memory["CUDA0"].total <= vram_budget(c, 512 * MIB)
     assert memory["CPU"].total <= ram_budget(c)
-    assert memory["CUDA0"].overhead == c.overhead_bytes
+    # the CUDA context, and ggml-cuda's pool of kernel temporaries: the q8_1 copy of a
+    # micro-batch's input, gathered once per routed expert, and stream-k's fixup tiles
+    rows = plan.n_ubatch * max(1, config.n_expert_used)
+    width = max(config.n_embd, config.n_ff_expert if config.n_expert else config.n_ff)
+    assert memory["CUDA0"].overhead == c.overhead_bytes + int(rows * width * 36 / 32) + 16 * MIB
     want = expected_bytes(config, plan)
     for device in ("CUDA0", "CPU"):
         assert memory[device].weights == want[device][0], device
@@ -141,7 +145,9 @@ def test_kv_precision_and_placement_follow_the_budget(shapes):
     assert roomy.type_k == "f16" and roomy.n_gpu_layers == shape.n_layer + 1
     assert tight.type_k in ("q8_0", "q4_0")
     assert tight.n_gpu_layers < shape.n_layer + 1 or tight.tensor_overrides
-    assert any(r.startswith("rejected: ") and "whole blocks" in r for r in tight.reasons)
+    # a whole-block placement is named among the rejected ("46 of 66 blocks on the GPU")
+    assert any(r.startswith("rejected: ") and ("whole blocks" in r or re.search(
+        r"\d+ of \d+ blocks on the GPU", r)) for r in tight.reasons)
 
 
 def test_moe_keeps_experts_in_ram_rather_than_whole_blocks(shapes):

@@ -400,8 +400,10 @@ def processor(vram: int, size: int) -> str:
 def device_split(plan) -> list[dict]:
     """Where the layers are, device by device in llama.cpp's order, with the memory planned
     for each (weights and KV); empty for a plan that never said."""
-    memory = {m.device: m.total for m in plan.memory}
-    return [{"device": device, "layers": layers, "size": memory.get(device, 0)}
+    memory = {m.device: m for m in plan.memory}
+    return [{"device": device, "layers": layers,
+             **({"size": m.total, "weights": m.weights, "kv": m.kv, "compute": m.compute,
+                 "overhead": m.overhead} if (m := memory.get(device)) else {"size": 0})}
             for device, layers in plan.device_layers]
 
 

@@ -205,6 +205,8 @@ class Engine:
                           duration_ns=time.perf_counter_ns() - started)
 
     def _take_inbox(self, block: bool) -> None:
+        if not block and not self.inbox.qsize():
+            return  # between two decode steps: the queue's lock and its Empty cost more
         while True:
             try:
                 item = self.inbox.get(block=block)

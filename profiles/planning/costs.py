@@ -42,6 +42,7 @@ class ModelCosts:
     n_head: int
     n_ff: int
     n_ff_active_experts: int  # expert FFN width times experts used per token
+    n_expert_used: int = 0  # experts a token is routed to (0: a dense model)
 
     @property
     def has_experts(self) -> bool:
@@ -116,4 +117,5 @@ def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
         n_embd=shape.embedding_length, n_head=shape.n_head,
         n_ff=shape.feed_forward_length,
         n_ff_active_experts=shape.expert_feed_forward_length * shape.expert_used_count,
+        n_expert_used=shape.expert_used_count if any(experts) else 0,
     )

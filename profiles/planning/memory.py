@@ -278,6 +278,28 @@ def compute_formula(costs: ModelCosts, settings: ContextSettings, device: str,
     return int(total * 1.05) + 16 * MIB
 
 
+# ggml-cuda's stream-k matrix kernels write partial tiles to a fixup buffer: SMs x 128 x 128
+# f32, 8.25 MiB on a 132-SM H100/H200; 16 MiB covers every card the profiles hold.
+STREAM_K_FIXUP = 16 * MIB
+Q8_1_BYTES_PER_VALUE = 36 / 32  # a block_q8_1: 32 int8 values, a half scale and a half sum
+
+
+def cuda_pool_bytes(costs: ModelCosts, settings: ContextSettings) -> int:
+    """The high-water mark of ggml-cuda's memory pool on a GPU that runs prompt batches.
+
+    Its kernels take temporaries from a pool while an op runs (`ggml_cuda_pool_alloc`), outside
+    the compute buffer llama.cpp reserves and dry runs measure; the pool keeps the largest it
+    ever held until the process ends. The largest is the quantized matrix kernels' q8_1 copy of
+    their input (mmq.cu, `src1_q8_1`): a micro-batch's rows, for an MoE block gathered once per
+    routed expert (n_ubatch x n_expert_used rows, as wide as the wider of the hidden state and
+    an expert's FFN), with stream-k's fixup tiles beside it. On the H200 a Qwen3-30B-A3B plan
+    at n_ubatch 2048 went 98 MiB past a budget its compute buffers, KV and weights met."""
+    rows = settings.n_ubatch * max(1, costs.n_expert_used)
+    width = max(costs.n_embd, costs.n_ff_active_experts // costs.n_expert_used
+                if costs.n_expert_used else costs.n_ff)
+    return int(rows * width * Q8_1_BYTES_PER_VALUE) + STREAM_K_FIXUP
+
+
 def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextSettings,
                      card: Card, compute: ComputeTable | None = None) -> tuple[DeviceMemory, ...]:
     """Weights, KV, compute buffer and overhead per device: the GPUs in order, then the CPU."""
@@ -318,6 +340,8 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
             device=name, weights=weights[name], kv=kv[name], compute=buffer,
             # RAM beyond weights, KV and buffers: the runner's checkpoints (not KV: no layer
             # attends to them, and the KV's device is what the speed model reads)
-            overhead=card.overhead_bytes if name != CPU else checkpoint_bytes(costs, settings),
+            # a GPU: its CUDA context and the pool its kernels' temporaries come from
+            overhead=(card.overhead_bytes + cuda_pool_bytes(costs, settings)) if name != CPU
+            else checkpoint_bytes(costs, settings),
         ))
     return tuple(out)
