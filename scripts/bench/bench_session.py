@@ -34,7 +34,8 @@ Runs (--runs, in this order):
 Peak VRAM is NVML's for the whole card, above the baseline before each system starts. Every
 measurement is appended to $OUT/session.jsonl as it is made; the table goes to
 $OUT/session.md. Runs that would pass --deadline (seconds since the start) are skipped.
-The prompts are text of a fixed pattern: their token count is calibrated once per system by a
+The prompts are seeded words of random letters that do not repeat (text_of; a repeated list of
+words flattered an expert cache): their token count is calibrated once per system by a
 1-token answer (prompt_eval_count / timings.prompt_n), so both sides read the same tokens.
 """
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -67,17 +69,24 @@ import synth_gguf  # noqa: E402
 from bench_tuner import MemorySampler  # noqa: E402
 
 MIB = 1 << 20
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
-         "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi",
-         "chi", "psi", "omega"]
+SHORT_CHARS = 270  # the short prompt: about a paragraph
 
 
 def text_of(n_chars: int, seed: int) -> str:
-    words, i = [], seed
-    while sum(len(w) + 1 for w in words) < n_chars:
-        words.append(WORDS[(i * 7 + len(words) * 3) % len(WORDS)])
-        i += 1
-    return " ".join(words)
+    """`n_chars` of seeded words that do not repeat: random letters in words of 2-10, with
+    commas and full stops. A repeated list of words routes an MoE model to the same experts
+    over and over (a cache's decode was seen to double over real text's); this text gives
+    only the reuse the routing itself makes."""
+    rng = random.Random(seed)
+    letters = "etaoinshrdlcumwfgypbvkjxqz"
+    weights = [12, 9, 8, 8, 7, 7, 6, 6, 6, 4, 4, 3, 3, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1]
+    out, size = [], 0
+    while size < n_chars:
+        word = "".join(rng.choices(letters, weights, k=rng.randint(2, 10)))
+        word += rng.choice(("", "", "", "", "", "", ",", "."))
+        out.append(word)
+        size += len(word) + 1
+    return " ".join(out)[:n_chars]
 
 
 def post(url: str, body: dict, timeout: float = 900) -> dict:
@@ -299,7 +308,7 @@ def run_system(system, args, record) -> None:
             continue
         if run == "short":
             before = curve_before(system)
-            r = system.generate("The quick brown fox jumps over the lazy dog. " * 6, args.tokens)
+            r = system.generate(text_of(SHORT_CHARS, 0), args.tokens)
             record({"system": system.name, "run": "short", "decode_tps": round(r["decode_tps"], 2),
                     "answer_tokens": r["answer_tokens"], "band": system.band(),
                     **predicted(system, r["prompt_tokens"], before), **expert_cache(system),
@@ -419,7 +428,7 @@ def session_order(system, args, record, chars_per_token: float) -> None:
     editor's side requests and a pasted file arrive): the long prompt's time to first token is
     what a band planned for short prompts cost (issue 36)."""
     def short(i: int) -> float:
-        prompt = f"Request {i}: " + "The quick brown fox jumps over the lazy dog. " * 6
+        prompt = f"Request {i}: " + text_of(SHORT_CHARS, 1000 + i)
         return system.generate(prompt, args.tokens)["decode_tps"]
 
     before = [short(i) for i in range(args.short_count)]
@@ -462,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 16)
     p.add_argument("--models", default="/tmp/bench-models")
     p.add_argument("--routing", default="uniform",
-                   help="MoE routers of the synthetic model: uniform or zipf:S (synth_gguf)")
+                   help="MoE routers of the synthetic model: uniform, balanced, zipf:S, "
+                        "local:G,S or real (docs/bench/synthetic-routing.md)")
     p.add_argument("--deadline", type=float, default=520, help="seconds; later runs skipped")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tiny", action="store_true", help="a toy model on a CPU, small sizes")
