@@ -38,8 +38,11 @@ U_LEAN = 0.45  # x . u / sqrt(n_embd) of a normed hidden state whose embedding c
 
 
 class Locality:
-    def __init__(self, config, u: np.ndarray, seed: int) -> None:
+    def __init__(self, config, u: np.ndarray, seed: int, forget: float = 0.0) -> None:
         self.c, self.u = config, u
+        # the recurrent blocks' output size: scaled as synth_routing.branch_scale (0) to full (1)
+        scaled = 1.0 / np.sqrt(2.0 * config.n_layer)
+        self.recurrent_scale = scaled + forget * (1.0 - scaled)
         rng = np.random.default_rng(seed + 104729)
         basis = rng.standard_normal((config.n_embd, SUBSPACE)).astype(np.float32)
         basis -= np.outer(u, u @ basis)  # R is orthogonal to u
@@ -51,6 +54,14 @@ class Locality:
     def _attends(self, block: int) -> bool:
         f = self.c.full_attention_interval
         return block >= self.c.n_layer or not f or (block + 1) % f == 0
+
+    def _spread(self, block: int) -> float:
+        """How much larger a block's normed input is than an embedding's, as the recurrent
+        outputs before it add to the stream (each about recurrent_scale^2 a dimension): x . u
+        and R's share of x shrink by this factor, and the q/k constant and router gain make up
+        for it."""
+        recurrent = sum(1 for b in range(block) if not self._attends(b))
+        return float(np.sqrt(1.0 + recurrent * self.recurrent_scale ** 2 / 1.25))
 
     def keep_out(self, rows: np.ndarray) -> np.ndarray:
         """Rows (one per token, n_embd wide) without their part in R."""
@@ -72,11 +83,11 @@ class Locality:
         out[:n_rot // 2] = np.sqrt(weight / weight.sum())
         return out
 
-    def _constant(self, rows: np.ndarray, n_heads: int, stride: int) -> np.ndarray:
+    def _constant(self, rows: np.ndarray, n_heads: int, stride: int, block: int) -> np.ndarray:
         """Add the constant component along u to each head's rows (`stride` rows a head)."""
         hd, n_embd = self.c.head_dim, self.c.n_embd
         # the token's own part is about unit size per dimension; x . u about U_LEAN sqrt(n_embd)
-        amplitude = np.sqrt(CONSTANT_SHARE * hd) / (U_LEAN * np.sqrt(n_embd))
+        amplitude = np.sqrt(CONSTANT_SHARE * hd) / (U_LEAN * np.sqrt(n_embd)) * self._spread(block)
         profile = amplitude * self._profile()
         for h in range(n_heads):
             rows[h * stride:h * stride + hd] += np.outer(profile, self.u)
@@ -89,7 +100,9 @@ class Locality:
         if name.endswith(KEPT_OUT):
             n_in, n_out = dims
             rows = self._rng(name).standard_normal((n_out, n_in), dtype=np.float32)
-            rows /= np.sqrt(n_in) * np.sqrt(2.0 * self.c.n_layer)  # synth_routing.branch_scale
+            scale = self.recurrent_scale if name.endswith("ssm_out.weight") else \
+                1.0 / np.sqrt(2.0 * self.c.n_layer)  # synth_routing.branch_scale
+            rows *= scale / np.sqrt(n_in)
             return rows - self.basis @ (self.basis.T @ rows)
         if ".attn_" not in name:
             return None
@@ -110,14 +123,14 @@ class Locality:
         rows = rng.standard_normal((n_out, n_in), dtype=np.float32) / np.sqrt(n_in)
         if kind == "attn_q":
             if not self.gated:
-                return self._constant(rows, self.c.n_head, hd)
+                return self._constant(rows, self.c.n_head, hd, block)
             # gated: each head's q, then its gate; a gate of 0 (sigmoid 1/2 for every token)
             # keeps the current token from scaling the average of the recent ones
             for h in range(self.c.n_head):
                 rows[(2 * h + 1) * hd:(2 * h + 2) * hd] = 0
-            return self._constant(rows, self.c.n_head, 2 * hd)
+            return self._constant(rows, self.c.n_head, 2 * hd, block)
         if kind == "attn_k":
-            return self._constant(rows, self.c.n_head_kv, hd)
+            return self._constant(rows, self.c.n_head_kv, hd, block)
         if kind == "attn_v":
             return rows - np.outer(rows @ self.u, self.u)  # no constant part to average
         # attn_output: into R only, each coordinate about OUT_GAIN times a value's spread once
@@ -136,5 +149,5 @@ class Locality:
         rng = self._rng(name)
         z = rng.standard_normal((n_expert, SUBSPACE), dtype=np.float32) / np.sqrt(SUBSPACE)
         # R's spread at this block: OUT_GAIN times sqrt(the share of attention blocks so far)
-        held = OUT_GAIN * np.sqrt(before / len(self.attention_blocks))
+        held = OUT_GAIN * np.sqrt(before / len(self.attention_blocks)) / self._spread(block + 1)
         return (gain / held) * (z @ self.basis.T)

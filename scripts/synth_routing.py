@@ -53,8 +53,8 @@ U_WEIGHT = 0.5  # u's length in a token's embedding, relative to the noise's
 
 
 REAL_GAIN, REAL_ZIPF = 4.0, 0.3
-ACCEPTED = ("give 'uniform', 'balanced', 'zipf:S' (S in (0, 3]), 'local:G,S' (G in (0, 20], "
-            "S in [0, 3]) or 'real'")
+ACCEPTED = ("give 'uniform', 'balanced', 'zipf:S' (S in (0, 3]), 'local:G,S[,F]' (G in (0, 20], "
+            "S in [0, 3], F in [0, 1]) or 'real'")
 # balanced: the q and k norms' weight, so that a head's scores spread over several units and
 # it attends to a few earlier tokens picked by content and position, not to their average
 SHARP_NORM = 2.5
@@ -65,6 +65,7 @@ class Routing:
     zipf: float = 0.0  # popularity exponent; 0 is none
     gain: float = 0.0  # how strongly routers read the recent context; 0 is none
     balanced: bool = False  # uniform routers behind sharp attention (no reuse beyond chance)
+    forget: float = 0.0  # local: the recurrent blocks' outputs from scaled (0) to full size (1)
 
     @property
     def uniform(self) -> bool:
@@ -89,8 +90,9 @@ def parse(spec: str) -> Routing:
         numbers = []
     if name == "zipf" and len(numbers) == 1 and 0 < numbers[0] <= 3:
         return Routing(numbers[0])
-    if name == "local" and len(numbers) == 2 and 0 < numbers[0] <= 20 and 0 <= numbers[1] <= 3:
-        return Routing(numbers[1], numbers[0])
+    if (name == "local" and len(numbers) in (2, 3) and 0 < numbers[0] <= 20
+            and 0 <= numbers[1] <= 3 and 0 <= (numbers[2:] or [0])[0] <= 1):
+        return Routing(numbers[1], numbers[0], forget=(numbers[2:] or [0.0])[0])
     raise ValueError(f"routing {spec!r}: {ACCEPTED}")
 
 
@@ -104,7 +106,7 @@ def writer(spec: str, config, fill: str, seed: int):
     rng = np.random.default_rng(seed + 7919)
     u = rng.standard_normal(config.n_embd).astype(np.float32)
     u /= np.linalg.norm(u)
-    recent = synth_locality.Locality(config, u, seed) if routing.gain else None
+    recent = synth_locality.Locality(config, u, seed, routing.forget) if routing.gain else None
 
     def write(name: str, dims: tuple[int, ...], ggml_type: GGMLQuantizationType) -> bytes | None:
         if name == "token_embd.weight":

@@ -78,12 +78,13 @@ def test_local_routing_specs_parse_and_bad_ones_say_what_is_accepted():
     assert synth_routing.parse("local:4,0.5") == synth_routing.Routing(zipf=0.5, gain=4.0)
     assert synth_routing.parse("local:4,0") == synth_routing.Routing(zipf=0.0, gain=4.0)
     assert not synth_routing.parse("local:4,0").uniform
+    assert synth_routing.parse("local:2,0,1") == synth_routing.Routing(0.0, 2.0, forget=1.0)
     assert synth_routing.parse("balanced").balanced and synth_routing.parse("balanced").uniform
     real = synth_routing.parse("real")
     assert (real.gain, real.zipf) == (synth_routing.REAL_GAIN, synth_routing.REAL_ZIPF)
     for bad in ("local", "local:4", "local:0,0.5", "local:30,0.5", "local:4,5", "local:a,b",
-                "local:4,0.5,1", "zipf:0.3,1"):
-        with pytest.raises(ValueError, match=r"'local:G,S' \(G in \(0, 20\]"):
+                "local:4,0.5,2", "local:4,0.5,1,1", "zipf:0.3,1"):
+        with pytest.raises(ValueError, match=r"'local:G,S\[,F\]' \(G in \(0, 20\]"):
             synth_routing.parse(bad)
 
 
