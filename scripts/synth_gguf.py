@@ -496,11 +496,11 @@ def write_table(w: GGUFWriter, path: Path, table: list[tuple[str, tuple[int, ...
 
 def ensure_model(directory: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
                  routing: str = "uniform") -> Path:
-    """`directory`/NAME-q4_0.gguf (NAME-q4_0-zipf0.8.gguf with skewed routing) with random
+    """`directory`/NAME-q4_0.gguf (NAME-q4_0-zipf0.8.gguf, NAME-q4_0-local2_0_1.gguf) with random
     weights, written unless it is there (benchmarks on the GPU machine share one copy per
     shape)."""
     synth_routing.parse(routing)  # a bad spec fails before anything is written
-    tag = "" if routing == "uniform" else "-" + routing.replace(":", "")
+    tag = "" if routing == "uniform" else "-" + routing.replace(":", "").replace(",", "_")
     path = Path(directory) / f"{config.name}-{qtype.lower()}{tag}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

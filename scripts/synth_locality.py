@@ -56,12 +56,13 @@ class Locality:
         return block >= self.c.n_layer or not f or (block + 1) % f == 0
 
     def _spread(self, block: int) -> float:
-        """How much larger a block's normed input is than an embedding's, as the recurrent
-        outputs before it add to the stream (each about recurrent_scale^2 a dimension): x . u
-        and R's share of x shrink by this factor, and the q/k constant and router gain make up
-        for it."""
+        """How much larger a block's normed input is than with scaled recurrent outputs (which
+        U_LEAN allows for), as larger ones add to the stream (about recurrent_scale^2 a
+        dimension each): x . u and R's share of x shrink by this factor, and the q/k constant
+        and the router gain make up for it. 1 when F is 0."""
         recurrent = sum(1 for b in range(block) if not self._attends(b))
-        return float(np.sqrt(1.0 + recurrent * self.recurrent_scale ** 2 / 1.25))
+        extra = self.recurrent_scale ** 2 - 1.0 / (2.0 * self.c.n_layer)
+        return float(np.sqrt(1.0 + recurrent * extra / 1.25))
 
     def keep_out(self, rows: np.ndarray) -> np.ndarray:
         """Rows (one per token, n_embd wide) without their part in R."""

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -66,29 +65,10 @@ checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
 import synth_gguf  # noqa: E402
+from bench_text import SHORT_CHARS, short_prompt, text_of  # noqa: E402
 from bench_tuner import MemorySampler  # noqa: E402
 
 MIB = 1 << 20
-SHORT_CHARS = 270  # the short prompt: about a paragraph
-
-
-def text_of(n_chars: int, seed: int) -> str:
-    """`n_chars` of seeded words that do not repeat: random letters in words of 2-10, with
-    commas and full stops. A repeated list of words routes an MoE model to the same experts
-    over and over (a cache's decode was seen to double over real text's); this text gives
-    only the reuse the routing itself makes."""
-    rng = random.Random(seed)
-    letters = "etaoinshrdlcumwfgypbvkjxqz"
-    weights = [12, 9, 8, 8, 7, 7, 6, 6, 6, 4, 4, 3, 3, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1]
-    out, size = [], 0
-    while size < n_chars:
-        word = "".join(rng.choices(letters, weights, k=rng.randint(2, 10)))
-        word += rng.choice(("", "", "", "", "", "", ",", "."))
-        out.append(word)
-        size += len(word) + 1
-    return " ".join(out)[:n_chars]
-
-
 def post(url: str, body: dict, timeout: float = 900) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -308,7 +288,7 @@ def run_system(system, args, record) -> None:
             continue
         if run == "short":
             before = curve_before(system)
-            r = system.generate(text_of(SHORT_CHARS, 0), args.tokens)
+            r = system.generate(short_prompt(), args.tokens)
             record({"system": system.name, "run": "short", "decode_tps": round(r["decode_tps"], 2),
                     "answer_tokens": r["answer_tokens"], "band": system.band(),
                     **predicted(system, r["prompt_tokens"], before), **expert_cache(system),
