@@ -114,3 +114,16 @@ def test_local_routing_makes_neighbouring_tokens_share_experts(tmp_path):
     # the adversarial spec: uniform qwen3moe blocks average tokens alike as they get deeper
     # (0.17 here, 0.31 at 48 blocks); sharp attention keeps them apart (chance: 8/128)
     assert out["balanced"]["next_token_overlap"] < out["uniform"]["next_token_overlap"] - 0.03
+
+
+def test_the_benchmark_text_does_not_repeat():
+    """A repeated list of words routed the benchmark's prompts to the same experts over and
+    over; its prompts are now seeded words that do not repeat."""
+    import bench_text
+
+    text = bench_text.text_of(16384, 2)
+    words = text.split()
+    assert len(text) == 16384 and len(set(words)) > 0.9 * len(words)
+    assert bench_text.text_of(16384, 2) == text != bench_text.text_of(16384, 3)
+    chunks = {text[i:i + 64] for i in range(0, len(text) - 64, 64)}
+    assert len(chunks) == (len(text) - 1) // 64  # no 64-character stretch twice
