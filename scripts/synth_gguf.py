@@ -11,7 +11,7 @@ routes to (scripts/synth_routing.py, docs/bench/synthetic-routing.md). Fillings:
           expert tensors by whole experts, so that routing follows the routers)
   noise   every weight drawn (tiny shapes)
   zeros   written zeros (a sparse file on a filesystem without holes)
---routing (MoE shapes) uniform, or zipf:S for a Zipf-like popularity of the experts per block.
+--routing (MoE shapes) uniform, balanced, zipf:S, local:G,S or real (scripts/synth_routing.py).
 
     python scripts/synth_gguf.py dense-27b /tmp/dense-27b.gguf --type Q4_0 --fill random
     python scripts/synth_gguf.py --list
@@ -496,11 +496,11 @@ def write_table(w: GGUFWriter, path: Path, table: list[tuple[str, tuple[int, ...
 
 def ensure_model(directory: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
                  routing: str = "uniform") -> Path:
-    """`directory`/NAME-q4_0.gguf (NAME-q4_0-zipf0.8.gguf with skewed routing) with random
+    """`directory`/NAME-q4_0.gguf (NAME-q4_0-zipf0.8.gguf, NAME-q4_0-local2_0_1.gguf) with random
     weights, written unless it is there (benchmarks on the GPU machine share one copy per
     shape)."""
     synth_routing.parse(routing)  # a bad spec fails before anything is written
-    tag = "" if routing == "uniform" else "-" + routing.replace(":", "")
+    tag = "" if routing == "uniform" else "-" + routing.replace(":", "").replace(",", "_")
     path = Path(directory) / f"{config.name}-{qtype.lower()}{tag}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -551,8 +551,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fill", default="sparse", choices=("sparse", "random", "noise", "zeros"))
     p.add_argument("--tiny", action="store_true", help="toy dimensions of the same architecture")
     p.add_argument("--routing", default="uniform",
-                   help="MoE routers: uniform, or zipf:S for Zipf-like expert popularity of "
-                        "exponent about S per block (0.6: an LRU of 64 of 256 hits ~67%%)")
+                   help="MoE routers: uniform, balanced (no reuse beyond chance), zipf:S "
+                        "(Zipf-like popularity of exponent about S), local:G,S (popularity plus "
+                        "locality of gain G that follows the text) or real "
+                        "(docs/bench/synthetic-routing.md)")
     p.add_argument("--list", action="store_true", help="list the shapes")
     args = p.parse_args(argv)
     if args.list or not args.shape:

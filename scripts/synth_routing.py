@@ -17,7 +17,21 @@ the most used quarter of the experts, and moves with the text as far as the hidd
 state llama.cpp computes, with no change to the engine; scripts/bench/routing_profile.py measures
 the LRU hit-rate curve it gives (docs/bench/synthetic-routing.md).
 
-Spec: "uniform" (default) or "zipf:S", S in (0, 3].
+Local routing (`local:G,S`): the same popularity, plus locality that follows the text. Every
+attention block's q and k share one large constant component (along u, which every token
+carries), spread over the rotary frequencies so that RoPE scores recent positions highest: the
+attention output becomes a moving average of the last few tokens' values. Attention outputs
+are written into a subspace that token embeddings keep out of, and every router reads that
+subspace with gain G: neighbouring tokens see nearly the same recent past and pick many of the
+same experts, and the choice moves as the text does.
+
+Balanced routing (`balanced`): uniform routers behind attention made sharp (its q and k norms
+scaled up), so that a deep stack of attention-only blocks does not average every token into one
+state that routes alike (uniform qwen3moe models do past a dozen blocks).
+
+Spec: "uniform" (default), "balanced", "zipf:S" with S in (0, 3], "local:G,S" with G in
+(0, 20] and S in [0, 3], or "real" (local:REAL_GAIN,REAL_ZIPF: the calibrated one,
+docs/bench/synthetic-routing.md).
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+import synth_locality
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
@@ -37,28 +52,48 @@ STRENGTH_PER_EXPONENT = 1.0
 U_WEIGHT = 0.5  # u's length in a token's embedding, relative to the noise's
 
 
+REAL_GAIN, REAL_ZIPF = 4.0, 0.3
+ACCEPTED = ("give 'uniform', 'balanced', 'zipf:S' (S in (0, 3]), 'local:G,S[,F]' (G in (0, 20], "
+            "S in [0, 3], F in [0, 1]) or 'real'")
+# balanced: the q and k norms' weight, so that a head's scores spread over several units and
+# it attends to a few earlier tokens picked by content and position, not to their average
+SHARP_NORM = 2.5
+
+
 @dataclass(frozen=True)
 class Routing:
-    zipf: float = 0.0  # popularity exponent; 0 is uniform
+    zipf: float = 0.0  # popularity exponent; 0 is none
+    gain: float = 0.0  # how strongly routers read the recent context; 0 is none
+    balanced: bool = False  # uniform routers behind sharp attention (no reuse beyond chance)
+    forget: float = 0.0  # local: the recurrent blocks' outputs from scaled (0) to full size (1)
 
     @property
     def uniform(self) -> bool:
-        return self.zipf == 0
+        """Routers drawn at random and the residual branches at full size (no skew)."""
+        return self.zipf == 0 and self.gain == 0
 
 
 def parse(spec: str) -> Routing:
-    """'uniform' or 'zipf:S'; ValueError saying what is accepted."""
+    """'uniform', 'balanced', 'zipf:S', 'local:G,S' or 'real'; ValueError saying what is
+    accepted."""
     spec = (spec or "uniform").strip()
     if spec == "uniform":
         return Routing()
+    if spec == "balanced":
+        return Routing(balanced=True)
+    if spec == "real":
+        return Routing(REAL_ZIPF, REAL_GAIN)
     name, _, value = spec.partition(":")
     try:
-        zipf = float(value)
+        numbers = [float(v) for v in value.split(",")]
     except ValueError:
-        zipf = -1.0
-    if name != "zipf" or not 0 < zipf <= 3:
-        raise ValueError(f"routing {spec!r}: give 'uniform' or 'zipf:S' with S in (0, 3]")
-    return Routing(zipf)
+        numbers = []
+    if name == "zipf" and len(numbers) == 1 and 0 < numbers[0] <= 3:
+        return Routing(numbers[0])
+    if (name == "local" and len(numbers) in (2, 3) and 0 < numbers[0] <= 20
+            and 0 <= numbers[1] <= 3 and 0 <= (numbers[2:] or [0])[0] <= 1):
+        return Routing(numbers[1], numbers[0], forget=(numbers[2:] or [0.0])[0])
+    raise ValueError(f"routing {spec!r}: {ACCEPTED}")
 
 
 def writer(spec: str, config, fill: str, seed: int):
@@ -71,12 +106,23 @@ def writer(spec: str, config, fill: str, seed: int):
     rng = np.random.default_rng(seed + 7919)
     u = rng.standard_normal(config.n_embd).astype(np.float32)
     u /= np.linalg.norm(u)
+    recent = synth_locality.Locality(config, u, seed, routing.forget) if routing.gain else None
 
     def write(name: str, dims: tuple[int, ...], ggml_type: GGMLQuantizationType) -> bytes | None:
         if name == "token_embd.weight":
-            return _embeddings(dims, None if routing.uniform else u, rng, ggml_type)
+            keep_out = recent.keep_out if recent else None
+            return _embeddings(dims, None if routing.uniform else u, rng, ggml_type, keep_out)
         if name.endswith("ffn_gate_inp.weight") and not routing.uniform:
-            return _encode(_router(name, dims, routing, u, seed), ggml_type)
+            rows = _router(name, dims, routing, u, seed)
+            if recent:
+                rows += recent.router_rows(name, dims, routing.gain)
+            return _encode(rows, ggml_type)
+        if routing.balanced and name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+            return np.full(dims[0], SHARP_NORM, dtype=np.float32).tobytes()
+        if recent:
+            rows = recent.attention(name, dims)
+            if rows is not None:
+                return rows.tobytes() if rows.ndim == 1 else _encode(rows, ggml_type)
         return None
 
     return write
@@ -104,16 +150,18 @@ def branch_scale(spec: str, config):
     return lambda name: factor if name.endswith(RESIDUAL_BRANCHES) else 1.0
 
 
-def _embeddings(dims, u, rng, ggml_type: GGMLQuantizationType) -> bytes:
+def _embeddings(dims, u, rng, ggml_type: GGMLQuantizationType, keep_out=None) -> bytes:
     """Token rows, encoded: unit-variance noise (the size of a normed hidden state, so that
     a token stays itself through the blocks: rows of norm 1 were drowned by the first
     attention's average over the context, and every token routed alike), plus u as long as
-    the noise for skewed routing. In slices of 8192 rows (a 248K vocabulary of 2048 is 2 GB
-    as float)."""
+    the noise for skewed routing; `keep_out(rows)` removes what only attention may write
+    (local routing). In slices of 8192 rows (a 248K vocabulary of 2048 is 2 GB as float)."""
     n_embd, n_vocab = dims
     out = []
     for start in range(0, n_vocab, 8192):
         rows = rng.standard_normal((min(8192, n_vocab - start), n_embd), dtype=np.float32)
+        if keep_out is not None:
+            rows = keep_out(rows)
         if u is not None:
             rows += U_WEIGHT * np.sqrt(n_embd) * u
         out.append(_encode(rows, ggml_type))
@@ -127,6 +175,8 @@ def _router(name: str, dims, routing: Routing, u, seed: int) -> np.ndarray:
     rng = np.random.default_rng(block_seed)
     rows = rng.standard_normal((n_expert, n_embd), dtype=np.float32) / np.sqrt(n_embd)
     if routing.uniform:
+        return rows
+    if not routing.zipf:
         return rows
     strength = -np.log(rng.permutation(n_expert) + 1.0)  # this block's popularity order
     strength -= strength.mean()

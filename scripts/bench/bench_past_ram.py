@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 16)
     p.add_argument("--models", default="/tmp/bench-models")
     p.add_argument("--routing", default="uniform",
-                   help="MoE routers of the synthetic model: uniform or zipf:S (synth_gguf)")
+                   help="MoE routers of the synthetic model: uniform, balanced, zipf:S, "
+                        "local:G,S or real (docs/bench/synthetic-routing.md)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tiny", action="store_true",
                    help="a 1B model (0.7 GiB) on a CPU, in a group of --tiny-ram GiB where a "

@@ -34,7 +34,8 @@ Runs (--runs, in this order):
 Peak VRAM is NVML's for the whole card, above the baseline before each system starts. Every
 measurement is appended to $OUT/session.jsonl as it is made; the table goes to
 $OUT/session.md. Runs that would pass --deadline (seconds since the start) are skipped.
-The prompts are text of a fixed pattern: their token count is calibrated once per system by a
+The prompts are seeded words of random letters that do not repeat (text_of; a repeated list of
+words flattered an expert cache): their token count is calibrated once per system by a
 1-token answer (prompt_eval_count / timings.prompt_n), so both sides read the same tokens.
 """
 
@@ -64,22 +65,10 @@ checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
 import synth_gguf  # noqa: E402
+from bench_text import SHORT_CHARS, short_prompt, text_of  # noqa: E402
 from bench_tuner import MemorySampler  # noqa: E402
 
 MIB = 1 << 20
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
-         "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi",
-         "chi", "psi", "omega"]
-
-
-def text_of(n_chars: int, seed: int) -> str:
-    words, i = [], seed
-    while sum(len(w) + 1 for w in words) < n_chars:
-        words.append(WORDS[(i * 7 + len(words) * 3) % len(WORDS)])
-        i += 1
-    return " ".join(words)
-
-
 def post(url: str, body: dict, timeout: float = 900) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -299,7 +288,7 @@ def run_system(system, args, record) -> None:
             continue
         if run == "short":
             before = curve_before(system)
-            r = system.generate("The quick brown fox jumps over the lazy dog. " * 6, args.tokens)
+            r = system.generate(short_prompt(), args.tokens)
             record({"system": system.name, "run": "short", "decode_tps": round(r["decode_tps"], 2),
                     "answer_tokens": r["answer_tokens"], "band": system.band(),
                     **predicted(system, r["prompt_tokens"], before), **expert_cache(system),
@@ -419,7 +408,7 @@ def session_order(system, args, record, chars_per_token: float) -> None:
     editor's side requests and a pasted file arrive): the long prompt's time to first token is
     what a band planned for short prompts cost (issue 36)."""
     def short(i: int) -> float:
-        prompt = f"Request {i}: " + "The quick brown fox jumps over the lazy dog. " * 6
+        prompt = f"Request {i}: " + text_of(SHORT_CHARS, 1000 + i)
         return system.generate(prompt, args.tokens)["decode_tps"]
 
     before = [short(i) for i in range(args.short_count)]
@@ -462,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 16)
     p.add_argument("--models", default="/tmp/bench-models")
     p.add_argument("--routing", default="uniform",
-                   help="MoE routers of the synthetic model: uniform or zipf:S (synth_gguf)")
+                   help="MoE routers of the synthetic model: uniform, balanced, zipf:S, "
+                        "local:G,S or real (docs/bench/synthetic-routing.md)")
     p.add_argument("--deadline", type=float, default=520, help="seconds; later runs skipped")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tiny", action="store_true", help="a toy model on a CPU, small sizes")

@@ -30,8 +30,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # synth_gguf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-# the benchmark's short prompt (bench_session.py's short run)
-SHORT_PROMPT = "The quick brown fox jumps over the lazy dog. " * 6
+from bench_text import short_prompt
+
+SHORT_PROMPT = short_prompt()  # the benchmark's short prompt (bench_session.py's short run)
 
 
 class Policy:

@@ -36,6 +36,8 @@ import synth_gguf  # noqa: E402
 
 SIZES = (8, 16, 32, 64, 128)
 STATIC = 64  # a fixed set of the most used experts (knowing the whole text): popularity alone
+WITHIN = 8  # reuse within this many previous tokens (the published statistics' window)
+CACHE_SHARE = 0.4  # an LRU holding this share of a block's experts
 
 
 def corpus(n_chars: int) -> str:
@@ -170,11 +172,11 @@ def profile(blocks: dict, n_expert: int, sizes=SIZES) -> dict:
     experts with the previous token's."""
     curve = {}
     for k in sizes:
-        if k >= n_expert:
+        if k > n_expert:
             continue
         rates = [lru_hit_rate(seq, k) for seq in blocks.values()]
         curve[k] = sum(rates) / len(rates)
-    top, overlap, static, slopes = [], [], [], []
+    top, overlap, static, slopes, recent = [], [], [], [], []
     for seq in blocks.values():
         counts = [0] * n_expert
         for ids in seq:
@@ -186,11 +188,25 @@ def profile(blocks: dict, n_expert: int, sizes=SIZES) -> dict:
         slopes.append(_zipf_exponent(counts))
         pairs = [len(set(a) & set(b)) / len(a) for a, b in zip(seq, seq[1:], strict=False)]
         overlap.append(sum(pairs) / max(1, len(pairs)))
+        recent.append(reuse_within(seq, WITHIN))
+    share = max(1, round(n_expert * CACHE_SHARE))
+    forty = [lru_hit_rate(seq, share) for seq in blocks.values()]
     return {"lru": curve, "top_eighth_share": sum(top) / len(top),
+            f"within{WITHIN}": sum(recent) / len(recent),
+            "lru_40pct": sum(forty) / len(forty), "lru_40pct_slots": share,
             f"static_{STATIC}": sum(static) / len(static),
             "zipf_exponent": sum(slopes) / len(slopes),
             "next_token_overlap": sum(overlap) / len(overlap),
             "tokens": len(next(iter(blocks.values()))), "blocks": len(blocks)}
+
+
+def reuse_within(sequence: list[tuple[int, ...]], window: int) -> float:
+    """The mean share of a token's experts that any of the `window` tokens before it used."""
+    shares = []
+    for t in range(1, len(sequence)):
+        seen = set().union(*sequence[max(0, t - window):t])
+        shares.append(sum(e in seen for e in sequence[t]) / len(sequence[t]))
+    return sum(shares) / max(1, len(shares))
 
 
 def _zipf_exponent(counts: list[int]) -> float:
@@ -210,9 +226,12 @@ def tiny_moe(shape: str, blocks: int = 0) -> synth_gguf.ShapeConfig:
     real = synth_gguf.SHAPES[shape]
     if not real.n_expert:
         raise SystemExit(f"{shape} is not a mixture of experts")
-    # 16 wide at the real depth: 48 blocks of 512 experts stay a file of a few hundred MB
+    # 16 wide at the real depth: 48 blocks of 512 experts stay a file of a few hundred MB.
+    # The real head size and rotary dimensions: local routing's attention window is made of
+    # the rotary frequencies, which they decide.
     config = replace(synth_gguf.tiny(real), n_expert=real.n_expert,
-                     n_expert_used=real.n_expert_used, n_ff_expert=16 if blocks else 32)
+                     n_expert_used=real.n_expert_used, n_ff_expert=16 if blocks else 32,
+                     head_dim=real.head_dim, rope_dims=real.rope_dims)
     return replace(config, n_layer=blocks) if blocks else config
 
 
@@ -226,13 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="qwen35-35b-a3b")
     p.add_argument("--model", help="profile this GGUF instead of writing tiny ones")
     p.add_argument("--routing", default="uniform;zipf:1",
-                   help="specs separated by ;, each uniform or zipf:S (synth_gguf --routing)")
+                   help="specs separated by ;, each uniform, balanced, zipf:S, local:G,S or real "
+                        "(synth_gguf --routing)")
     p.add_argument("--fill", default="noise", choices=("noise", "random"))
     p.add_argument("--tokens", type=int, default=3000, help="about this many tokens of text")
     p.add_argument("--blocks", type=int, default=0,
                    help="toy models with this many blocks (default: the toy's 4)")
     p.add_argument("--per-block", type=int, metavar="K", default=0,
                    help="also print each block's hit rate with an LRU of K")
+    p.add_argument("--sizes", default="", metavar="K,K...",
+                   help="also the LRU hit rate with these cache sizes (slots a block)")
     p.add_argument("--json", action="store_true", help="one JSON line per profile")
     args = p.parse_args(argv)
     text = corpus(args.tokens)  # the synthetic vocabulary reads about one token per character
@@ -247,12 +269,14 @@ def main(argv: list[str] | None = None) -> int:
             synth_gguf.write_gguf(path, config, "Q8_0", args.fill, routing=spec)
             runs.append((spec, str(path)))
     print(f"{'routing':22} " + " ".join(f"LRU{k:>4}" for k in SIZES)
-          + f"  static{STATIC}  top 1/8  next  exponent")
+          + f"  static{STATIC}  top 1/8  next  within{WITHIN}  LRU 40%  exponent")
     for label, path in runs:
         blocks, n_expert, _ = route(path, text)
         result = profile(blocks, n_expert)
         if args.per_block:
             result[f"per_block_lru{args.per_block}"] = per_block(blocks, args.per_block)
+        extra = [int(k) for k in args.sizes.split(",") if k.strip()]
+        result["lru_at"] = profile(blocks, n_expert, extra)["lru"] if extra else {}
         if args.json:
             print(json.dumps({"routing": label, **result}))
             continue
@@ -260,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
                          for k in SIZES)
         print(f"{label:22} {cells}  {result[f'static_{STATIC}']:7.1%}  "
               f"{result['top_eighth_share']:7.1%} {result['next_token_overlap']:5.1%}  "
+              f"{result[f'within{WITHIN}']:7.1%}  {result['lru_40pct']:7.1%}  "
               f"{result['zipf_exponent']:5.2f}")
+        if result["lru_at"]:
+            print(f"{'':22} LRU " + "  ".join(f"{k}: {r:.1%}" for k, r in result["lru_at"].items()))
         if args.per_block:
             rates = result[f"per_block_lru{args.per_block}"]
             print(f"{'':22} LRU{args.per_block} by block: "
