@@ -4,7 +4,8 @@ an answer, and for Claude Code and Codex a tool call reaches the daemon and its 
 back in the next request (a recording proxy between CLI and daemon sees it). The model is
 SmolLM2 with a template that makes it call the agent's shell tool once (tests/chat_models.py
 AGENT_TEMPLATE), created with /api/create; greedy sampling. Requests recorded from the real
-CLIs (tests/fixtures/agents/) are replayed through their routes, which answer 200.
+CLIs (tests/fixtures/agents/, and cli/agent_requests/: the first request of each, which
+`launch` sizes the context by) are replayed through their routes, which answer 200.
 
 The CLIs are installed once into .cache/agent-clis (reused between runs); without npm, or
 without the registry, these tests are skipped saying so. Telemetry and updates are off (the
@@ -31,6 +32,8 @@ from gguf_edit import with_metadata
 ROOT = Path(__file__).resolve().parent.parent
 CLIS = ROOT / ".cache" / "agent-clis"
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "agents"
+FIRST_REQUESTS = ROOT / "cli" / "agent_requests"  # what `launch` sizes each agent's context by
+RECORDED = {p.name: p for d in (FIXTURES, FIRST_REQUESTS) for p in d.glob("*.json")}
 PINNED = {"@anthropic-ai/claude-code": "2.1.332", "@openai/codex": "0.169.0",
           "@github/copilot": "1.0.102", "opencode-ai": "1.18.33"}
 MODEL = "agent"
@@ -139,11 +142,11 @@ def test_copilot_and_opencode_answer_through_the_daemon(cli_daemon, agent_bin, t
     assert bodies and all(b["model"] == f"{LONG_MODEL}:latest" for b in bodies)
 
 
-@pytest.mark.parametrize("fixture", sorted(p.name for p in FIXTURES.glob("*.json")))
+@pytest.mark.parametrize("fixture", sorted(RECORDED))
 def test_recorded_agent_requests_replay_with_200(cli_daemon, fixture):
     """Each request a real CLI sent (recorded through the proxy above), to its route again,
     the model swapped for the test model and the answer kept short."""
-    recorded = json.loads((FIXTURES / fixture).read_text())
+    recorded = json.loads(RECORDED[fixture].read_text())
     body = {**recorded["body"], "model": MODEL, "stream": False}
     for limit in ("max_tokens", "max_output_tokens"):
         if limit in body:
