@@ -101,6 +101,21 @@ def run_launch(daemon, agent_bin: Path, tmp_path: Path, proxy_url: str, *args: s
                           stdin=subprocess.DEVNULL)
 
 
+def tool_names(body: dict) -> list:
+    return [t.get("name") or (t.get("function") or {}).get("name") for t in body.get("tools")
+            or ()]
+
+
+def assert_sends_the_recorded_first_request(agent: str, bodies: list[dict]) -> None:
+    """The pinned CLI still sends the tools of the first request `launch` sizes its context by
+    (cli/agent_requests/); a CLI pinned anew has its first request recorded again there."""
+    from localllm.cli.launch_context import first_request
+
+    recorded = tool_names(first_request(agent)[1])
+    assert any(tool_names(body) == recorded for body in bodies), \
+        f"{agent} no longer sends the tools of cli/agent_requests/: record its first request again"
+
+
 def test_claude_code_calls_a_tool_through_the_daemon(cli_daemon, agent_bin, tmp_path):
     with RecordingProxy(cli_daemon.url) as proxy:
         r = run_launch(cli_daemon, agent_bin, tmp_path, proxy.url, "claude", "--model", MODEL,
@@ -109,6 +124,7 @@ def test_claude_code_calls_a_tool_through_the_daemon(cli_daemon, agent_bin, tmp_
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip()  # the answer, printed
     bodies = proxy.bodies("/v1/messages")
+    assert_sends_the_recorded_first_request("claude", bodies)
     results = [block for body in bodies for m in body["messages"] if m["role"] == "user"
                and isinstance(m["content"], list) for block in m["content"]
                if block.get("type") == "tool_result"]
@@ -122,6 +138,7 @@ def test_codex_calls_a_tool_through_the_daemon(cli_daemon, agent_bin, tmp_path):
                        "--dangerously-bypass-approvals-and-sandbox", "Run the check.")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip()
+    assert_sends_the_recorded_first_request("codex", proxy.bodies("/v1/responses"))
     outputs = [item for body in proxy.bodies("/v1/responses") for item in body["input"]
                if item.get("type") == "function_call_output"]
     assert outputs and MARK in json.dumps(outputs[-1]["output"])
@@ -140,6 +157,7 @@ def test_copilot_and_opencode_answer_through_the_daemon(cli_daemon, agent_bin, t
     assert "Done: the tool ran." in r.stdout  # the model's answer, printed by the CLI
     bodies = proxy.bodies(route)
     assert bodies and all(b["model"] == f"{LONG_MODEL}:latest" for b in bodies)
+    assert_sends_the_recorded_first_request(agent, bodies)
 
 
 @pytest.mark.parametrize("fixture", sorted(RECORDED))
