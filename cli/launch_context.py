@@ -19,7 +19,7 @@ from localllm.errors import UserError
 ANSWER_MIN = 4096  # the least room for an answer an agent is loaded with
 ROUND_TO = 1024  # a fitted context is a whole number of these
 REQUESTS = Path(__file__).resolve().parent / "agent_requests"
-FIRST_REQUESTS = {"claude": "claude-code-2.1.332-first.json",
+FIRST_REQUESTS = {"claude": "claude-code-2.1.332-default.json",
                   "codex": "codex-0.169.0-first.json",
                   "copilot": "copilot-1.0.102-chat.json",
                   "opencode": "opencode-1.18.33-chat.json"}

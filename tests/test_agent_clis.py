@@ -118,9 +118,11 @@ def assert_sends_the_recorded_first_request(agent: str, bodies: list[dict]) -> N
 
 def test_claude_code_calls_a_tool_through_the_daemon(cli_daemon, agent_bin, tmp_path):
     with RecordingProxy(cli_daemon.url) as proxy:
-        r = run_launch(cli_daemon, agent_bin, tmp_path, proxy.url, "claude", "--model", MODEL,
-                       "--", "-p", "Run the check.", "--tools", "Bash", "--allowedTools",
-                       "Bash", "--max-turns", "3")
+        # All its tools, as `launch claude` sizes the context for (about 12K tokens of them,
+        # more than Claude Code takes on the 8K model: the 32K copy)
+        r = run_launch(cli_daemon, agent_bin, tmp_path, proxy.url, "claude", "--model",
+                       LONG_MODEL, "--", "-p", "Run the check.", "--allowedTools", "Bash",
+                       "--max-turns", "3")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip()  # the answer, printed
     bodies = proxy.bodies("/v1/messages")

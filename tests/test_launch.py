@@ -18,8 +18,8 @@ from chat_models import tool_model
 from daemon_process import isolated_env, start_daemon
 from gguf_edit import with_metadata
 
-MODEL = "smollm2-tools:latest"  # trained on 8,192 tokens: Claude Code's first request fits
-LONG = "tools-32k:latest"  # the same with a header that says 32K: every agent's fits
+MODEL = "smollm2-tools:latest"  # SmolLM2 with a header that says 32K: every agent's request fits
+SHORT = "tools-8k:latest"  # SmolLM2 as trained, on 8,192 tokens: no agent's first request fits
 
 # Claude Code: ANTHROPIC_BASE_URL, the token and the model from its environment.
 CLAUDE = """
@@ -78,7 +78,7 @@ def launch_daemon(tmp_path_factory, smollm2_gguf):
     # (no GPU), by name where they tie.
     tools = tool_model(smollm2_gguf, root)
     long = with_metadata(tools, root / "tools-32k.gguf", {"llama.context_length": 32768})
-    import_models(env, {"smollm2": smollm2_gguf, "smollm2-tools": tools, "tools-32k": long})
+    import_models(env, {"smollm2": smollm2_gguf, "smollm2-tools": long, "tools-8k": tools})
     d = start_daemon(env)
     yield d
     d.stop()
@@ -128,7 +128,7 @@ def test_print_env_shows_claude_code_pointed_here_with_every_tier_local(launch_d
 def test_print_config_shows_a_responses_provider_as_overrides(launch_daemon, tmp_path):
     home = tmp_path / "home"
     home.mkdir()
-    r = launch(launch_daemon, tmp_path, "codex", "--model", LONG, "--print-config")
+    r = launch(launch_daemon, tmp_path, "codex", "--print-config")
     assert r.returncode == 0, r.stderr
     argv = shlex.split(r.stdout.splitlines()[-1])
     assert argv[0] == "codex"
@@ -137,7 +137,7 @@ def test_print_config_shows_a_responses_provider_as_overrides(launch_daemon, tmp
     assert json.loads(over["model_providers.localllm.base_url"]) == launch_daemon.url + "/v1"
     assert json.loads(over["model_providers.localllm.wire_api"]) == "responses"
     assert json.loads(over["model_provider"]) == "localllm"
-    assert json.loads(over["model"]) == LONG
+    assert json.loads(over["model"]) == MODEL
     assert int(over["model_context_window"]) == 32768  # the header's trained context
 
 
@@ -149,13 +149,13 @@ def test_launch_runs_each_agent_and_its_request_succeeds(launch_daemon, tmp_path
     assert record["argv"] == ["--model", MODEL, "-p", "hello there"]
     assert record["env"]["ANTHROPIC_BASE_URL"] == launch_daemon.url
     assert record["env"]["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
-    # Loaded with the long context it planned (SmolLM2's trained 8,192 < 64K; it said so).
-    assert "trained on 8192" in r.stderr
+    # Loaded with the long context it planned (the header's 32,768 < 64K; it said so).
+    assert "trained on 32768" in r.stderr
     loaded = {m["model"]: m for m in launch_daemon.ps()}
-    assert loaded[MODEL]["context_length"] == 8192
+    assert loaded[MODEL]["context_length"] == 32768
 
     (tmp_path / "record.json").unlink()
-    r = launch(launch_daemon, tmp_path, "codex", "--model", "tools-32k", "--", "exec", "hi")
+    r = launch(launch_daemon, tmp_path, "codex", "--", "exec", "hi")
     assert r.returncode == 0, r.stdout + r.stderr
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["status"] == 200
@@ -199,41 +199,41 @@ def test_the_pick_is_the_largest_tool_model_that_fits_else_the_smallest():
 
 def test_each_agent_is_told_the_context_and_kept_off_the_network(launch_daemon, tmp_path):
     """The loaded context and each agent's own switches (telemetry, analytics, updates) as
-    their docs and binaries name them; SmolLM2 is loaded with its trained 8,192 tokens for
-    Claude Code, its 32K copy for the others (their first requests need more than 8K)."""
+    their docs and binaries name them; the model is loaded with the 32,768 tokens its header
+    says it was trained on."""
     claude = exports(launch(launch_daemon, tmp_path, "claude", "--print-env").stdout)
-    assert claude["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "8192"
+    assert claude["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "32768"
     assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in claude  # it takes 100K at least
-    assert claude["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "4096"  # the least answer room
+    assert claude["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "8192"  # a quarter
     assert claude["DISABLE_TELEMETRY"] == claude["DISABLE_AUTOUPDATER"] == "1"
     assert claude["ENABLE_TOOL_SEARCH"] == "true"  # the daemon runs the tool search
 
-    r = launch(launch_daemon, tmp_path, "codex", "--model", LONG, "--print-config")
+    r = launch(launch_daemon, tmp_path, "codex", "--print-config")
     argv = shlex.split(r.stdout.splitlines()[-1])
     over = dict(a.split("=", 1) for a in argv[2::2])
     assert int(over["model_auto_compact_token_limit"]) == 32768 - 32768 // 4
     assert over["analytics.enabled"] == over["feedback.enabled"] == "false"
     assert over["check_for_update_on_startup"] == "false"
 
-    r = launch(launch_daemon, tmp_path, "copilot", "--model", LONG, "--print-env")
+    r = launch(launch_daemon, tmp_path, "copilot", "--print-env")
     assert r.returncode == 0, r.stderr
     copilot = exports(r.stdout)
     assert copilot["COPILOT_PROVIDER_BASE_URL"] == launch_daemon.url + "/v1"
-    assert copilot["COPILOT_MODEL"] == LONG
+    assert copilot["COPILOT_MODEL"] == MODEL
     assert copilot["COPILOT_PROVIDER_WIRE_API"] == "completions"
     assert int(copilot["COPILOT_PROVIDER_MAX_PROMPT_TOKENS"]) + int(
         copilot["COPILOT_PROVIDER_MAX_OUTPUT_TOKENS"]) == 32768
     assert copilot["COPILOT_OFFLINE"] == "true" and copilot["COPILOT_AUTO_UPDATE"] == "false"
     assert shlex.split(r.stdout.splitlines()[-1]) == ["copilot", "--no-auto-update"]
 
-    r = launch(launch_daemon, tmp_path, "opencode", "--model", LONG, "--print-env")
+    r = launch(launch_daemon, tmp_path, "opencode", "--print-env")
     assert r.returncode == 0, r.stderr
     opencode = exports(r.stdout)
     config = json.loads(opencode["OPENCODE_CONFIG_CONTENT"])
     provider = config["provider"]["localllm"]
     assert provider["options"]["baseURL"] == launch_daemon.url + "/v1"
-    assert provider["models"][LONG]["limit"] == {"context": 32768, "output": 8192}
-    assert config["model"] == f"localllm/{LONG}" and config["autoupdate"] is False
+    assert provider["models"][MODEL]["limit"] == {"context": 32768, "output": 8192}
+    assert config["model"] == f"localllm/{MODEL}" and config["autoupdate"] is False
     assert opencode["OPENCODE_DISABLE_AUTOUPDATE"] == "1"
 
 
@@ -258,31 +258,31 @@ def test_a_context_too_small_for_the_agent_is_loaded_larger(launch_daemon, tmp_p
     the context that was loaded."""
     from localllm.cli.launch_context import ANSWER_MIN
 
-    first = _first_request_tokens(launch_daemon, "codex", LONG)
+    first = _first_request_tokens(launch_daemon, "codex", MODEL)
     assert first > 4096  # Codex's instructions and nine tools, with this model's tokenizer
-    r = launch(launch_daemon, tmp_path, "codex", "--model", LONG, "--ctx", "4096",
+    r = launch(launch_daemon, tmp_path, "codex", "--ctx", "4096",
                "--print-config")
     assert r.returncode == 0, r.stderr
     assert f"first request is {first} tokens" in r.stderr
-    loaded = {m["model"]: m["context_length"] for m in launch_daemon.ps()}[LONG]
+    loaded = {m["model"]: m["context_length"] for m in launch_daemon.ps()}[MODEL]
     assert first + ANSWER_MIN <= loaded < 32768
     over = dict(a.split("=", 1) for a in shlex.split(r.stdout.splitlines()[-1])[2::2])
     assert int(over["model_context_window"]) == loaded
     assert first < int(over["model_auto_compact_token_limit"]) <= loaded - ANSWER_MIN
 
 
-@pytest.mark.parametrize("agent", ["codex", "copilot"])
+@pytest.mark.parametrize("agent", ["claude", "codex", "copilot"])
 def test_a_model_too_small_for_the_agent_is_refused_saying_why(launch_daemon, tmp_path,
                                                                agent):
     """SmolLM2 was trained on 8,192 tokens: less than these agents' first request and an
     answer. One line says so, and nothing runs."""
-    first = _first_request_tokens(launch_daemon, agent, MODEL)
-    r = launch(launch_daemon, tmp_path, agent, "--model", MODEL)
+    first = _first_request_tokens(launch_daemon, agent, SHORT)
+    r = launch(launch_daemon, tmp_path, agent, "--model", SHORT)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert f"first request is {first} tokens" in lines[0]
-    assert "trained on 8192 tokens" in lines[0] and MODEL in lines[0]
+    assert "trained on 8192 tokens" in lines[0] and SHORT in lines[0]
     assert not (tmp_path / "record.json").exists()
 
 
