@@ -275,6 +275,8 @@ async def choose_model(client, asked: str | None) -> dict:
         if found is None:  # a name the store resolves another way (an alias, a path)
             found = {"name": asked, "size": 0, "capabilities": show.get("capabilities") or [],
                      "trained_ctx": 0}
+        if (show.get("model_info") or {}).get("general.architecture") == "remote":
+            found = {**found, "remote": True}
         return found  # one that cannot call tools is refused when its request is counted
     from localllm.llama.hardware import probe_card
 
@@ -326,6 +328,8 @@ async def fit_agent(client, model: dict, agent: str, n_ctx: int) -> tuple[int, N
     from localllm.client import DaemonError
 
     name = model["name"]
+    if model.get("remote"):  # its server knows its context; there is no template here
+        return n_ctx, Need(AGENTS[agent][0], 0), ""
     try:
         need = Need(AGENTS[agent][0], await first_request_tokens(client, agent, name))
     except DaemonError as e:
