@@ -81,6 +81,6 @@ def check_trained(model: str, trained: int, need: Need) -> None:
 
 
 def too_small_for_card(model: str, largest: int, need: Need, error: str) -> UserError:
-    return UserError(f"{model} cannot run {need.agent} on this card: {need.why()}, but the "
-                     f"largest context that fits is {largest} tokens ({error}); use a smaller "
-                     f"model")
+    return UserError(f"{model} cannot run {need.agent} here: {need.why()}, but the largest "
+                     f"context that fits is {largest} tokens ({error}); use a smaller model, or "
+                     f"give this one more memory")

@@ -292,3 +292,30 @@ def test_a_model_without_tools_is_refused_before_the_agent_runs(launch_daemon, t
     assert len(r.stderr.strip().splitlines()) == 1
     assert "cannot run Claude Code" in r.stderr and "does not support tools" in r.stderr
     assert not (tmp_path / "record.json").exists()
+
+
+def test_a_model_whose_plan_cannot_hold_the_agent_is_refused_saying_why(tmp_path,
+                                                                        smollm2_gguf):
+    """The model was trained on 32K, but the daemon may give it 300 MB of RAM: its plan holds
+    less context than Codex's first request and an answer. One line says what fits and why."""
+    import re
+
+    from conftest import import_models
+    from localllm.cli.launch_context import ANSWER_MIN
+
+    env = isolated_env(tmp_path / "d", LOCALLLM_RAM_BUDGET="300M")
+    long = with_metadata(tool_model(smollm2_gguf, tmp_path), tmp_path / "t32.gguf",
+                         {"llama.context_length": 32768})
+    import_models(env, {"smollm2-tools": long})
+    d = start_daemon(env)
+    try:
+        first = _first_request_tokens(d, "codex", MODEL)
+        r = launch(d, tmp_path, "codex", "--model", MODEL)
+    finally:
+        d.stop()
+    assert r.returncode == 1
+    [line] = r.stderr.strip().splitlines()
+    assert f"cannot run Codex here: Codex's first request is {first} tokens" in line
+    largest = int(re.search(r"the largest context that fits is (\d+) tokens", line).group(1))
+    assert largest < first + ANSWER_MIN and "ram_budget" in line
+    assert not (tmp_path / "record.json").exists()
