@@ -8,7 +8,9 @@ daemon.
 It starts the daemon when it is not running, picks the model (`--model`, else the largest
 tool-capable stored model whose weights fit this card's free VRAM; the smallest where none
 does), loads it with at least 64K of context where that fits (the model's trained length where
-that is less; otherwise it says what fits and loads that), then runs the agent pointed here:
+that is less; otherwise it says what fits and loads that), and at least the agent's first
+request and room for its answer (launch_context.py: counted with this model, so where the
+model cannot hold them, it says why and runs nothing); then runs the agent pointed here:
 
 - Claude Code speaks Anthropic's Messages API: `ANTHROPIC_BASE_URL`, a token
   (`ANTHROPIC_AUTH_TOKEN`: the daemon's API key, else a placeholder), every model tier set to
@@ -17,19 +19,22 @@ that is less; otherwise it says what fits and loads that), then runs the agent p
   carries a per-request hash at the very start of the system prompt), no telemetry, error
   reports, surveys or other traffic the local model has no use for.
   It is told the context it has (`CLAUDE_CODE_MAX_CONTEXT_TOKENS`, and from 100K tokens on
-  `CLAUDE_CODE_AUTO_COMPACT_WINDOW`, the least it takes) and asks for
-  answers of at most a quarter of it (`CLAUDE_CODE_MAX_OUTPUT_TOKENS`).
+  `CLAUDE_CODE_AUTO_COMPACT_WINDOW`, the least it takes) and asks for answers of at most
+  a quarter of it (`CLAUDE_CODE_MAX_OUTPUT_TOKENS`; launch_context.answer_room).
 - Codex speaks the Responses API: a `localllm` model provider with `wire_api = "responses"`,
-  the context window, and analytics, feedback and the update check off, given as `-c`
-  overrides on its command line; the user's ~/.codex/config.toml is never written.
+  the context window and the point it compacts at, and analytics, feedback and the update
+  check off, given as `-c` overrides on its command line; the user's ~/.codex/config.toml is
+  never written.
 - Copilot CLI in its bring-your-own-key mode (`COPILOT_PROVIDER_*` over chat completions, the
   prompt and answer limits from the context), offline (`COPILOT_OFFLINE`: no GitHub traffic)
   and without auto-update.
 - opencode with a `localllm` provider (OpenAI-compatible) and the model's context and output
   limits, given as `OPENCODE_CONFIG_CONTENT`; autoupdate, sharing and the models.dev fetch off.
 
-The agent is sent the model's name as the store lists it, so every request names a model that
-exists (an agent that sends another name gets the API's 404, which names it).
+Every limit an agent is told comes from the context the daemon loaded (`/api/ps`), also with
+`--print-env`, which loads the model as launching would and runs nothing. The agent is sent
+the model's name as the store lists it, so every request names a model that exists (an agent
+that sends another name gets the API's 404, which names it).
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ import sys
 from dataclasses import dataclass, replace
 
 from localllm.errors import UserError
+
+from .launch_context import Need, answer_room, check_trained, first_request_tokens, \
+    too_small_for_card
 
 WANTED_CTX = 65536
 CLAUDE_MIN_WINDOW = 100_000  # the least CLAUDE_CODE_AUTO_COMPACT_WINDOW Claude Code takes
@@ -81,8 +89,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help=f"context length to load the model with (default: {WANTED_CTX}, or "
                    "the model's trained length where that is less)")
     p.add_argument("--print-env", action="store_true",
-                   help="print the environment and command line the agent would get, and "
-                   "run nothing")
+                   help="load the model as launching would, print the environment and "
+                   "command line the agent would get, and run nothing")
     p.add_argument("--print-config", action="store_true", help="the same as --print-env")
 
 
@@ -112,13 +120,8 @@ class Setup:
     argv: list[str]  # the agent's command line, its executable first
 
 
-def answer_room(n_ctx: int) -> int:
-    """The answer size an agent is told to ask for: a quarter of the context. (The daemon
-    takes any max_tokens as a ceiling; an agent subtracts it from the window it plans for.)"""
-    return max(256, n_ctx // 4)
-
-
-def claude_env(base_url: str, model: str, token: str, n_ctx: int) -> dict[str, str]:
+def claude_env(base_url: str, model: str, token: str, n_ctx: int,
+               answer: int) -> dict[str, str]:
     return {
         "ANTHROPIC_BASE_URL": base_url,
         "ANTHROPIC_AUTH_TOKEN": token,
@@ -140,7 +143,7 @@ def claude_env(base_url: str, model: str, token: str, n_ctx: int) -> dict[str, s
         # search, which it assumes of Anthropic's own URL alone: this daemon runs one.
         "ENABLE_TOOL_SEARCH": "true",
         "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(n_ctx),
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(answer_room(n_ctx)),
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(answer),
         # Claude Code takes a compaction window of 100K at least (it warns and ignores less):
         # a smaller context is enforced by CLAUDE_CODE_MAX_CONTEXT_TOKENS alone.
         **({"CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(n_ctx)} if n_ctx >= CLAUDE_MIN_WINDOW
@@ -148,7 +151,8 @@ def claude_env(base_url: str, model: str, token: str, n_ctx: int) -> dict[str, s
     }
 
 
-def codex_args(base_url: str, model: str, n_ctx: int, has_key: bool) -> list[str]:
+def codex_args(base_url: str, model: str, n_ctx: int, answer: int,
+               has_key: bool) -> list[str]:
     """`-c` overrides (TOML values) that add a provider for this daemon and select it."""
     overrides = [
         'model_provider="localllm"',
@@ -157,6 +161,8 @@ def codex_args(base_url: str, model: str, n_ctx: int, has_key: bool) -> list[str
         'model_providers.localllm.wire_api="responses"',
         f'model="{model}"',
         f"model_context_window={n_ctx}",
+        # it compacts before a turn whose answer would no longer fit
+        f"model_auto_compact_token_limit={n_ctx - answer}",
         "analytics.enabled=false",
         "feedback.enabled=false",
         "check_for_update_on_startup=false",
@@ -166,28 +172,30 @@ def codex_args(base_url: str, model: str, n_ctx: int, has_key: bool) -> list[str
     return [arg for o in overrides for arg in ("-c", o)]
 
 
-def copilot_env(base_url: str, model: str, token: str, n_ctx: int) -> dict[str, str]:
+def copilot_env(base_url: str, model: str, token: str, n_ctx: int,
+                answer: int) -> dict[str, str]:
     return {
         "COPILOT_PROVIDER_BASE_URL": f"{base_url}/v1",
         "COPILOT_PROVIDER_TYPE": "openai",
         "COPILOT_PROVIDER_WIRE_API": "completions",  # chat completions, in its words
         "COPILOT_PROVIDER_API_KEY": token,
         "COPILOT_MODEL": model,
-        "COPILOT_PROVIDER_MAX_PROMPT_TOKENS": str(n_ctx - answer_room(n_ctx)),
-        "COPILOT_PROVIDER_MAX_OUTPUT_TOKENS": str(answer_room(n_ctx)),
+        "COPILOT_PROVIDER_MAX_PROMPT_TOKENS": str(n_ctx - answer),
+        "COPILOT_PROVIDER_MAX_OUTPUT_TOKENS": str(answer),
         "COPILOT_OFFLINE": "true",
         "COPILOT_AUTO_UPDATE": "false",
     }
 
 
-def opencode_env(base_url: str, model: str, token: str, n_ctx: int) -> dict[str, str]:
+def opencode_env(base_url: str, model: str, token: str, n_ctx: int,
+                 answer: int) -> dict[str, str]:
     config = {
         "$schema": "https://opencode.ai/config.json",
         "provider": {"localllm": {
             "npm": "@ai-sdk/openai-compatible", "name": "localllm",
             "options": {"baseURL": f"{base_url}/v1", "apiKey": token},
             "models": {model: {"name": model, "tool_call": True, "limit": {
-                "context": n_ctx, "output": answer_room(n_ctx)}}}}},
+                "context": n_ctx, "output": answer}}}}},
         "model": f"localllm/{model}",
         "small_model": f"localllm/{model}",
         "autoupdate": False,
@@ -198,20 +206,22 @@ def opencode_env(base_url: str, model: str, token: str, n_ctx: int) -> dict[str,
 
 
 def make_setup(agent: str, base_url: str, model: str, n_ctx: int, api_key: str,
-               agent_args: list[str]) -> Setup:
+               agent_args: list[str], first_request: int = 0) -> Setup:
+    """`n_ctx`: the context loaded; `first_request`: the agent's first request's tokens."""
     token = api_key or PLACEHOLDER_TOKEN
+    answer = answer_room(n_ctx, first_request)
     if agent == "claude":
-        return Setup(agent, model, n_ctx, claude_env(base_url, model, token, n_ctx),
+        return Setup(agent, model, n_ctx, claude_env(base_url, model, token, n_ctx, answer),
                      ["claude", "--model", model, *agent_args])
     if agent == "copilot":
-        return Setup(agent, model, n_ctx, copilot_env(base_url, model, token, n_ctx),
+        return Setup(agent, model, n_ctx, copilot_env(base_url, model, token, n_ctx, answer),
                      ["copilot", "--no-auto-update", *agent_args])
     if agent == "opencode":
-        return Setup(agent, model, n_ctx, opencode_env(base_url, model, token, n_ctx),
+        return Setup(agent, model, n_ctx, opencode_env(base_url, model, token, n_ctx, answer),
                      ["opencode", *agent_args])
     env = {"LOCALLLM_API_KEY": api_key} if api_key else {}
-    return Setup(agent, model, n_ctx, env,
-                 ["codex", *codex_args(base_url, model, n_ctx, bool(api_key)), *agent_args])
+    return Setup(agent, model, n_ctx, env, [
+        "codex", *codex_args(base_url, model, n_ctx, answer, bool(api_key)), *agent_args])
 
 
 def tcp_base_url(config) -> str:
@@ -265,10 +275,9 @@ async def choose_model(client, asked: str | None) -> dict:
         if found is None:  # a name the store resolves another way (an alias, a path)
             found = {"name": asked, "size": 0, "capabilities": show.get("capabilities") or [],
                      "trained_ctx": 0}
-        if "tools" not in found["capabilities"]:
-            print(f"note: {found['name']} has no tool-calling template; the agent's tool "
-                  f"calls may not parse", file=sys.stderr)
-        return found
+        if (show.get("model_info") or {}).get("general.architecture") == "remote":
+            found = {**found, "remote": True}
+        return found  # one that cannot call tools is refused when its request is counted
     from localllm.llama.hardware import probe_card
 
     card = probe_card()
@@ -284,9 +293,8 @@ def wanted_context(model: dict, asked: int | None) -> tuple[int, str]:
     return want, ""
 
 
-async def load_with_context(client, model: str, n_ctx: int) -> tuple[int, str]:
-    """Load the model with `n_ctx` of context; where that does not fit, with what the tuner
-    says fits. Returns the context loaded and a note when it is less than asked."""
+async def load(client, model: str, n_ctx: int) -> str:
+    """Load the model with `n_ctx` of context: "" when it loaded, else the daemon's reason."""
     from localllm.client import DaemonError
 
     try:
@@ -295,12 +303,49 @@ async def load_with_context(client, model: str, n_ctx: int) -> tuple[int, str]:
     except DaemonError as e:
         if e.status not in (400, 500, 507):
             raise
-        await client.request("POST", "/api/generate", {"model": model, "prompt": "",
-                                                       "stream": False})
-        loaded = await loaded_context(client, model)
-        return loaded, (f"{n_ctx} tokens of context do not fit {model} on this card "
-                        f"({e}); loaded with {loaded}, what fits")
-    return await loaded_context(client, model) or n_ctx, ""
+        return str(e)
+    return ""
+
+
+async def load_with_context(client, model: str, n_ctx: int) -> tuple[int, str]:
+    """Load the model with `n_ctx` of context; where that does not fit, with what the tuner
+    says fits. Returns the context loaded and a note when it is less than asked."""
+    error = await load(client, model, n_ctx)
+    if not error:
+        return await loaded_context(client, model) or n_ctx, ""
+    await client.request("POST", "/api/generate", {"model": model, "prompt": "",
+                                                   "stream": False})
+    loaded = await loaded_context(client, model)
+    return loaded, (f"{n_ctx} tokens of context do not fit {model} on this card "
+                    f"({error}); loaded with {loaded}, what fits")
+
+
+async def fit_agent(client, model: dict, agent: str, n_ctx: int) -> tuple[int, Need, str]:
+    """With the model loaded at `n_ctx`: count the agent's first request with it, and load it
+    larger where `n_ctx` cannot hold that and an answer. Returns the context loaded, what the
+    agent needs, and a note when it was loaded larger; refuses a model that cannot hold the
+    agent at all."""
+    from localllm.client import DaemonError
+
+    name = model["name"]
+    if model.get("remote"):  # its server knows its context; there is no template here
+        return n_ctx, Need(AGENTS[agent][0], 0), ""
+    try:
+        need = Need(AGENTS[agent][0], await first_request_tokens(client, agent, name))
+    except DaemonError as e:
+        if e.status != 400:
+            raise
+        # What the agent's own first request would be answered (a model without tools).
+        raise UserError(f"{name} cannot run {AGENTS[agent][0]}: {e}") from None
+    check_trained(name, model["trained_ctx"], need)
+    if n_ctx >= need.tokens:
+        return n_ctx, need, ""
+    wanted = min(need.context, model["trained_ctx"] or need.context)
+    error = await load(client, name, wanted)
+    if error:
+        raise too_small_for_card(name, n_ctx, need, error)
+    loaded = await loaded_context(client, name) or wanted
+    return loaded, need, f"{need.why()}: loaded {name} with {loaded} tokens of context"
 
 
 async def loaded_context(client, model: str) -> int:
@@ -324,7 +369,7 @@ def cmd_launch(args) -> int:
     config = load_config()
     if os.environ.get("LOCALLLM_HOST"):
         config = replace(config, host=os.environ["LOCALLLM_HOST"])
-    setup = asyncio.run(_prepare(config, args, agent_args, load=not dry))
+    setup = asyncio.run(_prepare(config, args, agent_args))
     if dry:
         print_setup(setup)
         return 0
@@ -335,20 +380,20 @@ def cmd_launch(args) -> int:
     return 0  # not reached
 
 
-async def _prepare(config, args, agent_args: list[str], load: bool) -> Setup:
+async def _prepare(config, args, agent_args: list[str]) -> Setup:
     from localllm.client import Client
 
     async with Client(config) as client:
         await client.connect()
         model = await choose_model(client, args.model)
         n_ctx, note = wanted_context(model, args.ctx)
-        if load:
-            n_ctx, load_note = await load_with_context(client, model["name"], n_ctx)
-            note = load_note or note
+        n_ctx, load_note = await load_with_context(client, model["name"], n_ctx)
+        n_ctx, need, fit_note = await fit_agent(client, model, args.agent, n_ctx)
+        note = fit_note or load_note or note
         if note:
             print(f"note: {note}", file=sys.stderr)
     return make_setup(args.agent, tcp_base_url(config), model["name"], n_ctx, config.api_key,
-                      agent_args)
+                      agent_args, need.first_request)
 
 
 def print_setup(setup: Setup) -> None:

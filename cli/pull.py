@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
+import time
 from dataclasses import dataclass, replace
 
 import aiohttp
 
 from localllm.errors import UserError
 from localllm.modelstore import catalog
-from localllm.modelstore.download import DownloadOptions
+from localllm.modelstore.download import DownloadOptions, resumable_bytes
 from localllm.modelstore.hub import (
     HubClient, HubQuantRef, HubSettings, parse_reference, pick_quant_files, store_name,
 )
@@ -113,11 +115,25 @@ def run(args: argparse.Namespace) -> int:
               "hf.co/OWNER/REPO and of catalog names with --quant")
         return 0
     store = default_store()
-    with ProgressView() as view:
-        entry = asyncio.run(pull_model(store, target.text, view.update, hub=hub,
-                                       options=DownloadOptions(), store_as=target.store_as))
+    started = time.time()
+    try:
+        with ProgressView() as view:
+            entry = asyncio.run(pull_model(store, target.text, view.update, hub=hub,
+                                           options=DownloadOptions(), store_as=target.store_as))
+    except KeyboardInterrupt:
+        print(interrupted(store, args.model, started), file=sys.stderr)
+        return 130
     print(f"pulled {entry.name} ({size_text(entry.size)}, {entry.digest[:19]})")
     return 0
+
+
+def interrupted(store, name: str, started: float) -> str:
+    """What an interrupted pull left: the bytes a rerun resumes from, or nothing."""
+    kept = resumable_bytes(store, since=started)
+    if kept:
+        return (f"pull interrupted: {size_text(kept)} downloaded are kept in {store.tmp}; "
+                f"`localllm pull {name}` resumes from there")
+    return f"pull interrupted: nothing was kept; `localllm pull {name}` starts it again"
 
 
 def pick(target: Target, hub: HubSettings, card_name: str | None) -> Target:

@@ -8,7 +8,7 @@ import asyncio
 import sys
 
 from localllm.cli.commands import config_from_args
-from localllm.cli.suggest import model_names, nearest
+from localllm.cli.suggest import known_model, model_names, nearest
 from localllm.client import Client
 from localllm.errors import UserError
 from localllm.options import OptionError, from_text
@@ -103,23 +103,9 @@ def _no_such_model(name: str, close: str | None) -> str:
             "for others); to ask the default model, quote the whole prompt")
 
 
-def _known_model(name: str) -> bool:
-    from localllm.modelstore import catalog
-    from localllm.modelstore.names import BadModelName, parse_name
-    from localllm.modelstore.store import default_store
-
-    try:
-        parsed = parse_name(name)
-    except BadModelName:
-        return False
-    if name.startswith(("hf.co/", "huggingface.co/", "https://")):
-        return True
-    return default_store().exists(parsed) or catalog.lookup(parsed) is not None
-
-
 def cmd_run(args) -> int:
     config = config_from_args(args)
-    model, prompt = split_model_and_prompt(args.words, config.default_model, _known_model,
+    model, prompt = split_model_and_prompt(args.words, config.default_model, known_model,
                                            model_names)
     # A lone word that could have been a model's name (`run llama3`) is said to be a prompt;
     # a quoted sentence (`run "Why is the sky blue?"`) plainly is one.

@@ -253,6 +253,8 @@ def cmd_config_set(args: argparse.Namespace) -> int:
     text = with_setting(_current_text(), args.key, args.value, str(config_file()))
     if args.key == "host":  # what the next `serve` would refuse is refused now
         listen_address(args.value, load_config().api_key)
+    if args.key == "default_model":  # as `run` would answer it, every time
+        _check_default_model(args.value)
     _write_config(text)
     value = getattr(load_config(config_file(), environ={}), args.key)
     shown = ",".join(value) if isinstance(value, tuple) else value
@@ -262,6 +264,18 @@ def cmd_config_set(args: argparse.Namespace) -> int:
               "(`localllm service restart`, or restart `localllm serve`)")
     _warn_env_override(args.key)
     return 0
+
+
+def _check_default_model(name: str) -> None:
+    from localllm.cli.suggest import known_model, nearest_names
+
+    if known_model(name):
+        return
+    close = nearest_names(name)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    raise UserError(f"no model '{name}' is stored or in the catalog, so `localllm run` could "
+                    f"not use it; {hint}(`localllm list` shows stored models, `localllm pull "
+                    "--list` the catalog)")
 
 
 def cmd_config_unset(args: argparse.Namespace) -> int:

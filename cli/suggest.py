@@ -30,6 +30,28 @@ def nearest(name: str, names: list[str] | None = None, cutoff: float = 0.6) -> s
     return close[0] if close else None
 
 
+def nearest_names(name: str, n: int = 3, cutoff: float = 0.6) -> list[str]:
+    """Up to `n` stored or catalog names close to `name`, the closest first."""
+    return difflib.get_close_matches(name.lower().removesuffix(":latest"), model_names(), n=n,
+                                     cutoff=cutoff)
+
+
+def known_model(name: str) -> bool:
+    """A model a command can use: stored, in the catalog, or a hub or URL reference (pulled
+    on use)."""
+    from localllm.modelstore import catalog
+    from localllm.modelstore.names import BadModelName, parse_name
+    from localllm.modelstore.store import default_store
+
+    try:
+        parsed = parse_name(name)
+    except BadModelName:
+        return False
+    if name.startswith(("hf.co/", "huggingface.co/", "https://")):
+        return True
+    return default_store().exists(parsed) or catalog.lookup(parsed) is not None
+
+
 def pullable(name: str) -> bool:
     from localllm.modelstore import catalog
 

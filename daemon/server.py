@@ -31,6 +31,7 @@ from .api import (
     anthropic,
     create,
     embed,
+    input_tokens,
     ollama,
     ollama_models,
     openai,
@@ -150,6 +151,7 @@ def create_app(config: Config, store: ModelStore | None = None) -> web.Applicati
     app.add_routes(anthropic.routes)
     app.add_routes(responses.routes)
     app.add_routes(responses_compact.routes)
+    app.add_routes(input_tokens.routes)
     app[responses.STORED] = responses.StoredResponses()
     app.add_routes(stats.routes)
     app.add_routes(embed.routes)

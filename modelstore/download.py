@@ -239,6 +239,19 @@ async def blob_lock(path: Path, on_wait: Callable[[], None] | None = None, poll_
         os.close(fd)
 
 
+def resumable_bytes(store: ModelStore, since: float = 0.0) -> int:
+    """The bytes the downloads saved in tmp/ (those written from `since`, a time.time(), on),
+    which the next pull of the same file resumes from."""
+    total = 0
+    for state in store.tmp.glob("download-*.json"):
+        try:
+            if state.stat().st_mtime >= since:
+                total += sum(int(part[2]) for part in json.loads(state.read_text())["parts"])
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            continue
+    return total
+
+
 class _Transfer:
     """One file's download into tmp/: its parts, state file and open descriptor."""
 

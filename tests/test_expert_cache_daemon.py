@@ -94,6 +94,16 @@ def test_a_daemon_with_the_setting_answers_alike_and_reports_hits(tmp_path, moe_
         assert cache["hits"] > 0 and lookups >= 4 * 4 * answer["eval_count"]
         assert cache["hit_rate"] == round(cache["hits"] / lookups, 4)
         assert cache["swaps"] > 0 and cache["steps"] >= answer["eval_count"]
+        from metrics_scrape import scrape, value
+
+        metrics, m = scrape(d.url), {"model": "moe:latest"}
+        assert value(metrics, "localllm_expert_cache_lookups",
+                     "localllm_expert_cache_lookups_total", result="hit", **m) == cache["hits"]
+        assert value(metrics, "localllm_expert_cache_lookups",
+                     "localllm_expert_cache_lookups_total", result="miss", **m) == \
+            cache["misses"]
+        assert value(metrics, "localllm_expert_cache_swaps", "localllm_expert_cache_swaps_total",
+                     **m) == cache["swaps"]
         assert stats["plan"]["expert_cache_slots"] == 16
         assert any(r.startswith("expert cache on: 16 expert slots") and "in RAM" in r
                    for r in stats["plan"]["reasons"]), stats["plan"]["reasons"]

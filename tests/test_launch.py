@@ -16,8 +16,10 @@ import pytest
 
 from chat_models import tool_model
 from daemon_process import isolated_env, start_daemon
+from gguf_edit import with_metadata
 
-MODEL = "smollm2-tools:latest"
+MODEL = "smollm2-tools:latest"  # SmolLM2 with a header that says 32K: every agent's request fits
+SHORT = "tools-8k:latest"  # SmolLM2 as trained, on 8,192 tokens: no agent's first request fits
 
 # Claude Code: ANTHROPIC_BASE_URL, the token and the model from its environment.
 CLAUDE = """
@@ -33,6 +35,13 @@ over = dict(args[i + 1].split("=", 1) for i in range(len(args) - 1) if args[i] =
 base = json.loads(over["model_providers.localllm.base_url"])
 model = json.loads(over["model"])
 token = "none"
+url = base + "/chat/completions"
+"""
+# Copilot CLI: its provider's base URL, key and model from its environment.
+COPILOT = """
+base = os.environ["COPILOT_PROVIDER_BASE_URL"]
+token = os.environ["COPILOT_PROVIDER_API_KEY"]
+model = os.environ["COPILOT_MODEL"]
 url = base + "/chat/completions"
 """
 REQUEST = """
@@ -65,9 +74,11 @@ def launch_daemon(tmp_path_factory, smollm2_gguf):
 
     root = tmp_path_factory.mktemp("launch")
     env = isolated_env(root)
-    # Two stored models, one of them tool-capable: launch must pick that one.
-    import_models(env, {"smollm2": smollm2_gguf, "smollm2-tools": tool_model(smollm2_gguf,
-                                                                              root)})
+    # A model that cannot call tools and two that can: launch picks the smallest of those
+    # (no GPU), by name where they tie.
+    tools = tool_model(smollm2_gguf, root)
+    long = with_metadata(tools, root / "tools-32k.gguf", {"llama.context_length": 32768})
+    import_models(env, {"smollm2": smollm2_gguf, "smollm2-tools": long, "tools-8k": tools})
     d = start_daemon(env)
     yield d
     d.stop()
@@ -78,6 +89,7 @@ def launch(daemon, tmp_path, *args: str, path: str | None = None):
     bin_dir.mkdir(exist_ok=True)
     stand_in(bin_dir, "claude", CLAUDE)
     stand_in(bin_dir, "codex", CODEX)
+    stand_in(bin_dir, "copilot", COPILOT)
     env = {**daemon.env, "LOCALLLM_HOST": daemon.url.removeprefix("http://"),
            "AGENT_RECORD": str(tmp_path / "record.json"),
            "PATH": path if path is not None else f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
@@ -126,7 +138,7 @@ def test_print_config_shows_a_responses_provider_as_overrides(launch_daemon, tmp
     assert json.loads(over["model_providers.localllm.wire_api"]) == "responses"
     assert json.loads(over["model_provider"]) == "localllm"
     assert json.loads(over["model"]) == MODEL
-    assert int(over["model_context_window"]) == 8192  # SmolLM2's trained context
+    assert int(over["model_context_window"]) == 32768  # the header's trained context
 
 
 def test_launch_runs_each_agent_and_its_request_succeeds(launch_daemon, tmp_path):
@@ -137,14 +149,13 @@ def test_launch_runs_each_agent_and_its_request_succeeds(launch_daemon, tmp_path
     assert record["argv"] == ["--model", MODEL, "-p", "hello there"]
     assert record["env"]["ANTHROPIC_BASE_URL"] == launch_daemon.url
     assert record["env"]["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
-    # Loaded with the long context it planned (SmolLM2's trained 8,192 < 64K; it said so).
-    assert "trained on 8192" in r.stderr
+    # Loaded with the long context it planned (the header's 32,768 < 64K; it said so).
+    assert "trained on 32768" in r.stderr
     loaded = {m["model"]: m for m in launch_daemon.ps()}
-    assert loaded[MODEL]["context_length"] == 8192
+    assert loaded[MODEL]["context_length"] == 32768
 
     (tmp_path / "record.json").unlink()
-    r = launch(launch_daemon, tmp_path, "codex", "--model", "smollm2-tools", "--", "exec",
-               "hi")
+    r = launch(launch_daemon, tmp_path, "codex", "--", "exec", "hi")
     assert r.returncode == 0, r.stdout + r.stderr
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["status"] == 200
@@ -188,17 +199,19 @@ def test_the_pick_is_the_largest_tool_model_that_fits_else_the_smallest():
 
 def test_each_agent_is_told_the_context_and_kept_off_the_network(launch_daemon, tmp_path):
     """The loaded context and each agent's own switches (telemetry, analytics, updates) as
-    their docs and binaries name them; SmolLM2 is loaded with its trained 8,192 tokens."""
+    their docs and binaries name them; the model is loaded with the 32,768 tokens its header
+    says it was trained on."""
     claude = exports(launch(launch_daemon, tmp_path, "claude", "--print-env").stdout)
-    assert claude["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "8192"
+    assert claude["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "32768"
     assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in claude  # it takes 100K at least
-    assert claude["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "2048"
+    assert claude["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "8192"  # a quarter
     assert claude["DISABLE_TELEMETRY"] == claude["DISABLE_AUTOUPDATER"] == "1"
     assert claude["ENABLE_TOOL_SEARCH"] == "true"  # the daemon runs the tool search
 
     r = launch(launch_daemon, tmp_path, "codex", "--print-config")
     argv = shlex.split(r.stdout.splitlines()[-1])
     over = dict(a.split("=", 1) for a in argv[2::2])
+    assert int(over["model_auto_compact_token_limit"]) == 32768 - 32768 // 4
     assert over["analytics.enabled"] == over["feedback.enabled"] == "false"
     assert over["check_for_update_on_startup"] == "false"
 
@@ -209,7 +222,7 @@ def test_each_agent_is_told_the_context_and_kept_off_the_network(launch_daemon, 
     assert copilot["COPILOT_MODEL"] == MODEL
     assert copilot["COPILOT_PROVIDER_WIRE_API"] == "completions"
     assert int(copilot["COPILOT_PROVIDER_MAX_PROMPT_TOKENS"]) + int(
-        copilot["COPILOT_PROVIDER_MAX_OUTPUT_TOKENS"]) == 8192
+        copilot["COPILOT_PROVIDER_MAX_OUTPUT_TOKENS"]) == 32768
     assert copilot["COPILOT_OFFLINE"] == "true" and copilot["COPILOT_AUTO_UPDATE"] == "false"
     assert shlex.split(r.stdout.splitlines()[-1]) == ["copilot", "--no-auto-update"]
 
@@ -219,6 +232,90 @@ def test_each_agent_is_told_the_context_and_kept_off_the_network(launch_daemon, 
     config = json.loads(opencode["OPENCODE_CONFIG_CONTENT"])
     provider = config["provider"]["localllm"]
     assert provider["options"]["baseURL"] == launch_daemon.url + "/v1"
-    assert provider["models"][MODEL]["limit"] == {"context": 8192, "output": 2048}
+    assert provider["models"][MODEL]["limit"] == {"context": 32768, "output": 8192}
     assert config["model"] == f"localllm/{MODEL}" and config["autoupdate"] is False
     assert opencode["OPENCODE_DISABLE_AUTOUPDATE"] == "1"
+
+
+def _first_request_tokens(daemon, agent: str, model: str) -> int:
+    """The agent's recorded first request counted by the daemon's own route for its wire
+    format, as `launch` counts it."""
+    import httpx
+
+    from localllm.cli.launch_context import COUNT_ROUTES, first_request
+
+    path, body = first_request(agent)
+    body = {k: v for k, v in body.items() if k != "stream_options"}
+    reply = httpx.post(daemon.url + COUNT_ROUTES[path], timeout=300,
+                       json={**body, "model": model, "stream": False})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["input_tokens"]
+
+
+def test_a_context_too_small_for_the_agent_is_loaded_larger(launch_daemon, tmp_path):
+    """Asked for 4K (as a default too small would be), launch loads what Codex's real first
+    request (its recorded system prompt and tools) and an answer need, says so, and tells Codex
+    the context that was loaded."""
+    from localllm.cli.launch_context import ANSWER_MIN
+
+    first = _first_request_tokens(launch_daemon, "codex", MODEL)
+    assert first > 4096  # Codex's instructions and nine tools, with this model's tokenizer
+    r = launch(launch_daemon, tmp_path, "codex", "--ctx", "4096",
+               "--print-config")
+    assert r.returncode == 0, r.stderr
+    assert f"first request is {first} tokens" in r.stderr
+    loaded = {m["model"]: m["context_length"] for m in launch_daemon.ps()}[MODEL]
+    assert first + ANSWER_MIN <= loaded < 32768
+    over = dict(a.split("=", 1) for a in shlex.split(r.stdout.splitlines()[-1])[2::2])
+    assert int(over["model_context_window"]) == loaded
+    assert first < int(over["model_auto_compact_token_limit"]) <= loaded - ANSWER_MIN
+
+
+@pytest.mark.parametrize("agent", ["claude", "codex", "copilot"])
+def test_a_model_too_small_for_the_agent_is_refused_saying_why(launch_daemon, tmp_path,
+                                                               agent):
+    """SmolLM2 was trained on 8,192 tokens: less than these agents' first request and an
+    answer. One line says so, and nothing runs."""
+    first = _first_request_tokens(launch_daemon, agent, SHORT)
+    r = launch(launch_daemon, tmp_path, agent, "--model", SHORT)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert f"first request is {first} tokens" in lines[0]
+    assert "trained on 8192 tokens" in lines[0] and SHORT in lines[0]
+    assert not (tmp_path / "record.json").exists()
+
+
+def test_a_model_without_tools_is_refused_before_the_agent_runs(launch_daemon, tmp_path):
+    r = launch(launch_daemon, tmp_path, "claude", "--model", "smollm2")
+    assert r.returncode == 1
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert "cannot run Claude Code" in r.stderr and "does not support tools" in r.stderr
+    assert not (tmp_path / "record.json").exists()
+
+
+def test_a_model_whose_plan_cannot_hold_the_agent_is_refused_saying_why(tmp_path,
+                                                                        smollm2_gguf):
+    """The model was trained on 32K, but the daemon may give it 300 MB of RAM: its plan holds
+    less context than Codex's first request and an answer. One line says what fits and why."""
+    import re
+
+    from conftest import import_models
+    from localllm.cli.launch_context import ANSWER_MIN
+
+    env = isolated_env(tmp_path / "d", LOCALLLM_RAM_BUDGET="300M")
+    long = with_metadata(tool_model(smollm2_gguf, tmp_path), tmp_path / "t32.gguf",
+                         {"llama.context_length": 32768})
+    import_models(env, {"smollm2-tools": long})
+    d = start_daemon(env)
+    try:
+        first = _first_request_tokens(d, "codex", MODEL)
+        r = launch(d, tmp_path, "codex", "--model", MODEL)
+    finally:
+        d.stop()
+    assert r.returncode == 1
+    [line] = r.stderr.strip().splitlines()
+    assert f"cannot run Codex here: Codex's first request is {first} tokens" in line
+    largest = int(re.search(r"the largest context that fits is (\d+) tokens", line).group(1))
+    assert largest < first + ANSWER_MIN and "ram_budget" in line
+    assert not (tmp_path / "record.json").exists()

@@ -8,21 +8,21 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+from metrics_scrape import scrape as _scrape
+from metrics_scrape import value as _value
 
 
-def _scrape(url: str, headers: dict | None = None) -> dict[str, dict]:
-    req = urllib.request.Request(url + "/metrics", headers=headers or {})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        assert resp.headers["Content-Type"].startswith("text/plain")
-        text = resp.read().decode()
-    return {f.name: {tuple(sorted(s.labels.items())) + ((("__name__", s.name),)): s.value
-                     for s in f.samples} for f in text_string_to_metric_families(text)}
-
-
-def _value(families, family: str, sample: str, **labels) -> float:
-    key = tuple(sorted({**labels, "__name__": sample}.items()))
-    return {tuple(sorted(k)): v for k, v in families.get(family, {}).items()}.get(key, 0.0)
+# Every family the issue asks for, present in each scrape (a family without samples yet, such
+# as the drafts on a daemon that drafted nothing, still has its HELP and TYPE).
+FAMILIES = (
+    "localllm_requests", "localllm_prompt_tokens", "localllm_prompt_cached_tokens",
+    "localllm_generated_tokens", "localllm_draft_tokens", "localllm_draft_accepted_tokens",
+    "localllm_time_to_first_token_seconds", "localllm_decode_tokens_per_second",
+    "localllm_queue_depth", "localllm_requests_in_progress", "localllm_model_loaded",
+    "localllm_model_vram_bytes", "localllm_model_ram_bytes", "localllm_expert_cache_lookups",
+    "localllm_expert_cache_swaps", "localllm_gpu_memory_bytes", "localllm_host_memory_bytes",
+    "localllm_daemon_ram_bytes", "localllm_uptime_seconds")
 
 
 def test_metrics_parse_and_move_with_traffic(daemon):
@@ -44,14 +44,28 @@ def test_metrics_parse_and_move_with_traffic(daemon):
         == done["eval_count"]
     assert _value(after, "localllm_prompt_tokens", "localllm_prompt_tokens_total", **model) > \
         _value(before, "localllm_prompt_tokens", "localllm_prompt_tokens_total", **model)
-    ttft_count = _value(after, "localllm_time_to_first_token_seconds",
-                        "localllm_time_to_first_token_seconds_count", **model)
-    assert ttft_count >= 1
+    for family in ("localllm_time_to_first_token_seconds", "localllm_decode_tokens_per_second"):
+        assert _value(after, family, f"{family}_count", **model) == \
+            _value(before, family, f"{family}_count", **model) + 1, family
+    assert _value(after, "localllm_decode_tokens_per_second",
+                  "localllm_decode_tokens_per_second_sum", **model) > \
+        _value(before, "localllm_decode_tokens_per_second",
+               "localllm_decode_tokens_per_second_sum", **model)
+    assert set(FAMILIES) <= set(after), set(FAMILIES) - set(after)
     loaded = [dict(k) for k in after["localllm_model_loaded"]
               if dict(k).get("model") == "smollm2:latest"]
     assert loaded and loaded[0]["context"].isdigit() and "kv_type" in loaded[0]
+    assert loaded[0]["speculative"] and loaded[0]["gpu_layers"].isdigit()
     assert _value(after, "localllm_model_ram_bytes", "localllm_model_ram_bytes", **model) > 0
-    assert "localllm_queue_depth" in after
+    assert _value(after, "localllm_model_vram_bytes", "localllm_model_vram_bytes",
+                  source="plan", **model) == 0  # no GPU here: the CPU plan's figure
+    assert _value(after, "localllm_requests_in_progress", "localllm_requests_in_progress",
+                  **model) == 0  # the answer ended
+    assert not after["localllm_gpu_memory_bytes"]  # no NVIDIA GPU on this machine
+    ram = {dict(k)["kind"]: v for k, v in after["localllm_host_memory_bytes"].items()}
+    assert ram["total"] >= ram["available"] > 0
+    assert 0 < _value(after, "localllm_daemon_ram_bytes", "localllm_daemon_ram_bytes") \
+        < ram["total"]
     # a 404 counts under its route pattern's absence, not under the raw path
     with pytest.raises(urllib.error.HTTPError):
         urllib.request.urlopen(daemon.url + "/no/such/path/123", timeout=10)

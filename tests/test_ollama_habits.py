@@ -85,6 +85,10 @@ def test_create_refuses_bad_modelfiles_in_one_line(fresh_daemon, tmp_path):
     one_line_error(cli(fresh_daemon, "create", "x", "-f", str(bad)), "unknown PARAMETER")
     bad.write_text("FROM no-such-model\n")
     one_line_error(cli(fresh_daemon, "create", "x", "-f", str(bad)), "no-such-model")
+    bad.write_text("PARAMETER num_ctx 512\n")  # no FROM: said in the Modelfile's words
+    result = cli(fresh_daemon, "create", "x", "-f", str(bad))
+    one_line_error(result, "the Modelfile has no FROM line")
+    assert "'from'" not in result.stderr and "'files'" not in result.stderr
     assert "x:latest" not in {m["name"] for m in fresh_daemon.get("/api/tags")["models"]}
 
 
@@ -195,6 +199,11 @@ def test_import_from_ollama_says_what_is_wrong(empty_daemon, ollama_store, tmp_p
     env = {"OLLAMA_MODELS": str(ollama_store)}
     one_line_error(cli(fresh_daemon, "import", "--from-ollama", "nosuch", **env),
                    "no model 'nosuch' in the Ollama store")
+    # `llama3.2` where the store has only `llama3.2:1b`: the tags it has are named
+    one_line_error(cli(fresh_daemon, "import", "--from-ollama", "someone/tiny", **env),
+                   "has no someone/tiny:latest, but has someone/tiny:q4")
+    one_line_error(cli(fresh_daemon, "import", "--from-ollama", "smolpirat", **env),
+                   "did you mean 'smolpirate:latest'?")
     one_line_error(cli(fresh_daemon, "import", "--from-ollama", "big-cloud", **env),
                    "no GGUF layer")
     one_line_error(cli(fresh_daemon, "import", "--from-ollama",
@@ -222,6 +231,24 @@ def test_import_from_ollama_copies_with_a_note_when_asked(empty_daemon, ollama_s
 
 
 # ---- default_ctx under context_policy = fit ---------------------------------------------------
+def test_config_set_default_model_refuses_a_name_no_command_could_use(tmp_path):
+    from daemon_process import isolated_env
+
+    env = isolated_env(tmp_path)
+
+    def config(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "localllm.cli", "config", *args], env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    result = config("set", "default_model", "smolm2")
+    one_line_error(result, "no model 'smolm2' is stored or in the catalog")
+    assert "did you mean 'smollm2'" in result.stderr
+    assert "smolm2" not in config("show").stdout  # nothing was written
+    ok = config("set", "default_model", "qwen3")  # in the catalog: `run` pulls it
+    assert ok.returncode == 0, ok.stderr
+    assert "default_model = qwen3" in ok.stdout
+
+
 def test_config_set_default_ctx_takes_effect_under_fit(fresh_daemon):
     assert cli(fresh_daemon, "config", "set", "default_ctx", "6144").returncode == 0
     client = ollama.Client(host=fresh_daemon.url)

@@ -161,3 +161,49 @@ def test_a_daemon_killed_mid_pull_resumes_it_after_a_restart(tmp_path, hub, smol
         assert not list(store.tmp.glob("download-*"))
     finally:
         d.stop()
+
+
+def test_an_interrupted_pull_says_what_it_kept_and_resumes(tmp_path, hub, smollm2_gguf):
+    """Ctrl-C in `localllm pull` while the hub holds the download: one line says how much is
+    kept and how to resume, tmp/ holds only the resumable download (no empty staging file),
+    and the next pull asks the hub for the rest alone."""
+    env = isolated_env(tmp_path, LOCALLLM_HF_ENDPOINT=hub.url)
+    store = store_of(env)
+    held_at = 24 << 20
+    hub.hold_after = held_at
+    name = f"hf.co/{REPO}:Q4_1"
+    pull = subprocess.Popen([sys.executable, "-m", "localllm.cli", "pull", name], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def saved() -> int:
+        from localllm.modelstore.download import resumable_bytes
+
+        return resumable_bytes(store) if store.tmp.is_dir() else 0
+
+    try:
+        wait_for(lambda: hub.holding and saved() >= held_at, timeout=60,
+                 what="the pull to save its progress at the hold point")
+        pull.send_signal(signal.SIGINT)
+        _, stderr = pull.communicate(timeout=60)
+    finally:
+        pull.kill()
+    assert pull.returncode == 130, stderr
+    last = stderr.strip().splitlines()[-1]
+    from localllm.cli.pull_progress import size_text
+
+    assert saved() >= held_at
+    assert last.startswith(f"pull interrupted: {size_text(saved())} downloaded are kept in "
+                           f"{store.tmp}"), stderr
+    assert f"`localllm pull {name}` resumes" in last and "Traceback" not in stderr
+    left = sorted(p.name.rsplit(".", 1)[-1] for p in store.tmp.iterdir())
+    assert left == ["json", "partial"], left
+    assert all(p.stat().st_size > 0 for p in store.tmp.iterdir())
+
+    requests_before = len(hub.cdn_requests)
+    hub.release()
+    again = pull_cli(env, name)
+    assert again.returncode == 0, again.stderr
+    assert hub.cdn_requests[requests_before:] == [
+        f"bytes={held_at}-{smollm2_gguf.stat().st_size - 1}"]
+    assert sha256_file(store.get(name).model_path) == sha256_file(smollm2_gguf)
+    assert not list(store.tmp.iterdir())

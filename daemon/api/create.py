@@ -187,8 +187,11 @@ def recipe_from_json(body: dict) -> Recipe:
         raise bad_request("field 'quantize' is not supported by localllm's create; pull the "
                           "quant you want (`localllm pull NAME --quant Q`)", "quantize")
     if not recipe.base:
-        raise bad_request("a model needs a base: FROM in the modelfile, or 'from' / 'files'",
-                          "from")
+        # The CLI sends the Modelfile alone: its user has no 'from' field to hear of.
+        raise bad_request("a model needs a base: the Modelfile has no FROM line (FROM and a "
+                          "stored model's name or a GGUF file)" if modelfile else
+                          "a model needs a base: field 'from' (a stored model) or 'files' (a "
+                          "GGUF blob), or FROM in field 'modelfile'", "from")
     return recipe
 
 

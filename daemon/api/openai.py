@@ -262,9 +262,9 @@ async def _complete(request: web.Request, body: dict, entry: ModelEntry, custom:
                          stream=get_bool(body, "stream", False))
 
 
-@routes.post("/v1/chat/completions")
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
+async def read_chat(request: web.Request,
+                    body: dict) -> tuple[ModelEntry, Customization, ChatRequest]:
+    """A chat completions body, translated (also what its token count renders)."""
     entry, custom = await _model(request, body)
     sampling, load = openai_options(body, custom.parameters)
     images: list = []
@@ -274,6 +274,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tool_choice=get_tool_choice(body), format=parse_response_format(body),
         think=parse_think(body), has_images=has_images(body), images=tuple(images),
         logprobs=parse_logprobs(body, chat=True))
+    return entry, custom, chat_request
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    entry, custom, chat_request = await read_chat(request, body)
     return await _complete(request, body, entry, custom, chat_request, chat=True)
 
 
