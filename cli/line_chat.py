@@ -10,7 +10,16 @@ import shutil
 import sys
 
 from localllm.client import Client, DaemonError
-from localllm.tui.slash import Command, SlashError, help_text, parse, request_extra, show_text
+from localllm.tui.slash import (
+    NO_TEMPLATE,
+    Command,
+    SlashError,
+    base_model_text,
+    help_text,
+    parse,
+    request_extra,
+    show_text,
+)
 from localllm.repeats import LoopGuard
 from localllm.tui.stats import answer_notes, format_timings
 
@@ -65,11 +74,21 @@ class LineChat:
             self.history.clear()
         elif name == "load":
             self.model = args[0]
+            await self.note_base_model()
         elif name == "help":
             print(help_text(*args), file=sys.stderr)
         elif name == "show":
             await self.show(command)
         return True
+
+    async def note_base_model(self) -> None:
+        """A model without a chat template continues text: say so when it is loaded."""
+        try:
+            data = await self.client.request("POST", "/api/show", {"model": self.model})
+        except DaemonError:
+            return  # the next message says what is wrong with the name
+        if data.get("template", "") in NO_TEMPLATE:
+            print(base_model_text(self.model), file=sys.stderr)
 
     async def show(self, command: Command) -> None:
         what = command.args[0]

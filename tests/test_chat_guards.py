@@ -108,11 +108,14 @@ async def test_a_full_context_and_the_turns_left_out_are_said(fresh_daemon, home
     chats.close()
 
 
-def test_the_line_chat_takes_ollamas_set_and_show_commands(fresh_daemon):
+def test_the_line_chat_takes_ollamas_set_and_show_commands(fresh_daemon, gemma_gguf):
+    imported = fresh_daemon.cli("import", str(gemma_gguf), "--name", "gemma3-270m")
+    assert imported.returncode == 0, imported.stderr
     result = fresh_daemon.cli("run", "smollm2", input=(
         "/set verbose\n/set format json\n/set parameter num_predict 64\n"
         "/set parameter temperature 0\nGive me a JSON object with a key 'a'.\n"
-        "/set quiet\n/set noformat\n/show modelfile\n/set wordwrap\n/regen\n/bye\n"),
+        "/set quiet\n/set noformat\n/show modelfile\n/set wordwrap\n/regen\n"
+        "/load gemma3-270m\n/bye\n"),
         timeout=300)
     assert result.returncode == 0, result.stderr
     # /set verbose: the timings after the answer; /set format json: the answer parses
@@ -122,3 +125,6 @@ def test_the_line_chat_takes_ollamas_set_and_show_commands(fresh_daemon):
     assert "FROM " in result.stdout  # /show modelfile
     assert "/set wordwrap is not needed here" in result.stderr
     assert "/regen needs the chat screen" in result.stderr
+    # /load of a model without a chat template says what it will do with the messages
+    assert "gemma3-270m has no chat template (a base model)" in result.stderr
+    assert "smollm2 has no chat template" not in result.stderr

@@ -262,6 +262,13 @@ async def test_keys_typed_after_load_of_a_missing_model_stay_in_the_prompt(daemo
         await wait_until(pilot, lambda: app.model == "gemma3-270m" and app.runner is not None,
                          "gemma3-270m to load")
         assert app.prompt.text == "more" and not app.entries
+        # gemma3-270m's file has no chat template: the chat says what that means, once;
+        # smollm2 (with one) had no such note
+        await wait_until(pilot, lambda: any("has no chat template" in n for n in notes(app)),
+                         "the base-model note")
+        assert [n for n in notes(app) if "has no chat template" in n] == [
+            "gemma3-270m has no chat template (a base model): it continues what you write "
+            "rather than answering it; your messages go to it as plain text."]
 
 
 async def test_daemon_killed_mid_chat(fresh_daemon, chats):

@@ -210,3 +210,14 @@ def request_extra(format_: str, think: bool | None) -> dict:
     if think is not None:
         extra["think"] = think
     return extra
+
+
+# What /api/show gives as the template of a model that has none (Ollama's default): the
+# messages' text goes to it as it is.
+NO_TEMPLATE = ("", "{{ .Prompt }}")
+
+
+def base_model_text(model: str) -> str:
+    """The note for a model without a chat template: it was trained to continue text."""
+    return (f"{model} has no chat template (a base model): it continues what you write rather "
+            f"than answering it; your messages go to it as plain text.")

@@ -12,6 +12,8 @@ from localllm.client import DaemonError
 from localllm.errors import UserError
 from localllm.units import human_size
 
+from .slash import NO_TEMPLATE, base_model_text
+
 # What a lost or refused connection to the daemon looks like from aiohttp.
 CONNECTION_ERRORS = (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError)
 
@@ -22,6 +24,7 @@ class Startup:
 
     def __init__(self, app):
         self.app = app
+        self.shown: dict = {}  # /api/show of the model last asked for
 
     async def prepare(self, model: str, offer_pull: bool = True) -> None:
         app = self.app
@@ -45,6 +48,8 @@ class Startup:
             app.stored_name = reply.get("model", model)
             await app._poll_runner_once()
             app.note(app._loaded_text(model, time.monotonic() - started))
+            if self.shown.get("template", "") in NO_TEMPLATE:
+                app.note(base_model_text(model))
         except DaemonError as e:
             app.note(app._explain(e, model) if e.status == 404 else
                      f"Cannot load {model}: {e}", "error")
@@ -65,7 +70,7 @@ class Startup:
         typed on after /load, and a typed-ahead Enter would answer it."""
         app = self.app
         try:
-            await app.client.request("POST", "/api/show", {"model": model})
+            self.shown = await app.client.request("POST", "/api/show", {"model": model})
             await self.list_models()
             return True
         except DaemonError as e:

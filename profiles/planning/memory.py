@@ -279,8 +279,8 @@ def compute_formula(costs: ModelCosts, settings: ContextSettings, device: str,
 
 
 # ggml-cuda's stream-k matrix kernels write partial tiles to a fixup buffer: SMs x 128 x 128
-# f32, 8.25 MiB on a 132-SM H100/H200; 16 MiB covers every card the profiles hold.
-STREAM_K_FIXUP = 16 * MIB
+# f32, 8.25 MiB on a 132-SM H100/H200, the most SMs of any card the profiles hold.
+STREAM_K_FIXUP = 9 * MIB
 Q8_1_BYTES_PER_VALUE = 36 / 32  # a block_q8_1: 32 int8 values, a half scale and a half sum
 
 

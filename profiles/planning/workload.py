@@ -96,9 +96,12 @@ class Workload:
     def describe(self) -> str:
         if self.fill > 0:
             return f"one answer filling {self.fill:.0%} of the context (expected_fill)"
-        return (f"{self.name}: a {self.first_prompt}-token first prompt, then "
-                f"{self.turns - 1} turns adding {self.turn_prompt} tokens each, answers of "
-                f"{self.answer}")
+        if self.turns <= 1 or self.turn_prompt <= 0:  # one request at a time, no follow-ups
+            return (f"{self.name}: requests of about {self.first_prompt} tokens, each answered "
+                    f"in about {self.answer}")
+        return (f"{self.name}: conversations that open with about {self.first_prompt} tokens "
+                f"and grow by about {self.turn_prompt} a turn over {self.turns} turns, answers "
+                f"of about {self.answer} tokens")
 
 
 CHAT = Workload("chat", first_prompt=1024, turn_prompt=256, answer=400, turns=8)
