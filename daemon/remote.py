@@ -1,11 +1,13 @@
-"""Remote models' upstream: an OpenAI-compatible server (vLLM, SGLang, llama-server, another
-localllm) that answers for a stored remote model. This is its client: the POST, its SSE chunks,
-the streamed text with usage and timings, and Ollama's options as OpenAI request fields. The
-routes that put it behind every inference route are api/remote_routes.py.
+"""Remote models: an OpenAI-compatible server (vLLM, SGLang, llama-server, another localllm)
+that answers for a stored remote model, as an Engine (daemon/engine.py) beside the local runner.
+Here are its client (the POST, its SSE chunks), the chat layer's request as the upstream's
+OpenAI request (`prepared`), and `RemoteEngine`, which streams the upstream's answer back as the
+runner's typed events; the response pipeline (api/respond.py) and every route's writer take it
+from there.
 
-Upstream failures become ApiErrors before the first byte (502: refused, unreachable or a bad
-answer; 504: no answer in time) and UpstreamError after it; nothing here can take the daemon
-down.
+Upstream failures become ApiErrors inside the client (502: refused, unreachable or a bad
+answer; 504: no answer in time) and UpstreamError after the answer started; the engine turns
+both into Failure events, so nothing here can take the daemon down.
 """
 
 from __future__ import annotations
@@ -14,15 +16,20 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 from localllm.modelstore.store import ModelEntry
 
-from localllm import options
 from localllm.config import Config, ConfigError, load_config
+from localllm.options import SamplingOptions
 
+from .chat.errors import ChatError
+from .chat.parse import call_id, make_parser
+from .chat.request import ChatRequest, Prepared
+from .chat.template import HERMES, THINK_TAGS
 from .http_errors import ApiError
+from .runner.protocol import Done, Event, Failure, Token
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -35,43 +42,46 @@ class UpstreamError(Exception):
 
 @dataclass
 class RemoteAnswer:
-    """What came back, accumulated: text, why it ended, the upstream's counts and our clock."""
+    """What came back so far: pieces of text, why it ended, the upstream's counts, our clock."""
 
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
-    text: list[str] = field(default_factory=list)
+    pieces: int = 0  # streamed pieces of text: about one token each
     finish_reason: str | None = None
     usage: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)  # llama-server's, when it sends them
 
-    def stats(self) -> dict:
-        """The final chunk's `stats` (localllm's addition): the upstream's counts and our
-        clock; the context length is the upstream's secret, so it is left out."""
-        m = self.ollama_metrics()
-        first = self.first_token_at or time.perf_counter()
-        return {key: m[key] for key in ("eval_count", "eval_duration", "prompt_eval_count",
-                                        "prompt_eval_duration")} | {
-            "context_used": m["prompt_eval_count"] + m["eval_count"],
-            "time_to_first_token": int((first - self.started) * 1e9)}
-
-    def ollama_metrics(self) -> dict:
+    def durations_ns(self) -> tuple[int, int]:
+        """(prompt, answer) durations: the upstream's timings when it sends them, else our
+        clock (the prompt up to the first piece, the answer after it)."""
         end = time.perf_counter()
         first = self.first_token_at or end
-        prompt_ns = int((first - self.started) * 1e9)
-        eval_ns = int((end - first) * 1e9)
+        prompt_ns, eval_ns = int((first - self.started) * 1e9), int((end - first) * 1e9)
         if self.timings.get("prompt_ms") is not None:
             prompt_ns = int(self.timings["prompt_ms"] * 1e6)
         if self.timings.get("predicted_ms") is not None:
             eval_ns = int(self.timings["predicted_ms"] * 1e6)
-        return {
-            "done_reason": "length" if self.finish_reason == "length" else "stop",
-            "total_duration": int((end - self.started) * 1e9),
-            "load_duration": 0,
-            "prompt_eval_count": int(self.usage.get("prompt_tokens", 0)),
-            "prompt_eval_duration": prompt_ns,
-            "eval_count": int(self.usage.get("completion_tokens", 0)),
-            "eval_duration": eval_ns,
-        }
+        return prompt_ns, eval_ns
+
+    def token(self, text: str) -> Token:
+        """A piece of text with the answer's running totals; the prompt's count comes with the
+        upstream's usage, at the end."""
+        self.first_token_at = self.first_token_at or time.perf_counter()
+        self.pieces += 1
+        _, eval_ns = self.durations_ns()
+        return Token(text, eval_count=self.pieces, eval_duration_ns=eval_ns,
+                     context_used=self.pieces)
+
+    def done(self) -> Done:
+        """The answer's Done; the context length is the upstream's secret, so it is 0."""
+        prompt_tokens = int(self.usage.get("prompt_tokens", 0))
+        answer_tokens = int(self.usage.get("completion_tokens", self.pieces))
+        prompt_ns, eval_ns = self.durations_ns()
+        return Done("length" if self.finish_reason == "length" else "stop",
+                    prompt_eval_count=prompt_tokens, prompt_eval_duration_ns=prompt_ns,
+                    eval_count=answer_tokens, eval_duration_ns=eval_ns,
+                    prompt_tokens=prompt_tokens, cached_tokens=0,
+                    context_used=prompt_tokens + answer_tokens, n_ctx=0)
 
 
 def _headers(entry: ModelEntry) -> dict:
@@ -160,56 +170,207 @@ def upstream_session() -> aiohttp.ClientSession:
         total=None, connect=CONNECT_TIMEOUT_S, sock_read=read_timeout()))
 
 
-async def stream_text(entry: ModelEntry, path: str, payload: dict,
-                  answer: RemoteAnswer) -> AsyncIterator[str]:
-    """Text pieces of the upstream's streamed answer, filling `answer` as they come. The
-    first step raises ApiError when the upstream cannot be used; later ones UpstreamError."""
-    payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
-    async with upstream_session() as session:
-        response = await post(session, entry, path, payload)
-        async with response:
-            async for chunk in chunks(response, entry):
-                if chunk.get("usage"):
-                    answer.usage = chunk["usage"]
-                if isinstance(chunk.get("timings"), dict):
-                    answer.timings = chunk["timings"]
-                for choice in chunk.get("choices") or ():
-                    piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-                    if choice.get("finish_reason"):
-                        answer.finish_reason = choice["finish_reason"]
-                    if piece:
-                        answer.first_token_at = answer.first_token_at or time.perf_counter()
-                        answer.text.append(piece)
-                        yield piece
 
 
-# ---- Ollama's options, for the upstream -------------------------------------------------------
+# ---- the request the upstream takes ----------------------------------------------------------
 
-# The table's samplers an upstream OpenAI-compatible server takes under the same name; load
-# options (num_ctx, num_gpu...) are the upstream's own business.
+@dataclass(frozen=True)
+class UpstreamRequest:
+    """One answer asked of the upstream: the OpenAI route and its body (without the model)."""
+    id: str
+    path: str  # "/chat/completions" or "/completions"
+    payload: dict
+
+
+# The table's samplers an upstream OpenAI-compatible server takes under the same name (vLLM and
+# llama-server read top_k, min_p and repeat_penalty; others ignore them); load options (num_ctx,
+# num_gpu...) are the upstream's own business.
 UPSTREAM_SAMPLERS = ("temperature", "top_p", "seed", "stop", "presence_penalty",
                      "frequency_penalty", "top_k", "min_p", "repeat_penalty")
+_DEFAULTS = SamplingOptions()
 
 
-def _openai_options(body: dict) -> dict:
-    """Ollama's `options` (and `format`) as OpenAI request fields. Samplers that OpenAI lacks
-    (top_k, min_p, repeat_penalty) are passed under their names, which vLLM and llama-server
-    read and others ignore."""
-    values = body.get("options") or {}
-    if not isinstance(values, dict):
-        raise ApiError(400, "field 'options' must be an object", "options")
-    try:
-        given = options.checked(values)  # the same bounds as a local model's
-    except options.OptionError as e:
-        raise ApiError(400, str(e), e.name) from None
-    out = {name: list(value) if name == "stop" else value
-           for name, value in given.items() if name in UPSTREAM_SAMPLERS}
-    if given.get("num_predict", -1) >= 0:
-        out["max_tokens"] = given["num_predict"]
-    fmt = body.get("format")
-    if fmt == "json":
-        out["response_format"] = {"type": "json_object"}
-    elif isinstance(fmt, dict):
-        out["response_format"] = {"type": "json_schema",
-                                  "json_schema": {"name": "format", "schema": fmt}}
+def _samplers(given: SamplingOptions) -> dict:
+    """The request's samplers that differ from the option table's defaults (the upstream keeps
+    its own defaults for the rest), and num_predict as max_tokens."""
+    out = {name: list(value) if name == "stop" else value for name in UPSTREAM_SAMPLERS
+           if (value := getattr(given, name)) != getattr(_DEFAULTS, name)}
+    if given.num_predict >= 0:
+        out["max_tokens"] = given.num_predict
     return out
+
+
+def _message(message: dict) -> dict:
+    """A chat layer (Hugging Face) message as OpenAI's: tool calls' arguments as JSON text."""
+    out = {key: message[key] for key in ("role", "content", "name", "tool_call_id")
+           if message.get(key) is not None}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{
+            "id": call.get("id") or call_id(), "type": "function",
+            "function": {"name": call["function"]["name"],
+                         "arguments": args if isinstance(args := call["function"].get(
+                             "arguments", {}), str) else json.dumps(args)}}
+            for call in message["tool_calls"]]
+    return out
+
+
+def _refuse_unsent(chat: ChatRequest) -> None:
+    """What the upstream's OpenAI request does not carry from here: a 400 that says so."""
+    for asked, what, param in ((chat.images or chat.has_images, "images", "images"),
+                               (chat.suffix, "insert (suffix)", "suffix"),
+                               (chat.logprobs is not None or chat.echo, "logprobs", "logprobs")):
+        if asked:
+            raise ChatError(f"{chat.model_name} is a remote model: its requests carry no "
+                            f"{what} to the upstream", param)
+
+
+def prepared(chat: ChatRequest) -> Prepared:
+    """The chat layer's request as its upstream's: a chat (messages, or a prompt with its system
+    prompt, which the upstream's template renders) or a raw completion; with the parser that
+    reads the upstream's answer as the engine streams it (thinking in think tags, tool calls as
+    Hermes's), so that every route's writer reads it as a local model's."""
+    _refuse_unsent(chat)
+    if chat.messages is not None:
+        path, payload = "/chat/completions", {"messages": [_message(m) for m in chat.messages]}
+    elif chat.raw:
+        prompt = chat.prompt or ""
+        path, payload = "/completions", {
+            "prompt": f"{chat.system}\n\n{prompt}" if chat.system else prompt}
+    else:
+        system = [{"role": "system", "content": chat.system}] if chat.system else []
+        path, payload = "/chat/completions", {
+            "messages": [*system, {"role": "user", "content": chat.prompt or ""}]}
+    payload.update(_samplers(chat.options))
+    if chat.tools and path == "/chat/completions":
+        payload["tools"] = list(chat.tools)
+        choice = chat.tool_choice
+        if choice != "auto":
+            payload["tool_choice"] = choice if isinstance(choice, str) else {
+                "type": "function", "function": {"name": choice.get("name")}}
+    if chat.format == "json":
+        payload["response_format"] = {"type": "json_object"}
+    elif isinstance(chat.format, dict):
+        payload["response_format"] = {"type": "json_schema",
+                                      "json_schema": {"name": "format", "schema": chat.format}}
+    parser = make_parser(HERMES, THINK_TAGS, tools=bool(chat.tools),
+                         keep_thinking=chat.think is not False)
+    return Prepared(UpstreamRequest(chat.id, path, payload), parser, "")
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+class _Calls:
+    """The upstream's streamed tool calls, put together by index (names and arguments come in
+    pieces), written at the end as Hermes calls for the parser."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, dict] = {}
+
+    def add(self, deltas: list) -> None:
+        for delta in deltas:
+            call = self.calls.setdefault(int(delta.get("index", len(self.calls))),
+                                         {"name": "", "arguments": ""})
+            function = delta.get("function") or {}
+            call["name"] += function.get("name") or ""
+            arguments = function.get("arguments") or ""
+            call["arguments"] += arguments if isinstance(arguments, str) else json.dumps(
+                arguments)
+
+    def text(self) -> str:
+        out = ""
+        for _, call in sorted(self.calls.items()):
+            try:
+                arguments = json.loads(call["arguments"] or "{}")
+            except ValueError:
+                arguments = call["arguments"]
+            out += (f"<tool_call>\n{json.dumps({'name': call['name'], 'arguments': arguments})}"
+                    f"\n</tool_call>")
+        return out
+
+
+class RemoteEngine:
+    """A remote model as an Engine (daemon/engine.py): always ready (its upstream loads and
+    schedules for itself), one streamed upstream request per answer. Failures are Failure
+    events: before the first piece with the status an HTTP error takes (502: refused,
+    unreachable or a bad answer; 504: no answer in time), after it as the stream's end."""
+
+    load_duration_ns = 0
+    loaded_at = 0.0
+    n_ctx = 0  # the upstream's secret
+    alive = True
+
+    def __init__(self, entry: ModelEntry):
+        assert entry.remote is not None
+        self.entry = entry
+        self.model_name = entry.name.tagged
+        self.tokens_generated = 0
+
+    async def start(self, timeout: float | None = None) -> None:
+        """Nothing to load here."""
+
+    async def stop(self) -> None:
+        """Nothing to unload here: leaving an answer's stream closes its upstream request."""
+
+    def figures(self) -> dict:
+        return {"loaded_at": self.loaded_at, "load_duration": self.load_duration_ns,
+                "context_length": self.n_ctx, "tokens_generated": self.tokens_generated}
+
+    async def count_tokens(self, text: str) -> int:
+        raise self._no_tokenizer()
+
+    async def count_tokens_each(self, texts: list[str]) -> list[int]:
+        raise self._no_tokenizer()
+
+    def _no_tokenizer(self) -> ChatError:
+        return ChatError(f"{self.model_name} is a remote model: its tokenizer is its upstream's, "
+                         f"so its prompts cannot be counted or cut to fit here", "model")
+
+    async def generate(self, request: UpstreamRequest) -> AsyncIterator[Event]:
+        remote = self.entry.remote
+        payload = {"model": remote.model, **request.payload, "stream": True,
+                   "stream_options": {"include_usage": True}}
+        answer, calls, thinking = RemoteAnswer(), _Calls(), False
+        try:
+            async with upstream_session() as session:
+                response = await post(session, self.entry, request.path, payload)
+                async with response:
+                    async for chunk in chunks(response, self.entry):
+                        if chunk.get("usage"):
+                            answer.usage = chunk["usage"]
+                        if isinstance(chunk.get("timings"), dict):
+                            answer.timings = chunk["timings"]
+                        for choice in chunk.get("choices") or ():
+                            delta = choice.get("delta") or {}
+                            text = ""
+                            if reasoning := delta.get("reasoning_content") or delta.get(
+                                    "reasoning"):
+                                text, thinking = ("" if thinking else "<think>") + reasoning, True
+                            if content := delta.get("content") or choice.get("text") or "":
+                                text += ("</think>" if thinking else "") + content
+                                thinking = False
+                            calls.add(delta.get("tool_calls") or [])
+                            answer.finish_reason = choice.get("finish_reason") or \
+                                answer.finish_reason
+                            if text:
+                                self.tokens_generated += 1
+                                yield answer.token(text)
+        except ApiError as e:
+            yield Failure(e.message, status=e.status)
+            return
+        except UpstreamError as e:
+            yield Failure(str(e), status=502)
+            return
+        if tail := ("</think>" if thinking else "") + calls.text():
+            yield replace(answer.token(tail), n_tokens=0)
+        yield answer.done()
+
+
+def show(entry: ModelEntry) -> dict:
+    """/api/show for a remote model: where it lives; there is no GGUF to describe."""
+    remote = entry.remote
+    assert remote is not None
+    return {"license": "", "modelfile": f"# remote: {remote.model} at {remote.url}\n",
+            "parameters": "", "template": "", "details": entry.details,
+            "model_info": {"general.architecture": "remote", "remote.url": remote.url,
+                           "remote.model": remote.model},
+            "capabilities": ["completion", "chat"], "modified_at": entry.modified_at}

@@ -18,8 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 from localllm.profiles.tuning.saved import profiles_dir
-from localllm.modelstore.names import BadModelName
-from localllm.modelstore.store import ModelNotFound, ModelStore, StoreError, default_store
+from localllm.modelstore.store import ModelNotFound, ModelStore, default_store
 from localllm.modelstore.sweep import sweep_store
 
 from localllm import paths
@@ -35,12 +34,11 @@ from .api import (
     ollama,
     ollama_models,
     openai,
-    remote_routes,
     responses,
     responses_compact,
     stats,
 )
-from .api.common import KNOWN, MAX_BODY_BYTES, find_model, read_json
+from .api.common import KNOWN, MAX_BODY_BYTES
 from .config_watch import watch_config, watch_profiles
 from .http_errors import OVERLOADED, error_body, is_anthropic
 from .logging_setup import ACCESS_LOG, AccessLogger, setup_logging
@@ -101,26 +99,6 @@ async def error_middleware(request: web.Request, handler):
                                  status=status, headers=headers)
 
 
-@web.middleware
-async def remote_middleware(request: web.Request, handler):
-    """Remote models, routed once: a POST to a route of remote_routes.ROUTES that names a
-    remote model is answered there. The body is read and the model looked up here once; the
-    route gets both (read_json and find_model answer what was found, errors too)."""
-    answer = remote_routes.ROUTES.get(request.path) if request.method == "POST" else None
-    if answer is None:
-        return await handler(request)
-    body = await read_json(request)
-    name = body.get("model") or body.get("name")
-    if isinstance(name, str):
-        try:
-            entry = find_model(request, name)
-        except (StoreError, BadModelName):
-            entry = None  # the route answers for it, after its own checks
-        if entry is not None and entry.remote is not None:
-            return await answer(request, body, entry)
-    return await handler(request)
-
-
 async def root(request: web.Request) -> web.Response:
     # Clients probe for the exact text Ollama answers (see docs on the API).
     return web.Response(text="Ollama is running")
@@ -128,13 +106,12 @@ async def root(request: web.Request) -> web.Response:
 
 def create_app(config: Config, store: ModelStore | None = None) -> web.Application:
     # Outermost first: every request counted (metrics), who is asking (Host, Origin, which
-    # local user) before anything runs, errors turned into JSON around the handlers, the key
-    # checked inside so a 401 has the API's error shape, and only then a remote model sent to
-    # its upstream.
+    # local user) before anything runs, errors turned into JSON around the handlers, and the
+    # key checked inside so a 401 has the API's error shape.
     middlewares = [metrics_middleware,
                    security.host_middleware(config), security.cors_middleware(config),
                    security.owner_middleware(config), error_middleware,
-                   security.key_middleware(config.api_key), remote_middleware]
+                   security.key_middleware(config.api_key)]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app.on_response_prepare.append(security.cors_headers(config))
     app[CONFIG] = config

@@ -16,7 +16,6 @@ from localllm.daemon.api.common import ApiError
 from localllm.daemon.api.ollama import ollama_options
 from localllm.daemon.api.openai import openai_options
 from localllm.daemon.chat.custom import ModelfileError, parameter_value
-from localllm.daemon.remote import _openai_options
 from localllm.options import OPTIONS, LoadOptions, OptionError, check, parse
 from localllm.tui.slash import SlashError, parse_parameter
 
@@ -39,9 +38,6 @@ def _parsers(name: str):
     yield "modelfile text", lambda v: parameter_value(name, str(v))
     yield "/set parameter", lambda v: parse_parameter(name, [str(v)])
     yield "run flag", lambda v: option_flag(name)(str(v))
-    if name in ("temperature", "top_p", "top_k", "seed", "min_p", "repeat_penalty",
-                "presence_penalty", "frequency_penalty", "num_predict"):
-        yield "remote", lambda v: _openai_options({"options": {name: v}})
 
 
 @pytest.mark.parametrize("option", NUMERIC, ids=lambda o: o.name)

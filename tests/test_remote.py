@@ -1,8 +1,10 @@
-"""Remote models: a second real localllm daemon as the OpenAI-compatible upstream, reached
-through the first with the official `ollama` and `openai` clients and `localllm run`."""
+"""Remote models: a second real localllm daemon as the OpenAI-compatible upstream (and a real
+aiohttp server scripted as one), reached through the first with the official `ollama`,
+`openai` and `anthropic` clients and `localllm run`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -11,9 +13,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import anthropic
 import ollama
 import openai
 import pytest
+from aiohttp import web
 from conftest import import_models
 from daemon_process import isolated_env, start_daemon, wait_for
 
@@ -259,3 +263,130 @@ def test_launch_sends_an_agent_to_a_remote_model_unsized(upstream, proxy):
     assert done.returncode == 0, done.stderr
     assert "localllm/far:latest" in done.stdout
     assert "cannot run" not in done.stderr
+
+
+def test_remote_model_answers_on_the_agents_routes(upstream, proxy):
+    """/v1/messages and /v1/responses run a remote model through the one response pipeline:
+    the same greedy text as the upstream's own answer, whole and streamed."""
+    add_remote(proxy, "far", upstream.url)
+    direct = ollama.Client(host=upstream.url).chat(model="smollm2", messages=HELLO,
+                                                   options=GREEDY)
+    claude = anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0)
+    m = claude.messages.create(model="far", max_tokens=16, messages=HELLO,
+                               extra_body={"temperature": 0})
+    assert m.model == "far:latest" and [b.type for b in m.content] == ["text"]
+    assert m.content[0].text == direct.message.content
+    assert m.usage.output_tokens == direct.eval_count
+    assert m.usage.input_tokens == direct.prompt_eval_count
+    with claude.messages.stream(model="far", max_tokens=16, messages=HELLO,
+                                extra_body={"temperature": 0}) as stream:
+        assert "".join(stream.text_stream) == direct.message.content
+
+    ai = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+    r = ai.responses.create(model="far", input=HELLO[0]["content"], max_output_tokens=16,
+                            temperature=0)
+    assert r.output_text == direct.message.content
+    assert r.usage.output_tokens == direct.eval_count
+    events = list(ai.responses.create(model="far", input=HELLO[0]["content"],
+                                      max_output_tokens=16, temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
+        == direct.message.content
+    assert events[-1].type == "response.completed"
+
+    # What the upstream cannot be asked from here is a 400 that says so, not a silent drop.
+    status, body = post(proxy, "/v1/messages/count_tokens", {"model": "far",
+                                                             "messages": HELLO})
+    assert status == 400 and "tokenizer" in body["error"]["message"]
+
+
+# ---- a scripted upstream: reasoning and a tool call, as vLLM streams them ------------------------
+
+def _sse(*chunks: dict) -> bytes:
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+@pytest.fixture
+def scripted():
+    """A real aiohttp server answering /v1/chat/completions with a streamed answer that thinks,
+    then calls a tool in pieces; it keeps the bodies it was sent."""
+    bodies: list[dict] = []
+
+    def piece(delta: dict, finish=None) -> dict:
+        return {"id": "x", "object": "chat.completion.chunk", "model": "m",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.json())
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        call = {"index": 0, "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": '}}
+        await out.write(_sse(
+            piece({"role": "assistant", "reasoning_content": "The user wants "}),
+            piece({"reasoning_content": "the weather."}),
+            piece({"tool_calls": [call]}),
+            piece({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
+            piece({}, "tool_calls"),
+            {"id": "x", "choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 12}}))
+        return out
+
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", complete)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}/v1", bodies
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+def test_a_remote_models_thinking_and_tool_calls_reach_every_wire_format(scripted, proxy):
+    url, bodies = scripted
+    add_remote(proxy, "tooly", url, model="m")
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+
+    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0) \
+        .chat.completions.create(model="tooly", messages=ask, tools=WEATHER, temperature=0)
+    choice = c.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    assert choice.message.model_extra["reasoning_content"] == "The user wants the weather."
+    assert c.usage.prompt_tokens == 30 and c.usage.completion_tokens == 12
+    sent = bodies[-1]
+    assert sent["model"] == "m" and sent["stream"] and sent["tools"] == WEATHER
+    assert sent["temperature"] == 0
+
+    m = anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0) \
+        .messages.create(model="tooly", max_tokens=100, messages=ask, tools=[{
+            "name": "get_weather", "description": "The weather in a city",
+            "input_schema": WEATHER[0]["function"]["parameters"]}])
+    assert m.stop_reason == "tool_use"
+    use = [b for b in m.content if b.type == "tool_use"]
+    assert use[0].name == "get_weather" and use[0].input == {"city": "Paris"}
+
+    # A tool call and its result sent back on the Ollama route reach the upstream as OpenAI's:
+    # arguments as JSON text, the call's id on the result.
+    r = ollama.Client(host=proxy.url).chat(model="tooly", tools=WEATHER, messages=[
+        *ask, {"role": "assistant", "content": "",
+               "tool_calls": [{"function": {"name": "get_weather",
+                                            "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_name": "get_weather"}])
+    assert r.message.tool_calls[0].function.arguments == {"city": "Paris"}
+    assert r.message.thinking == "The user wants the weather."
+    call = bodies[-1]["messages"][1]["tool_calls"][0]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert bodies[-1]["messages"][2]["role"] == "tool"
+    assert bodies[-1]["messages"][2]["content"] == "sunny"

@@ -29,7 +29,7 @@ from .common import (
     bad_request,
     body_options,
     get_bool,
-    local_model,
+    requested_model,
     message_images,
     read_json,
 )
@@ -297,7 +297,7 @@ class Asked:
 
 
 async def chat_request(request: web.Request, body: dict, count_only: bool = False) -> Asked:
-    entry, custom = await local_model(request, body, "/v1/messages")
+    entry, custom = await requested_model(request, body)
     if not count_only and body.get("max_tokens") is None:
         raise bad_request("missing required field 'max_tokens'", "max_tokens")
     answer_limit(body, "max_tokens")
@@ -306,7 +306,8 @@ async def chat_request(request: web.Request, body: dict, count_only: bool = Fals
     messages, images = message_images(anthropic_messages(body, tools))
     tool_choice, parallel = anthropic_tool_choice(body)
     think = anthropic_think(body)
-    if think and not (await served_model(entry, custom)).style.thinking:
+    if think and entry.remote is None and not (
+            await served_model(entry, custom)).style.thinking:
         think = None  # Claude Code asks every model to think: one that cannot just answers
     return Asked(entry, custom, ChatRequest(
         id=new_request_id(), model_name=entry.name.tagged, options=sampling, load=load,

@@ -146,14 +146,11 @@ def get_str(body: dict, key: str, required: bool = False, default: str | None = 
     return value
 
 
-async def local_model(request: web.Request, body: dict, route: str
-                      ) -> tuple[ModelEntry, Customization]:
-    """The stored local model a request names (404 naming it when there is none) and what its
-    Modelfile added. A remote model is a 400: these routes translate onto the local engine."""
+async def requested_model(request: web.Request, body: dict
+                          ) -> tuple[ModelEntry, Customization]:
+    """The stored model a request's `model` names (404 naming it when there is none), local or
+    remote, and what its Modelfile added."""
     entry = find_model(request, get_str(body, "model", required=True))
-    if entry.remote is not None:
-        raise bad_request(f"{entry.name} is a remote model: {route} serves local models only "
-                          f"(use /v1/chat/completions or /api/chat)", "model")
     return entry, await customization(request, entry)
 
 
@@ -176,7 +173,7 @@ async def customization(request: web.Request, entry: ModelEntry) -> Customizatio
 
 def find_model(request: web.Request, name: str) -> ModelEntry:
     """The stored model `name` names (ModelNotFound -> 404 in the middleware), looked up once a
-    request: the remote middleware looks first, and the route gets what it found."""
+    request."""
     found = request.get(MODEL)
     if found is None or found[0] != name:
         try:

@@ -43,7 +43,7 @@ from .common import (
     parse_options,
     read_json,
 )
-from .respond import Generation, Part, Writer, respond
+from .respond import Generation, Part, Writer, hold, respond
 from .stats import expert_cache_report, expert_cache_words
 
 routes = web.RouteTableDef()
@@ -320,8 +320,8 @@ async def _load_only(request: web.Request, common: Common) -> web.Response:
         await app[SCHEDULER].unload(entry.name.tagged)
         reason = "unload"
     else:
-        async with app[SCHEDULER].use(entry, common.load, common.keep_alive):
-            pass
+        async with hold(app, entry, common.load, common.keep_alive):
+            pass  # a remote model is always ready: its upstream loads it
         reason = "load"
     return web.json_response({"model": entry.name.tagged, "created_at": now_iso(), key: empty,
                               "done": True, "done_reason": reason})

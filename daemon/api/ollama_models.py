@@ -14,7 +14,7 @@ from localllm.modelstore.store import projector_path
 from localllm import __version__
 from localllm.config import DAEMON_ONLY, ENV
 
-from .. import security
+from .. import remote, security
 from ..chat.custom import capabilities
 from ..chat.model import model_for
 from ..chat.template import DEFAULT_TEMPLATE
@@ -72,7 +72,9 @@ def show_parameters(num_ctx: int, stops: list[str], stored: dict) -> str:
 @routes.post("/api/show")
 async def api_show(request: web.Request) -> web.Response:
     body = await read_json(request)
-    entry = find_model(request, get_model_field(body))  # (a remote one: remote_routes.py)
+    entry = find_model(request, get_model_field(body))
+    if entry.remote is not None:  # there is no GGUF to describe, only where it lives
+        return web.json_response(remote.show(entry))
     model = await model_for(entry)
     custom = await customization(request, entry)
     slot = request.app[SCHEDULER].models.get(entry.name.tagged)

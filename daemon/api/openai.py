@@ -20,7 +20,6 @@ from .common import (
     answer_limit,
     bad_request,
     body_options,
-    customization,
     find_model,
     get_bool,
     get_messages,
@@ -30,6 +29,7 @@ from .common import (
     get_tools,
     has_images,
     read_json,
+    requested_model,
 )
 from .respond import Part, Writer, respond
 
@@ -161,11 +161,6 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
             "text_offset": offsets}
 
 
-async def _model(request: web.Request, body: dict) -> tuple[ModelEntry, Customization]:
-    entry = find_model(request, get_str(body, "model", required=True))
-    return entry, await customization(request, entry)
-
-
 class OpenAIWriter(Writer):
     """OpenAI's answer to /v1/chat/completions (`chat`: a message, or deltas) and
     /v1/completions (text): one object, or SSE chunks ending in [DONE]."""
@@ -265,7 +260,7 @@ async def _complete(request: web.Request, body: dict, entry: ModelEntry, custom:
 async def read_chat(request: web.Request,
                     body: dict) -> tuple[ModelEntry, Customization, ChatRequest]:
     """A chat completions body, translated (also what its token count renders)."""
-    entry, custom = await _model(request, body)
+    entry, custom = await requested_model(request, body)
     sampling, load = openai_options(body, custom.parameters)
     images: list = []
     chat_request = ChatRequest(
@@ -295,7 +290,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     echo = get_bool(body, "echo", False)
     if echo and get_bool(body, "stream", False):
         raise bad_request("echo is answered whole: leave out stream (or set it false)", "echo")
-    entry, custom = await _model(request, body)
+    entry, custom = await requested_model(request, body)
     sampling, load = openai_options(body, custom.parameters, chat=False)
     chat_request = ChatRequest(
         id=new_request_id(), model_name=entry.name.tagged, options=sampling, load=load,

@@ -1,11 +1,11 @@
-"""One response pipeline for every wire format: a `ChatRequest` checked, rendered and run on
-the model's runner, its tokens parsed into parts, and the parts handed to the wire format's
-`Writer`, streamed or whole.
+"""One response pipeline for every wire format: a `ChatRequest` checked, prepared and run on
+the model's Engine (daemon/engine.py: the local runner, or a remote model's upstream), its
+tokens parsed into parts, and the parts handed to the wire format's `Writer`, streamed or whole.
 
 A route parses its body into a ChatRequest and picks its writer; `respond` does the rest the
 same way for all of them: check and render the request (a 400 comes before the model loads),
-hold a runner of the model from the scheduler (loading it if need be), drop the oldest turns
-that do not fit its context, read the first event before any header is sent (a failure there
+hold the model's engine (a runner from the scheduler, loading it if need be), drop the oldest
+turns that do not fit its context, read the first event before any header is sent (a failure there
 is still an HTTP error), then `start`, a `part` for each token or progress note, and `done` or
 `error`. A client that goes away ends the answer, and leaving `answer` cancels the runner's
 work.
@@ -31,8 +31,10 @@ from ..chat.model import ChatModel, model_for
 from ..chat.parse import Parsed
 from ..chat.request import ChatRequest, Prepared, check_request_text, prepare_queued
 from ..chat.truncate import fit_to_context
-from ..runner.process import RunnerProcess
-from ..runner.protocol import Done, Event, Failure, GenerationRequest, Progress, Token
+from ..engine import Engine
+from ..remote import RemoteEngine
+from ..remote import prepared as upstream_prepared
+from ..runner.protocol import Done, Event, Failure, Progress, Token
 from ..state import CONFIG, SCHEDULER
 from .common import remember
 
@@ -43,7 +45,7 @@ log = logging.getLogger("localllm.daemon")
 @dataclass
 class Generation:
     entry: ModelEntry
-    runner: RunnerProcess | None  # the runner serving it (another after a retry); None before
+    runner: Engine | None  # the engine serving it (another runner after a retry); None before
     events: AsyncIterator[Event] | None
     load_duration_ns: int  # time spent loading for this request (0 when it was loaded)
     started_ns: int = field(default_factory=time.perf_counter_ns)
@@ -70,13 +72,27 @@ async def first_event(gen: Generation) -> Event:
 
 
 @contextlib.asynccontextmanager
-async def generate(app: web.Application, entry: ModelEntry, request: GenerationRequest,
-                   load: LoadOptions, keep_alive="default", fit=None,
-                   hint: str | None = None) -> AsyncIterator[Generation]:
+async def hold(app: web.Application, entry: ModelEntry, load: LoadOptions,
+               keep_alive="default", prompt_chars: int = 0,
+               hint: str | None = None) -> AsyncIterator[Engine]:
+    """The engine that answers for `entry`, held for one request: a remote model's upstream,
+    or one slot of the local model's runner (loaded as need be: Scheduler.use)."""
+    if entry.remote is not None:
+        yield RemoteEngine(entry)
+        return
+    async with app[SCHEDULER].use(entry, load, keep_alive, prompt_chars, hint) as runner:
+        yield runner
+
+
+@contextlib.asynccontextmanager
+async def generate(app: web.Application, entry: ModelEntry, request, load: LoadOptions,
+                   keep_alive="default", fit=None, hint: str | None = None,
+                   prompt_chars: int = 0) -> AsyncIterator[Generation]:
     """`fit(runner)`, when given, may replace the request once the runner is held (the chat
     layer drops old turns that do not fit the loaded context). `hint`: what the route says of
     the session, should this request load the model (profiles.traffic). The runner is held,
-    and the model loaded, when the first event is read."""
+    and the model loaded, when the first event is read. `request`: what the model's engine takes
+(a GenerationRequest for the runner; a remote model's, remote.UpstreamRequest)."""
     gen = Generation(entry, None, None, 0)
     started_wall = time.time()
 
@@ -86,8 +102,7 @@ async def generate(app: web.Application, entry: ModelEntry, request: GenerationR
         token has gone out, its death ends the answer with the Failure."""
         retried = False
         while True:
-            async with app[SCHEDULER].use(entry, load, keep_alive, len(request.prompt),
-                                          hint) as runner:
+            async with hold(app, entry, load, keep_alive, prompt_chars, hint) as runner:
                 gen.runner = runner
                 if runner.loaded_at >= started_wall:
                     gen.load_duration_ns += runner.load_duration_ns
@@ -123,7 +138,7 @@ class Part:
 class Answer:
     gen: Generation
     prepared: Prepared
-    model: ChatModel
+    model: ChatModel | None  # None: a remote model (its upstream renders the template)
     first_token_ns: int = 0  # request received -> first token, load included (0: none yet)
 
     def truncation(self) -> dict:
@@ -216,20 +231,25 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
     A chat longer than the context drops its oldest turns, or with `truncate` False is a 400.
     `custom` is what a Modelfile added: its template and its default system prompt."""
     check_request_text(request)
-    model = await served_model(entry, custom)
     if custom is not None:
         request = with_default_system(with_messages(request, custom.messages), custom.system)
-    if request.images and model.has_vision:  # (prepare refuses them for any other model)
-        data = await load_images(request.images, app[CONFIG].image_urls == "on")
-        request = replace(request, image_data=data)
-    # Rendering runs the model's template (a worker process, up to its time limit): never on
-    # the event loop, which serves everyone else meanwhile.
-    prepared = await prepare_queued(model, request)
+    if entry.remote is not None:  # its upstream renders the template
+        model, prepared = None, upstream_prepared(request)
+    else:
+        model = await served_model(entry, custom)
+        if request.images and model.has_vision:  # (prepare refuses them for any other model)
+            data = await load_images(request.images, app[CONFIG].image_urls == "on")
+            request = replace(request, image_data=data)
+        # Rendering runs the model's template (a worker process, up to its time limit): never
+        # on the event loop, which serves everyone else meanwhile.
+        prepared = await prepare_queued(model, request)
 
     run: Answer | None = None
 
-    async def fit(runner):
+    async def fit(runner: Engine):
         nonlocal prepared
+        if not runner.n_ctx:  # an engine that keeps its context to itself (remote) cuts alone
+            return prepared.generation
         if not prepared.fits_whole(runner.n_ctx):
             prepared = await fit_to_context(model, request, prepared, runner, truncate,
                                             cut_tokens)
@@ -239,7 +259,7 @@ async def answer(app: web.Application, entry: ModelEntry, request: ChatRequest,
 
     hint = request.workload_hint or ("tools" if request.tools else None)
     async with generate(app, entry, prepared.generation, request.load, keep_alive,
-                        fit=fit, hint=hint) as gen:
+                        fit=fit, hint=hint, prompt_chars=len(prepared.prompt)) as gen:
         run = Answer(gen, prepared, model)
         yield run
 
@@ -248,12 +268,15 @@ async def count_prompt_tokens(app: web.Application, entry: ModelEntry, request: 
                               custom: Customization | None = None) -> int:
     """Tokens the rendered prompt of `request` is, as the runner reads it (loads the model)."""
     check_request_text(request)
-    model = await served_model(entry, custom)
     if custom is not None:
         request = with_default_system(request, custom.system)
-    prepared = await prepare_queued(model, request)  # the template's worker: waits
-    async with app[SCHEDULER].use(entry, request.load) as runner:
-        return await runner.count_tokens(prepared.prompt)
+    if entry.remote is not None:
+        prompt = ""  # (its engine says why it cannot count)
+    else:
+        model = await served_model(entry, custom)
+        prompt = (await prepare_queued(model, request)).prompt  # the template's worker: waits
+    async with hold(app, entry, request.load) as engine:
+        return await engine.count_tokens(prompt)
 
 
 # ---- the wire format -------------------------------------------------------------------------

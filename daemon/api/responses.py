@@ -37,7 +37,7 @@ from .common import (
     get_bool,
     get_str,
     kept_calls,
-    local_model,
+    requested_model,
     message_images,
     read_json,
 )
@@ -132,7 +132,7 @@ TRUNCATIONS = ("auto", "disabled")
 
 
 async def read_turn(request: web.Request, body: dict) -> Turn:
-    entry, custom = await local_model(request, body, "/v1/responses")
+    entry, custom = await requested_model(request, body)
     answer_limit(body, "max_output_tokens")
     if body.get("truncation") not in (None, *TRUNCATIONS):
         raise bad_request("truncation must be 'auto' or 'disabled'", "truncation")
@@ -149,7 +149,8 @@ async def read_turn(request: web.Request, body: dict) -> Turn:
     messages, images = message_images(
         (({"role": "system", "content": instructions},) if instructions else ()) + history)
     think = reasoning_effort(body)
-    if think and not (await served_model(entry, custom)).style.thinking:
+    if think and entry.remote is None and not (
+            await served_model(entry, custom)).style.thinking:
         think = None  # Codex always sends an effort: a model that cannot think just answers
     parallel = get_bool(body, "parallel_tool_calls", True)
     chat = ChatRequest(

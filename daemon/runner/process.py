@@ -93,7 +93,7 @@ class RunnerRequestFailed(UserError):
         self.status = failure.status
 
 
-class RunnerProcess:
+class RunnerProcess:  # the local model's Engine (daemon/engine.py)
     def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path,
                  command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None,
                  projector_path: Path | None = None, prompt_cache_bytes: int = 0,
@@ -150,6 +150,11 @@ class RunnerProcess:
                 "bands": [b.n_ctx for b in (*self.bands, self.plan)],
                 "switch_pauses": [round(p, 3) for p in self.band_pauses]}
 
+    def figures(self) -> dict:
+        """What the runner has done since its load (the Engine's figures, daemon/engine.py)."""
+        return {"loaded_at": self.loaded_at, "load_duration": self.load_duration_ns,
+                "context_length": self.n_ctx, "tokens_generated": self.tokens_generated}
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
@@ -157,11 +162,6 @@ class RunnerProcess:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None and not self._exit_reason
-
-    @property
-    def active(self) -> int:
-        """Requests in flight in this runner."""
-        return len(self._events)
 
     async def start(self, timeout: float | None = None) -> None:
         # llama.cpp's own log goes here: rotated past a size at each start, the user's alone
@@ -302,28 +302,24 @@ class RunnerProcess:
         raise RunnerRequestFailed(Failure("the runner ended the request without an answer"))
 
     async def share_cpu(self, runners: int) -> None:
-        """Tell the runner how many runners compute on the CPU at once now, itself among them
-        (it takes its plan's share of the threads); nothing when it was told that already."""
+        """Tell the runner how many runners compute on the CPU at once (itself among them)."""
         if runners == self.cpu_share or not self.alive:
             return
         self.cpu_share = runners
         with contextlib.suppress(RunnerRequestFailed):  # it died: its requests hear of it
             await self.ask(CpuShare(new_request_id(), runners))
 
-    async def embed(self, request: EmbedRequest,
-                    silence_s: float = RUNNER_SILENCE_S) -> Embeddings:
+    async def embed(self, request: EmbedRequest, silence_s=RUNNER_SILENCE_S) -> Embeddings:
         return await self.ask(request, silence_s)
 
     async def count_tokens(self, text: str, silence_s: float = RUNNER_SILENCE_S) -> int:
-        """How many tokens `text` is as a raw prompt (special tokens parsed, BOS as the model
-        adds it); the chat layer measures prompts with it to drop turns that do not fit."""
+        """Tokens `text` is as a raw prompt (special tokens parsed, BOS as the model adds it)."""
         event = await self.ask(TokenizeRequest(new_request_id(), text=text), silence_s)
         return event.count
 
     async def count_tokens_each(self, texts: list[str],
                                 silence_s: float = RUNNER_SILENCE_S) -> list[int]:
-        """Each text's tokens (no BOS), in one round trip: truncation counts every turn of a
-        long chat once this way instead of re-counting the whole prompt per dropped turn."""
+        """Each text's tokens (no BOS), in one round trip (truncation counts turns so)."""
         event = await self.ask(TokenizeRequest(new_request_id(), texts=tuple(texts)),
                                silence_s)
         return list(event.counts)
