@@ -19,22 +19,11 @@ from localllm.modelstore.shape import ModelShape
 from localllm.modelstore.store import DRAFT_LAYER, ModelEntry, ModelNotFound, ModelStore
 from localllm.options import LoadOptions
 from localllm.profiles.planning.plan import Plan
+from localllm.speculative import VOCAB_SLACK
 from localllm.speculative import mode as mode_row
 
-from .runner.protocol import VOCAB_SLACK
 
 ALL_LAYERS = 999
-
-
-def differs(speculative: str, draft_name: str, load: LoadOptions) -> bool:
-    """Whether a request's speculation load options need another load than one drafting with
-    `speculative` and the draft model `draft_name` ("": the catalog's pairing, or none)."""
-    if load.speculative is not None and load.speculative != speculative:
-        return True
-    if load.speculative is not None and mode_row(load.speculative).draft_model \
-            and load.draft_model is None and draft_name:
-        return True  # a draft model asked alone means the model's own pairing, not one named
-    return load.draft_model is not None and load.draft_model != draft_name
 
 
 @dataclass(frozen=True)

@@ -1,29 +1,21 @@
-"""One load decision: how a model is loaded, settled once, before its runner starts.
+"""One load decision: how a model is loaded, settled once (daemon/planner.py) before its runner
+starts, as one frozen value: the plan (its speculative mode settled, with the draft model's
+file), the fill bands beside it and the one the runner starts in, the RAM for its prompt cache,
+the files. Nothing in it says "auto": the runner is started from this value alone (it crosses
+the runner's pipe as the op table's `load`, `to_wire` / `from_wire`, and is rebuilt there as the
+same dataclass), and a later request is served by the same load while `Load.serves` says so.
 
-The scheduler hands the planner what a request asks of the model (its load options), the daemon's
-live `Config` and the model; `Planner.decide` returns a frozen `Load`: the plan (its speculative
-mode settled, with the draft model's file), the fill bands beside it and the one the runner
-starts in, and the RAM for its prompt cache. Nothing in it says "auto": the runner is started
-from these values alone, and a later request is served by the same load while `Load.serves`
-says so.
+Light on purpose: the runner imports it before llama.cpp, which must load before numpy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from localllm.config import Config
-from localllm.modelstore.shape import ModelShape
-from localllm.modelstore.store import ModelEntry
 from localllm.options import LoadOptions
 from localllm.profiles.planning.plan import Plan
-
-from .drafting import DraftChoice, differs, with_speculation
-
-PROMPT_CACHE_AUTO_MAX = 8 * 2**30
-CHARS_PER_TOKEN = 3  # few texts take fewer characters a token: a prompt is not underrated
+from localllm.speculative import mode as mode_row
 
 
 @dataclass(frozen=True)
@@ -38,6 +30,10 @@ class Load:
     draft_name: str = ""  # what options.draft_model must equal to reuse this load
     projector: Path | None = None  # a vision model's projector file
     prompt_cache_bytes: int = 0  # the RAM the runner may keep prompts of taken slots in
+    model_path: Path | None = None  # the model's file
+    # A vision model's image tokens (0: none): the plan's micro-batch holds one image's
+    # (profiles.planning.vision.with_room_for_images), a smaller plan's too
+    image_tokens: int = 0
 
     def serves(self, running: Plan, asked: LoadOptions) -> bool:
         """Whether this load, running `running` (its plan, or the smaller one a failed load
@@ -54,112 +50,37 @@ class Load:
             return True  # no drafter asked for: whichever this load has serves
         return not differs(self.plan.speculative, self.draft_name, asked)
 
+    def to_wire(self) -> dict:
+        """The load as the runner's `load` op (runner/protocol.py's OPS): one JSON object."""
+        def path(p: Path | None) -> str | None:
+            return str(p) if p is not None else None
 
-class Planner:
-    """How the scheduler gets plans: `decide`, the one planning call of a load, made of the
-    tuner's `choose_plan` and fill `bands`; and `step_down` after a load ran out of memory.
-    Tests may pass a subclass with other plans. `live` gives the scheduler's live Config, which
-    the tuner plans under (without one it reads config.toml, as `tune` does)."""
+        return {"op": "load", "id": "", "plan": self.plan.to_dict(), "asked": self.asked.given(),
+                "bands": [b.to_dict() for b in self.bands], "start_band": self.start_band,
+                "draft_path": path(self.draft_path), "draft_name": self.draft_name,
+                "projector": path(self.projector),
+                "prompt_cache_bytes": self.prompt_cache_bytes,
+                "model_path": path(self.model_path), "image_tokens": self.image_tokens}
 
-    live: Callable[[], Config] | None = None
+    @classmethod
+    def from_wire(cls, data: dict) -> Load:
+        def path(value) -> Path | None:
+            return Path(value) if value else None
 
-    def __init__(self, live: Callable[[], Config] | None = None):
-        self.live = live
-
-    def config(self) -> Config | None:
-        return self.live() if self.live else None
-
-    def decide(self, config: Config, entry: ModelEntry, shape: ModelShape, asked: LoadOptions,
-               draft: DraftChoice, draft_shape: ModelShape | None = None,
-               projector: Path | None = None, hint: str | None = None,
-               prompt_chars: int = 0) -> Load:
-        """The load of `entry` for a request asking `asked` (checked already: drafting's
-        check_speculation) whose prompt is `prompt_chars` characters, under `config`. Probes
-        the GPU and may dry-run llama.cpp: seconds, so the scheduler calls it off the event
-        loop."""
-        name = entry.name.tagged
-        vision = {}  # (a planner without projectors is asked as before)
-        if projector is not None:
-            from localllm.modelstore.projector import projector_info
-
-            vision["projector"] = projector_info(projector)
-        plan = self.choose(shape, name, context_to_ask(config, asked.num_ctx, shape), asked,
-                           draft_shape, hint=hint, **vision)
-        plan, draft_path = with_speculation(entry, shape, plan, asked, draft, draft_shape)
-        bands = ()
-        if projector is None:
-            # The whole context's plan beside bands is planned for the prompt that enters it
-            # (profiles.bands), not the short ones the first band serves.
-            bands, plan = self.bands(shape, name, asked, plan, config.fill_bands, hint)
-        return Load(plan, asked, bands, first_band(bands, prompt_chars), draft_path,
-                    draft.name, projector, prompt_cache_bytes(config))
-
-    def choose(self, shape: ModelShape, model_name: str, n_ctx: int | None,
-               load: LoadOptions, draft_shape: ModelShape | None = None,
-               projector=None, hint: str | None = None) -> Plan:
-        """`projector`: a vision model's ProjectorInfo, planned on the card with the model
-        (profiles.vision). `hint`: what the loading request's route says of its session."""
-        from localllm.profiles.tuning.choose import choose_plan
-
-        card = self.card()
-        if projector is None:
-            return choose_plan(shape, model_name, n_ctx, load, card, draft_shape=draft_shape,
-                               hint=hint, config=self.config())
-        from localllm.profiles.planning.vision import plan_with_projector, projector_cost
-
-        return plan_with_projector(
-            card, projector_cost(projector),
-            lambda card: choose_plan(shape, model_name, n_ctx, load, card=card,
-                                     draft_shape=draft_shape, hint=hint, config=self.config()))
-
-    def bands(self, shape: ModelShape, model_name: str, load: LoadOptions, plan: Plan,
-              setting: str, hint: str | None = None) -> tuple[tuple[Plan, ...], Plan]:
-        """Plans for the fill bands below `plan`'s context (config fill_bands), and the whole
-        context's plan to load beside them (`plan` where there are none)."""
-        from localllm.profiles.tuning.bands import choose_bands
-
-        return choose_bands(shape, model_name, load, self.card(), plan, setting, hint,
-                            self.config())
-
-    def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
-                  error: str) -> Plan | None:
-        from localllm.profiles.tuning.choose import step_down
-
-        return step_down(plan, shape, self.card(), model_name, error, config=self.config())
-
-    def card(self):
-        """This machine's card as `tune` plans on it: the GPUs CUDA_VISIBLE_DEVICES and `gpus`
-        leave, with what `tune --measure` and `--calibrate` measured (the speed factors, the
-        bandwidths, the disk's read rate), so the daemon loads what `tune` explains."""
-        from localllm.llama.hardware import probe_card
-        from localllm.profiles.tuning.calibration import calibrated
-        from localllm.profiles.tuning.choose import gpus_setting
-
-        return calibrated(probe_card(gpus_setting(self.config())))
+        return cls(Plan.from_dict(data["plan"]), LoadOptions(**data.get("asked") or {}),
+                   tuple(Plan.from_dict(b) for b in data.get("bands") or ()),
+                   int(data.get("start_band") or 0), path(data.get("draft_path")),
+                   str(data.get("draft_name") or ""), path(data.get("projector")),
+                   int(data.get("prompt_cache_bytes") or 0), path(data.get("model_path")),
+                   int(data.get("image_tokens") or 0))
 
 
-def context_to_ask(config: Config, n_ctx: int | None, shape: ModelShape) -> int | None:
-    """The context a load asks the planner for: the request's num_ctx, else by policy."""
-    if n_ctx is not None:
-        return n_ctx
-    if config.context_policy == "fixed":
-        return config.default_ctx
-    if config.context_policy == "max":
-        return shape.context_length or config.default_ctx
-    return None  # "fit": the tuner picks the largest context that keeps the model fast
-
-
-def first_band(bands: tuple[Plan, ...], prompt_chars: int) -> int:
-    """The fill band the request that loads a model needs: its prompt's tokens, estimated from
-    its characters, and room to answer. len(bands) is the whole context's plan."""
-    need = prompt_chars // CHARS_PER_TOKEN + 256
-    return next((i for i, band in enumerate(bands) if band.n_ctx >= need), len(bands))
-
-
-def prompt_cache_bytes(config: Config) -> int:
-    """The RAM a runner may keep prompts of taken slots in (setting prompt_cache_ram)."""
-    if config.prompt_cache_ram != "auto":
-        return int(config.prompt_cache_ram) * 2**20
-    from localllm.llama.hardware import ram_available
-
-    return min(PROMPT_CACHE_AUTO_MAX, ram_available() // 4)
+def differs(speculative: str, draft_name: str, load: LoadOptions) -> bool:
+    """Whether a request's speculation load options need another load than one drafting with
+    `speculative` and the draft model `draft_name` ("": the catalog's pairing, or none)."""
+    if load.speculative is not None and load.speculative != speculative:
+        return True
+    if load.speculative is not None and mode_row(load.speculative).draft_model \
+            and load.draft_model is None and draft_name:
+        return True  # a draft model asked alone means the model's own pairing, not one named
+    return load.draft_model is not None and load.draft_model != draft_name

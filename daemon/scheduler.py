@@ -30,8 +30,9 @@ from localllm.config import Config
 from localllm.options import LoadOptions
 
 from .drafting import check_speculation, draft_model
+from .load import Load
 # Planner, context_to_ask and first_band are imported from here too (tests, callers).
-from .load import Load, Planner, context_to_ask, first_band  # noqa: F401
+from .planner import Planner, context_to_ask, first_band  # noqa: F401
 from .starting import RunnerStarter
 from .runner.process import RUNNER_COMMAND, RunnerProcess
 from .runner.protocol import Done

@@ -16,9 +16,11 @@ from pathlib import Path
 from localllm.config import Config
 from localllm.modelstore.shape import ModelShape
 from localllm.profiles.planning.plan import Plan
+from localllm.profiles.planning.vision import with_room_for_images
 
 from .crashes import Crashes
-from .load import Load, Planner
+from .load import Load
+from .planner import Planner
 from .runner.process import EngineCrashed, LoadError, RunnerProcess
 
 log = logging.getLogger("localllm.scheduler")
@@ -84,16 +86,14 @@ class RunnerStarter:
                     raise
                 log.warning("loading %s failed (%s); retrying with a smaller plan: %s",
                             name, e, smaller.reasons[-1] if smaller.reasons else "")
-                plan, bands = smaller, ()
+                # (the planner's rule for a projector's images holds for the smaller plan too)
+                plan, bands = with_room_for_images(smaller, load.image_tokens), ()
 
     async def _start(self, name: str, path, load: Load) -> RunnerProcess:
         """Start a runner with the load's values (a stepped-down plan in place of its own)."""
         plan, bands, start_band = load.plan, load.bands, load.start_band
-        runner = RunnerProcess(name, path, plan, self.log_dir / "runner.log",
-                               command=self.command, draft_model_path=load.draft_path,
-                               projector_path=load.projector,
-                               prompt_cache_bytes=load.prompt_cache_bytes, bands=bands,
-                               start_band=start_band)
+        runner = RunnerProcess.of(name, replace(load, model_path=Path(path)),
+                                  self.log_dir / "runner.log", self.command)
         log.info("loading %s: %s", name, "; ".join(plan.reasons))
         if start_band < len(bands):
             log.info("%s starts in the %d-token fill band (of %s): %s", name,

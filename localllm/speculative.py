@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 # The longest draft the runner checks in one pass.
 MAX_DRAFT = 8
+# A draft model's vocabulary may have this many more or fewer tokens than the model's (llama.cpp's
+# speculative example allows as much); the ids they share must mean the same text.
+VOCAB_SLACK = 128
 AUTO = "auto"  # a request's "the plan's choice"; the daemon resolves it before the runner
 
 

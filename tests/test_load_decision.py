@@ -4,16 +4,19 @@ Load the planner decides in one call, and a runner that is never sent "auto"."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 
 import pytest
+import synth_vision
 
 from localllm.config import Config
 from localllm.daemon.drafting import DraftChoice
-from localllm.daemon.load import Load, Planner
+from localllm.daemon.load import Load
+from localllm.daemon.planner import Planner
 from localllm.daemon.runner.engine import drafting_modes
 from localllm.daemon.runner.process import RunnerProcess
-from localllm.daemon.runner.protocol import Done, GenerationRequest
+from localllm.daemon.runner.protocol import OP_BY_NAME, OPS, Done, GenerationRequest, Loaded
 from localllm.daemon.scheduler import SERVED_REMEMBERED, LoadedModel
 from localllm.llama.params import context_params
 from localllm.modelstore.shape import read_shape
@@ -162,3 +165,36 @@ async def test_the_runner_is_sent_the_plans_mode_never_auto(tmp_path, smollm2_gg
 
 def replace_mode(plan: Plan, mode: str) -> Plan:
     return dataclasses.replace(plan, speculative=mode)
+
+
+def test_a_load_crosses_the_runner_pipe_as_one_value_and_is_rebuilt_the_same(tmp_path):
+    whole = cpu_plan(2048)
+    load = Load(whole, LoadOptions(num_ctx=2048, speculative="lookup"),
+                (dataclasses.replace(whole, n_ctx=512),), 0, tmp_path / "d.gguf", "d",
+                tmp_path / "p.gguf", 1 << 20, tmp_path / "m.gguf", 256)
+    wire = json.loads(json.dumps(load.to_wire()))  # as the pipe carries it
+    assert OPS[0].name == wire["op"] == "load" and OP_BY_NAME["load"].request is Load
+    assert OP_BY_NAME["load"].ends[0] is Loaded
+    assert Load.from_wire(wire) == load
+
+
+class SmallBatches(Planner):
+    def choose(self, shape, model_name, n_ctx, load, draft_shape=None, projector=None,
+               hint=None):
+        return dataclasses.replace(cpu_plan(1024), n_ubatch=64, n_batch=64)
+
+
+def test_planning_decides_the_images_micro_batch_and_no_bands_beside_a_projector(
+        home, store, smollm2_gguf, tmp_path):
+    entry = store.import_gguf(smollm2_gguf, "smollm2")
+    projector = synth_vision.write_projector(tmp_path / "mmproj.gguf",
+                                             synth_vision.PROJECTORS["gemma3-27b"],
+                                             fill="sparse")
+    config = Config(context_policy="fixed", default_ctx=1024, fill_bands="auto")
+    load = SmallBatches().decide(config, entry, read_shape(entry.model_path), LoadOptions(),
+                                 DraftChoice(), projector=projector)
+    # Gemma 3's projector attends across a whole image: its 256 tokens in one micro-batch
+    assert load.image_tokens == 256 and load.bands == ()
+    assert load.plan.n_ubatch == 256 and load.plan.n_batch == 256
+    assert any("one image's tokens are read in one" in r for r in load.plan.reasons)
+    assert load.model_path == entry.model_path and load.projector == projector

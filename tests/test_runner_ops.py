@@ -5,7 +5,9 @@ table and the wire alone (the runner tests drive the real engine through it)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from localllm.daemon.load import Load
 from localllm.daemon.runner.engine import Engine
 from localllm.daemon.runner.protocol import (
     ENDING_EVENTS,
@@ -18,6 +20,7 @@ from localllm.daemon.runner.protocol import (
     ExpertCache,
     Failure,
     GenerationRequest,
+    Loaded,
     Progress,
     SamplingOptions,
     Threads,
@@ -27,8 +30,12 @@ from localllm.daemon.runner.protocol import (
     event_from_wire,
     event_to_wire,
 )
+from localllm.options import LoadOptions
+from localllm.profiles.planning.plan import cpu_plan
 
 REQUESTS = (
+    Load(cpu_plan(1024), LoadOptions(num_ctx=1024), (cpu_plan(512),), 1, Path("/d.gguf"), "d",
+         None, 1 << 20, Path("/m.gguf")),
     GenerationRequest("g", "hi", SamplingOptions(temperature=0.0, stop=("\n",)), "root ::= x",
                       logprobs=2, prompt_logprobs=True, images=("aGk=",)),
     EmbedRequest("e", ("a cat", "a dog"), truncate=False, dimensions=64),
@@ -49,6 +56,8 @@ EVENTS_SEEN = (
     Threads(3, "busy"),
     Band(1, 2048, 0.5, 1, 0, "moved"),
     ExpertCache(16, 4, 350, 294, 72, 41, 2089984, 1),
+    Loaded(123, 5_000_000, 2048, 2, "pinned in place", {"slots": 16, "misses_on_gpu": True},
+           {"text": "3 GiB locked", "locked_bytes": 3 << 30}),
 )
 
 

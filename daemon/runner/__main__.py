@@ -2,7 +2,8 @@
 
     python -m localllm.daemon.runner
 
-The messages are in protocol.py. Two threads: one reads commands from stdin (a cancel takes
+The messages are in protocol.py: the first line is the op table's load (the daemon's `Load`,
+one value), answered by `Loaded`; then two threads: one reads commands from stdin (a cancel takes
 effect at once, between two decode steps), the main thread runs the engine's loop. Closing
 stdin ends the runner once what is in flight has finished or been cancelled.
 
@@ -21,9 +22,10 @@ import threading
 import time
 import traceback
 
-from .protocol import OP_BY_NAME, Failure, TokenCoalescer, event_to_wire
+from .protocol import OP_BY_NAME, Failure, Loaded, TokenCoalescer, event_to_wire
 
 log = logging.getLogger("localllm.runner")
+LOAD = OP_BY_NAME["load"]  # the first line's op
 
 
 class Channel:
@@ -59,8 +61,8 @@ def read_commands(engine, channel: Channel) -> None:
             continue
         send = (lambda event, rid=request_id: channel.send(event_to_wire(rid, event)))
         kind = OP_BY_NAME.get(op)
-        if kind is None:
-            log.error("unknown op %r; stopping", op)
+        if kind is None or kind is LOAD:
+            log.error("%s op %r; stopping", "a second" if kind else "unknown", op)
             break
         try:
             request = kind.request.from_wire(message)
@@ -89,35 +91,27 @@ def main() -> int:
     first = sys.stdin.readline()
     if not first:
         return 0
-    load = json.loads(first)
     try:
-        from localllm.profiles.planning.plan import Plan
+        load = LOAD.request.from_wire(json.loads(first))
 
         from .engine import Engine
 
         t0 = time.perf_counter_ns()
-        engine = Engine(load["model_path"], Plan.from_dict(load["plan"]),
-                        load.get("draft_model_path"),
-                        projector_path=load.get("projector_path"),
-                        prompt_cache_bytes=int(load.get("prompt_cache_bytes") or 0),
-                        bands=tuple(Plan.from_dict(b) for b in load.get("bands") or ()),
-                        start_band=int(load.get("start_band") or 0))
+        engine = getattr(Engine, LOAD.method)(load)
         load_ns = time.perf_counter_ns() - t0
     except Exception as e:  # any load failure is reported, then the runner exits
         log.error("load failed: %s", traceback.format_exc())
-        channel.send({"event": "load_failed", "message": str(e) or type(e).__name__})
+        channel.send(event_to_wire("", Failure(str(e) or type(e).__name__)))
         return 1
     engine.steps.on_threads = lambda event: channel.send(event_to_wire("", event))
     engine.bands.on_band = lambda event: channel.send(event_to_wire("", event))
     engine.replies.on_expert_cache = lambda event: channel.send(event_to_wire("", event))
     resident = engine.lm.resident
     pool = engine.model.expert_cache_stats()  # None: the plan asked none, or the engine refused
-    channel.send({"event": "loaded", "pid": os.getpid(), "load_duration_ns": load_ns,
-                  "n_ctx": engine.n_ctx, "n_parallel": len(engine.slots),
-                  "expert_cache": dataclasses.asdict(pool) if pool else None,
-                  "weights_in_ram": engine.lm.weights_in_ram,
-                  **({"past_ram": resident.report()} if resident else {})})
-    log.info("loaded %s with %d slots of %d tokens", load["model_path"], len(engine.slots),
+    channel.send(event_to_wire("", Loaded(
+        os.getpid(), load_ns, engine.n_ctx, len(engine.slots), engine.lm.weights_in_ram,
+        dataclasses.asdict(pool) if pool else None, resident.report() if resident else None)))
+    log.info("loaded %s with %d slots of %d tokens", load.model_path, len(engine.slots),
              engine.n_ctx)
     threading.Thread(target=read_commands, args=(engine, channel), daemon=True).start()
     try:

@@ -20,19 +20,19 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from localllm.llama.loaded import LoadedModel
 from localllm.llama.model import ModelLoadError, RequestError
 from localllm.llama.vision import MediaPrompt, is_image_token, text_tokens
 from localllm.profiles.planning.plan import Plan
-from localllm.speculative import ALIASES, BY_NAME, MAX_DRAFT, Mode, UnknownMode
+from localllm.speculative import ALIASES, BY_NAME, MAX_DRAFT, VOCAB_SLACK, Mode, UnknownMode
 from localllm.speculative import mode as mode_row
 
+from ..load import Load
 from . import checkpoints
 from .bands import FillBands
 from .protocol import (
-    VOCAB_SLACK,
     CpuShare,
     Done,
     EmbedRequest,
@@ -79,13 +79,9 @@ class Engine:
                  start_band: int = 0):
         """`bands`: plans for smaller contexts than `plan`'s, smallest first (fill bands: less
         KV leaves VRAM for more of the weights). The engine starts in `start_band` and moves
-        up when a sequence needs more room (bands.py); `plan` is the last band."""
-        if projector_path:
-            plan = with_room_for_images(plan, projector_path)
-        if bands and (projector_path or known_mode(plan).loaded):
-            log.info("fill bands off: a projector or a draft model is bound to the loaded "
-                     "model (the daemon does not send bands then)")
-            bands = ()
+        up when a sequence needs more room (bands.py); `plan` is the last band. What to load
+        is decided in the daemon's planning (daemon/planner.py): the bands (none beside a
+        projector or a drafter bound to the model) and the images' micro-batch come as given."""
         plans = (*bands, plan)
         start = max(0, min(start_band, len(plans) - 1))
         plan = plans[start]
@@ -128,6 +124,17 @@ class Engine:
         # Fewer decode threads while other processes hold cores (threads.py); each change
         # goes to `steps.on_threads` (the runner tells the daemon, which shows it in ps).
         self._pace(plan)
+
+    @classmethod
+    def from_load(cls, load: Load) -> Engine:
+        """The engine of the daemon's load (the op table's first op)."""
+        def path(p) -> str | None:
+            return str(p) if p is not None else None
+
+        return cls(str(load.model_path), load.plan, path(load.draft_path),
+                   projector_path=path(load.projector),
+                   prompt_cache_bytes=load.prompt_cache_bytes, bands=load.bands,
+                   start_band=load.start_band)
 
     def _pace(self, plan: Plan) -> None:
         """Prompt chunks and decode threads for the plan loaded (at start, after a band switch)."""
@@ -395,19 +402,6 @@ def known_mode(plan: Plan) -> Mode:
         return plan.draft_mode
     except UnknownMode as e:
         raise ModelLoadError(f"{e} (in the plan)") from None
-
-
-def with_room_for_images(plan: Plan, projector_path: str) -> Plan:
-    """A projector that attends across a whole image (Gemma 3's) needs the image's tokens in
-    one micro-batch: raise n_ubatch (and n_batch) to the tokens of one image where short."""
-    from localllm.modelstore.projector import projector_info
-
-    tokens = projector_info(projector_path).tokens_per_image or 0
-    if tokens <= plan.n_ubatch:
-        return plan
-    return replace(plan, n_ubatch=tokens, n_batch=max(plan.n_batch, tokens),
-                   reasons=plan.reasons + (f"micro-batch raised to {tokens}: one image's "
-                                           f"tokens are read in one",))
 
 
 def prompt_chunk(plan: Plan, n_batch: int) -> int:

@@ -28,6 +28,7 @@ from localllm.paths import open_private_log
 from localllm.profiles.planning.plan import Plan
 from localllm.speculative import SPECULATIVE_CHOICES
 
+from ..load import Load
 from ..logging_setup import LOG_FILE_BACKUPS, LOG_FILE_BYTES
 from .protocol import (
     ENDING_EVENTS,
@@ -41,6 +42,7 @@ from .protocol import (
     ExpertCache,
     Failure,
     GenerationRequest,
+    Loaded,
     Request,
     Threads,
     Token,
@@ -104,8 +106,11 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
         self.model_name = model_name
         self.projector_path = projector_path
         self.model_path = model_path
-        self.draft_model_path = draft_model_path
         self.plan = plan  # the whole context's: what the load was asked for
+        # what crosses the pipe, one value (the scheduler's load, as started: starting.py)
+        self.load = Load(plan, bands=tuple(bands), start_band=start_band,
+                         draft_path=draft_model_path, projector=projector_path,
+                         prompt_cache_bytes=prompt_cache_bytes, model_path=model_path)
         # decided at start: what each `speculative` a request may say runs as (Plan.request_mode)
         self.request_modes = {name: plan.request_mode(name) for name in SPECULATIVE_CHOICES}
         self.bands = tuple(bands)
@@ -113,7 +118,6 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
         self.band_pauses: list[float] = []  # seconds each band switch stopped decoding
         self.log_path = log_path
         self.command = tuple(command)
-        self.prompt_cache_bytes = prompt_cache_bytes  # RAM for prompts of taken slots
         self.proc: asyncio.subprocess.Process | None = None
         self.load_duration_ns = 0
         self.n_ctx = plan.n_ctx
@@ -150,6 +154,14 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
                 "bands": [b.n_ctx for b in (*self.bands, self.plan)],
                 "switch_pauses": [round(p, 3) for p in self.band_pauses]}
 
+    @classmethod
+    def of(cls, name: str, load: Load, log_path: Path, command: Sequence[str]) -> RunnerProcess:
+        """The runner of the scheduler's `load` (its model_path set), which crosses as it is."""
+        runner = cls(name, load.model_path, load.plan, log_path, command, load.draft_path,
+                     load.projector, load.prompt_cache_bytes, load.bands, load.start_band)
+        runner.load = load
+        return runner
+
     def figures(self) -> dict:
         """What the runner has done since its load (the Engine's figures, daemon/engine.py)."""
         return {"loaded_at": self.loaded_at, "load_duration": self.load_duration_ns,
@@ -171,12 +183,7 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr,
                 limit=STREAM_LIMIT, env=runner_env(self.plan),
             )
-        self._send({"op": "load", "model_path": str(self.model_path),
-                    "plan": self.plan.to_dict(),
-                    "draft_model_path": str(self.draft_model_path or "") or None,
-                    "projector_path": str(self.projector_path or "") or None,
-                    "prompt_cache_bytes": self.prompt_cache_bytes,
-                    "bands": [b.to_dict() for b in self.bands], "start_band": self.band})
+        self._send(self.load.to_wire())
         try:
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         except TimeoutError:
@@ -189,24 +196,21 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
             raise exit_while_loading(self.model_name, await self._release(), self.plan,
                                      self.log_path)
         try:
-            reply = json.loads(line)
-        except ValueError:
-            reply = {"message": f"unreadable answer {line[:200]!r}"}
-        if reply.get("event") != "loaded":
+            loaded = event_from_wire(json.loads(line))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            loaded = Failure(f"unreadable answer {line[:200]!r}")
+        if not isinstance(loaded, Loaded):
             self.proc.kill()
             await self._release()
-            raise LoadError(f"cannot load {self.model_name}: {reply.get('message')}",
+            raise LoadError(f"cannot load {self.model_name}: {getattr(loaded, 'message', '')}",
                             refused=True)
-        self.load_duration_ns = reply["load_duration_ns"]
-        self.n_ctx = reply["n_ctx"]
-        self.n_parallel = reply.get("n_parallel", 1)
-        # Past RAM: the weights the runner locked in RAM and those read per token (llama/resident)
-        self.past_ram = reply.get("past_ram")
+        self.load_duration_ns, self.n_ctx = loaded.load_duration_ns, loaded.n_ctx
+        self.n_parallel, self.past_ram = loaded.n_parallel, loaded.past_ram
         # what really holds the weights in RAM (llama/model.py), which a refused pin changes
-        self.weights_in_ram = reply.get("weights_in_ram", "")
-        if reply.get("expert_cache"):
-            self.expert_cache = ExpertCache(**reply["expert_cache"])
-        warn_of_refusals(self.model_name, self.plan, reply, self.log_path)
+        self.weights_in_ram = loaded.weights_in_ram
+        if loaded.expert_cache:
+            self.expert_cache = ExpertCache(**loaded.expert_cache)
+        warn_of_refusals(self.model_name, self.plan, loaded, self.log_path)
         if self.past_ram:
             log.info("runner for %s, past RAM: %s", self.model_name, self.past_ram["text"])
         self.loaded_at = time.time()
@@ -392,13 +396,13 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
         return await self.proc.wait()
 
 
-def warn_of_refusals(model_name: str, plan: Plan, loaded: dict, log_path: Path) -> None:
-    """Log what the plan asked that the runner's `loaded` reply says did not happen."""
-    if plan.pin_in_place and loaded.get("weights_in_ram", "") != "pinned in place":
+def warn_of_refusals(model_name: str, plan: Plan, loaded: Loaded, log_path: Path) -> None:
+    """Log what the plan asked that the runner's Loaded says did not happen."""
+    if plan.pin_in_place and loaded.weights_in_ram != "pinned in place":
         log.warning("runner for %s: the plan pins the weights in RAM in place and the driver "
                     "refused: they were copied into pinned memory instead (see %s)",
                     model_name, log_path)
-    cache = loaded.get("expert_cache")
+    cache = loaded.expert_cache
     if plan.expert_cache_slots and not cache:
         log.warning("runner for %s: the plan asked an expert cache of %d slots and llama.cpp "
                     "made none (see %s)", model_name, plan.expert_cache_slots, log_path)

@@ -7,9 +7,12 @@ the pipe to the runner process as JSON lines (`to_wire` / `event_from_wire`), an
 both sides keep are here too.
 
 `OPS` is the one table of what a runner serves: each op's request type, the events that end it
-and the Engine method that answers it. The runner's command loop (__main__.py) and the daemon's
-RunnerProcess (process.py) both read it, so a new op is a request type and its answer here, a
-row in `OPS`, the Engine method, and (for the daemon's callers) a RunnerProcess method.
+and the Engine method that answers it. The runner's command loop (__main__.py) and the
+daemon's RunnerProcess (process.py) both read it, so a new op is a request type and its answer
+here, a row in `OPS`, the Engine method, and (for the daemon's callers) a RunnerProcess method.
+Its first op is the load: the daemon's frozen `Load` (daemon/load.py) as one value, rebuilt as
+the same dataclass in the runner, answered by one `Loaded` event (or a Failure); the runner
+decides nothing about it again.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import ClassVar
 from localllm.llama.expert_cache import ExpertCacheStats
 from localllm.options import SamplingOptions
 
+from ..load import Load
+
 DEFAULT_CTX = 4096
 # Where an image goes in a prompt: mtmd's default media marker (mtmd_default_marker()).
 IMAGE_MARKER = "<__media__>"
@@ -28,10 +33,6 @@ IMAGE_MARKER = "<__media__>"
 # within this; one that stays silent longer is taken for hung and stopped.
 RUNNER_SILENCE_S = 300.0
 
-
-# A draft model's vocabulary may have this many more or fewer tokens than the model's (llama.cpp's
-# speculative example allows as much); the ids they share must mean the same text.
-VOCAB_SLACK = 128
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -229,6 +230,19 @@ class ExpertCache(ExpertCacheStats):
 
 
 @dataclass(frozen=True)
+class Loaded:
+    """The answer to the load: what the runner holds now, as llama.cpp made it."""
+    kind: ClassVar[str] = "loaded"
+    pid: int
+    load_duration_ns: int
+    n_ctx: int  # the context a request may fill (the whole plan's, when it starts in a band)
+    n_parallel: int
+    weights_in_ram: str = ""  # what holds the weights in RAM (llama/model.py)
+    expert_cache: dict | None = None  # the pool's ExpertCacheStats fields (None: none made)
+    past_ram: dict | None = None  # weights locked in RAM and those read per token (resident)
+
+
+@dataclass(frozen=True)
 class Failure:
     kind: ClassVar[str] = "error"
     message: str
@@ -236,8 +250,8 @@ class Failure:
 
 
 Event = (Token | Done | Failure | Progress | Embeddings | TokenCount | Threads | Band
-         | ExpertCache)
-Request = GenerationRequest | EmbedRequest | TokenizeRequest | CpuShare
+         | ExpertCache | Loaded)
+Request = Load | GenerationRequest | EmbedRequest | TokenizeRequest | CpuShare
 
 
 @dataclass(frozen=True)
@@ -254,6 +268,8 @@ class Op:
 
 
 OPS = (
+    # the first line a runner reads; its method is the Engine's constructor from the Load
+    Op("load", Load, (Loaded, Failure), "from_load"),
     Op("generate", GenerationRequest, (Done, Failure), "submit", stream=True),
     Op("embed", EmbedRequest, (Embeddings, Failure), "embed"),
     Op("tokenize", TokenizeRequest, (TokenCount, Failure), "tokenize"),
@@ -270,7 +286,7 @@ EVENT_KINDS = {cls: cls.kind for cls in EVENTS}  # each class's "event" on the w
 EVENT_BY_KIND = {cls.kind: cls for cls in EVENTS}
 
 
-def request_to_wire(request: Request) -> dict:
+def request_to_wire(request) -> dict:
     return {**asdict(request), "op": OP_OF_REQUEST[type(request)].name}
 
 

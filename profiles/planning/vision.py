@@ -51,6 +51,16 @@ def image_seconds(cost: ProjectorCost, card: Card, on_gpu: bool) -> float:
     return cost.flops / (CPU_FLOPS_PER_CORE * max(1, card.cores))
 
 
+def with_room_for_images(plan: Plan, image_tokens: int) -> Plan:
+    """A projector that attends across a whole image (Gemma 3's) needs the image's tokens in
+    one micro-batch: n_ubatch (and n_batch) raised to `image_tokens` where short."""
+    if image_tokens <= plan.n_ubatch:
+        return plan
+    return replace(plan, n_ubatch=image_tokens, n_batch=max(plan.n_batch, image_tokens),
+                   reasons=plan.reasons + (f"micro-batch raised to {image_tokens}: one image's "
+                                           f"tokens are read in one",))
+
+
 def plan_with_projector(card: Card, cost: ProjectorCost,
                         plan_for: Callable[[Card], Plan]) -> Plan:
     """The language model planned on the card less the projector's room (projector on the GPU),

@@ -226,10 +226,14 @@ def child(model: str, mmproj: str, size: int) -> int:
     from localllm.daemon.runner.protocol import (
         IMAGE_MARKER, Done, Failure, GenerationRequest, SamplingOptions,
     )
+    from localllm.modelstore.projector import projector_info
     from localllm.profiles.planning.plan import Plan
+    from localllm.profiles.planning.vision import with_room_for_images
 
-    engine = Engine(model, Plan.from_dict(json.loads(sys.stdin.read())), None,
-                    projector_path=mmproj)
+    # the daemon's planner raises the micro-batch to one image's tokens (daemon/planner.py)
+    plan = with_room_for_images(Plan.from_dict(json.loads(sys.stdin.read())),
+                                projector_info(mmproj).tokens_per_image or 0)
+    engine = Engine(model, plan, None, projector_path=mmproj)
     threading.Thread(target=engine.run, daemon=True).start()
     done, events = threading.Event(), []
 
