@@ -28,6 +28,7 @@ from localllm.modelstore.store import DamagedModel, ModelEntry, ModelStore, proj
 
 from localllm.config import Config
 from localllm.options import LoadOptions
+from localllm.profiles.tuning.served import ServedRecords, drained
 
 from .drafting import check_speculation, draft_model
 from .load import Load
@@ -139,6 +140,7 @@ class Scheduler:
                 await self._reaper
         for name in list(self.models):
             await self.unload(name)
+        await drained()  # the tuner's records of the last answers, written before we go
 
     def apply_config(self, config: Config) -> None:
         """Settings that take effect without a restart: keep_alive default, limits, defaults."""
@@ -273,6 +275,7 @@ class Scheduler:
         # One planning call decides the load (it may probe the GPU and dry-run llama.cpp:
         # seconds, off the event loop).
         started = time.monotonic()
+        await drained()  # what the answers served so far taught the tuner, written
         decided = await asyncio.to_thread(
             self.planner.decide, self.config, entry, shape, load, draft, draft_shape,
             projector_path(self.store, entry), hint, prompt_chars)
@@ -281,21 +284,24 @@ class Scheduler:
         runner = await self.starter.start(name, path, shape, decided)
         model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                             load=decided, keep_alive=self.config.keep_alive_seconds)
-        runner.on_drafts = DraftCounts(name, shape.file_size).add
-        runner.on_done = lambda done: self._served(model, done)
+        records = ServedRecords(name, shape.file_size, shape.expert_count)
+        runner.on_drafts = records.drafted
+        runner.on_done = lambda done: self._served(model, records, done)
         runner.on_death = lambda plan, why: self.crashes.record(name, plan, why,
                                                                  runner.log_path)
         self.models[name] = model
         return model
 
-    def _served(self, model: LoadedModel, done: Done) -> None:
-        """After each answer: its record for the tuner, and a re-plan where due (once a model)."""
-        name = model.entry.name.tagged
+    def _served(self, model: LoadedModel, records: ServedRecords, done: Done) -> None:
+        """After each answer: its records for the tuner (written off the event loop), and a
+        re-plan where due (once a model)."""
+        name, runner = model.entry.name.tagged, model.runner
         if self.on_answer is not None:
             self.on_answer(name, done)
-        record_served(name, done)
-        record_expert_hits(name, model.shape, model.runner)
-        if name not in self._replanned and (why := replan_reason(model, self.config)):
+        records.answered(done.prompt_tokens, done.prompt_tokens - done.cached_tokens,
+                         done.eval_count, runner.expert_cache)
+        if name not in self._replanned and (why := records.replan_reason(
+                runner.expert_cache, runner.running_plan, self.config.expert_cache)):
             self._replanned.add(name)
             model.replan = why
             log.info("%s: %s; it loads again with a plan priced from that once idle", name, why)
@@ -373,68 +379,6 @@ class Scheduler:
                 await asyncio.wait({woken}, timeout=max(next_check, 0.05))
             finally:
                 woken.cancel()
-
-
-class DraftCounts:
-    """A loaded model's draft acceptance, written for the tuner (profiles/acceptance.py) every
-    FLUSH_DRAFTED drafted tokens per mode rather than after every answer."""
-
-    FLUSH_DRAFTED = 64
-
-    def __init__(self, model: str, file_size: int):
-        self.model, self.file_size = model, file_size
-        self.pending: dict[str, list[int]] = {}
-
-    def add(self, mode: str, drafted: int, accepted: int) -> None:
-        counts = self.pending.setdefault(mode, [0, 0])
-        counts[0] += drafted
-        counts[1] += accepted
-        if counts[0] >= self.FLUSH_DRAFTED:
-            from localllm.profiles.tuning.acceptance import record
-
-            try:
-                record(self.model, self.file_size, mode, *counts)
-            except OSError as e:  # a full disk must not fail the answer
-                log.warning("could not save draft acceptance: %s", e)
-            self.pending[mode] = [0, 0]
-
-
-def record_served(model: str, done: Done) -> None:
-    """The lengths of an answered request, into the model's record the tuner learns its
-    workload from (profiles.traffic)."""
-    from localllm.profiles.tuning.traffic import record
-
-    try:
-        record(model, done.prompt_tokens, done.prompt_tokens - done.cached_tokens,
-               done.eval_count)
-    except OSError as e:  # a full disk must not fail the answer
-        log.warning("could not save the workload record: %s", e)
-
-
-def record_expert_hits(model: str, shape: ModelShape, runner: RunnerProcess) -> None:
-    """The expert cache's hits so far, for the tuner's next pricing of a pool for this model
-    (profiles/tuning/expert_hits.py); nothing for a model without a pool."""
-    if runner.expert_cache is None:
-        return
-    from localllm.profiles.tuning.expert_hits import record_pool
-
-    try:
-        record_pool(model, shape.file_size, shape.expert_count, runner.expert_cache)
-    except OSError as e:  # a full disk must not fail the answer
-        log.warning("could not save the expert cache's hit rate: %s", e)
-
-
-def replan_reason(model: LoadedModel, config: Config) -> str:
-    """Why a loaded model should be planned again once idle ("": it should not): its expert
-    pool, sized by `auto`, hits far from the rate its plan was priced with
-    (profiles/tuning/expert_hits.py)."""
-    runner = model.runner
-    if runner.expert_cache is None:
-        return ""
-    from localllm.profiles.tuning.expert_hits import pool_far_from_its_price
-
-    return pool_far_from_its_price(runner.expert_cache, runner.running_plan,
-                                   config.expert_cache)
 
 
 def computes_on_cpu(model: LoadedModel) -> bool:

@@ -21,13 +21,14 @@ import pytest
 import synth_gguf
 
 from conftest import import_models
-from daemon_process import isolated_env, start_daemon
+from daemon_process import isolated_env, start_daemon, wait_for
 from localllm.config import Config
 from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.daemon.scheduler import Planner, Scheduler
 from localllm.options import LoadOptions
 from localllm.profiles.planning.plan import cpu_plan
 from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, REPLAN_HIT_GAP, measured_hits
+from localllm.profiles.tuning.served import drained
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "assistant:")
@@ -107,10 +108,15 @@ def test_a_daemon_with_the_setting_answers_alike_and_reports_hits(tmp_path, moe_
         assert stats["plan"]["expert_cache_slots"] == 16
         assert any(r.startswith("expert cache on: 16 expert slots") and "in RAM" in r
                    for r in stats["plan"]["reasons"]), stats["plan"]["reasons"]
-        # what the pool hit is kept for the tuner's next pricing of this model's pool
-        [hits_file] = Path(d.env["XDG_CONFIG_HOME"]).glob("**/expert_hits.toml")
-        kept = tomllib.loads(hits_file.read_text())["moe:latest"][f"{16 / (4 * 32):.4f}"]
-        assert (kept["hits"], kept["misses"]) == (cache["hits"], cache["misses"])
+        # what the pool hit is kept for the tuner's next pricing of this model's pool (written
+        # off the daemon's event loop, soon after the answer)
+        def kept() -> dict | None:
+            found = list(Path(d.env["XDG_CONFIG_HOME"]).glob("**/expert_hits.toml"))
+            doc = tomllib.loads(found[0].read_text()) if found else {}
+            return doc.get("moe:latest", {}).get(f"{16 / (4 * 32):.4f}")
+
+        row = wait_for(kept, 30, what="the pool's hits recorded")
+        assert (row["hits"], row["misses"]) == (cache["hits"], cache["misses"])
 
         ps = d.ps()[0]
         assert ps["expert_cache"]["slots"] == 16
@@ -212,6 +218,7 @@ async def test_a_pool_that_misses_its_price_is_planned_again_from_its_hits(
         assert scheduler.models[name].replan == (
             f"its expert cache hit {pool.hits / lookups:.0%} of {lookups} lookups where the "
             f"plan assumed {FIRST_PRICE:.0%}")
+        await drained()  # written off the event loop (the next load's planning waits so too)
         assert measured_hits(name, entry.model_path.stat().st_size)  # stored for the tuner
 
         async with scheduler.use(entry, load) as runner:  # idle now: loaded again

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 from pathlib import Path
 
 import anthropic
@@ -17,8 +18,9 @@ import pytest
 from dataclasses import replace
 
 from conftest import import_models
-from daemon_process import isolated_env, start_daemon
-from localllm.profiles.tuning import traffic
+from daemon_process import isolated_env, start_daemon, wait_for
+from localllm.profiles.tuning import acceptance, traffic
+from localllm.profiles.tuning.served import ServedRecords, drained
 from localllm.profiles.planning.workload import AGENT, CHAT, MIN_LEARNED, learned
 
 # About 2250 tokens: a long prompt (LONG_PROMPT is 2048) that a busy 2-core CPU reads soon.
@@ -128,8 +130,14 @@ def test_after_a_run_of_long_prompts_the_next_load_is_planned_for_them(daemon):
                                  keep_alive=0 if i == long_ones - 1 else None)
         assert answer.prompt_eval_count > 2048
     record = Path(daemon.env["XDG_STATE_HOME"]) / "localllm" / "workload.json"
+
+    def rows_kept() -> list:  # written off the daemon's event loop, soon after each answer
+        doc = json.loads(record.read_text()) if record.exists() else {}
+        rows = doc.get("models", {}).get("smollm2:latest", [])
+        return rows if len(rows) == MIN_LEARNED else []
+
+    rows = wait_for(rows_kept, 30, what="the workload record of every answer")
     assert stat.S_IMODE(os.stat(record).st_mode) == 0o600
-    rows = json.loads(record.read_text())["models"]["smollm2:latest"]
     assert len(rows) == MIN_LEARNED and all(p > 2048 and a <= 4 for p, _, a in rows[1:])
 
     # The next load: planned for the mix served, which ps shows with where it came from.
@@ -189,3 +197,29 @@ def test_with_default_settings_the_band_a_16k_prompt_enters_reads_it_as_the_agen
     assert 16384 / ttft > 1.2 * {"dense-27b": 405, "qwen35-27b": 772}[name]  # fit q8_0
     assert any("planned for the prompt that moves a runner past 8192" in r
                for r in entered.reasons)
+
+
+# ---- the records, off the event loop ----------------------------------------------------------
+
+async def test_what_serving_teaches_the_tuner_is_written_off_the_event_loop_in_order(
+        home, monkeypatch):
+    writers: list[str] = []
+    real = traffic.record
+    monkeypatch.setattr(traffic, "record", lambda *args: (
+        writers.append(threading.current_thread().name), real(*args))[1])
+    records = ServedRecords("m", 100)
+    for i in range(3):
+        records.answered(1000 + i, 900, 10)
+    await drained()  # the planner of the next load waits for them so
+    assert traffic.served("m") == [(1000, 900, 10), (1001, 900, 10), (1002, 900, 10)]
+    assert len(writers) == 3 and threading.current_thread().name not in writers
+    assert all(name.startswith("tuner-records") for name in writers)
+
+    # Draft acceptance: written once a mode has drafted FLUSH_DRAFTED tokens, not per answer.
+    kept = acceptance.acceptance_file()
+    records.drafted("lookup", ServedRecords.FLUSH_DRAFTED - 1, 30)
+    await drained()
+    assert not kept.exists()
+    records.drafted("lookup", 1, 1)
+    await drained()
+    assert kept.exists() and "lookup" in kept.read_text()

@@ -187,7 +187,7 @@ def never_accepted(model: Path, env: dict) -> None:
     drafting at the assumed 70% acceptance (VRAM for the NextN block, its KV, a pool priced
     with the drafts' speed), and the bench, which asks every request with `speculative: off`
     to compare plain decode with llama-server's, measures a plan made for something else. The
-    record is the one `DraftCounts` writes after MIN_DRAFTED drafted tokens
+    record is the one `ServedRecords.drafted` writes after MIN_DRAFTED drafted tokens
     (profiles/tuning/acceptance.py). BENCH_DRAFTS=assumed leaves it out."""
     from localllm.profiles.tuning.acceptance import MIN_DRAFTED, record
     from localllm.speculative import DRAFTING_MODES
