@@ -312,7 +312,8 @@ def test_the_daemon_loads_fill_bands_only_where_they_move_weights(shapes):
     assert [b.n_ctx for b in bands] == [8192, 32768]
     # Beside bands the whole context is entered by a prompt past 32K: planned for reading it.
     assert entered.n_ctx == whole.n_ctx
-    assert entered.workload.startswith("agent (long prompt): conversations that open with about 65536 tokens")
+    assert entered.workload.startswith(
+        "agent (long prompt): conversations that open with about 65536 tokens")
     assert (entered.type_k, entered.n_parallel) == (whole.type_k, whole.n_parallel)
     assert entered.n_ubatch >= max(1024, whole.n_ubatch)
     assert dict(entered.predicted_ttft)[65536] < dict(whole.predicted_ttft)[65536]
