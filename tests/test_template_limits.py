@@ -13,6 +13,8 @@ import urllib.request
 
 import pytest
 
+from localllm.daemon.chat.template import RENDER_SECONDS
+
 LOOPS = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
          "{{ messages[0].content }}")
 
@@ -64,7 +66,11 @@ def test_another_models_chat_is_not_slowed_by_24_hostile_renders(fresh_daemon):
         for t in flood:
             t.join()
     assert still_rendering >= 12, "the flood was still running when the other chat answered"
-    assert during < baseline + 1.0, (during, baseline)
+    # Queued behind the flood (one shared pool, as before), the chat waited for several hostile
+    # renders to hit their limit (24 x 2 s over 6 threads: 7.9 s were seen); not queued, it
+    # waits for none of them. Under a loaded CPU the hostile renders still take their share of
+    # the cores (1.4 s were seen on 2 busy cores), so the bound is one render's time limit.
+    assert during < baseline + RENDER_SECONDS, (during, baseline)
     assert set(finished) == {400}  # each hostile render: the time limit, named
 
 
