@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from .common import bad_request, read_json
+from .common import read_json
 from .openai import read_chat
 from .respond import count_prompt_tokens
 from .responses import read_turn
@@ -31,7 +31,5 @@ async def responses_input_tokens(request: web.Request) -> web.Response:
 async def chat_input_tokens(request: web.Request) -> web.Response:
     body = await read_json(request)
     entry, custom, chat = await read_chat(request, {**body, "stream": False})
-    if entry.remote is not None:
-        raise bad_request(f"{entry.name} is a remote model: its prompt is counted by the "
-                          "server that runs it", "model")
+    # (a remote model: its engine refuses to count, as on every counting route)
     return _answer(await count_prompt_tokens(request.app, entry, chat, custom))
