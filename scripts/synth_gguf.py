@@ -293,7 +293,8 @@ _FILE_TYPES = {"F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16,
 
 
 def _add_metadata(w: GGUFWriter, c: ShapeConfig, qtype: GGMLQuantizationType,
-                  specials: tuple[str, ...] = (), chat_template: str | None = None) -> None:
+                  specials: tuple[str, ...] = (), chat_template: str | None = None,
+                  words: tuple[str, ...] = ()) -> None:
     w.add_name(f"synthetic {c.name}")
     w.add_file_type(int(_FILE_TYPES.get(qtype.name, LlamaFileType.GUESSED)))
     w.add_context_length(c.context_length)
@@ -337,14 +338,17 @@ def _add_metadata(w: GGUFWriter, c: ShapeConfig, qtype: GGMLQuantizationType,
         w.add_ssm_group_count(s["n_group"])
         w.add_ssm_time_step_rank(s["dt_rank"])
         w.add_ssm_inner_size(s["d_state"] * s["dt_rank"])
-    _add_vocab(w, c.n_vocab, specials)
+    _add_vocab(w, c.n_vocab, specials, words)
     if chat_template:
         w.add_chat_template(chat_template)
 
 
-def _add_vocab(w: GGUFWriter, n_vocab: int, specials: tuple[str, ...] = ()) -> None:
+def _add_vocab(w: GGUFWriter, n_vocab: int, specials: tuple[str, ...] = (),
+               words: tuple[str, ...] = ()) -> None:
     """A SentencePiece-style vocabulary: unk/bos/eos, any named control tokens, the 256 byte
-    tokens (so any text tokenizes), printable characters, then filler pieces up to the shape's
+    tokens (so any text tokenizes), printable characters, every prefix of each of `words`
+    (a word then reads as one token, as a real vocabulary reads common words: SentencePiece
+    merges a pair only into a piece the vocabulary has), then filler pieces up to the shape's
     vocabulary size."""
     tokens: list[bytes] = [b"<unk>", b"<s>", b"</s>"] + [t.encode() for t in specials]
     types = [2, 3, 3] + [3] * len(specials)  # unknown, control, control
@@ -354,6 +358,14 @@ def _add_vocab(w: GGUFWriter, n_vocab: int, specials: tuple[str, ...] = ()) -> N
         if len(tokens) < n_vocab:
             tokens.append(ch.encode())
             types.append(1)
+    known = set(tokens)
+    for word in words:
+        for end in range(2, len(word) + 2):
+            for piece in (("\u2581" + word)[:end].encode(), word[:end].encode()):
+                if piece not in known and len(tokens) < n_vocab:
+                    known.add(piece)
+                    tokens.append(piece)
+                    types.append(1)
     tokens += [f"\u2581t{i}".encode() for i in range(n_vocab - len(tokens))]
     types += [1] * (n_vocab - len(types))
     tokens, types = tokens[:n_vocab], types[:n_vocab]
@@ -409,7 +421,7 @@ def _encode(rows: np.ndarray, ggml_type: GGMLQuantizationType) -> bytes:
 def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
                fill: str = "sparse", seed: int = 0, split: tuple[int, int] | None = None,
                specials: tuple[str, ...] = (), chat_template: str | None = None,
-               routing: str = "uniform") -> Path:
+               routing: str = "uniform", words: tuple[str, ...] = ()) -> Path:
     """Write the model; return its path. `fill` is sparse, random, noise or zeros: random tiles
     a few random rows (disk speed, for big shapes), noise draws every weight (tiny shapes: a
     model whose logits differ from token to token, for tests of exact greedy output).
@@ -428,7 +440,7 @@ def write_gguf(path: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
              for name, dims in tensor_table(config)]
     w = GGUFWriter(path, config.arch)
     if split is None or split[0] == 0:
-        _add_metadata(w, config, quant, specials, chat_template)
+        _add_metadata(w, config, quant, specials, chat_template, words)
     if split is not None:
         index, count = split
         per_part = -(-len(table) // count)
@@ -495,18 +507,20 @@ def write_table(w: GGUFWriter, path: Path, table: list[tuple[str, tuple[int, ...
 
 
 def ensure_model(directory: str | Path, config: ShapeConfig, qtype: str = "Q4_0",
-                 routing: str = "uniform") -> Path:
+                 routing: str = "uniform", words: tuple[str, ...] = (),
+                 vocab_tag: str = "") -> Path:
     """`directory`/NAME-q4_0.gguf (NAME-q4_0-zipf0.8.gguf, NAME-q4_0-local2_0_1.gguf) with random
     weights, written unless it is there (benchmarks on the GPU machine share one copy per
-    shape)."""
+    shape). `words` (named by `vocab_tag` in the file name) go into the vocabulary whole."""
     synth_routing.parse(routing)  # a bad spec fails before anything is written
     tag = "" if routing == "uniform" else "-" + routing.replace(":", "").replace(",", "_")
+    tag += f"-{vocab_tag}" if vocab_tag else ""
     path = Path(directory) / f"{config.name}-{qtype.lower()}{tag}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         tmp = path.with_suffix(".tmp")  # a run killed mid-write leaves no half model behind
-        write_gguf(tmp, config, qtype, "random", routing=routing)
+        write_gguf(tmp, config, qtype, "random", routing=routing, words=words)
         tmp.replace(path)
         print(f"wrote {path} in {time.monotonic() - started:.0f} s", flush=True)
     return path

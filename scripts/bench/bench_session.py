@@ -232,8 +232,12 @@ class Fit:
                *(["-t", str(threads)] if threads > 0 else []), "-np", "1", "-fa", "on",
                "-ctk", kv, "-ctv", kv, "--port", str(port), "--host", "127.0.0.1", *extra]
         self.log = open(log, "w")  # noqa: SIM115 (closed in stop(), after the server)
+        env = dict(os.environ)
+        if os.sep in binary:  # a build of its own: its libraries, not those on the path before
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                p for p in (str(Path(binary).parent), env.get("LD_LIBRARY_PATH")) if p)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         self.url = f"http://127.0.0.1:{port}"
         wait_healthy(self.proc, self.url, log, 600)
 

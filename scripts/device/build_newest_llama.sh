@@ -4,13 +4,16 @@
 # the folder. A build carried back from an earlier call (.device-carry/newest-llama.tar.xz) is
 # unpacked in seconds; otherwise the carried source is built (all cores) and the binaries and
 # libraries are packed into $OUT/newest.part-* (cat them into .device-carry/newest-llama.tar.xz
-# here for the next call).
+# here for the next call); a build an earlier call left on the same (still warm) machine is
+# used as it is.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 carry=$root/.device-carry
 dest=/tmp/newest/bin
 mkdir -p "$dest"
-if [ -f "$carry/newest-llama.tar.xz" ]; then
+if [ -x "$dest/llama-server" ] && [ -f "$dest/SOURCE" ]; then
+  echo "newest llama.cpp: built by an earlier call on this machine ($(cat "$dest/SOURCE"))" >&2
+elif [ -f "$carry/newest-llama.tar.xz" ]; then
   tar xJf "$carry/newest-llama.tar.xz" -C "$dest"
   echo "newest llama.cpp: unpacked the carried build ($(cat "$dest/SOURCE"))" >&2
 else
