@@ -21,8 +21,9 @@ the cache: usage.prompt_tokens_details.cached_tokens for ours, timings.prompt_n 
 llama-server), answer tokens. Per session: the sum. Systems: `ours` (default settings, the
 budget given as the daemon's VRAM margin), `fit-KV` (llama-server on PATH, `--fit on` for the
 same budget, KV type f16 or q8_0), `newest-fit-KV` (the newest llama.cpp's llama-server,
-scripts/device/build_newest_llama.sh, given by --newest-bin). Writes replay.jsonl and replay.md
-under --out ($OUT when set).
+scripts/device/build_newest_llama.sh, given by --newest-bin), `newest-cache-KV` (the same with
+llama.cpp's own expert cache, `--moe-cache-mib`, which --fit is told to leave free). Writes
+replay.jsonl and replay.md under --out ($OUT when set).
 """
 
 from __future__ import annotations
@@ -196,13 +197,14 @@ def start(name: str, model: Path, args, tmp: Path, out: Path):
                              "stream": False}).encode()), timeout=300).read()
         return system, ask_ours
     newest = name.startswith("newest-")
-    kv = name.removeprefix("newest-").removeprefix("fit-")
+    kind, kv = name.removeprefix("newest-").split("-", 1)  # fit-q8_0, cache-q8_0
     template = tmp / "template.jinja"
     template.write_text(QWEN_TOOL_TEMPLATE)
     binary = str(Path(args.newest_bin) / "llama-server") if newest else "llama-server"
+    cache = ("--moe-cache-mib", str(args.moe_cache_mib)) if kind == "cache" else ()
     system = Fit(model, args.ctx, budget_mib, kv, args.threads, out / f"{name}-{args.shape}.log",
-                 binary=binary, name=name,
-                 extra=("--jinja", "--chat-template-file", str(template)))
+                 binary=binary, name=name, reserve_mib=args.moe_cache_mib if cache else 0,
+                 extra=("--jinja", "--chat-template-file", str(template), *cache))
     return system, ask_server
 
 
@@ -275,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turn-chars", type=int, default=4000, help="each tool output's length")
     p.add_argument("--answer-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="llama-server's; 0: its default")
+    p.add_argument("--moe-cache-mib", type=int, default=2048,
+                   help="newest-cache-KV: llama.cpp's own expert cache, left free by --fit")
     p.add_argument("--models", default="/tmp/bench-models")
     p.add_argument("--routing", default="real",
                    help="MoE routers of the synthetic model (docs/bench/synthetic-routing.md)")
