@@ -16,7 +16,9 @@ them with the same template (QWEN_TOOL_TEMPLATE: ours through /api/create, llama
 weights wrote, as a template that re-renders a turn does: each system may reuse the cached
 prefix up to the previous request's end and must read the rest.
 
-Per turn: wall time of the request, prompt tokens, tokens read (the prompt less what came from
+Both systems load the model before the sessions (ours answers a one-token request first, so
+its planning and load are not counted; the row `load_s` says what they took). Per turn: wall
+time of the request, prompt tokens, tokens read (the prompt less what came from
 the cache: usage.prompt_tokens_details.cached_tokens for ours, timings.prompt_n for
 llama-server), answer tokens. Per session: the sum. Systems: `ours` (default settings, the
 budget given as the daemon's VRAM margin), `fit-KV` (llama-server on PATH, `--fit on` for the
@@ -195,6 +197,8 @@ def start(name: str, model: Path, args, tmp: Path, out: Path):
             system.url + "/api/create", method="POST", headers={"Content-Type": "application/json"},
             data=json.dumps({"model": "replay", "from": "bench", "template": QWEN_TOOL_TEMPLATE,
                              "stream": False}).encode()), timeout=300).read()
+        # Loaded (planned, dry runs and all) before the sessions, as llama-server loads at start
+        ask_ours(system, {"messages": [{"role": "user", "content": "hi"}]}, 1)
         return system, ask_ours
     newest = name.startswith("newest-")
     kind, kv = name.removeprefix("newest-").split("-", 1)  # fit-q8_0, cache-q8_0
@@ -212,7 +216,9 @@ def replay(name: str, model: Path, args, out: Path, record) -> None:
     with tempfile.TemporaryDirectory() as tmp, MemorySampler() as mem:
         system = None
         try:
+            started = time.perf_counter()
             system, ask = start(name, model, args, Path(tmp), out)
+            record({"system": name, "load_s": round(time.perf_counter() - started, 1)})
             for agent in args.agents.split(","):
                 turns = session(agent, args.turns, args.turn_chars)
                 total, rows = time.perf_counter(), []
@@ -254,6 +260,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {s['system']} | {s['agent']} | {s['seconds']:.1f} | {turns[0]['seconds']:.1f} | "
             f"{later_s} | {turns[0]['read']} / {later_read} | {s['prompt_tokens']} | "
             f"{s['answer_tokens']} |")
+    lines += [""] + [f"- {r['system']}: started and loaded in {r['load_s']} s (not counted in "
+                     "the sessions)" for r in rows if "load_s" in r]
     peaks = [r for r in rows if "peak_vram_mib" in r]
     errors = [r for r in rows if "error" in r]
     lines += [""] + [f"- {r['system']}: peak VRAM {r['peak_vram_mib']} MiB at a budget of "
