@@ -1,6 +1,5 @@
-"""The dry run itself, in a child process: llama.cpp's compute buffers for a plan, allocating
-nothing (`python -m localllm.llama.dryrun`, the plan as JSON on stdin, the result as one JSON
-line on stdout; profiles/dryrun.py runs it and caches the answer).
+"""The dry run itself: llama.cpp's compute buffers for a plan, allocating nothing (an op of the
+engine's child program, llama/probe.py; profiles/tuning/dryrun.py asks it and caches the answer).
 
 Model params `no_alloc=True` with `load_mode=LLAMA_LOAD_MODE_NONE` read only metadata; creating
 the context then logs `<device> compute buffer size = N MiB` for every device (and the KV and
@@ -10,12 +9,11 @@ recurrent sizes in total). Both are built by llama/params.py, as the runner buil
 from __future__ import annotations
 
 import ctypes
-import json
 import re
-import sys
 
 import llama_cpp
 from localllm.profiles.planning.plan import Plan
+from localllm.profiles.planning.probes import Buffers
 
 from .params import context_params, model_params
 
@@ -25,17 +23,14 @@ _KV = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB")
 _RS = re.compile(r"llama_memory_recurrent: size =\s*([\d.]+) MiB")
 
 
-def parse_log(text: str) -> dict:
+def parse_log(text: str) -> Buffers:
     """Compute buffers per device ("CUDA_Host" counts as the CPU's) and KV/state totals."""
     compute: dict[str, int] = {}
     for device, mib in _BUFFER.findall(text):
         device = "CPU" if device in ("CUDA_Host", "CPU") else device
         compute[device] = compute.get(device, 0) + int(float(mib) * MIB)
-    return {
-        "compute": compute,
-        "kv_bytes": int(sum(float(x) for x in _KV.findall(text)) * MIB),
-        "state_bytes": int(sum(float(x) for x in _RS.findall(text)) * MIB),
-    }
+    return Buffers(compute, kv_bytes=int(sum(float(x) for x in _KV.findall(text)) * MIB),
+                   state_bytes=int(sum(float(x) for x in _RS.findall(text)) * MIB))
 
 
 _lines: list[str] = []
@@ -46,7 +41,7 @@ def _capture(level, text, _user_data):
     _lines.append(text.decode(errors="replace"))
 
 
-def run(model_path: str, plan: Plan) -> dict:
+def run(model_path: str, plan: Plan) -> Buffers:
     """The dry run in this process. llama.cpp keeps calling the log callback after we return,
     so it lives at module level (a callback freed under it crashes the process)."""
     from llama_cpp._logger import llama_log_callback as binding_logger
@@ -69,13 +64,3 @@ def run(model_path: str, plan: Plan) -> dict:
         return parse_log("".join(lines))
     finally:  # llama.cpp's log goes back where the binding sends it
         llama_cpp.llama_log_set(binding_logger, ctypes.c_void_p())
-
-
-def main() -> int:
-    request = json.loads(sys.stdin.read())
-    print(json.dumps(run(request["model_path"], Plan.from_dict(request["plan"]))))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,25 +1,26 @@
-"""The evaluation's child process (`python -m localllm.llama.evaluate`): the logits of each
+"""The evaluation, an op of the engine's child program (llama/probe.py): the logits of each
 chunk under the reference and each tested setting, reduced to KL divergence, top-token agreement
-and perplexity (profiles/evaluate.py says what is measured and why). Model and contexts are
-built by llama/params.py."""
+and perplexity (profiles/tuning/evaluate.py says what is measured and why). Model and contexts
+are built by llama/params.py."""
 
 from __future__ import annotations
 
 import ctypes
-import json
-import sys
+from collections.abc import Callable
 
-import llama_cpp as llama  # before numpy: see profiles/evaluate.py
+import llama_cpp as llama  # before numpy: see llama/probe.py
 from localllm.errors import UserError
 from localllm.profiles.planning.plan import Plan, physical_cores
+from localllm.profiles.planning.probes import Evaluate, EvalResult, Evaluation
 from localllm.profiles.planning.quality import split_kv
 
 from .batch import fill
 from .params import context_params, model_params
 
 
-def _child(request: dict) -> dict:
-    import numpy as np  # after llama_cpp: see profiles/evaluate.py
+def run(request: Evaluate, progress: Callable[[int, int], None]) -> Evaluation:
+    """`progress(done, total)` as each chunk of the text starts."""
+    import numpy as np  # after llama_cpp
 
     @llama.llama_log_callback
     def quiet(level, text, _user_data):
@@ -27,13 +28,13 @@ def _child(request: dict) -> dict:
 
     llama.llama_log_set(quiet, ctypes.c_void_p())
     llama.llama_backend_init()
-    n_ctx = int(request["n_ctx"])
+    n_ctx = request.n_ctx
 
     threads = physical_cores()
 
     def load(path: str):
         mparams, keep_alive = model_params(Plan(n_ctx=n_ctx,
-                                                n_gpu_layers=int(request["n_gpu_layers"])))
+                                                n_gpu_layers=request.n_gpu_layers))
         model = llama.llama_model_load_from_file(path.encode(), mparams)
         del keep_alive
         if not model:
@@ -51,15 +52,15 @@ def _child(request: dict) -> dict:
             raise UserError(f"llama.cpp could not create a context with {kv} KV")
         return ctx
 
-    model = load(request["model"])
-    ref_model = load(request["reference_model"]) if request.get("reference_model") else model
+    model = load(request.model_path)
+    ref_model = load(request.reference_path) if request.reference_path else model
     vocab = llama.llama_model_get_vocab(model)
     n_vocab = llama.llama_vocab_n_tokens(vocab)
     if ref_model is not model and \
             llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(ref_model)) != n_vocab:
         raise UserError("the reference model has another vocabulary: compare quants of one "
                             "model")
-    text = request["text"].encode()
+    text = request.text.encode()
     buf = (llama.llama_token * (len(text) + 8))()
     n = llama.llama_tokenize(vocab, text, len(text), buf, len(buf), False, False)
     tokens = list(buf[:max(0, n)])
@@ -83,7 +84,7 @@ def _child(request: dict) -> dict:
 
     first = n_ctx // 2
     ref_ctx = context(ref_model, "f16")
-    tested = [(kv, context(model, kv)) for kv in request["settings"]]
+    tested = [(kv, context(model, kv)) for kv in request.settings]
     kl: dict[str, list] = {kv: [] for kv, _ in tested}
     agree = {kv: 0 for kv, _ in tested}
     nll = {kv: 0.0 for kv, _ in tested}
@@ -109,29 +110,9 @@ def _child(request: dict) -> dict:
     results = []
     for kv, _ in tested:
         values = np.maximum(np.concatenate(kl[kv]), 0.0)
-        results.append({
-            "setting": kv, "kl_mean": float(values.mean()),
-            "kl_p99": float(np.percentile(values, 99)),
-            "top_agreement": agree[kv] / scored,
-            "perplexity": float(np.exp(nll[kv] / scored)),
-            "reference_perplexity": float(np.exp(ref_nll / scored)), "n_tokens": scored,
-        })
-    return {"results": results}
-
-
-def progress(done: int, total: int) -> None:
-    """A line on stdout per chunk, before the result's line: the parent shows how far it is."""
-    print(json.dumps({"progress": [done, total]}), flush=True)
-
-
-def main() -> int:
-    try:
-        print(json.dumps(_child(json.loads(sys.stdin.read()))))
-    except UserError as e:
-        print(f"Error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        results.append(EvalResult(
+            setting=kv, reference=request.reference_name, kl_mean=float(values.mean()),
+            kl_p99=float(np.percentile(values, 99)), top_agreement=agree[kv] / scored,
+            perplexity=float(np.exp(nll[kv] / scored)),
+            reference_perplexity=float(np.exp(ref_nll / scored)), n_tokens=scored))
+    return Evaluation(tuple(results))

@@ -1,30 +1,28 @@
-"""`tune --measure`'s benchmark, in a child process (`python -m localllm.llama.measure`, the
-request as JSON on stdin, one JSON line out): the model and context loaded from the plan by the
-runner's own load (llama/model.py: the weights in RAM pinned in place, the expert pool), then a
-prompt read and a greedy decode timed over a bare llama_decode loop; with an expert pool, its
-hits too."""
+"""`tune --measure`'s benchmark, an op of the engine's child program (llama/probe.py): the model
+and context loaded from the plan by the runner's own load (llama/model.py: the weights in RAM
+pinned in place, the expert pool), then a prompt read and a greedy decode timed over a bare
+llama_decode loop; with an expert pool, its hits too."""
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from dataclasses import asdict
 
 import llama_cpp  # before numpy: with a CUDA build, numpy loaded first crashes the model load
-from localllm.profiles.planning.plan import Plan
+from localllm.profiles.planning.probes import Measure, Measurement
 
 from . import expert_cache, nvml
 from .batch import fill
 from .model import free, load
 
 
-def run(model_path: str, plan: Plan, prompt_tokens: int = 128, decode_tokens: int = 32) -> dict:
+def run(request: Measure) -> Measurement:
     import numpy as np
 
-    lm = load(model_path, plan)  # ModelLoadError says what llama.cpp refused
+    plan, decode_tokens = request.plan, request.decode_tokens
+    lm = load(request.model_path, plan)  # ModelLoadError says what llama.cpp refused
     ctx, n_vocab = lm.ctx, lm.n_vocab
-    prompt_tokens = max(8, min(prompt_tokens, plan.n_ctx - decode_tokens - 8))
+    prompt_tokens = max(8, min(request.prompt_tokens, plan.n_ctx - decode_tokens - 8))
     # Ordinary token ids past the specials: any text-like sequence times the same.
     tokens = [(7 + 31 * i) % max(1, n_vocab - 300) + 259 for i in range(prompt_tokens)]
     batch = llama_cpp.llama_batch_init(max(plan.n_batch, 1), 0, 1)
@@ -46,16 +44,5 @@ def run(model_path: str, plan: Plan, prompt_tokens: int = 128, decode_tokens: in
     pool = expert_cache.read(ctx)  # None without a pool
     llama_cpp.llama_batch_free(batch)
     free(lm)
-    return {"prefill_tps": prompt_tokens / prefill_s, "decode_tps": decode_tokens / decode_s,
-            "vram_bytes": vram, "prompt_tokens": prompt_tokens, "decoded_tokens": decode_tokens,
-            "expert_cache": asdict(pool) if pool else None}
-
-
-def main() -> int:
-    req = json.loads(sys.stdin.read())
-    print(json.dumps(run(req["path"], Plan.from_dict(req["plan"]), req["prompt"], req["tokens"])))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return Measurement(prompt_tokens / prefill_s, decode_tokens / decode_s, vram, prompt_tokens,
+                       decode_tokens, expert_cache=asdict(pool) if pool else None)

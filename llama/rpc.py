@@ -13,26 +13,59 @@ Facts about this version of ggml-rpc that shape the code:
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import socket
+import struct
 import sys
 import time
 from functools import lru_cache
 
-from localllm.profiles.tuning.workers import (
-    Worker,
-    WorkerDevice,
-    WorkerError,
-    check_reachable,
-    is_loopback,
-)
+from localllm import config_values
+from localllm.paths import is_loopback
+from localllm.profiles.planning.probes import Worker, WorkerDevice, WorkerError, Workers
 
 DEVICE_CPU, DEVICE_GPU = 0, 1
 GGML_TYPE_F32, GGML_TYPE_Q4_0, GGML_TYPE_I8 = 0, 2, 24
 COMPUTE_MATRIX_ROWS = 16384  # a 16384 x 16384 Q4_0 matrix: 144 MiB, as big as a 27B block
 LINK_SAMPLE_BYTES = 8 << 20  # below ggml-rpc's 10 MiB threshold for hashed (cached) uploads
+RPC_CMD_HELLO, HELLO_CAPS = 14, 24  # ggml-rpc.cpp: the HELLO command, RPC_CONN_CAPS_SIZE
+RPC_PROTO_MAJOR = 7  # ggml-rpc.h of the vendored llama.cpp
+CONNECT_TIMEOUT_S = 3.0
+
+
+def check_reachable(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """ggml-rpc's HELLO from Python, so that llama.cpp never aborts on a worker that is not
+    there or speaks another protocol, and never waits on one that serves someone else."""
+    try:
+        host, port = config_values.parse_endpoint(endpoint)
+    except ValueError as e:
+        raise WorkerError(str(e)) from None
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            # cmd byte, request size (uint64), the request: transport capabilities, none here
+            s.sendall(struct.pack("<BQ", RPC_CMD_HELLO, HELLO_CAPS) + bytes(HELLO_CAPS))
+            answer = b""
+            while len(answer) < 8 + 4:
+                part = s.recv(64)
+                if not part:
+                    break
+                answer += part
+    except TimeoutError:
+        raise WorkerError(f"RPC worker {endpoint} accepted the connection but did not answer "
+                          f"within {timeout:.0f} s: a worker serves one client at a time; is "
+                          f"another model or program using it?") from None
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise WorkerError(f"cannot reach RPC worker {endpoint} ({reason}); start "
+                          f"`localllm worker` there or fix rpc_workers") from None
+    if len(answer) < 12:
+        raise WorkerError(f"{endpoint} closed the connection at the RPC handshake: is it a "
+                          f"`localllm worker` of the same version?")
+    major, minor, patch = answer[8], answer[9], answer[10]
+    if major != RPC_PROTO_MAJOR:
+        raise WorkerError(f"RPC worker {endpoint} speaks protocol {major}.{minor}.{patch}, this "
+                          f"build {RPC_PROTO_MAJOR}.x: run the same localllm version on both")
 
 
 # ---- the libraries ----------------------------------------------------------------------------
@@ -256,8 +289,9 @@ def _measure_compute(endpoint: str, free_bytes: int, rtt: float) -> float:
         base.ggml_backend_free(backend)
 
 
-def _probe_here(endpoints: list[str]) -> list[dict]:
-    """In this process (a child of the caller): each worker's devices, memory and link."""
+def probe(endpoints: tuple[str, ...]) -> Workers:
+    """Each worker's devices, memory, link and compute speed, measured from this process: the
+    engine's child program (llama/probe.py), which exits when done and so frees the workers."""
     _, base, rpc = _libs()
     out = []
     for endpoint in endpoints:
@@ -270,8 +304,8 @@ def _probe_here(endpoints: list[str]) -> list[dict]:
                    for i in range(n)]
         link, rtt = _measure_link(endpoint)
         compute = _measure_compute(endpoint, devices[0].free_bytes, rtt)
-        out.append(Worker(endpoint, tuple(devices), link, rtt, compute).to_dict())
-    return out
+        out.append(Worker(endpoint, tuple(devices), link, rtt, compute))
+    return Workers(tuple(out))
 
 
 # ---- the client side: loading a model with workers --------------------------------------------
@@ -319,19 +353,3 @@ def apply_devices(model_params, endpoints: list[str] | tuple[str, ...]) -> _Keep
     array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
     model_params.devices = ctypes.cast(array, ctypes.c_void_p)
     return _Keepalive(array)
-
-
-def main(argv: list[str]) -> int:
-    """`python -m localllm.llama.rpc HOST:PORT...`: probe, print one JSON line (profiles/workers.py
-    runs it)."""
-    import llama_cpp  # noqa: F401  (loads libllama, whose folder holds the ggml libraries)
-
-    try:
-        print(json.dumps({"workers": _probe_here(argv)}), flush=True)
-    except WorkerError as e:
-        print(json.dumps({"error": str(e)}), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -20,7 +20,8 @@ from daemon_process import isolated_env, start_daemon, wait_for
 
 from localllm.modelstore.shape import read_shape
 from localllm.profiles.planning.card import load_card
-from localllm.profiles.tuning.workers import Worker, WorkerDevice, WorkerError, probe_workers
+from localllm.profiles.planning.probes import Worker, WorkerDevice, WorkerError
+from localllm.profiles.tuning.workers import probe_workers
 from localllm.profiles.tuning.rpc_plan import plan_with_workers
 from localllm.profiles.planning.search import NoPlanFits, Request
 from localllm.profiles.planning.tuner import tune

@@ -9,7 +9,9 @@
   reads files and starts processes;
 - no two top-level rooms import each other, directly or around a loop;
 - inside a room, no two modules import each other around a loop, deferred (function-level)
-  and type-checking imports included: a loop held open by a late import is still a loop.
+  and type-checking imports included: a loop held open by a late import is still a loop;
+- a child program of ours (`python -m localllm.X`) is started only by the module declared for it
+  in CHILD_PROGRAMS: the runner, the template worker, the engine's probe, the CLI as `serve`.
 """
 
 from __future__ import annotations
@@ -190,3 +192,37 @@ def test_no_file_over_500_lines_and_no_class_over_300():
                                     f"{node.end_lineno - node.lineno} lines")
     assert not long_files, long_files
     assert not long_classes, long_classes
+
+
+# Each child program of ours (`python -m localllm.X`) and the one module that starts it: a child
+# program is a dependency the import graph does not see, so a new one is declared here.
+CHILD_PROGRAMS = {
+    "localllm.daemon.runner": {"daemon/runner/process.py"},
+    "localllm.daemon.chat.template_worker": {"daemon/chat/template.py"},
+    "localllm.llama.probe": {"profiles/tuning/probing.py"},  # the tuner's ops on the engine
+    "localllm.cli": {"cli/user_service.py", "localllm/client.py"},  # the daemon, as `serve`
+}
+
+
+def _module_targets(tree: ast.AST) -> list[str]:
+    """Every "localllm..." string that follows a "-m" in a list, tuple or call of this code."""
+    found = []
+    for node in ast.walk(tree):
+        items = node.elts if isinstance(node, (ast.List, ast.Tuple)) else \
+            node.args if isinstance(node, ast.Call) else []
+        for flag, target in zip(items, items[1:], strict=False):
+            if isinstance(flag, ast.Constant) and flag.value == "-m" and \
+                    isinstance(target, ast.Constant) and isinstance(target.value, str) and \
+                    target.value.split(".")[0] == "localllm":
+                found.append(target.value)
+    return found
+
+
+def test_child_programs_are_started_only_where_declared():
+    wrong = []
+    for path in _sources():
+        where = str(path.relative_to(ROOT))
+        for target in _module_targets(ast.parse(path.read_text(), where)):
+            if where not in CHILD_PROGRAMS.get(target, ()):
+                wrong.append(f"{where} starts `python -m {target}`")
+    assert not wrong, wrong

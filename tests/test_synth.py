@@ -79,7 +79,7 @@ def test_llama_cpp_dry_run_kv_matches_memory_model(synth_headers, home, name):
     settings = ContextSettings(min(32768, shape.context_length), "q8_0", "q8_0", True, 512)
     memory = memory_by_device(costs, Placement(0), settings, load_card("cpu-only"))
     ours = sum(m.kv for m in memory)
-    theirs = result["kv_bytes"] + result["state_bytes"]
+    theirs = result.kv_bytes + result.state_bytes
     assert abs(ours - theirs) <= 0.01 * (1 << 20) * 3
 
 

@@ -229,7 +229,8 @@ def test_calibrating_a_gpu_without_torch_says_what_to_install(home, monkeypatch)
 
 
 def test_measured_bandwidth_replaces_the_theoretical_one(tmp_path):
-    from localllm.profiles.tuning.calibrate import Bandwidth, store_bandwidth
+    from localllm.profiles.planning.probes import Bandwidth
+    from localllm.profiles.tuning.calibrate import store_bandwidth
     from localllm.profiles.planning.card import load_card
     from localllm.profiles.tuning.calibration import calibrated
 

@@ -27,7 +27,7 @@ from localllm.profiles.tuning.rpc_plan import plan_with_workers
 from localllm.profiles.planning.budgets import vram_budgets
 from localllm.profiles.planning.search import Request
 from localllm.profiles.planning.tuner import tune
-from localllm.profiles.tuning.workers import Worker, WorkerDevice
+from localllm.profiles.planning.probes import Worker, WorkerDevice
 
 KV_BYTES = {"f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}
 

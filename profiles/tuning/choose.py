@@ -219,7 +219,7 @@ def tune_checked(shape: ModelShape, card: Card, request: Request,
         result = dry_run(shape.path, plan)
         if result is None:
             return plan
-        compute = dict(result["compute"])
+        compute = dict(result.compute)
         if not any(d != CPU for d in compute):
             return plan  # a CPU build of llama.cpp: it says nothing about the GPU's buffers
         formula = {m.device: m.compute for m in memory_by_device(costs, placement, settings, card)}

@@ -1,9 +1,9 @@
 """Dry-run loads: llama.cpp's own compute buffer sizes for a plan, without allocating anything.
 
-A dry run creates a CUDA context, so it runs in a child process (llama/dryrun.py, which builds
-the model and context exactly as the runner does): the daemon never holds GPU memory of its
-own. Results are cached per model file and load settings in the cache dir, so a model is
-probed once per setting.
+A dry run creates a CUDA context, so it runs in the engine's child program (llama/probe.py;
+llama/dryrun.py builds the model and context exactly as the runner does): the daemon never
+holds GPU memory of its own. Results are cached per model file and load settings in the cache
+dir, so a model is probed once per setting.
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from localllm import paths
 from localllm.state_file import unless_broken
 
 from ..planning.plan import Plan
+from ..planning.probes import Buffers, DryRun
+from .probing import ProbeFailed, ask
 
 
 def _cache_file(model_path: str, plan: Plan) -> Path:
@@ -28,9 +29,9 @@ def _cache_file(model_path: str, plan: Plan) -> Path:
     return paths.cache_dir() / "dryrun" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
-def dry_run(model_path: str, plan: Plan, timeout: float = 120.0) -> dict | None:
-    """llama.cpp's buffers for this plan ({"compute": {device: bytes}, "kv_bytes", ...}), from
-    the cache or a child process; None when the dry run failed (the formula stands in)."""
+def dry_run(model_path: str, plan: Plan, timeout: float = 120.0) -> Buffers | None:
+    """llama.cpp's buffers for this plan, from the cache or a child process; None when the dry
+    run failed (the formula stands in)."""
     cache = _cache_file(model_path, plan)
     if cache.is_file():
         try:
@@ -38,23 +39,15 @@ def dry_run(model_path: str, plan: Plan, timeout: float = 120.0) -> dict | None:
                 found = json.loads(cache.read_bytes().decode("utf-8"))
                 if not isinstance(found, dict) or not isinstance(found.get("compute", {}), dict):
                     raise ValueError("not a dry run's figures")
-                return found
-        except OSError:
+                return Buffers(**found)
+        except (OSError, TypeError):
             pass
-    request = json.dumps({"model_path": model_path, "plan": plan.to_dict()})
     try:
-        proc = subprocess.run([sys.executable, "-m", "localllm.llama.dryrun"], input=request,
-                              capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
+        result = ask(DryRun(model_path, plan), timeout)
+    except (OSError, ProbeFailed):
         return None
-    if proc.returncode != 0:
-        return None
-    try:
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return None
-    if not result.get("compute"):
+    if not result.compute:
         return None
     cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(result))
+    cache.write_text(json.dumps(asdict(result)))
     return result

@@ -9,7 +9,7 @@ card is resolved. The factor goes to the side that took most of the predicted ti
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import tomli_w
@@ -17,19 +17,10 @@ import tomli_w
 from localllm.errors import UserError
 
 from ..planning.plan import Plan
+from ..planning.probes import Measure, Measurement
 from ..planning.speed import TOKEN_SECONDS
 from .calibration import calibration_file, load_calibration
-
-
-@dataclass(frozen=True)
-class Measurement:
-    prefill_tps: float
-    decode_tps: float
-    vram_bytes: int  # this process's GPU memory after the run (NVML), 0 without a GPU
-    prompt_tokens: int
-    decoded_tokens: int
-    other_load: float = 0.0  # CPU cores other processes kept busy while it ran
-    expert_cache: dict | None = None  # the expert pool's figures (llama/expert_cache.py)
+from .probing import ProbeFailed, ask
 
 
 # What update_calibration writes (reset_calibration removes them).
@@ -64,23 +55,17 @@ def update_calibration(card_name: str, gpu_seconds: float, cpu_seconds: float,
 
 def measure_in_child(model_path: str, plan: Plan, prompt_tokens: int = 128,
                      decode_tokens: int = 32, timeout: float = 600) -> Measurement:
-    import json
-    import subprocess
-    import sys
-
-    request = json.dumps({"path": model_path, "plan": plan.to_dict(), "prompt": prompt_tokens,
-                          "tokens": decode_tokens})
+    """The plan loaded for real in the engine's child program (llama/measure.py), so a CUDA
+    context never stays in this process; `other_load` says how busy the rest of the machine
+    kept the CPU meanwhile."""
     before = _cpu_seconds()
-    # llama/measure.py: llama.cpp in a child, so a CUDA context never stays in this process.
-    proc = subprocess.run([sys.executable, "-m", "localllm.llama.measure"], input=request,
-                          text=True, capture_output=True, timeout=timeout)
-    if proc.returncode != 0:
-        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
-        raise UserError(f"the benchmark load failed (exit {proc.returncode}): {last}")
+    try:
+        measured = ask(Measure(model_path, plan, prompt_tokens, decode_tokens), timeout)
+    except ProbeFailed as e:
+        raise UserError(f"the benchmark load failed: {e}") from None
     after = _cpu_seconds()
     wall = after[0] - before[0]
     others = (after[1] - before[1]) - (after[2] - before[2])
-    measured = Measurement(**json.loads(proc.stdout.strip().splitlines()[-1]))
     return replace(measured, other_load=round(max(0.0, others / wall), 2) if wall > 0 else 0.0)
 
 

@@ -14,7 +14,7 @@ a layer count per device, so the split is exact (llama.cpp cuts at count / total
 Decode speed with the network in it: a token crosses each worker twice (its hidden state in and
 out, n_embd float32 values each way) and waits for about two round trips per worker (the graph
 and the result); a worker's layers take their bytes over the weight-reading speed measured on
-it (profiles/tuning/workers.py; RPC does not report the hardware, so a worker that could not
+it (llama/rpc.py; RPC does not report the hardware, so a worker that could not
 be measured is taken as fast as this machine's card, or RAM). The local plan's prediction
 covers the rest.
 """
@@ -33,7 +33,8 @@ from ..planning.costs import model_costs
 from ..planning.memory import ContextSettings, block_kv_bytes
 from ..planning.plan import DeviceMemory, Plan, cpu_plan, layer_ranges
 from ..planning.search import NoPlanFits, Request
-from .workers import Worker, WorkerError, probe_workers
+from ..planning.probes import Worker, WorkerError
+from .workers import probe_workers
 
 log = logging.getLogger(__name__)
 HIDDEN_BYTES_PER_VALUE = 4  # llama.cpp passes the hidden state between devices as float32
