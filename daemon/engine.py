@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from .runner.protocol import Event
+from .runner.protocol import EmbedRequest, Embeddings, Event
 
 
 class Engine(Protocol):
@@ -41,6 +41,10 @@ class Engine(Protocol):
 
     def generate(self, request) -> AsyncIterator[Event]:
         """The events of one answer, ending in a Done or a Failure; leaving early cancels it."""
+        ...
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """A unit vector per input (/api/embed, /v1/embeddings)."""
         ...
 
     async def count_tokens(self, text: str) -> int:

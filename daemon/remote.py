@@ -13,6 +13,7 @@ both into Failure events, so nothing here can take the daemon down.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -29,7 +30,7 @@ from .chat.parse import call_id, make_parser
 from .chat.request import ChatRequest, Prepared
 from .chat.template import HERMES, THINK_TAGS
 from .http_errors import ApiError
-from .runner.protocol import Done, Event, Failure, Token
+from .runner.protocol import Done, EmbedRequest, Embeddings, Event, Failure, Token
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -321,6 +322,36 @@ class RemoteEngine:
     async def count_tokens_each(self, texts: list[str]) -> list[int]:
         raise self._no_tokenizer()
 
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """The upstream's /embeddings of the inputs, as the runner's: unit vectors, each cut to
+        `dimensions` when the upstream sent more. Inputs longer than its context are the
+        upstream's to refuse or cut (OpenAI's API has no `truncate`)."""
+        payload: dict = {"model": self.entry.remote.model, "input": list(request.inputs)}
+        if request.dimensions:
+            payload["dimensions"] = request.dimensions
+        started = time.perf_counter_ns()
+        async with upstream_session() as session:
+            response = await post(session, self.entry, "/embeddings", payload)
+            async with response:
+                try:
+                    doc = json.loads(await response.read())
+                    rows = sorted(doc["data"], key=lambda row: int(row.get("index", 0)))
+                    vectors = tuple(_unit(row["embedding"][:request.dimensions or None])
+                                    for row in rows)
+                except (TimeoutError, aiohttp.ClientError) as e:
+                    raise ApiError(502, f"remote model {self.model_name}: the upstream broke "
+                                        f"off its answer ({type(e).__name__})") from None
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    raise ApiError(502, f"remote model {self.model_name}: the upstream's "
+                                        f"/embeddings answer is not OpenAI's list of "
+                                        f"embeddings") from None
+        if len(vectors) != len(request.inputs):
+            raise ApiError(502, f"remote model {self.model_name}: the upstream sent "
+                                f"{len(vectors)} embeddings for {len(request.inputs)} inputs")
+        usage = doc.get("usage") if isinstance(doc.get("usage"), dict) else {}
+        return Embeddings(vectors, int(usage.get("prompt_tokens", 0)),
+                          time.perf_counter_ns() - started)
+
     def _no_tokenizer(self) -> ChatError:
         return ChatError(f"{self.model_name} is a remote model: its tokenizer is its upstream's, "
                          f"so its prompts cannot be counted or cut to fit here", "model")
@@ -363,6 +394,13 @@ class RemoteEngine:
         if tail := ("</think>" if thinking else "") + calls.text():
             yield replace(answer.token(tail), n_tokens=0)
         yield answer.done()
+
+
+def _unit(values: list) -> tuple[float, ...]:
+    """`values` scaled to length 1 (all zeros stay zeros), as the runner's vectors are."""
+    floats = [float(v) for v in values]
+    norm = math.sqrt(sum(v * v for v in floats))
+    return tuple(v / norm for v in floats) if norm else tuple(floats)
 
 
 def show(entry: ModelEntry) -> dict:

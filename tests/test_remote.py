@@ -308,7 +308,8 @@ def _sse(*chunks: dict) -> bytes:
 @pytest.fixture
 def scripted():
     """A real aiohttp server answering /v1/chat/completions with a streamed answer that thinks,
-    then calls a tool in pieces; it keeps the bodies it was sent."""
+    then calls a tool in pieces, and /v1/embeddings with a vector per input (not of unit length,
+    listed last input first, never cut to `dimensions`); it keeps the bodies it was sent."""
     bodies: list[dict] = []
 
     def piece(delta: dict, finish=None) -> dict:
@@ -330,9 +331,21 @@ def scripted():
             {"id": "x", "choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 12}}))
         return out
 
+    async def embed(request: web.Request) -> web.Response:
+        body = await request.json()
+        bodies.append(body)
+        if "too long" in body["input"]:
+            return web.json_response({"error": {"message": "the input is too long"}}, status=400)
+        vectors = {"one": [3.0, 4.0, 0.0], "two": [0.0, 3.0, 4.0]}
+        data = [{"object": "embedding", "index": i, "embedding": vectors[text]}
+                for i, text in enumerate(body["input"])]
+        return web.json_response({"object": "list", "data": data[::-1], "model": "m",
+                                  "usage": {"prompt_tokens": 7, "total_tokens": 7}})
+
     loop = asyncio.new_event_loop()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", complete)
+    app.router.add_post("/v1/embeddings", embed)
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -390,3 +403,25 @@ def test_a_remote_models_thinking_and_tool_calls_reach_every_wire_format(scripte
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     assert bodies[-1]["messages"][2]["role"] == "tool"
     assert bodies[-1]["messages"][2]["content"] == "sunny"
+
+
+def test_a_remote_model_embeds_through_its_upstream(scripted, proxy):
+    url, bodies = scripted
+    add_remote(proxy, "emb", url, model="m")
+    r = ollama.Client(host=proxy.url).embed(model="emb", input=["one", "two"])
+    assert bodies[-1] == {"model": "m", "input": ["one", "two"]}
+    # In the inputs' order and of unit length, as a local model's are.
+    assert r.embeddings == [[0.6, 0.8, 0.0], [0.0, 0.6, 0.8]]
+    assert r.prompt_eval_count == 7 and r.load_duration == 0
+
+    assert post(proxy, "/api/embeddings", {"model": "emb", "prompt": "one"}) == (
+        200, {"embedding": [0.6, 0.8, 0.0]})
+    v1 = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0) \
+        .embeddings.create(model="emb", input="two", dimensions=2)
+    assert bodies[-1] == {"model": "m", "input": ["two"], "dimensions": 2}
+    assert v1.data[0].embedding == [0.0, 1.0]  # the upstream sent 3: cut here, then scaled
+    assert v1.usage.prompt_tokens == 7
+
+    status, error = post(proxy, "/api/embed", {"model": "emb", "input": "too long"})
+    assert status == 502 and "answered 400: the input is too long" in error["error"]
+    assert post(proxy, "/api/embed", {"model": "emb", "input": "one"})[0] == 200  # still up

@@ -1,7 +1,8 @@
 """Embedding routes: Ollama's /api/embed and legacy /api/embeddings, OpenAI's /v1/embeddings.
 
-All three read unit-length vectors from the runner's embedding context (runner/embedding.py):
-the GGUF's pooling, or mean pooling for a causal model, so any stored model embeds.
+All three read unit-length vectors from the model's Engine (daemon/engine.py): the runner's
+embedding context (llama/embedding.py: the GGUF's pooling, or mean pooling for a causal model, so
+any stored model embeds), or a remote model's upstream /embeddings.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from aiohttp import web
 
 from ..runner.process import new_request_id
 from ..runner.protocol import EmbedRequest, Embeddings
-from ..state import SCHEDULER
 from .common import (
     bad_request,
     find_model,
@@ -25,6 +25,7 @@ from .common import (
     read_json,
 )
 from .ollama import ollama_options, parse_keep_alive
+from .respond import hold
 
 routes = web.RouteTableDef()
 
@@ -47,9 +48,9 @@ async def _embed(request: web.Request, body: dict, inputs: tuple[str, ...], trun
     started, started_wall = time.perf_counter_ns(), time.time()
     entry = find_model(request, get_model_field(body))
     _, load = ollama_options(body)
-    async with request.app[SCHEDULER].use(entry, load, parse_keep_alive(body)) as runner:
-        load_ns = runner.load_duration_ns if runner.loaded_at >= started_wall else 0
-        result = await runner.embed(EmbedRequest(id=new_request_id(), inputs=inputs,
+    async with hold(request.app, entry, load, parse_keep_alive(body)) as engine:
+        load_ns = engine.load_duration_ns if engine.loaded_at >= started_wall else 0
+        result = await engine.embed(EmbedRequest(id=new_request_id(), inputs=inputs,
                                                  truncate=truncate, dimensions=dimensions))
     return result, load_ns, time.perf_counter_ns() - started
 
