@@ -206,7 +206,7 @@ def test_tensor_split_reaches_the_model_params(shapes, smollm2_gguf):
     small = tune(read_shape(smollm2_gguf), load_card("2x-rtx3060-12g"), Request(n_ctx=1024))
     assert len(small.tensor_split) == 2 and sum(small.tensor_split) == small.n_gpu_layers
     result = dryrun.run(str(smollm2_gguf), small)
-    assert result is not None and result["compute"].get("CPU", 0) > 0
+    assert result is not None and result.compute.get("CPU", 0) > 0
 
 
 def test_ps_shows_each_gpu_with_its_layers_and_memory(shapes):

@@ -105,9 +105,10 @@ def main() -> int:
         return 1
     engine.steps.on_threads = lambda event: channel.send(event_to_wire("", event))
     engine.bands.on_band = lambda event: channel.send(event_to_wire("", event))
-    engine.replies.on_expert_cache = lambda event: channel.send(event_to_wire("", event))
     resident = engine.lm.resident
     pool = engine.model.expert_cache_stats()  # None: the plan asked none, or the engine refused
+    if pool is not None:  # a load without a pool reads no pool's figures after each answer
+        engine.replies.on_expert_cache = lambda event: channel.send(event_to_wire("", event))
     channel.send(event_to_wire("", Loaded(
         os.getpid(), load_ns, engine.n_ctx, len(engine.slots), engine.lm.weights_in_ram,
         dataclasses.asdict(pool) if pool else None, resident.report() if resident else None)))
