@@ -6,6 +6,7 @@ daemon or the CLI.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -36,8 +37,12 @@ def ask(request: ProbeRequest, timeout: float,
     with tempfile.TemporaryFile("w+") as stderr, subprocess.Popen(
             CHILD_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
             text=True) as proc:
-        proc.stdin.write(request_line(request) + "\n")
-        proc.stdin.close()
+        try:
+            proc.stdin.write(request_line(request) + "\n")
+            proc.stdin.close()
+        except BrokenPipeError:  # it died at start: its stderr says why
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
         timed_out = threading.Event()
         timer = threading.Timer(timeout, lambda: (timed_out.set(), proc.kill()))
         timer.start()
