@@ -90,6 +90,7 @@ def measure(request: dict) -> dict:
     from localllm.profiles.tuning.choose import choose_plan
     from localllm.llama.hardware import host_card
     from localllm.profiles.planning.plan import Plan, physical_cores
+    from localllm.profiles.planning.probes import Measure
 
     n_ctx = request["prompt"] + request["tokens"] + 64
     shape = read_shape(request["model"])
@@ -115,11 +116,11 @@ def measure(request: dict) -> dict:
     t0 = time.perf_counter()
     # The model and context built from the plan as the runner builds them, then a bare
     # llama_decode loop: a prompt read, a greedy decode (llama/measure.py, as tune --measure).
-    result = bare_loop.run(request["model"], plan, request["prompt"], request["tokens"])
+    result = bare_loop.run(Measure(request["model"], plan, request["prompt"], request["tokens"]))
     return {"row": request["kind"], "split": split,
             "load_and_run_s": round(time.perf_counter() - t0, 1),
-            "prefill_tps": round(result["prefill_tps"], 1),
-            "decode_tps": round(result["decode_tps"], 2),
+            "prefill_tps": round(result.prefill_tps, 1),
+            "decode_tps": round(result.decode_tps, 2),
             "predicted_decode_tps": predicted}
 
 
