@@ -80,10 +80,10 @@ async def test_the_chat_screen_stops_an_answer_that_loops(fresh_daemon, home):
         await wait_until(pilot, lambda: any("kept repeating the same" in n
                                             for n in notes(app, "warning")),
                          "the loop note", timeout=600)
-        answer = app.entries[-1]
+        answer = app.chat.entries[-1]
         assert answer.state == "stopped" and not app.streaming
         assert 80 <= answer.content.count("ha") < 1000  # stopped in the loop, far before 2000
-        assert chats.messages(app.chat_id)[-1].state == "stopped"
+        assert chats.messages(app.chat.chat_id)[-1].state == "stopped"
     chats.close()
 
 
@@ -97,7 +97,7 @@ async def test_a_full_context_and_the_turns_left_out_are_said(fresh_daemon, home
         await type_line(pilot, app, COUNTING)
         await wait_until(pilot, lambda: any("context is full" in n for n in notes(app)),
                          "the context-full note", timeout=600)
-        assert app.turn.context_length == 256 and app.turn.done_reason == "length"
+        assert app.chat.turn.context_length == 256 and app.chat.turn.done_reason == "length"
         await type_line(pilot, app, "/set parameter num_predict 4")
         await type_line(pilot, app, "Thanks. And now from 1000 down?")
         await wait_until(pilot, lambda: any("left out of what the model read" in n

@@ -30,8 +30,8 @@ async def start_a_long_answer(pilot, app, tokens_seen: int) -> None:
     await type_line(pilot, app, "/set parameter num_predict 4000")
     await type_line(pilot, app, "/set parameter temperature 0")  # greedy: no early stop
     await type_line(pilot, app, LOOPING_PROMPT)
-    await wait_until(pilot, lambda: app.turn is not None and app.turn.eval_count >= tokens_seen,
-                     "the answer to start")
+    await wait_until(pilot, lambda: app.chat.turn is not None
+                     and app.chat.turn.eval_count >= tokens_seen, "the answer to start")
 
 
 def config_for(daemon) -> Config:
@@ -45,7 +45,8 @@ async def wait_until(pilot, predicate, what: str, timeout: float = 240):
         if time.monotonic() > deadline:
             app = pilot.app
             raise AssertionError(f"timed out after {timeout}s waiting for {what}; the chat "
-                                 f"says {notes(app)}, streaming={app.streaming}, turn={app.turn}")
+                                 f"says {notes(app)}, streaming={app.streaming}, "
+                                 f"turn={app.chat.turn}")
         await pilot.pause(0.05)  # ok-sleep: the poll interval of a deadline loop
 
 
@@ -95,10 +96,10 @@ async def test_an_answer_streams_with_live_speed_and_context_use(daemon, chats):
             match = re.search(r"▶ ([\d.]+k?) tok/s", stats_text(app))
             if match:
                 live_rates.append(float(match.group(1).rstrip("k")))
-            return not app.streaming and app.entries[-1].state != "streaming"
+            return not app.streaming and app.chat.entries[-1].state != "streaming"
 
         await wait_until(pilot, sample, "the answer to finish")
-        answer = app.entries[-1]
+        answer = app.chat.entries[-1]
         assert answer.state == "done" and answer.content.strip()
         assert live_rates and max(live_rates) > 0, "no live decode speed while streaming"
         await wait_until(pilot, lambda: "tok/s · 48 tok" in stats_text(app),
@@ -110,9 +111,9 @@ async def test_an_answer_streams_with_live_speed_and_context_use(daemon, chats):
         assert "RAM" in final  # the runner's resident memory, from /api/stats
         # The daemon agrees: it generated exactly what the stats line counted.
         last = runner_stats(daemon, "smollm2")["last"]
-        assert last["eval_count"] == 48 == app.turn.eval_count
+        assert last["eval_count"] == 48 == app.chat.turn.eval_count
         # Saved as it went: the database holds the prompt and the whole answer.
-        messages = chats.messages(app.chat_id)
+        messages = chats.messages(app.chat.chat_id)
         assert [m.role for m in messages] == ["user", "assistant"]
         assert messages[1].content == answer.content and messages[1].stats["eval_count"] == 48
 
@@ -125,7 +126,7 @@ async def test_a_set_parameter_reaches_the_daemon(daemon, chats):
         await type_line(pilot, app, "/set parameter temperature 0")
         await type_line(pilot, app, "/set verbose")
         await type_line(pilot, app, LOOPING_PROMPT)
-        await wait_until(pilot, lambda: not app.streaming and app.turn and app.turn.done,
+        await wait_until(pilot, lambda: not app.streaming and app.chat.turn and app.chat.turn.done,
                          "the answer")
         last = runner_stats(daemon, "smollm2")["last"]
         assert last["eval_count"] == 3 and last["done_reason"] == "length"
@@ -140,21 +141,21 @@ async def test_a_set_parameter_reaches_the_daemon(daemon, chats):
             assert line in timings, timings
         assert re.search(r"^eval count: +3 token\(s\)$", timings, re.M), timings
         await type_line(pilot, app, "/set quiet")
-        assert chats.get_chat(app.chat_id).options == {"num_predict": 3, "temperature": 0.0}
+        assert chats.get_chat(app.chat.chat_id).options == {"num_predict": 3, "temperature": 0.0}
         await type_line(pilot, app, "/unset parameter num_predict")
         await type_line(pilot, app, "/set parameter num_predict 5")
         await type_line(pilot, app, LOOPING_PROMPT)
-        await wait_until(pilot, lambda: not app.streaming and app.turn.eval_count == 5,
+        await wait_until(pilot, lambda: not app.streaming and app.chat.turn.eval_count == 5,
                          "the second answer")
         assert runner_stats(daemon, "smollm2")["last"]["eval_count"] == 5
-        first = app.entries[-1]
+        first = app.chat.entries[-1]
         await type_line(pilot, app, "/regen")
-        await wait_until(pilot, lambda: app.entries[-1] is not first
-                         and app.entries[-1].state == "done", "the answer again")
+        await wait_until(pilot, lambda: app.chat.entries[-1] is not first
+                         and app.chat.entries[-1].state == "done", "the answer again")
         assert first.view.parent is None  # the old answer left the screen
-        assert [e.role for e in app.entries] == ["user", "assistant", "user", "assistant"]
-        assert [m.id for m in chats.messages(app.chat_id)][-1] == app.entries[-1].db_id
-        assert len(chats.messages(app.chat_id)) == 4
+        assert [e.role for e in app.chat.entries] == ["user", "assistant", "user", "assistant"]
+        assert [m.id for m in chats.messages(app.chat.chat_id)][-1] == app.chat.entries[-1].db_id
+        assert len(chats.messages(app.chat.chat_id)) == 4
 
 
 async def test_ctrl_c_stops_the_answer_in_the_daemon_and_two_more_quit(daemon, chats):
@@ -171,11 +172,11 @@ async def test_ctrl_c_stops_the_answer_in_the_daemon_and_two_more_quit(daemon, c
         await pilot.press("ctrl+c")
         await wait_until(pilot, lambda: not app.is_running, "the app to quit", timeout=10)
     assert app.return_code == 0
-    answer = app.entries[-1]
+    answer = app.chat.entries[-1]
     assert answer.state == "stopped" and answer.content
     assert answer.view.footer.endswith("stopped")
     # What run_chat leaves on the terminal when the chat closes: the last question and answer.
-    assert last_exchange(app.entries) == f">>> {LOOPING_PROMPT}\n{answer.content.rstrip()}"
+    assert last_exchange(app.chat.entries) == f">>> {LOOPING_PROMPT}\n{answer.content.rstrip()}"
 
     def runner_idle() -> dict | None:
         stats = runner_stats(daemon, "smollm2")
@@ -183,9 +184,9 @@ async def test_ctrl_c_stops_the_answer_in_the_daemon_and_two_more_quit(daemon, c
             else None
 
     stats = wait_for(runner_idle, 30, what="the daemon to stop generating")
-    assert app.turn.eval_count <= stats["last"]["eval_count"] < 4000
-    assert chats.messages(app.chat_id)[-1].state == "stopped"
-    assert chats.messages(app.chat_id)[-1].content == answer.content
+    assert app.chat.turn.eval_count <= stats["last"]["eval_count"] < 4000
+    assert chats.messages(app.chat.chat_id)[-1].state == "stopped"
+    assert chats.messages(app.chat.chat_id)[-1].content == answer.content
     assert runner_stats(daemon, "smollm2")["tokens_generated"] == stats["tokens_generated"]
 
 
@@ -201,7 +202,7 @@ async def test_bad_commands_show_a_message_and_the_chat_goes_on(daemon, chats):
         assert "unknown command '/frobnicate'" in errors[0]
         assert "temperature must be a number, not 'hot'" in errors[1]
         assert "top_p must be between 0 and 1" in errors[2]
-        assert app.options == {}
+        assert app.chat.options == {}
         await type_line(pilot, app, "/show parameters")
         await wait_until(pilot, lambda: any("No parameters set" in n for n in notes(app)),
                          "the app to keep answering")
@@ -224,11 +225,11 @@ async def test_model_deleted_mid_chat(daemon, chats):
         await type_line(pilot, app, "/set parameter num_predict 200")
         await type_line(pilot, app, "/set parameter temperature 0")  # greedy: no early stop
         await type_line(pilot, app, LOOPING_PROMPT)
-        await wait_until(pilot, lambda: app.turn is not None and app.turn.eval_count >= 4,
+        await wait_until(pilot, lambda: app.chat.turn is not None and app.chat.turn.eval_count >= 4,
                          "the answer to start")
         await asyncio.to_thread(post, daemon, "/api/delete", {"model": "tui-victim"})
         await wait_until(pilot, lambda: not app.streaming, "the answer to end")
-        first_answer = app.entries[-1].content
+        first_answer = app.chat.entries[-1].content
         await type_line(pilot, app, "Are you still there?")
         await wait_until(pilot, lambda: any("not found" in n for n in notes(app, "error")),
                          "a model-not-found message")
@@ -236,7 +237,7 @@ async def test_model_deleted_mid_chat(daemon, chats):
         assert "`localllm pull tui-victim`" in hint and "/load one of" in hint and "smollm2" in hint
         await type_line(pilot, app, "/show system")
         await wait_until(pilot, lambda: "No system message." in notes(app), "a reply")
-    messages = chats.messages(app.chat_id)
+    messages = chats.messages(app.chat.chat_id)
     assert [m.role for m in messages] == ["user", "assistant", "user", "assistant"]
     assert messages[1].content == first_answer and messages[3].state == "error"
 
@@ -253,15 +254,15 @@ async def test_keys_typed_after_load_of_a_missing_model_stay_in_the_prompt(daemo
         await wait_until(pilot, lambda: notes(app, "warning"), "the note on the missing model")
         await pilot.press(*" there")
         assert app.prompt.text == "hello there"
-        assert not isinstance(app.screen, ConfirmScreen) and app.model == "smollm2"
+        assert not isinstance(app.screen, ConfirmScreen) and app.chat.model == "smollm2"
         [note] = notes(app, "warning")
         assert note.startswith("nosuch is not in the store: pull it with "
                                "`localllm pull nosuch`") and "gemma3-270m" in note
         app.prompt.load_text("")
         await pilot.press(*"/load gemma3-270m", "enter", *"more")  # a stored one: it loads
-        await wait_until(pilot, lambda: app.model == "gemma3-270m" and app.runner is not None,
+        await wait_until(pilot, lambda: app.chat.model == "gemma3-270m" and app.runner is not None,
                          "gemma3-270m to load")
-        assert app.prompt.text == "more" and not app.entries
+        assert app.prompt.text == "more" and not app.chat.entries
         # gemma3-270m's file has no chat template: the chat says what that means, once;
         # smollm2 (with one) had no such note
         await wait_until(pilot, lambda: any("has no chat template" in n for n in notes(app)),
@@ -283,12 +284,12 @@ async def test_daemon_killed_mid_chat(fresh_daemon, chats):
                                "crashed") and "`localllm service logs`" in lost
         assert "send again" in lost
         assert not re.search(r"[A-Z][a-z]+(Error|Exception)\b", lost), lost
-        shown = app.entries[-1].content
-        assert not app.streaming and app.entries[-1].state == "error" and shown
+        shown = app.chat.entries[-1].content
+        assert not app.streaming and app.chat.entries[-1].state == "error" and shown
         await type_line(pilot, app, "/show parameters")
         await wait_until(pilot, lambda: any("num_predict" in n for n in notes(app)),
                          "the app to keep answering")
-    messages = chats.messages(app.chat_id)
+    messages = chats.messages(app.chat.chat_id)
     assert [(m.role, m.state) for m in messages] == [("user", "done"), ("assistant", "error")]
     assert messages[1].content == shown and messages[0].content == LOOPING_PROMPT
 
@@ -326,8 +327,8 @@ async def test_a_missing_model_is_pulled_with_progress_then_loaded(tmp_path, smo
                 await type_line(pilot, app, "/set parameter num_predict 4")
                 await type_line(pilot, app, "/set parameter temperature 0")  # no early stop
                 await type_line(pilot, app, LOOPING_PROMPT)
-                await wait_until(pilot, lambda: not app.streaming and app.turn
-                                 and app.turn.eval_count == 4, "an answer")
+                await wait_until(pilot, lambda: not app.streaming and app.chat.turn
+                                 and app.chat.turn.eval_count == 4, "an answer")
         finally:
             daemon.stop()
 
@@ -353,8 +354,8 @@ async def test_the_daemon_is_started_when_none_runs(home, smollm2_gguf, monkeypa
             await type_line(pilot, app, "/set parameter num_predict 4")
             await type_line(pilot, app, "/set parameter temperature 0")  # no early stop
             await type_line(pilot, app, LOOPING_PROMPT)
-            await wait_until(pilot, lambda: not app.streaming and app.turn
-                             and app.turn.eval_count == 4, "an answer")
+            await wait_until(pilot, lambda: not app.streaming and app.chat.turn
+                             and app.chat.turn.eval_count == 4, "an answer")
     finally:
         if daemon_pid:
             os.kill(daemon_pid, signal.SIGTERM)

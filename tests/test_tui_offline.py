@@ -28,8 +28,8 @@ async def test_resume_from_the_chat_list_and_export_markdown(home):
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_until(pilot, lambda: isinstance(app.screen, ChatListScreen), "the list")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: len(app.entries) == 2, "the chat to open")
-        assert app.entries[1].content == ANSWER and app.options == {"temperature": 0.2}
+        await wait_until(pilot, lambda: len(app.chat.entries) == 2, "the chat to open")
+        assert app.chat.entries[1].content == ANSWER and app.chat.options == {"temperature": 0.2}
         assert app.sub_title == "gemma3-27b · loops"
         target = home / "out" / "loops.md"
         app.prompt.load_text(f"/export {target}")
@@ -59,7 +59,7 @@ async def test_the_chat_follows_new_text_only_while_at_the_bottom(home):
         app.store.add_message(app.store.find_chat("loops").id, "user", f"question {i}")
     async with app.run_test(size=(80, 24)) as pilot:
         log = app.log_view
-        await wait_until(pilot, lambda: len(app.entries) == 14 and log.max_scroll_y > 10,
+        await wait_until(pilot, lambda: len(app.chat.entries) == 14 and log.max_scroll_y > 10,
                          "a chat longer than the screen")
         await wait_until(pilot, lambda: log.scroll_y == log.max_scroll_y, "the bottom")
         await pilot.press("pageup")
@@ -81,13 +81,14 @@ async def test_the_chat_follows_new_text_only_while_at_the_bottom(home):
 async def test_save_clear_and_history(home):
     app = fixed_app(home, resume="loops")
     async with app.run_test(size=(80, 24)) as pilot:
-        await wait_until(pilot, lambda: len(app.entries) == 2, "the chat to open")
+        await wait_until(pilot, lambda: len(app.chat.entries) == 2, "the chat to open")
         for line in ("/save sea stories", "/set system Answer in French.", "/clear"):
             app.prompt.load_text(line)
             await pilot.press("enter")
-        await wait_until(pilot, lambda: app.chat_id is None and not app.entries, "a new chat")
+        await wait_until(pilot, lambda: app.chat.chat_id is None and not app.chat.entries,
+                         "a new chat")
         assert app.store.find_chat("sea stories").system == "Answer in French."
-        assert app.system == "Answer in French."  # a new chat keeps the session's settings
+        assert app.chat.system == "Answer in French."  # a new chat keeps the session's settings
         app.prompt.load_text("draft")
         await pilot.press("up")  # Up recalls earlier lines, newest first, commands too
         assert app.prompt.text == "/clear"
@@ -158,7 +159,7 @@ async def test_a_resumed_chat_shows_its_context_fill_at_once(home):
     app = NotLoadedYet(Config(host="127.0.0.1:9", socket=str(home / "none.sock")), "smollm2",
                        store=store, resume="six")
     async with app.run_test(size=(100, 24)) as pilot:
-        await wait_until(pilot, lambda: len(app.entries) == 6, "the chat to open")
+        await wait_until(pilot, lambda: len(app.chat.entries) == 6, "the chat to open")
         await wait_until(pilot, lambda: "ctx" in str(app.query_one(StatsLine).render()),
                          "the stats line")
         line = str(app.query_one(StatsLine).render())
@@ -169,6 +170,6 @@ async def test_a_capped_num_ctx_is_named_in_the_ready_line(home):
     app = fixed_app(home, resume=None)
     async with app.run_test(size=(100, 24)):
         assert "context 8192 (plan" in app._loaded_text("gemma3-27b", 1.0)
-        app.options["num_ctx"] = 999999  # `localllm run --ctx 999999`
+        app.chat.options["num_ctx"] = 999999  # `localllm run --ctx 999999`
         assert "context 8192 (num_ctx 999999 was capped at 8192) (plan" in \
             app._loaded_text("gemma3-27b", 1.0)

@@ -39,7 +39,7 @@ def test_stats_line_while_streaming(app, snap_compare):
     async def streaming(pilot):
         app = pilot.app
         app.streaming = True
-        app.turn = TurnStats(eval_count=57, eval_duration_ns=700_000_000,
+        app.chat.turn = TurnStats(eval_count=57, eval_duration_ns=700_000_000,
                              prompt_eval_count=412, prompt_eval_duration_ns=206_000_000,
                              context_used=1001, context_length=8192, ttft_ns=231_000_000,
                              drafted=60, draft_accepted=45)

@@ -369,26 +369,27 @@ async def test_the_chat_tui_attaches_an_image_path_typed_in_a_message(vdaemon, t
             await wait_loaded(pilot, app)
             await type_line(pilot, app, "/set parameter num_predict 4")
             await type_line(pilot, app, f"what is in {photo}?")
-            await wait_until(pilot, lambda: not app.streaming and app.turn and app.turn.done,
-                             "the answer")
+            await wait_until(pilot, lambda: not app.streaming and app.chat.turn
+                             and app.chat.turn.done, "the answer")
             assert any("added image photo.png" in n for n in notes(app))
-            user = next(e for e in app.entries if e.role == "user")
+            user = next(e for e in app.chat.entries if e.role == "user")
             assert user.content == "what is in ?" and len(user.images) == 1
             # The image's tokens are in the context with the text (read now, or reused from
             # the cache when an earlier test sent the same image at the same place).
-            assert app.turn.context_used >= IMAGE_TOKENS + app.turn.eval_count
+            assert app.chat.turn.context_used >= IMAGE_TOKENS + app.chat.turn.eval_count
         # Reopened, the chat sends the image with its turn again: the next answer's context
         # holds it as well as the text.
-        again = ChatApp(config_for(vdaemon), "vl", store=chats, resume=str(app.chat_id))
+        again = ChatApp(config_for(vdaemon), "vl", store=chats, resume=str(app.chat.chat_id))
         async with again.run_test(size=(100, 30)) as pilot:
             await wait_loaded(pilot, again)
-            user = next(e for e in again.entries if e.role == "user")
+            user = next(e for e in again.chat.entries if e.role == "user")
             assert user.images == (base64.b64encode(photo.read_bytes()).decode(),)
             await type_line(pilot, again, "/set parameter num_predict 4")
             await type_line(pilot, again, "and now?")
-            await wait_until(pilot, lambda: not again.streaming and again.turn
-                             and again.turn.done and again.turn.eval_count, "the second answer")
-            assert again.turn.context_used >= IMAGE_TOKENS + again.turn.eval_count
+            await wait_until(pilot, lambda: not again.streaming and again.chat.turn
+                             and again.chat.turn.done and again.chat.turn.eval_count,
+                             "the second answer")
+            assert again.chat.turn.context_used >= IMAGE_TOKENS + again.chat.turn.eval_count
     finally:
         chats.close()
 

@@ -24,10 +24,10 @@ class FixedChatApp(ChatApp):
     sent: list[str]
 
     def prepare(self, model: str, offer_pull: bool = True) -> None:
-        self.runner, self.turn, self.sent = RUNNER, TURN, []
+        self.runner, self.chat.turn, self.sent = RUNNER, TURN, []
 
     def answer(self) -> None:  # what would be asked of the daemon
-        self.sent.append(self.request_messages()[-1]["content"])
+        self.sent.append(self.chat.request_messages()[-1]["content"])
 
 
 def saved_chat(store: ChatStore, name: str = "loops") -> int:

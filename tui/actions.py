@@ -1,6 +1,6 @@
 """What the user can do: slash commands, keys and the command palette. Mixed into ChatApp
-(app.py), whose state it reads and changes: `entries`, `options`, `system`, `model`,
-`chat_id`, the store and the client."""
+(app.py): each changes the chat through the App's `chat` (conversation.py: settings, turns,
+their saving) and then what is drawn."""
 
 from __future__ import annotations
 
@@ -30,16 +30,6 @@ LOAD_OPTIONS = ("num_ctx", "num_gpu", "num_thread", "num_batch", "draft_model")
 QUIT_WINDOW_S = 3.0  # a second Ctrl+C within this long quits
 
 
-def resumed_context(messages) -> TurnStats | None:
-    """The context fill of a reopened chat, as the daemon measured it after the last answer
-    that has figures: the stats line shows it until the next answer (not `ctx 0`)."""
-    for m in reversed(messages):
-        if m.stats and m.stats.get("context_used"):
-            return TurnStats(context_used=int(m.stats["context_used"]),
-                             context_length=int(m.stats.get("context_length", 0)), done=True)
-    return None
-
-
 class ChatActions:
     """Slash commands (`run_slash(line)` is the one way in), key actions and palette entries.
     Keys and palette entries run slash commands, so every action is also a command."""
@@ -56,8 +46,7 @@ class ChatActions:
     # ---- settings --------------------------------------------------------------------------
     def _cmd_set_parameter(self, command: Command) -> None:
         name, value = command.args
-        self.options[name] = value
-        self._save_options()
+        self.chat.set_option(name, value)
         shown = " ".join(value) if isinstance(value, list) else value
         reloads = name in LOAD_OPTIONS or name == "speculative" and value in LOAD_MODES
         when = " (the model reloads with the next answer)" if reloads else ""
@@ -65,54 +54,48 @@ class ChatActions:
 
     def _cmd_unset_parameter(self, command: Command) -> None:
         name = command.args[0]
-        self.options.pop(name, None)
-        self._save_options()
+        self.chat.unset_option(name)
         self.note(f"Parameter '{name}' is back to its default.")
 
     def _cmd_set_system(self, command: Command) -> None:
-        self.system = command.args[0]
-        if self.chat_id:
-            self._safe(self.store.update_chat, self.chat_id, system=self.system)
-        self.note("Set system message." if self.system else "Cleared the system message.")
+        self.chat.set_system(command.args[0])
+        self.note("Set system message." if self.chat.system else "Cleared the system message.")
 
     def _cmd_set_verbose(self, command: Command) -> None:
-        self.verbose = command.args[0]
-        self.note("Set 'verbose' mode: timings after each answer." if self.verbose
+        self.chat.verbose = command.args[0]
+        self.note("Set 'verbose' mode: timings after each answer." if self.chat.verbose
                   else "Set 'quiet' mode.")
 
     def _cmd_set_format(self, command: Command) -> None:
-        self.format = command.args[0]
-        self.note("Set format to 'json' mode." if self.format else "Disabled format.")
+        self.chat.format = command.args[0]
+        self.note("Set format to 'json' mode." if self.chat.format else "Disabled format.")
 
     def _cmd_set_think(self, command: Command) -> None:
-        self.think = command.args[0]
-        self.note("Set 'think' mode." if self.think else "Set 'nothink' mode.")
-
-    def _save_options(self) -> None:
-        if self.chat_id:
-            self._safe(self.store.update_chat, self.chat_id, options=self.options)
+        self.chat.think = command.args[0]
+        self.note("Set 'think' mode." if self.chat.think else "Set 'nothink' mode.")
 
     # ---- show ------------------------------------------------------------------------------
     def _cmd_show(self, command: Command) -> None:
         what = command.args[0]
         if what == "parameters":
             rows = [f"  {k:<18} {' '.join(v) if isinstance(v, list) else v}"
-                    for k, v in self.options.items()]
+                    for k, v in self.chat.options.items()]
             self.note("Parameters of this chat:\n" + "\n".join(rows) if rows else
                       "No parameters set: the model's defaults apply. /set parameter NAME VALUE")
         elif what == "system":
-            self.note(f"System message:\n{self.system}" if self.system else "No system message.")
+            system = self.chat.system
+            self.note(f"System message:\n{system}" if system else "No system message.")
         elif what == "plan":
             self._show_plan()
         else:
             self._show_from_daemon(what)
 
     def _show_plan(self) -> None:
-        r = self.runner
+        r, model = self.runner, self.chat.model
         if r is None:
-            self.note(f"{self.model} is not loaded right now; the plan is chosen when it loads.")
+            self.note(f"{model} is not loaded right now; the plan is chosen when it loads.")
             return
-        lines = [f"Plan for {self.model} (source: {r.plan_source}): {r.gpu_layers}/{r.layers} "
+        lines = [f"Plan for {model} (source: {r.plan_source}): {r.gpu_layers}/{r.layers} "
                  f"layers on GPU, KV {r.kv_type}, context {r.n_ctx}, runner pid {r.pid}"]
         lines += [f"  - {reason}" for reason in r.reasons]
         self.note("\n".join(lines))
@@ -120,20 +103,18 @@ class ChatActions:
     @work(group="show")
     async def _show_from_daemon(self, what: str) -> None:
         try:
-            data = await self.client.request("POST", "/api/show", {"model": self.model})
+            data = await self.client.request("POST", "/api/show", {"model": self.chat.model})
         except (DaemonError, UserError, OSError) as e:
             self.note(f"Cannot show {what}: {e}", "error")
             return
-        self.note(show_text(what, data, self.model))
+        self.note(show_text(what, data, self.chat.model))
 
     # ---- chats -----------------------------------------------------------------------------
     def _cmd_clear(self, command: Command) -> None:
         if self.streaming:
             self.note("Stop the answer first (Ctrl+C).", "warning")
             return
-        self.chat_id = None
-        self.entries.clear()
-        self.turn = None
+        self.chat.clear()
         self.log_view.remove_children()
         self._show_title()
         self.note("New chat. The last one is saved: /chats reopens it.")
@@ -145,14 +126,11 @@ class ChatActions:
         if self.streaming:
             self.note("Stop the answer first (Ctrl+C).", "warning")
             return
-        chat = self._safe(self.store.get_chat, chat_id)
-        messages = self._safe(self.store.messages, chat_id)
-        if chat is None or messages is None:
+        opened = self.chat.reopen(chat_id)
+        if opened is None:
             self.note(f"Cannot open chat {chat_id}.", "error")
             return
-        self.chat_id, self.system, self.options = chat.id, chat.system, dict(chat.options)
-        self.entries.clear()
-        self.turn = None
+        chat, messages = opened
         self.log_view.remove_children()
         for m in messages:
             footer = answer_footer(TurnStats.from_wire(m.stats, True,
@@ -164,14 +142,13 @@ class ChatActions:
                 m_state = m.state
             view = MessageView(m.role, m.content, chat.model if m.role == "assistant" else "",
                                footer, m_state)
-            self.entries.append(Entry(m.role, m.content, m_state, m.id, view, m.images))
-        self.mount_views(e.view for e in self.entries)
-        self.turn = resumed_context(messages)
+            self.chat.entries.append(Entry(m.role, m.content, m_state, m.id, view, m.images))
+        self.mount_views(e.view for e in self.chat.entries)
         self.note(f"Reopened '{chat.title}' ({len(messages)} messages, {chat.model}).")
-        if chat.model != self.model:
-            self.model = chat.model
+        if chat.model != self.chat.model:
+            self.chat.model = chat.model
             if load:
-                self.prepare(self.model)
+                self.prepare(self.chat.model)
         self._show_title()
 
     def _cmd_save(self, command: Command) -> None:
@@ -179,15 +156,13 @@ class ChatActions:
         if name.isdigit():
             self.note("A chat name needs a letter (numbers are chat ids).", "error")
             return
-        chat_id = self._ensure_chat()
-        if chat_id is None:
+        if not self.chat.rename(name):
             return
-        self._safe(self.store.update_chat, chat_id, name=name)
         self._show_title()
         self.note(f"Saved as '{name}': reopen it with `localllm run --resume {name}`.")
 
     def _cmd_export(self, command: Command) -> None:
-        chat = self._safe(self.store.get_chat, self.chat_id) if self.chat_id else None
+        chat = self.chat.info()
         if chat is None:
             self.note("Nothing to export yet.", "warning")
             return
@@ -198,7 +173,7 @@ class ChatActions:
             path = paths.data_dir() / "exports" / f"{chat.id}-{slug}.md"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(chat_markdown(chat, self._safe(self.store.messages, chat.id) or []))
+            path.write_text(chat_markdown(chat, self.chat.safe(self.store.messages, chat.id) or []))
         except OSError as e:
             self.note(f"Cannot write {path}: {e.strerror or e}", "error")
             return
@@ -209,12 +184,9 @@ class ChatActions:
         if self.streaming:
             self.note("Stop the answer first (Ctrl+C).", "warning")
             return
-        while self.entries and self.entries[-1].role == "assistant":
-            entry = self.entries.pop()
-            if entry.db_id:
-                self._safe(self.store.delete_message, entry.db_id)
+        for entry in self.chat.drop_last_answers():
             entry.view.remove()
-        if not self.entries:
+        if not self.chat.entries:
             self.note("Nothing to answer again yet.", "warning")
             return
         self.answer()
@@ -232,12 +204,10 @@ class ChatActions:
         self.prepare(command.args[0], offer_pull=False)
 
     def switch_model(self, model: str) -> None:
-        if model == self.model:
+        if model == self.chat.model:
             return
-        self.model = self.stored_name = model
+        self.chat.use_model(model)
         self.runner = None
-        if self.chat_id:
-            self._safe(self.store.update_chat, self.chat_id, model=model)
         self._show_title()
 
     # ---- help and quitting -----------------------------------------------------------------
@@ -290,7 +260,7 @@ class ChatActions:
     def action_open_chats(self) -> None:
         from .screens import ChatListScreen
 
-        chats = self._safe(self.store.chats) or []
+        chats = self.chat.safe(self.store.chats) or []
 
         def opened(chat_id: int | None) -> None:
             if chat_id is not None:

@@ -1,8 +1,10 @@
 """`localllm run`: the chat app. It talks to the daemon only through `localllm.client.Client`.
 
-Layers: this App (layout, startup, the answer worker, the stats feed), actions.py (what the
-user can do: slash commands, keys, the command palette), widgets.py and screens.py (what is
-drawn), slash.py and stats.py (parsing and formatting, pure), chatstore.py (SQLite).
+Layers: this App (layout, startup, the answer worker, the stats feed), conversation.py (the
+chat it holds as `chat`: model, settings, turns and their saving, the messages the daemon gets),
+actions.py (what the user can do: slash commands, keys, the command palette), widgets.py and
+screens.py (what is drawn), slash.py and stats.py (parsing and formatting, pure), chatstore.py
+(SQLite).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from localllm.repeats import LoopGuard
 from . import keys
 from .actions import ChatActions
 from .chatstore import ChatStore
+from .conversation import Conversation
 from .slash import request_extra
 from .startup import CONNECTION_ERRORS, Startup, lost_daemon_text, not_stored_hint
 from .stats import DecodeRate, RunnerStats, Segment, TurnStats, answer_footer, answer_notes, \
@@ -54,28 +57,18 @@ class ChatApp(ChatActions, App[int]):
                  resume: str | None = None):
         super().__init__()
         self.config = config
-        self.model = model
         self.store = store
+        self.chat = Conversation(store, model, lambda text: self.note(text, "error"))
         self.resume = resume  # None: a new chat; "": pick from the list; else an id or name
         self.client = Client(config)
         self.startup = Startup(self)
         self.connected = False  # the daemon answered since the last lost connection
-        self.chat_id: int | None = None
-        self.system = ""
-        self.options: dict = {}
-        self.verbose = False  # /set verbose: timings after each answer
-        self.format = ""  # /set format json
-        self.think: bool | None = None  # /set think, /set nothink; None: the model's way
-        self.entries: list[Entry] = []
-        self.turn: TurnStats | None = None
         self.rate = DecodeRate()
         self.runner: RunnerStats | None = None
         self.models: list[str] = []  # stored model names, for /load completion
-        self.stored_name = model  # the daemon's name for it ('smollm2' -> 'smollm2:latest')
         self.waiting_since = 0.0
         self.prompt_progress: tuple[int, int] | None = None  # prompt tokens read, of total
         self._quit_armed_until = 0.0
-        self._save_failed = False
         self.keymap, self.key_warnings = keys.read_keymap(config_file())
         # The main screen's widgets, held here: a modal screen on top must not hide them.
         self.log_view = VerticalScroll(id="log")
@@ -96,11 +89,11 @@ class ChatApp(ChatActions, App[int]):
 
     def on_mount(self) -> None:
         self.set_keymap(self.keymap)
-        theme = self._safe(self.store.get_setting, "theme")
+        theme = self.chat.safe(self.store.get_setting, "theme")
         if theme in self.available_themes:
             self.theme = theme
         self.theme_changed_signal.subscribe(
-            self, lambda t: self._safe(self.store.set_setting, "theme", t.name))
+            self, lambda t: self.chat.safe(self.store.set_setting, "theme", t.name))
         self.log_view.anchor()  # follow new text while the user is at the bottom
         self.progress_line.stop()
         self.hint.display = False
@@ -113,19 +106,18 @@ class ChatApp(ChatActions, App[int]):
         if self.resume == "":
             self.action_open_chats()
         elif self.resume is not None:
-            chat = self._safe(self.store.find_chat, self.resume)
+            chat = self.chat.safe(self.store.find_chat, self.resume)
             if chat is None:
                 self.note(f"No saved chat '{self.resume}'; /chats lists them.", "error")
             else:
                 self.open_chat(chat.id, load=False)
-        self.prepare(self.model)
+        self.prepare(self.chat.model)
 
     async def on_unmount(self) -> None:
         await self.client.close()
 
     def _show_title(self) -> None:
-        chat = self._safe(self.store.get_chat, self.chat_id) if self.chat_id else None
-        self.sub_title = f"{self.model} · {chat.title}" if chat else self.model
+        self.sub_title = self.chat.title()
 
     def _history(self) -> list[str]:
         try:
@@ -133,40 +125,18 @@ class ChatApp(ChatActions, App[int]):
         except sqlite3.Error:  # said once the chat is up, by the first save that fails
             return []
 
-    # ---- notes and saving ------------------------------------------------------------------
+    # ---- notes and turns -------------------------------------------------------------------
     def note(self, text: str, kind: str = "info") -> Note:
         note = Note(text, kind)
         self.log_view.mount(note)
         return note
 
-    def _safe(self, call, *args, **kwargs):
-        """A database call that must not take the chat down: on failure, say so once."""
-        try:
-            return call(*args, **kwargs)
-        except sqlite3.Error as e:
-            if not self._save_failed:
-                self._save_failed = True
-                self.note(f"Cannot save the chat in {self.store.path}: {e}", "error")
-            return None
-
-    def _ensure_chat(self) -> int | None:
-        if self.chat_id is None:
-            self.chat_id = self._safe(self.store.create_chat, self.model, self.system,
-                                      self.options)
-        return self.chat_id
-
     def add_entry(self, role: str, content: str, state: str = "done",
-                  stats: dict | None = None, mount: bool = True,
-                  images: tuple[str, ...] = ()) -> Entry:
-        chat_id = self._ensure_chat()
-        db_id = self._safe(self.store.add_message, chat_id, role, content, state, stats,
-                           images) if chat_id else None
-        footer = answer_footer(TurnStats.from_wire(stats, True, stats.get("done_reason", ""))) \
-            if stats else ""
-        who = self.model if role == "assistant" else ""
-        entry = Entry(role, content, state, db_id, MessageView(role, content, who, footer, state),
-                      images)
-        self.entries.append(entry)
+                  mount: bool = True, images: tuple[str, ...] = ()) -> Entry:
+        """A new turn of the chat, saved, with its view (mounted unless `mount` is false)."""
+        who = self.chat.model if role == "assistant" else ""
+        entry = self.chat.add(Entry(role, content, state, None,
+                                    MessageView(role, content, who, "", state), images))
         if mount:
             self.log_view.mount(entry.view)
         return entry
@@ -194,24 +164,14 @@ class ChatApp(ChatActions, App[int]):
         self.hint.update("   ".join(message.candidates))
         self.hint.display = bool(message.candidates)
 
-    def request_messages(self) -> list[dict]:
-        """The conversation as the daemon gets it: system message, then every non-empty turn."""
-        messages = [{"role": "system", "content": self.system}] if self.system else []
-        messages += [{"role": e.role, "content": e.content,
-                      **({"images": list(e.images)} if e.images else {})}
-                     for e in self.entries
-                     if e.role in ("user", "assistant") and (e.content or e.images)
-                     and e.state != "error"]
-        return messages
-
     @work(exclusive=True, group="answer")
     async def answer(self) -> None:
-        messages = self.request_messages()
+        messages = self.chat.request_messages()
         entry = self.add_entry("assistant", "", "streaming", mount=False)
         view = entry.view
         await self.log_view.mount(view)
         stream = Markdown.get_stream(view.markdown)
-        self.streaming, self.turn, self.waiting_since = True, None, time.monotonic()
+        self.streaming, self.chat.turn, self.waiting_since = True, None, time.monotonic()
         self.prompt_progress = None
         self.rate.reset()
         parts: list[str] = []
@@ -220,13 +180,13 @@ class ChatApp(ChatActions, App[int]):
         unrendered: list[str] = []  # text not drawn yet: _finish draws the whole answer
         last_render = 0.0
         try:
-            chunks = self.client.chat(self.model, messages, self.options or None,
-                                      **request_extra(self.format, self.think))
+            chunks = self.client.chat(self.chat.model, messages, self.chat.options or None,
+                                      **request_extra(self.chat.format, self.chat.think))
             async with contextlib.aclosing(chunks):  # leaving it stops the model
                 async for chunk in chunks:
                     self.connected, finished = True, chunk.done
                     final = chunk.data if chunk.done else final
-                    self.stored_name = chunk.data.get("model", self.stored_name)
+                    self.chat.stored_name = chunk.data.get("model", self.chat.stored_name)
                     if chunk.text:
                         parts.append(chunk.text)
                         unrendered.append(chunk.text)
@@ -238,12 +198,12 @@ class ChatApp(ChatActions, App[int]):
                         self.prompt_progress = (chunk.data["progress"]["prompt_read"],
                                                 chunk.data["progress"]["prompt_total"])
                     if chunk.data.get("stats"):
-                        self.turn = TurnStats.from_wire(chunk.data["stats"], chunk.done,
+                        self.chat.turn = TurnStats.from_wire(chunk.data["stats"], chunk.done,
                                                         chunk.data.get("done_reason", ""))
-                        self.rate.add(self.turn.eval_count, self.turn.eval_duration_ns)
+                        self.rate.add(self.chat.turn.eval_count, self.chat.turn.eval_duration_ns)
                     if time.monotonic() - last_save > SAVE_EVERY_S and entry.db_id:
                         last_save = time.monotonic()
-                        self._safe(self.store.update_message, entry.db_id, "".join(parts),
+                        self.chat.safe(self.store.update_message, entry.db_id, "".join(parts),
                                    "streaming")
                     if not chunk.done and (looped := loops.feed(chunk.text)):
                         break
@@ -262,17 +222,17 @@ class ChatApp(ChatActions, App[int]):
                                        "the daemon and get the answer."), "error")
         finally:
             await self._finish(entry, stream, "".join(parts), state)
-            for text, kind in answer_notes(final, looped, self.verbose):
+            for text, kind in answer_notes(final, looped, self.chat.verbose):
                 self.note(text, kind)
 
     async def _finish(self, entry: Entry, stream, text: str, state: str) -> None:
-        turn = self.turn
+        turn = self.chat.turn
         if turn is not None and state == "stopped":
-            turn = self.turn = replace(turn, done=True, done_reason="cancelled")
+            turn = self.chat.turn = replace(turn, done=True, done_reason="cancelled")
         entry.content, entry.state = text, state
-        if entry.db_id:  # first the database: this also runs when the app is closing
-            self._safe(self.store.update_message, entry.db_id, text, state,  # +who wrote it
-                       {**(turn.to_wire() if turn else {}), "model": self.model})
+        # first the database: this also runs when the app is closing; +who wrote it
+        self.chat.save(entry, text, state, {**(turn.to_wire() if turn else {}),
+                                            "model": self.chat.model})
         self.streaming = False
         footer = answer_footer(turn) if turn else ""
         if state == "error":
@@ -287,7 +247,7 @@ class ChatApp(ChatActions, App[int]):
 
     def _explain(self, error: DaemonError, model: str = "") -> str:
         if error.status == 404:
-            return f"{error}: {not_stored_hint(model or self.model, self.models)}"
+            return f"{error}: {not_stored_hint(model or self.chat.model, self.models)}"
         if 400 <= error.status < 500:
             return f"The daemon refused: {error}"
         return f"The answer failed: {error}"
@@ -309,7 +269,7 @@ class ChatApp(ChatActions, App[int]):
         if r is None:
             return f"{model} is ready."
         where = "CPU only" if r.gpu_layers == 0 else f"{r.gpu_layers}/{r.layers} layers on GPU"
-        asked = self.options.get("num_ctx", 0)
+        asked = self.chat.options.get("num_ctx", 0)
         capped = f" (num_ctx {asked} was capped at {r.n_ctx})" if r.n_ctx < asked else ""
         return (f"{model} ready in {seconds:.1f} s: {where}, KV {r.kv_type}, context {r.n_ctx}"
                 f"{capped} (plan: {r.plan_source or 'default'}; /show plan says why).")
@@ -317,8 +277,8 @@ class ChatApp(ChatActions, App[int]):
     # ---- stats -----------------------------------------------------------------------------
     def refresh_stats(self) -> None:
         """Ten times a second: the stats line from the latest counters the daemon sent."""
-        parts = segments(self.turn, self.rate.rate, self.runner, self.streaming)
-        if self.streaming and self.turn is None:
+        parts = segments(self.chat.turn, self.rate.rate, self.runner, self.streaming)
+        if self.streaming and self.chat.turn is None:
             waited = time.monotonic() - self.waiting_since
             read = self.prompt_progress
             text = (f"reading the prompt: {read[0]:,}/{read[1]:,} tokens… {waited:.1f} s" if read
@@ -338,7 +298,7 @@ class ChatApp(ChatActions, App[int]):
 
     async def _poll_runner_once(self) -> None:
         try:
-            self.runner = find_runner(await self.client.stats(), self.stored_name)
+            self.runner = find_runner(await self.client.stats(), self.chat.stored_name)
         except (DaemonError, *CONNECTION_ERRORS):
             self.runner = None
 

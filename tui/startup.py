@@ -42,10 +42,10 @@ class Startup:
             progress.start(f"Loading {model}: choosing a plan for this machine…")
             started = time.monotonic()
             body = {"model": model, "messages": []}
-            if app.options:
-                body["options"] = app.options
+            if app.chat.options:
+                body["options"] = app.chat.options
             reply = await app.client.request("POST", "/api/chat", body)
-            app.stored_name = reply.get("model", model)
+            app.chat.stored_name = reply.get("model", model)
             await app._poll_runner_once()
             app.note(app._loaded_text(model, time.monotonic() - started))
             if self.shown.get("template", "") in NO_TEMPLATE:
