@@ -127,3 +127,28 @@ TOOL_SEARCH_TEMPLATE = """\
 {{- '<|im_start|>user\\nGo.<|im_end|>\\n' }}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """.replace("WEATHER", WEATHER_TOOL)
+
+# For Claude Code's compaction through `launch` (tests/test_agent_clis.py): the conversation but
+# its system turns rendered (a prompt cache holds it; Claude Code's system prompt would take
+# minutes to read on a busy CPU), then as AGENT_TEMPLATE: a call to Bash until a
+# tool result is in the conversation, then a line of text; asked for a summary (Claude Code's
+# compacting turn asks for one in <summary> tags), a summary.
+COMPACT_TEMPLATE = """\
+{%- set ns = namespace(bash=false, results=0) %}
+{%- for t in tools or [] %}{%- if t.function.name == 'Bash' %}{%- set ns.bash = true %}\
+{%- endif %}{%- endfor %}
+{%- for m in messages %}{%- if m.role == 'tool' %}{%- set ns.results = ns.results + 1 %}\
+{%- endif %}{%- if m.role != 'system' %}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') }}
+{%- for c in m.tool_calls or [] %}{{- '<tool_call>' + (c.function.arguments | tojson) }}\
+{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}
+{%- if messages[-1].role == 'user' and '<summary>' in messages[-1].content %}\
+{%- set want = '<summary>The check ran: it printed localllm-tool-ok.</summary>' %}
+{%- elif ns.bash and not ns.results %}{%- set want = '<tool_call>\\n{"name": "Bash", ' + \
+'"arguments": {"command": "echo localllm-tool-ok"}}\\n</tool_call>' %}
+{%- else %}{%- set want = 'Done: the tool ran.' %}{%- endif %}
+{%- for i in range(4) %}\
+{{- '<|im_start|>user\\nGo.<|im_end|>\\n<|im_start|>assistant\\n' + want + '<|im_end|>\\n' }}\
+{%- endfor %}
+{{- '<|im_start|>user\\nGo.<|im_end|>\\n' }}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""

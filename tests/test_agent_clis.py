@@ -25,7 +25,8 @@ import httpx
 import pytest
 
 from agent_proxy import RecordingProxy
-from chat_models import AGENT_TEMPLATE, QWEN_TOOL_TEMPLATE, TOOL_SEARCH_TEMPLATE, WEATHER_TOOL
+from chat_models import AGENT_TEMPLATE, COMPACT_TEMPLATE, QWEN_TOOL_TEMPLATE, \
+    TOOL_SEARCH_TEMPLATE, WEATHER_TOOL
 from daemon_process import isolated_env, start_daemon
 from gguf_edit import with_metadata
 from mcp_tools_server import WEATHER_MARK
@@ -41,6 +42,7 @@ PINNED = {"@anthropic-ai/claude-code": "2.1.332", "@openai/codex": "0.169.0",
 MODEL = "agent"
 LONG_MODEL, LONG_CTX = "agent-32k", 32768
 SEARCH_MODEL = "search-agent"  # calls Claude Code's ToolSearch, then the MCP tool it found
+COMPACT_MODEL = "compact-agent"  # renders the conversation; summarises when asked
 RENDER_MODEL = "tools-render"  # renders every tool it is given, as Qwen's template does
 MARK = "localllm-tool-ok"  # what the tool the model calls prints
 MCP_SERVER = Path(__file__).resolve().parent / "mcp_tools_server.py"
@@ -88,6 +90,7 @@ def cli_daemon(tmp_path_factory, smollm2_gguf):
     for name, base, template in ((MODEL, "smollm2", AGENT_TEMPLATE),
                                  (LONG_MODEL, "smollm2-32k", AGENT_TEMPLATE),
                                  (SEARCH_MODEL, "smollm2-32k", TOOL_SEARCH_TEMPLATE),
+                                 (COMPACT_MODEL, "smollm2-32k", COMPACT_TEMPLATE),
                                  (RENDER_MODEL, "smollm2-32k", QWEN_TOOL_TEMPLATE)):
         reply = httpx.post(f"{d.url}/api/create", timeout=120, json={
             "model": name, "from": base, "template": template,
@@ -220,6 +223,53 @@ def without_tool_names(body: dict) -> dict:
     return {**body, "messages": [
         {**m, "content": [strip(b) for b in m["content"]] if isinstance(m["content"], list)
          else strip({"text": m["content"]})["text"]} for m in body["messages"]]}
+
+
+def usage(record: dict) -> dict:
+    """The usage the daemon answered a recorded /v1/messages request with (streamed or not)."""
+    try:
+        return json.loads(record["answer"])["usage"]
+    except ValueError:
+        pass
+    found = {}
+    for line in record["answer"].splitlines():
+        if line.startswith("data:"):
+            event = json.loads(line.removeprefix("data:"))
+            found.update((event.get("message") or {}).get("usage") or {})  # message_start
+            found.update(event.get("usage") or {})  # message_delta
+    return found
+
+
+def test_claude_code_compacts_on_the_cached_conversation(cli_daemon, agent_bin, tmp_path):
+    """`claude -p /compact --continue` compacts the session before it, as Claude Code's own
+    /compact does: its summarising turn is the conversation with the instruction after it, so
+    the daemon reads at most a tenth of the transcript again (the rest from the cache), and
+    Claude Code records the compaction and the model's summary in its session."""
+    tools = ["--tools", "Bash", "--allowedTools", "Bash"]
+    # A task as long as a real one (the template's four fixed turns after the conversation are
+    # read again each turn: on a transcript of a few lines they would be most of it).
+    task = "Run the check. " + " ".join(f"Step {i}: read the log, note what failed and why."
+                                        for i in range(120))
+    with RecordingProxy(cli_daemon.url) as proxy:
+        r = run_launch(cli_daemon, agent_bin, tmp_path, proxy.url, "claude", "--model",
+                       COMPACT_MODEL, "--", "-p", task, *tools, "--max-turns", "3")
+        assert r.returncode == 0, r.stdout + r.stderr
+        turns = [q for q in proxy.requests if q["path"] == "/v1/messages"]
+        r = run_launch(cli_daemon, agent_bin, tmp_path, proxy.url, "claude", "--model",
+                       COMPACT_MODEL, "--", "-p", "/compact", "--continue", *tools)
+    assert r.returncode == 0, r.stdout + r.stderr
+    session = [json.loads(line) for f in (tmp_path / "home" / ".claude").rglob("*.jsonl")
+               for line in f.read_text().splitlines()]
+    assert any(e.get("subtype") == "compact_boundary" for e in session)
+    assert "localllm-tool-ok" in json.dumps([e for e in session if e.get("isCompactSummary")])
+
+    compacting = [q for q in proxy.requests if q["path"] == "/v1/messages"][len(turns)]
+    assert "<summary>" in json.dumps(compacting["body"]["messages"][-1])
+    last = usage(turns[-1])  # the transcript, as the last turn read it
+    transcript = last["input_tokens"] + last["cache_read_input_tokens"]
+    read = usage(compacting)
+    assert read["output_tokens"] > 0
+    assert transcript - read["cache_read_input_tokens"] <= transcript / 10, (last, read)
 
 
 @pytest.mark.parametrize("agent,args,route", [
