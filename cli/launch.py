@@ -320,18 +320,20 @@ async def load_with_context(client, model: str, n_ctx: int) -> tuple[int, str]:
                     f"({error}); loaded with {loaded}, what fits")
 
 
-async def fit_agent(client, model: dict, agent: str, n_ctx: int) -> tuple[int, Need, str]:
-    """With the model loaded at `n_ctx`: count the agent's first request with it, and load it
-    larger where `n_ctx` cannot hold that and an answer. Returns the context loaded, what the
-    agent needs, and a note when it was loaded larger; refuses a model that cannot hold the
-    agent at all."""
+async def fit_agent(client, model: dict, agent: str, n_ctx: int,
+                    agent_args: list[str] = ()) -> tuple[int, Need, str]:
+    """With the model loaded at `n_ctx`: count the agent's first request with it (with the
+    tools `agent_args` leave it), and load it larger where `n_ctx` cannot hold that and an
+    answer. Returns the context loaded, what the agent needs, and a note when it was loaded
+    larger; refuses a model that cannot hold the agent at all."""
     from localllm.client import DaemonError
 
     name = model["name"]
     if model.get("remote"):  # its server knows its context; there is no template here
         return n_ctx, Need(AGENTS[agent][0], 0), ""
     try:
-        need = Need(AGENTS[agent][0], await first_request_tokens(client, agent, name))
+        need = Need(AGENTS[agent][0], await first_request_tokens(client, agent, name,
+                                                               agent_args))
     except DaemonError as e:
         if e.status != 400:
             raise
@@ -388,7 +390,7 @@ async def _prepare(config, args, agent_args: list[str]) -> Setup:
         model = await choose_model(client, args.model)
         n_ctx, note = wanted_context(model, args.ctx)
         n_ctx, load_note = await load_with_context(client, model["name"], n_ctx)
-        n_ctx, need, fit_note = await fit_agent(client, model, args.agent, n_ctx)
+        n_ctx, need, fit_note = await fit_agent(client, model, args.agent, n_ctx, agent_args)
         note = fit_note or load_note or note
         if note:
             print(f"note: {note}", file=sys.stderr)

@@ -3,7 +3,9 @@
 Each agent's first request (its system prompt and tools, recorded from the real CLI at a
 pinned version: agent_requests/, replayed by tests/test_agent_clis.py) is sent to the daemon's
 token count for its wire format, which renders it with the chosen model's template and counts
-it with the model's tokenizer. The model is loaded with a context that holds that request plus
+it with the model's tokenizer; where the agent is told to offer fewer of its tools (Claude
+Code's `--tools` and `--disallowedTools`, after `--`), only those it will send are counted.
+The model is loaded with a context that holds that request plus
 room for an answer (`ANSWER_MIN` at least); where the model's trained length or the largest
 context its plan fits on this card is less, the agent cannot run on it and `launch` says so.
 """
@@ -11,6 +13,7 @@ context its plan fits on this card is less, the agent cannot run on it and `laun
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +29,13 @@ FIRST_REQUESTS = {"claude": "claude-code-2.1.332-default.json",
 COUNT_ROUTES = {"/v1/messages": "/v1/messages/count_tokens",
                 "/v1/responses": "/v1/responses/input_tokens",
                 "/v1/chat/completions": "/v1/chat/completions/input_tokens"}
+# Claude Code's flags that change which of its tools it sends: `--tools` names the only built-in
+# tools it offers ("default": all of them, "": none), `--disallowedTools` takes tools away (a
+# rule with arguments, `Bash(git *)`, only limits what the tool may run: it is still sent). Each
+# takes names separated by commas or spaces, in one argument or several.
+KEEP_FLAGS = {"claude": ("--tools",)}
+DROP_FLAGS = {"claude": ("--disallowedTools", "--disallowed-tools")}
+ALWAYS_SENT = {"claude": {"DeferredToolPlaceholder"}}  # sent whichever tools it is told of
 
 
 @dataclass(frozen=True)
@@ -48,16 +58,51 @@ class Need:
                 f"prompt and tools) and its answers need {ANSWER_MIN} more")
 
 
-def first_request(agent: str) -> tuple[str, dict]:
-    """The route and body of the agent's recorded first request."""
+def first_request(agent: str, agent_args: list[str] | tuple = ()) -> tuple[str, dict]:
+    """The route and body of the agent's recorded first request, with only the tools it sends
+    when run with `agent_args`."""
     recorded = json.loads((REQUESTS / FIRST_REQUESTS[agent]).read_text())
-    return recorded["path"], recorded["body"]
+    body = recorded["body"]
+    keep = flag_values(agent_args, KEEP_FLAGS.get(agent, ()))
+    drop = {name for name in flag_values(agent_args, DROP_FLAGS.get(agent, ())) or ()
+            if "(" not in name}
+    if keep is None and not drop:
+        return recorded["path"], body
+    wanted = ALWAYS_SENT.get(agent, set()) | (keep if keep is not None else set())
+    body = {**body, "tools": [
+        tool for tool in body.get("tools") or () if tool_name(tool) not in drop
+        and (keep is None or "default" in keep or tool_name(tool) in wanted)]}
+    return recorded["path"], body
 
 
-async def first_request_tokens(client, agent: str, model: str) -> int:
-    """The agent's first request, with `model` named in it, counted by the daemon (which loads
-    the model to count where it is not loaded)."""
-    path, body = first_request(agent)
+def tool_name(tool: dict) -> str:
+    return tool.get("name") or (tool.get("function") or {}).get("name") or ""
+
+
+def flag_values(args, flags: tuple[str, ...]) -> set[str] | None:
+    """The names given to any of `flags` in `args` (`--tools A,B`, `--tools A B`,
+    `--tools=A`), or None where none of them is passed."""
+    values, found, reading = [], False, False
+    for arg in args:
+        if reading and not arg.startswith("-"):
+            values.append(arg)
+            continue
+        reading = arg in flags
+        found = found or reading
+        name, equals, value = arg.partition("=")
+        if equals and name in flags:
+            found = True
+            values.append(value)
+    if not found:
+        return None
+    return {name for value in values for name in re.split(r"[,\s]+", value) if name}
+
+
+async def first_request_tokens(client, agent: str, model: str,
+                               agent_args: list[str] | tuple = ()) -> int:
+    """The agent's first request (as `agent_args` make it), with `model` named in it, counted
+    by the daemon (which loads the model to count where it is not loaded)."""
+    path, body = first_request(agent, agent_args)
     body = {key: value for key, value in body.items() if key != "stream_options"}
     counted = await client.request("POST", COUNT_ROUTES[path],
                                    {**body, "model": model, "stream": False})

@@ -1,6 +1,7 @@
 """A recording HTTP proxy for tests: put between an agent CLI and a real daemon, it forwards
 every request as it is (streams included) and keeps each request's method, path and JSON body,
-so a test can see what the agent sent (its tool results) without touching either side.
+and the text of its answer, so a test can see what the agent sent (its tool results) and what
+it was answered (the usage) without touching either side.
 
     with RecordingProxy(daemon.url) as proxy:
         ... run the agent against proxy.url ...
@@ -37,7 +38,8 @@ class RecordingProxy:
             body = json.loads(raw) if raw else None
         except ValueError:
             body = None
-        self.requests.append({"method": request.method, "path": request.path, "body": body})
+        record = {"method": request.method, "path": request.path, "body": body, "answer": ""}
+        self.requests.append(record)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         session = ClientSession(auto_decompress=False, timeout=ClientTimeout(total=None))
         async with session, session.request(request.method, self.target + request.path_qs,
@@ -45,9 +47,12 @@ class RecordingProxy:
             response = web.StreamResponse(status=upstream.status, headers={
                 k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
             await response.prepare(request)
+            answer = []
             async for chunk in upstream.content.iter_any():
+                answer.append(chunk)
                 await response.write(chunk)
             await response.write_eof()
+            record["answer"] = b"".join(answer).decode(errors="replace")
             return response
 
     def _serve(self) -> None:

@@ -101,3 +101,54 @@ AGENT_TEMPLATE = """\
 {{- '<|im_start|>user\\nGo.<|im_end|>\\n' }}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
+
+# For Claude Code's tool search through `launch` (tests/test_agent_clis.py): as AGENT_TEMPLATE,
+# four turns of one fixed answer: a call to Claude Code's ToolSearch until a search result is
+# in the conversation, then a call to the MCP tool it found (tests/mcp_tools_server.py), then
+# a line of text. Nothing else is rendered: a long prompt takes minutes to read on a busy CPU.
+WEATHER_TOOL = "mcp__work__get_weather"
+TOOL_SEARCH_TEMPLATE = """\
+{%- set ns = namespace(search=false, found=false, called=false) %}
+{%- for t in tools or [] %}{%- set f = t.function if t.function is defined else t %}\
+{%- if f.name == 'ToolSearch' %}{%- set ns.search = true %}{%- endif %}{%- endfor %}
+{%- for m in messages %}{%- if m.role == 'tool' and '"WEATHER"' in m.content %}\
+{%- set ns.found = true %}{%- endif %}
+{%- for c in m.tool_calls or [] %}{%- if c.function.name == 'WEATHER' %}\
+{%- set ns.called = true %}{%- endif %}{%- endfor %}{%- endfor %}
+{%- if ns.search and not ns.found %}{%- set want = '<tool_call>\\n{"name": "ToolSearch", ' + \
+'"arguments": {"query": "weather"}}\\n</tool_call>' %}
+{%- elif ns.found and not ns.called %}{%- set want = '<tool_call>\\n{"name": "WEATHER", ' + \
+'"arguments": {"city": "Paris"}}\\n</tool_call>' %}
+{%- else %}{%- set want = 'Done: the tool ran.' %}{%- endif %}
+{{- '<|im_start|>system\\nRepeat the answer.<|im_end|>\\n' }}
+{%- for i in range(4) %}\
+{{- '<|im_start|>user\\nGo.<|im_end|>\\n<|im_start|>assistant\\n' + want + '<|im_end|>\\n' }}\
+{%- endfor %}
+{{- '<|im_start|>user\\nGo.<|im_end|>\\n' }}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+""".replace("WEATHER", WEATHER_TOOL)
+
+# For Claude Code's compaction through `launch` (tests/test_agent_clis.py): the conversation but
+# its system turns rendered (a prompt cache holds it; Claude Code's system prompt would take
+# minutes to read on a busy CPU), then as AGENT_TEMPLATE: a call to Bash until a
+# tool result is in the conversation, then a line of text; asked for a summary (Claude Code's
+# compacting turn asks for one in <summary> tags), a summary.
+COMPACT_TEMPLATE = """\
+{%- set ns = namespace(bash=false, results=0) %}
+{%- for t in tools or [] %}{%- if t.function.name == 'Bash' %}{%- set ns.bash = true %}\
+{%- endif %}{%- endfor %}
+{%- for m in messages %}{%- if m.role == 'tool' %}{%- set ns.results = ns.results + 1 %}\
+{%- endif %}{%- if m.role != 'system' %}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') }}
+{%- for c in m.tool_calls or [] %}{{- '<tool_call>' + (c.function.arguments | tojson) }}\
+{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}
+{%- if messages[-1].role == 'user' and '<summary>' in messages[-1].content %}\
+{%- set want = '<summary>The check ran: it printed localllm-tool-ok.</summary>' %}
+{%- elif ns.bash and not ns.results %}{%- set want = '<tool_call>\\n{"name": "Bash", ' + \
+'"arguments": {"command": "echo localllm-tool-ok"}}\\n</tool_call>' %}
+{%- else %}{%- set want = 'Done: the tool ran.' %}{%- endif %}
+{%- for i in range(4) %}\
+{{- '<|im_start|>user\\nGo.<|im_end|>\\n<|im_start|>assistant\\n' + want + '<|im_end|>\\n' }}\
+{%- endfor %}
+{{- '<|im_start|>user\\nGo.<|im_end|>\\n' }}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""

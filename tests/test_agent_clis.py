@@ -25,9 +25,12 @@ import httpx
 import pytest
 
 from agent_proxy import RecordingProxy
-from chat_models import AGENT_TEMPLATE
+from chat_models import AGENT_TEMPLATE, COMPACT_TEMPLATE, QWEN_TOOL_TEMPLATE, \
+    TOOL_SEARCH_TEMPLATE, WEATHER_TOOL
 from daemon_process import isolated_env, start_daemon
 from gguf_edit import with_metadata
+from mcp_tools_server import WEATHER_MARK
+from mcp_tools_server import tools as mcp_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIS = ROOT / ".cache" / "agent-clis"
@@ -38,7 +41,11 @@ PINNED = {"@anthropic-ai/claude-code": "2.1.332", "@openai/codex": "0.169.0",
           "@github/copilot": "1.0.102", "opencode-ai": "1.18.33"}
 MODEL = "agent"
 LONG_MODEL, LONG_CTX = "agent-32k", 32768
+SEARCH_MODEL = "search-agent"  # calls Claude Code's ToolSearch, then the MCP tool it found
+COMPACT_MODEL = "compact-agent"  # renders the conversation; summarises when asked
+RENDER_MODEL = "tools-render"  # renders every tool it is given, as Qwen's template does
 MARK = "localllm-tool-ok"  # what the tool the model calls prints
+MCP_SERVER = Path(__file__).resolve().parent / "mcp_tools_server.py"
 
 
 def installed() -> bool:
@@ -80,9 +87,13 @@ def cli_daemon(tmp_path_factory, smollm2_gguf):
                          {"llama.context_length": LONG_CTX})
     import_models(env, {"smollm2": smollm2_gguf, "smollm2-32k": long})
     d = start_daemon(env)
-    for name, base in ((MODEL, "smollm2"), (LONG_MODEL, "smollm2-32k")):
+    for name, base, template in ((MODEL, "smollm2", AGENT_TEMPLATE),
+                                 (LONG_MODEL, "smollm2-32k", AGENT_TEMPLATE),
+                                 (SEARCH_MODEL, "smollm2-32k", TOOL_SEARCH_TEMPLATE),
+                                 (COMPACT_MODEL, "smollm2-32k", COMPACT_TEMPLATE),
+                                 (RENDER_MODEL, "smollm2-32k", QWEN_TOOL_TEMPLATE)):
         reply = httpx.post(f"{d.url}/api/create", timeout=120, json={
-            "model": name, "from": base, "template": AGENT_TEMPLATE,
+            "model": name, "from": base, "template": template,
             "parameters": {"temperature": 0}, "stream": False})
         assert reply.status_code == 200, reply.text
     yield d
@@ -144,6 +155,121 @@ def test_codex_calls_a_tool_through_the_daemon(cli_daemon, agent_bin, tmp_path):
     outputs = [item for body in proxy.bodies("/v1/responses") for item in body["input"]
                if item.get("type") == "function_call_output"]
     assert outputs and MARK in json.dumps(outputs[-1]["output"])
+
+
+def counted(daemon, body: dict) -> int:
+    """A /v1/messages body's input tokens, counted with a template that renders every tool."""
+    reply = httpx.post(daemon.url + "/v1/messages/count_tokens", timeout=300,
+                       json={**body, "model": RENDER_MODEL, "stream": False})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["input_tokens"]
+
+
+def test_claude_code_searches_its_deferred_mcp_tools_through_the_daemon(cli_daemon, agent_bin,
+                                                                        tmp_path):
+    """An MCP server with 101 tools (tests/mcp_tools_server.py) and tool search on (launch
+    sets ENABLE_TOOL_SEARCH): Claude Code sends none of them at first, only its ToolSearch
+    tool; the model searches, Claude Code answers with a tool_reference, the daemon renders
+    the referenced tool (sent deferred from then on), the model calls it and its result comes
+    back. Its first request is at most a tenth of the tokens of the same request with every
+    MCP tool in it, as it is sent with tool search off."""
+    config = tmp_path / "mcp.json"
+    config.write_text(json.dumps({"mcpServers": {"work": {
+        "type": "stdio", "command": sys.executable, "args": [str(MCP_SERVER), "100"]}}}))
+    agent_args = ["-p", "What is the weather in Paris?", "--mcp-config", str(config),
+                  "--strict-mcp-config", "--tools", "Bash,ToolSearch", "--allowedTools",
+                  WEATHER_TOOL, "--max-turns", "4"]
+    with RecordingProxy(cli_daemon.url) as proxy:
+        r = run_launch(cli_daemon, agent_bin, tmp_path, proxy.url, "claude", "--model",
+                       SEARCH_MODEL, "--", *agent_args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Done: the tool ran." in r.stdout
+    from localllm.cli.launch_context import first_request
+
+    first, *later = proxy.bodies("/v1/messages")
+    # What launch counted is what Claude Code sent: the tools --tools leaves it.
+    assert set(tool_names(first)) == set(tool_names(first_request("claude", agent_args)[1]))
+    assert not any(name.startswith("mcp__") for name in tool_names(first))
+    mcp_sent = [t for body in later for t in body["tools"] if t["name"].startswith("mcp__")]
+    assert mcp_sent and all(t.get("defer_loading") for t in mcp_sent)
+    blocks = [block for body in later for m in body["messages"] if m["role"] == "user"
+              and isinstance(m["content"], list) for block in m["content"]
+              if block.get("type") == "tool_result"]
+    references = [ref for block in blocks if isinstance(block["content"], list)
+                  for ref in block["content"] if ref.get("type") == "tool_reference"]
+    assert {"type": "tool_reference", "tool_name": WEATHER_TOOL} in references
+    assert WEATHER_MARK in json.dumps(blocks[-1]["content"])  # the MCP tool ran
+
+    # What the MCP tools cost: deferred, their names in a system message; rendered (as Claude
+    # Code sends them with tool search off), their definitions instead.
+    alone = without_tool_names(first)
+    every = [{"name": f"mcp__work__{t['name']}", "description": t["description"],
+              "input_schema": t["inputSchema"]} for t in mcp_tools(100)]
+    base, deferred = counted(cli_daemon, alone), counted(cli_daemon, first)
+    rendered = counted(cli_daemon, {**alone, "tools": [*alone["tools"], *every]})
+    assert base < deferred <= base + (rendered - base) / 10, (base, deferred, rendered)
+    # Claude Code's own system prompt and its two tools are most of what is left.
+    assert deferred <= rendered / 5, (deferred, rendered)
+
+
+def without_tool_names(body: dict) -> dict:
+    """A /v1/messages body without the lines that name the deferred MCP tools."""
+    def strip(block):
+        if isinstance(block, dict) and isinstance(block.get("text"), str):
+            return {**block, "text": "\n".join(line for line in block["text"].splitlines()
+                                               if not line.startswith("mcp__"))}
+        return block
+
+    return {**body, "messages": [
+        {**m, "content": [strip(b) for b in m["content"]] if isinstance(m["content"], list)
+         else strip({"text": m["content"]})["text"]} for m in body["messages"]]}
+
+
+def usage(record: dict) -> dict:
+    """The usage the daemon answered a recorded /v1/messages request with (streamed or not)."""
+    try:
+        return json.loads(record["answer"])["usage"]
+    except ValueError:
+        pass
+    found = {}
+    for line in record["answer"].splitlines():
+        if line.startswith("data:"):
+            event = json.loads(line.removeprefix("data:"))
+            found.update((event.get("message") or {}).get("usage") or {})  # message_start
+            found.update(event.get("usage") or {})  # message_delta
+    return found
+
+
+def test_claude_code_compacts_on_the_cached_conversation(cli_daemon, agent_bin, tmp_path):
+    """`claude -p /compact --continue` compacts the session before it, as Claude Code's own
+    /compact does: its summarising turn is the conversation with the instruction after it, so
+    the daemon reads at most a tenth of the transcript again (the rest from the cache), and
+    Claude Code records the compaction and the model's summary in its session."""
+    tools = ["--tools", "Bash", "--allowedTools", "Bash"]
+    # A task as long as a real one (the template's four fixed turns after the conversation are
+    # read again each turn: on a transcript of a few lines they would be most of it).
+    task = "Run the check. " + " ".join(f"Step {i}: read the log, note what failed and why."
+                                        for i in range(120))
+    with RecordingProxy(cli_daemon.url) as proxy:
+        r = run_launch(cli_daemon, agent_bin, tmp_path, proxy.url, "claude", "--model",
+                       COMPACT_MODEL, "--", "-p", task, *tools, "--max-turns", "3")
+        assert r.returncode == 0, r.stdout + r.stderr
+        turns = [q for q in proxy.requests if q["path"] == "/v1/messages"]
+        r = run_launch(cli_daemon, agent_bin, tmp_path, proxy.url, "claude", "--model",
+                       COMPACT_MODEL, "--", "-p", "/compact", "--continue", *tools)
+    assert r.returncode == 0, r.stdout + r.stderr
+    session = [json.loads(line) for f in (tmp_path / "home" / ".claude").rglob("*.jsonl")
+               for line in f.read_text().splitlines()]
+    assert any(e.get("subtype") == "compact_boundary" for e in session)
+    assert "localllm-tool-ok" in json.dumps([e for e in session if e.get("isCompactSummary")])
+
+    compacting = [q for q in proxy.requests if q["path"] == "/v1/messages"][len(turns)]
+    assert "<summary>" in json.dumps(compacting["body"]["messages"][-1])
+    last = usage(turns[-1])  # the transcript, as the last turn read it
+    transcript = last["input_tokens"] + last["cache_read_input_tokens"]
+    read = usage(compacting)
+    assert read["output_tokens"] > 0
+    assert transcript - read["cache_read_input_tokens"] <= transcript / 10, (last, read)
 
 
 @pytest.mark.parametrize("agent,args,route", [

@@ -237,14 +237,14 @@ def test_each_agent_is_told_the_context_and_kept_off_the_network(launch_daemon, 
     assert opencode["OPENCODE_DISABLE_AUTOUPDATE"] == "1"
 
 
-def _first_request_tokens(daemon, agent: str, model: str) -> int:
+def _first_request_tokens(daemon, agent: str, model: str, agent_args=()) -> int:
     """The agent's recorded first request counted by the daemon's own route for its wire
     format, as `launch` counts it."""
     import httpx
 
     from localllm.cli.launch_context import COUNT_ROUTES, first_request
 
-    path, body = first_request(agent)
+    path, body = first_request(agent, agent_args)
     body = {k: v for k, v in body.items() if k != "stream_options"}
     reply = httpx.post(daemon.url + COUNT_ROUTES[path], timeout=300,
                        json={**body, "model": model, "stream": False})
@@ -269,6 +269,48 @@ def test_a_context_too_small_for_the_agent_is_loaded_larger(launch_daemon, tmp_p
     over = dict(a.split("=", 1) for a in shlex.split(r.stdout.splitlines()[-1])[2::2])
     assert int(over["model_context_window"]) == loaded
     assert first < int(over["model_auto_compact_token_limit"]) <= loaded - ANSWER_MIN
+
+
+def test_claude_code_told_to_offer_fewer_tools_gets_the_context_those_need(launch_daemon,
+                                                                          tmp_path):
+    """`-- --tools Bash,Read`: Claude Code sends two of its built-in tools, not twelve, and
+    launch counts only those; asked for 4K, it loads a context that holds that smaller first
+    request, smaller than the one all its tools need."""
+    from localllm.cli.launch_context import ANSWER_MIN
+
+    every = _first_request_tokens(launch_daemon, "claude", MODEL)
+    fewer = _first_request_tokens(launch_daemon, "claude", MODEL, ["--tools", "Bash,Read"])
+    assert fewer < every / 2  # Agent, Workflow, ScheduleWakeup... are most of its tokens
+    told = {}
+    for agent_args in ((), ("--tools", "Bash,Read")):
+        r = launch(launch_daemon, tmp_path, "claude", "--ctx", "4096", "--print-env", "--",
+                   *agent_args)
+        assert r.returncode == 0, r.stderr
+        told[agent_args] = int(exports(r.stdout)["CLAUDE_CODE_MAX_CONTEXT_TOKENS"])
+        assert shlex.split(r.stdout.splitlines()[-1])[3:] == list(agent_args)
+    assert f"first request is {fewer} tokens" in r.stderr
+    assert {m["model"]: m["context_length"] for m in launch_daemon.ps()}[MODEL] == \
+        told[("--tools", "Bash,Read")]
+    assert fewer + ANSWER_MIN <= told[("--tools", "Bash,Read")] < every + ANSWER_MIN \
+        <= told[()]
+
+
+def test_the_tools_claude_code_is_told_of_are_the_tools_counted():
+    from localllm.cli.launch_context import first_request, tool_name
+
+    def sent(*agent_args):
+        return {tool_name(t) for t in first_request("claude", agent_args)[1]["tools"]}
+
+    every = sent()
+    assert len(every) == 12 and sent("--tools", "default") == every
+    placeholder = {"DeferredToolPlaceholder"}  # deferred: it costs no tokens
+    assert sent("--tools", "Bash", "Read", "-p", "hi") == {"Bash", "Read"} | placeholder
+    assert sent("--tools=Bash,Read") == sent("--tools", "Bash Read") == sent("-p", "hi",
+                                                                            "--tools", "Bash,Read")
+    assert sent("--tools", "") == placeholder
+    assert sent("--disallowedTools", "Agent", "Workflow") == every - {"Agent", "Workflow"}
+    # A rule on a tool's arguments limits what it runs; the tool is still sent.
+    assert sent("--disallowed-tools", "Bash(git *)") == every
 
 
 @pytest.mark.parametrize("agent", ["claude", "codex", "copilot"])
