@@ -288,6 +288,11 @@ def cmd_ps(args) -> int:
                      f"{m.get('active', 0)}/{m.get('num_parallel', 1)}", m.get("kv_type", ""),
                      until])
     print(_table(rows))
+    for m in data["models"]:  # SIZE beside what the runner really holds, so neither surprises
+        if m.get("rss_bytes"):
+            print(f"{m['name']} memory: SIZE is its weights and KV cache as planned; its runner "
+                  f"process holds {human_size(m['rss_bytes'])} of RAM (llama.cpp's buffers, the "
+                  "file's pages read, the prompt cache, Python), the chat's \"runner RAM\"")
     for m in data["models"]:  # threads the runner dropped on a busy CPU, and why
         if m.get("threads_reason"):
             print(f"{m['name']} threads: {m['threads_reason']}")

@@ -272,3 +272,18 @@ def test_the_context_length_variable_takes_effect_under_fit(home, monkeypatch, s
     assert choose_plan(shape, "smollm2", None, LoadOptions(), card=card).n_ctx == 8192
     monkeypatch.setenv("LOCALLLM_CONTEXT_LENGTH", "65536")  # past the trained 8192: capped
     assert choose_plan(shape, "smollm2", None, LoadOptions(), card=card).n_ctx == 8192
+
+
+def test_ps_names_the_runners_ram_beside_size(fresh_daemon):
+    """ps SIZE is the plan's weights and KV; the chat's RAM figure is the runner's resident
+    memory. Both are shown by ps, each named, so the two never read as one figure disagreeing."""
+    client = ollama.Client(host=fresh_daemon.url)
+    client.generate(model="smollm2", prompt="Hi", options={"num_predict": 1})
+    (loaded,) = fresh_daemon.ps()
+    status = Path(f"/proc/{loaded['runner_pid']}/status").read_text()
+    rss = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmRSS"))) * 1024
+    assert 0.5 * rss < loaded["rss_bytes"] < 2 * rss  # the runner's own, not the daemon's
+    assert loaded["rss_bytes"] != loaded["size"]
+    ps = cli(fresh_daemon, "ps")
+    assert "smollm2:latest memory: SIZE is its weights and KV cache as planned" in ps.stdout
+    assert "runner RAM" in ps.stdout, ps.stdout

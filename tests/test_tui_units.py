@@ -54,7 +54,7 @@ def test_estimated_vram_carries_a_tilde_and_measured_does_not():
     runner = RunnerStats.from_wire(STATS_ENTRY)
     line = fit_line(segments(TurnStats.from_wire(CHUNK), 98.0, runner, True), 200)
     assert "▶ 98.0 tok/s" in line and "ctx 250/4096" in line
-    assert "VRAM ~3.2 GB" in line and "RAM 315 MB" in line  # decimal, as `list` and Ollama
+    assert "VRAM ~3.2 GB" in line and "runner RAM 315 MB" in line  # decimal, as `list` and Ollama
     assert "GPU 20/31 layers" in line and "KV q8_0" in line
     measured = RunnerStats.from_wire({**STATS_ENTRY, "vram_source": "nvml"})
     assert "VRAM 3.2 GB" in fit_line(segments(None, None, measured, False), 200)

@@ -201,7 +201,8 @@ def segments(turn: TurnStats | None, live_rate: float | None, runner: RunnerStat
         elif runner.layers:
             out.append(Segment("CPU only", 3))
         if runner.rss_bytes is not None:
-            out.append(Segment(f"RAM {human_size(runner.rss_bytes)}", 4))
+            # the process's resident memory: more than ps SIZE (the plan's weights and KV)
+            out.append(Segment(f"runner RAM {human_size(runner.rss_bytes)}", 4))
         if runner.kv_type:
             out.append(Segment(f"KV {runner.kv_type}", 7))
     return out

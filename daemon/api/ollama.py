@@ -44,7 +44,7 @@ from .common import (
     read_json,
 )
 from .respond import Generation, Part, Writer, hold, respond
-from .stats import expert_cache_report, expert_cache_words
+from .stats import expert_cache_report, expert_cache_words, process_rss
 
 routes = web.RouteTableDef()
 NDJSON = "application/x-ndjson"  # Ollama streams one JSON object a line
@@ -356,6 +356,9 @@ async def api_ps(request: web.Request) -> web.Response:
             "planned_threads": plan.n_threads,
             "threads_reason": runner.threads_reason,
             "runner_pid": runner.pid,
+            # what the runner process holds in RAM, measured: beside SIZE (the plan's weights
+            # and KV), which leaves out llama.cpp's buffers, the prompt cache and Python
+            "rss_bytes": process_rss(runner.pid),
             "busy": slot.busy,
             "num_parallel": runner.n_parallel,
             "active": slot.active,
