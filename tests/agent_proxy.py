@@ -47,12 +47,13 @@ class RecordingProxy:
             response = web.StreamResponse(status=upstream.status, headers={
                 k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
             await response.prepare(request)
-            answer = []
+            answer = bytearray()
             async for chunk in upstream.content.iter_any():
-                answer.append(chunk)
+                answer += chunk
+                # kept as it comes: a client may hang up once it has read the end it needs
+                record["answer"] = answer.decode(errors="replace")
                 await response.write(chunk)
             await response.write_eof()
-            record["answer"] = b"".join(answer).decode(errors="replace")
             return response
 
     def _serve(self) -> None:

@@ -134,17 +134,22 @@ TOOL_SEARCH_TEMPLATE = """\
 # tool result is in the conversation, then a line of text; asked for a summary (Claude Code's
 # compacting turn asks for one in <summary> tags), a summary.
 COMPACT_TEMPLATE = """\
-{%- set ns = namespace(bash=false, results=0) %}
-{%- for t in tools or [] %}{%- if t.function.name == 'Bash' %}{%- set ns.bash = true %}\
+{%- set ns = namespace(call='', results=0) %}
+{%- for t in tools or [] %}{%- set f = t.function if t.function is defined else t %}
+{%- if not ns.call and f.name == 'Bash' %}\
+{%- set ns.call = '{"name": "Bash", "arguments": {"command": "echo localllm-tool-ok"}}' %}
+{%- elif not ns.call and f.name == 'exec_command' %}\
+{%- set ns.call = '{"name": "exec_command", "arguments": {"cmd": "echo localllm-tool-ok"}}' %}
 {%- endif %}{%- endfor %}
 {%- for m in messages %}{%- if m.role == 'tool' %}{%- set ns.results = ns.results + 1 %}\
 {%- endif %}{%- if m.role != 'system' %}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') }}
 {%- for c in m.tool_calls or [] %}{{- '<tool_call>' + (c.function.arguments | tojson) }}\
 {%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}
-{%- if messages[-1].role == 'user' and '<summary>' in messages[-1].content %}\
+{%- if messages[-1].role == 'user' and ('<summary>' in messages[-1].content or \
+'CONTEXT CHECKPOINT COMPACTION' in messages[-1].content) %}\
 {%- set want = '<summary>The check ran: it printed localllm-tool-ok.</summary>' %}
-{%- elif ns.bash and not ns.results %}{%- set want = '<tool_call>\\n{"name": "Bash", ' + \
-'"arguments": {"command": "echo localllm-tool-ok"}}\\n</tool_call>' %}
+{%- elif ns.call and not ns.results %}\
+{%- set want = '<tool_call>\\n' + ns.call + '\\n</tool_call>' %}
 {%- else %}{%- set want = 'Done: the tool ran.' %}{%- endif %}
 {%- for i in range(4) %}\
 {{- '<|im_start|>user\\nGo.<|im_end|>\\n<|im_start|>assistant\\n' + want + '<|im_end|>\\n' }}\

@@ -300,3 +300,46 @@ def test_recorded_agent_requests_replay_with_200(cli_daemon, fixture):
     reply = httpx.post(cli_daemon.url + recorded["path"], json=body, timeout=600,
                        headers=recorded.get("headers", {}))
     assert reply.status_code == 200, reply.text
+
+
+def test_codex_compacts_on_the_cached_conversation(cli_daemon, agent_bin, tmp_path):
+    """Codex compacts by itself once a turn's tokens pass model_auto_compact_token_limit (launch
+    sets it from the context loaded; here a low one, after `--`, as a user may pass it). With a
+    provider other than OpenAI's it does so locally: the conversation so far and its
+    checkpoint prompt, sent as an ordinary /v1/responses turn, so the daemon reads the
+    conversation from its cache, and at most a tenth of it again; the summary then opens the
+    rest of the task."""
+    task = "Run the check. " + " ".join(f"Step {i}: read the log, note what failed and why."
+                                        for i in range(120))
+    with RecordingProxy(cli_daemon.url) as proxy:
+        r = run_launch(cli_daemon, agent_bin, tmp_path, proxy.url, "codex", "--model",
+                       COMPACT_MODEL, "--", "exec", "-c", "model_auto_compact_token_limit=1500",
+                       "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", task)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "context compacted" in r.stdout + r.stderr
+    turns = [q for q in proxy.requests if q["path"] == "/v1/responses"]
+    [compacting] = [q for q in turns if "CONTEXT CHECKPOINT COMPACTION" in json.dumps(
+        q["body"]["input"][-1])]
+    before = turns[turns.index(compacting) - 1]  # the conversation, as the turn before read it
+    assert MARK in json.dumps(compacting["body"]["input"])  # the tool's output is in it
+    transcript = responses_usage(before)["input_tokens"]
+    read = responses_usage(compacting)
+    cached = read["input_tokens_details"]["cached_tokens"]
+    assert read["output_tokens"] > 0
+    assert transcript - cached <= transcript / 10, (transcript, read)
+    after = turns[turns.index(compacting) + 1:]  # the task goes on from the summary
+    assert after and "localllm-tool-ok" in json.dumps(after[0]["body"]["input"])
+
+
+def responses_usage(record: dict) -> dict:
+    """The usage the daemon answered a recorded /v1/responses request with (streamed or not)."""
+    try:
+        return json.loads(record["answer"])["usage"]
+    except ValueError:
+        pass
+    for line in record["answer"].splitlines():
+        if line.startswith("data:"):
+            event = json.loads(line.removeprefix("data:"))
+            if event.get("type") == "response.completed":
+                return event["response"]["usage"]
+    raise AssertionError(f"no usage in the answer: {record['answer'][-300:]}")
