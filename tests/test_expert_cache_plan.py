@@ -242,6 +242,24 @@ def test_the_setting_and_saved_profiles(tmp_path):
         load_profile(path)
 
 
+def test_the_pool_in_ram_is_a_setting_that_reaches_the_plan(tiny_moe, tmp_path):
+    """expert_cache_device = cpu: the pool in RAM (tests without a GPU), carried by the plan to
+    the engine's settings; a word it does not know is refused, naming the choices."""
+    from localllm.profiles.tuning.choose import config_request
+
+    config = load_config(tmp_path / "none.toml", {"LOCALLLM_EXPERT_CACHE_DEVICE": "cpu",
+                                                  "LOCALLLM_EXPERT_CACHE": "8"})
+    request = config_request(config=config)
+    assert request.expert_pool_in_ram and request.expert_cache_slots == 8
+    assert not config_request(config=replace(config, expert_cache_device="gpu")).expert_pool_in_ram
+    with pytest.raises(ConfigError, match="expert_cache_device must be one of gpu, cpu"):
+        load_config(tmp_path / "none.toml", {"LOCALLLM_EXPERT_CACHE_DEVICE": "disk"})
+    shape = read_shape(tiny_moe)
+    plan = tune(shape, load_card("cpu-only"), replace(request, n_ctx=1024))
+    assert plan.expert_cache_slots == 8 and plan.expert_pool_in_ram
+    assert expert_cache_settings(plan) == expert_cache.Settings(slots=8, pool_in_ram=True)
+
+
 def test_the_plan_is_the_target_contexts_pool():
     """The engine's settings come from the plan alone (llama/params.py; tests/test_expert_cache.py
     shows the engine taking them): no pool without slots."""
