@@ -23,8 +23,8 @@ run=(python3 scripts/device/moe_cache_check.py /tmp/moe-zipf.gguf --gpu --prompt
 "${run[@]}" > "$out/off.json" 2> "$out/off.err"
 for case in "16 cpu" "16 gpu" "0 gpu"; do
   set -- $case
-  misses=(); [ "$2" = gpu ] && misses=(--misses-on-gpu)
-  "${run[@]}" --slots $1 "${misses[@]}" --force "$out/off.json" \
+  misses=""; [ "$2" = gpu ] && misses=--misses-on-gpu
+  "${run[@]}" --slots $1 $misses --force "$out/off.json" \
     > "$out/$1-$2.json" 2> "$out/$1-$2.err"
   rc=$?
   echo "$1 slots, misses $2: rc=$rc $(python3 scripts/device/moe_cache_check.py --compare "$out/off.json" "$out/$1-$2.json") $(python3 -c "import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])['stats'])" "$out/$1-$2.json" 2>&1 | tail -1)"
