@@ -1,22 +1,19 @@
-"""The MoE expert cache's figures, read from a llama.cpp context.
+"""The MoE expert cache's settings, given to llama.cpp, and its figures, read from a context.
 
 The cache itself is engine code (patches/0002-moe-expert-cache.patch): a pool of expert slots,
 on the GPU, shared by the MoE layers whose experts live in RAM; a decode step computes the routed
-experts found in the pool there and only the others on the CPU. llama.cpp creates it with the
-context when the environment asks (`LLAMA_MOE_CACHE_SLOTS=N`, `LLAMA_MOE_CACHE_DEVICE=cpu` for a
-pool in RAM, `LLAMA_MOE_CACHE_SWAPS`, `LLAMA_MOE_CACHE_DECAY`), which leaves llama-cpp-python's
-ctypes structs as they are. `environment` writes those variables; `read` asks the context for
-its figures through the one C function the patch exports. An engine built without the patch
-has no such function: `read` then says None, as for a context with no cache.
+experts found in the pool there and only the others on the CPU. llama.cpp creates it with a
+context, from the settings last given to `llama_moe_cache_set_params` (patches/0006), a C
+function apart from llama_context_params so that llama-cpp-python's ctypes struct of those stays
+as it is. `switched_on` gives them around one context's creation; `read` asks a context for its
+figures. An engine built without the patches has neither function: no pool is made, and `read`
+says None, as for a context with no cache.
 
-The runner gives a pool to the target context alone (`switched_on` around its creation, from
-the plan's expert_cache_slots): drafter, embedding and vision contexts get none, so the
-runner's environment never carries the slots variable itself (`without_switch`). With the
-plan's expert_misses_on_gpu it also sets LLAMA_MOE_CACHE_MISSES=gpu there (patches/0003): the
-GPU computes the misses from the experts where they lie in pinned RAM; the engine says in the
-figures whether it did (`misses_on_gpu`), since it falls back to the CPU where it cannot.
-LLAMA_MOE_CACHE_DEVICE=cpu, where the daemon's environment has it, passes through to the
-runner: a pool in RAM, for tests on a machine without a GPU.
+The runner gives a pool to the target context alone (llama/model.py, from the plan through
+llama/params.py): once the target context is made, the settings say "no pool" for the rest of
+the process, so drafter and embedding contexts get none. llama.cpp reads its LLAMA_MOE_CACHE_*
+environment variables only while no settings were ever given (its own tools); the project never
+sets them.
 """
 
 from __future__ import annotations
@@ -24,18 +21,56 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import os
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
+log = logging.getLogger("localllm.runner.expert_cache")
 FIELDS = ("slots", "layers", "hits", "misses", "swaps", "steps", "pool_bytes", "misses_on_gpu")
-SLOTS_VARIABLE = "LLAMA_MOE_CACHE_SLOTS"
-MISSES_VARIABLE = "LLAMA_MOE_CACHE_MISSES"
-SWAPS_VARIABLE = "LLAMA_MOE_CACHE_SWAPS"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One context's pool, as the engine takes it. The names are those of the C struct
+    (patches/0006); a plan's expert_cache_slots, expert_cache_swaps, expert_misses_on_gpu and
+    expert_pool_in_ram are these under the plan's prefix (llama/params.py)."""
+    slots: int  # experts the pool holds (0: every lookup misses)
+    swaps: int = 0  # experts taken in a step at most; 0: the engine's default, 4
+    misses_on_gpu: bool = False  # a GPU pool's misses computed by the GPU from RAM (patches/0003)
+    pool_in_ram: bool = False  # the pool in RAM, not on the first GPU: tests without a GPU
+    decay: float | None = None  # the use counts' decay per step; None: the engine's, 0.95
+    # misses computed against slots of zeros (True) or skipped (False); None: by the pool's
+    # device (zero slots on a GPU, whose kernels take no id -1)
+    zero_slot: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.slots < 0:
+            raise ValueError(f"expert cache slots must be 0 or more, not {self.slots}")
+        if self.swaps < 0:
+            raise ValueError(f"expert cache swaps must be 0 or more, not {self.swaps}")
+
+
+class _Params(ctypes.Structure):
+    """struct llama_moe_cache_params (patches/0006, include/llama.h)."""
+    _fields_ = [("slots", ctypes.c_int32), ("swaps", ctypes.c_int32), ("decay", ctypes.c_float),
+                ("pool_in_ram", ctypes.c_bool), ("misses_on_gpu", ctypes.c_bool),
+                ("zero_slot", ctypes.c_int32)]
+
+
+def _params(settings: Settings | None) -> _Params:
+    if settings is None:  # slots < 0: no pool, whatever the environment says
+        return _Params(slots=-1, swaps=-1, decay=-1.0, zero_slot=-1)
+    return _Params(slots=settings.slots, swaps=settings.swaps or -1,
+                   decay=-1.0 if settings.decay is None else settings.decay,
+                   pool_in_ram=settings.pool_in_ram, misses_on_gpu=settings.misses_on_gpu,
+                   zero_slot=-1 if settings.zero_slot is None else int(settings.zero_slot))
 
 
 @dataclass(frozen=True)
 class ExpertCacheStats:
+    # the runner sends these figures as they are, an event of this kind (daemon/runner/protocol.py)
+    kind: ClassVar[str] = "expert_cache"
     slots: int  # experts the pool holds
     layers: int  # MoE layers that share it
     hits: int  # routed experts computed from the pool
@@ -51,59 +86,44 @@ class ExpertCacheStats:
         return self.hits / lookups if lookups else 0.0
 
 
-def environment(slots: int, device: str | None = None, swaps: int | None = None,
-                decay: float | None = None, misses: str | None = None) -> dict[str, str]:
-    """The variables that switch the cache on for contexts created after they are set."""
-    if slots < 0:
-        raise ValueError(f"expert cache slots must be 0 or more, not {slots}")
-    env = {SLOTS_VARIABLE: str(slots)}
-    if misses is not None:
-        env[MISSES_VARIABLE] = misses
-    if device is not None:
-        env["LLAMA_MOE_CACHE_DEVICE"] = device
-    if swaps is not None:
-        env[SWAPS_VARIABLE] = str(swaps)
-    if decay is not None:
-        env["LLAMA_MOE_CACHE_DECAY"] = str(decay)
-    return env
-
-
-def without_switch(env: dict[str, str]) -> dict[str, str]:
-    """`env` less the slots and misses variables: a process started with them would give
-    every context it creates a pool of its own (the runner sets them around the target context
-    only)."""
-    return {k: v for k, v in env.items() if k not in (SLOTS_VARIABLE, MISSES_VARIABLE)}
+def give(settings: Settings | None) -> bool:
+    """The contexts this process creates from now on get this pool (None: none, whatever the
+    environment says). False when the engine has no such function (built without
+    patches/0006): it then makes no pool."""
+    fn = _set_params_function()
+    if fn is None:
+        if settings is not None:
+            log.warning("this llama.cpp build takes no expert cache settings (patches/0006): "
+                        "no pool")
+        return False
+    params = _params(settings)
+    fn(ctypes.byref(params))  # copied by the engine
+    return True
 
 
 @contextlib.contextmanager
-def switched_on(slots: int, misses_on_gpu: bool = False, swaps: int = 0) -> Iterator[None]:
-    """While it lasts, a context created gets a pool of `slots` experts (0: none, whatever
-    the environment said), its misses computed by the GPU with `misses_on_gpu`, taking in at
-    most `swaps` experts a step (0: the engine's default, or the environment's); the
-    environment is as it was afterwards."""
-    if slots < 0:
-        raise ValueError(f"expert cache slots must be 0 or more, not {slots}")
-    wanted = {SLOTS_VARIABLE: str(slots) if slots else None,
-              MISSES_VARIABLE: "gpu" if slots and misses_on_gpu else None}
-    if slots and swaps > 0:
-        wanted[SWAPS_VARIABLE] = str(swaps)
-    before = {name: os.environ.get(name) for name in wanted}
-    _set(wanted)
+def switched_on(settings: Settings | None) -> Iterator[None]:
+    """While it lasts, a context created gets `settings`' pool (None: none); afterwards every
+    context gets none."""
+    give(settings)
     try:
         yield
     finally:
-        _set(before)
+        give(None)
 
 
-def _set(values: dict[str, str | None]) -> None:
-    for name, value in values.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+@functools.cache  # look the symbols up once
+def _set_params_function():
+    import llama_cpp.llama_cpp as llama_lib
+
+    fn = getattr(llama_lib._lib, "llama_moe_cache_set_params", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.POINTER(_Params)]
+        fn.restype = None
+    return fn
 
 
-@functools.cache  # read after every answer: look the symbol up once
+@functools.cache  # read after every answer
 def _stats_function():
     import llama_cpp.llama_cpp as llama_lib
 

@@ -20,7 +20,7 @@ from localllm.speculative import MAX_DRAFT
 
 from . import expert_cache
 from .host_pin import PinnedMapping, pin_mapped
-from .params import context_params, model_params
+from .params import context_params, expert_cache_settings, model_params
 from .resident import ResidentWeights
 
 
@@ -80,8 +80,7 @@ def load(model_path: str, plan: Plan) -> LlamaModel:
         log.info("pinned %.1f GiB of mapped weights in place for the GPU",
                  pinned.pinned_bytes / 2**30)
     # this context alone gets a pool
-    with expert_cache.switched_on(plan.expert_cache_slots, plan.expert_misses_on_gpu,
-                                  plan.expert_cache_swaps):
+    with expert_cache.switched_on(expert_cache_settings(plan)):
         ctx = llama_cpp.llama_init_from_model(model, context_params(plan))
     if not ctx:
         if pinned is not None:

@@ -13,6 +13,7 @@ import ctypes
 import llama_cpp
 from localllm.profiles.planning.plan import Plan
 
+from .expert_cache import Settings as ExpertCacheSettings
 from .overrides import apply_tensor_overrides
 
 GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
@@ -85,3 +86,13 @@ def context_params(plan: Plan, n_seq: int | None = None, n_batch: int | None = N
     params.embeddings = False
     params.no_perf = True
     return params
+
+
+def expert_cache_settings(plan: Plan) -> ExpertCacheSettings | None:
+    """The engine's expert cache settings for the plan's target context (llama/expert_cache.py);
+    None: no pool."""
+    if not plan.expert_cache_slots:
+        return None
+    return ExpertCacheSettings(slots=plan.expert_cache_slots, swaps=plan.expert_cache_swaps,
+                               misses_on_gpu=plan.expert_misses_on_gpu,
+                               pool_in_ram=plan.expert_pool_in_ram)

@@ -34,6 +34,7 @@
 | fill_bands        | LOCALLLM_FILL_BANDS        | auto                          | next load |
 | expert_cache      | LOCALLLM_EXPERT_CACHE      | auto                          | next load |
 | expert_misses     | LOCALLLM_EXPERT_MISSES     | auto                          | next load |
+| expert_cache_device | LOCALLLM_EXPERT_CACHE_DEVICE | gpu                       | next load |
 
 - num_parallel: the most requests one loaded model serves at once (llama.cpp sequences, each
   slot with its own KV cache of the full context). `auto`: as many as fit beside the tuner's
@@ -117,6 +118,9 @@
   experts in RAM: each such block's hidden state goes to the CPU and back), `gpu` (the GPU reads
   them where they lie in pinned RAM, over PCIe: a step never leaves the GPU; not past RAM) or
   `auto` (the tuner prices both and keeps the faster). ps says which ran.
+- expert_cache_device: where the pool goes: `gpu` (the first GPU) or `cpu` (in RAM, where the
+  CPU computes hits and misses alike: no gain in speed, for tests and development on a machine
+  without a GPU; only a number of slots turns it on there).
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
@@ -177,6 +181,7 @@ class Config:
     fill_bands: str = "auto"
     expert_cache: int | str = "auto"
     expert_misses: str = "auto"
+    expert_cache_device: str = "gpu"
 
     @property
     def socket_path(self) -> Path:
@@ -211,7 +216,7 @@ class Config:
 DAEMON_ONLY = ("max_loaded_models", "num_parallel", "max_queue", "queue_timeout",
                "load_timeout", "default_ctx", "context_policy", "kv_cache_type",
                "expected_fill", "vram_margin_mib", "ram_budget", "gpus", "prompt_cache_ram",
-               "fill_bands", "expert_misses", "keep_alive")
+               "fill_bands", "expert_misses", "expert_cache_device", "keep_alive")
 
 
 ENV = {
@@ -247,6 +252,7 @@ ENV = {
     "fill_bands": "LOCALLLM_FILL_BANDS",
     "expert_cache": "LOCALLLM_EXPERT_CACHE",
     "expert_misses": "LOCALLLM_EXPERT_MISSES",
+    "expert_cache_device": "LOCALLLM_EXPERT_CACHE_DEVICE",
 }
 
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the

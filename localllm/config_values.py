@@ -30,6 +30,7 @@ CHOICES = {
     "log_level": ("debug", "info", "warning", "error"),
     "image_urls": ("on", "off"),
     "expert_misses": ("auto", "cpu", "gpu"),
+    "expert_cache_device": ("gpu", "cpu"),
 }
 
 # (smallest, largest) for number settings; None means no bound.

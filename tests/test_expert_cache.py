@@ -1,16 +1,16 @@
 """The MoE expert cache of patches/0002-moe-expert-cache.patch, on the CPU backend: the pool of
-expert slots in RAM (`LLAMA_MOE_CACHE_DEVICE=cpu`), so that the split of every decode step's
-experts between the pool and the model's own tensors runs with no GPU. Real llama.cpp (the
-engine install.sh built with the patches) in child processes (the cache is read from the
-environment when a context is created), on a tiny synthetic qwen3moe: 4 MoE blocks of 32
-experts, 4 routed per token, every weight drawn; one file with skewed routing (zipf:1), one
-uniform. The slot bookkeeping (eviction order) is compiled from the patch and run alone."""
+expert slots in RAM (`pool_in_ram`), so that the split of every decode step's experts between
+the pool and the model's own tensors runs with no GPU. Real llama.cpp (the engine install.sh
+built with the patches) in child processes (moe_cache_check.py gives the cache's settings to the
+engine before it creates a context: llama/expert_cache.py), on a tiny synthetic qwen3moe: 4 MoE
+blocks of 32 experts, 4 routed per token, every weight drawn; one file with skewed routing
+(zipf:1), one uniform. The slot bookkeeping (eviction order) is compiled from the patch and run
+alone."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -48,17 +48,19 @@ def models(tmp_path_factory) -> dict[str, Path]:
 VERIFY = 5  # then the output again, 5 tokens a batch, every row's logits: verification batches
 
 
-def _run(model: Path, *extra: str, **cache) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
-    zero_slot = cache.pop("zero_slot", None)
-    if cache:
-        env.update(expert_cache.environment(**cache))
+def _run(model: Path, *extra: str, slots: int | None = None, pool_in_ram: bool = False,
+         swaps: int = 0, zero_slot: bool | None = None, misses_on_gpu: bool = False) -> dict:
+    """moe_cache_check.py on `model`, its pool from the options (expert_cache.Settings' fields,
+    given to the engine through patches/0006; no slots: none). The environment's
+    LLAMA_MOE_CACHE_* variables are left as they are: the engine must not read them."""
+    cache = [] if slots is None else ["--slots", str(slots), "--swaps", str(swaps)]
+    cache += ["--pool-in-ram"] * pool_in_ram + ["--misses-on-gpu"] * misses_on_gpu
     if zero_slot is not None:
-        env["LLAMA_MOE_CACHE_ZERO_SLOT"] = str(int(zero_slot))
+        cache += ["--zero-slot", str(int(zero_slot))]
     result = subprocess.run(
         [sys.executable, str(CHECK), str(model), "--prompt", str(PROMPT),
-         "--tokens", str(TOKENS), "--verify", str(VERIFY), *extra],
-        capture_output=True, text=True, env=env, timeout=300)
+         "--tokens", str(TOKENS), "--verify", str(VERIFY), *cache, *extra],
+        capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
 
@@ -86,15 +88,15 @@ def test_greedy_answers_are_the_same_with_the_cache_on(models, without_cache, ze
     pool in RAM) or computed against its slot of zeros (a GPU pool's way)."""
     for routing, path in models.items():
         off = without_cache[routing]
-        assert off["stats"] is None  # LLAMA_MOE_CACHE_SLOTS unset: no cache
+        assert off["stats"] is None  # no slots given: no cache
         assert len(set(off["tokens"])) > 5  # the model's output varies: a real comparison
-        on = _run(path, slots=8, device="cpu", swaps=2, zero_slot=zero_slot)
+        on = _run(path, slots=8, pool_in_ram=True, swaps=2, zero_slot=zero_slot)
         _same_answers(on, off)
         assert on["stats"]["layers"] == LAYERS and on["stats"]["slots"] == 8
 
 
 def test_every_lookup_is_a_hit_or_a_miss_and_swaps_stay_bounded(models):
-    on = _run(models["zipf:1"], slots=8, device="cpu", swaps=2)
+    on = _run(models["zipf:1"], slots=8, pool_in_ram=True, swaps=2)
     single, total = on["stats_single"], on["stats"]
     assert single["steps"] == on["steps"] + 1  # + the prompt batch (its last block)
     assert single["hits"] + single["misses"] == _lookups(on["steps"])
@@ -111,7 +113,7 @@ def test_every_lookup_is_a_hit_or_a_miss_and_swaps_stay_bounded(models):
 def test_a_prompt_fills_the_pool_before_the_answer_starts(models):
     # the prompt batch (40 rows: not served by the pool) counts what its blocks use, and the
     # free slots take the most used; its last block (1 row) is the one step the pool serves
-    on = _run(models["zipf:1"], "--tokens", "1", slots=16, device="cpu")
+    on = _run(models["zipf:1"], "--tokens", "1", slots=16, pool_in_ram=True)
     single = on["stats_single"]
     assert single["swaps"] == 16
     assert single["steps"] == 1
@@ -121,7 +123,7 @@ def test_a_prompt_fills_the_pool_before_the_answer_starts(models):
 def test_skewed_routing_hits_more_than_uniform(models):
     rates = {}
     for routing, path in models.items():
-        stats = _run(path, slots=16, device="cpu")["stats_single"]
+        stats = _run(path, slots=16, pool_in_ram=True)["stats_single"]
         rates[routing] = stats["hits"] / (stats["hits"] + stats["misses"])
     # 16 slots for 4 x 32 experts: measured 0.62 skewed, 0.16 uniform (a token repeated
     # in the output routes as before)
@@ -131,7 +133,7 @@ def test_skewed_routing_hits_more_than_uniform(models):
 @pytest.mark.parametrize("zero_slot", [False, True], ids=["misses-skipped", "misses-on-zero-slot"])
 def test_a_pool_with_no_slots_misses_everything_and_answers_the_same(models, without_cache,
                                                                     zero_slot):
-    on = _run(models["zipf:1"], slots=0, device="cpu", zero_slot=zero_slot)
+    on = _run(models["zipf:1"], slots=0, pool_in_ram=True, zero_slot=zero_slot)
     _same_answers(on, without_cache["zipf:1"])
     stats = on["stats_single"]
     assert stats["hits"] == 0 and stats["swaps"] == 0
@@ -139,10 +141,10 @@ def test_a_pool_with_no_slots_misses_everything_and_answers_the_same(models, wit
 
 
 def test_misses_asked_of_a_gpu_stay_on_the_cpu_where_the_pool_has_none(models, without_cache):
-    """LLAMA_MOE_CACHE_MISSES=gpu (patches/0003) needs a pool on a GPU that can read RAM in
+    """Misses on the GPU (patches/0003) need a pool on a GPU that can read RAM in
     place; with the pool in RAM the engine keeps the misses on the CPU, says so in its figures,
     and answers as before."""
-    on = _run(models["zipf:1"], slots=8, device="cpu", misses="gpu")
+    on = _run(models["zipf:1"], slots=8, pool_in_ram=True, misses_on_gpu=True)
     _same_answers(on, without_cache["zipf:1"])
     assert on["stats_single"]["misses_on_gpu"] == 0
     assert on["stats_single"]["hits"] > 0
@@ -164,7 +166,7 @@ def test_forced_tokens_compare_the_logits_step_by_step(models, without_cache, tm
     off.write_text(json.dumps(without_cache["zipf:1"]))
     on = tmp_path / "on.json"
     on.write_text(json.dumps(_run(models["zipf:1"], "--force", str(off), slots=8,
-                                  device="cpu")))
+                                  pool_in_ram=True)))
     assert json.loads(on.read_text())["tokens"] == without_cache["zipf:1"]["tokens"]
     assert _compare(off, on) == {"steps": TOKENS, "same_greedy": 1.0, "max_rel_move": 0.0,
                                  "mean_rel_move": 0.0}
@@ -179,11 +181,51 @@ def test_no_gpu_and_no_cpu_pool_leaves_the_cache_off(models, without_cache):
     assert on["tokens"] == without_cache["zipf:1"]["tokens"]
 
 
-def test_environment_refuses_a_negative_pool():
-    with pytest.raises(ValueError, match="0 or more"):
-        expert_cache.environment(-1)
-    assert expert_cache.environment(4, device="cpu") == {
-        "LLAMA_MOE_CACHE_SLOTS": "4", "LLAMA_MOE_CACHE_DEVICE": "cpu"}
+def test_settings_refuse_a_negative_pool_or_swaps():
+    with pytest.raises(ValueError, match="slots must be 0 or more"):
+        expert_cache.Settings(slots=-1)
+    with pytest.raises(ValueError, match="swaps must be 0 or more"):
+        expert_cache.Settings(slots=4, swaps=-1)
+
+
+def _context(llama_cpp, model):
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = params.n_batch = params.n_ubatch = 256
+    params.n_threads = params.n_threads_batch = 1
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    assert ctx
+    return ctx
+
+
+def test_the_engine_takes_the_settings_given_not_the_environment(models, monkeypatch):
+    """patches/0006: a context created inside switched_on gets the settings' pool, any other
+    none, though the environment asks llama.cpp for one (its LLAMA_MOE_CACHE_* variables are
+    read only by a process that never gave settings: llama.cpp's own tools). So the runner's
+    drafter and embedding contexts, made after the target's, get no pool."""
+    import llama_cpp
+
+    monkeypatch.setenv("LLAMA_MOE_CACHE_SLOTS", "4")
+    monkeypatch.setenv("LLAMA_MOE_CACHE_DEVICE", "cpu")
+    llama_cpp.llama_backend_init()
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.use_extra_bufts = False  # the pool is filled from the experts' bytes as in the file
+    mparams.n_gpu_layers = 0
+    model = llama_cpp.llama_model_load_from_file(str(models["zipf:1"]).encode(), mparams)
+    assert model
+    contexts = []
+    try:
+        with expert_cache.switched_on(expert_cache.Settings(slots=8, pool_in_ram=True)):
+            contexts.append(_context(llama_cpp, model))
+        contexts.append(_context(llama_cpp, model))  # after: none, whatever the environment
+        with expert_cache.switched_on(None):
+            contexts.append(_context(llama_cpp, model))
+        target, after, plain = (expert_cache.read(ctx) for ctx in contexts)
+    finally:
+        for ctx in contexts:
+            llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    assert target is not None and target.slots == 8 and target.layers == LAYERS
+    assert after is None and plain is None
 
 
 # ---- the slot bookkeeping alone, compiled from the patch ----------------------------------
@@ -251,6 +293,7 @@ def test_the_installed_engine_carries_the_patch():
     import llama_cpp.llama_cpp as llama_lib
 
     assert hasattr(llama_lib._lib, "llama_moe_cache_stats")
+    assert hasattr(llama_lib._lib, "llama_moe_cache_set_params")  # patches/0006
 
 
 def _wheel_dir(repo: Path) -> str:

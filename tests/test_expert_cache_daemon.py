@@ -1,10 +1,10 @@
-"""Issue 40, the expert cache from the setting to the user: a real daemon with `expert_cache =
-16` plans the pool, its runner creates the model's context with it (in RAM here: the knob
-LLAMA_MOE_CACHE_DEVICE=cpu passed through from the daemon's environment, no GPU on this
-machine), and the figures come back in /api/stats, /api/ps and `localllm ps`. Real llama.cpp
-with the patched engine, a tiny synthetic qwen3moe (4 MoE blocks of 32 experts, 4 routed,
-skewed routing, every weight drawn) in Q4_1, a type llama.cpp does not repack for the CPU, so
-that the runs with and without the cache differ in nothing else."""
+"""Issue 40, the expert cache from the setting to the user: a real daemon with `expert_cache = 16`
+plans the pool, its runner creates the model's context with it (in RAM here: the setting
+expert_cache_device = cpu, no GPU on this machine), and the figures come back in /api/stats,
+/api/ps and `localllm ps`. Real llama.cpp with the patched engine, a tiny synthetic qwen3moe (4
+MoE blocks of 32 experts, 4 routed, skewed routing, every weight drawn) in Q4_1, a type
+llama.cpp does not repack for the CPU, so that the runs with and without the cache differ in
+nothing else."""
 
 from __future__ import annotations
 
@@ -56,8 +56,9 @@ def _post(url: str, body: dict) -> dict:
 
 
 def _serve(tmp_path: Path, models: dict[str, Path], **settings: str):
-    env = isolated_env(tmp_path, LLAMA_MOE_CACHE_DEVICE="cpu", LOCALLLM_CONTEXT_LENGTH="1024",
-                       LOCALLLM_CONTEXT_POLICY="fixed", LOCALLLM_NUM_PARALLEL="1", **settings)
+    env = isolated_env(tmp_path, LOCALLLM_EXPERT_CACHE_DEVICE="cpu",
+                       LOCALLLM_CONTEXT_LENGTH="1024", LOCALLLM_CONTEXT_POLICY="fixed",
+                       LOCALLLM_NUM_PARALLEL="1", **settings)
     import_models(env, models)
     return start_daemon(env)
 
@@ -144,7 +145,8 @@ def test_a_daemon_with_the_setting_answers_alike_and_reports_hits(tmp_path, moe_
 def test_tune_measure_stores_the_pools_hit_rate_for_the_tuner(tmp_path, moe_gguf):
     # `tune --measure` on a plan with a pool decodes until the pool has seen MIN_LOOKUPS
     # lookups (4 blocks x 4 experts a token: 1250 tokens) and keeps what it hit, as serving does
-    env = isolated_env(tmp_path, LLAMA_MOE_CACHE_DEVICE="cpu", LOCALLLM_EXPERT_CACHE="16")
+    env = isolated_env(tmp_path, LOCALLLM_EXPERT_CACHE_DEVICE="cpu",
+                       LOCALLLM_EXPERT_CACHE="16")
     import_models(env, {"moe": moe_gguf})
     result = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", "moe", "--measure",
                              "--ctx", "2048", "--json"], env=env, capture_output=True,
@@ -182,14 +184,13 @@ class PricedLow(Planner):
         rate = measured[0][1] if measured else FIRST_PRICE
         self.priced_at.append(rate)
         return replace(cpu_plan(n_ctx or 1024, shape.context_length), expert_cache_slots=16,
-                       expected_hit_rate=rate)
+                       expert_pool_in_ram=True, expected_hit_rate=rate)
 
 
 async def test_a_pool_that_misses_its_price_is_planned_again_from_its_hits(
-        store, moe_gguf, monkeypatch, tmp_path):
+        store, moe_gguf, tmp_path):
     """`expert_cache = auto`: once the pool has MIN_LOOKUPS lookups and hits far from what its
     plan assumed, the model loads again when idle, priced from the hits it measured; once."""
-    monkeypatch.setenv("LLAMA_MOE_CACHE_DEVICE", "cpu")
     entry = store.import_gguf(moe_gguf, "moe")
     name = str(entry.name)
     planner = PricedLow()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -20,9 +19,8 @@ import synth_gguf
 
 from daemon_process import isolated_env
 from localllm.config import ConfigError, coerce, load_config
-from localllm.daemon.runner.process import runner_env
 from localllm.llama import expert_cache
-from localllm.llama.params import model_params
+from localllm.llama.params import expert_cache_settings, model_params
 from localllm.modelstore.shape import read_shape
 from localllm.profiles.planning.card import GIB, load_card
 from localllm.profiles.planning.costs import model_costs
@@ -65,11 +63,9 @@ def tiny_moe(tmp_path_factory) -> Path:
 def test_the_pool_costs_what_the_engine_allocates(tiny_moe):
     """(slots + 1 zero slot) x one expert's up+gate+down, plus each block's map: the bytes the
     patched llama.cpp reports for its pool (in RAM, here)."""
-    env = {**expert_cache.without_switch(dict(os.environ)),
-           **expert_cache.environment(8, device="cpu")}
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "device" / "moe_cache_check.py"),
-                          str(tiny_moe), "--tokens", "4"], capture_output=True, text=True,
-                         env=env, timeout=300)
+                          str(tiny_moe), "--tokens", "4", "--slots", "8", "--pool-in-ram"],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     engine = json.loads(run.stdout.splitlines()[-1])["stats"]
     pool = pool_shape(read_shape(tiny_moe))
@@ -246,14 +242,30 @@ def test_the_setting_and_saved_profiles(tmp_path):
         load_profile(path)
 
 
-def test_only_the_target_context_gets_a_pool(monkeypatch):
-    monkeypatch.setenv(expert_cache.SLOTS_VARIABLE, "99")
-    assert expert_cache.SLOTS_VARIABLE not in runner_env(Plan(n_ctx=4096))
-    with expert_cache.switched_on(16):
-        assert os.environ[expert_cache.SLOTS_VARIABLE] == "16"
-    with expert_cache.switched_on(0):
-        assert expert_cache.SLOTS_VARIABLE not in os.environ
-    assert os.environ[expert_cache.SLOTS_VARIABLE] == "99"  # as it was
+def test_the_pool_in_ram_is_a_setting_that_reaches_the_plan(tiny_moe, tmp_path):
+    """expert_cache_device = cpu: the pool in RAM (tests without a GPU), carried by the plan to
+    the engine's settings; a word it does not know is refused, naming the choices."""
+    from localllm.profiles.tuning.choose import config_request
+
+    config = load_config(tmp_path / "none.toml", {"LOCALLLM_EXPERT_CACHE_DEVICE": "cpu",
+                                                  "LOCALLLM_EXPERT_CACHE": "8"})
+    request = config_request(config=config)
+    assert request.expert_pool_in_ram and request.expert_cache_slots == 8
+    assert not config_request(config=replace(config, expert_cache_device="gpu")).expert_pool_in_ram
+    with pytest.raises(ConfigError, match="expert_cache_device must be one of gpu, cpu"):
+        load_config(tmp_path / "none.toml", {"LOCALLLM_EXPERT_CACHE_DEVICE": "disk"})
+    shape = read_shape(tiny_moe)
+    plan = tune(shape, load_card("cpu-only"), replace(request, n_ctx=1024))
+    assert plan.expert_cache_slots == 8 and plan.expert_pool_in_ram
+    assert expert_cache_settings(plan) == expert_cache.Settings(slots=8, pool_in_ram=True)
+
+
+def test_the_plan_is_the_target_contexts_pool():
+    """The engine's settings come from the plan alone (llama/params.py; tests/test_expert_cache.py
+    shows the engine taking them): no pool without slots."""
+    assert expert_cache_settings(Plan(n_ctx=4096)) is None
+    assert expert_cache_settings(Plan(n_ctx=4096, expert_cache_slots=16)) == \
+        expert_cache.Settings(slots=16)
     # the pool is filled from the experts' bytes in RAM: no repacking for the CPU's kernels
     assert model_params(Plan(n_ctx=4096, expert_cache_slots=16))[0].use_extra_bufts is False
     assert model_params(Plan(n_ctx=4096))[0].use_extra_bufts is True
@@ -340,17 +352,11 @@ def test_the_expert_misses_setting_picks_who_computes_them(headers, tmp_path):
         load_config(tmp_path / "none.toml", {"LOCALLLM_EXPERT_MISSES": "disk"})
 
 
-def test_the_runner_asks_the_engine_for_misses_on_the_gpu_around_the_target_only(
-        monkeypatch, tmp_path):
-    monkeypatch.delenv(expert_cache.MISSES_VARIABLE, raising=False)
-    monkeypatch.setenv(expert_cache.MISSES_VARIABLE, "gpu")
-    assert expert_cache.MISSES_VARIABLE not in runner_env(Plan(n_ctx=4096))
-    monkeypatch.delenv(expert_cache.MISSES_VARIABLE)
-    with expert_cache.switched_on(16, misses_on_gpu=True):
-        assert os.environ[expert_cache.MISSES_VARIABLE] == "gpu"
-    assert expert_cache.MISSES_VARIABLE not in os.environ
-    with expert_cache.switched_on(0, misses_on_gpu=True):  # no pool, nothing to ask
-        assert expert_cache.MISSES_VARIABLE not in os.environ
+def test_the_runner_asks_the_engine_for_misses_on_the_gpu(tmp_path):
+    plan = Plan(n_ctx=4096, expert_cache_slots=16, expert_misses_on_gpu=True)
+    assert expert_cache_settings(plan) == expert_cache.Settings(slots=16, misses_on_gpu=True)
+    # no pool, nothing to ask
+    assert expert_cache_settings(replace(plan, expert_cache_slots=0)) is None
     # a saved profile keeps and edits the choice
     path = save_profile(Plan(n_ctx=4096, expert_cache_slots=16, expert_misses_on_gpu=True),
                         "moe", "rtx3060-12g", 1, directory=tmp_path)
@@ -358,17 +364,12 @@ def test_the_runner_asks_the_engine_for_misses_on_the_gpu_around_the_target_only
     assert load_profile(path).plan.expert_misses_on_gpu is True
 
 
-def test_a_bigger_pool_takes_in_more_experts_a_step_and_the_runner_says_so(monkeypatch, tmp_path):
+def test_a_bigger_pool_takes_in_more_experts_a_step_and_the_runner_says_so(tmp_path):
     assert swaps_per_step(0) == swaps_per_step(2048) == SWAPS_PER_STEP
     assert swaps_per_step(4322) == 8 and swaps_per_step(5043) == 9
-    monkeypatch.delenv(expert_cache.SWAPS_VARIABLE, raising=False)
-    with expert_cache.switched_on(5043, swaps=9):
-        assert os.environ[expert_cache.SWAPS_VARIABLE] == "9"
-    assert expert_cache.SWAPS_VARIABLE not in os.environ
-    with expert_cache.switched_on(16):  # 0: the engine's default
-        assert expert_cache.SWAPS_VARIABLE not in os.environ
-    with expert_cache.switched_on(0, swaps=9):  # no pool, nothing to ask
-        assert expert_cache.SWAPS_VARIABLE not in os.environ
+    pool = Plan(n_ctx=4096, expert_cache_slots=5043, expert_cache_swaps=9)
+    assert expert_cache_settings(pool) == expert_cache.Settings(slots=5043, swaps=9)
+    assert expert_cache_settings(replace(pool, expert_cache_slots=0)) is None
     # a saved profile keeps and edits it, and refuses a negative count
     plan = Plan(n_ctx=4096, expert_cache_slots=5043, expert_cache_swaps=9)
     assert plan.load_key() != replace(plan, expert_cache_swaps=4).load_key()
@@ -384,7 +385,7 @@ def test_the_running_plan_is_priced_again_at_its_pools_measured_hits(headers):
     """/api/stats' expert_cache.predicted_decode_by_depth (decode_at_measured_hits): the same
     placement with the pool's measured hit rate in place of the one it was priced with."""
     from localllm.daemon.api.stats import expert_cache_report
-    from localllm.daemon.runner.protocol import ExpertCache
+    from localllm.llama.expert_cache import ExpertCacheStats
     from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, evicted
     from localllm.profiles.tuning.pool_price import decode_at_measured_hits
 
@@ -394,11 +395,11 @@ def test_the_running_plan_is_priced_again_at_its_pools_measured_hits(headers):
     assert plan.expert_cache_slots > 0 and plan.speculative == "off"
     layers = len(blocks_in_ram(plan, shape, pool_shape(shape)))
 
-    def figures(rate: float, lookups: int = 10 * MIN_LOOKUPS) -> ExpertCache:
+    def figures(rate: float, lookups: int = 10 * MIN_LOOKUPS) -> ExpertCacheStats:
         hits = round(rate * lookups)
-        return ExpertCache(slots=plan.expert_cache_slots, layers=layers, hits=hits,
-                           misses=lookups - hits, swaps=500, steps=1000, pool_bytes=0,
-                           misses_on_gpu=int(plan.expert_misses_on_gpu))
+        return ExpertCacheStats(slots=plan.expert_cache_slots, layers=layers, hits=hits,
+                                misses=lookups - hits, swaps=500, steps=1000, pool_bytes=0,
+                                misses_on_gpu=int(plan.expert_misses_on_gpu))
 
     # at the rate the plan was priced with: the plan's own curve
     same = decode_at_measured_hits(plan, shape, card, figures(plan.expected_hit_rate))

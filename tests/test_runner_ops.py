@@ -17,7 +17,6 @@ from localllm.daemon.runner.protocol import (
     Done,
     EmbedRequest,
     Embeddings,
-    ExpertCache,
     Failure,
     GenerationRequest,
     Loaded,
@@ -30,6 +29,7 @@ from localllm.daemon.runner.protocol import (
     event_from_wire,
     event_to_wire,
 )
+from localllm.llama.expert_cache import ExpertCacheStats
 from localllm.options import LoadOptions
 from localllm.profiles.planning.plan import cpu_plan
 
@@ -55,7 +55,7 @@ EVENTS_SEEN = (
     TokenCount(5, (2, 3)),
     Threads(3, "busy"),
     Band(1, 2048, 0.5, 1, 0, "moved"),
-    ExpertCache(16, 4, 350, 294, 72, 41, 2089984, 1),
+    ExpertCacheStats(16, 4, 350, 294, 72, 41, 2089984, 1),  # the engine's figures as read
     Loaded(123, 5_000_000, 2048, 2, "pinned in place", {"slots": 16, "misses_on_gpu": True},
            {"text": "3 GiB locked", "locked_bytes": 3 << 30}),
 )

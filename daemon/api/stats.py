@@ -99,7 +99,7 @@ def last_request(done) -> dict | None:
 
 def expert_cache_report(plan, figures, at_hits=()) -> dict | None:
     """The MoE expert cache as the plan asked it and as the runner's context has it (figures:
-    protocol.ExpertCache as of the last answer, None where the engine made no pool); None for a
+    ExpertCacheStats as of the last answer, None where the engine made no pool); None for a
     plan that asked none and a runner that has none. `at_hits`: the plan's decode by depth
     with the pool priced at the measured hit rate (decode_at_measured_hits), where known."""
     if figures is None and not plan.expert_cache_slots:

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from localllm.errors import UserError
-from localllm.llama import expert_cache
+from localllm.llama.expert_cache import ExpertCacheStats
 from localllm.llama.cpu import describe_crash, is_engine_crash
 from localllm.paths import open_private_log
 from localllm.profiles.planning.plan import Plan
@@ -39,7 +39,6 @@ from .protocol import (
     EmbedRequest,
     Embeddings,
     Event,
-    ExpertCache,
     Failure,
     GenerationRequest,
     Loaded,
@@ -58,10 +57,9 @@ RUNNER_COMMAND = (sys.executable, "-m", "localllm.daemon.runner")
 
 def runner_env(plan: Plan) -> dict[str, str]:
     """The runner's environment: the daemon's, with the plan's GPUs as CUDA_VISIBLE_DEVICES in
-    NVML's (PCI bus) order, so that CUDA0, CUDA1... are the GPUs the plan was made for, and
-    without the expert cache's slots variable."""
-    # the plan alone gives the target context an expert cache (llama/expert_cache.py)
-    env = {**expert_cache.without_switch(dict(os.environ)), "PYTHONUNBUFFERED": "1"}
+    NVML's (PCI bus) order, so that CUDA0, CUDA1... are the GPUs the plan was made for. (The
+    expert cache is the plan's alone: llama/expert_cache.py gives the engine its settings.)"""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if plan.gpus:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in plan.gpus)
@@ -129,7 +127,7 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
         self.loaded_at = 0.0
         self.last_done: Done | None = None
         # The expert cache's figures as of the last answer (None: the model has no pool)
-        self.expert_cache: ExpertCache | None = None
+        self.expert_cache: ExpertCacheStats | None = None
         self.weights_in_ram = ""
         self.tokens_generated = 0  # every token the runner produced, cancelled ones included
         self._events: dict[str, asyncio.Queue] = {}
@@ -209,7 +207,7 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
         # what really holds the weights in RAM (llama/model.py), which a refused pin changes
         self.weights_in_ram = loaded.weights_in_ram
         if loaded.expert_cache:
-            self.expert_cache = ExpertCache(**loaded.expert_cache)
+            self.expert_cache = ExpertCacheStats(**loaded.expert_cache)
         warn_of_refusals(self.model_name, self.plan, loaded, self.log_path)
         if self.past_ram:
             log.info("runner for %s, past RAM: %s", self.model_name, self.past_ram["text"])
@@ -235,7 +233,7 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
                     log.info("runner for %s: %s", self.model_name, event.reason)
                     if queue is None:
                         continue
-                if isinstance(event, ExpertCache):
+                if isinstance(event, ExpertCacheStats):
                     self.expert_cache = event
                     continue
                 if isinstance(event, Band):

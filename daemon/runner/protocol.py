@@ -221,15 +221,6 @@ class Band:
 
 
 @dataclass(frozen=True)
-class ExpertCache(ExpertCacheStats):
-    """Sent by the runner on its own, after each answer (before its Done) when the model's
-    context has an expert cache: the context's figures so far, as llama/expert_cache.py reads
-    them (its ExpertCacheStats owns the fields; a fill band switch starts them again with the
-    new context)."""
-    kind: ClassVar[str] = "expert_cache"
-
-
-@dataclass(frozen=True)
 class Loaded:
     """The answer to the load: what the runner holds now, as llama.cpp made it."""
     kind: ClassVar[str] = "loaded"
@@ -250,7 +241,7 @@ class Failure:
 
 
 Event = (Token | Done | Failure | Progress | Embeddings | TokenCount | Threads | Band
-         | ExpertCache | Loaded)
+         | ExpertCacheStats | Loaded)
 Request = Load | GenerationRequest | EmbedRequest | TokenizeRequest | CpuShare
 
 
@@ -281,7 +272,8 @@ OP_OF_REQUEST = {op.request: op for op in OPS}
 ENDING_EVENTS = tuple(dict.fromkeys(cls for op in OPS for cls in op.ends))
 # Every event on the wire: those that end requests, progress on the way, and what the runner
 # sends on its own (no request id: a change of threads or of fill band, the expert cache's figures)
-EVENTS = tuple(dict.fromkeys((*ENDING_EVENTS, Token, Progress, Threads, Band, ExpertCache)))
+EVENTS = tuple(dict.fromkeys((*ENDING_EVENTS, Token, Progress, Threads, Band,
+                                  ExpertCacheStats)))
 EVENT_KINDS = {cls: cls.kind for cls in EVENTS}  # each class's "event" on the wire
 EVENT_BY_KIND = {cls.kind: cls for cls in EVENTS}
 

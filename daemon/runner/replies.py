@@ -11,12 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 
 from localllm.llama.loaded import LoadedModel, log_probs
 from localllm.llama.vision import text_tokens
 
-from .protocol import Done, ExpertCache, Failure, Token
+from .protocol import Done, ExpertCacheStats, Failure, Token
 from .slots import Room, Slot, Work
 
 log = logging.getLogger("localllm.runner")
@@ -28,7 +27,7 @@ class Replies:
         self.room = room
         # The expert cache's figures after each answer, before its Done, so that /api/stats
         # has them when the answer ends (a cheap ctypes call; nothing without a pool)
-        self.on_expert_cache: Callable[[ExpertCache], None] | None = None
+        self.on_expert_cache: Callable[[ExpertCacheStats], None] | None = None
 
     def text(self, slot: Slot, token: int) -> None:
         """Decode one answer token into text; hold back what may start a stop string."""
@@ -112,7 +111,7 @@ class Replies:
             return
         figures = self.model.expert_cache_stats()
         if figures is not None:
-            self.on_expert_cache(ExpertCache(**asdict(figures)))
+            self.on_expert_cache(figures)
 
     def fail(self, slots: list[Slot], code: int | str) -> None:
         """llama_decode refused the batch: fail the requests in it and forget their caches."""

@@ -3,7 +3,7 @@ which blocks it can serve, and whether the plan turns it on.
 
 The engine (patches/0002-moe-expert-cache.patch) keeps `slots` experts, plus one slot of
 zeros, of the first cacheable block's up/gate/down type and shape, in a pool on the model's
-first GPU (or in RAM: the test knob LLAMA_MOE_CACHE_DEVICE=cpu). It serves only the blocks
+first GPU (or in RAM: the test setting expert_cache_device = cpu). It serves only the blocks
 whose experts stay in RAM, in plain host buffers. So the plan reserves the pool's bytes out of
 the first GPU's budget before the placement is searched, and keeps the pool only where the
 placement it gets leaves experts in RAM.
@@ -46,7 +46,7 @@ AUTO_SLOTS = -1  # Request.expert_cache_slots for `expert_cache = auto`: the tun
 # engine's decayed counts, a few swaps a step, are not an LRU: hits measured while serving
 # replace these.
 PRIOR_HITS = ((0.0625, 0.39), (0.125, 0.53), (0.25, 0.67), (0.5, 0.81))
-SWAPS_PER_STEP = 4  # LLAMA_MOE_CACHE_SWAPS's default: the most experts a step copies in
+SWAPS_PER_STEP = 4  # the engine's default: the most experts a step copies in
 # A bigger pool gets more swaps a step (one per SLOTS_PER_SWAP slots, SWAPS_PER_STEP at least),
 # so that it warms in about as many steps as a small one. Replayed on the routing the 80B class
 # reads in bench_session.py (scripts/bench/pool_replay.py; docs/bench/synthetic-routing.md, "The
@@ -251,7 +251,7 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
         return _off(tune(plain), why)
     in_ram = request.expert_pool_in_ram
     if not in_ram and not card.has_gpu:
-        return _off(tune(plain), "no GPU to hold the pool (LLAMA_MOE_CACHE_DEVICE=cpu puts it "
+        return _off(tune(plain), "no GPU to hold the pool (expert_cache_device = cpu puts it "
                                  "in RAM, for tests)")
     without = tune(plain)
     if not blocks_in_ram(without, shape, pool):
@@ -259,10 +259,12 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
                              "the pool to serve")
     if in_ram:  # a test knob: the CPU computes hits and misses alike, nothing to price
         if auto:
-            return _off(without, "a pool in RAM (LLAMA_MOE_CACHE_DEVICE=cpu) gains no speed: "
+            return _off(without, "a pool in RAM (expert_cache_device = cpu) gains no speed: "
                                  "auto sizes a pool on a GPU only")
-        return _on(_with_pool_memory(without, CPU, pool.bytes(slots)), shape, pool, slots,
-                   f"in RAM ({gib(pool.bytes(slots))}, LLAMA_MOE_CACHE_DEVICE=cpu)", None)
+        in_ram_plan = replace(_with_pool_memory(without, CPU, pool.bytes(slots)),
+                              expert_pool_in_ram=True)
+        return _on(in_ram_plan, shape, pool, slots,
+                   f"in RAM ({gib(pool.bytes(slots))}, expert_cache_device = cpu)", None)
     device = card.gpu_list[0].device
     # Priced at the context the plan without a pool gets: a pool that only fits beside a
     # smaller context would win by a shallower session, not by its hits.

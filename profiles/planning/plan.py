@@ -65,10 +65,13 @@ class Plan:
     # With a pool on a GPU: its misses computed by the GPU from the experts where they lie in
     # pinned RAM (patches/0003: a decode step never passes through the CPU), not by the CPU
     expert_misses_on_gpu: bool = False
-    # experts the pool may take in after a step, replacing colder ones (LLAMA_MOE_CACHE_SWAPS;
-    # expert_pool.swaps_per_step: more for a bigger pool, so that any pool warms in about as
-    # many steps); 0: the engine's default, 4
+    # experts the pool may take in after a step, replacing colder ones (expert_pool.
+    # swaps_per_step: more for a bigger pool, so that any pool warms in about as many steps);
+    # 0: the engine's default, 4
     expert_cache_swaps: int = 0
+    # the pool in RAM rather than on the first GPU (config expert_cache_device = cpu: tests and
+    # development on a machine without a GPU; it gains no speed)
+    expert_pool_in_ram: bool = False
     # the hit rate that pool was priced with (expert_pool.py; 0.0: no pool); the scheduler
     # plans again once the pool's measured rate is far from it
     expected_hit_rate: float = 0.0
@@ -112,7 +115,7 @@ class Plan:
                 self.pin_in_place,
                 self.extra_bufts, self.streamed_bytes,
                 self.n_parallel, self.expert_cache_slots, self.expert_misses_on_gpu,
-                self.expert_cache_swaps,
+                self.expert_cache_swaps, self.expert_pool_in_ram,
                 self.speculative, self.draft_n_max, self.draft_n_gpu_layers,
                 self.rpc_workers, self.projector_on_gpu, self.gpus)
 

@@ -68,10 +68,10 @@ def tuning_config(config: Config | None = None) -> tuple[Config | None, bool]:
 def config_request(model_name: str | None = None, file_size: int = 0,
                    hint: str | None = None, config: Config | None = None) -> Request:
     """The config's tuner settings (quality, kv_cache_type, num_parallel, vram_margin_mib,
-    ram_budget, expert_cache), the workload (learned from what the model served, else the
-    config's or the route's `hint`: profiles.tuning.traffic; the older expected_fill where
-    set), the model's `localllm eval` results and the draft acceptance measured while serving
-    it, as a Request.
+    ram_budget, expert_cache, expert_misses, expert_cache_device), the workload (learned from
+    what the model served, else the config's or the route's `hint`: profiles.tuning.traffic; the
+    older expected_fill where set), the model's `localllm eval` results and the draft acceptance
+    measured while serving it, as a Request.
     `config`: the daemon's live settings (None: config.toml, see tuning_config)."""
     config, fill_set = tuning_config(config)
     if config is None:
@@ -96,7 +96,7 @@ def config_request(model_name: str | None = None, file_size: int = 0,
         min_ctx=config.default_ctx,
         expert_cache_slots=expert_cache_slots(config.expert_cache),
         expert_misses=config.expert_misses,
-        expert_pool_in_ram=pool_in_ram(),
+        expert_pool_in_ram=config.expert_cache_device == "cpu",
         measured_hits=measured_hits(model_name, file_size) if model_name else (),
     )
 
@@ -106,13 +106,6 @@ def expert_cache_slots(setting: int | str) -> int:
     if setting == "off":
         return 0
     return AUTO_SLOTS if setting == "auto" else int(setting)
-
-
-def pool_in_ram() -> bool:
-    """Whether the expert cache's pool goes in RAM: llama.cpp's own LLAMA_MOE_CACHE_DEVICE=cpu
-    in this process's environment (the runner inherits it: llama/expert_cache.py), a knob for
-    tests and development on a machine without a GPU."""
-    return os.environ.get("LLAMA_MOE_CACHE_DEVICE") == "cpu"  # as the engine compares it
 
 
 def gpus_setting(config: Config | None = None) -> str:

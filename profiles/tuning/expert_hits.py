@@ -54,7 +54,7 @@ def record(model: str, file_size: int, share: float, hits: int, misses: int, evi
 def record_pool(model: str, file_size: int, expert_count: int, pool,
                 path: Path | None = None) -> None:
     """A pool's figures so far (`pool`: slots, layers, hits, misses, swaps, steps, as the
-    runner's ExpertCache event and llama/expert_cache.read give them) under the share of a
+    runner's expert_cache event and llama/expert_cache.read give them) under the share of a
     block's experts it held; nothing for a pool that served no block."""
     if not pool.layers or not expert_count:
         return

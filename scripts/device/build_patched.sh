@@ -39,6 +39,7 @@ import ctypes, os, llama_cpp
 lib = ctypes.CDLL(os.path.join(os.environ["LLAMA_CPP_LIB_PATH"], "libllama.so"))
 assert llama_cpp.llama_supports_gpu_offload(), "no GPU offload"
 assert hasattr(lib, "llama_moe_cache_stats"), "no expert cache"
+assert hasattr(lib, "llama_moe_cache_set_params"), "no expert cache settings (patches/0006)"
 base = ctypes.CDLL(os.path.join(os.environ["LLAMA_CPP_LIB_PATH"], "libggml-base.so"))
 cuda = ctypes.CDLL(os.path.join(os.environ["LLAMA_CPP_LIB_PATH"], "libggml-cuda.so"))
 cuda.ggml_backend_cuda_reg.restype = ctypes.c_void_p

@@ -35,10 +35,10 @@ for routing in ("zipf:1", "uniform"):
 PY
 for m in zipf unif; do
   run=(python3 scripts/device/moe_cache_check.py /tmp/moe-$m.gguf --gpu --prompt 40 --tokens 48 --verify 5)
-  env -u LLAMA_MOE_CACHE_SLOTS "${run[@]}" > "$out/$m-off.json" 2> "$out/$m-off.err"
+  "${run[@]}" > "$out/$m-off.json" 2> "$out/$m-off.err"
   for slots in 0 16; do
     # the off run's tokens, forced: the logits compare step by step (moe_cache_check's head)
-    LLAMA_MOE_CACHE_SLOTS=$slots "${run[@]}" --force "$out/$m-off.json" > "$out/$m-$slots.json" 2> "$out/$m-$slots.err"
+    "${run[@]}" --slots $slots --force "$out/$m-off.json" > "$out/$m-$slots.json" 2> "$out/$m-$slots.err"
     echo "$m $slots slots: rc=$? $(python3 scripts/device/moe_cache_check.py --compare "$out/$m-off.json" "$out/$m-$slots.json") $(python3 -c "import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])['stats'])" "$out/$m-$slots.json")"
   done
 done

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Greedy decode with llama.cpp's low-level API and print the tokens and the expert cache's
 figures as one JSON line (tests/test_expert_cache.py runs it in a child process, once per
-cache setting: the cache is read from the environment when the context is created).
+cache setting: the options are the engine's expert cache settings, llama/expert_cache.py, given
+to the context it creates; without --slots it has no pool).
 
-    LLAMA_MOE_CACHE_SLOTS=8 LLAMA_MOE_CACHE_DEVICE=cpu \\
-        python scripts/device/moe_cache_check.py MODEL.gguf --prompt 40 --tokens 24
+    python scripts/device/moe_cache_check.py MODEL.gguf --slots 8 --pool-in-ram \\
+        --prompt 40 --tokens 24
     # a CUDA build: every layer on the GPU but the experts, a pool of 512 slots there
-    LLAMA_MOE_CACHE_SLOTS=512 python scripts/device/moe_cache_check.py MODEL.gguf --gpu --threads 16
+    python scripts/device/moe_cache_check.py MODEL.gguf --gpu --threads 16 --slots 512
 
 The prompt is token ids (one batch, 32 or more tokens: the cache serves only smaller batches);
 then one token per decode. --verify K decodes the generated tokens again K at a time, as a
@@ -22,7 +23,7 @@ step's top logits, and `--compare A.json B.json` says, step by step over the sam
 often the two picked the same token and how far their top logits moved:
 
     python scripts/device/moe_cache_check.py MODEL.gguf --gpu > off.json
-    LLAMA_MOE_CACHE_SLOTS=16 python scripts/device/moe_cache_check.py MODEL.gguf --gpu \
+    python scripts/device/moe_cache_check.py MODEL.gguf --gpu --slots 16 \
         --force off.json > on.json
     python scripts/device/moe_cache_check.py --compare off.json on.json
 """
@@ -106,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", type=Path, help="decode this run's tokens (its JSON), not ours")
     p.add_argument("--gpu", action="store_true",
                    help="all layers on the GPU, the MoE experts in RAM (-ot exps=CPU)")
+    cache = p.add_argument_group("the expert cache (llama/expert_cache.py Settings)")
+    cache.add_argument("--slots", type=int, help="a pool of this many experts (default: none)")
+    cache.add_argument("--swaps", type=int, default=0, help="experts taken in a step at most")
+    cache.add_argument("--pool-in-ram", action="store_true", help="the pool in RAM, not on a GPU")
+    cache.add_argument("--misses-on-gpu", action="store_true",
+                       help="a GPU pool's misses computed by the GPU from RAM (patches/0003)")
+    cache.add_argument("--zero-slot", type=int, choices=(0, 1),
+                       help="misses on slots of zeros (1) or skipped (0); default: by device")
     args = p.parse_args(argv)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # synth_gguf
@@ -135,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     cparams.n_batch = 512
     cparams.n_ubatch = 512
     cparams.n_threads = cparams.n_threads_batch = args.threads
-    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    settings = None if args.slots is None else expert_cache.Settings(
+        slots=args.slots, swaps=args.swaps, pool_in_ram=args.pool_in_ram,
+        misses_on_gpu=args.misses_on_gpu,
+        zero_slot=None if args.zero_slot is None else bool(args.zero_slot))
+    with expert_cache.switched_on(settings):
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
 
     prompt = [(7 * i + 3) % (n_vocab - 10) + 5 for i in range(args.prompt)]

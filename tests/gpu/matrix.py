@@ -32,7 +32,7 @@ def gpu_engine() -> str:
 
         if not llama_cpp.llama_supports_gpu_offload():
             return "the engine is a CPU build"
-        if not hasattr(llama_cpp.llama_cpp._lib, "llama_moe_cache_stats"):
+        if not hasattr(llama_cpp.llama_cpp._lib, "llama_moe_cache_set_params"):  # the last patch
             return "the engine lacks the project's patches (tests/gpu/device_engine.sh)"
     except Exception as e:
         return f"no engine ({type(e).__name__}: {e})"

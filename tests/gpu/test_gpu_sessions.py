@@ -105,11 +105,9 @@ CHECK = ROOT / "scripts" / "device" / "moe_cache_check.py"
 
 
 def _check(model, *args: str, slots: int = 0) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE")}
-    if slots:
-        env["LLAMA_MOE_CACHE_SLOTS"] = str(slots)
+    pool = ("--slots", str(slots)) if slots else ()
     run = subprocess.run([sys.executable, str(CHECK), str(model), "--gpu", "--threads", "16",
-                          *args], capture_output=True, text=True, env=env, timeout=600)
+                          *pool, *args], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.splitlines()[-1])
 
