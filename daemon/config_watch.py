@@ -7,7 +7,10 @@ exist yet when the daemon starts.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,11 +34,11 @@ async def watch_config(path: Path, apply: Callable[[Config], None], log: logging
     def is_config(_change: watchfiles.Change, changed: str) -> bool:
         return Path(changed) == path
 
-    async for _changes in watchfiles.awatch(path.parent, watch_filter=is_config,
-                                            recursive=False):
+    def reload(_changes) -> None:
+        nonlocal current
         new = _load_or_none(path, log)
         if new is None or new == current:
-            continue
+            return
         changed = changed_settings(current, new) if current is not None else ()
         log.info("config reloaded", extra={"file": str(path), "changed": ",".join(changed)})
         restart = [name for name in changed if name in RESTART_NEEDED]
@@ -46,8 +49,10 @@ async def watch_config(path: Path, apply: Callable[[Config], None], log: logging
             apply(new)
         except Exception:
             log.exception("applying the new config failed", extra={"file": str(path)})
-            continue
+            return
         current = new
+
+    await _watch(path.parent, is_config, reload)
 
 
 def _load_or_none(path: Path, log: logging.Logger) -> Config | None:
@@ -78,7 +83,7 @@ async def watch_profiles(directory: Path, log: logging.Logger) -> None:
         name = Path(changed).name
         return change != watchfiles.Change.deleted and name.endswith(".toml") and "@" in name
 
-    async for changes in watchfiles.awatch(directory, watch_filter=is_profile):
+    def check(changes) -> None:
         for _change, changed in changes:
             try:
                 load_profile(Path(changed), set_aside_broken=False)  # maybe mid-edit
@@ -88,3 +93,41 @@ async def watch_profiles(directory: Path, log: logging.Logger) -> None:
             else:
                 log.info("tuned profile changed; it applies at the next load",
                          extra={"file": changed})
+
+    await _watch(directory, is_profile, check, recursive=True)
+
+
+async def _watch(directory: Path, keep: Callable[[watchfiles.Change, str], bool],
+                 on_changes: Callable[[set], None], recursive: bool = False) -> None:
+    """Until cancelled: `on_changes(changes)`, on the event loop, for each batch of changes in
+    `directory` that `keep` admits. The watch runs in a thread of its own (not the loop's
+    executor, which it would hold for good): watchfiles' async watch wakes the event loop every
+    5 s to look for a stop (its Rust timeout), and each wake would run this coroutine between a
+    request's steps; the thread's watch looks for its stop without the loop."""
+    loop = asyncio.get_running_loop()
+    stop = threading.Event()
+    ended: asyncio.Future[None] = loop.create_future()
+
+    def tell(outcome: BaseException | None) -> None:
+        if not ended.done():
+            if outcome is None:
+                ended.set_result(None)
+            else:
+                ended.set_exception(outcome)
+
+    def run() -> None:
+        outcome = None
+        try:
+            for changes in watchfiles.watch(directory, watch_filter=keep, stop_event=stop,
+                                            recursive=recursive, raise_interrupt=False):
+                loop.call_soon_threadsafe(on_changes, changes)
+        except Exception as e:  # the folder went away, the watcher failed: the task says so
+            outcome = e
+        with contextlib.suppress(RuntimeError):  # the loop closed first
+            loop.call_soon_threadsafe(tell, outcome)
+
+    threading.Thread(target=run, name=f"watch {directory}", daemon=True).start()
+    try:
+        await ended
+    finally:
+        stop.set()

@@ -159,6 +159,20 @@ def children(pid: int) -> list[int]:
     return out + [g for k in out for g in children(k)]
 
 
+def done_when(check, what: str) -> None:
+    """Poll `check()` until true (30 s at most; a file not there yet reads as false)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if check():
+                return
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the daemon did not {what} in 30 s")
+        time.sleep(0.05)
+
+
 def wait_for(folder: Path, count: int, what: str, suffix: str = "") -> None:
     """Poll until `count` processes have left their file in `folder` (30 s at most)."""
     deadline = time.monotonic() + 30
@@ -204,9 +218,18 @@ def measure(route: str) -> dict:
                 os.kill(pid, signal.SIGUSR1)
             wait_for(work / "on", len(pids), "switch its hook on")
             with sent_file.open("r+b") as f:  # the hooks note nothing before this moment
+                wall_sent = time.time()
                 sent = time.monotonic()
                 f.write(struct.pack("d", sent))
             post(daemon.url, route)
+            # The request ends with its bookkeeping, not with the answer: its access-log line
+            # and the tuner's workload record, written after the answer. Waited for, so that
+            # they are counted every time rather than when they happen to be quick.
+            state = Path(env["XDG_STATE_HOME"]) / "localllm"
+            done_when(lambda: (state / "logs" / "localllm.log").read_text().count(
+                f"POST {route} 200") >= 2, "log the request")
+            done_when(lambda: (state / "workload.json").stat().st_mtime >= wall_sent,
+                      "write its workload record")
             for pid in pids:
                 os.kill(pid, signal.SIGUSR2)
             wait_for(work / "out", len(pids), "write what it saw", suffix=".json")

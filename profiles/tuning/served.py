@@ -30,6 +30,7 @@ class ServedRecords:
 
     def __init__(self, model: str, file_size: int, expert_count: int = 0):
         self.model, self.file_size, self.expert_count = model, file_size, expert_count
+        self.traffic_file = traffic.traffic_file()  # found once, not after every answer
         self.pending: dict[str, list[int]] = {}  # drafted and accepted per mode, not yet written
 
     def drafted(self, mode: str, drafted: int, accepted: int) -> None:
@@ -47,7 +48,7 @@ class ServedRecords:
         """An answer's lengths (`read_tokens`: the prompt's tokens not reused from the cache)
         and, for a model with an expert pool, the pool's figures since its load (frozen)."""
         _write("the workload record", traffic.record, self.model, prompt_tokens, read_tokens,
-               answer_tokens)
+               answer_tokens, self.traffic_file)
         if pool is not None:
             _write("the expert cache's hit rate", expert_hits.record_pool, self.model,
                    self.file_size, self.expert_count, pool)
