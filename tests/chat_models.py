@@ -77,12 +77,9 @@ def thinking_model(smollm2: Path, directory: Path) -> Path:
     return with_metadata(smollm2, directory / "smollm2-thinking.gguf",
                          {"tokenizer.chat_template": THINKING_TEMPLATE})
 
-# For the agent CLIs' end-to-end tests (tests/test_agent_clis.py): a template that makes even a
-# 135M model call the agent's shell tool once, then answer. Whatever the conversation, it shows
-# the model four turns of one fixed answer, then the question: greedy decoding repeats it. The
-# answer is a call to the shell tool the agent offers (Claude Code's `Bash`, Codex's
-# `exec_command`) until a tool result is in the conversation, then a line of text.
-AGENT_TEMPLATE = """\
+# The call to the shell tool the agent offers (Claude Code's `Bash`, Codex's `exec_command`), in
+# ns.call, for the templates below; ns.results counts the tool results they find.
+SHELL_CALL = """\
 {%- set ns = namespace(call='', results=0) %}
 {%- for t in tools or [] %}{%- set f = t.function if t.function is defined else t %}
 {%- if not ns.call and f.name == 'Bash' %}\
@@ -90,6 +87,14 @@ AGENT_TEMPLATE = """\
 {%- elif not ns.call and f.name == 'exec_command' %}\
 {%- set ns.call = '{"name": "exec_command", "arguments": {"cmd": "echo localllm-tool-ok"}}' %}
 {%- endif %}{%- endfor %}
+"""
+
+# For the agent CLIs' end-to-end tests (tests/test_agent_clis.py): a template that makes even a
+# 135M model call the agent's shell tool once, then answer. Whatever the conversation, it shows
+# the model four turns of one fixed answer, then the question: greedy decoding repeats it. The
+# answer is a call to the shell tool the agent offers (Claude Code's `Bash`, Codex's
+# `exec_command`) until a tool result is in the conversation, then a line of text.
+AGENT_TEMPLATE = SHELL_CALL + """\
 {%- for m in messages %}{%- if m.role == 'tool' %}{%- set ns.results = ns.results + 1 %}\
 {%- endif %}{%- endfor %}
 {%- if ns.call and not ns.results %}{%- set want = '<tool_call>\\n' + ns.call + '\\n</tool_call>' %}
@@ -133,14 +138,7 @@ TOOL_SEARCH_TEMPLATE = """\
 # minutes to read on a busy CPU), then as AGENT_TEMPLATE: a call to Bash until a
 # tool result is in the conversation, then a line of text; asked for a summary (Claude Code's
 # compacting turn asks for one in <summary> tags), a summary.
-COMPACT_TEMPLATE = """\
-{%- set ns = namespace(call='', results=0) %}
-{%- for t in tools or [] %}{%- set f = t.function if t.function is defined else t %}
-{%- if not ns.call and f.name == 'Bash' %}\
-{%- set ns.call = '{"name": "Bash", "arguments": {"command": "echo localllm-tool-ok"}}' %}
-{%- elif not ns.call and f.name == 'exec_command' %}\
-{%- set ns.call = '{"name": "exec_command", "arguments": {"cmd": "echo localllm-tool-ok"}}' %}
-{%- endif %}{%- endfor %}
+COMPACT_TEMPLATE = SHELL_CALL + """\
 {%- for m in messages %}{%- if m.role == 'tool' %}{%- set ns.results = ns.results + 1 %}\
 {%- endif %}{%- if m.role != 'system' %}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') }}
 {%- for c in m.tool_calls or [] %}{{- '<tool_call>' + (c.function.arguments | tojson) }}\
