@@ -199,7 +199,9 @@ def test_pings_while_a_long_prompt_is_read(agent_daemon):
     """The runner reports prompt chunks as it reads them; the stream says ping meanwhile, so a
     client's read timeout does not fire before the first token of a long agent prompt. (The
     SDK drops pings, so the raw stream is read.)"""
-    system = " ".join(f"item{i % 100}" for i in range(1000))  # about 3,000 tokens
+    # About 1,200 tokens: more than one chunk of the prompt at the largest chunk (n_batch 512),
+    # so that at least one chunk is reported before the first token.
+    system = " ".join(f"item{i % 100}" for i in range(400))
     with httpx.stream("POST", f"{agent_daemon.url}/v1/messages", timeout=300, json={
             "model": "smollm2", "max_tokens": 3, "system": system, "messages": ASK,
             "stream": True, "num_ctx": 4096, "temperature": 0}) as reply:
