@@ -46,16 +46,17 @@ def test_run_with_a_draft_model_reports_its_drafts(daemon):
     """`run --draft MODEL` loads the draft model and `--verbose` reports what it drafted (the
     model drafts for itself here; a batched check can still break a near-tie the other way
     than the draft's single-token pass, so not every draft need be accepted; a draft that
-    fails pauses drafting for 32 steps: greedy, the count is long enough for several tries,
+    fails pauses drafting for 32 steps: greedy, the count is long enough for three tries,
     where a sampled answer may stop after a few tokens)."""
     result = daemon.cli("run", "smollm2", "--draft", "smollm2", "--verbose", timeout=300,
-                        input="/set parameter temperature 0\n/set parameter num_predict 160\n"
+                        input="/set parameter temperature 0\n/set parameter num_predict 80\n"
                         "Count from 1 to 80: 1, 2, 3,\n")
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stderr.splitlines() if x.startswith("drafts accepted:"))
     accepted, drafted = map(int, line.split()[-1].split("/"))
     assert drafted > 0 and 0 < accepted <= drafted
-    plain = daemon.cli("run", "smollm2", "--speculative", "off", "--verbose", "Hi", timeout=300)
+    plain = daemon.cli("run", "smollm2", "--speculative", "off", "--verbose", "--num-predict",
+                       "4", "Hi", timeout=300)
     assert "drafts accepted" not in plain.stderr
 
 
