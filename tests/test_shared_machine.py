@@ -423,10 +423,11 @@ def test_a_long_chat_is_truncated_by_counting_each_turn_once(fresh_daemon):
     messages.append({"role": "user", "content": "Last question: name a colour."})
     assert len(messages) == 1002  # the system prompt and 1,001 turns' messages
     body = {"model": "smollm2", "messages": messages, "stream": False,
-            "options": {"num_ctx": 4096, "num_predict": 4, "temperature": 0}}
+            "options": {"num_ctx": 2048, "num_predict": 4, "temperature": 0}}
     code, data = post(fresh_daemon.url, "/api/chat", body, timeout=600)
     assert code == 200, data
-    assert 2000 < data["prompt_eval_count"] <= 4096 - 4  # most of the context, kept whole
+    # most of the context, kept whole (a small one: the turns it keeps are read as a prompt)
+    assert 1000 < data["prompt_eval_count"] <= 2048 - 4
     # Each turn counted once, then a few renders to confirm: not one per dropped turn.
     log = Path(fresh_daemon.env["XDG_STATE_HOME"]) / "localllm" / "logs" / "localllm.log"
     line = next(x for x in log.read_text().splitlines() if "turns to fit" in x)
