@@ -23,10 +23,12 @@ def _runner_pid(daemon) -> int:
 def test_a_runner_killed_while_reading_the_prompt_still_answers_the_request(fresh_daemon):
     """SIGKILL between two chunks of a long prompt, before any token: the same request is
     answered 200 with text by a runner loaded again, with no error line in the stream."""
-    words = " ".join(f"item{i % 97} of the list" for i in range(500))  # ~3000 tokens
+    # ~1,200 tokens: more than two of the 512-token chunks it is read in, so a progress line
+    # comes between them
+    words = " ".join(f"item{i % 97} of the list" for i in range(200))
     body = json.dumps({"model": "smollm2", "prompt": words + "\nSummarise the list.",
                        "raw": True, "stream": True,
-                       "options": {"num_predict": 16, "temperature": 0, "num_ctx": 4096}})
+                       "options": {"num_predict": 16, "temperature": 0, "num_ctx": 2048}})
     req = urllib.request.Request(fresh_daemon.url + "/api/generate", data=body.encode(),
                                  headers={"Content-Type": "application/json"})
     killed = None

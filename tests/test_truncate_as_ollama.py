@@ -8,8 +8,8 @@ import json
 import urllib.error
 import urllib.request
 
-CTX = 2048
-LONG = " ".join(f"item{i} of the list" for i in range(900))  # about 3,600 tokens
+CTX = 1024
+LONG = " ".join(f"item{i} of the list" for i in range(600))  # about 2,400 tokens
 
 
 def _post(daemon, path: str, body: dict) -> tuple[int, dict]:
