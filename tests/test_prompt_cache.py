@@ -22,7 +22,7 @@ from localllm.profiles.planning.plan import cpu_plan
 
 GREEDY = SamplingOptions(num_predict=8, temperature=0)
 STORY = " ".join(f"Line {i}: the {['red', 'green', 'blue'][i % 3]} fox ran {i} miles."
-                 for i in range(80))  # about 1,100 tokens
+                 for i in range(30))  # about 410 tokens: past MIN_SAVED_TOKENS many times
 SIDE = "Write a five-word title for a chat about cooking pasta."
 
 
@@ -63,7 +63,7 @@ async def test_a_side_request_in_the_only_slot_does_not_cost_the_conversation_it
         runner_for, smollm2_gguf):
     runner = await runner_for(smollm2_gguf, 256 * 2**20)
     _, first = await answer(runner, STORY, "a")
-    assert first.cached_tokens == 0 and first.prompt_tokens > 1000
+    assert first.cached_tokens == 0 and first.prompt_tokens > 300
     _, side = await answer(runner, SIDE, "side")
     assert side.cached_tokens < 5  # it shared nothing with the story
     turn2 = STORY + " Then the fox slept."
