@@ -320,13 +320,13 @@ async def run_chat(config: Config, model: str, resume: str | None = None,
     except sqlite3.Error as e:
         raise UserError(f"cannot open the chat database {default_path()}: {e}") from None
     app = ChatApp(config, model, store=store, resume=resume)
-    app.options.update(options or {})
+    app.chat.options.update(options or {})
     try:
         await app.run_async()
     finally:
         await app.client.close()
         store.close()
-    if farewell := last_exchange(app.entries):
+    if farewell := last_exchange(app.chat.entries):
         print(farewell)
     return app.return_code or 0
 
