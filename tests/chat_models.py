@@ -89,6 +89,17 @@ SHELL_CALL = """\
 {%- endif %}{%- endfor %}
 """
 
+# The end of the templates below: four turns of the one fixed answer `want`, then the
+# question; greedy decoding repeats it.
+REPEAT_WANT = """\
+{{- '<|im_start|>system\\nRepeat the answer.<|im_end|>\\n' }}
+{%- for i in range(4) %}\
+{{- '<|im_start|>user\\nGo.<|im_end|>\\n<|im_start|>assistant\\n' + want + '<|im_end|>\\n' }}\
+{%- endfor %}
+{{- '<|im_start|>user\\nGo.<|im_end|>\\n' }}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
 # For the agent CLIs' end-to-end tests (tests/test_agent_clis.py): a template that makes even a
 # 135M model call the agent's shell tool once, then answer. Whatever the conversation, it shows
 # the model four turns of one fixed answer, then the question: greedy decoding repeats it. The
@@ -99,20 +110,14 @@ AGENT_TEMPLATE = SHELL_CALL + """\
 {%- endif %}{%- endfor %}
 {%- if ns.call and not ns.results %}{%- set want = '<tool_call>\\n' + ns.call + '\\n</tool_call>' %}
 {%- else %}{%- set want = 'Done: the tool ran.' %}{%- endif %}
-{{- '<|im_start|>system\\nRepeat the answer.<|im_end|>\\n' }}
-{%- for i in range(4) %}\
-{{- '<|im_start|>user\\nGo.<|im_end|>\\n<|im_start|>assistant\\n' + want + '<|im_end|>\\n' }}\
-{%- endfor %}
-{{- '<|im_start|>user\\nGo.<|im_end|>\\n' }}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
+""" + REPEAT_WANT
 
 # For Claude Code's tool search through `launch` (tests/test_agent_clis.py): as AGENT_TEMPLATE,
 # four turns of one fixed answer: a call to Claude Code's ToolSearch until a search result is
 # in the conversation, then a call to the MCP tool it found (tests/mcp_tools_server.py), then
 # a line of text. Nothing else is rendered: a long prompt takes minutes to read on a busy CPU.
 WEATHER_TOOL = "mcp__work__get_weather"
-TOOL_SEARCH_TEMPLATE = """\
+TOOL_SEARCH_TEMPLATE = ("""\
 {%- set ns = namespace(search=false, found=false, called=false) %}
 {%- for t in tools or [] %}{%- set f = t.function if t.function is defined else t %}\
 {%- if f.name == 'ToolSearch' %}{%- set ns.search = true %}{%- endif %}{%- endfor %}
@@ -125,13 +130,7 @@ TOOL_SEARCH_TEMPLATE = """\
 {%- elif ns.found and not ns.called %}{%- set want = '<tool_call>\\n{"name": "WEATHER", ' + \
 '"arguments": {"city": "Paris"}}\\n</tool_call>' %}
 {%- else %}{%- set want = 'Done: the tool ran.' %}{%- endif %}
-{{- '<|im_start|>system\\nRepeat the answer.<|im_end|>\\n' }}
-{%- for i in range(4) %}\
-{{- '<|im_start|>user\\nGo.<|im_end|>\\n<|im_start|>assistant\\n' + want + '<|im_end|>\\n' }}\
-{%- endfor %}
-{{- '<|im_start|>user\\nGo.<|im_end|>\\n' }}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-""".replace("WEATHER", WEATHER_TOOL)
+""" + REPEAT_WANT).replace("WEATHER", WEATHER_TOOL)
 
 # For Claude Code's compaction through `launch` (tests/test_agent_clis.py): the conversation but
 # its system turns rendered (a prompt cache holds it; Claude Code's system prompt would take

@@ -45,7 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-from bench_session import Fit, Ours, post  # noqa: E402  (puts tests/ and scripts/ on the path)
+from bench_session import Fit, Ours, add_budget_args, post  # noqa: E402  (puts tests/ and scripts/ on the path)
 import synth_gguf  # noqa: E402
 from bench_text import text_of  # noqa: E402
 from bench_tuner import MemorySampler  # noqa: E402
@@ -272,11 +272,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="qwen3-30b-a3b", choices=tuple(synth_gguf.SHAPES))
-    p.add_argument("--ctx", type=int, default=65536)
-    p.add_argument("--budget", type=float, default=12, metavar="GiB")
-    p.add_argument("--margin", type=int, default=128, metavar="MiB",
-                   help="VRAM the tuner leaves free inside the budget")
+    add_budget_args(p, shape="qwen3-30b-a3b", ctx=65536)
     p.add_argument("--systems", default="ours,newest-fit-q8_0,newest-fit-f16")
     p.add_argument("--newest-bin", default="/tmp/newest/bin",
                    help="the newest llama.cpp's binaries (scripts/device/build_newest_llama.sh)")

@@ -430,13 +430,18 @@ def session_order(system, args, record, chars_per_token: float) -> None:
             "plan": system.plan()})
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="dense-27b", choices=tuple(synth_gguf.SHAPES))
-    p.add_argument("--ctx", type=int, default=32768)
+def add_budget_args(p: argparse.ArgumentParser, shape: str, ctx: int) -> None:
+    """The model, context and emulated card every budget benchmark takes."""
+    p.add_argument("--shape", default=shape, choices=tuple(synth_gguf.SHAPES))
+    p.add_argument("--ctx", type=int, default=ctx)
     p.add_argument("--budget", type=float, default=12, metavar="GiB")
     p.add_argument("--margin", type=int, default=128, metavar="MiB",
                    help="VRAM the tuner leaves free inside the budget")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_budget_args(p, shape="dense-27b", ctx=32768)
     p.add_argument("--workload", default="auto", choices=("auto", "chat", "agent"),
                    help="ours: the workload setting (auto: the default, learned as it serves)")
     p.add_argument("--systems", default="ours,fit-f16,fit-q8_0")
