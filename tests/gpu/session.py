@@ -61,6 +61,7 @@ class Card:
         except Exception:  # no GPU (a dry run of the script on a CPU): memory reads as 0
             pass
         self.peak = 0
+        self.step_peak = 0  # since the last mark(): a step's own peak
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -76,9 +77,14 @@ class Card:
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
+    def mark(self) -> None:
+        self.step_peak = self.used()
+
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.used())
+            used = self.used()
+            self.peak = max(self.peak, used)
+            self.step_peak = max(self.step_peak, used)
             self._stop.wait(0.05)
 
     def stop(self) -> int:
@@ -109,6 +115,10 @@ class Step:
     seconds: float = 0.0
     note: str = ""
     peak_mib: int = 0  # the card's peak so far above the baseline (sampling: Card.start)
+    # this step's own peak and what stays used after it: a transient peak (a reload, a pass's
+    # temporaries) against lasting growth (pools that never give memory back)
+    step_peak_mib: int = 0
+    after_mib: int = 0
     # what the daemon planned for the VRAM after the step (/api/ps: size_vram and the device
     # split), beside the measured peak: where the planner's memory model is off
     planned_vram_mib: int = 0
@@ -188,6 +198,7 @@ class Session:
 
     def step(self, name: str, fn, note: str = "") -> Step:
         s = Step(name, note=note, runner_before=self.runner_pid())
+        self.card.mark()
         started = time.perf_counter()
         result = fn()
         s.answers = result if isinstance(result, list) else [result]
@@ -198,9 +209,12 @@ class Session:
             s.planned_vram_mib = loaded[0].get("size_vram", 0) // MIB
             s.devices = loaded[0].get("devices", [])
         s.peak_mib = (self.card.peak - self.baseline) // MIB
+        s.step_peak_mib = (self.card.step_peak - self.baseline) // MIB
+        s.after_mib = (self.card.used() - self.baseline) // MIB
         self.steps.append(s)
         print(f"  {name}: {'ok' if s.ok else 'FAILED'} in {s.seconds} s, peak {s.peak_mib} MiB "
-              f"(planned {s.planned_vram_mib}), "
+              f"(planned {s.planned_vram_mib}; this step {s.step_peak_mib}, after it "
+              f"{s.after_mib}), "
               f"runner "
               f"{s.runner_before} -> {s.runner_after}; "
               + "; ".join(f"{a.status} {a.eval_count} tok {a.decode_tps:.1f} tok/s "
