@@ -32,6 +32,28 @@ def test_every_command_has_help():
         assert result.returncode == 0 and "usage:" in result.stdout, command
 
 
+def test_each_command_imports_only_the_module_that_registers_it():
+    import argparse
+    import importlib
+
+    from localllm.cli.main import COMMAND_MODULES
+
+    for name, commands in COMMAND_MODULES.items():
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(name).register(sub)
+        assert sorted(sub.choices) == sorted(commands), name
+    # in a fresh process: `list` leaves the planner unimported, `--version` every command
+    probe = ("import sys; from localllm.cli.main import build_parser; build_parser(sys.argv[1]); "
+             "print(sorted(m for m in sys.modules if m.startswith('localllm.cli.') "
+             "or m == 'localllm.profiles.planning.tuner'))")
+    for command, absent in (("list", "localllm.cli.tune"),
+                            ("list", "localllm.profiles.planning.tuner"),
+                            ("--version", "localllm.cli.commands")):
+        loaded = subprocess.run([sys.executable, "-c", probe, command], capture_output=True,
+                                text=True, check=True).stdout
+        assert "'localllm.cli.main'" in loaded and f"'{absent}'" not in loaded, (command, loaded)
+
+
 def test_run_one_shot_streams_the_answer_and_verbose_prints_rates(daemon):
     result = daemon.cli("run", "smollm2", "Answer in one word: is the sky blue?", "--verbose",
                         timeout=300)
