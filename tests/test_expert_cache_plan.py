@@ -103,6 +103,29 @@ def test_the_tuner_keeps_the_pools_vram_out_of_the_placement(headers):
     assert plan.load_key() != dataclasses.replace(plan, expert_cache_slots=0).load_key()
 
 
+def test_a_dry_run_of_a_pooled_plan_counts_the_graph_the_pool_makes(headers):
+    """A dry run has no pool (the engine makes none for a model without weights), so its GPU
+    compute buffer is raised to the formula's bound for the pooled graph; the host's, and every
+    figure of a plan without a pool or with the pool in RAM, stay as measured."""
+    from localllm.profiles.tuning.dryrun import with_pool_bound
+
+    shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
+    plan = tune(shape, card, Request(expert_cache_slots=512))
+    costs, placement, settings = model_costs(shape), placement_of(plan, shape), settings_of(plan)
+    measured = {"CUDA0": 100 << 20, "CPU": 50 << 20}
+    raised = with_pool_bound(measured, plan, costs, placement, settings, card)
+    bound = next(m.compute for m in memory_by_device(costs, placement, settings, card,
+                                                     op_offload=False) if m.device == "CUDA0")
+    copying = next(m.compute for m in memory_by_device(costs, placement, settings, card)
+                   if m.device == "CUDA0")
+    assert raised == {"CUDA0": bound, "CPU": 50 << 20}
+    assert 100 << 20 < bound <= copying  # never the room for a block's copied experts
+    for other in (replace(plan, expert_cache_slots=0), replace(plan, expert_pool_in_ram=True)):
+        assert with_pool_bound(measured, other, costs, placement, settings, card) == measured
+    larger = {"CUDA0": bound + (64 << 20), "CPU": 50 << 20}  # a measured figure above it stands
+    assert with_pool_bound(larger, plan, costs, placement, settings, card) == larger
+
+
 def test_a_hit_moves_an_experts_read_from_the_cpu_to_the_gpu(headers):
     """The speed model: the served blocks' routed experts found in the pool are read at the
     GPU's bandwidth, the rest at the host's; more hits, faster decode; none, slower (the

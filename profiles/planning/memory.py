@@ -301,8 +301,11 @@ def cuda_pool_bytes(costs: ModelCosts, settings: ContextSettings) -> int:
 
 
 def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextSettings,
-                     card: Card, compute: ComputeTable | None = None) -> tuple[DeviceMemory, ...]:
-    """Weights, KV, compute buffer and overhead per device: the GPUs in order, then the CPU."""
+                     card: Card, compute: ComputeTable | None = None,
+                     op_offload: bool = True) -> tuple[DeviceMemory, ...]:
+    """Weights, KV, compute buffer and overhead per device: the GPUs in order, then the CPU.
+    `op_offload=False`: the compute formula without room for llama.cpp's copy of a RAM block's
+    weights (a graph that computes them in place, as the expert pool's does)."""
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
     names = [*card.devices, CPU] if card.has_gpu else [CPU]
     weights = dict.fromkeys(names, 0)
@@ -333,7 +336,8 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
         else:
             buffer = compute_formula(costs, settings, name, name == output_device,
                                      holds_attention[name], cpu_blocks, card.has_gpu,
-                                     offloads=name == names[0], pipelined=pipelined)
+                                     offloads=op_offload and name == names[0],
+                                     pipelined=pipelined)
             if compute is not None:
                 buffer += compute.gpu_correction if name != CPU else compute.host_correction
         out.append(DeviceMemory(

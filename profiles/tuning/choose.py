@@ -31,7 +31,7 @@ from ..planning.search import MIN_DEFAULT_CTX, NoPlanFits, Request
 from ..planning.tuner import tune
 from ..planning.workload import from_fill
 from .acceptance import measured_acceptance
-from .dryrun import dry_run
+from .dryrun import dry_run, with_pool_bound
 from .eval_results import measured_kl
 from .expert_hits import measured_hits
 from .saved import ProfileError, find_profile, record_event
@@ -215,6 +215,7 @@ def tune_checked(shape: ModelShape, card: Card, request: Request,
         compute = dict(result.compute)
         if not any(d != CPU for d in compute):
             return plan  # a CPU build of llama.cpp: it says nothing about the GPU's buffers
+        compute = with_pool_bound(compute, plan, costs, placement, settings, card)
         formula = {m.device: m.compute for m in memory_by_device(costs, placement, settings, card)}
         gpu_fix = max((compute.get(d, 0) - v for d, v in formula.items() if d != CPU), default=0)
         host_fix = compute.get(CPU, 0) - formula.get(CPU, 0)

@@ -17,6 +17,10 @@ from pathlib import Path
 from localllm import paths
 from localllm.state_file import unless_broken
 
+from ..planning.card import Card
+from ..planning.costs import ModelCosts
+from ..planning.memory import CPU, ContextSettings, memory_by_device
+from ..planning.placements import Placement
 from ..planning.plan import Plan
 from ..planning.probes import Buffers, DryRun
 from .probing import ProbeFailed, ask
@@ -51,3 +55,21 @@ def dry_run(model_path: str, plan: Plan, timeout: float = 120.0) -> Buffers | No
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(asdict(result)))
     return result
+
+
+def with_pool_bound(compute: dict[str, int], plan: Plan, costs: ModelCosts,
+                    placement: Placement, settings: ContextSettings, card: Card) -> dict[str, int]:
+    """A dry run's compute buffers, where the plan has an expert pool on a GPU raised to the
+    formula's bound for the graph the pool makes.
+
+    A dry run loads no weights, and the engine makes no pool for such a model (patches/0002),
+    so it measures the graph without one: a prompt batch copying a RAM block's experts to the
+    GPU (op offload). The runner's context has the pool, and llama.cpp reserves more for its
+    graph. On the H200 a Qwen3-30B-A3B band at 32K context and micro-batch 2048 reserved 1,337
+    MiB on the GPU where its dry run said 1,203; the formula without the copy's room (the
+    activations of a micro-batch and flash attention's mask) says 1,397 (docs/gpu-suite.md)."""
+    if not plan.expert_cache_slots or plan.expert_pool_in_ram:
+        return compute
+    bound = {m.device: m.compute
+             for m in memory_by_device(costs, placement, settings, card, op_offload=False)}
+    return {d: v if d == CPU else max(v, bound.get(d, 0)) for d, v in compute.items()}
