@@ -17,11 +17,11 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from localllm import paths
+from localllm.client import serve_command
 from localllm.config import Config
 from localllm.errors import UserError
 
@@ -111,17 +111,6 @@ RemoveOnStop=yes
 WantedBy=sockets.target
 """
     return {SERVICE: service, SOCKET: sock}
-
-
-def serve_command() -> list[str]:
-    """The installed `localllm serve`: the command being run, else the one on PATH."""
-    argv0 = Path(sys.argv[0])
-    if argv0.name == "localllm" and argv0.is_file():
-        return [os.path.abspath(argv0), "serve"]
-    found = shutil.which("localllm")
-    if found:
-        return [os.path.abspath(found), "serve"]
-    return [sys.executable, "-m", "localllm.cli", "serve"]
 
 
 def listen_addresses(config: Config) -> Listen:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 from localllm.llama import hardware, nvml
+from localllm.llama.runner.protocol import Done
 
 from .api.stats import GPU, process_rss, vram_of
-from .runner.protocol import Done
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)  # seconds
 DECODE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)  # tokens a second

@@ -1,6 +1,6 @@
 """How a load is decided: the scheduler hands the planner what a request asks of the model
 (its load options), the daemon's live `Config` and the model; `Planner.decide` makes the one
-planning call and returns the frozen `Load` (daemon/load.py) the runner is started from. Every
+planning call and returns the frozen `Load` (llama/runner/load.py) the runner is started from. Every
 rule of a load is applied here, once: the speculative mode settled, the fill bands (none with a
 projector, a draft model or MTP: profiles/tuning/bands.py), the images' micro-batch, the prompt
 cache's RAM.
@@ -11,15 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from localllm.config import Config
+from localllm.llama.runner.load import Load
 from localllm.modelstore.shape import ModelShape
 from localllm.modelstore.store import ModelEntry
-from localllm.options import LoadOptions
 from localllm.profiles.planning.plan import Plan
 from localllm.profiles.planning.vision import with_room_for_images
 
+from localllm.config import Config
+from localllm.options import LoadOptions
+
 from .drafting import DraftChoice, with_speculation
-from .load import Load
 
 PROMPT_CACHE_AUTO_MAX = 8 * 2**30
 CHARS_PER_TOKEN = 3  # few texts take fewer characters a token: a prompt is not underrated

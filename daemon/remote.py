@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import aiohttp
+from localllm.llama.runner.protocol import Done, Embeddings, EmbedRequest, Event, Failure, Token
 from localllm.modelstore.store import ModelEntry
 
 from localllm.config import Config, ConfigError, load_config
@@ -30,7 +31,6 @@ from .chat.parse import call_id, make_parser
 from .chat.request import ChatRequest, Prepared
 from .chat.template import HERMES, THINK_TAGS
 from .http_errors import ApiError
-from .runner.protocol import Done, EmbedRequest, Embeddings, Event, Failure, Token
 
 CONNECT_TIMEOUT_S = 10.0
 

@@ -13,15 +13,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from localllm.config import Config
+from localllm.llama.runner.load import Load
 from localllm.modelstore.shape import ModelShape
 from localllm.profiles.planning.plan import Plan
 from localllm.profiles.planning.vision import with_room_for_images
 
+from localllm.config import Config
+
 from .crashes import Crashes
-from .load import Load
 from .planner import Planner
-from .runner.process import EngineCrashed, LoadError, RunnerProcess
+from .runner import EngineCrashed, LoadError, RunnerProcess
 
 log = logging.getLogger("localllm.scheduler")
 

@@ -1,11 +1,12 @@
 """The card's real memory and host-to-device bandwidth, timed with torch (the optional extra) for
 `localllm tune --calibrate` (profiles/tuning/calibrate.py stores them). Runs in the engine's
-child program (llama/probe.py), never in a process that loaded llama.cpp."""
+child program (the runner, llama/runner/tuner_ops.py), never in a process that loaded llama.cpp."""
 
 from __future__ import annotations
 
-from localllm.errors import UserError
 from localllm.profiles.planning.probes import Bandwidth
+
+from localllm.errors import UserError
 
 GB = 1e9
 

@@ -1,5 +1,6 @@
 """The dry run itself: llama.cpp's compute buffers for a plan, allocating nothing (an op of the
-engine's child program, llama/probe.py; profiles/tuning/dryrun.py asks it and caches the answer).
+engine's child program, llama/runner/tuner_ops.py; profiles/tuning/dryrun.py asks it and caches
+the answer).
 
 Model params `no_alloc=True` with `load_mode=LLAMA_LOAD_MODE_NONE` read only metadata; creating
 the context then logs `<device> compute buffer size = N MiB` for every device (and the KV and

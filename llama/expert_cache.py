@@ -69,7 +69,7 @@ def _params(settings: Settings | None) -> _Params:
 
 @dataclass(frozen=True)
 class ExpertCacheStats:
-    # the runner sends these figures as they are, an event of this kind (daemon/runner/protocol.py)
+    # the runner sends these figures as they are, an event of this kind (llama/runner/protocol.py)
     kind: ClassVar[str] = "expert_cache"
     slots: int  # experts the pool holds
     layers: int  # MoE layers that share it

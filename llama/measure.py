@@ -1,7 +1,7 @@
-"""`tune --measure`'s benchmark, an op of the engine's child program (llama/probe.py): the model
-and context loaded from the plan by the runner's own load (llama/model.py: the weights in RAM
-pinned in place, the expert pool), then a prompt read and a greedy decode timed over a bare
-llama_decode loop; with an expert pool, its hits too."""
+"""`tune --measure`'s benchmark, an op of the engine's child program (llama/runner/tuner_ops.py):
+the model and context loaded from the plan by the runner's own load (llama/model.py: the weights
+in RAM pinned in place, the expert pool), then a prompt read and a greedy decode timed over a
+bare llama_decode loop; with an expert pool, its hits too."""
 
 from __future__ import annotations
 

@@ -21,9 +21,10 @@ import sys
 import time
 from functools import lru_cache
 
+from localllm.profiles.planning.probes import Worker, WorkerDevice, WorkerError, Workers
+
 from localllm import config_values
 from localllm.paths import is_loopback
-from localllm.profiles.planning.probes import Worker, WorkerDevice, WorkerError, Workers
 
 DEVICE_CPU, DEVICE_GPU = 0, 1
 GGML_TYPE_F32, GGML_TYPE_Q4_0, GGML_TYPE_I8 = 0, 2, 24
@@ -291,7 +292,8 @@ def _measure_compute(endpoint: str, free_bytes: int, rtt: float) -> float:
 
 def probe(endpoints: tuple[str, ...]) -> Workers:
     """Each worker's devices, memory, link and compute speed, measured from this process: the
-    engine's child program (llama/probe.py), which exits when done and so frees the workers."""
+    engine's child program (llama/runner/tuner_ops.py), which exits when done and so frees the
+    workers."""
     _, base, rpc = _libs()
     out = []
     for endpoint in endpoints:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -231,11 +232,26 @@ def last_log_line() -> str:
     return lines[-1] if lines else "no log"
 
 
+def serve_command() -> list[str]:
+    """The installed `localllm serve`, as a systemd unit runs it (cli/user_service.py) and as a
+    client starts it: the `localllm` command beside this Python (a virtual environment's or
+    pipx's bin/), else the command being run (pip --user puts it elsewhere), else the one on
+    PATH. An install without the command is a broken one: said so, not worked around."""
+    beside = Path(sys.executable).parent / "localllm"
+    argv0 = Path(sys.argv[0])
+    for found in (beside, argv0 if argv0.name == "localllm" else None, shutil.which("localllm")):
+        if found and os.access(found, os.X_OK) and Path(found).is_file():
+            return [os.path.abspath(found), "serve"]
+    raise UserError(f"the `localllm` command is not installed beside {sys.executable} nor on "
+                    f"PATH; install localllm again (scripts/install.sh, or pip install)")
+
+
 def start_daemon(config: Config) -> subprocess.Popen:
     """Start `localllm serve` detached from this terminal, logging to the state dir."""
+    command = serve_command()
     with paths.open_private_log(daemon_log_path(), 0, 0, truncate=True) as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "localllm.cli", "serve"],
+            command,
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             env={**os.environ},
         )

@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 import ollama
-
-from localllm.daemon.runner.threads import CpuSample, ThreadGovernor, WINDOW_S
+from localllm.llama.runner.threads import WINDOW_S, CpuSample, ThreadGovernor
 
 HOG = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end: pass\n"
 

@@ -16,16 +16,18 @@ import anthropic
 import openai
 import pytest
 import synth_gguf  # scripts/ is on the path (conftest)
-
 from chat_models import QWEN_TOOL_TEMPLATE
-from localllm.daemon.runner.checkpoints import END, SPACED, Checkpoint, SlotCheckpoints
-from localllm.daemon.runner.process import RunnerProcess
-from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOptions
+from localllm.daemon.runner import RunnerProcess
+from localllm.llama.runner.checkpoints import END, SPACED, Checkpoint, SlotCheckpoints
+from localllm.llama.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.modelstore.shape import read_shape
 from localllm.profiles.planning.card import load_card
 from localllm.profiles.planning.costs import model_costs
 from localllm.profiles.planning.memory import (
-    CHECKPOINTS_PER_SLOT, ContextSettings, checkpoint_bytes, memory_by_device,
+    CHECKPOINTS_PER_SLOT,
+    ContextSettings,
+    checkpoint_bytes,
+    memory_by_device,
 )
 from localllm.profiles.planning.placements import Placement
 from localllm.profiles.planning.plan import cpu_plan

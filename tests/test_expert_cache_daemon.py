@@ -19,16 +19,16 @@ from pathlib import Path
 
 import pytest
 import synth_gguf
-
 from conftest import import_models
 from daemon_process import isolated_env, start_daemon, wait_for
-from localllm.config import Config
-from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.daemon.scheduler import Planner, Scheduler
-from localllm.options import LoadOptions
+from localllm.llama.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.profiles.planning.plan import cpu_plan
 from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, REPLAN_HIT_GAP, measured_hits
 from localllm.profiles.tuning.served import drained
+
+from localllm.config import Config
+from localllm.options import LoadOptions
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "assistant:")

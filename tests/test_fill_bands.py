@@ -9,9 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-
-from localllm.daemon.runner.process import RunnerProcess
-from localllm.daemon.runner.protocol import Done, GenerationRequest, Progress, SamplingOptions
+from localllm.daemon.runner import RunnerProcess
+from localllm.llama.runner.protocol import Done, GenerationRequest, Progress, SamplingOptions
 from localllm.profiles.planning.plan import cpu_plan
 
 NEAR_TIE = 0.05  # as tests/test_speculation.py: a logprob gap rounding may break either way

@@ -9,20 +9,20 @@ import types
 
 import pytest
 import synth_vision
-
-from localllm.config import Config
 from localllm.daemon.drafting import DraftChoice
-from localllm.daemon.load import Load
 from localllm.daemon.planner import Planner
-from localllm.daemon.runner.engine import drafting_modes
-from localllm.daemon.runner.process import RunnerProcess
-from localllm.daemon.runner.protocol import OP_BY_NAME, OPS, Done, GenerationRequest, Loaded
+from localllm.daemon.runner import RunnerProcess
 from localllm.daemon.scheduler import SERVED_REMEMBERED, LoadedModel
 from localllm.llama.params import context_params
+from localllm.llama.runner.engine import drafting_modes
+from localllm.llama.runner.load import Load
+from localllm.llama.runner.protocol import OP_BY_NAME, OPS, Done, GenerationRequest, Loaded
 from localllm.modelstore.shape import read_shape
-from localllm.options import LoadOptions, SamplingOptions
-from localllm.profiles.tuning.choose import settings_of
 from localllm.profiles.planning.plan import Plan, cpu_plan
+from localllm.profiles.tuning.choose import settings_of
+
+from localllm.config import Config
+from localllm.options import LoadOptions, SamplingOptions
 from localllm.speculative import (
     AUTO,
     MODES,

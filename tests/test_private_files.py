@@ -15,9 +15,8 @@ from pathlib import Path
 import ollama
 import synth_vision
 from daemon_process import isolated_env, start_daemon, wait_for
-from test_vision import RED
-
 from localllm.modelstore.store import ModelStore
+from test_vision import RED
 
 SECRET = "quokka-zebra-4471 my bank PIN"
 
@@ -69,10 +68,11 @@ def test_runner_log_is_rotated_past_its_size_at_a_runner_start(fresh_daemon):
 
 
 def test_saved_chats_and_profiles_are_the_users_alone(home):
-    from localllm import paths
     from localllm.profiles.planning.plan import Plan
     from localllm.profiles.tuning.saved import profiles_dir, save_profile
     from localllm.tui.chatstore import ChatStore
+
+    from localllm import paths
 
     paths.data_dir().mkdir(parents=True, mode=0o755)
     os.chmod(paths.data_dir(), 0o755)  # as a wider umask or an older version left it
@@ -100,6 +100,9 @@ def test_a_background_daemon_writes_one_log_not_two(tmp_path):
         "asyncio.run(main())")], env=env, capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, started.stderr
     pid = int(started.stdout.strip())
+    # started as the installed command (localllm/client.py serve_command), as a unit starts it
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    assert str(Path(sys.executable).parent / "localllm") in argv and "serve" in argv, argv
     logs = Path(env["XDG_STATE_HOME"]) / "localllm" / "logs"
     try:
         wait_for(lambda: "listening" in (logs / "localllm.log").read_text(), 30,

@@ -1,8 +1,9 @@
-"""The engine's child program for the tuner (llama/probe.py), asked through the one parent-side
-helper (profiles/tuning/probing.py): typed requests cross as they are, and a request the child
-cannot serve comes back as one clear error, never a traceback or a hang. The ops themselves run
-on real llama.cpp in test_synth.py (dry run), test_tuner_choose.py (measure, calibrate),
-test_eval.py and test_rpc.py."""
+"""The tuner's ops in the engine's one child program, the runner (llama/runner/tuner_ops.py),
+asked through the one parent-side helper (profiles/tuning/probing.py): typed requests cross the
+runner's op table as they are, and a request the child cannot serve comes back as one clear
+Failure, never a traceback or a hang. Each request and result crosses the pipe unchanged in
+test_runner_ops.py; the ops themselves run on real llama.cpp in test_synth.py (dry run),
+test_tuner_choose.py (measure, calibrate), test_eval.py and test_rpc.py."""
 
 from __future__ import annotations
 
@@ -11,46 +12,34 @@ import subprocess
 
 import pytest
 
-from localllm.profiles.planning.plan import Plan, TensorOverride
-from localllm.profiles.planning.probes import (
-    Calibrate,
-    DryRun,
-    Evaluate,
-    Measure,
-    RpcProbe,
-    read_request,
-    request_line,
-)
+from localllm.daemon.runner import RUNNER_COMMAND
+from localllm.llama.runner.protocol import Failure, event_from_wire
+from localllm.profiles.planning.plan import Plan
+from localllm.profiles.planning.probes import DryRun
 from localllm.profiles.tuning.probing import CHILD_COMMAND, ProbeFailed, ask
 
-PLAN = Plan(n_ctx=1024, n_gpu_layers=3, type_k="q8_0", type_v="q8_0", flash_attn=True,
-            tensor_overrides=(TensorOverride("blk\\.1\\.ffn_.*", "CPU"),), rpc_workers=("h:1",))
+
+def test_the_runner_refuses_a_first_line_that_names_no_op_it_starts_with():
+    for line in ('{"op": "nothing", "id": ""}', '{"op": "tokenize", "id": "", "text": "x"}',
+                 "not json"):
+        done = subprocess.run(RUNNER_COMMAND, input=line + "\n", capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2
+        answer = event_from_wire(json.loads(done.stdout.strip().splitlines()[-1]))
+        assert answer == Failure(f"not an op a runner starts with: {line + chr(10)!r}", 400)
 
 
-@pytest.mark.parametrize("request_", [
-    DryRun("/m.gguf", PLAN), Measure("/m.gguf", PLAN, 64, 8),
-    Evaluate("/m.gguf", ("q8_0", "q4_0"), "text", 512, "/ref.gguf", "ref", 0),
-    RpcProbe(("127.0.0.1:50052", "[::1]:50053")), Calibrate(1),
-])
-def test_every_op_crosses_the_pipe_as_the_same_value(request_):
-    line = request_line(request_)
-    assert json.loads(line)["op"] == request_.op
-    assert read_request(line) == request_
-
-
-def test_a_line_that_names_no_op_is_refused():
-    with pytest.raises(ValueError, match="not a probe request"):
-        read_request('{"op": "format_disk"}')
-    with pytest.raises(ValueError, match="dry_run request without"):
-        read_request('{"op": "dry_run", "plan": {}}')
-
-
-def test_the_child_answers_a_bad_request_with_one_error_line():
-    done = subprocess.run(CHILD_COMMAND, input='{"op": "nothing"}\n', capture_output=True,
-                          text=True, timeout=60)
+def test_a_request_without_what_it_needs_is_one_failure():
+    done = subprocess.run(CHILD_COMMAND, input='{"op": "dry_run", "id": "", "plan": {}}\n',
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
-        "error": "not a probe request: '{\"op\": \"nothing\"}\\n'"}
+    answer = event_from_wire(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert isinstance(answer, Failure) and answer.status == 400
+    assert answer.message.startswith("a dry_run request without what it needs")
+
+
+def test_the_tuner_starts_the_runner_program():
+    assert CHILD_COMMAND == RUNNER_COMMAND
 
 
 def test_a_file_llama_cpp_cannot_load_is_a_probe_failure_with_its_reason(tmp_path):

@@ -11,12 +11,11 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
-
+from localllm.daemon.runner import RunnerProcess
 from localllm.llama import model as llama
 from localllm.llama import state as seqstate
-from localllm.daemon.runner.process import RunnerProcess
-from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOptions
-from localllm.daemon.runner.reuse import PromptCache
+from localllm.llama.runner.protocol import Done, GenerationRequest, SamplingOptions
+from localllm.llama.runner.reuse import PromptCache
 from localllm.llama.state import SavedSequence
 from localllm.profiles.planning.plan import cpu_plan
 

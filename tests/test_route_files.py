@@ -26,9 +26,9 @@ UNUSED = (
     "daemon/chat/truncate.py",
     "daemon/chat/roles.py",
     "daemon/drafting.py",
-    "daemon/runner/checkpoints.py",
+    "llama/runner/checkpoints.py",
     "llama/state.py",
-    "daemon/runner/bands.py",
+    "llama/runner/bands.py",
     "localllm/config_values.py",
 )
 # What is worked out once per stored model, not per request: the store's entry (kept while its
@@ -36,7 +36,7 @@ UNUSED = (
 ONCE_PER_MODEL = ("modelstore/store.py", "modelstore/names.py", "daemon/chat/model.py")
 # What every request runs, in each process: the hook saw the request at all.
 ON_THE_WAY = ("daemon/api/ollama.py", "daemon/chat/template_worker.py",
-              "daemon/runner/engine.py", "llama/loaded.py")
+              "llama/runner/engine.py", "llama/loaded.py")
 
 
 def test_plain_chat_enters_no_unused_feature():

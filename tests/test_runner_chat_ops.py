@@ -8,9 +8,8 @@ import math
 
 import pytest
 from llama_cpp import Llama
-
-from localllm.daemon.runner.process import RunnerProcess, RunnerRequestFailed
-from localllm.daemon.runner.protocol import (
+from localllm.daemon.runner import RunnerProcess, RunnerRequestFailed
+from localllm.llama.runner.protocol import (
     Done,
     EmbedRequest,
     Failure,

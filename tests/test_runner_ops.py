@@ -1,5 +1,6 @@
-"""The runner's op table (daemon/runner/protocol.py OPS): every op and every event crosses the
-pipe and comes back equal, and every op names an Engine method that exists. No model: the
+"""The runner's op table (llama/runner/protocol.py OPS): every op and every event crosses the
+pipe and comes back equal, and every op names an Engine method that exists (a tuner's op, one
+of tuner_ops.py). No model: the
 table and the wire alone (the runner tests drive the real engine through it)."""
 
 from __future__ import annotations
@@ -7,16 +8,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from localllm.daemon.load import Load
-from localllm.daemon.runner.engine import Engine
-from localllm.daemon.runner.protocol import (
+from localllm.llama.expert_cache import ExpertCacheStats
+from localllm.llama.runner import tuner_ops
+from localllm.llama.runner.engine import Engine
+from localllm.llama.runner.load import Load
+from localllm.llama.runner.protocol import (
     ENDING_EVENTS,
     EVENTS,
     OPS,
     Band,
     Done,
-    EmbedRequest,
     Embeddings,
+    EmbedRequest,
     Failure,
     GenerationRequest,
     Loaded,
@@ -28,11 +31,30 @@ from localllm.daemon.runner.protocol import (
     TokenizeRequest,
     event_from_wire,
     event_to_wire,
+    request_to_wire,
 )
-from localllm.llama.expert_cache import ExpertCacheStats
-from localllm.options import LoadOptions
-from localllm.profiles.planning.plan import cpu_plan
+from localllm.profiles.planning.plan import Plan, TensorOverride, cpu_plan
+from localllm.profiles.planning.probes import (
+    Bandwidth,
+    Buffers,
+    Calibrate,
+    Chunks,
+    DryRun,
+    EvalResult,
+    Evaluate,
+    Evaluation,
+    Measure,
+    Measurement,
+    RpcProbe,
+    Worker,
+    WorkerDevice,
+    Workers,
+)
 
+from localllm.options import LoadOptions
+
+PLAN = Plan(n_ctx=1024, n_gpu_layers=3, type_k="q8_0", type_v="q8_0", flash_attn=True,
+            tensor_overrides=(TensorOverride("blk\\.1\\.ffn_.*", "CPU"),), rpc_workers=("h:1",))
 REQUESTS = (
     Load(cpu_plan(1024), LoadOptions(num_ctx=1024), (cpu_plan(512),), 1, Path("/d.gguf"), "d",
          None, 1 << 20, Path("/m.gguf")),
@@ -41,6 +63,9 @@ REQUESTS = (
     EmbedRequest("e", ("a cat", "a dog"), truncate=False, dimensions=64),
     TokenizeRequest("t", text="hello"),
     TokenizeRequest("u", texts=("a", "b c")),
+    DryRun("/m.gguf", PLAN), Measure("/m.gguf", PLAN, 64, 8),
+    Evaluate("/m.gguf", ("q8_0", "q4_0"), "text", 512, "/ref.gguf", "ref", 0),
+    RpcProbe(("127.0.0.1:50052", "[::1]:50053")), Calibrate(1),
 )
 EVENTS_SEEN = (
     Token("hi", 2, eval_count=3, drafted=4, draft_accepted=2,
@@ -58,13 +83,18 @@ EVENTS_SEEN = (
     ExpertCacheStats(16, 4, 350, 294, 72, 41, 2089984, 1),  # the engine's figures as read
     Loaded(123, 5_000_000, 2048, 2, "pinned in place", {"slots": 16, "misses_on_gpu": True},
            {"text": "3 GiB locked", "locked_bytes": 3 << 30}),
+    Buffers({"CUDA0": 5, "CPU": 7}, 3, 1), Measurement(10.5, 2.5, 9, 128, 32, 0.5, {"hits": 3}),
+    Evaluation((EvalResult("q8_0", "f16", 0.1, 0.2, 0.9, 7.5, 7.4, 100),)),
+    Workers((Worker("h:1", (WorkerDevice("h:1", 0, 5, 9),), 1e9, 0.001, 2e9),)),
+    Bandwidth(3000.0, 25.0), Chunks(2, 5),
 )
 
 
 def test_every_request_crosses_the_pipe_unchanged_under_its_op():
     by_type = {op.request: op for op in OPS}
     for request in REQUESTS:
-        wire = json.loads(json.dumps(request.to_wire()))
+        to_wire = getattr(request, "to_wire", None)  # the daemon's requests spell themselves
+        wire = json.loads(json.dumps(to_wire() if to_wire else request_to_wire(request)))
         assert wire["op"] == by_type[type(request)].name
         assert type(request).from_wire(wire) == request
 
@@ -80,5 +110,8 @@ def test_every_event_crosses_the_pipe_unchanged():
 def test_every_op_ends_in_a_failure_or_its_answer_and_names_an_engine_method():
     for op in OPS:
         assert Failure in op.ends and set(op.ends) <= set(ENDING_EVENTS)
-        assert callable(getattr(Engine, op.method, None)), op
+        server = tuner_ops.METHODS.get(op.method) if op.alone else getattr(Engine, op.method, None)
+        assert callable(server), op
     assert [op.name for op in OPS if op.stream] == ["generate"]
+    assert [op.name for op in OPS if op.alone] == ["dry_run", "measure", "evaluate", "rpc_probe",
+                                                   "calibrate"]

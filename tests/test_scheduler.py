@@ -6,15 +6,15 @@ import sys
 from dataclasses import replace
 
 import pytest
-
 from daemon_process import wait_for_async
-from localllm.config import Config
-from localllm.daemon.runner.protocol import Done, GenerationRequest, SamplingOptions
-from localllm.daemon.runner.process import LoadError
+from localllm.daemon.runner import LoadError
 from localllm.daemon.scheduler import Planner, Scheduler, context_to_ask
+from localllm.llama.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.modelstore.shape import read_shape
-from localllm.options import LoadOptions
 from localllm.profiles.planning.plan import cpu_plan
+
+from localllm.config import Config
+from localllm.options import LoadOptions
 
 
 class FirstPlanFails(Planner):

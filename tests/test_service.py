@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from localllm.cli.main import main
 from localllm.cli import user_service as us
+from localllm.cli.main import main
 from localllm.daemon.logging_setup import log_file
+
 from localllm.config import Config
 
 
@@ -202,3 +202,25 @@ def test_under_the_journal_lines_carry_syslog_priorities(home, tmp_path):
     assert lines[2] == "<3>level=error logger=localllm.daemon msg=boom"
     assert all(line.startswith("<3>") for line in lines[3:]) and "ZeroDivisionError" in lines[-1]
     assert not log_file().exists()  # under systemd the journal is the log
+
+
+def test_the_daemon_is_the_installed_command_beside_this_python():
+    """A unit's ExecStart and a client's background start run the console script the install
+    put beside the interpreter (what `localllm serve` is), whatever PATH holds."""
+    found = subprocess.run(
+        [sys.executable, "-c", "from localllm.client import serve_command; "
+                               "print(*serve_command(), sep='\\n')"],
+        env={**os.environ, "PATH": ""}, capture_output=True, text=True, check=True)
+    assert found.stdout.splitlines() == [str(Path(sys.executable).parent / "localllm"), "serve"]
+
+
+def test_without_the_installed_command_starting_the_daemon_says_to_install(tmp_path,
+                                                                           monkeypatch):
+    from localllm.client import serve_command
+    from localllm.errors import UserError
+
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setattr(sys, "argv", ["pytest"])
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(UserError, match="`localllm` command is not installed beside .*python"):
+        serve_command()

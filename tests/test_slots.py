@@ -15,7 +15,6 @@ from pathlib import Path
 
 import ollama
 import pytest
-
 from daemon_process import isolated_env, start_daemon, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,10 +140,10 @@ def test_a_prefix_past_the_sliding_window_is_read_again_not_reused(parallel_daem
 
 async def test_a_runner_that_writes_garbage_fails_the_request_and_the_next_one_loads_fresh(
         store, smollm2_gguf, tmp_path, monkeypatch):
-    from localllm.config import Config
-    from localllm.daemon.runner.protocol import (Done, Failure, GenerationRequest,
-                                                 SamplingOptions)
     from localllm.daemon.scheduler import Scheduler
+    from localllm.llama.runner.protocol import Done, Failure, GenerationRequest, SamplingOptions
+
+    from localllm.config import Config
     from localllm.options import LoadOptions
 
     monkeypatch.setenv("GARBAGE_MARKER", str(tmp_path / "garbage-once"))

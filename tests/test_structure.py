@@ -3,15 +3,18 @@
 - the base floor (localllm/: config, paths, errors, options, the client) imports nothing else of
   ours;
 - nothing imports the commands room (cli/), which stands on the top floor;
+- the rooms stand on floors (FLOORS): a room imports only rooms on its own floor or below;
 - planning (profiles/) and the store (modelstore/) never touch llama.cpp, NVML or the daemon:
   those live in the engine room (llama/) and the daemon;
 - inside profiles/, pure planning (planning/) never imports the tuning service (tuning/), which
-  reads files and starts processes;
-- no two top-level rooms import each other, directly or around a loop;
+  reads files and starts processes: the tuning service is a room of its own, on the floor above
+  the engine room, whose child program it starts;
+- no two rooms import each other, directly or around a loop;
 - inside a room, no two modules import each other around a loop, deferred (function-level)
   and type-checking imports included: a loop held open by a late import is still a loop;
-- a child program of ours (`python -m localllm.X`) is started only by the module declared for it
-  in CHILD_PROGRAMS: the runner, the template worker, the engine's probe, the CLI as `serve`.
+- a child program of ours (`python -m localllm.X`) is started only by a module declared for it
+  in CHILD_PROGRAMS (the runner, the engine's one child program; the template worker), from a
+  room on the same floor as the program's or above it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,13 @@ ROOMS = {"localllm.cli": "cli", "localllm.llama": "llama", "localllm.modelstore"
          "localllm.profiles": "profiles", "localllm.daemon": "daemon", "localllm.tui": "tui",
          "localllm": "localllm"}
 ENGINE_MODULES = ("llama_cpp", "pynvml", "ctypes")
+TUNING = "profiles/tuning"  # a room inside profiles/ (the tuning service), above the engine room
+# Each room's floor, the base floor 0: a room imports rooms of its own floor or below, and starts
+# child programs of its own floor or below. Pure planning stands below the engine room (which
+# builds its values), the tuning service above it (it asks the engine's child program), the
+# daemon above both, the commands room on top.
+FLOORS = {"localllm": 0, "modelstore": 1, "profiles": 2, "llama": 3, TUNING: 4, "daemon": 5,
+          "tui": 5, "cli": 6}
 
 
 def _package(path: Path) -> str:
@@ -64,10 +74,17 @@ def _imports(path: Path) -> set[str]:
 
 
 def _room_of(module: str) -> str | None:
+    if module == "localllm.profiles.tuning" or module.startswith("localllm.profiles.tuning."):
+        return TUNING
     for name, room in ROOMS.items():  # longest names first in ROOMS
         if module == name or module.startswith(name + "."):
             return room
     return None
+
+
+def _room_of_path(path: Path) -> str:
+    parts = path.relative_to(ROOT).parts
+    return TUNING if "/".join(parts[:2]) == TUNING else parts[0]
 
 
 def _sources() -> dict[Path, set[str]]:
@@ -89,12 +106,30 @@ def test_nothing_imports_the_commands_room():
     assert not wrong, wrong
 
 
+def test_imports_go_down_the_floors():
+    wrong = [f"{p.relative_to(ROOT)} imports {m}"
+             for p, modules in _sources().items() for m in modules
+             if (r := _room_of(m)) is not None and FLOORS[r] > FLOORS[_room_of_path(p)]]
+    assert not wrong, wrong
+
+
 def test_planning_and_the_store_never_touch_the_engine_or_the_daemon():
     wrong = [f"{p.relative_to(ROOT)} imports {m}"
              for p, modules in _sources().items()
-             if p.parts[len(ROOT.parts)] in ("profiles", "modelstore")
+             if _room_of_path(p) in ("profiles", "modelstore")
              for m in modules
              if m.split(".")[0] in ENGINE_MODULES or _room_of(m) in ("daemon", "llama")]
+    assert not wrong, wrong
+
+
+def test_the_tuning_service_touches_the_engine_only_through_its_child_program():
+    """It reads the runner's protocol (values) and starts the runner; llama.cpp, NVML and the
+    engine's modules load in that child alone, never in the daemon or the CLI through it."""
+    wrong = [f"{p.relative_to(ROOT)} imports {m}"
+             for p, modules in _sources().items() if _room_of_path(p) == TUNING
+             for m in modules
+             if m.split(".")[0] in ENGINE_MODULES
+             or (_room_of(m) == "llama" and not m.startswith("localllm.llama.runner.protocol"))]
     assert not wrong, wrong
 
 
@@ -109,7 +144,7 @@ def test_pure_planning_never_imports_the_tuning_service():
 def test_no_rooms_import_each_other_around_a_loop():
     arrows: dict[str, set[str]] = {}
     for path, modules in _sources().items():
-        room = path.parts[len(ROOT.parts)]
+        room = _room_of_path(path)
         arrows.setdefault(room, set()).update(
             r for m in modules if (r := _room_of(m)) not in (None, room))
 
@@ -194,13 +229,14 @@ def test_no_file_over_500_lines_and_no_class_over_300():
     assert not long_classes, long_classes
 
 
-# Each child program of ours (`python -m localllm.X`) and the one module that starts it: a child
-# program is a dependency the import graph does not see, so a new one is declared here.
+# Each child program of ours (`python -m localllm.X`) and the modules that start it: a child
+# program is a dependency the import graph does not see, so a new one is declared here. The
+# runner is the engine's one child program: the daemon's runners and the tuner's measurements
+# (llama/runner/tuner_ops.py) are its ops. The CLI is no child program: the daemon is started as
+# the installed `localllm` command (localllm/client.py's serve_command), as a unit file would.
 CHILD_PROGRAMS = {
-    "localllm.daemon.runner": {"daemon/runner/process.py"},
+    "localllm.llama.runner": {"daemon/runner.py", "profiles/tuning/probing.py"},
     "localllm.daemon.chat.template_worker": {"daemon/chat/template.py"},
-    "localllm.llama.probe": {"profiles/tuning/probing.py"},  # the tuner's ops on the engine
-    "localllm.cli": {"cli/user_service.py", "localllm/client.py"},  # the daemon, as `serve`
 }
 
 
@@ -225,4 +261,17 @@ def test_child_programs_are_started_only_where_declared():
         for target in _module_targets(ast.parse(path.read_text(), where)):
             if where not in CHILD_PROGRAMS.get(target, ()):
                 wrong.append(f"{where} starts `python -m {target}`")
+    assert not wrong, wrong
+
+
+def test_child_programs_are_started_from_their_floor_or_above():
+    """A starter below its program depends on a room above it, unseen by the imports."""
+    wrong = []
+    for path in _sources():
+        where = _room_of_path(path)
+        for target in _module_targets(ast.parse(path.read_text(), str(path))):
+            if FLOORS[_room_of(target)] > FLOORS[where]:
+                wrong.append(f"{path.relative_to(ROOT)} ({where}, floor {FLOORS[where]}) starts "
+                             f"`python -m {target}` ({_room_of(target)}, floor "
+                             f"{FLOORS[_room_of(target)]})")
     assert not wrong, wrong

@@ -11,23 +11,23 @@ from dataclasses import replace
 
 import pytest
 import synth_gguf
-
-from localllm.config import ConfigError, check_setting
-from localllm.daemon.runner.engine import CANCEL_BOUND_S, prompt_chunk
-from localllm.modelstore.shape import read_shape
 from localllm.llama import hardware
+from localllm.llama.runner.engine import CANCEL_BOUND_S, prompt_chunk
+from localllm.modelstore.shape import read_shape
+from localllm.profiles.planning.budgets import RAM_RESERVE, ram_budget
 from localllm.profiles.planning.card import GIB, MIB, load_card
-from localllm.profiles.tuning.choose import config_request, placement_of, settings_of
 from localllm.profiles.planning.costs import model_costs
 from localllm.profiles.planning.memory import ContextSettings, block_kv_bytes, memory_by_device
 from localllm.profiles.planning.placements import Placement
 from localllm.profiles.planning.plan import Plan
-from localllm.profiles.planning.speed import prompt_cost
-from localllm.profiles.tuning.bands import band_plans
-from localllm.profiles.planning.budgets import RAM_RESERVE, ram_budget
 from localllm.profiles.planning.search import Request
+from localllm.profiles.planning.speed import prompt_cost
 from localllm.profiles.planning.tuner import tune
 from localllm.profiles.planning.workload import AGENT, CHAT, from_fill
+from localllm.profiles.tuning.bands import band_plans
+from localllm.profiles.tuning.choose import config_request, placement_of, settings_of
+
+from localllm.config import ConfigError, check_setting
 
 H200_HOST = dict(ram_bytes=128 * GIB, cores=16, host_bandwidth_gbs=51.2)
 
@@ -302,8 +302,9 @@ def test_auto_keeps_a_band_only_where_it_decodes_faster_after_a_short_prompt(sha
 
 
 def test_the_daemon_loads_fill_bands_only_where_they_move_weights(shapes):
-    from localllm.options import LoadOptions
     from localllm.profiles.tuning.bands import choose_bands, placement_key
+
+    from localllm.options import LoadOptions
 
     shape, card = shapes["dense-27b"], h200(12)
     whole = tune(shape, card, Request(n_ctx=131072, margin_bytes=512 * MIB, workload=CHAT,

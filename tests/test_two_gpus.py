@@ -12,22 +12,22 @@ from dataclasses import replace
 import llama_cpp
 import pytest
 import synth_gguf
-
-from localllm.config import ConfigError, load_config
 from localllm.daemon.api.ollama import device_split
-from localllm.daemon.runner.process import runner_env
+from localllm.daemon.runner import runner_env
 from localllm.llama import dryrun
+from localllm.llama.hardware import card_from_nvml, visible_devices
 from localllm.llama.params import model_params
 from localllm.modelstore.shape import read_shape
+from localllm.profiles.planning.budgets import vram_budgets
 from localllm.profiles.planning.card import GIB, MIB, CardError, load_card
-from localllm.llama.hardware import card_from_nvml, visible_devices
 from localllm.profiles.planning.memory import split_layers
 from localllm.profiles.planning.plan import Plan
-from localllm.profiles.tuning.rpc_plan import plan_with_workers
-from localllm.profiles.planning.budgets import vram_budgets
+from localllm.profiles.planning.probes import Worker, WorkerDevice
 from localllm.profiles.planning.search import Request
 from localllm.profiles.planning.tuner import tune
-from localllm.profiles.planning.probes import Worker, WorkerDevice
+from localllm.profiles.tuning.rpc_plan import plan_with_workers
+
+from localllm.config import ConfigError, load_config
 
 KV_BYTES = {"f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}
 

@@ -23,20 +23,20 @@ from localllm.modelstore.store import ModelEntry
 from ..chat.compaction import summary_message
 from ..chat.custom import Customization
 from ..chat.request import ChatRequest
-from ..runner.process import new_request_id
+from ..runner import new_request_id
+from .anthropic_context import context_edits, managed
+from .anthropic_search import SearchRun, Tools, anthropic_tools, result_text
+from .anthropic_writer import MessagesWriter
 from .common import (
     answer_limit,
     bad_request,
     body_options,
     get_bool,
-    requested_model,
     message_images,
     read_json,
+    requested_model,
 )
-from .anthropic_search import SearchRun, Tools, anthropic_tools, result_text
-from .anthropic_context import context_edits, managed
-from .anthropic_writer import MessagesWriter
-from .respond import served_model, count_prompt_tokens, respond
+from .respond import count_prompt_tokens, respond, served_model
 
 routes = web.RouteTableDef()
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import uuid
 
+from localllm.llama.runner.protocol import Done, Progress, Token
+
 from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
-from ..runner.protocol import Done, Progress, Token
 from .anthropic_search import SearchRun
 from .common import kept_calls
 from .respond import Part, Writer

@@ -12,9 +12,9 @@ import struct
 import time
 
 from aiohttp import web
+from localllm.llama.runner.protocol import Embeddings, EmbedRequest
 
-from ..runner.process import new_request_id
-from ..runner.protocol import EmbedRequest, Embeddings
+from ..runner import new_request_id
 from .common import (
     bad_request,
     find_model,

@@ -7,14 +7,15 @@ import time
 import uuid
 
 from aiohttp import web
+from localllm.llama.runner.protocol import Done, Token
 from localllm.modelstore.store import ModelEntry
+
 from localllm.options import LoadOptions, SamplingOptions
 
 from ..chat.custom import Customization
 from ..chat.parse import Parsed
 from ..chat.request import ChatRequest
-from ..runner.process import new_request_id
-from ..runner.protocol import Done, Token
+from ..runner import new_request_id
 from ..state import STORE
 from .common import (
     answer_limit,
@@ -32,7 +33,6 @@ from .common import (
     requested_model,
 )
 from .respond import Part, Writer, respond
-
 
 # OpenAI's reasoning efforts -> the chat layer's think levels ("none" turns thinking off).
 EFFORTS = {"none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high",

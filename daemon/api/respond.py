@@ -13,16 +13,18 @@ work.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 import contextlib
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from aiohttp import web
-from localllm.errors import UserError
+from localllm.llama.runner.protocol import Done, Event, Failure, Progress, Token
 from localllm.modelstore.store import ModelEntry
+
+from localllm.errors import UserError
 from localllm.options import LoadOptions
 
 from ..chat.custom import Customization
@@ -34,7 +36,6 @@ from ..chat.truncate import fit_to_context
 from ..engine import Engine
 from ..remote import RemoteEngine
 from ..remote import prepared as upstream_prepared
-from ..runner.protocol import Done, Event, Failure, Progress, Token
 from ..state import CONFIG, SCHEDULER
 from .common import remember
 

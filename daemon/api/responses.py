@@ -21,14 +21,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from aiohttp import web
+from localllm.llama.runner.protocol import Done, Progress
 from localllm.modelstore.store import ModelEntry
 
 from ..chat.compaction import summarising, summary_text
 from ..chat.custom import Customization
 from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
-from ..runner.process import new_request_id
-from ..runner.protocol import Done, Progress
+from ..runner import new_request_id
 from .common import (
     ApiError,
     answer_limit,
@@ -37,11 +37,11 @@ from .common import (
     get_bool,
     get_str,
     kept_calls,
-    requested_model,
     message_images,
     read_json,
+    requested_model,
 )
-from .respond import Part, Writer, served_model, respond
+from .respond import Part, Writer, respond, served_model
 from .responses_input import (
     ToolSet,
     input_messages,

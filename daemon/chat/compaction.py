@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..runner.process import new_request_id
+from ..runner import new_request_id
 from .request import ChatRequest
 
 SUMMARY_PROMPT = (

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
 from aiohttp.abc import AbstractResolver
+from localllm.llama.runner.protocol import IMAGE_MARKER
 
-from ..runner.protocol import IMAGE_MARKER
 from .errors import ChatError
 
 MAX_IMAGE_BYTES = 20 << 20

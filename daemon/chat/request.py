@@ -14,9 +14,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from localllm.llama.runner.protocol import GenerationRequest
+
 from localllm.options import LoadOptions, SamplingOptions
 
-from ..runner.protocol import GenerationRequest
 from .errors import ChatError
 from .grammar import BadFormat, format_grammar, tool_call_grammar
 from .images import place_images

@@ -202,7 +202,7 @@ def block_kv_bytes(costs: ModelCosts, i: int, settings: ContextSettings) -> int:
 
 
 # Copies of a sequence's recurrent or sliding-window state the runner keeps in RAM, per slot
-# (daemon/runner/checkpoints.py: they let a prompt that diverges behind that state's reach
+# (llama/runner/checkpoints.py: they let a prompt that diverges behind that state's reach
 # restart from the copy instead of reading everything again).
 CHECKPOINTS_PER_SLOT = 4
 

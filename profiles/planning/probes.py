@@ -1,10 +1,11 @@
-"""What the tuner asks the engine to measure: one frozen request per op, one typed result each,
-and the JSON both sides of the engine's child program speak (`llama/probe.py` answers,
-`profiles/tuning/probing.py` asks).
+"""What the tuner asks the engine to measure: one frozen request per op, one typed result each.
+They are ops of the engine's one child program, the runner (`python -m localllm.llama.runner`):
+llama/runner/protocol.py's op table names each request, the result that answers it and the
+function of llama/runner/tuner_ops.py that computes it; profiles/tuning/probing.py asks.
 
-    {"op": "dry_run", ...the request's fields}     one line in, on the child's stdin
-    {"progress": [done, total]}                    any number of lines out (Evaluate's chunks)
-    {"result": {...the result's fields}}           or {"error": "what went wrong"}: the last line
+    {"op": "dry_run", "id": "", ...the request's fields}    the child's first and only line in
+    {"event": "chunks", "id": "", "done": 1, "total": 4}    any number out (Evaluate's progress)
+    {"event": "buffers", "id": "", ...the result's fields}  or {"event": "error", "message": ...}
 
 Values only: nothing here reads a file or starts a process, so planning may hold them and the
 engine room may build them.
@@ -12,7 +13,6 @@ engine room may build them.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -31,6 +31,7 @@ class WorkerError(UserError):
 @dataclass(frozen=True)
 class Buffers:
     """llama.cpp's own sizes for a plan, from a load that allocates nothing."""
+    kind: ClassVar[str] = "buffers"
     compute: dict[str, int]  # compute buffer bytes per device ("CPU" for the host's)
     kv_bytes: int = 0
     state_bytes: int = 0  # recurrent state
@@ -38,6 +39,7 @@ class Buffers:
 
 @dataclass(frozen=True)
 class Measurement:
+    kind: ClassVar[str] = "measurement"
     prefill_tps: float
     decode_tps: float
     vram_bytes: int  # this process's GPU memory after the run (NVML), 0 without a GPU
@@ -61,10 +63,11 @@ class EvalResult:
 
 @dataclass(frozen=True)
 class Evaluation:
+    kind: ClassVar[str] = "evaluation"
     results: tuple[EvalResult, ...]
 
     @classmethod
-    def from_dict(cls, data: dict) -> Evaluation:
+    def from_wire(cls, data: dict) -> Evaluation:
         return cls(tuple(EvalResult(**r) for r in data["results"]))
 
 
@@ -102,15 +105,17 @@ class Worker:
 
 @dataclass(frozen=True)
 class Workers:
+    kind: ClassVar[str] = "workers"
     workers: tuple[Worker, ...]
 
     @classmethod
-    def from_dict(cls, data: dict) -> Workers:
+    def from_wire(cls, data: dict) -> Workers:
         return cls(tuple(Worker.from_dict(w) for w in data["workers"]))
 
 
 @dataclass(frozen=True)
 class Bandwidth:
+    kind: ClassVar[str] = "bandwidth"
     memory_gbs: float  # device memory, read + write of a device-to-device copy
     host_to_device_gbs: float  # pinned host memory to the device
 
@@ -123,11 +128,9 @@ class DryRun:
     """llama.cpp's buffers for a plan, the model and context built as the runner builds them."""
     model_path: str
     plan: Plan
-    op: ClassVar[str] = "dry_run"
-    result: ClassVar[type] = Buffers
 
     @classmethod
-    def from_dict(cls, data: dict) -> DryRun:
+    def from_wire(cls, data: dict) -> DryRun:
         return cls(data["model_path"], Plan.from_dict(data["plan"]))
 
 
@@ -138,11 +141,9 @@ class Measure:
     plan: Plan
     prompt_tokens: int = 128
     decode_tokens: int = 32
-    op: ClassVar[str] = "measure"
-    result: ClassVar[type] = Measurement
 
     @classmethod
-    def from_dict(cls, data: dict) -> Measure:
+    def from_wire(cls, data: dict) -> Measure:
         return cls(data["model_path"], Plan.from_dict(data["plan"]), int(data["prompt_tokens"]),
                    int(data["decode_tokens"]))
 
@@ -158,11 +159,10 @@ class Evaluate:
     reference_path: str | None = None  # another file of the same model; None: f16 KV of this one
     reference_name: str = "f16"
     n_gpu_layers: int = 999
-    op: ClassVar[str] = "evaluate"
-    result: ClassVar[type] = Evaluation
 
     @classmethod
-    def from_dict(cls, data: dict) -> Evaluate:
+    def from_wire(cls, data: dict) -> Evaluate:
+        data = {k: v for k, v in data.items() if k not in ("op", "id")}
         return cls(**{**data, "settings": tuple(data["settings"])})
 
 
@@ -170,11 +170,9 @@ class Evaluate:
 class RpcProbe:
     """Each RPC worker's devices, free memory, link and compute speed."""
     endpoints: tuple[str, ...]
-    op: ClassVar[str] = "rpc_probe"
-    result: ClassVar[type] = Workers
 
     @classmethod
-    def from_dict(cls, data: dict) -> RpcProbe:
+    def from_wire(cls, data: dict) -> RpcProbe:
         return cls(tuple(data["endpoints"]))
 
 
@@ -183,44 +181,18 @@ class Calibrate:
     """The card's memory and host-to-device bandwidth, timed with torch (never beside
     llama.cpp in one process: a process holding both CUDA runtimes aborted in free())."""
     device: int = 0
-    op: ClassVar[str] = "calibrate"
-    result: ClassVar[type] = Bandwidth
 
     @classmethod
-    def from_dict(cls, data: dict) -> Calibrate:
-        return cls(**data)
+    def from_wire(cls, data: dict) -> Calibrate:
+        return cls(int(data.get("device", 0)))
 
 
-OPS: dict[str, type] = {r.op: r for r in (DryRun, Measure, Evaluate, RpcProbe, Calibrate)}
 ProbeRequest = DryRun | Measure | Evaluate | RpcProbe | Calibrate
 
 
-def request_line(request: ProbeRequest) -> str:
-    return json.dumps({"op": request.op, **asdict(request)})
-
-
-def read_request(line: str) -> ProbeRequest:
-    """The request a line names; ValueError for one that names no op or misses a field."""
-    data = json.loads(line)
-    if not isinstance(data, dict) or data.get("op") not in OPS:
-        raise ValueError(f"not a probe request: {line[:80]!r}")
-    kind = OPS[data.pop("op")]
-    try:
-        return kind.from_dict(data)
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"a {kind.op} request without what it needs: {e}") from None
-
-
-def progress_line(done: int, total: int) -> str:
-    return json.dumps({"progress": [done, total]})
-
-
-def result_line(result) -> str:
-    return json.dumps({"result": asdict(result)})
-
-
-def read_result(request: ProbeRequest, data: dict):
-    """`request`'s typed result from the child's last line (already parsed)."""
-    kind = request.result
-    values = data["result"]
-    return kind.from_dict(values) if hasattr(kind, "from_dict") else kind(**values)
+@dataclass(frozen=True)
+class Chunks:
+    """Evaluate's progress: `done` of `total` chunks of the text scored so far."""
+    kind: ClassVar[str] = "chunks"
+    done: int
+    total: int

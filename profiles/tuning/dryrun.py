@@ -1,9 +1,9 @@
 """Dry-run loads: llama.cpp's own compute buffer sizes for a plan, without allocating anything.
 
-A dry run creates a CUDA context, so it runs in the engine's child program (llama/probe.py;
-llama/dryrun.py builds the model and context exactly as the runner does): the daemon never
-holds GPU memory of its own. Results are cached per model file and load settings in the cache
-dir, so a model is probed once per setting.
+A dry run creates a CUDA context, so it runs in the engine's child program (the runner's
+llama/runner/tuner_ops.py runs llama/dryrun.py, which builds the model and context exactly as a
+runner's load does): the daemon never holds GPU memory of its own. Results are cached per model
+file and load settings in the cache dir, so a model is probed once per setting.
 """
 
 from __future__ import annotations

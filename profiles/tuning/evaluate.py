@@ -8,9 +8,9 @@ scored token: the KL divergence of the tested next-token distribution from the r
 whether the two agree on the most likely token, and the tested log-likelihood of the real next
 token (perplexity).
 
-The logits come from llama.cpp's low-level API in the engine's child program (llama/probe.py
-runs llama/evaluate.py), as for `tune --measure`: a CUDA build must not share a process with the
-daemon or with numpy loaded first.
+The logits come from llama.cpp's low-level API in the engine's child program (the runner, whose
+llama/runner/tuner_ops.py runs llama/evaluate.py), as for `tune --measure`: a CUDA build must not
+share a process with the daemon or with numpy loaded first.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Runs one op of profiles/planning/probes.py in the engine's child program (llama/probe.py) and
+"""Runs one of the tuner's ops (profiles/planning/probes.py) in the engine's one child program,
+the runner (`python -m localllm.llama.runner`, its op table in llama/runner/protocol.py), and
 returns its typed result: the one place the tuning service starts a process that loads
 llama.cpp (or torch), so no CUDA context, ggml-rpc abort or second CUDA runtime ever lands in the
 daemon or the CLI.
@@ -14,11 +15,19 @@ import tempfile
 import threading
 from collections.abc import Callable
 
+from localllm.llama.runner.protocol import (
+    OP_OF_REQUEST,
+    Chunks,
+    Failure,
+    event_from_wire,
+    request_to_wire,
+)
+
 from localllm.errors import UserError
 
-from ..planning.probes import ProbeRequest, read_result, request_line
+from ..planning.probes import ProbeRequest
 
-CHILD_COMMAND = (sys.executable, "-m", "localllm.llama.probe")
+CHILD_COMMAND = (sys.executable, "-m", "localllm.llama.runner")
 
 
 class ProbeFailed(UserError):
@@ -31,14 +40,15 @@ class ProbeFailed(UserError):
 
 def ask(request: ProbeRequest, timeout: float,
         on_progress: Callable[[int, int], None] | None = None):
-    """`request`'s result (its op's `result` type) from a child process. `on_progress(done,
-    total)` hears the child's progress lines as they come; ProbeFailed says why there is no
-    result: the child's own error line, else the last line of its stderr."""
+    """`request`'s result (the type its row in protocol.OPS ends with), from a runner of its
+    own. `on_progress(done, total)` hears the child's Chunks events as they come; ProbeFailed
+    says why there is no result: the child's own Failure, else the last line of its stderr."""
+    op = OP_OF_REQUEST[type(request)]
     with tempfile.TemporaryFile("w+") as stderr, subprocess.Popen(
             CHILD_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
             text=True) as proc:
         try:
-            proc.stdin.write(request_line(request) + "\n")
+            proc.stdin.write(json.dumps(request_to_wire(request)) + "\n")
             proc.stdin.close()
         except BrokenPipeError:  # it died at start: its stderr says why
             with contextlib.suppress(OSError):
@@ -46,17 +56,17 @@ def ask(request: ProbeRequest, timeout: float,
         timed_out = threading.Event()
         timer = threading.Timer(timeout, lambda: (timed_out.set(), proc.kill()))
         timer.start()
-        last: dict | None = None
+        last = None
         try:
-            for line in proc.stdout:  # progress lines, then the answer's; llama.cpp's own
-                if not line.startswith("{"):  # prints are not ours
-                    continue
+            for line in proc.stdout:  # progress events, then the answer
                 try:
-                    last = json.loads(line)
-                except ValueError:
-                    continue
-                if on_progress and "progress" in last:
-                    on_progress(*last["progress"])
+                    last = event_from_wire(json.loads(line))
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    last = Failure(f"an unreadable answer {line[:200]!r}")
+                    proc.kill()
+                    break
+                if isinstance(last, Chunks) and on_progress:
+                    on_progress(last.done, last.total)
         finally:
             timer.cancel()
         code = proc.wait()
@@ -64,9 +74,9 @@ def ask(request: ProbeRequest, timeout: float,
         errors = stderr.read()
     if timed_out.is_set():
         raise ProbeFailed(f"it took longer than {timeout:.0f} s and was stopped", timed_out=True)
-    if last is not None and "error" in last:
-        raise ProbeFailed(last["error"])
-    if code != 0 or last is None or "result" not in last:
+    if isinstance(last, Failure):
+        raise ProbeFailed(last.message)
+    if code != 0 or not isinstance(last, op.ends):
         lines = errors.strip().splitlines()
         raise ProbeFailed(lines[-1] if lines else f"the child exited with {code} and no answer")
-    return read_result(request, last)
+    return last

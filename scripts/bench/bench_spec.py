@@ -117,7 +117,6 @@ def rate(url: str, options: dict, rounds: int) -> tuple[float, dict]:
 
 def api_modes(args, ngl: int) -> list[tuple[str, float, dict]]:
     from daemon_process import isolated_env, start_daemon
-
     from localllm.modelstore.shape import read_shape
     from localllm.modelstore.store import ModelStore
 
@@ -160,8 +159,8 @@ def engine_decode(model: Path, plan, mode: str, tokens: int, rounds: int) -> tup
     """Greedy decode tok/s through the runner's engine loaded with `plan` (median of rounds)."""
     import threading
 
-    from localllm.daemon.runner.engine import Engine
-    from localllm.daemon.runner.protocol import (
+    from localllm.llama.runner.engine import Engine
+    from localllm.llama.runner.protocol import (
         Done,
         Failure,
         GenerationRequest,
@@ -200,10 +199,9 @@ def engine_decode(model: Path, plan, mode: str, tokens: int, rounds: int) -> tup
 
 def tuner_rows(args) -> list[str]:
     from bench_tuner import gpu_card
-
     from localllm.modelstore.shape import read_shape
-    from localllm.profiles.tuning.choose import tune_checked
     from localllm.profiles.planning.search import NoPlanFits, Request
+    from localllm.profiles.tuning.choose import tune_checked
 
     shape = read_shape(args.model)
     out = []

@@ -99,7 +99,6 @@ def first_token_times(url: str, model: str, size: int, rounds: int, seed0: int) 
 # ---- the two servers -----------------------------------------------------------------------
 def ours(model: Path, mmproj: Path, size: int, rounds: int) -> dict:
     from daemon_process import isolated_env, start_daemon
-
     from localllm.modelstore.store import ModelStore
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,13 +178,13 @@ class PeakVram:
 def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
     """The plan at the budget, then that plan loaded with the projector in a child process
     (a clean CUDA context) reading one image, its peak VRAM measured from here."""
+    from localllm.llama.hardware import host_card, probe_card
     from localllm.modelstore.projector import projector_info
     from localllm.modelstore.shape import read_shape
     from localllm.profiles.planning.card import load_card
-    from localllm.profiles.tuning.choose import tune_checked
-    from localllm.llama.hardware import host_card, probe_card
     from localllm.profiles.planning.search import Request
     from localllm.profiles.planning.vision import plan_with_projector, projector_cost
+    from localllm.profiles.tuning.choose import tune_checked
 
     probed = probe_card()
     base = load_card(probed.name) if probed.has_gpu else load_card("h200")
@@ -222,9 +221,13 @@ def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
 
 def child(model: str, mmproj: str, size: int) -> int:
     """One image through the Engine with the plan on stdin; prints {"seconds": ...}."""
-    from localllm.daemon.runner.engine import Engine
-    from localllm.daemon.runner.protocol import (
-        IMAGE_MARKER, Done, Failure, GenerationRequest, SamplingOptions,
+    from localllm.llama.runner.engine import Engine
+    from localllm.llama.runner.protocol import (
+        IMAGE_MARKER,
+        Done,
+        Failure,
+        GenerationRequest,
+        SamplingOptions,
     )
     from localllm.modelstore.projector import projector_info
     from localllm.profiles.planning.plan import Plan

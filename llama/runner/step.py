@@ -17,6 +17,7 @@ from localllm.llama.drafters import MTPDrafter, Want
 from localllm.llama.loaded import LoadedModel
 from localllm.llama.vision import is_image_token
 from localllm.profiles.planning.plan import Plan
+
 from localllm.speculative import mode as mode_row
 
 from .protocol import Progress, Threads

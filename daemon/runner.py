@@ -21,23 +21,17 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from localllm.errors import UserError
-from localllm.llama.expert_cache import ExpertCacheStats
 from localllm.llama.cpu import describe_crash, is_engine_crash
-from localllm.paths import open_private_log
-from localllm.profiles.planning.plan import Plan
-from localllm.speculative import SPECULATIVE_CHOICES
-
-from ..load import Load
-from ..logging_setup import LOG_FILE_BACKUPS, LOG_FILE_BYTES
-from .protocol import (
+from localllm.llama.expert_cache import ExpertCacheStats
+from localllm.llama.runner.load import Load
+from localllm.llama.runner.protocol import (
     ENDING_EVENTS,
     RUNNER_SILENCE_S,
     Band,
     CpuShare,
     Done,
-    EmbedRequest,
     Embeddings,
+    EmbedRequest,
     Event,
     Failure,
     GenerationRequest,
@@ -48,11 +42,18 @@ from .protocol import (
     TokenizeRequest,
     event_from_wire,
 )
+from localllm.profiles.planning.plan import Plan
+
+from localllm.errors import UserError
+from localllm.paths import open_private_log
+from localllm.speculative import SPECULATIVE_CHOICES
+
+from .logging_setup import LOG_FILE_BACKUPS, LOG_FILE_BYTES
 
 log = logging.getLogger("localllm.runner.process")
 # Protocol lines can be long (a Done event carries the whole token context).
 STREAM_LIMIT = 64 * 1024 * 1024
-RUNNER_COMMAND = (sys.executable, "-m", "localllm.daemon.runner")
+RUNNER_COMMAND = (sys.executable, "-m", "localllm.llama.runner")
 
 
 def runner_env(plan: Plan) -> dict[str, str]:

@@ -1,11 +1,13 @@
-"""The runner process: one loaded model, driven over pipes by the daemon.
+"""The runner: the engine's one child program.
 
-    python -m localllm.daemon.runner
+    python -m localllm.llama.runner
 
-The messages are in protocol.py: the first line is the op table's load (the daemon's `Load`,
-one value), answered by `Loaded`; then two threads: one reads commands from stdin (a cancel takes
-effect at once, between two decode steps), the main thread runs the engine's loop. Closing
-stdin ends the runner once what is in flight has finished or been cancelled.
+The messages are in protocol.py, and the first line names the program's op. The load (the
+daemon's `Load`, one value) is answered by `Loaded`; then two threads: one reads commands from
+stdin (a cancel takes effect at once, between two decode steps), the main thread runs the
+engine's loop. Closing stdin ends the runner once what is in flight has finished or been
+cancelled. A tuner's op (a dry run, a measurement...: tuner_ops.py) is answered alone, with its
+typed result, and the program ends.
 
 llama.cpp writes its logs to file descriptors 1 and 2, so the protocol gets a private copy of
 stdout and fd 1 is pointed at stderr before the library loads.
@@ -61,8 +63,8 @@ def read_commands(engine, channel: Channel) -> None:
             continue
         send = (lambda event, rid=request_id: channel.send(event_to_wire(rid, event)))
         kind = OP_BY_NAME.get(op)
-        if kind is None or kind is LOAD:
-            log.error("%s op %r; stopping", "a second" if kind else "unknown", op)
+        if kind is None or kind is LOAD or kind.alone:
+            log.error("%s op %r; stopping", "a first-line" if kind else "unknown", op)
             break
         try:
             request = kind.request.from_wire(message)
@@ -85,14 +87,27 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="runner %(process)d %(levelname)s %(message)s")
     channel = Channel()
-    # The CUDA build of llama.cpp must be loaded before numpy: the other order segfaults at
-    # model load (seen on an H200). Plan, the engine and gguf all pull numpy in.
-    import llama_cpp  # noqa: F401
     first = sys.stdin.readline()
     if not first:
         return 0
     try:
-        load = LOAD.request.from_wire(json.loads(first))
+        message = json.loads(first)
+        kind = OP_BY_NAME[message["op"]]
+    except (ValueError, KeyError, TypeError):
+        kind = None
+    if kind is None or not (kind is LOAD or kind.alone):
+        channel.send(event_to_wire("", Failure(
+            f"not an op a runner starts with: {first[:80]!r}", status=400)))
+        return 2
+    if kind.alone:
+        from .tuner_ops import answer
+
+        return answer(kind, message, channel.send)
+    # The CUDA build of llama.cpp must be loaded before numpy: the other order segfaults at
+    # model load (seen on an H200). Plan, the engine and gguf all pull numpy in.
+    import llama_cpp  # noqa: F401
+    try:
+        load = LOAD.request.from_wire(message)
 
         from .engine import Engine
 

@@ -8,11 +8,13 @@ both sides keep are here too.
 
 `OPS` is the one table of what a runner serves: each op's request type, the events that end it
 and the Engine method that answers it. The runner's command loop (__main__.py) and the
-daemon's RunnerProcess (process.py) both read it, so a new op is a request type and its answer
-here, a row in `OPS`, the Engine method, and (for the daemon's callers) a RunnerProcess method.
-Its first op is the load: the daemon's frozen `Load` (daemon/load.py) as one value, rebuilt as
+daemon's RunnerProcess (daemon/runner.py) both read it, so a new op is a request type and its
+answer here, a row in `OPS`, the Engine method, and (for the daemon's callers) a RunnerProcess
+method. Its first op is the load: the daemon's frozen `Load` (load.py) as one value, rebuilt as
 the same dataclass in the runner, answered by one `Loaded` event (or a Failure); the runner
-decides nothing about it again.
+decides nothing about it again. The tuner's ops (profiles/planning/probes.py: a dry run, a
+measurement...) are rows too, each the first and only line of a runner of its own, answered by
+tuner_ops.py with its typed result (profiles/tuning/probing.py asks).
 """
 
 from __future__ import annotations
@@ -22,9 +24,23 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar
 
 from localllm.llama.expert_cache import ExpertCacheStats
+from localllm.profiles.planning.probes import (
+    Bandwidth,
+    Buffers,
+    Calibrate,
+    Chunks,
+    DryRun,
+    Evaluate,
+    Evaluation,
+    Measure,
+    Measurement,
+    RpcProbe,
+    Workers,
+)
+
 from localllm.options import SamplingOptions
 
-from ..load import Load
+from .load import Load
 
 DEFAULT_CTX = 4096
 # Where an image goes in a prompt: mtmd's default media marker (mtmd_default_marker()).
@@ -241,8 +257,10 @@ class Failure:
 
 
 Event = (Token | Done | Failure | Progress | Embeddings | TokenCount | Threads | Band
-         | ExpertCacheStats | Loaded)
-Request = Load | GenerationRequest | EmbedRequest | TokenizeRequest | CpuShare
+         | ExpertCacheStats | Loaded | Buffers | Measurement | Evaluation | Workers | Bandwidth
+         | Chunks)
+Request = (Load | GenerationRequest | EmbedRequest | TokenizeRequest | CpuShare | DryRun
+           | Measure | Evaluate | RpcProbe | Calibrate)
 
 
 @dataclass(frozen=True)
@@ -250,12 +268,15 @@ class Op:
     """One thing the daemon asks a runner. `request` reads it from the wire (its from_wire);
     an event of `ends` is its last; the Engine's `method` serves it. `stream`: served step by
     step by the engine's loop, with a cancel flag (Engine.submit(request, emit, cancelled));
-    otherwise `method(request)` computes its one answer between two decode steps."""
+    otherwise `method(request)` computes its one answer between two decode steps. `alone`: an
+    op of the tuner's (profiles/planning/probes.py), the program's first and only line, answered
+    by `method` of tuner_ops.py with no model loaded; the program then ends."""
     name: str
     request: type
     ends: tuple[type, ...]
     method: str
     stream: bool = False
+    alone: bool = False
 
 
 OPS = (
@@ -265,6 +286,12 @@ OPS = (
     Op("embed", EmbedRequest, (Embeddings, Failure), "embed"),
     Op("tokenize", TokenizeRequest, (TokenCount, Failure), "tokenize"),
     Op("share", CpuShare, (Threads, Failure), "share_cpu"),
+    # the tuner's measurements, each in a runner of its own (tuner_ops.py says why)
+    Op("dry_run", DryRun, (Buffers, Failure), "dry_run", alone=True),
+    Op("measure", Measure, (Measurement, Failure), "measure", alone=True),
+    Op("evaluate", Evaluate, (Evaluation, Failure), "evaluate", alone=True),
+    Op("rpc_probe", RpcProbe, (Workers, Failure), "rpc_probe", alone=True),
+    Op("calibrate", Calibrate, (Bandwidth, Failure), "calibrate", alone=True),
 )
 OP_BY_NAME = {op.name: op for op in OPS}
 OP_OF_REQUEST = {op.request: op for op in OPS}
@@ -272,14 +299,14 @@ OP_OF_REQUEST = {op.request: op for op in OPS}
 ENDING_EVENTS = tuple(dict.fromkeys(cls for op in OPS for cls in op.ends))
 # Every event on the wire: those that end requests, progress on the way, and what the runner
 # sends on its own (no request id: a change of threads or of fill band, the expert cache's figures)
-EVENTS = tuple(dict.fromkeys((*ENDING_EVENTS, Token, Progress, Threads, Band,
+EVENTS = tuple(dict.fromkeys((*ENDING_EVENTS, Token, Progress, Chunks, Threads, Band,
                                   ExpertCacheStats)))
 EVENT_KINDS = {cls: cls.kind for cls in EVENTS}  # each class's "event" on the wire
 EVENT_BY_KIND = {cls.kind: cls for cls in EVENTS}
 
 
 def request_to_wire(request) -> dict:
-    return {**asdict(request), "op": OP_OF_REQUEST[type(request)].name}
+    return {"id": "", **asdict(request), "op": OP_OF_REQUEST[type(request)].name}
 
 
 def event_to_wire(request_id: str, event: Event) -> dict:
@@ -291,6 +318,8 @@ def event_from_wire(data: dict) -> Event:
     kind = data.pop("event")
     data.pop("id", None)
     cls = EVENT_BY_KIND.get(kind, Failure)
+    if hasattr(cls, "from_wire"):  # a result holding values of its own (Evaluation, Workers)
+        return cls.from_wire(data)
     return cls(**{name: _frozen(value) for name, value in data.items()})
 
 

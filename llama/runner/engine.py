@@ -26,17 +26,18 @@ from localllm.llama.loaded import LoadedModel
 from localllm.llama.model import ModelLoadError, RequestError
 from localllm.llama.vision import MediaPrompt, is_image_token, text_tokens
 from localllm.profiles.planning.plan import Plan
+
 from localllm.speculative import ALIASES, BY_NAME, MAX_DRAFT, VOCAB_SLACK, Mode, UnknownMode
 from localllm.speculative import mode as mode_row
 
-from ..load import Load
 from . import checkpoints
 from .bands import FillBands
+from .load import Load
 from .protocol import (
     CpuShare,
     Done,
-    EmbedRequest,
     Embeddings,
+    EmbedRequest,
     Event,
     Failure,
     GenerationRequest,
