@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 from localllm.errors import UserError
@@ -72,7 +73,7 @@ class Card:
     def has_gpu(self) -> bool:
         return self.n_gpus > 0 and self.vram_bytes > 0
 
-    @property
+    @cached_property  # asked for by every price the search makes
     def gpu_list(self) -> tuple[Gpu, ...]:
         """Every GPU, in llama.cpp's device order."""
         if not self.has_gpu:
@@ -82,7 +83,7 @@ class Card:
         return tuple(Gpu(f"CUDA{i}", self.label, self.vram_bytes, self.free_vram_bytes,
                          self.bandwidth_gbs, self.fp16_tflops) for i in range(self.n_gpus))
 
-    @property
+    @cached_property
     def devices(self) -> tuple[str, ...]:
         """llama.cpp's device names for the GPUs, in order."""
         return tuple(g.device for g in self.gpu_list)

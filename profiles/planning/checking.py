@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .card import Card
-from .costs import ModelCosts
+from .costs import ModelCosts, per_costs
 from .memory import CPU, ContextSettings, block_devices
 from .placements import Placement, in_ram
 from .speed import (
@@ -73,6 +73,7 @@ def _union_seconds(expert_bytes: tuple[tuple[int, float], ...], n_tokens: int,
     return sum(b * (1.0 - (1.0 - f) ** n_tokens - f) for b, f in expert_bytes) / bandwidth
 
 
+@per_costs
 def checking_terms(costs: ModelCosts, placement: Placement, settings: ContextSettings,
                    card: Card, n_threads: int | None = None,
                    depth: int = DECODE_DEPTH, pool: ExpertPool | None = None) -> CheckingCost:

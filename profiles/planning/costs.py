@@ -5,8 +5,10 @@ cell, recurrent state, attention FLOPs, the lm-head and what stays on the CPU)."
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, wraps
+from typing import TypeVar
 
 from localllm.modelstore.shape import (
     EXPERTS, OUTPUT, OUTPUT_NORM, RECURRENT_LAYER, SLIDING, ModelShape,
@@ -44,6 +46,19 @@ class ModelCosts:
     n_ff_active_experts: int  # expert FFN width times experts used per token
     n_expert_used: int = 0  # experts a token is routed to (0: a dense model)
 
+    # Hashed once: the search keys its caches (per_costs) by ModelCosts inside Speculators.
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, name) for name in self.__dataclass_fields__))
+
+    @cached_property
+    def memo(self) -> dict:
+        """Results of pure functions of these costs (per_costs), by function and arguments."""
+        return {}
+
     @property
     def has_experts(self) -> bool:
         return any(self.expert_bytes)
@@ -61,6 +76,31 @@ class ModelCosts:
     def max_block_bytes(self) -> int:
         return max((b + e for b, e in zip(self.block_bytes, self.expert_bytes, strict=True)),
                    default=0)
+
+
+R = TypeVar("R")
+MEMO_LIMIT = 50_000  # results kept per function and ModelCosts before the cache starts over
+
+
+def per_costs(fn: Callable[..., R]) -> Callable[..., R]:
+    """Cache a pure function of a ModelCosts and hashable arguments on that ModelCosts: the
+    search prices the same placement at the same settings many times (to see whether it fits,
+    to price it, at each depth of a session, under each drafting mode), and the answer is the
+    same object each time. Results must not be mutated."""
+    @wraps(fn)
+    def cached(costs: ModelCosts, *args, **kwargs) -> R:
+        memo = costs.memo.setdefault(fn, {})
+        key = (args, tuple(kwargs.items())) if kwargs else args
+        try:
+            return memo[key]
+        except KeyError:
+            pass
+        if len(memo) >= MEMO_LIMIT:
+            memo.clear()
+        out = memo[key] = fn(costs, *args, **kwargs)
+        return out
+
+    return cached
 
 
 def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:

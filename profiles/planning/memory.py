@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, fields
 from localllm.modelstore.shape import SLIDING, ModelShape
 
 from .card import MIB, Card
-from .costs import ModelCosts, model_costs
+from .costs import MEMO_LIMIT, ModelCosts, model_costs, per_costs
 from .placements import CPU, Placement, head_in_ram, in_ram, overridden
 from .plan import DeviceMemory
 
@@ -75,6 +75,7 @@ class ContextSettings:
 
 # ---- placement -> devices ---------------------------------------------------------------------
 
+@per_costs
 def block_devices(costs: ModelCosts, placement: Placement, n_gpus: int) -> tuple[str, ...]:
     """The device of each block, then of the output layer (last entry), as llama.cpp assigns
     them: the last n_gpu_layers of n_blocks + 1, cut into runs per GPU in order by the
@@ -114,10 +115,11 @@ def layer_gpu_bytes(costs: ModelCosts, placement: Placement,
     """What each of llama.cpp's n_blocks + 1 layers takes on the GPU that holds it: its weights
     less what the placement keeps in RAM (FFN, experts, the lm-head), and its KV."""
     kept = in_ram(costs, placement)
+    kv_bytes = kv_by_block(costs, settings)
     out = []
     for i in range(costs.n_blocks):
         out.append(costs.block_bytes[i] - kept.dense[i] + costs.expert_bytes[i]
-                   - kept.experts[i] + block_kv_bytes(costs, i, settings))
+                   - kept.experts[i] + kv_bytes[i])
     out.append((0 if head_in_ram(placement) else costs.output_bytes) + costs.output_norm_bytes)
     return out
 
@@ -199,6 +201,12 @@ def block_kv_bytes(costs: ModelCosts, i: int, settings: ContextSettings) -> int:
     cells = kv_cells(costs.kinds[i], settings, costs.sliding_window) * settings.n_seq
     return cells * (kv_row_bytes(settings.type_k, costs.kv_k_elements[i])
                     + kv_row_bytes(settings.type_v, costs.kv_v_elements[i]))
+
+
+@per_costs
+def kv_by_block(costs: ModelCosts, settings: ContextSettings) -> tuple[int, ...]:
+    """block_kv_bytes of every block."""
+    return tuple(block_kv_bytes(costs, i, settings) for i in range(costs.n_blocks))
 
 
 # Copies of a sequence's recurrent or sliding-window state the runner keeps in RAM, per slot
@@ -306,6 +314,23 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
     """Weights, KV, compute buffer and overhead per device: the GPUs in order, then the CPU.
     `op_offload=False`: the compute formula without room for llama.cpp's copy of a RAM block's
     weights (a graph that computes them in place, as the expert pool's does)."""
+    # Cached on the costs as per_costs does; a ComputeTable holds a dict, so it is told apart
+    # by identity (kept in the entry, so that a new table at a reused address is not mistaken).
+    memo = costs.memo.setdefault(memory_by_device, {})
+    key = (placement, settings, card, id(compute), op_offload)
+    hit = memo.get(key)
+    if hit is not None and hit[0] is compute:
+        return hit[1]
+    if len(memo) >= MEMO_LIMIT:
+        memo.clear()
+    out = _memory_by_device(costs, placement, settings, card, compute, op_offload)
+    memo[key] = (compute, out)
+    return out
+
+
+def _memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextSettings,
+                      card: Card, compute: ComputeTable | None,
+                      op_offload: bool) -> tuple[DeviceMemory, ...]:
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
     names = [*card.devices, CPU] if card.has_gpu else [CPU]
     weights = dict.fromkeys(names, 0)
@@ -313,13 +338,14 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
     holds_attention = dict.fromkeys(names, False)
     ffn_cpu_blocks = 0
     kept = in_ram(costs, placement)
+    kv_bytes = kv_by_block(costs, settings)
     for i in range(costs.n_blocks):
         d = devices[i]
         dense, experts = (kept.dense[i], kept.experts[i]) if d != CPU else (0, 0)
         ffn_cpu_blocks += bool(dense)
         weights[d] += costs.block_bytes[i] - dense + costs.expert_bytes[i] - experts
         weights[CPU] += dense + experts
-        kv[d] += block_kv_bytes(costs, i, settings)
+        kv[d] += kv_bytes[i]
         holds_attention[d] |= bool(costs.kv_k_elements[i])
     output_device = CPU if head_in_ram(placement) else devices[-1]
     weights[output_device] += costs.output_bytes

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from localllm.modelstore.shape import ModelShape
 
-from .costs import ModelCosts
+from .costs import ModelCosts, per_costs
 from .plan import TensorOverride
 
 CPU = "CPU"
@@ -43,11 +43,12 @@ class Placement:
 @dataclass
 class InRam:
     """Per block: bytes of dense weights and of experts that the overrides keep in RAM although
-    the block's layer is on a GPU, and whether any override names the block at all."""
+    the block's layer is on a GPU, and whether any override names the block at all. Lists
+    while the kinds fill them in, tuples once in_ram returns it (a cached answer)."""
 
-    dense: list[int]
-    experts: list[int]
-    named: list[bool]
+    dense: list[int] | tuple[int, ...]
+    experts: list[int] | tuple[int, ...]
+    named: list[bool] | tuple[bool, ...]
 
 
 class Trial(Protocol):
@@ -361,13 +362,14 @@ def kind_of(p: Placement) -> Kind:
     return next((k for k in KINDS[1:] if k.used(p)), WHOLE)
 
 
+@per_costs
 def in_ram(costs: ModelCosts, p: Placement) -> InRam:
     n = costs.n_blocks
     out = InRam([0] * n, [0] * n, [False] * n)
     for kind in KINDS:
         if kind.used(p):
             kind.in_ram(costs, p, out)
-    return out
+    return InRam(tuple(out.dense), tuple(out.experts), tuple(out.named))
 
 
 def head_in_ram(p: Placement) -> bool:

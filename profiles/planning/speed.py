@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from localllm.modelstore.shape import SLIDING
 
 from .card import Card
-from .costs import ModelCosts
+from .costs import ModelCosts, per_costs
 from .memory import CPU, ContextSettings, block_devices, kv_row_bytes
 from .placements import Placement, head_in_ram, in_ram
 
@@ -189,6 +189,7 @@ def pool_hits(costs: ModelCosts, devices: list[str], kept, pool: ExpertPool | No
     return served, pool.hit_rate(len(served))
 
 
+@per_costs
 def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,
                   n_threads: int | None = None, depth: int = DECODE_DEPTH,
                   pool: ExpertPool | None = None) -> Speed:
@@ -375,6 +376,7 @@ def _prompt_rate(card: Card, threads: int, device: str | None = None) -> float:
     return threads * CPU_GFLOPS_PER_CORE * 1e9
 
 
+@per_costs
 def prompt_cost(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,
                 n_threads: int | None = None, pinned: bool = True) -> PromptCost:
     """The terms of reading a prompt with this placement (see the notes above); `pinned`: its
