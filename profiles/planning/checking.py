@@ -25,7 +25,7 @@ from .speed import (
     CPU_GFLOPS_PER_CORE,
     DECODE_DEPTH,
     ExpertPool,
-    attention_seconds,
+    attention_row,
     mapped_bandwidth,
     pool_hits,
     predict_speed,
@@ -91,11 +91,13 @@ def checking_terms(costs: ModelCosts, placement: Placement, settings: ContextSet
     gpu_experts, cpu_experts, mapped_experts = [], [], []
     kept = in_ram(costs, placement)
     served, hits = pool_hits(costs, devices, kept, pool)
+    attention = attention_row(costs, settings.type_k, settings.type_v, depth, False, card,
+                              threads)
     for i in range(costs.n_blocks):
         if devices[i] == CPU:
             # CPU attention is compute over the cells (see attention_seconds): each token of
             # the pass attends again.
-            cpu_attention += attention_seconds(costs, i, settings, depth, False, card, threads)
+            cpu_attention += attention[i]
         if costs.expert_bytes[i]:
             on_cpu = devices[i] == CPU or bool(kept.experts[i])
             share = hits if i in served else 0.0  # of the union, what the pool holds

@@ -72,7 +72,7 @@ class ModelCosts:
     def has_sliding(self) -> bool:
         return SLIDING in self.kinds and self.sliding_window > 0
 
-    @property
+    @cached_property  # asked for by every compute buffer priced
     def max_block_bytes(self) -> int:
         return max((b + e for b, e in zip(self.block_bytes, self.expert_bytes, strict=True)),
                    default=0)

@@ -308,6 +308,16 @@ def cuda_pool_bytes(costs: ModelCosts, settings: ContextSettings) -> int:
     return int(rows * width * Q8_1_BYTES_PER_VALUE) + STREAM_K_FIXUP
 
 
+def _runs(devices: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    """(device, first, end) of each run of consecutive entries on one device."""
+    out, start = [], 0
+    for i in range(1, len(devices) + 1):
+        if i == len(devices) or devices[i] != devices[start]:
+            out.append((devices[start], start, i))
+            start = i
+    return out
+
+
 def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextSettings,
                      card: Card, compute: ComputeTable | None = None,
                      op_offload: bool = True) -> tuple[DeviceMemory, ...]:
@@ -339,14 +349,16 @@ def _memory_by_device(costs: ModelCosts, placement: Placement, settings: Context
     ffn_cpu_blocks = 0
     kept = in_ram(costs, placement)
     kv_bytes = kv_by_block(costs, settings)
-    for i in range(costs.n_blocks):
-        d = devices[i]
-        dense, experts = (kept.dense[i], kept.experts[i]) if d != CPU else (0, 0)
-        ffn_cpu_blocks += bool(dense)
-        weights[d] += costs.block_bytes[i] - dense + costs.expert_bytes[i] - experts
-        weights[CPU] += dense + experts
-        kv[d] += kv_bytes[i]
-        holds_attention[d] |= bool(costs.kv_k_elements[i])
+    # Blocks come in runs on one device (the CPU's first, then each GPU's): summed by run.
+    for d, a, b in _runs(devices[:-1]):
+        weights[d] += sum(costs.block_bytes[a:b]) + sum(costs.expert_bytes[a:b])
+        if d != CPU:
+            dense, experts = sum(kept.dense[a:b]), sum(kept.experts[a:b])
+            ffn_cpu_blocks += sum(1 for x in kept.dense[a:b] if x)
+            weights[d] -= dense + experts
+            weights[CPU] += dense + experts
+        kv[d] += sum(kv_bytes[a:b])
+        holds_attention[d] |= any(costs.kv_k_elements[a:b])
     output_device = CPU if head_in_ram(placement) else devices[-1]
     weights[output_device] += costs.output_bytes
     weights[devices[-1]] += costs.output_norm_bytes

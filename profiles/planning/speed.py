@@ -174,6 +174,16 @@ def attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, dept
     return max(read, cells * costs.attention_flops[i] / rate)
 
 
+@per_costs
+def attention_row(costs: ModelCosts, type_k: str, type_v: str, depth: int, on_gpu: bool,
+                  card: Card, threads: int, gpu_peak_gbs: float | None = None
+                  ) -> tuple[float, ...]:
+    """attention_seconds of every block with these KV types (all it reads of the settings)."""
+    settings = ContextSettings(depth, type_k, type_v)
+    return tuple(attention_seconds(costs, i, settings, depth, on_gpu, card, threads, gpu_peak_gbs)
+                 for i in range(costs.n_blocks))
+
+
 def _gpu_element_seconds(cache_type: str) -> float:
     return GPU_ATTENTION_ELEMENT_SECONDS.get(cache_type, GPU_ATTENTION_ELEMENT_SECONDS["q4_0"])
 
@@ -206,6 +216,10 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     crossings = 0
     previous = CPU  # token embeddings are looked up on the CPU
     mapped = bool(served) and pool.misses_on_gpu
+    kv = (settings.type_k, settings.type_v)
+    cpu_attention = attention_row(costs, *kv, depth, False, card, threads)
+    gpu_attention = {d: attention_row(costs, *kv, depth, True, card, threads, peak)
+                     for d, peak in peaks.items()}
     if served:  # the pool's GPU: its hits, its second chains, the copies after each step
         routed = sum(costs.expert_bytes[i] for i in served) * costs.expert_active_fraction
         gpu_s += routed * hits / bandwidths[card.gpu_list[0].device] \
@@ -231,7 +245,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
                 cpu_s += CPU_MOE_BLOCK_SECONDS
             if i in served:  # the pool's hits: to the GPU and back
                 crossings += 2
-            cpu_s += attention_seconds(costs, i, settings, depth, False, card, threads)
+            cpu_s += cpu_attention[i]
             cpu_flops += 2 * active_params
         else:
             gpu_bw = bandwidths[d]
@@ -239,7 +253,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
             gpu_s += (costs.block_bytes[i] - ffn_cpu) / gpu_bw + GPU_BLOCK_SECONDS
             if costs.state_bytes[i]:
                 gpu_s += GPU_RECURRENT_BLOCK_SECONDS
-            gpu_s += attention_seconds(costs, i, settings, depth, True, card, threads, peaks[d])
+            gpu_s += gpu_attention[d][i]
             if ffn_cpu:
                 cpu_s += ffn_cpu / host_bw
                 crossings += 1
