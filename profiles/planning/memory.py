@@ -215,6 +215,7 @@ def kv_by_block(costs: ModelCosts, settings: ContextSettings) -> tuple[int, ...]
 CHECKPOINTS_PER_SLOT = 4
 
 
+@per_costs
 def checkpoint_bytes(costs: ModelCosts, settings: ContextSettings) -> int:
     """The RAM of the runner's checkpoints: per slot CHECKPOINTS_PER_SLOT copies of what
     llama.cpp saves with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, the recurrent state of a hybrid
@@ -308,14 +309,18 @@ def cuda_pool_bytes(costs: ModelCosts, settings: ContextSettings) -> int:
     return int(rows * width * Q8_1_BYTES_PER_VALUE) + STREAM_K_FIXUP
 
 
-def _runs(devices: tuple[str, ...]) -> list[tuple[str, int, int]]:
-    """(device, first, end) of each run of consecutive entries on one device."""
+@per_costs
+def block_runs(costs: ModelCosts, placement: Placement,
+               n_gpus: int) -> tuple[tuple[str, int, int], ...]:
+    """The blocks (not the output layer) in runs on one device, as block_devices places them:
+    (device, first block, end), the CPU's run first, then each GPU's."""
+    devices = block_devices(costs, placement, n_gpus)[:-1]
     out, start = [], 0
     for i in range(1, len(devices) + 1):
         if i == len(devices) or devices[i] != devices[start]:
             out.append((devices[start], start, i))
             start = i
-    return out
+    return tuple(out)
 
 
 def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextSettings,
@@ -341,7 +346,9 @@ def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextS
 def _memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextSettings,
                       card: Card, compute: ComputeTable | None,
                       op_offload: bool) -> tuple[DeviceMemory, ...]:
-    devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
+    n_gpus = card.n_gpus if card.has_gpu else 0
+    devices = block_devices(costs, placement, n_gpus)
+    runs = block_runs(costs, placement, n_gpus)
     names = [*card.devices, CPU] if card.has_gpu else [CPU]
     weights = dict.fromkeys(names, 0)
     kv = dict.fromkeys(names, 0)
@@ -350,7 +357,7 @@ def _memory_by_device(costs: ModelCosts, placement: Placement, settings: Context
     kept = in_ram(costs, placement)
     kv_bytes = kv_by_block(costs, settings)
     # Blocks come in runs on one device (the CPU's first, then each GPU's): summed by run.
-    for d, a, b in _runs(devices[:-1]):
+    for d, a, b in runs:
         weights[d] += sum(costs.block_bytes[a:b]) + sum(costs.expert_bytes[a:b])
         if d != CPU:
             dense, experts = sum(kept.dense[a:b]), sum(kept.experts[a:b])
@@ -363,8 +370,8 @@ def _memory_by_device(costs: ModelCosts, placement: Placement, settings: Context
     weights[output_device] += costs.output_bytes
     weights[devices[-1]] += costs.output_norm_bytes
     weights[CPU] += costs.embedding_bytes + costs.cpu_other_bytes
-    cpu_blocks = sum(1 for d in devices[:-1] if d == CPU) + ffn_cpu_blocks
-    used_gpus = {d for d in devices if d != CPU}
+    cpu_blocks = sum(b - a for d, a, b in runs if d == CPU) + ffn_cpu_blocks
+    used_gpus = {d for d, _, _ in runs if d != CPU} | ({devices[-1]} - {CPU})
     pipelined = len(used_gpus) > 1 and CPU not in devices and not overridden(placement)
     measured = compute.measured.get(ComputeTable.key(settings, placement)) if compute else None
     out = []
