@@ -282,7 +282,7 @@ def measure_and_calibrate(shape: ModelShape, model_name: str, plan: Plan, card: 
 
     print(f"measuring {shape.name} with the plan...", file=sys.stderr)
     tokens = 32  # measure_in_child's own default
-    if plan.expert_cache_slots:  # long enough for the pool's hit rate to be kept
+    if plan.expert_cache:  # long enough for the pool's hit rate to be kept
         tokens = max(tokens, tokens_for_lookups(shape.n_layer_main, shape.expert_used_count))
     measured = measure_in_child(shape.path, plan, decode_tokens=tokens)
     if not store:

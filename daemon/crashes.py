@@ -25,9 +25,9 @@ LOG_LINES = 40  # of the runner's log, kept in the daemon's log with each crash
 
 def risk(plan: Plan) -> str:
     """The riskiest part of the plan still on: "pool", "mapped misses", or "" (none)."""
-    if plan.expert_cache_slots and plan.expert_misses_on_gpu:
+    if plan.expert_cache and plan.expert_misses_on_gpu:
         return "mapped misses"
-    if plan.expert_cache_slots:
+    if plan.expert_cache:
         return "pool"
     return ""
 
@@ -36,7 +36,7 @@ def without(part: str, plan: Plan, why: str) -> Plan:
     """`plan` with `part` off and `why` among its reasons."""
     if part == "mapped misses":
         return replace(plan, expert_misses_on_gpu=False, reasons=(*plan.reasons, why))
-    return replace(plan, expert_cache_slots=0, expert_misses_on_gpu=False,
+    return replace(plan, expert_cache=0, expert_misses_on_gpu=False,
                    reasons=(*plan.reasons, why))
 
 
@@ -56,7 +56,7 @@ def summary(plan: Plan) -> str:
     """The plan in one line, for a crash report."""
     return (f"context {plan.n_ctx}, {plan.n_gpu_layers} GPU layers, KV {plan.type_k}/"
             f"{plan.type_v}, {plan.n_parallel} slots, batch {plan.n_batch}/{plan.n_ubatch}, "
-            f"expert pool {plan.expert_cache_slots} slots"
+            f"expert pool {plan.expert_cache} slots"
             + (", misses on the GPU" if plan.expert_misses_on_gpu else "")
             + (f", overrides {len(plan.tensor_overrides)}" if plan.tensor_overrides else ""))
 

@@ -402,9 +402,9 @@ def warn_of_refusals(model_name: str, plan: Plan, loaded: Loaded, log_path: Path
                     "refused: they were copied into pinned memory instead (see %s)",
                     model_name, log_path)
     cache = loaded.expert_cache
-    if plan.expert_cache_slots and not cache:
+    if plan.expert_cache and not cache:
         log.warning("runner for %s: the plan asked an expert cache of %d slots and llama.cpp "
-                    "made none (see %s)", model_name, plan.expert_cache_slots, log_path)
+                    "made none (see %s)", model_name, plan.expert_cache, log_path)
     elif plan.expert_misses_on_gpu and cache and not cache.get("misses_on_gpu"):
         log.warning("runner for %s: the plan asked the GPU to compute the expert cache's misses "
                     "and llama.cpp leaves them to the CPU (see %s)", model_name, log_path)

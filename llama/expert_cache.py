@@ -32,23 +32,26 @@ FIELDS = ("slots", "layers", "hits", "misses", "swaps", "steps", "pool_bytes", "
 
 @dataclass(frozen=True)
 class Settings:
-    """One context's pool, as the engine takes it. The names are those of the C struct
-    (patches/0006); a plan's expert_cache_slots, expert_cache_swaps, expert_misses_on_gpu and
-    expert_pool_in_ram are these under the plan's prefix (llama/params.py)."""
-    slots: int  # experts the pool holds (0: every lookup misses)
-    swaps: int = 0  # experts taken in a step at most; 0: the engine's default, 4
-    misses_on_gpu: bool = False  # a GPU pool's misses computed by the GPU from RAM (patches/0003)
-    pool_in_ram: bool = False  # the pool in RAM, not on the first GPU: tests without a GPU
+    """One context's pool (llama/params.py fills it from the plan's fields of the same names,
+    which the config's and the tuner Request's also bear)."""
+    expert_cache: int  # experts the pool holds (0: every lookup misses)
+    expert_cache_swaps: int = 0  # experts taken in a step at most; 0: the engine's default, 4
+    # a GPU pool's misses computed by the GPU from RAM (patches/0003)
+    expert_misses_on_gpu: bool = False
+    expert_cache_device: str = "gpu"  # "cpu": the pool in RAM, not on the first GPU (tests)
     decay: float | None = None  # the use counts' decay per step; None: the engine's, 0.95
     # misses computed against slots of zeros (True) or skipped (False); None: by the pool's
     # device (zero slots on a GPU, whose kernels take no id -1)
     zero_slot: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.slots < 0:
-            raise ValueError(f"expert cache slots must be 0 or more, not {self.slots}")
-        if self.swaps < 0:
-            raise ValueError(f"expert cache swaps must be 0 or more, not {self.swaps}")
+        if self.expert_cache < 0:
+            raise ValueError(f"expert cache slots must be 0 or more, not {self.expert_cache}")
+        if self.expert_cache_swaps < 0:
+            raise ValueError(f"expert cache swaps must be 0 or more, not {self.expert_cache_swaps}")
+        if self.expert_cache_device not in ("gpu", "cpu"):
+            raise ValueError(f"expert cache device must be gpu or cpu, not "
+                             f"{self.expert_cache_device!r}")
 
 
 class _Params(ctypes.Structure):
@@ -61,9 +64,12 @@ class _Params(ctypes.Structure):
 def _params(settings: Settings | None) -> _Params:
     if settings is None:  # slots < 0: no pool, whatever the environment says
         return _Params(slots=-1, swaps=-1, decay=-1.0, zero_slot=-1)
-    return _Params(slots=settings.slots, swaps=settings.swaps or -1,
+    # The C struct's fields (patches/0006) are the engine's own names for the same settings:
+    # slots is expert_cache, swaps expert_cache_swaps, pool_in_ram expert_cache_device = cpu.
+    return _Params(slots=settings.expert_cache, swaps=settings.expert_cache_swaps or -1,
                    decay=-1.0 if settings.decay is None else settings.decay,
-                   pool_in_ram=settings.pool_in_ram, misses_on_gpu=settings.misses_on_gpu,
+                   pool_in_ram=settings.expert_cache_device == "cpu",
+                   misses_on_gpu=settings.expert_misses_on_gpu,
                    zero_slot=-1 if settings.zero_slot is None else int(settings.zero_slot))
 
 

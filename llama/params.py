@@ -37,7 +37,7 @@ def model_params(plan: Plan, metadata_only: bool = False):
     params.load_mode = load_mode(plan)
     if not plan.extra_bufts:  # the engine crashed with them on this CPU (daemon/scheduler.py)
         params.use_extra_bufts = False
-    elif plan.expert_cache_slots:
+    elif plan.expert_cache:
         # The expert cache fills its pool with the experts' bytes as they sit in RAM: experts
         # repacked for the CPU's kernels cannot be cached (llama/expert_cache.py).
         params.use_extra_bufts = False
@@ -91,8 +91,9 @@ def context_params(plan: Plan, n_seq: int | None = None, n_batch: int | None = N
 def expert_cache_settings(plan: Plan) -> ExpertCacheSettings | None:
     """The engine's expert cache settings for the plan's target context (llama/expert_cache.py);
     None: no pool."""
-    if not plan.expert_cache_slots:
+    if not plan.expert_cache:
         return None
-    return ExpertCacheSettings(slots=plan.expert_cache_slots, swaps=plan.expert_cache_swaps,
-                               misses_on_gpu=plan.expert_misses_on_gpu,
-                               pool_in_ram=plan.expert_pool_in_ram)
+    return ExpertCacheSettings(expert_cache=plan.expert_cache,
+                               expert_cache_swaps=plan.expert_cache_swaps,
+                               expert_misses_on_gpu=plan.expert_misses_on_gpu,
+                               expert_cache_device=plan.expert_cache_device)

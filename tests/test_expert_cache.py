@@ -183,9 +183,9 @@ def test_no_gpu_and_no_cpu_pool_leaves_the_cache_off(models, without_cache):
 
 def test_settings_refuse_a_negative_pool_or_swaps():
     with pytest.raises(ValueError, match="slots must be 0 or more"):
-        expert_cache.Settings(slots=-1)
+        expert_cache.Settings(expert_cache=-1)
     with pytest.raises(ValueError, match="swaps must be 0 or more"):
-        expert_cache.Settings(slots=4, swaps=-1)
+        expert_cache.Settings(expert_cache=4, expert_cache_swaps=-1)
 
 
 def _context(llama_cpp, model):
@@ -214,7 +214,8 @@ def test_the_engine_takes_the_settings_given_not_the_environment(models, monkeyp
     assert model
     contexts = []
     try:
-        with expert_cache.switched_on(expert_cache.Settings(slots=8, pool_in_ram=True)):
+        pool = expert_cache.Settings(expert_cache=8, expert_cache_device="cpu")
+        with expert_cache.switched_on(pool):
             contexts.append(_context(llama_cpp, model))
         contexts.append(_context(llama_cpp, model))  # after: none, whatever the environment
         with expert_cache.switched_on(None):

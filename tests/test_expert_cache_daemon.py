@@ -70,7 +70,7 @@ def answer_without_cache(tmp_path_factory, moe_gguf) -> dict:
         answer = _post(f"{d.url}/api/chat", ASK)
         stats = d.get("/api/stats")["models"][0]
         assert stats["expert_cache"] is None
-        assert stats["plan"]["expert_cache_slots"] == 0
+        assert stats["plan"]["expert_cache"] == 0
         assert "expert_cache" not in d.ps()[0]
         return answer
     finally:
@@ -106,7 +106,7 @@ def test_a_daemon_with_the_setting_answers_alike_and_reports_hits(tmp_path, moe_
             cache["misses"]
         assert value(metrics, "localllm_expert_cache_swaps", "localllm_expert_cache_swaps_total",
                      **m) == cache["swaps"]
-        assert stats["plan"]["expert_cache_slots"] == 16
+        assert stats["plan"]["expert_cache"] == 16
         assert any(r.startswith("expert cache on: 16 expert slots") and "in RAM" in r
                    for r in stats["plan"]["reasons"]), stats["plan"]["reasons"]
         # what the pool hit is kept for the tuner's next pricing of this model's pool (written
@@ -134,7 +134,7 @@ def test_a_daemon_with_the_setting_answers_alike_and_reports_hits(tmp_path, moe_
                                                 "options": {"num_predict": 4}})
         assert dense["done"]
         stats = next(m for m in d.get("/api/stats")["models"] if m["model"] == "dense:latest")
-        assert stats["expert_cache"] is None and stats["plan"]["expert_cache_slots"] == 0
+        assert stats["expert_cache"] is None and stats["plan"]["expert_cache"] == 0
         assert any(r.startswith("expert cache off:") and "dense model" in r
                    for r in stats["plan"]["reasons"]), stats["plan"]["reasons"]
         assert "dense:latest expert cache" not in d.cli("ps").stdout
@@ -153,7 +153,7 @@ def test_tune_measure_stores_the_pools_hit_rate_for_the_tuner(tmp_path, moe_gguf
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout)
-    assert out["plan"]["expert_cache_slots"] == 16
+    assert out["plan"]["expert_cache"] == 16
     pool = out["measured"]["expert_cache"]
     assert pool["slots"] == 16 and pool["layers"] == 4
     assert pool["hits"] + pool["misses"] >= MIN_LOOKUPS and pool["hits"] > 0
@@ -183,8 +183,8 @@ class PricedLow(Planner):
         measured = measured_hits(model_name, shape.file_size)
         rate = measured[0][1] if measured else FIRST_PRICE
         self.priced_at.append(rate)
-        return replace(cpu_plan(n_ctx or 1024, shape.context_length), expert_cache_slots=16,
-                       expert_pool_in_ram=True, expected_hit_rate=rate)
+        return replace(cpu_plan(n_ctx or 1024, shape.context_length), expert_cache=16,
+                       expert_cache_device="cpu", expected_hit_rate=rate)
 
 
 async def test_a_pool_that_misses_its_price_is_planned_again_from_its_hits(

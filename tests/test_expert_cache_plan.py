@@ -78,11 +78,11 @@ def test_the_pool_costs_what_the_engine_allocates(tiny_moe):
 def test_the_tuner_keeps_the_pools_vram_out_of_the_placement(headers):
     shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
     without = tune(shape, card, Request())
-    plan = tune(shape, card, Request(expert_cache_slots=512))
+    plan = tune(shape, card, Request(expert_cache=512))
     pool = pool_shape(shape)
     need = pool.bytes(512)
     assert 1.2 * GIB < need < 1.3 * GIB  # 512 x 2.5 MiB of Q4_0 up/gate/down (768 x 2048)
-    assert plan.expert_cache_slots == 512 and without.expert_cache_slots == 0
+    assert plan.expert_cache == 512 and without.expert_cache == 0
     # the placement gets less VRAM: more blocks' experts stay in RAM, all served by the pool
     assert len(blocks_in_ram(plan, shape, pool)) > len(blocks_in_ram(without, shape, pool)) > 0
     # the plan's VRAM is the placement's, which fits what the pool leaves, and the pool's
@@ -100,7 +100,7 @@ def test_the_tuner_keeps_the_pools_vram_out_of_the_placement(headers):
     priced = next(r for r in plan.reasons if r.startswith("expert cache: expected hit rate"))
     assert "assumed from routing studies" in priced
     assert f"against {without.predicted_decode_tps:.1f} without" in priced
-    assert plan.load_key() != dataclasses.replace(plan, expert_cache_slots=0).load_key()
+    assert plan.load_key() != dataclasses.replace(plan, expert_cache=0).load_key()
 
 
 def test_a_dry_run_of_a_pooled_plan_counts_the_graph_the_pool_makes(headers):
@@ -158,13 +158,13 @@ def test_a_hit_moves_an_experts_read_from_the_cpu_to_the_gpu(headers):
 def test_auto_sizes_the_pool_and_turns_it_off_where_measured_hits_do_not_pay(headers):
     shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
     without = tune(shape, card, Request())
-    skewed = tune(shape, card, Request(expert_cache_slots=AUTO_SLOTS,
+    skewed = tune(shape, card, Request(expert_cache=AUTO_SLOTS,
                                        measured_hits=((0.2, 0.75, 0.5),)))
     # a whole number of experts a block, or the most that fit in the share of VRAM auto uses
     pool = pool_shape(shape)
     budget = card.gpu_list[0].free_vram_bytes - Request().margin_bytes
     room = budget * max(AUTO_VRAM_SHARES)
-    slots = skewed.expert_cache_slots
+    slots = skewed.expert_cache
     assert slots > 0 and (slots % 128 == 0 or any(slots == pool.slots_in(int(budget * share))
                                                   for share in AUTO_VRAM_SHARES))
     assert pool.bytes(slots) <= room
@@ -177,9 +177,9 @@ def test_auto_sizes_the_pool_and_turns_it_off_where_measured_hits_do_not_pay(hea
     priced = next(r for r in skewed.reasons if r.startswith("expert cache: expected hit"))
     assert "from this model's hits measured while serving" in priced
     # uniform routing, as measured: the pool's VRAM is worth more as experts on the GPU
-    uniform = tune(shape, card, Request(expert_cache_slots=AUTO_SLOTS,
+    uniform = tune(shape, card, Request(expert_cache=AUTO_SLOTS,
                                         measured_hits=((0.1, 0.05, 3.5),)))
-    assert uniform.expert_cache_slots == 0
+    assert uniform.expert_cache == 0
     assert uniform.predicted_decode_tps == without.predicted_decode_tps
     off = next(r for r in uniform.reasons if r.startswith("expert cache off:"))
     assert "does not pay" in off and "expected hit rate" in off
@@ -210,7 +210,7 @@ def test_tune_on_a_card_profile_reads_the_setting(headers, tmp_path):
                              "--no-save"], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)["plan"]
-    assert plan["expert_cache_slots"] == 256
+    assert plan["expert_cache"] == 256
     assert any(r.startswith("expert cache on: 256 expert slots") for r in plan["reasons"])
     env["LOCALLLM_EXPERT_CACHE"] = "auto"  # sized by the tuner, from the prior curve here
     result = subprocess.run([sys.executable, "-m", "localllm.cli", "tune",
@@ -218,7 +218,7 @@ def test_tune_on_a_card_profile_reads_the_setting(headers, tmp_path):
                              "--no-save"], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)["plan"]
-    slots = plan["expert_cache_slots"]  # multiples of 128 experts, or the most in a VRAM share
+    slots = plan["expert_cache"]  # multiples of 128 experts, or the most in a VRAM share
     assert slots > 0 and slots != 256
     assert any(r.startswith(f"expert cache on: {slots} expert slots") for r in plan["reasons"])
     assert any("assumed from routing studies" in r for r in plan["reasons"])
@@ -226,22 +226,22 @@ def test_tune_on_a_card_profile_reads_the_setting(headers, tmp_path):
 
 def test_a_dense_model_is_refused_with_a_reason_not_an_error(headers):
     plan = tune(read_shape(headers["llama-8b"]), load_card("rtx3060-12g"),
-                Request(expert_cache_slots=16))
-    assert plan.expert_cache_slots == 0
+                Request(expert_cache=16))
+    assert plan.expert_cache == 0
     assert any(r.startswith("expert cache off:") and "dense model" in r for r in plan.reasons)
 
 
 def test_no_pool_where_every_expert_fits_on_the_gpu_or_there_is_no_gpu(headers):
     shape = read_shape(headers["qwen3-30b-a3b"])
-    roomy = tune(shape, load_card("h200"), Request(expert_cache_slots=64))
-    assert roomy.expert_cache_slots == 0
+    roomy = tune(shape, load_card("h200"), Request(expert_cache=64))
+    assert roomy.expert_cache == 0
     assert any("every expert on the GPU" in r for r in roomy.reasons)
     cpu = load_card("cpu-only")
-    bare = tune(shape, cpu, Request(expert_cache_slots=64))
-    assert bare.expert_cache_slots == 0 and any("no GPU to hold the pool" in r
+    bare = tune(shape, cpu, Request(expert_cache=64))
+    assert bare.expert_cache == 0 and any("no GPU to hold the pool" in r
                                                 for r in bare.reasons)
-    in_ram = tune(shape, cpu, Request(expert_cache_slots=64, expert_pool_in_ram=True))
-    assert in_ram.expert_cache_slots == 64
+    in_ram = tune(shape, cpu, Request(expert_cache=64, expert_cache_device="cpu"))
+    assert in_ram.expert_cache == 64
     ram = next(m for m in in_ram.memory if m.device == "CPU")
     assert ram.weights == next(m for m in bare.memory if m.device == "CPU").weights \
         + pool_shape(shape).bytes(64)
@@ -255,14 +255,31 @@ def test_the_setting_and_saved_profiles(tmp_path):
     assert load_config(tmp_path / "none.toml", {}).expert_cache == "auto"  # the default
     with pytest.raises(ConfigError, match="at least 0"):
         load_config(tmp_path / "none.toml", {"LOCALLLM_EXPERT_CACHE": "-3"})
-    path = save_profile(Plan(n_ctx=4096, expert_cache_slots=16), "moe", "rtx3060-12g", 1,
+    path = save_profile(Plan(n_ctx=4096, expert_cache=16), "moe", "rtx3060-12g", 1,
                         directory=tmp_path)
-    assert "expert_cache_slots = 16" in path.read_text()
-    assert load_profile(path).plan.expert_cache_slots == 16
-    path.write_text(path.read_text().replace("expert_cache_slots = 16",
-                                             "expert_cache_slots = -1"))
-    with pytest.raises(ProfileError, match="expert_cache_slots must be 0 or more"):
+    assert "expert_cache = 16" in path.read_text()
+    assert load_profile(path).plan.expert_cache == 16
+    path.write_text(path.read_text().replace("expert_cache = 16",
+                                             "expert_cache = -1"))
+    with pytest.raises(ProfileError, match="expert_cache must be 0 or more"):
         load_profile(path)
+
+
+def test_a_profile_saved_under_the_old_name_still_loads(tmp_path):
+    """Profiles written before the pool's one name (`expert_cache_slots` under [plan]) load
+    with their pool; saved again, they carry the one name only; where a hand edit left both,
+    the one name's value counts."""
+    path = save_profile(Plan(n_ctx=4096, expert_cache=16), "moe", "rtx3060-12g", 1,
+                        directory=tmp_path)
+    old = path.read_text().replace("expert_cache = 16", "expert_cache_slots = 24")
+    assert "expert_cache_slots = 24" in old and "expert_cache =" not in old
+    path.write_text(old)
+    plan = load_profile(path).plan
+    assert plan.expert_cache == 24
+    again = save_profile(plan, "moe", "rtx3060-12g", 1, directory=tmp_path).read_text()
+    assert "expert_cache = 24" in again and "expert_cache_slots" not in again
+    path.write_text(again.replace("expert_cache = 24", "expert_cache = 8\nexpert_cache_slots = 24"))
+    assert load_profile(path).plan.expert_cache == 8
 
 
 def test_the_pool_in_ram_is_a_setting_that_reaches_the_plan(tiny_moe, tmp_path):
@@ -273,24 +290,26 @@ def test_the_pool_in_ram_is_a_setting_that_reaches_the_plan(tiny_moe, tmp_path):
     config = load_config(tmp_path / "none.toml", {"LOCALLLM_EXPERT_CACHE_DEVICE": "cpu",
                                                   "LOCALLLM_EXPERT_CACHE": "8"})
     request = config_request(config=config)
-    assert request.expert_pool_in_ram and request.expert_cache_slots == 8
-    assert not config_request(config=replace(config, expert_cache_device="gpu")).expert_pool_in_ram
+    assert request.expert_cache_device == "cpu" and request.expert_cache == 8
+    gpu = config_request(config=replace(config, expert_cache_device="gpu"))
+    assert gpu.expert_cache_device == "gpu"
     with pytest.raises(ConfigError, match="expert_cache_device must be one of gpu, cpu"):
         load_config(tmp_path / "none.toml", {"LOCALLLM_EXPERT_CACHE_DEVICE": "disk"})
     shape = read_shape(tiny_moe)
     plan = tune(shape, load_card("cpu-only"), replace(request, n_ctx=1024))
-    assert plan.expert_cache_slots == 8 and plan.expert_pool_in_ram
-    assert expert_cache_settings(plan) == expert_cache.Settings(slots=8, pool_in_ram=True)
+    assert plan.expert_cache == 8 and plan.expert_cache_device == "cpu"
+    assert expert_cache_settings(plan) == expert_cache.Settings(expert_cache=8,
+                                                                expert_cache_device="cpu")
 
 
 def test_the_plan_is_the_target_contexts_pool():
     """The engine's settings come from the plan alone (llama/params.py; tests/test_expert_cache.py
     shows the engine taking them): no pool without slots."""
     assert expert_cache_settings(Plan(n_ctx=4096)) is None
-    assert expert_cache_settings(Plan(n_ctx=4096, expert_cache_slots=16)) == \
-        expert_cache.Settings(slots=16)
+    assert expert_cache_settings(Plan(n_ctx=4096, expert_cache=16)) == \
+        expert_cache.Settings(expert_cache=16)
     # the pool is filled from the experts' bytes in RAM: no repacking for the CPU's kernels
-    assert model_params(Plan(n_ctx=4096, expert_cache_slots=16))[0].use_extra_bufts is False
+    assert model_params(Plan(n_ctx=4096, expert_cache=16))[0].use_extra_bufts is False
     assert model_params(Plan(n_ctx=4096))[0].use_extra_bufts is True
 
 
@@ -305,7 +324,7 @@ def test_only_an_auto_pool_far_from_its_price_is_planned_again():
         pool_far_from_its_price,
     )
 
-    plan = Plan(n_ctx=8192, expert_cache_slots=1024, expected_hit_rate=0.68)
+    plan = Plan(n_ctx=8192, expert_cache=1024, expected_hit_rate=0.68)
 
     def pool(rate: float, lookups: int = MIN_LOOKUPS):
         return SimpleNamespace(hits=round(rate * lookups), misses=lookups - round(rate * lookups))
@@ -351,7 +370,7 @@ def test_the_expert_misses_setting_picks_who_computes_them(headers, tmp_path):
 
     shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
     hits = ((0.2, 0.9, 0.5),)
-    plans = {setting: tune(shape, card, Request(expert_cache_slots=AUTO_SLOTS,
+    plans = {setting: tune(shape, card, Request(expert_cache=AUTO_SLOTS,
                                                 measured_hits=hits, expert_misses=setting))
              for setting in ("cpu", "gpu", "auto")}
     assert plans["cpu"].expert_misses_on_gpu is False
@@ -364,7 +383,7 @@ def test_the_expert_misses_setting_picks_who_computes_them(headers, tmp_path):
     assert plans["auto"].expert_misses_on_gpu == faster.expert_misses_on_gpu
     assert plans["auto"].predicted_session_s == faster.predicted_session_s
     assert plans["gpu"].load_key() != plans["cpu"].load_key() or \
-        plans["gpu"].expert_cache_slots != plans["cpu"].expert_cache_slots
+        plans["gpu"].expert_cache != plans["cpu"].expert_cache
     assert misses_can_go_to_gpu(Plan(n_ctx=4096, pin_in_place=True))
     assert misses_can_go_to_gpu(Plan(n_ctx=4096, use_mmap=False))
     assert not misses_can_go_to_gpu(Plan(n_ctx=4096, streamed_bytes=1 << 30))
@@ -376,12 +395,13 @@ def test_the_expert_misses_setting_picks_who_computes_them(headers, tmp_path):
 
 
 def test_the_runner_asks_the_engine_for_misses_on_the_gpu(tmp_path):
-    plan = Plan(n_ctx=4096, expert_cache_slots=16, expert_misses_on_gpu=True)
-    assert expert_cache_settings(plan) == expert_cache.Settings(slots=16, misses_on_gpu=True)
+    plan = Plan(n_ctx=4096, expert_cache=16, expert_misses_on_gpu=True)
+    assert expert_cache_settings(plan) == expert_cache.Settings(expert_cache=16,
+                                                                expert_misses_on_gpu=True)
     # no pool, nothing to ask
-    assert expert_cache_settings(replace(plan, expert_cache_slots=0)) is None
+    assert expert_cache_settings(replace(plan, expert_cache=0)) is None
     # a saved profile keeps and edits the choice
-    path = save_profile(Plan(n_ctx=4096, expert_cache_slots=16, expert_misses_on_gpu=True),
+    path = save_profile(Plan(n_ctx=4096, expert_cache=16, expert_misses_on_gpu=True),
                         "moe", "rtx3060-12g", 1, directory=tmp_path)
     assert "expert_misses_on_gpu = true" in path.read_text()
     assert load_profile(path).plan.expert_misses_on_gpu is True
@@ -390,11 +410,12 @@ def test_the_runner_asks_the_engine_for_misses_on_the_gpu(tmp_path):
 def test_a_bigger_pool_takes_in_more_experts_a_step_and_the_runner_says_so(tmp_path):
     assert swaps_per_step(0) == swaps_per_step(2048) == SWAPS_PER_STEP
     assert swaps_per_step(4322) == 8 and swaps_per_step(5043) == 9
-    pool = Plan(n_ctx=4096, expert_cache_slots=5043, expert_cache_swaps=9)
-    assert expert_cache_settings(pool) == expert_cache.Settings(slots=5043, swaps=9)
-    assert expert_cache_settings(replace(pool, expert_cache_slots=0)) is None
+    pool = Plan(n_ctx=4096, expert_cache=5043, expert_cache_swaps=9)
+    assert expert_cache_settings(pool) == expert_cache.Settings(expert_cache=5043,
+                                                                expert_cache_swaps=9)
+    assert expert_cache_settings(replace(pool, expert_cache=0)) is None
     # a saved profile keeps and edits it, and refuses a negative count
-    plan = Plan(n_ctx=4096, expert_cache_slots=5043, expert_cache_swaps=9)
+    plan = Plan(n_ctx=4096, expert_cache=5043, expert_cache_swaps=9)
     assert plan.load_key() != replace(plan, expert_cache_swaps=4).load_key()
     path = save_profile(plan, "moe", "rtx3060-12g", 1, directory=tmp_path)
     assert "expert_cache_swaps = 9" in path.read_text()
@@ -413,14 +434,14 @@ def test_the_running_plan_is_priced_again_at_its_pools_measured_hits(headers):
     from localllm.profiles.tuning.pool_price import decode_at_measured_hits
 
     shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
-    plan = tune(shape, card, Request(expert_cache_slots=AUTO_SLOTS,
+    plan = tune(shape, card, Request(expert_cache=AUTO_SLOTS,
                                      measured_hits=((0.2, 0.75, 0.5),)))
-    assert plan.expert_cache_slots > 0 and plan.speculative == "off"
+    assert plan.expert_cache > 0 and plan.speculative == "off"
     layers = len(blocks_in_ram(plan, shape, pool_shape(shape)))
 
     def figures(rate: float, lookups: int = 10 * MIN_LOOKUPS) -> ExpertCacheStats:
         hits = round(rate * lookups)
-        return ExpertCacheStats(slots=plan.expert_cache_slots, layers=layers, hits=hits,
+        return ExpertCacheStats(slots=plan.expert_cache, layers=layers, hits=hits,
                                 misses=lookups - hits, swaps=500, steps=1000, pool_bytes=0,
                                 misses_on_gpu=int(plan.expert_misses_on_gpu))
 
@@ -439,12 +460,12 @@ def test_the_running_plan_is_priced_again_at_its_pools_measured_hits(headers):
     drafting = replace(plan, speculative="mtp")
     assert decode_at_measured_hits(drafting, shape, card, figures(0.9)) == ()
     # a step's copies are the swaps past the pool's first fill (every slot filled once)
-    filling = replace(figures(0.9), swaps=plan.expert_cache_slots + 10 * 1000)
+    filling = replace(figures(0.9), swaps=plan.expert_cache + 10 * 1000)
     assert evicted(filling) == 10 * 1000 and evicted(figures(0.9)) == max(
-        0, 500 - plan.expert_cache_slots)
+        0, 500 - plan.expert_cache)
     copying = decode_at_measured_hits(plan, shape, card, filling)
     assert all(c < f for (_, c), (_, f) in zip(copying, decode_at_measured_hits(
-        plan, shape, card, replace(filling, swaps=plan.expert_cache_slots)), strict=True))
+        plan, shape, card, replace(filling, swaps=plan.expert_cache)), strict=True))
     # /api/stats' report carries it where known
     report = expert_cache_report(plan, figures(0.9), better)
     assert report["predicted_decode_by_depth"] == [list(p) for p in better]

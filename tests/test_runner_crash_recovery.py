@@ -80,20 +80,20 @@ def test_two_crashes_with_a_risky_part_on_load_the_model_without_it(tmp_path):
     log.write_text("".join(f"line {i}\n" for i in range(100)) + "CUDA error: boom\n")
     tail = log_tail(log)  # the last 40 lines
     assert tail.endswith("CUDA error: boom") and "line 61" in tail and "line 60" not in tail
-    risky = Plan(n_ctx=32768, expert_cache_slots=512, expert_misses_on_gpu=True)
-    band = Plan(n_ctx=8192, expert_cache_slots=1024, expert_misses_on_gpu=True)
+    risky = Plan(n_ctx=32768, expert_cache=512, expert_misses_on_gpu=True)
+    band = Plan(n_ctx=8192, expert_cache=1024, expert_misses_on_gpu=True)
     crashes = Crashes()
     crashes.record("m", risky, "killed by SIGABRT", log)
     assert crashes.safer("m", risky, (band,)) == (risky, (band,)), "one crash: as planned"
     for _ in range(CRASHES_BEFORE_SAFER - 1):
         crashes.record("m", band, "killed by SIGABRT", log)
     plan, (safer_band,) = crashes.safer("m", risky, (band,))
-    assert plan.expert_cache_slots == 512 and not plan.expert_misses_on_gpu
-    assert safer_band.expert_cache_slots == 1024 and not safer_band.expert_misses_on_gpu
+    assert plan.expert_cache == 512 and not plan.expert_misses_on_gpu
+    assert safer_band.expert_cache == 1024 and not safer_band.expert_misses_on_gpu
     assert "misses off: the runner crashed 2 times" in crashes.notes["m"]
     assert crashes.safer("other", risky, ()) == (risky, ()), "another model: as planned"
     for _ in range(CRASHES_BEFORE_SAFER):  # crashing again with the pool alone
         crashes.record("m", plan, "killed by SIGSEGV", log)
     plan, (safer_band,) = crashes.safer("m", risky, (band,))
-    assert plan.expert_cache_slots == 0 and safer_band.expert_cache_slots == 0
+    assert plan.expert_cache == 0 and safer_band.expert_cache == 0
     assert "pool off" in crashes.notes["m"] and "pool off" in plan.reasons[-1]

@@ -68,7 +68,7 @@ def plan_summary(plan, n_layer: int) -> dict:
         # (tokens in context, tok/s): the plan's decode at its start, middle and end
         "predicted_decode_by_depth": [list(point) for point in plan.predicted_decode_by_depth],
         "n_ubatch": plan.n_ubatch,
-        "expert_cache_slots": plan.expert_cache_slots,
+        "expert_cache": plan.expert_cache,
         "expert_misses_on_gpu": plan.expert_misses_on_gpu,
         "expert_cache_swaps": plan.expert_cache_swaps,
         "source": plan.source,
@@ -102,9 +102,9 @@ def expert_cache_report(plan, figures, at_hits=()) -> dict | None:
     ExpertCacheStats as of the last answer, None where the engine made no pool); None for a
     plan that asked none and a runner that has none. `at_hits`: the plan's decode by depth
     with the pool priced at the measured hit rate (decode_at_measured_hits), where known."""
-    if figures is None and not plan.expert_cache_slots:
+    if figures is None and not plan.expert_cache:
         return None
-    report = {"planned_slots": plan.expert_cache_slots, "on": figures is not None}
+    report = {"planned_slots": plan.expert_cache, "on": figures is not None}
     if figures is not None:
         report.update(slots=figures.slots, layers=figures.layers, hits=figures.hits,
                       misses=figures.misses, hit_rate=round(figures.hit_rate, 4),

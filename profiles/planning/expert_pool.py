@@ -37,7 +37,7 @@ POOL_TENSORS = ("ffn_up_exps.weight", "ffn_gate_exps.weight", "ffn_down_exps.wei
 # each cached block's room for a short batch's routed experts, int32 per expert used per row,
 # read back in one copy a step (patches/0004): the rows of a batch the pool serves
 STEP_ID_ROWS = 31
-AUTO_SLOTS = -1  # Request.expert_cache_slots for `expert_cache = auto`: the tuner sizes it
+AUTO_SLOTS = -1  # Request.expert_cache for `expert_cache = auto`: the tuner sizes it
 # Hit rate against slots per served block as a share of its experts. Routing studies of real
 # MoE models (256 experts, 8 a token) find an LRU of 64 hitting about 67% of lookups and 128
 # about 81% (docs/bench/synthetic-routing.md): 14 points a doubling, which the smaller shares
@@ -154,7 +154,7 @@ def _with_pool_memory(plan: Plan, device: str, pool_bytes: int) -> Plan:
 
 
 def _off(plan: Plan, why: str) -> Plan:
-    return replace(plan, expert_cache_slots=0,
+    return replace(plan, expert_cache=0,
                    reasons=(*plan.reasons, f"expert cache off: {why}"))
 
 
@@ -237,9 +237,9 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
     of the first GPU's budget and their hits priced; off otherwise, and the reasons say why.
     AUTO_SLOTS: the fastest of a few priced pool sizes and none. `tune` plans one request (the
     tuner's search, called with no slots)."""
-    slots = request.expert_cache_slots
+    slots = request.expert_cache
     auto = slots == AUTO_SLOTS
-    plain = replace(request, expert_cache_slots=0)
+    plain = replace(request, expert_cache=0)
     asked = ("expert_cache = auto" if auto else f"expert_cache = {slots}") + \
         " applies to MoE models only"
     pool = pool_shape(shape)
@@ -249,7 +249,7 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
                "its experts are not separate up, gate and down matrices without biases or "
                "scales, the only layout the engine's pool holds")
         return _off(tune(plain), why)
-    in_ram = request.expert_pool_in_ram
+    in_ram = request.expert_cache_device == "cpu"
     if not in_ram and not card.has_gpu:
         return _off(tune(plain), "no GPU to hold the pool (expert_cache_device = cpu puts it "
                                  "in RAM, for tests)")
@@ -262,7 +262,7 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
             return _off(without, "a pool in RAM (expert_cache_device = cpu) gains no speed: "
                                  "auto sizes a pool on a GPU only")
         in_ram_plan = replace(_with_pool_memory(without, CPU, pool.bytes(slots)),
-                              expert_pool_in_ram=True)
+                              expert_cache_device="cpu")
         return _on(in_ram_plan, shape, pool, slots,
                    f"in RAM ({gib(pool.bytes(slots))}, expert_cache_device = cpu)", None)
     device = card.gpu_list[0].device
@@ -334,4 +334,4 @@ def _on(plan: Plan, shape: ModelShape, pool: PoolShape, slots: int, where: str,
           f"{plan.expert_cache_swaps} a step; llama.cpp's repacking of CPU "
           "weights is off, since the pool is filled with the experts' bytes as the file has them")
     reasons = (on, f"expert cache: {versus}") if versus else (on,)
-    return replace(plan, expert_cache_slots=slots, reasons=(*plan.reasons, *reasons))
+    return replace(plan, expert_cache=slots, reasons=(*plan.reasons, *reasons))

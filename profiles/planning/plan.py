@@ -61,7 +61,7 @@ class Plan:
     n_parallel: int = 1  # slots: sequences decoded together, each with n_ctx of KV
     # MoE: experts the engine's expert cache holds (patches/0002, profiles/planning/
     # expert_pool.py), a pool the target context alone gets; 0: off
-    expert_cache_slots: int = 0
+    expert_cache: int = 0
     # With a pool on a GPU: its misses computed by the GPU from the experts where they lie in
     # pinned RAM (patches/0003: a decode step never passes through the CPU), not by the CPU
     expert_misses_on_gpu: bool = False
@@ -69,9 +69,9 @@ class Plan:
     # swaps_per_step: more for a bigger pool, so that any pool warms in about as many steps);
     # 0: the engine's default, 4
     expert_cache_swaps: int = 0
-    # the pool in RAM rather than on the first GPU (config expert_cache_device = cpu: tests and
-    # development on a machine without a GPU; it gains no speed)
-    expert_pool_in_ram: bool = False
+    # where the pool goes: "gpu" (the first GPU) or "cpu" (in RAM: config expert_cache_device
+    # = cpu, for tests and development on a machine without a GPU; it gains no speed)
+    expert_cache_device: str = "gpu"
     # the hit rate that pool was priced with (expert_pool.py; 0.0: no pool); the scheduler
     # plans again once the pool's measured rate is far from it
     expected_hit_rate: float = 0.0
@@ -114,8 +114,8 @@ class Plan:
                 self.n_ubatch, self.n_threads, self.n_threads_batch, self.use_mmap,
                 self.pin_in_place,
                 self.extra_bufts, self.streamed_bytes,
-                self.n_parallel, self.expert_cache_slots, self.expert_misses_on_gpu,
-                self.expert_cache_swaps, self.expert_pool_in_ram,
+                self.n_parallel, self.expert_cache, self.expert_misses_on_gpu,
+                self.expert_cache_swaps, self.expert_cache_device,
                 self.speculative, self.draft_n_max, self.draft_n_gpu_layers,
                 self.rpc_workers, self.projector_on_gpu, self.gpus)
 

@@ -63,9 +63,9 @@ class Request:
     # `fit` policy): the tuner goes larger only where that costs no speed.
     min_ctx: int = MIN_DEFAULT_CTX
     # MoE expert cache (config expert_cache; profiles/planning/expert_pool.py): the slots asked
-    # (0: off), and whether the pool is in RAM (config expert_cache_device = cpu, for tests)
-    expert_cache_slots: int = 0  # AUTO_SLOTS: the tuner sizes it (or turns it off)
-    expert_pool_in_ram: bool = False
+    # (0: off), and where the pool goes (config expert_cache_device: "cpu", in RAM, for tests)
+    expert_cache: int = 0  # AUTO_SLOTS: the tuner sizes it (or turns it off)
+    expert_cache_device: str = "gpu"
     # who computes the pool's misses (config expert_misses): "auto" prices both, "cpu", "gpu"
     expert_misses: str = "auto"
     # Hit rates measured while serving the model: (slots per served block / n_expert, hit

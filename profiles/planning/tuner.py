@@ -161,7 +161,7 @@ def tune(shape: ModelShape, card: Card, request: Request | None = None,
     `draft` is the shape of a draft model paired with this one (same vocabulary): the search
     then also prices speculative decoding with it, its weights and KV inside the budget."""
     request = request or Request()
-    if request.expert_cache_slots:  # the pool's VRAM first, then the placement around it
+    if request.expert_cache:  # the pool's VRAM first, then the placement around it
         return with_expert_pool(shape, card, request,
                                 lambda plain: tune(shape, card, plain, compute, draft))
     if request.n_ctx is not None and request.n_ctx < 256:

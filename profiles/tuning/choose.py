@@ -94,15 +94,15 @@ def config_request(model_name: str | None = None, file_size: int = 0,
         measured_kl=measured_kl(model_name, file_size) if model_name else {},
         acceptance=measured_acceptance(model_name, file_size) if model_name else {},
         min_ctx=config.default_ctx,
-        expert_cache_slots=expert_cache_slots(config.expert_cache),
+        expert_cache=asked_pool(config.expert_cache),
         expert_misses=config.expert_misses,
-        expert_pool_in_ram=config.expert_cache_device == "cpu",
+        expert_cache_device=config.expert_cache_device,
         measured_hits=measured_hits(model_name, file_size) if model_name else (),
     )
 
 
-def expert_cache_slots(setting: int | str) -> int:
-    """The config's expert_cache as the Request's slots: 0 off, AUTO_SLOTS auto, else N."""
+def asked_pool(setting: int | str) -> int:
+    """The config's expert_cache as the Request's: 0 off, AUTO_SLOTS auto, else N slots."""
     if setting == "off":
         return 0
     return AUTO_SLOTS if setting == "auto" else int(setting)

@@ -20,7 +20,7 @@ def decode_at_measured_hits(plan, shape, card, pool) -> tuple[tuple[int, float],
     hits known. () before MIN_LOOKUPS lookups, and where the plan's decode is not priced that
     way alone: no pool, drafting, weights read from disk."""
     shape_of_pool = pool_shape(shape)
-    if (pool is None or shape_of_pool is None or not plan.expert_cache_slots or not pool.layers
+    if (pool is None or shape_of_pool is None or not plan.expert_cache or not pool.layers
             or pool.hits + pool.misses < MIN_LOOKUPS or plan.speculative != "off"
             or plan.streamed_bytes):
         return ()

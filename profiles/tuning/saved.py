@@ -33,9 +33,11 @@ EDITABLE: dict[str, type] = {
     "swa_full": bool, "n_batch": int, "n_ubatch": int, "n_threads": int,
     "n_threads_batch": int, "use_mmap": bool, "pin_in_place": bool, "n_parallel": int,
     "speculative": str, "draft_n_max": int, "draft_n_gpu_layers": int, "streamed_bytes": int,
-    "expert_cache_slots": int, "expert_misses_on_gpu": bool, "expert_cache_swaps": int,
+    "expert_cache": int, "expert_misses_on_gpu": bool, "expert_cache_swaps": int,
 }
 LIST_FIELDS = ("tensor_overrides", "tensor_split")
+# Keys profiles saved before a rename still carry: read as the new name, written as it.
+RENAMED = {"expert_cache_slots": "expert_cache"}
 HEADER = """\
 # localllm tuned profile. Edit any value under [plan]; the daemon uses this file for the
 # model on this card and applies edits at the next load. Delete it to let the tuner plan again.
@@ -139,6 +141,8 @@ def _check(path: Path, key: str, value: Any, kind: type) -> Any:
 def parse_plan_table(path: Path, table: Any) -> Plan:
     if not isinstance(table, dict):
         raise ProfileError(f"{path}: [plan] is missing")
+    table = {**{RENAMED[k]: v for k, v in table.items() if k in RENAMED},  # the new name wins
+             **{k: v for k, v in table.items() if k not in RENAMED}}
     known = set(EDITABLE) | set(LIST_FIELDS)
     unknown = sorted(set(table) - known)
     if unknown:
@@ -161,7 +165,7 @@ def parse_plan_table(path: Path, table: Any) -> Plan:
             raise ProfileError(f"{path}: plan.speculative = {values['speculative']!r} is not one "
                                f"of {', '.join(SPECULATIVE_MODES)}")
         values["speculative"] = speculative_mode(values["speculative"])
-    for key in ("draft_n_max", "draft_n_gpu_layers", "expert_cache_slots", "expert_cache_swaps"):
+    for key in ("draft_n_max", "draft_n_gpu_layers", "expert_cache", "expert_cache_swaps"):
         if key in values and values[key] < 0:
             raise ProfileError(f"{path}: plan.{key} must be 0 or more")
     if values.get("type_v", "f16") != "f16" and not values.get("flash_attn", False):

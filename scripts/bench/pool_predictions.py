@@ -49,16 +49,16 @@ def main() -> int:
         shape = read_shape(header)
     card = load_card(args.card)
     margin = card.gpu_list[0].free_vram_bytes - int(args.budget * GIB) + 128 * MIB
-    request = Request(n_ctx=args.ctx, margin_bytes=margin, expert_cache_slots=args.slots,
+    request = Request(n_ctx=args.ctx, margin_bytes=margin, expert_cache=args.slots,
                       expert_misses=args.misses)
     plan = tune(shape, card, request)
-    if args.hit is not None and plan.expert_cache_slots:
+    if args.hit is not None and plan.expert_cache:
         pool = pool_shape(shape)
-        share = plan.expert_cache_slots / (len(blocks_in_ram(plan, shape, pool)) * pool.n_expert)
+        share = plan.expert_cache / (len(blocks_in_ram(plan, shape, pool)) * pool.n_expert)
         measured = ((round(share, 4), args.hit, 1.0),)
         plan = tune(shape, card, replace(request, measured_hits=measured))
     print(f"{args.shape} on {args.card} at {args.budget:g} GiB, {args.ctx} context: "
-          f"{plan.expert_cache_slots} slots, misses on the "
+          f"{plan.expert_cache} slots, misses on the "
           f"{'GPU' if plan.expert_misses_on_gpu else 'CPU'}, priced at "
           f"{plan.expected_hit_rate:.0%} hits ({'measured' if args.hit is not None else 'prior'})")
     for depth, tps in plan.predicted_decode_by_depth:

@@ -145,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     cparams.n_ubatch = 512
     cparams.n_threads = cparams.n_threads_batch = args.threads
     settings = None if args.slots is None else expert_cache.Settings(
-        slots=args.slots, swaps=args.swaps, pool_in_ram=args.pool_in_ram,
-        misses_on_gpu=args.misses_on_gpu,
+        expert_cache=args.slots, expert_cache_swaps=args.swaps,
+        expert_cache_device="cpu" if args.pool_in_ram else "gpu",
+        expert_misses_on_gpu=args.misses_on_gpu,
         zero_slot=None if args.zero_slot is None else bool(args.zero_slot))
     with expert_cache.switched_on(settings):
         ctx = llama_cpp.llama_init_from_model(model, cparams)
