@@ -1,12 +1,28 @@
-"""Where localllm keeps things. Every path the program writes to comes from here.
+"""Where localllm keeps things, written whole and owner-only, and read back whatever they hold.
 
-platformdirs honours XDG_DATA_HOME, XDG_CONFIG_HOME, XDG_STATE_HOME, XDG_CACHE_HOME and
-XDG_RUNTIME_DIR on Linux, so tests point all of localllm at a temp dir through the environment.
+Every path the program writes to comes from here. platformdirs honours XDG_DATA_HOME,
+XDG_CONFIG_HOME, XDG_STATE_HOME, XDG_CACHE_HOME and XDG_RUNTIME_DIR on Linux, so tests point all
+of localllm at a temp dir through the environment.
+
+Writes go through a temporary file, fsync and rename (`replace_private`), so a reader sees the
+old file or the new one. The daemon's own state files (the tuner's records: workload.json, draft
+acceptance, expert-cache hits, eval results, calibration; saved profiles and chats) can still be
+left in any shape by a full disk or any local process, and none of them may stop a model from
+loading: a file that cannot be read as what it should be is logged once, set aside beside itself
+as NAME.bad-TIMESTAMP (never deleted: it may be worth a look) and a fresh one is started.
+
+    with unless_broken(path, "the workload record"):
+        return parse(path)          # any content error: set aside, then past the block
+    return default
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import platformdirs
@@ -14,6 +30,7 @@ import platformdirs
 from .errors import UserError
 
 APP = "localllm"
+log = logging.getLogger("localllm.state")
 DEFAULT_TCP_HOST = "127.0.0.1"
 DEFAULT_TCP_PORT = 11435
 
@@ -56,6 +73,47 @@ def replace_private(path: Path, text: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def set_aside(path: Path, what: str, error: BaseException) -> Path | None:
+    """Rename a broken state file to NAME.bad-TIMESTAMP beside it; the new name, or None when
+    it was gone already (another reader set it aside first)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for n in range(100):
+        aside = path.with_name(f"{path.name}.bad-{stamp}" + (f"-{n}" if n else ""))
+        if aside.exists():
+            continue
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("%s %s is unreadable (%s) and could not be set aside (%s)", what, path,
+                        _why(error), e)
+            return None
+        log.warning("%s %s was unreadable (%s): set aside as %s, starting a new one", what,
+                    path, _why(error), aside.name)
+        return aside
+    return None
+
+
+def _why(error: BaseException) -> str:
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
+
+
+@contextlib.contextmanager
+def unless_broken(path: Path, what: str) -> Iterator[None]:
+    """Run the block that reads `path`; a content error of any kind (not JSON or TOML, bytes
+    that are not UTF-8, nesting too deep, a value of the wrong type or size) sets the file aside
+    and is suppressed, so that the code after the block gives the default. Errors of the disk
+    itself (OSError) are not the file's content: they pass."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as e:  # any content at all: that is the point
+        set_aside(path, what, e)
 
 
 def private_dir(path: Path) -> Path:

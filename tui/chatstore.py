@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localllm import paths
-from localllm.state_file import set_aside
 
 SCHEMA_VERSION = 1
 SCHEMA = """
@@ -95,7 +94,7 @@ class ChatStore:
                 self.db.close()
             for extra in ("-wal", "-shm"):
                 self.path.with_name(self.path.name + extra).unlink(missing_ok=True)
-            set_aside(self.path, "the chat database", e)
+            paths.set_aside(self.path, "the chat database", e)
             self._open()
 
     def _open(self) -> None:

@@ -15,7 +15,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from localllm import paths
-from localllm.state_file import unless_broken
 
 from ..planning.card import Card
 from ..planning.costs import ModelCosts
@@ -39,7 +38,7 @@ def dry_run(model_path: str, plan: Plan, timeout: float = 120.0) -> Buffers | No
     cache = _cache_file(model_path, plan)
     if cache.is_file():
         try:
-            with unless_broken(cache, "a cached dry run"):
+            with paths.unless_broken(cache, "a cached dry run"):
                 found = json.loads(cache.read_bytes().decode("utf-8"))
                 if not isinstance(found, dict) or not isinstance(found.get("compute", {}), dict):
                     raise ValueError("not a dry run's figures")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from localllm.state_file import unless_broken
+from localllm.paths import unless_broken
 
 from ..planning.quality import REFERENCE
 from .saved import model_table, profiles_dir, read_tables, write_toml

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from localllm.state_file import unless_broken
+from localllm.paths import unless_broken
 
 from .saved import model_table, profiles_dir, read_tables, write_toml
 

@@ -18,7 +18,6 @@ from typing import Any
 import tomli_w
 
 from localllm import paths
-from localllm.state_file import set_aside, unless_broken
 from localllm.errors import UserError
 
 from localllm.speculative import SPECULATIVE_MODES
@@ -113,7 +112,7 @@ def read_tables(path: Path) -> dict[str, dict]:
     """The top-level tables of a per-model results file; a missing or broken file has none
     (the figures are measured again)."""
     try:
-        with unless_broken(path, "the tuner's record"):
+        with paths.unless_broken(path, "the tuner's record"):
             doc = tomllib.loads(path.read_bytes().decode("utf-8"))
             return {k: v for k, v in doc.items() if isinstance(v, dict)}
     except OSError:
@@ -202,7 +201,7 @@ def load_profile(path: Path, set_aside_broken: bool = True) -> SavedProfile:
     except (ValueError, RecursionError) as e:  # not TOML or not UTF-8: set aside, re-tuned
         if not set_aside_broken:
             raise ProfileError(f"{path}: not valid TOML: {e}") from None
-        set_aside(path, "the saved profile", e)
+        paths.set_aside(path, "the saved profile", e)
         raise ProfileError(f"{path}: not valid TOML ({e}); set aside, the model is tuned "
                            "again") from None
     try:

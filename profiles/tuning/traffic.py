@@ -22,7 +22,6 @@ import logging
 from pathlib import Path
 
 from localllm import paths
-from localllm.state_file import unless_broken
 
 from ..planning.workload import CHAT, MIN_LEARNED, Workload, learned, named
 
@@ -39,9 +38,9 @@ def traffic_file() -> Path:
 
 def _read(path: Path) -> dict[str, list[list[int]]]:
     """The record; {} when there is none, or when it is broken (then set aside: any content,
-    localllm.state_file)."""
+    localllm.paths)."""
     try:
-        with unless_broken(path, "the workload record"):
+        with paths.unless_broken(path, "the workload record"):
             return _parse(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         return {}
