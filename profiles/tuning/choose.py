@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from localllm.config import Config, ConfigError, load_config_sources, parse_size
 from localllm.modelstore.shape import ModelShape
@@ -83,10 +83,9 @@ def config_request(model_name: str | None = None, file_size: int = 0,
         source = f"config (expected_fill = {config.expected_fill:g})"
     else:
         workload, source = starting_workload(config.workload, model_name, hint)
-    return Request(
+    converted = dict(  # the settings the Request takes in other units or words, and the records
         margin_bytes=config.vram_margin_mib * MIB,
         kv_types=pinned,
-        quality=config.quality,
         workload=workload,
         workload_source=source,
         ram_budget_bytes=parse_size(config.ram_budget),
@@ -95,10 +94,18 @@ def config_request(model_name: str | None = None, file_size: int = 0,
         acceptance=measured_acceptance(model_name, file_size) if model_name else {},
         min_ctx=config.default_ctx,
         expert_cache=asked_pool(config.expert_cache),
-        expert_misses=config.expert_misses,
-        expert_cache_device=config.expert_cache_device,
         measured_hits=measured_hits(model_name, file_size) if model_name else (),
     )
+    as_set = {name: getattr(config, name) for name in same_names() if name not in converted}
+    return Request(**as_set, **converted)
+
+
+def same_names() -> tuple[str, ...]:
+    """The tuner settings the Request names as the config does. Those it takes as they are set
+    (quality, expert_misses, expert_cache_device...) pass with no line of their own in
+    `config_request`: a new tuner setting is a Config field and a Request field of one name."""
+    config_names = {f.name for f in fields(Config)}
+    return tuple(f.name for f in fields(Request) if f.name in config_names)
 
 
 def asked_pool(setting: int | str) -> int:
