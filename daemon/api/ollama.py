@@ -335,7 +335,9 @@ async def api_ps(request: web.Request) -> web.Response:
         runner = slot.runner
         plan = runner.running_plan  # the fill band's plan that runs now
         shape = slot.shape
-        kv = int(shape.kv_bytes_per_token(*_kv_bytes(plan)) * plan.n_ctx * runner.n_parallel)
+        per_token = shape.kv_bytes_per_token(kv_element_bytes(plan.type_k),
+                                             kv_element_bytes(plan.type_v))
+        kv = int(per_token * plan.n_ctx * runner.n_parallel)
         size = slot.entry.model_layer.size + kv
         vram = plan.vram_bytes()
         models.append({
@@ -386,10 +388,6 @@ async def api_ps(request: web.Request) -> web.Response:
                if runner.projector_path else {}),
         })
     return web.json_response({"models": models})
-
-
-def _kv_bytes(plan) -> tuple[float, float]:
-    return kv_element_bytes(plan.type_k), kv_element_bytes(plan.type_v)
 
 
 def processor(vram: int, size: int) -> str:
