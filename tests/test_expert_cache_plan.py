@@ -110,7 +110,7 @@ def test_a_dry_run_of_a_pooled_plan_counts_the_graph_the_pool_makes(headers):
     from localllm.profiles.tuning.dryrun import with_pool_bound
 
     shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
-    plan = tune(shape, card, Request(expert_cache_slots=512))
+    plan = tune(shape, card, Request(expert_cache=512))
     costs, placement, settings = model_costs(shape), placement_of(plan, shape), settings_of(plan)
     measured = {"CUDA0": 100 << 20, "CPU": 50 << 20}
     raised = with_pool_bound(measured, plan, costs, placement, settings, card)
@@ -120,7 +120,7 @@ def test_a_dry_run_of_a_pooled_plan_counts_the_graph_the_pool_makes(headers):
                    if m.device == "CUDA0")
     assert raised == {"CUDA0": bound, "CPU": 50 << 20}
     assert 100 << 20 < bound <= copying  # never the room for a block's copied experts
-    for other in (replace(plan, expert_cache_slots=0), replace(plan, expert_pool_in_ram=True)):
+    for other in (replace(plan, expert_cache=0), replace(plan, expert_cache_device="cpu")):
         assert with_pool_bound(measured, other, costs, placement, settings, card) == measured
     larger = {"CUDA0": bound + (64 << 20), "CPU": 50 << 20}  # a measured figure above it stands
     assert with_pool_bound(larger, plan, costs, placement, settings, card) == larger

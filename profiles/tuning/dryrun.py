@@ -67,7 +67,7 @@ def with_pool_bound(compute: dict[str, int], plan: Plan, costs: ModelCosts,
     graph. On the H200 a Qwen3-30B-A3B band at 32K context and micro-batch 2048 reserved 1,337
     MiB on the GPU where its dry run said 1,203; the formula without the copy's room (the
     activations of a micro-batch and flash attention's mask) says 1,397 (docs/gpu-suite.md)."""
-    if not plan.expert_cache_slots or plan.expert_pool_in_ram:
+    if not plan.expert_cache or plan.expert_cache_device == "cpu":
         return compute
     bound = {m.device: m.compute
              for m in memory_by_device(costs, placement, settings, card, op_offload=False)}
