@@ -213,6 +213,13 @@ def measure(route: str) -> dict:
         daemon = start_daemon(env)
         try:
             post(daemon.url, route)  # load the model, start the template worker
+            # The first request's bookkeeping (below) over before the hooks go on: on a busy
+            # machine its workload record was written after the second request was sent, and
+            # counted as that one's (23 files to the first decode instead of 20).
+            state = Path(env["XDG_STATE_HOME"]) / "localllm"
+            done_when(lambda: f"POST {route} 200" in (state / "logs" / "localllm.log")
+                      .read_text(), "log the first request")
+            done_when((state / "workload.json").exists, "write the first workload record")
             pids = [daemon.proc.pid, *children(daemon.proc.pid)]
             for pid in pids:
                 os.kill(pid, signal.SIGUSR1)
@@ -225,7 +232,6 @@ def measure(route: str) -> dict:
             # The request ends with its bookkeeping, not with the answer: its access-log line
             # and the tuner's workload record, written after the answer. Waited for, so that
             # they are counted every time rather than when they happen to be quick.
-            state = Path(env["XDG_STATE_HOME"]) / "localllm"
             done_when(lambda: (state / "logs" / "localllm.log").read_text().count(
                 f"POST {route} 200") >= 2, "log the request")
             done_when(lambda: (state / "workload.json").stat().st_mtime >= wall_sent,
