@@ -60,7 +60,7 @@ def cases(shapes: dict, draft) -> list[tuple[str, object, object, Request, objec
     out.append(("dense-27b/half-fill", shapes["dense-27b"], big, Request(), None))
     moe, small = shapes["qwen3-30b-a3b"], load_card("rtx3060-12g")
     out.append(("qwen3-30b-a3b/pool", moe, small,
-                Request(expert_cache_slots=AUTO_SLOTS, workload=CHAT), None))
+                Request(expert_cache=AUTO_SLOTS, workload=CHAT), None))
     out.append(("70b/2x-rtx3090", shapes["70b"], load_card("2x-rtx3090"),
                 Request(n_ctx=8192), None))
     out.append(("70b/2x-rtx3060-12g", shapes["70b"], load_card("2x-rtx3060-12g"),
