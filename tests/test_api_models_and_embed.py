@@ -72,12 +72,14 @@ def test_embed_dimensions_truncate_and_empty_input(md, oc):
     assert abs(sum(x * x for x in r.embeddings[0]) - 1) < 1e-4
     code, text = request(md, "/api/embed", {"model": "smollm2", "input": []})
     assert code == 200 and json.loads(text)["embeddings"] == []
-    long_text = "word " * 5000
+    # Past a 512-token context (the embedding context is the loaded one's): cutting reads 512
+    # tokens, where past the default context it would read thousands.
+    long_text, small = "word " * 700, {"num_ctx": 512}
     code, text = request(md, "/api/embed", {"model": "smollm2", "input": long_text,
-                                            "truncate": False})
+                                            "truncate": False, "options": small})
     assert code == 400 and "exceeds the context length" in json.loads(text)["error"]
-    cut = oc.embed(model="smollm2", input=long_text)
-    assert len(cut.embeddings[0]) == 576 and cut.prompt_eval_count <= 8192
+    cut = oc.embed(model="smollm2", input=long_text, options=small)
+    assert len(cut.embeddings[0]) == 576 and cut.prompt_eval_count == 512
     code, text = request(md, "/api/embed", {"model": "smollm2", "input": 5})
     assert code == 400 and "invalid input type" in json.loads(text)["error"]
     code, _ = request(md, "/api/embed", {"model": "ghost", "input": "x"})

@@ -74,23 +74,24 @@ def machine_wheel_dir() -> Path:
 
 @pytest.mark.slow
 @pytest.mark.network
-def test_two_fresh_venvs_install_the_machine_wheel_and_compile_nothing(tmp_path):
+def test_a_fresh_venv_installs_the_machine_wheel_and_compiles_nothing(tmp_path):
+    # The wheel was built before this test (by the machine's own install.sh), so this venv is
+    # already a later one; a second would read the same folder again and check nothing more.
     wheel_dir = machine_wheel_dir()
     if not list(wheel_dir.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl")):
         pytest.skip(f"no wheel built on this machine yet in {wheel_dir}: run scripts/install.sh")
     before = sorted(p.name for p in wheel_dir.iterdir())
     env, calls = no_compiler_env(tmp_path / "shims")
-    for name in ("first", "second"):
-        checkout = checkout_copy(tmp_path / name)
-        result = run_install(checkout, env)
-        assert result.returncode == 0, result.stdout + result.stderr
-        assert f"llama.cpp: {wheel_dir}" in result.stdout
-        assert "building llama.cpp" not in result.stdout
-        assert not calls.exists(), calls.read_text()
-        libs = {p.name for p in venv_lib_dir(checkout).iterdir()}
-        assert {"libllama.so", "libggml.so", "libggml-rpc.so", "libmtmd.so"} <= libs
-        assert "libllama-common.so" not in libs
-        assert "installed: localllm" in result.stdout
+    checkout = checkout_copy(tmp_path / "fresh")
+    result = run_install(checkout, env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"llama.cpp: {wheel_dir}" in result.stdout
+    assert "building llama.cpp" not in result.stdout
+    assert not calls.exists(), calls.read_text()
+    libs = {p.name for p in venv_lib_dir(checkout).iterdir()}
+    assert {"libllama.so", "libggml.so", "libggml-rpc.so", "libmtmd.so"} <= libs
+    assert "libllama-common.so" not in libs
+    assert "installed: localllm" in result.stdout
     assert sorted(p.name for p in wheel_dir.iterdir()) == before
 
 
