@@ -42,6 +42,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
+from localllm.client import serve_command
 
 PROMPTS = ["Write a haiku about rain.", "What is 2 + 2?", "Name three colours.",
            "Tell me a short story about a fox.", "Explain gravity in one sentence.",
@@ -395,7 +396,7 @@ def spawn_daemon() -> tuple[subprocess.Popen, str]:
         port = probe.getsockname()[1]
     sock = Path(tempfile.mkdtemp(prefix="localllm-soak-")) / "localllm.sock"
     env = {**os.environ, "LOCALLLM_HOST": f"127.0.0.1:{port}", "LOCALLLM_SOCKET": str(sock)}
-    proc = subprocess.Popen([sys.executable, "-m", "localllm.cli", "serve"], env=env,
+    proc = subprocess.Popen(serve_command(), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:
         if line.startswith("{") and json.loads(line).get("event") == "listening":
