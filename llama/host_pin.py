@@ -26,14 +26,20 @@ log = logging.getLogger("localllm.runner.model")
 GATE = "GGML_CUDA_REGISTER_HOST"
 
 
-def _cuda_library() -> ctypes.CDLL | None:
-    """The ggml CUDA backend this process loaded, or None (a CPU build)."""
+def loaded_library(name: str) -> ctypes.CDLL | None:
+    """The shared library this process loaded whose file name holds `name` (the same copy, so
+    the same CUDA context), or None."""
     with open("/proc/self/maps") as maps:
         for line in maps:
             path = line.split(maxsplit=5)[-1].strip()
-            if "libggml-cuda" in os.path.basename(path):
+            if name in os.path.basename(path):
                 return ctypes.CDLL(path)
     return None
+
+
+def _cuda_library() -> ctypes.CDLL | None:
+    """The ggml CUDA backend this process loaded, or None (a CPU build)."""
+    return loaded_library("libggml-cuda")
 
 
 def mapped_ranges(path: str) -> list[tuple[int, int]]:

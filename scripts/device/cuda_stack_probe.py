@@ -18,17 +18,15 @@ import ctypes
 import json
 import random
 import sys
+from pathlib import Path
 
 import llama_cpp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import checkout_imports
 
-def cudart() -> ctypes.CDLL:
-    """The CUDA runtime ggml-cuda loaded (the same library, so the same primary context)."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            if "libcudart.so" in line:
-                return ctypes.CDLL(line.split()[-1])
-    raise SystemExit("error: no libcudart loaded: is this a CUDA build of llama.cpp?")
+checkout_imports.bootstrap()  # the GPU machine has no install of localllm
+from localllm.llama.host_pin import loaded_library  # noqa: E402
 
 
 def main() -> int:
@@ -43,7 +41,9 @@ def main() -> int:
     llm = llama_cpp.Llama(a.model, n_gpu_layers=-1, n_ctx=a.ctx, n_batch=a.ubatch,
                           n_ubatch=a.ubatch, flash_attn=True, type_k=kv, type_v=kv,
                           verbose=False)
-    rt = cudart()
+    rt = loaded_library("libcudart.so")  # ggml-cuda's runtime: its primary context
+    if rt is None:
+        raise SystemExit("error: no libcudart loaded: is this a CUDA build of llama.cpp?")
     attr = ctypes.c_int()
     rt.cudaDeviceGetAttribute(ctypes.byref(attr), 16, 0)  # cudaDevAttrMultiProcessorCount
     sms = attr.value
