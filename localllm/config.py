@@ -134,7 +134,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -142,46 +142,58 @@ import tomli_w
 
 from . import paths
 from .config_values import (
-    CHOICES, LIMITS, NUMBER_OR, ConfigError, parse_bands, parse_duration, parse_endpoint,
-    parse_gpus, parse_size,
+    ConfigError, parse_bands, parse_duration, parse_endpoint, parse_gpus, parse_size,
 )
+
+
+def setting(default, env: str, *, words: tuple[str, ...] = (), least: float | None = None,
+            most: float | None = None, besides: tuple[str, ...] = ("auto",)):
+    """One setting, declared whole: its default, its LOCALLLM_* variable, the words it takes
+    (`words`), its bounds as a number (`least`, `most`) and, for a number-or-word setting, the
+    words it takes besides a number (`besides`). check_setting and coerce apply them."""
+    return field(default=default, metadata={"env": env, "words": words, "least": least,
+                                            "most": most, "besides": besides})
 
 
 @dataclass(frozen=True)
 class Config:
-    host: str = f"{paths.DEFAULT_TCP_HOST}:{paths.DEFAULT_TCP_PORT}"
-    socket: str = ""
-    api_key: str = ""
-    origins: str = ""
-    allowed_hosts: str = ""
-    shared_machine: bool = False
-    import_dirs: tuple[str, ...] = ("~",)
-    keep_alive: str = "5m"
-    max_loaded_models: int = 2
-    num_parallel: int | str = "auto"
-    max_queue: int = 64
-    queue_timeout: str = "5m"
-    load_timeout: str = "10m"
-    default_model: str = "smollm2"
-    default_ctx: int = 4096
-    context_policy: str = "fit"
-    kv_cache_type: str = "auto"
-    quality: str = "balanced"
-    expected_fill: float = 0.5
-    workload: str = "auto"
-    vram_margin_mib: int = 512
-    ram_budget: str = "auto"
-    gpus: str = "all"
-    hf_endpoint: str = "https://huggingface.co"
-    log_level: str = "info"
-    rpc_workers: tuple[str, ...] = ()
-    remote_timeout: int = 300
-    image_urls: str = "on"
-    prompt_cache_ram: int | str = "auto"
-    fill_bands: str = "auto"
-    expert_cache: int | str = "auto"
-    expert_misses: str = "auto"
-    expert_cache_device: str = "gpu"
+    host: str = setting(f"{paths.DEFAULT_TCP_HOST}:{paths.DEFAULT_TCP_PORT}", "LOCALLLM_HOST")
+    socket: str = setting("", "LOCALLLM_SOCKET")
+    api_key: str = setting("", "LOCALLLM_API_KEY")
+    origins: str = setting("", "LOCALLLM_ORIGINS")
+    allowed_hosts: str = setting("", "LOCALLLM_ALLOWED_HOSTS")
+    shared_machine: bool = setting(False, "LOCALLLM_SHARED_MACHINE")
+    import_dirs: tuple[str, ...] = setting(("~",), "LOCALLLM_IMPORT_DIRS")
+    keep_alive: str = setting("5m", "LOCALLLM_KEEP_ALIVE")
+    max_loaded_models: int = setting(2, "LOCALLLM_MAX_LOADED_MODELS", least=1)
+    num_parallel: int | str = setting("auto", "LOCALLLM_NUM_PARALLEL", least=1, most=64)
+    max_queue: int = setting(64, "LOCALLLM_MAX_QUEUE", least=1)
+    queue_timeout: str = setting("5m", "LOCALLLM_QUEUE_TIMEOUT")
+    load_timeout: str = setting("10m", "LOCALLLM_LOAD_TIMEOUT")
+    default_model: str = setting("smollm2", "LOCALLLM_DEFAULT_MODEL")
+    default_ctx: int = setting(4096, "LOCALLLM_CONTEXT_LENGTH", least=256)
+    context_policy: str = setting("fit", "LOCALLLM_CONTEXT_POLICY", words=("fixed", "fit", "max"))
+    kv_cache_type: str = setting("auto", "LOCALLLM_KV_CACHE_TYPE",
+                                 words=("auto", "f16", "bf16", "q8_0", "q4_0", "q8_0/q4_0"))
+    quality: str = setting("balanced", "LOCALLLM_QUALITY", words=("max", "balanced", "speed"))
+    expected_fill: float = setting(0.5, "LOCALLLM_EXPECTED_FILL", least=0.05, most=1.0)
+    workload: str = setting("auto", "LOCALLLM_WORKLOAD", words=("auto", "chat", "agent"))
+    vram_margin_mib: int = setting(512, "LOCALLLM_VRAM_MARGIN_MIB", least=0)
+    ram_budget: str = setting("auto", "LOCALLLM_RAM_BUDGET")
+    gpus: str = setting("all", "LOCALLLM_GPUS")
+    hf_endpoint: str = setting("https://huggingface.co", "LOCALLLM_HF_ENDPOINT")
+    log_level: str = setting("info", "LOCALLLM_LOG_LEVEL",
+                             words=("debug", "info", "warning", "error"))
+    rpc_workers: tuple[str, ...] = setting((), "LOCALLLM_RPC_WORKERS")
+    remote_timeout: int = setting(300, "LOCALLLM_REMOTE_TIMEOUT", least=1)
+    image_urls: str = setting("on", "LOCALLLM_IMAGE_URLS", words=("on", "off"))
+    prompt_cache_ram: int | str = setting("auto", "LOCALLLM_PROMPT_CACHE_RAM", least=0)
+    fill_bands: str = setting("auto", "LOCALLLM_FILL_BANDS")
+    expert_cache: int | str = setting("auto", "LOCALLLM_EXPERT_CACHE", least=0,
+                                      besides=("off", "auto"))
+    expert_misses: str = setting("auto", "LOCALLLM_EXPERT_MISSES", words=("auto", "cpu", "gpu"))
+    expert_cache_device: str = setting("gpu", "LOCALLLM_EXPERT_CACHE_DEVICE",
+                                       words=("gpu", "cpu"))
 
     @property
     def socket_path(self) -> Path:
@@ -219,41 +231,8 @@ DAEMON_ONLY = ("max_loaded_models", "num_parallel", "max_queue", "queue_timeout"
                "fill_bands", "expert_misses", "expert_cache_device", "keep_alive")
 
 
-ENV = {
-    "host": "LOCALLLM_HOST",
-    "socket": "LOCALLLM_SOCKET",
-    "api_key": "LOCALLLM_API_KEY",
-    "origins": "LOCALLLM_ORIGINS",
-    "allowed_hosts": "LOCALLLM_ALLOWED_HOSTS",
-    "shared_machine": "LOCALLLM_SHARED_MACHINE",
-    "import_dirs": "LOCALLLM_IMPORT_DIRS",
-    "keep_alive": "LOCALLLM_KEEP_ALIVE",
-    "max_loaded_models": "LOCALLLM_MAX_LOADED_MODELS",
-    "num_parallel": "LOCALLLM_NUM_PARALLEL",
-    "max_queue": "LOCALLLM_MAX_QUEUE",
-    "queue_timeout": "LOCALLLM_QUEUE_TIMEOUT",
-    "load_timeout": "LOCALLLM_LOAD_TIMEOUT",
-    "default_model": "LOCALLLM_DEFAULT_MODEL",
-    "default_ctx": "LOCALLLM_CONTEXT_LENGTH",
-    "context_policy": "LOCALLLM_CONTEXT_POLICY",
-    "kv_cache_type": "LOCALLLM_KV_CACHE_TYPE",
-    "quality": "LOCALLLM_QUALITY",
-    "expected_fill": "LOCALLLM_EXPECTED_FILL",
-    "workload": "LOCALLLM_WORKLOAD",
-    "vram_margin_mib": "LOCALLLM_VRAM_MARGIN_MIB",
-    "ram_budget": "LOCALLLM_RAM_BUDGET",
-    "gpus": "LOCALLLM_GPUS",
-    "hf_endpoint": "LOCALLLM_HF_ENDPOINT",
-    "log_level": "LOCALLLM_LOG_LEVEL",
-    "rpc_workers": "LOCALLLM_RPC_WORKERS",
-    "remote_timeout": "LOCALLLM_REMOTE_TIMEOUT",
-    "image_urls": "LOCALLLM_IMAGE_URLS",
-    "prompt_cache_ram": "LOCALLLM_PROMPT_CACHE_RAM",
-    "fill_bands": "LOCALLLM_FILL_BANDS",
-    "expert_cache": "LOCALLLM_EXPERT_CACHE",
-    "expert_misses": "LOCALLLM_EXPERT_MISSES",
-    "expert_cache_device": "LOCALLLM_EXPERT_CACHE_DEVICE",
-}
+# Each setting's LOCALLLM_* variable, as its declaration names it.
+ENV = {f.name: f.metadata["env"] for f in fields(Config)}
 
 # Settings the daemon takes only when it starts (sockets are bound, the auth middleware and the
 # pull route hold theirs): a change while it runs logs "restart needed".
@@ -275,16 +254,19 @@ def setting_names() -> tuple[str, ...]:
     return tuple(f.name for f in fields(Config))
 
 
+_FIELDS = {f.name: f for f in fields(Config)}
+
+
 def _kind(name: str) -> str:
-    return {f.name: f.type for f in fields(Config)}[name]
+    return _FIELDS[name].type
 
 
 def coerce(name: str, value: object) -> bool | int | float | str | tuple[str, ...]:
     """A raw value (TOML, env or command line) as the setting's type; ConfigError if it is not."""
     if name not in ENV:
         raise ConfigError(f"unknown setting {name!r} (known: {', '.join(setting_names())})")
-    if _kind(name) == "int | str":  # a number, or the word auto (or NUMBER_OR's words)
-        words = NUMBER_OR.get(name, ("auto",))
+    if _kind(name) == "int | str":  # a number, or the words it takes besides one
+        words = _FIELDS[name].metadata["besides"]
         if isinstance(value, str) and value.strip().lower() in words:
             return value.strip().lower()
         word = " or ".join(words)
@@ -333,14 +315,14 @@ def coerce(name: str, value: object) -> bool | int | float | str | tuple[str, ..
 
 def check_setting(name: str, value: int | str) -> None:
     """The rules for one setting's value; ConfigError with the reason if it breaks one."""
-    if name in LIMITS and not isinstance(value, str):
-        low, high = LIMITS[name]
-        if value < low:  # type: ignore[operator]
-            raise ConfigError(f"{name} must be at least {low}, not {value}")
-        if high is not None and value > high:  # type: ignore[operator]
-            raise ConfigError(f"{name} must be at most {high}, not {value}")
-    if name in CHOICES and value not in CHOICES[name]:
-        raise ConfigError(f"{name} must be one of {', '.join(CHOICES[name])}, not {value!r}")
+    rules = _FIELDS[name].metadata
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if rules["least"] is not None and value < rules["least"]:
+            raise ConfigError(f"{name} must be at least {rules['least']}, not {value}")
+        if rules["most"] is not None and value > rules["most"]:
+            raise ConfigError(f"{name} must be at most {rules['most']}, not {value}")
+    if rules["words"] and value not in rules["words"]:
+        raise ConfigError(f"{name} must be one of {', '.join(rules['words'])}, not {value!r}")
     if name == "host":
         try:
             paths.parse_host(str(value))

@@ -20,35 +20,6 @@ class ConfigError(UserError, ValueError):
         self.reason = reason or message
 
 
-# The words, bounds and words-besides-numbers each setting takes (config.check_setting and
-# coerce apply them).
-CHOICES = {
-    "context_policy": ("fixed", "fit", "max"),
-    "kv_cache_type": ("auto", "f16", "bf16", "q8_0", "q4_0", "q8_0/q4_0"),
-    "quality": ("max", "balanced", "speed"),
-    "workload": ("auto", "chat", "agent"),
-    "log_level": ("debug", "info", "warning", "error"),
-    "image_urls": ("on", "off"),
-    "expert_misses": ("auto", "cpu", "gpu"),
-    "expert_cache_device": ("gpu", "cpu"),
-}
-
-# (smallest, largest) for number settings; None means no bound.
-LIMITS = {
-    "max_loaded_models": (1, None),
-    "num_parallel": (1, 64),
-    "max_queue": (1, None),
-    "default_ctx": (256, None),
-    "vram_margin_mib": (0, None),
-    "expected_fill": (0.05, 1.0),
-    "remote_timeout": (1, None),
-    "prompt_cache_ram": (0, None),
-    "expert_cache": (0, None),
-}
-
-# The word a setting of a number or a word takes besides a number (the others: auto).
-NUMBER_OR = {"expert_cache": ("off", "auto")}
-
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 
 

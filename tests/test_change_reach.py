@@ -4,11 +4,11 @@
   its `Writer`) and the one line that adds the module's routes to the app, in the route table.
   Shown by doing it: a wire format made up here, in a module of its own, answers a real chat on
   the small test model through the response pipeline, with nothing else of the daemon changed.
-- A new tuner setting: the settings table (`localllm/config.py`: the field, its variable, its
-  line in the table), the tuner Request's field of the same name (`profiles/planning/search.py`)
-  and the planning module that reads it; `localllm/config_values.py` too where it takes words
-  or bounds. `choose.config_request` passes a setting the Request names as the config does with
-  no line of its own, shown with a setting made up here.
+- A new tuner setting: the settings table (`localllm/config.py`: the field with its variable
+  and the words or bounds it takes, its line in the table), the tuner Request's field of the
+  same name (`profiles/planning/search.py`) and the planning module that reads it.
+  `choose.config_request` passes a setting the Request names as the config does with no line of
+  its own, shown with a setting made up here.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import tokenize
 import types
 from pathlib import Path
 
-from localllm.config import Config
-from localllm import config_values
-from localllm.config_values import CHOICES
+import pytest
+
+from localllm.config import Config, ConfigError, check_setting
 from localllm.daemon.server import create_app
 from localllm.profiles.planning.search import Request
 from localllm.profiles.tuning import choose
@@ -204,11 +204,14 @@ def test_a_new_tuner_setting_is_the_settings_table_the_request_and_its_reader(mo
     # a real one, expert_misses (auto, cpu or gpu; read by the planning of the expert pool):
     # the files that name it are those tables and the module that reads it, nothing between
     registries = {source_of(Config), source_of(Request)}
-    words = {source_of(config_values)}
-    assert "expert_misses" in choose.same_names() and "expert_misses" in CHOICES
+    assert "expert_misses" in choose.same_names()
     files = files_naming("expert_misses")
-    readers = files - registries - words
-    assert registries | words <= files, files
+    readers = files - registries
+    assert registries <= files, files
     assert readers and all(f.startswith("profiles/planning/") for f in readers), readers
-    # 3 files, and the words' table for a setting that takes words: 4 here
-    assert len(files - words) <= 3 and len(files) <= 4, sorted(files)
+    assert len(files) <= 3, sorted(files)
+    # its words are declared with its field, and the check applies them from there
+    declared = {f.name: f for f in dataclasses.fields(Config)}["expert_misses"]
+    assert declared.metadata["words"] == ("auto", "cpu", "gpu")
+    with pytest.raises(ConfigError, match="expert_misses must be one of auto, cpu, gpu"):
+        check_setting("expert_misses", "fast")
