@@ -70,7 +70,9 @@ def _run(synthetic, tmp_path, shape: str, budget: float, steps, **settings):
         peak = s.card.stop()
         log = s.log_tail(60)
         s.stop()
-    return s, (peak - s.baseline) >> 20, log
+    used = (peak - s.baseline) >> 20
+    print(f"{shape} at {budget} GiB: peak {used} of {s.budget_mib} MiB")  # -rA shows it
+    return s, used, log
 
 
 @pytest.mark.parametrize("budget", selected("LOCALLLM_GPU_BUDGETS", BUDGETS_GIB))
