@@ -109,12 +109,17 @@ def test_plan_fits_and_its_bytes_agree(shapes, name, gib, ctx):
     assert set(memory) == {"CUDA0", "CPU"}
     assert memory["CUDA0"].total <= vram_budget(c, 512 * MIB)
     assert memory["CPU"].total <= ram_budget(c)
-    # the CUDA context, and ggml-cuda's pool of kernel temporaries: the q8_1 copy of a
-    # micro-batch's input, gathered once per routed expert, and stream-k's fixup tiles
+    want = expected_bytes(config, plan)
+    # the CUDA context, ggml-cuda's pool of kernel temporaries (the q8_1 copy of a
+    # micro-batch's input, gathered once per routed expert, and stream-k's fixup tiles), and
+    # the page tables of the RAM weights registered with CUDA where more than the token table
+    # stays in RAM: 8 bytes per 4 KiB page
     rows = plan.n_ubatch * max(1, config.n_expert_used)
     width = max(config.n_embd, config.n_ff_expert if config.n_expert else config.n_ff)
-    assert memory["CUDA0"].overhead == c.overhead_bytes + int(rows * width * 36 / 32) + 9 * MIB
-    want = expected_bytes(config, plan)
+    in_ram = any(d == "CPU" and n for d, n in plan.device_layers) or bool(plan.tensor_overrides)
+    tables = int(want["CPU"][0] * 8 / 4096) if in_ram else 0
+    assert memory["CUDA0"].overhead == (c.overhead_bytes + int(rows * width * 36 / 32) + 9 * MIB
+                                        + tables)
     for device in ("CUDA0", "CPU"):
         assert memory[device].weights == want[device][0], device
         assert memory[device].kv == want[device][1], device

@@ -109,12 +109,15 @@ def test_70b_over_two_cards_has_exact_memory_on_each(shapes, name, ctx):
     budgets = vram_budgets(card, 512 * MIB)
     want = expected_bytes(synth_gguf.SHAPES["70b"], plan)
     config = synth_gguf.SHAPES["70b"]
-    # each GPU: the CUDA context, and its own pool of kernel temporaries (the q8_1 copy of a
-    # micro-batch's widest input, and stream-k's fixup tiles)
+    # each GPU: the CUDA context, its own pool of kernel temporaries (the q8_1 copy of a
+    # micro-batch's widest input, and stream-k's fixup tiles), and its page tables of the RAM
+    # weights registered with CUDA where blocks or tensors stay in RAM (8 bytes per 4 KiB page)
     pool = int(plan.n_ubatch * max(config.n_embd, config.n_ff) * 36 / 32) + 9 * MIB
+    in_ram = layers["CPU"] > 0 or bool(plan.tensor_overrides)
+    tables = int(want["CPU"][0] * 8 / 4096) if in_ram else 0
     for device in ("CUDA0", "CUDA1"):
         assert memory[device].total <= budgets[device], device
-        assert memory[device].overhead == card.overhead_bytes + pool
+        assert memory[device].overhead == card.overhead_bytes + pool + tables
     for device in ("CUDA0", "CUDA1", "CPU"):
         assert memory[device].weights == want[device][0], device
         assert memory[device].kv == want[device][1], device

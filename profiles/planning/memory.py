@@ -309,6 +309,21 @@ def cuda_pool_bytes(costs: ModelCosts, settings: ContextSettings) -> int:
     return int(rows * width * Q8_1_BYTES_PER_VALUE) + STREAM_K_FIXUP
 
 
+# Registering host memory with CUDA takes device memory for its page tables: 8 bytes per 4 KiB
+# page, 2 MiB per GiB, on each GPU, mapped or not, given back at unregister
+# (scripts/device/host_register_probe.py on the H200: 2, 8, 32 and 80 MiB for 1, 4, 16 and 40
+# GiB). A plan with weights in RAM on a GPU registers the file's mapped pages that hold them
+# (llama/host_pin.py); an 80B-class plan at 12 GiB keeps 42 GiB there: 84 MiB of VRAM.
+PAGE_TABLE_BYTES_PER_BYTE = 8 / 4096
+
+
+def page_table_bytes(ram_weights: int, token_table: int) -> int:
+    """A GPU's page tables for the weights a plan keeps in RAM, which are registered with CUDA
+    when more than the token table sits there (build.loads_pinned; past RAM they stay pageable,
+    and this counts them anyway: 0.2% of them, on the safe side)."""
+    return int(ram_weights * PAGE_TABLE_BYTES_PER_BYTE) if ram_weights > token_table else 0
+
+
 @per_costs
 def block_runs(costs: ModelCosts, placement: Placement,
                n_gpus: int) -> tuple[tuple[str, int, int], ...]:
@@ -374,6 +389,8 @@ def _memory_by_device(costs: ModelCosts, placement: Placement, settings: Context
     used_gpus = {d for d, _, _ in runs if d != CPU} | ({devices[-1]} - {CPU})
     pipelined = len(used_gpus) > 1 and CPU not in devices and not overridden(placement)
     measured = compute.measured.get(ComputeTable.key(settings, placement)) if compute else None
+    gpu_overhead = card.overhead_bytes + cuda_pool_bytes(costs, settings) + page_table_bytes(
+        weights[CPU], costs.embedding_bytes + costs.cpu_other_bytes)
     out = []
     for name in names:
         if measured is not None and name in measured:
@@ -389,8 +406,8 @@ def _memory_by_device(costs: ModelCosts, placement: Placement, settings: Context
             device=name, weights=weights[name], kv=kv[name], compute=buffer,
             # RAM beyond weights, KV and buffers: the runner's checkpoints (not KV: no layer
             # attends to them, and the KV's device is what the speed model reads)
-            # a GPU: its CUDA context and the pool its kernels' temporaries come from
-            overhead=(card.overhead_bytes + cuda_pool_bytes(costs, settings)) if name != CPU
-            else checkpoint_bytes(costs, settings),
+            # a GPU: its CUDA context, the pool its kernels' temporaries come from and the page
+            # tables of the RAM it reads weights from
+            overhead=gpu_overhead if name != CPU else checkpoint_bytes(costs, settings),
         ))
     return tuple(out)
