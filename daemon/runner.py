@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -25,6 +24,7 @@ from localllm.llama.cpu import describe_crash, is_engine_crash
 from localllm.llama.expert_cache import ExpertCacheStats
 from localllm.llama.runner.load import Load
 from localllm.llama.runner.protocol import (
+    RUNNER_COMMAND,
     ENDING_EVENTS,
     RUNNER_SILENCE_S,
     Band,
@@ -53,7 +53,6 @@ from .logging_setup import LOG_FILE_BACKUPS, LOG_FILE_BYTES
 log = logging.getLogger("localllm.runner.process")
 # Protocol lines can be long (a Done event carries the whole token context).
 STREAM_LIMIT = 64 * 1024 * 1024
-RUNNER_COMMAND = (sys.executable, "-m", "localllm.llama.runner")
 
 
 def runner_env(plan: Plan) -> dict[str, str]:

@@ -16,7 +16,7 @@ from localllm.daemon.runner import RUNNER_COMMAND
 from localllm.llama.runner.protocol import Failure, event_from_wire
 from localllm.profiles.planning.plan import Plan
 from localllm.profiles.planning.probes import DryRun
-from localllm.profiles.tuning.probing import CHILD_COMMAND, ProbeFailed, ask
+from localllm.profiles.tuning.probing import ProbeFailed, ask
 
 
 def test_the_runner_refuses_a_first_line_that_names_no_op_it_starts_with():
@@ -30,16 +30,12 @@ def test_the_runner_refuses_a_first_line_that_names_no_op_it_starts_with():
 
 
 def test_a_request_without_what_it_needs_is_one_failure():
-    done = subprocess.run(CHILD_COMMAND, input='{"op": "dry_run", "id": "", "plan": {}}\n',
+    done = subprocess.run(RUNNER_COMMAND, input='{"op": "dry_run", "id": "", "plan": {}}\n',
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     answer = event_from_wire(json.loads(done.stdout.strip().splitlines()[-1]))
     assert isinstance(answer, Failure) and answer.status == 400
     assert answer.message.startswith("a dry_run request without what it needs")
-
-
-def test_the_tuner_starts_the_runner_program():
-    assert CHILD_COMMAND == RUNNER_COMMAND
 
 
 def test_a_file_llama_cpp_cannot_load_is_a_probe_failure_with_its_reason(tmp_path):

@@ -12,9 +12,10 @@
 - no two rooms import each other, directly or around a loop;
 - inside a room, no two modules import each other around a loop, deferred (function-level)
   and type-checking imports included: a loop held open by a late import is still a loop;
-- a child program of ours (`python -m localllm.X`) is started only by a module declared for it
-  in CHILD_PROGRAMS (the runner, the engine's one child program; the template worker), from a
-  room on the same floor as the program's or above it.
+- a child program of ours (`python -m localllm.X`) is named only by a module declared for it
+  in CHILD_PROGRAMS (the runner, the engine's one child program, whose protocol names its
+  command for the daemon and the tuner; the template worker), from a room on the same floor as
+  the program's or above it.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ def test_no_file_over_500_lines_and_no_class_over_300():
 # (llama/runner/tuner_ops.py) are its ops. The CLI is no child program: the daemon is started as
 # the installed `localllm` command (localllm/client.py's serve_command), as a unit file would.
 CHILD_PROGRAMS = {
-    "localllm.llama.runner": {"daemon/runner.py", "profiles/tuning/probing.py"},
+    "localllm.llama.runner": {"llama/runner/protocol.py"},
     "localllm.daemon.chat.template_worker": {"daemon/chat/template.py"},
 }
 

@@ -19,6 +19,7 @@ tuner_ops.py with its typed result (profiles/tuning/probing.py asks).
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar
@@ -48,6 +49,10 @@ IMAGE_MARKER = "<__media__>"
 # A runner serving a request sends something (a token, prompt progress after each chunk) well
 # within this; one that stays silent longer is taken for hung and stopped.
 RUNNER_SILENCE_S = 300.0
+
+# The runner program: the daemon starts one per loaded model (daemon/runner.py), the tuner one
+# per measurement (profiles/tuning/probing.py).
+RUNNER_COMMAND = (sys.executable, "-m", "localllm.llama.runner")
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Callable
 
 from localllm.llama.runner.protocol import (
     OP_OF_REQUEST,
+    RUNNER_COMMAND,
     Chunks,
     Failure,
     event_from_wire,
@@ -27,7 +27,6 @@ from localllm.errors import UserError
 
 from ..planning.probes import ProbeRequest
 
-CHILD_COMMAND = (sys.executable, "-m", "localllm.llama.runner")
 
 
 class ProbeFailed(UserError):
@@ -45,7 +44,7 @@ def ask(request: ProbeRequest, timeout: float,
     says why there is no result: the child's own Failure, else the last line of its stderr."""
     op = OP_OF_REQUEST[type(request)]
     with tempfile.TemporaryFile("w+") as stderr, subprocess.Popen(
-            CHILD_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+            RUNNER_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
             text=True) as proc:
         try:
             proc.stdin.write(json.dumps(request_to_wire(request)) + "\n")
