@@ -24,8 +24,8 @@ from localllm.llama.cpu import describe_crash, is_engine_crash
 from localllm.llama.expert_cache import ExpertCacheStats
 from localllm.llama.runner.load import Load
 from localllm.llama.runner.protocol import (
-    RUNNER_COMMAND,
     ENDING_EVENTS,
+    RUNNER_COMMAND,
     RUNNER_SILENCE_S,
     Band,
     CpuShare,

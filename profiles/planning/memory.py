@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, fields
 from localllm.modelstore.shape import SLIDING, ModelShape
 
 from .card import MIB, Card
-from .costs import MEMO_LIMIT, ModelCosts, model_costs, per_costs
+from .costs import ModelCosts, model_costs, per_costs
 from .placements import CPU, Placement, head_in_ram, in_ram, overridden
 from .plan import DeviceMemory
 
@@ -230,12 +230,13 @@ def checkpoint_bytes(costs: ModelCosts, settings: ContextSettings) -> int:
     return one * CHECKPOINTS_PER_SLOT * settings.n_seq
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ComputeTable:
     """Compute buffers measured by dry-run loads: (settings, placement) -> bytes per device.
 
     A measured point is used exactly; elsewhere the formula is used, raised by the most it fell
-    short of any measurement on that kind of device (the corrections)."""
+    short of any measurement on that kind of device (the corrections). A table is one search's
+    measurements, told apart by identity: the planner's caches (per_costs) key on it."""
 
     measured: Mapping[tuple, Mapping[str, int]] = field(default_factory=dict)
     gpu_correction: int = 0
@@ -338,29 +339,13 @@ def block_runs(costs: ModelCosts, placement: Placement,
     return tuple(out)
 
 
+@per_costs
 def memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextSettings,
                      card: Card, compute: ComputeTable | None = None,
                      op_offload: bool = True) -> tuple[DeviceMemory, ...]:
     """Weights, KV, compute buffer and overhead per device: the GPUs in order, then the CPU.
     `op_offload=False`: the compute formula without room for llama.cpp's copy of a RAM block's
     weights (a graph that computes them in place, as the expert pool's does)."""
-    # Cached on the costs as per_costs does; a ComputeTable holds a dict, so it is told apart
-    # by identity (kept in the entry, so that a new table at a reused address is not mistaken).
-    memo = costs.memo.setdefault(memory_by_device, {})
-    key = (placement, settings, card, id(compute), op_offload)
-    hit = memo.get(key)
-    if hit is not None and hit[0] is compute:
-        return hit[1]
-    if len(memo) >= MEMO_LIMIT:
-        memo.clear()
-    out = _memory_by_device(costs, placement, settings, card, compute, op_offload)
-    memo[key] = (compute, out)
-    return out
-
-
-def _memory_by_device(costs: ModelCosts, placement: Placement, settings: ContextSettings,
-                      card: Card, compute: ComputeTable | None,
-                      op_offload: bool) -> tuple[DeviceMemory, ...]:
     n_gpus = card.n_gpus if card.has_gpu else 0
     devices = block_devices(costs, placement, n_gpus)
     runs = block_runs(costs, placement, n_gpus)

@@ -28,7 +28,6 @@ from localllm.errors import UserError
 from ..planning.probes import ProbeRequest
 
 
-
 class ProbeFailed(UserError):
     """The child answered with an error, died, or was stopped at its time limit."""
 
