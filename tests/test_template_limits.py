@@ -37,19 +37,20 @@ def _create(daemon, name: str, template: str) -> None:
     assert status == 200, body
 
 
-def _chat(daemon, model: str, text: str = "Hi") -> tuple[int, dict]:
-    return _post(daemon, "/api/chat", {"model": model, "stream": False,
-                                       "messages": [{"role": "user", "content": text}],
-                                       "options": {"num_predict": 1}})
+def _chat_body(model: str) -> dict:
+    return {"model": model, "stream": False, "messages": [{"role": "user", "content": "Hi"}],
+            "options": {"num_predict": 1}}
+
+
+def _chat(daemon, model: str) -> tuple[int, dict]:
+    return _post(daemon, "/api/chat", _chat_body(model))
 
 
 def _send_chat(daemon, model: str) -> http.client.HTTPConnection:
     """A chat request written whole to the daemon; its answer is read from the connection."""
     conn = http.client.HTTPConnection(daemon.url.removeprefix("http://"), timeout=300)
-    conn.request("POST", "/api/chat", json.dumps({
-        "model": model, "stream": False, "options": {"num_predict": 1},
-        "messages": [{"role": "user", "content": "Hi"}]}),
-        {"Content-Type": "application/json"})
+    conn.request("POST", "/api/chat", json.dumps(_chat_body(model)),
+                 {"Content-Type": "application/json"})
     return conn
 
 
