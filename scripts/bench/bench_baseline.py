@@ -56,7 +56,7 @@ FIGURES = {"short_decode_tps": True, "prompt_tps": True, "ttft_s": False,
 
 def start(name: str, args, model: Path, tmp: Path, threads: int, cache_mib: int):
     """One system, loaded and ready."""
-    from bench_session import Fit, Ours
+    from bench_systems import Fit, Ours
 
     budget_mib = int(args.budget * 1024)
     if name == "ours":

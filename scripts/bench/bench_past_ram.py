@@ -45,7 +45,7 @@ checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
 import synth_gguf  # noqa: E402
-from bench_session import Fit, Ours  # noqa: E402
+from bench_systems import Fit, Ours  # noqa: E402
 from bench_tuner import MemorySampler  # noqa: E402
 
 MIB, GIB = 1 << 20, 1 << 30

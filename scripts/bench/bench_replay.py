@@ -45,7 +45,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-from bench_session import Fit, Ours, add_budget_args, post  # noqa: E402  (puts tests/ and scripts/ on the path)
+from bench_session import add_budget_args  # noqa: E402  (puts tests/ and scripts/ on the path)
+from bench_systems import Fit, Ours, post  # noqa: E402
 import synth_gguf  # noqa: E402
 from bench_text import text_of  # noqa: E402
 from bench_tuner import MemorySampler  # noqa: E402

@@ -48,7 +48,8 @@ import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
 import synth_gguf  # noqa: E402
 from bench_rpc import gpu_count, start_worker  # noqa: E402
-from bench_session import Fit, Ours, calibrate, text_of, wait_healthy  # noqa: E402
+from bench_session import calibrate, text_of  # noqa: E402
+from bench_systems import Fit, Ours, wait_healthy  # noqa: E402
 from bench_tuner import MemorySampler  # noqa: E402
 
 MIB = 1 << 20
