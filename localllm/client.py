@@ -234,14 +234,19 @@ def last_log_line() -> str:
 
 def serve_command() -> list[str]:
     """The installed `localllm serve`, as a systemd unit runs it (cli/user_service.py) and as a
-    client starts it: the `localllm` command beside this Python (a virtual environment's or
-    pipx's bin/), else the command being run (pip --user puts it elsewhere), else the one on
-    PATH. An install without the command is a broken one: said so, not worked around."""
+    client starts it."""
+    return [installed_command(), "serve"]
+
+
+def installed_command() -> str:
+    """The `localllm` command beside this Python (a virtual environment's or pipx's bin/), else
+    the command being run (pip --user puts it elsewhere), else the one on PATH. An install
+    without the command is a broken one: said so, not worked around."""
     beside = Path(sys.executable).parent / "localllm"
     argv0 = Path(sys.argv[0])
     for found in (beside, argv0 if argv0.name == "localllm" else None, shutil.which("localllm")):
         if found and os.access(found, os.X_OK) and Path(found).is_file():
-            return [os.path.abspath(found), "serve"]
+            return os.path.abspath(found)
     raise UserError(f"the `localllm` command is not installed beside {sys.executable} nor on "
                     f"PATH; install localllm again (scripts/install.sh, or pip install)")
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from localllm.client import serve_command
+from localllm.client import installed_command
 
 FINAL_STATS = re.compile(r"([\d.]+k?) tok/s · (\d+) tok .*ctx (\d+)/(\d+)")
 
@@ -106,7 +106,7 @@ def check(model: str = "smollm2", prompt: str = "Name three colours.", env: dict
         raise RuntimeError("tmux is not installed (apt-get install tmux)")
     tmux = Tmux(dict(env or os.environ), width, height)
     try:
-        tmux.start([serve_command()[0], "run", model])  # the installed command
+        tmux.start([installed_command(), "run", model])
         screen = tmux.wait_for(lambda s: " ready in " in s, timeout, "the model to load")
         ready = next(line.strip() for line in screen.splitlines() if " ready in " in line)
         tmux.type(f"/set parameter num_predict {num_predict}")
