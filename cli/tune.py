@@ -31,6 +31,7 @@ from localllm.profiles.planning.explain import REJECTED
 from localllm.profiles.planning.words import gib
 from localllm.llama.hardware import resolve_card
 from localllm.profiles.tuning.calibration import calibrated
+from localllm.profiles.tuning.host_prices import measured_on_first_use, prices_of
 from localllm.profiles.tuning.measure import (
     doubtful, measure_in_child, reset_calibration, update_calibration,
 )
@@ -163,7 +164,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if remote and (args.measure or args.calibrate):
         raise UserError(f"{args.model} is not pulled: --measure and --calibrate need its file "
                         f"(`localllm pull {args.model}` first)")
-    card = calibrated(resolve_card(args.card, gpus_setting(), args.ram, args.cores))
+    card = measured_on_first_use(
+        calibrated(resolve_card(args.card, gpus_setting(), args.ram, args.cores)))
     if args.calibrate:
         card = calibrate_machine(card, args.card, Path(shape.path))
     if args.vram is not None:
@@ -195,6 +197,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                           "plan": p.to_dict()} for i, (n, p) in enumerate(bands)]
                if len(bands) > 1 else [],
                "measured": asdict(measured) if measured else None,
+               # each price of the machine the plan was priced with, and its source
+               "prices": prices_of(card),
                "profile": str(saved) if saved else None}
         print(json.dumps(out, indent=2))
     else:

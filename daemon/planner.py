@@ -109,8 +109,9 @@ class Planner:
         from localllm.llama.hardware import probe_card
         from localllm.profiles.tuning.calibration import calibrated
         from localllm.profiles.tuning.choose import gpus_setting
+        from localllm.profiles.tuning.host_prices import measured_on_first_use
 
-        return calibrated(probe_card(gpus_setting(self.config())))
+        return measured_on_first_use(calibrated(probe_card(gpus_setting(self.config()))))
 
 
 def context_to_ask(config: Config, n_ctx: int | None, shape: ModelShape) -> int | None:

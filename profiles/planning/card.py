@@ -65,6 +65,10 @@ class Card:
     # RAM a model may take when probed: MemAvailable capped by the cgroup's memory.max
     # (llama/hardware.py ram_available); 0: not probed (plans count ram_bytes less a reserve)
     ram_available_bytes: int = 0
+    # The host's read rate by thread count, GB/s, measured on this machine
+    # (profiles/tuning/host_prices.py): what the CPU's expert matmuls stream at decode; empty:
+    # not measured (they are priced at host_bandwidth_gbs shared out by threads)
+    host_read_gbs: tuple[tuple[int, float], ...] = ()
     # The GPUs one by one, where they differ (a mixed box, a probe that read each one's free
     # memory); empty: n_gpus alike, each as the fields above say.
     gpus: tuple[Gpu, ...] = ()

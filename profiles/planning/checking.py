@@ -26,6 +26,7 @@ from .speed import (
     DECODE_DEPTH,
     ExpertPool,
     attention_row,
+    expert_read_bps,
     mapped_bandwidth,
     pool_hits,
     predict_speed,
@@ -47,7 +48,7 @@ class CheckingCost:
     gpu_expert_bytes: tuple[tuple[int, float], ...] = ()  # (bytes, active fraction) per block
     cpu_expert_bytes: tuple[tuple[int, float], ...] = ()
     gpu_bandwidth: float = 1.0  # bytes/s
-    host_bandwidth: float = 1.0
+    host_bandwidth: float = 1.0  # the CPU's expert reads
     mapped_expert_bytes: tuple[tuple[int, float], ...] = ()  # misses the GPU reads from RAM
     mapped_bandwidth: float = 1.0
 
@@ -84,7 +85,7 @@ def checking_terms(costs: ModelCosts, placement: Placement, settings: ContextSet
     plain = predict_speed(costs, placement, settings, card, n_threads, depth, pool)
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
     threads = min(n_threads or card.cores, card.cores)
-    host_bw = card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
+    host_bw = expert_read_bps(card, threads)  # the CPU's extra reads are experts'
     gpu_bw = card.bandwidth_gbs * 1e9 * card.decode_efficiency
     depth = min(depth, settings.n_ctx)
     cpu_attention = 0.0

@@ -138,6 +138,35 @@ class Speed:
     decode_flops_cpu: float = 0.0  # per token, matmul FLOPs of the weights the CPU multiplies
 
 
+# llama.cpp's expert matmuls at decode (the experts of blocks kept in RAM, batch 1) stream their
+# weights at this share of the rate this machine's threads read RAM at
+# (profiles/tuning/host_prices.py measures it). Fitted on an H100's 16-core host with
+# Qwen3-30B-A3B (llama-bench, the experts of 12-48 blocks in RAM at 8, 12 and 16 threads: about
+# 0.31 ms a block at 16 threads, 0.37 at 12, 0.47 at 8, 21 MB of routed experts a block).
+HOST_READ_EFFICIENCY = 0.85
+
+
+def expert_read_bps(card: Card, threads: int) -> float:
+    """Bytes/s the CPU's `threads` threads multiply experts in RAM at, at decode: this machine's
+    measured read rate at that thread count (card.host_read_gbs) where it was measured, else
+    the card's host bandwidth shared out by threads."""
+    if card.host_read_gbs:
+        return max(1.0, HOST_READ_EFFICIENCY * 1e9 * read_gbs_at(card.host_read_gbs, threads))
+    return card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
+
+
+def read_gbs_at(rates: tuple[tuple[int, float], ...], threads: int) -> float:
+    """A measured read rate at `threads`: linear between the thread counts measured, the
+    nearest one's rate outside them."""
+    points = sorted(rates)
+    if threads <= points[0][0]:
+        return points[0][1] * threads / points[0][0]
+    for (t0, r0), (t1, r1) in zip(points, points[1:], strict=False):
+        if threads <= t1:
+            return r0 + (r1 - r0) * (threads - t0) / max(1, t1 - t0)
+    return points[-1][1]
+
+
 def mapped_bandwidth(card: Card) -> float:
     """Bytes/s a GPU kernel reads pinned host memory at, in place (the expert cache's misses
     on the GPU)."""
@@ -208,6 +237,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     served, hits = pool_hits(costs, devices, kept, pool)
     threads = min(n_threads or card.cores, card.cores)
     host_bw = card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
+    expert_bw = expert_read_bps(card, threads)
     bandwidths = gpu_bandwidths(card)
     peaks = {g.device: g.bandwidth_gbs for g in card.gpu_list}
     depth = min(depth, settings.n_ctx)
@@ -238,7 +268,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
             expert_read *= 0.0 if mapped else 1.0 - hits
         active_params = costs.block_params[i]
         if d == CPU:
-            cpu_s += (costs.block_bytes[i] + expert_read) / host_bw
+            cpu_s += costs.block_bytes[i] / host_bw + expert_read / expert_bw
             if costs.state_bytes[i]:
                 cpu_s += CPU_RECURRENT_BLOCK_SECONDS
             if costs.expert_bytes[i]:
@@ -261,7 +291,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
                 cpu_flops += 2 * ffn_params
                 active_params = 0
             if experts_on_cpu and not (mapped and i in served):
-                cpu_s += expert_read / host_bw
+                cpu_s += expert_read / expert_bw
                 crossings += 2
             elif not experts_on_cpu:
                 gpu_s += expert_read / gpu_bw

@@ -1,7 +1,8 @@
 """The calibration this machine keeps, `<config dir>/profiles/calibration.toml`: per card
 what `localllm tune --measure` learned (factors on the speed model's bandwidths) and what
 `--calibrate` measured (bandwidths), and under `[host]` the disk's read rate; `calibrated`
-applies them to a card. Written by profiles.tuning.measure and profiles.tuning.calibrate.
+applies them to a card. Written by profiles.tuning.measure, profiles.tuning.calibrate and
+profiles.tuning.host_prices (the RAM read rate by threads).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from ..planning.card import Card
 from .saved import profiles_dir, read_tables
 
 HOST_KEY = "host"  # the calibration table of this machine's own figures (no card is so named)
+READ_KEY = "read_gbs"  # under [host]: {"threads": GB/s} (host_prices.py)
+READ_WHEN_KEY = "read_measured_at"
 
 
 def calibration_file() -> Path:
@@ -29,6 +32,8 @@ def calibrated(card: Card, path: Path | None = None) -> Card:
     doc = load_calibration(path)
     if card.source == "probe":
         card = with_measured_disk(card, doc.get(HOST_KEY, {}))
+        if card.has_gpu:  # host_prices.py measures them on first use
+            card = replace(card, host_read_gbs=stored_reads(doc.get(HOST_KEY, {})))
     factors = doc.get(card.name, {})
     try:
         gpu = float(factors.get("gpu_bandwidth_factor", 1.0))
@@ -40,6 +45,24 @@ def calibrated(card: Card, path: Path | None = None) -> Card:
         return card
     return replace(card, decode_efficiency=card.decode_efficiency * gpu,
                    host_bandwidth_gbs=card.host_bandwidth_gbs * host)
+
+
+def stored_reads(host: dict) -> tuple[tuple[int, float], ...]:
+    """The read rates by thread count a `[host]` table holds (host_prices.py), checked; ()
+    where none or any is not a sane figure."""
+    table = host.get(READ_KEY)
+    if not isinstance(table, dict):
+        return ()
+    rates = []
+    for threads, gbs in table.items():
+        try:
+            t, rate = int(threads), float(gbs)
+        except (TypeError, ValueError, OverflowError):
+            return ()
+        if not (0 < t <= 4096 and 0 < rate < 100_000):
+            return ()
+        rates.append((t, rate))
+    return tuple(sorted(rates))
 
 
 def with_measured_disk(card: Card, host: dict) -> Card:

@@ -1,0 +1,119 @@
+"""Issue 65, prices from the machine: the RAM read rate by thread count measured on first use,
+kept in the calibration file, read back by every later plan; the speed model pricing experts in
+RAM at it; `tune --json` naming each price's source. A real measurement (a small buffer), real
+tuner searches over a synthetic Qwen3-30B-A3B header, the real `localllm tune` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from dataclasses import replace
+
+import pytest
+import synth_gguf
+import tomli_w
+
+from daemon_process import isolated_env
+from localllm.llama.host_read import measure_read_gbs, thread_counts
+from localllm.modelstore.shape import read_shape
+from localllm.profiles.planning.card import load_card
+from localllm.profiles.planning.search import Request
+from localllm.profiles.planning.speed import expert_read_bps, read_gbs_at
+from localllm.profiles.planning.tuner import tune
+from localllm.profiles.tuning.calibration import calibrated
+from localllm.profiles.tuning.host_prices import measured_on_first_use, prices_of
+
+SMALL = 8 << 20  # a buffer that measures in milliseconds (the rates are not the point here)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe") / "qwen3-30b-a3b.gguf"
+    synth_gguf.write_gguf(path, synth_gguf.SHAPES["qwen3-30b-a3b"], "Q4_0", "sparse")
+    return path
+
+
+def _this_machine(cores: int = 16):
+    """An H100 as this machine's probe would give it (a card profile cannot be probed here)."""
+    card = load_card("h100").with_vram(12)
+    return replace(card, source="probe", cores=cores, host_bandwidth_gbs=51.2)
+
+
+def test_thread_counts_cover_one_to_all_cores():
+    assert thread_counts(16) == [1, 2, 4, 8, 12, 16]
+    assert thread_counts(1) == [1]
+    assert thread_counts(6)[0] == 1 and thread_counts(6)[-1] == 6
+
+
+def test_the_read_rate_is_measured_for_each_thread_count():
+    rates = measure_read_gbs([1, 2], SMALL)
+    assert set(rates) == {1, 2} and all(0 < r < 10_000 for r in rates.values())
+
+
+def test_measured_once_kept_and_read_back(tmp_path):
+    path = tmp_path / "calibration.toml"
+    card = _this_machine(cores=2)
+    first = measured_on_first_use(calibrated(card, path), path, SMALL)
+    stored = tomllib.loads(path.read_text())["host"]
+    assert [t for t, _ in first.host_read_gbs] == [1, 2]
+    assert set(stored["read_gbs"]) == {"1", "2"} and stored["read_measured_at"]
+    # The next plan reads them back and measures nothing: a rate written by hand is what it gets.
+    stored["read_gbs"]["2"] = 123.0
+    path.write_text(tomli_w.dumps({"host": stored}))
+    again = measured_on_first_use(calibrated(card, path), path, SMALL)
+    assert dict(again.host_read_gbs)[2] == 123.0
+
+
+def test_a_profile_or_a_machine_without_a_gpu_is_not_measured(tmp_path):
+    path = tmp_path / "calibration.toml"
+    profile = load_card("h100")
+    assert measured_on_first_use(calibrated(profile, path), path, SMALL) == profile
+    cpu = replace(load_card("cpu-only"), source="probe")
+    assert measured_on_first_use(calibrated(cpu, path), path, SMALL) == cpu
+    assert not path.exists()
+
+
+def test_a_damaged_rate_table_is_ignored(tmp_path):
+    path = tmp_path / "calibration.toml"
+    path.write_text('[host]\nread_gbs = { "16" = "fast" }\n')
+    assert calibrated(_this_machine(), path).host_read_gbs == ()
+
+
+def test_rates_between_and_beyond_the_measured_thread_counts():
+    rates = ((1, 10.0), (8, 80.0), (16, 120.0))
+    assert read_gbs_at(rates, 8) == 80.0
+    assert read_gbs_at(rates, 12) == pytest.approx(100.0)
+    assert read_gbs_at(rates, 32) == 120.0
+    card = replace(_this_machine(), host_read_gbs=rates)
+    assert expert_read_bps(card, 16) > expert_read_bps(card, 8) > 0
+    # unmeasured: the card's host bandwidth shared out by threads, as before
+    assert expert_read_bps(_this_machine(), 8) == pytest.approx(51.2e9 / 2)
+
+
+def test_a_faster_measured_host_prices_experts_in_ram_faster(moe):
+    shape = read_shape(moe)
+    request = Request(n_ctx=32768, expert_cache=0)
+    slow = tune(shape, _this_machine(), request)
+    fast = tune(shape, replace(_this_machine(), host_read_gbs=((16, 160.0),)), request)
+    assert fast.predicted_decode_tps > slow.predicted_decode_tps * 1.3
+
+
+def test_tune_json_names_each_price_and_its_source(moe, tmp_path):
+    env = isolated_env(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", str(moe), "--card",
+                           "h100", "--vram", "12", "--json", "--no-save"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    prices = json.loads(done.stdout)["prices"]
+    assert set(prices) >= {"host_read_gbs", "gpu_bandwidth_gbs", "pcie_gbs"}
+    assert prices["host_read_gbs"]["source"].startswith("assumed")
+    assert prices["pcie_gbs"]["value"] == 50.0
+
+
+def test_prices_name_a_measurement_and_when(tmp_path):
+    path = tmp_path / "calibration.toml"
+    card = measured_on_first_use(calibrated(_this_machine(cores=2), path), path, SMALL)
+    source = prices_of(card, path)["host_read_gbs"]["source"]
+    assert source.startswith("measured on this machine at 20")
