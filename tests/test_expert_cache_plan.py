@@ -33,6 +33,7 @@ from localllm.profiles.planning.expert_pool import (
     hit_curve,
     pool_shape,
     swaps_per_step,
+    with_expert_pool,
 )
 from localllm.profiles.planning.memory import memory_by_device
 from localllm.profiles.planning.plan import Plan
@@ -212,16 +213,36 @@ def test_tune_on_a_card_profile_reads_the_setting(headers, tmp_path):
     plan = json.loads(result.stdout)["plan"]
     assert plan["expert_cache"] == 256
     assert any(r.startswith("expert cache on: 256 expert slots") for r in plan["reasons"])
-    env["LOCALLLM_EXPERT_CACHE"] = "auto"  # sized by the tuner, from the prior curve here
+    # auto, from the prior curve: priced faster than no pool, but not by the margin an
+    # assumed hit rate must win by (ASSUMED_HITS_MARGIN), so off, and the reason says so
+    env["LOCALLLM_EXPERT_CACHE"] = "auto"
     result = subprocess.run([sys.executable, "-m", "localllm.cli", "tune",
                              str(headers["qwen3-30b-a3b"]), "--card", "rtx3060-12g", "--json",
                              "--no-save"], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)["plan"]
-    slots = plan["expert_cache"]  # multiples of 128 experts, or the most in a VRAM share
-    assert slots > 0 and slots != 256
-    assert any(r.startswith(f"expert cache on: {slots} expert slots") for r in plan["reasons"])
-    assert any("assumed from routing studies" in r for r in plan["reasons"])
+    assert plan["expert_cache"] == 0
+    off = next(r for r in plan["reasons"] if r.startswith("expert cache off: the best pool"))
+    assert "assumed from routing studies" in off and "an assumed hit rate must win by" in off
+
+
+def test_auto_sizes_a_pool_from_measured_hits_with_no_margin(headers):
+    """The same model and card with its hits measured while serving (as high as the prior
+    says): the pool pays, and auto sizes it; with the prior alone it stays off."""
+    shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
+
+    def auto(measured):
+        return with_expert_pool(shape, card, Request(expert_cache=AUTO_SLOTS,
+                                                     measured_hits=measured),
+                                lambda r: tune(shape, card, r))
+
+    assert auto(()).expert_cache == 0
+    measured = tuple((share, rate, 4.0) for share, rate in PRIOR_HITS)
+    plan = auto(measured)
+    slots = plan.expert_cache  # multiples of 128 experts, or the most in a VRAM share
+    assert slots > 0
+    assert any(r.startswith(f"expert cache on: {slots} expert slots") for r in plan.reasons)
+    assert any("measured while serving" in r for r in plan.reasons)
 
 
 def test_a_dense_model_is_refused_with_a_reason_not_an_error(headers):

@@ -51,10 +51,14 @@ CROSSING_SECONDS = 0.1e-3  # hidden state between GPU and CPU, and the sync it f
 # second: it priced a quantized cache too cheap on many-heads-per-KV-head models, and chose
 # q8_0 for a band that decodes deep, where f16 with fewer experts on the GPU is faster. q4_0 is
 # the same ratio to q8_0 as that view had (not measured on its own). Other cards scale by
-# their bandwidth against the H200's.
+# their bandwidth or their compute against the H200's, whichever slows them less: walking
+# quantized cells is bound by both, and an H100, with the H200's compute and 70% of its
+# bandwidth, measured Qwen3-30B-A3B at 16K (q8_0) at 2.96 ms where scaling by bandwidth alone
+# priced 4.6 (llama-bench, 16 threads, every weight on the GPU).
 GPU_ATTENTION_ELEMENT_SECONDS = {"f16": 1.9e-13, "bf16": 1.9e-13, "f32": 3.8e-13,
                                  "q8_0": 5.0e-13, "q4_0": 9.0e-13}
 GPU_ATTENTION_REFERENCE_GBS = 4800.0  # the H200's, where the figures above were measured
+GPU_ATTENTION_REFERENCE_TFLOPS = 989.0
 GPU_KV_READ_EFFICIENCY = 0.6  # a cache with as many KV heads as query heads is bound by bytes
 CPU_QUANTIZED_KV_PENALTY = 2.0  # the CPU dequantizes K/V rows as it attends
 PREFILL_GPU_EFFICIENCY = 0.18  # of the card's FP16 tensor TFLOPS, quantized matmuls included
@@ -138,12 +142,17 @@ class Speed:
     decode_flops_cpu: float = 0.0  # per token, matmul FLOPs of the weights the CPU multiplies
 
 
-# llama.cpp's expert matmuls at decode (the experts of blocks kept in RAM, batch 1) stream their
-# weights at this share of the rate this machine's threads read RAM at
-# (profiles/tuning/host_prices.py measures it). Fitted on an H100's 16-core host with
-# Qwen3-30B-A3B (llama-bench, the experts of 12-48 blocks in RAM at 8, 12 and 16 threads: about
-# 0.31 ms a block at 16 threads, 0.37 at 12, 0.47 at 8, 21 MB of routed experts a block).
-HOST_READ_EFFICIENCY = 0.85
+# Priced with this machine's measured read rate (profiles/tuning/host_prices.py): llama.cpp's
+# expert matmuls at decode (the experts of blocks kept in RAM, batch 1) stream their weights at
+# this share of it, and each such block pays a round trip of the hidden state. Fitted on an
+# H100's 16-core host (tests/fixtures/h100-moe-prices.json): Qwen3-30B-A3B with the experts of
+# 12-48 blocks in RAM at 8, 12 and 16 threads, at depth 0 and 16K, within 8% (llama-bench; the
+# host read 12-79 GB/s from 1 to 16 threads).
+HOST_READ_EFFICIENCY = 0.95
+# The hidden state's trip to the CPU and back for a block whose experts are in RAM, priced with
+# the measured read rate (unmeasured, a trip is two CROSSING_SECONDS, fitted with the card
+# table's rate on the H200: together they priced the H100's experts in RAM 1.5-2x too slow).
+EXPERT_ROUND_TRIP_SECONDS = 0.06e-3
 
 
 def expert_read_bps(card: Card, threads: int) -> float:
@@ -180,9 +189,10 @@ def gpu_bandwidths(card: Card) -> dict[str, float]:
 
 def attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, depth: int,
                        on_gpu: bool, card: Card, threads: int,
-                       gpu_peak_gbs: float | None = None) -> float:
+                       gpu_peak_gbs: float | None = None,
+                       gpu_tflops: float | None = None) -> float:
     """Attention of block i over `depth` cells, on the device that holds its KV (a GPU of
-    `gpu_peak_gbs`, the card's by default)."""
+    `gpu_peak_gbs` and `gpu_tflops`, the card's by default)."""
     if not costs.kv_k_elements[i]:
         return 0.0
     cells = min(depth, costs.sliding_window) if costs.kinds[i] == SLIDING else depth
@@ -192,8 +202,9 @@ def attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, dept
         peak = gpu_peak_gbs or card.bandwidth_gbs
         per_element = (_gpu_element_seconds(settings.type_k)
                        + _gpu_element_seconds(settings.type_v)) / 2
-        walks = cells * costs.attention_flops[i] / 2 * per_element \
-            * GPU_ATTENTION_REFERENCE_GBS / max(1.0, peak)
+        slower = min(GPU_ATTENTION_REFERENCE_GBS / max(1.0, peak),
+                     GPU_ATTENTION_REFERENCE_TFLOPS / max(1.0, gpu_tflops or card.fp16_tflops))
+        walks = cells * costs.attention_flops[i] / 2 * per_element * slower
         return max(walks, cells * row / (peak * 1e9 * GPU_KV_READ_EFFICIENCY))
     quantized = settings.type_k not in CPU_ATTENTION_FLOPS_PER_THREAD
     penalty = CPU_QUANTIZED_KV_PENALTY if quantized else 1.0
@@ -205,11 +216,12 @@ def attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, dept
 
 @per_costs
 def attention_row(costs: ModelCosts, type_k: str, type_v: str, depth: int, on_gpu: bool,
-                  card: Card, threads: int, gpu_peak_gbs: float | None = None
-                  ) -> tuple[float, ...]:
+                  card: Card, threads: int, gpu_peak_gbs: float | None = None,
+                  gpu_tflops: float | None = None) -> tuple[float, ...]:
     """attention_seconds of every block with these KV types (all it reads of the settings)."""
     settings = ContextSettings(depth, type_k, type_v)
-    return tuple(attention_seconds(costs, i, settings, depth, on_gpu, card, threads, gpu_peak_gbs)
+    return tuple(attention_seconds(costs, i, settings, depth, on_gpu, card, threads, gpu_peak_gbs,
+                                   gpu_tflops)
                  for i in range(costs.n_blocks))
 
 
@@ -239,7 +251,6 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     host_bw = card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
     expert_bw = expert_read_bps(card, threads)
     bandwidths = gpu_bandwidths(card)
-    peaks = {g.device: g.bandwidth_gbs for g in card.gpu_list}
     depth = min(depth, settings.n_ctx)
     gpu_s = cpu_s = 0.0
     cpu_flops = 0.0
@@ -248,8 +259,9 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     mapped = bool(served) and pool.misses_on_gpu
     kv = (settings.type_k, settings.type_v)
     cpu_attention = attention_row(costs, *kv, depth, False, card, threads)
-    gpu_attention = {d: attention_row(costs, *kv, depth, True, card, threads, peak)
-                     for d, peak in peaks.items()}
+    gpu_attention = {g.device: attention_row(costs, *kv, depth, True, card, threads,
+                                             g.bandwidth_gbs, g.fp16_tflops)
+                     for g in card.gpu_list}
     if served:  # the pool's GPU: its hits, its second chains, the copies after each step
         routed = sum(costs.expert_bytes[i] for i in served) * costs.expert_active_fraction
         gpu_s += routed * hits / bandwidths[card.gpu_list[0].device] \
@@ -292,7 +304,10 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
                 active_params = 0
             if experts_on_cpu and not (mapped and i in served):
                 cpu_s += expert_read / expert_bw
-                crossings += 2
+                if card.host_read_gbs:  # the measured model: its own price of the round trip
+                    cpu_s += EXPERT_ROUND_TRIP_SECONDS
+                else:
+                    crossings += 2
             elif not experts_on_cpu:
                 gpu_s += expert_read / gpu_bw
         crossings += d != previous

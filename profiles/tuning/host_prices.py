@@ -2,9 +2,11 @@
 experts the CPU multiplies at decode (profiles/planning/speed.py expert_read_bps).
 
 The card table's host bandwidth is a guess for a box nobody measured (an H100's 16-core host
-read Qwen3-30B-A3B's experts in RAM 2.6x faster than it said, which made `expert_cache = auto`
-pick the slowest of its ways). So the first plan for a GPU on this machine times its threads
-reading RAM (llama/host_read.py, about a second) and stores the rates under `[host]` in the
+read Qwen3-30B-A3B's experts in RAM about 1.5x faster than it said, and the round trip to the
+CPU was priced 3x too high, which made `expert_cache = auto` pick the slowest of its ways). So
+the first plan for a GPU on this machine times its threads reading RAM, about a second (numpy's
+reductions free the GIL, so Python threads stream in parallel, each over its own span, as
+llama.cpp's threads split a tensor's rows), and stores the rates under `[host]` in the
 calibration file, with when; every later plan reads them. `tune --json` names the source of
 each price (prices_of).
 """
@@ -12,6 +14,7 @@ each price (prices_of).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +31,41 @@ from .calibration import (
 )
 
 log = logging.getLogger("localllm.tuner")
+BUFFER_BYTES = 512 << 20  # well past any last-level cache
+REPEATS = 3
+
+
+def thread_counts(cores: int) -> list[int]:
+    """The thread counts worth measuring on `cores` cores: powers of two, the quarters in
+    between, and all cores."""
+    counts = {1, cores}
+    n = 2
+    while n < cores:
+        counts.add(n)
+        n *= 2
+    counts.update(max(1, cores * q // 4) for q in (1, 2, 3))
+    return sorted(counts)
+
+
+def measure_read_gbs(threads: list[int], buffer_bytes: int = BUFFER_BYTES) -> dict[int, float]:
+    """GB/s read by each of `threads` thread counts (the best of REPEATS passes)."""
+    import numpy as np
+
+    words = np.ones(buffer_bytes // 8, dtype=np.uint64)
+    rates: dict[int, float] = {}
+    for n in threads:
+        spans = np.array_split(words, n)
+        best = float("inf")
+        for _ in range(REPEATS):
+            workers = [threading.Thread(target=np.add.reduce, args=(span,)) for span in spans]
+            start = time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            best = min(best, time.perf_counter() - start)
+        rates[n] = round(words.nbytes / best / 1e9, 2)
+    return rates
 
 
 def measured_on_first_use(card: Card, path: Path | None = None,
@@ -45,8 +83,6 @@ def measured_on_first_use(card: Card, path: Path | None = None,
 
 def _measure_and_store(cores: int, doc: dict, path: Path,
                        buffer_bytes: int | None) -> tuple[tuple[int, float], ...]:
-    from localllm.llama.host_read import BUFFER_BYTES, measure_read_gbs, thread_counts
-
     started = time.monotonic()
     try:
         measured = measure_read_gbs(thread_counts(cores), buffer_bytes or BUFFER_BYTES)
