@@ -41,6 +41,10 @@ from .starting import RunnerStarter
 
 log = logging.getLogger("localllm.scheduler")
 SERVED_REMEMBERED = 64  # distinct load options a loaded model remembers answering
+# How long a model whose plan missed its price (LoadedModel.replan) must sit idle before it is
+# loaded again: a follow-up that comes sooner (an agent's next turn, a user's next question)
+# is answered by the running plan at once; a re-plan inside one made it wait 9.8 s on the H100.
+REPLAN_IDLE_S = 5.0
 
 
 class QueueFull(UserError):
@@ -67,9 +71,12 @@ class LoadedModel:
     # and options (the load and its runner's plan never change while it is loaded): at load
     # for the options it was loaded for, so the requests that follow, asking the same, find it.
     served: dict[LoadOptions, bool] = field(init=False, default_factory=dict)
-    # Why this load should be planned again once idle ("": it serves as planned): its expert
-    # pool's measured hit rate is far from the one the plan was priced with
+    # Why this load should be planned again ("": it serves as planned): its expert pool's
+    # measured hit rate is far from the one the plan was priced with. The reaper loads it again
+    # once it has been idle Scheduler.replan_idle_s, between requests: a follow-up that comes
+    # sooner is answered by the running plan, never made to wait for a new one.
     replan: str = ""
+    replan_now: bool = False  # idle long enough: the next _loaded loads it again
     # /api/stats' price of the running plan at its pool's measured hits: (plan, pool figures,
     # curve), made again only when the plan (a band switch) or an answer's figures change, not
     # on every poll of a live display. The plan itself, not its id: a freed plan's id returns.
@@ -116,6 +123,7 @@ class Scheduler:
         self.models: dict[str, LoadedModel] = {}
         self.on_answer: Callable[[str, Done], None] | None = None  # each answer (metrics)
         self._replanned: set[str] = set()  # models planned again for their pool's hits
+        self.replan_idle_s = REPLAN_IDLE_S
         self.queued = 0  # requests waiting for a slot or a load, over all models
         self._model_locks: dict[str, asyncio.Lock] = {}
         self._room_lock = asyncio.Lock()
@@ -226,7 +234,7 @@ class Scheduler:
         return bool(model and model.runner.alive and model.entry.digest == entry.digest
                     and model.serves(load)
                     and file_id(model.runner.model_path) == model.file_id
-                    and not (model.replan and not model.active))
+                    and not model.replan_now)
 
     async def _loaded(self, entry: ModelEntry, load: LoadOptions,
                       prompt_chars: int = 0, hint: str | None = None) -> LoadedModel:
@@ -255,7 +263,7 @@ class Scheduler:
             if model is not None:
                 if model.runner.alive and file_id(model.runner.model_path) != model.file_id:
                     log.warning("the file of %s changed under it; loading it again", name)
-                elif model.replan:
+                elif model.replan_now:
                     log.info("loading %s again, priced from its hits: %s", name, model.replan)
                 del self.models[name]  # new requests wait for the new load, not this one
                 await self._retire(name, model)
@@ -305,7 +313,9 @@ class Scheduler:
                 runner.expert_cache, runner.running_plan, self.config.expert_cache)):
             self._replanned.add(name)
             model.replan = why
-            log.info("%s: %s; it loads again with a plan priced from that once idle", name, why)
+            log.info("%s: %s; it loads again with a plan priced from that once idle %.0f s",
+                     name, why, self.replan_idle_s)
+            self._wake.set()
 
     async def _retire(self, name: str, model: LoadedModel) -> None:
         """Unload a replaced runner once the answers it is giving have ended."""
@@ -361,6 +371,16 @@ class Scheduler:
             await model.runner.stop()
             log.info("unloaded %s", name)
 
+    async def _replan(self, model: LoadedModel) -> None:
+        """Load `model` again with a plan priced from what it measured (`replan`), now that it
+        has been idle replan_idle_s; a request that comes meanwhile waits for the new load, as
+        for any load. A failure is the next request's to report."""
+        model.replan_now = True  # no longer current: the next _loaded retires it
+        try:
+            await self._loaded(model.entry, model.load.asked)
+        except Exception as e:
+            log.warning("could not load %s again after its re-plan: %s", model.entry.name, e)
+
     async def _reap_expired(self) -> None:
         while True:
             now = time.time()
@@ -368,6 +388,12 @@ class Scheduler:
             for name, model in list(self.models.items()):
                 if not model.runner.alive and model.active == 0:
                     await self._unload_if_idle(name, model)
+                elif model.replan and model.idle and not model.replan_now:
+                    due = model.last_used + self.replan_idle_s - now
+                    if due <= 0:
+                        asyncio.ensure_future(self._replan(model))
+                    else:
+                        next_check = min(next_check, due)
                 elif model.expires_at is not None and model.idle:
                     if model.expires_at <= now:
                         await self._unload_if_idle(name, model, expired_only=True)

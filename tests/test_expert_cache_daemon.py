@@ -8,10 +8,12 @@ nothing else."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import subprocess
 import sys
+import time
 import tomllib
 import urllib.request
 from dataclasses import replace
@@ -190,11 +192,14 @@ class PricedLow(Planner):
 async def test_a_pool_that_misses_its_price_is_planned_again_from_its_hits(
         store, moe_gguf, tmp_path):
     """`expert_cache = auto`: once the pool has MIN_LOOKUPS lookups and hits far from what its
-    plan assumed, the model loads again when idle, priced from the hits it measured; once."""
+    plan assumed, the model loads again once it has been idle replan_idle_s, priced from the
+    hits it measured; once. A follow-up sent sooner is answered by the running plan: the
+    re-plan comes between requests, never inside one."""
     entry = store.import_gguf(moe_gguf, "moe")
     name = str(entry.name)
     planner = PricedLow()
     scheduler = Scheduler(store, Config(expert_cache="auto"), tmp_path / "logs", planner)
+    scheduler.replan_idle_s = 3600.0  # the follow-up below comes well inside it
     await scheduler.start()
     load = LoadOptions(num_ctx=1024)
 
@@ -222,8 +227,17 @@ async def test_a_pool_that_misses_its_price_is_planned_again_from_its_hits(
         await drained()  # written off the event loop (the next load's planning waits so too)
         assert measured_hits(name, entry.model_path.stat().st_size)  # stored for the tuner
 
-        async with scheduler.use(entry, load) as runner:  # idle now: loaded again
-            assert runner is not first and not first.alive
+        async with scheduler.use(entry, load) as runner:  # a follow-up: no wait for a load
+            assert runner is first and planner.priced_at == [FIRST_PRICE]
+        scheduler.replan_idle_s = 0.0  # idle long enough now: the reaper loads it again
+        scheduler._wake.set()
+        deadline = time.monotonic() + 120
+        while (model := scheduler.models.get(name)) is None or model.runner is first:
+            assert time.monotonic() < deadline, "not loaded again once idle"
+            await asyncio.sleep(0.05)  # ok-sleep: polls the reaper's reload with a deadline
+        assert not first.alive
+        async with scheduler.use(entry, load) as runner:
+            assert runner is scheduler.models[name].runner
             assert planner.priced_at == [FIRST_PRICE, pytest.approx(pool.hits / lookups)]
             assert runner.plan.expected_hit_rate == planner.priced_at[1]
             await answer(runner)
