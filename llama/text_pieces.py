@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 
-PIECE_CHARS = 16384
+PIECE_CHARS = 4096
 MAX_SPECIAL_CHARS = 64  # longer "special tokens" are not markers a template writes
 
 
