@@ -210,6 +210,7 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
         if loaded.expert_cache:
             self.expert_cache = ExpertCacheStats(**loaded.expert_cache)
         warn_of_refusals(self.model_name, self.plan, loaded, self.log_path)
+        self.plan, self.bands = as_loaded(self.model_name, self.plan, self.bands, loaded)
         if self.past_ram:
             log.info("runner for %s, past RAM: %s", self.model_name, self.past_ram["text"])
         self.loaded_at = time.time()
@@ -408,6 +409,21 @@ def warn_of_refusals(model_name: str, plan: Plan, loaded: Loaded, log_path: Path
     elif plan.expert_misses_on_gpu and cache and not cache.get("misses_on_gpu"):
         log.warning("runner for %s: the plan asked the GPU to compute the expert cache's misses "
                     "and llama.cpp leaves them to the CPU (see %s)", model_name, log_path)
+
+
+def as_loaded(model_name: str, plan: Plan, bands: tuple[Plan, ...],
+              loaded: Loaded) -> tuple[Plan, tuple[Plan, ...]]:
+    """The plan and bands as the runner loaded them, for ps: without llama.cpp's extra buffer
+    types where it left them off, the reason among plan_reasons."""
+    why = loaded.extra_bufts_off
+    if not why:
+        return plan, bands
+    log.warning("runner for %s: %s", model_name, why)
+
+    def off(p: Plan) -> Plan:
+        return replace(p, extra_bufts=False, reasons=(*p.reasons, why))
+
+    return off(plan), tuple(off(b) for b in bands)
 
 
 def exit_while_loading(model_name: str, code: int | None, plan: Plan,

@@ -1,9 +1,10 @@
 """Starting a model's runner as the load decision says: in its first fill band; with a smaller
 plan when llama.cpp refuses the plan (out of VRAM, as a rule); without llama.cpp's extra buffer
-types once the engine crashed with them on this CPU while loading this model, or from the start
-where an engine built with AMX runs on an AMX CPU (llama/cpu.py: amx_hazard); and without the
-expert cache's risky parts once runners crashed twice with them on (daemon/crashes.py). The
-scheduler decides what to load and when; this owns how a load is attempted.
+types once the engine crashed with them on this CPU while loading this model (an engine built
+with AMX on an AMX CPU goes without them from the start: the runner sees to it, llama/cpu.py
+amx_hazard); and without the expert cache's risky parts once runners crashed twice with them
+on (daemon/crashes.py). The scheduler decides what to load and when; this owns how a load is
+attempted.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from localllm.llama.cpu import amx_hazard
 from localllm.llama.runner.load import Load
 from localllm.modelstore.shape import ModelShape
 from localllm.profiles.planning.plan import Plan
@@ -49,7 +49,6 @@ class RunnerStarter:
         # model -> why: set once the engine crashed loading that model with llama.cpp's extra
         # buffer types and loaded without them; its later loads go without them at once
         self.crashes = Crashes()
-        self.amx_hazard: str | None = None  # why every load goes without them ("": none)
 
     async def start(self, name: str, path, shape: ModelShape, load: Load) -> RunnerProcess:
         """Load with the plan (in its first fill band); when llama.cpp refuses it (out of
@@ -58,13 +57,9 @@ class RunnerStarter:
         is not stepped down: the same error comes back. An engine that crashed on this CPU
         is retried once without llama.cpp's extra buffer types."""
         plan, bands, start_band = load.plan, load.bands, load.start_band
-        if self.amx_hazard is None:  # asked once, in a child that loads the engine (AMX CPUs)
-            self.amx_hazard = await asyncio.to_thread(amx_hazard)
-            if self.amx_hazard:
-                log.warning("%s", self.amx_hazard)
         noted = self.crashes.no_extra_bufts.get(name, "")
-        if plan.extra_bufts and (why := self.amx_hazard or noted):
-            plan, bands = without_extra_bufts(plan, bands, why)
+        if plan.extra_bufts and noted:
+            plan, bands = without_extra_bufts(plan, bands, noted)
         plan, bands = self.crashes.safer(name, plan, bands)
         turned_off = False  # this start turned them off after a crash
         while True:
@@ -74,7 +69,7 @@ class RunnerStarter:
                     draft_path=load.draft_path if plan.draft_mode.draft_model else None))
             except EngineCrashed as e:
                 if not plan.extra_bufts:
-                    if turned_off or (noted and not self.amx_hazard):
+                    if turned_off or noted:
                         # it crashed without them too: the model's fault, not theirs
                         self.crashes.no_extra_bufts.pop(name, None)
                         log.warning("%s crashed with llama.cpp's extra buffer types off too; "

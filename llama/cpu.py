@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 
 # The instruction sets ggml picks kernels by, in the order a reader expects them.
@@ -81,8 +80,8 @@ def amx_hazard(flags: frozenset[str] | None = None, built: str | None = None) ->
     """Why llama.cpp's extra buffer types stay off on this machine ("" when they need not): an
     engine built with AMX (a plain `pip install`; scripts/install.sh builds without it) on a CPU
     that has AMX runs ggml's AMX kernels, which crashed on every answer on Sapphire Rapids
-    (patches/0001-no-amx.patch). The build is asked of a child, and only on an AMX CPU: the
-    daemon does not load the engine itself."""
+    (patches/0001-no-amx.patch). The runner asks, before its load: the engine's build is asked
+    of the engine (loaded), and only on an AMX CPU."""
     if (hook := os.environ.get(AMX_HOOK)) is not None:
         hooked_flags, _, built = hook.partition("|")
         flags = frozenset(hooked_flags.split())
@@ -90,11 +89,7 @@ def amx_hazard(flags: frozenset[str] | None = None, built: str | None = None) ->
     if not any(f in flags for f in AMX_FLAGS):
         return ""
     if built is None:
-        try:
-            built = subprocess.run([sys.executable, "-m", "localllm.llama.cpu", "--built-for"],
-                                   capture_output=True, text=True, timeout=120).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            built = ""
+        built = engine_built_for()
     if "with AMX" not in built:
         return ""
     return ("extra buffer types (repack, AMX) off: the engine was built with AMX and this CPU "
