@@ -65,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_cp)
 
     p = sub.add_parser("ps", help="list loaded models with their memory and plan")
+    p.add_argument("--forget-crashes", nargs="?", const="", metavar="MODEL",
+                   help="drop what the plans of MODEL (of every model, without one) leave off "
+                        "because its runner crashed; its next load runs the plan as made")
     p.set_defaults(func=cmd_ps)
 
     p = sub.add_parser("stop", help="unload a model now, or stop the daemon (--daemon)")
@@ -268,7 +271,21 @@ def cmd_cp(args) -> int:
     return 0
 
 
+def _forget_crashes(args, model: str) -> int:
+    async def go():
+        async with Client(config_from_args(args)) as client:
+            return await client.request("POST", "/api/crashes/forget",
+                                        {"model": model} if model else {})
+    forgotten = _run(go())["forgotten"]
+    print(f"crash notes dropped for {', '.join(forgotten)}" if forgotten else
+          f"no crash notes{' for ' + model if model else ''}")
+    return 0
+
+
 def cmd_ps(args) -> int:
+    if args.forget_crashes is not None:
+        return _forget_crashes(args, args.forget_crashes)
+
     async def go():
         async with Client(config_from_args(args)) as client:
             return await client.request("GET", "/api/ps")
@@ -296,10 +313,14 @@ def cmd_ps(args) -> int:
     for m in data["models"]:  # threads the runner dropped on a busy CPU, and why
         if m.get("threads_reason"):
             print(f"{m['name']} threads: {m['threads_reason']}")
-    for m in data["models"]:  # the engine crashed on this CPU and runs without repacking
-        if m.get("extra_bufts") is False:
-            print(f"{m['name']} engine: extra buffer types (repack, AMX) off, after llama.cpp "
-                  "crashed with them on this CPU (see the daemon log)")
+    for m in data["models"]:  # what its plan leaves off after crashes, or on an AMX engine
+        if m.get("crash_note"):
+            print(f"{m['name']} after crashes: {m['crash_note']} (see the daemon log; "
+                  f"`localllm ps --forget-crashes {m['name']}` turns it back on)")
+        elif m.get("extra_bufts") is False:
+            why = next((r for r in m.get("plan_reasons", ()) if "extra buffer types" in r),
+                       "extra buffer types (repack, AMX) off")
+            print(f"{m['name']} engine: {why}")
     for m in data["models"]:  # the driver refused to pin the weights in RAM where they are
         if m.get("pin_in_place") and m.get("weights_in_ram") == "copied":
             print(f"{m['name']} weights in RAM: copied into pinned memory, as the driver refused "

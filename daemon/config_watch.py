@@ -30,13 +30,13 @@ async def watch_config(path: Path, apply: Callable[[Config], None], log: logging
     path = Path(path)
     current = initial if initial is not None else _load_or_none(path, log)
     path.parent.mkdir(parents=True, exist_ok=True)
+    loop = asyncio.get_running_loop()
 
     def is_config(_change: watchfiles.Change, changed: str) -> bool:
         return Path(changed) == path
 
-    def reload(_changes) -> None:
+    def adopt(new: Config | None) -> None:  # on the loop: the daemon's state is the loop's
         nonlocal current
-        new = _load_or_none(path, log)
         if new is None or new == current:
             return
         changed = changed_settings(current, new) if current is not None else ()
@@ -51,6 +51,11 @@ async def watch_config(path: Path, apply: Callable[[Config], None], log: logging
             log.exception("applying the new config failed", extra={"file": str(path)})
             return
         current = new
+
+    def reload(_changes) -> None:  # in the watch's thread: the file is read there
+        new = _load_or_none(path, log)
+        with contextlib.suppress(RuntimeError):  # the loop closed first: shutting down
+            loop.call_soon_threadsafe(adopt, new)
 
     await _watch(path.parent, is_config, reload)
 
@@ -83,8 +88,8 @@ async def watch_profiles(directory: Path, log: logging.Logger) -> None:
         name = Path(changed).name
         return change != watchfiles.Change.deleted and name.endswith(".toml") and "@" in name
 
-    def check(changes) -> None:
-        for _change, changed in changes:
+    def check(changes) -> None:  # in the watch's thread: a profile is read there, never on
+        for _change, changed in changes:  # the loop (paths.read_regular: no FIFO, no device)
             try:
                 load_profile(Path(changed), set_aside_broken=False)  # maybe mid-edit
             except ProfileError as e:
@@ -99,8 +104,9 @@ async def watch_profiles(directory: Path, log: logging.Logger) -> None:
 
 async def _watch(directory: Path, keep: Callable[[watchfiles.Change, str], bool],
                  on_changes: Callable[[set], None], recursive: bool = False) -> None:
-    """Until cancelled: `on_changes(changes)`, on the event loop, for each batch of changes in
-    `directory` that `keep` admits. The watch runs in a thread of its own (not the loop's
+    """Until cancelled: `on_changes(changes)`, in the watch's thread (the files it reads are
+    anyone's: never on the event loop), for each batch of changes in `directory` that `keep`
+    admits. The watch runs in a thread of its own (not the loop's
     executor, which it would hold for good): watchfiles' async watch wakes the event loop every
     5 s to look for a stop (its Rust timeout), and each wake would run this coroutine between a
     request's steps; the thread's watch looks for its stop without the loop."""
@@ -120,7 +126,7 @@ async def _watch(directory: Path, keep: Callable[[watchfiles.Change, str], bool]
         try:
             for changes in watchfiles.watch(directory, watch_filter=keep, stop_event=stop,
                                             recursive=recursive, raise_interrupt=False):
-                loop.call_soon_threadsafe(on_changes, changes)
+                on_changes(changes)
         except Exception as e:  # the folder went away, the watcher failed: the task says so
             outcome = e
         with contextlib.suppress(RuntimeError):  # the loop closed first

@@ -137,8 +137,9 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
         # Called with (mode, drafted, accepted) after each answer that drafted.
         self.on_drafts: Callable[[str, int, int], None] | None = None
         self.on_done: Callable[[Done], None] | None = None  # after each answer
-        # Called with (the plan that ran, why) when the runner ends without being asked to
-        self.on_death: Callable[[Plan, str], None] | None = None
+        # Called with (the plan that ran, why, its exit code) when the runner ends without
+        # being asked to; the code is None where the daemon ended it (hung, unreadable)
+        self.on_death: Callable[[Plan, str, int | None], None] | None = None
 
     @property
     def running_plan(self) -> Plan:
@@ -209,6 +210,7 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
         if loaded.expert_cache:
             self.expert_cache = ExpertCacheStats(**loaded.expert_cache)
         warn_of_refusals(self.model_name, self.plan, loaded, self.log_path)
+        self.plan, self.bands = as_loaded(self.model_name, self.plan, self.bands, loaded)
         if self.past_ram:
             log.info("runner for %s, past RAM: %s", self.model_name, self.past_ram["text"])
         self.loaded_at = time.time()
@@ -252,9 +254,9 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
         code = await self.proc.wait()
         if not why and is_engine_crash(code):
             why = f"{describe_exit(code)}: {describe_crash(code, extra_bufts=False)}"
-        self._fail_all(why or describe_exit(code))
+        self._fail_all(why or describe_exit(code), None if why else code)
 
-    def _fail_all(self, why: str) -> None:
+    def _fail_all(self, why: str, code: int | None = None) -> None:
         """The runner is gone or no longer trusted: end every request in flight."""
         if not self._exit_reason:
             self._exit_reason = why
@@ -264,7 +266,7 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
             log.log(logging.INFO if asked else logging.WARNING, "runner for %s (pid %s) %s: %s",
                     self.model_name, self.pid, "stopped" if asked else "ended", why)
             if not self._stopping and self.on_death is not None:
-                self.on_death(self.running_plan, why)
+                self.on_death(self.running_plan, why, code)
         for queue in self._events.values():  # 503: asking again loads it afresh
             queue.put_nowait(Failure(
                 f"the runner for {self.model_name} stopped mid-answer ({self._exit_reason}); "
@@ -407,6 +409,21 @@ def warn_of_refusals(model_name: str, plan: Plan, loaded: Loaded, log_path: Path
     elif plan.expert_misses_on_gpu and cache and not cache.get("misses_on_gpu"):
         log.warning("runner for %s: the plan asked the GPU to compute the expert cache's misses "
                     "and llama.cpp leaves them to the CPU (see %s)", model_name, log_path)
+
+
+def as_loaded(model_name: str, plan: Plan, bands: tuple[Plan, ...],
+              loaded: Loaded) -> tuple[Plan, tuple[Plan, ...]]:
+    """The plan and bands as the runner loaded them, for ps: without llama.cpp's extra buffer
+    types where it left them off, the reason among plan_reasons."""
+    why = loaded.extra_bufts_off
+    if not why:
+        return plan, bands
+    log.warning("runner for %s: %s", model_name, why)
+
+    def off(p: Plan) -> Plan:
+        return replace(p, extra_bufts=False, reasons=(*p.reasons, why))
+
+    return off(plan), tuple(off(b) for b in bands)
 
 
 def exit_while_loading(model_name: str, code: int | None, plan: Plan,

@@ -296,8 +296,8 @@ class Scheduler:
         records = ServedRecords(name, shape.file_size, shape.expert_count)
         runner.on_drafts = records.drafted
         runner.on_done = lambda done: self._served(model, records, done)
-        runner.on_death = lambda plan, why: self.crashes.record(name, plan, why,
-                                                                 runner.log_path)
+        runner.on_death = lambda plan, why, code: self.crashes.record(
+            name, plan, why, runner.log_path, code)
         self.models[name] = model
         return model
 

@@ -1,8 +1,10 @@
 """Starting a model's runner as the load decision says: in its first fill band; with a smaller
 plan when llama.cpp refuses the plan (out of VRAM, as a rule); without llama.cpp's extra buffer
-types once the engine crashed with them on this CPU; and without the expert cache's risky parts
-once runners crashed twice with them on (daemon/crashes.py). The scheduler decides what to load
-and when; this owns how a load is attempted.
+types once the engine crashed with them on this CPU while loading this model (an engine built
+with AMX on an AMX CPU goes without them from the start: the runner sees to it, llama/cpu.py
+amx_hazard); and without the expert cache's risky parts once runners crashed twice with them
+on (daemon/crashes.py). The scheduler decides what to load and when; this owns how a load is
+attempted.
 """
 
 from __future__ import annotations
@@ -44,9 +46,8 @@ class RunnerStarter:
         self.config = config
         self.log_dir = log_dir
         self.command = tuple(command)
-        # Set once the engine crashed on this CPU with llama.cpp's extra buffer types and loaded
-        # without them: every later load goes without them at once.
-        self.no_extra_bufts = ""
+        # model -> why: set once the engine crashed loading that model with llama.cpp's extra
+        # buffer types and loaded without them; its later loads go without them at once
         self.crashes = Crashes()
 
     async def start(self, name: str, path, shape: ModelShape, load: Load) -> RunnerProcess:
@@ -56,9 +57,11 @@ class RunnerStarter:
         is not stepped down: the same error comes back. An engine that crashed on this CPU
         is retried once without llama.cpp's extra buffer types."""
         plan, bands, start_band = load.plan, load.bands, load.start_band
-        if self.no_extra_bufts:
-            plan, bands = without_extra_bufts(plan, bands, self.no_extra_bufts)
+        noted = self.crashes.no_extra_bufts.get(name, "")
+        if plan.extra_bufts and noted:
+            plan, bands = without_extra_bufts(plan, bands, noted)
         plan, bands = self.crashes.safer(name, plan, bands)
+        turned_off = False  # this start turned them off after a crash
         while True:
             try:
                 return await self._start(name, path, replace(
@@ -66,12 +69,20 @@ class RunnerStarter:
                     draft_path=load.draft_path if plan.draft_mode.draft_model else None))
             except EngineCrashed as e:
                 if not plan.extra_bufts:
+                    if turned_off or noted:
+                        # it crashed without them too: the model's fault, not theirs
+                        self.crashes.no_extra_bufts.pop(name, None)
+                        log.warning("%s crashed with llama.cpp's extra buffer types off too; "
+                                    "they were not the cause and are on again at its next "
+                                    "load", name)
                     raise
                 log.warning("%s; retrying with llama.cpp's extra buffer types (repack, AMX) "
                             "off", e)
-                why = "extra buffer types (repack, AMX) off: llama.cpp crashed with them here"
+                why = ("extra buffer types (repack, AMX) off: llama.cpp crashed with them "
+                       "loading this model here")
                 plan, bands = without_extra_bufts(plan, bands, why)
-                self.no_extra_bufts = why
+                self.crashes.no_extra_bufts[name] = why
+                turned_off = True
             except LoadError as e:
                 if bands:  # the first band's plan failed: the whole context's, alone, next
                     log.warning("loading %s in its %d-token fill band failed (%s); loading "

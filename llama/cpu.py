@@ -10,6 +10,7 @@ named with this CPU's features, since a kernel that is wrong on one CPU is right
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
@@ -20,6 +21,10 @@ NOTABLE = ("avx2", "fma", "f16c", "avx512f", "avx512_vbmi", "avx512_vnni", "avx5
 # The signals a broken kernel dies of: a bad access, an instruction this CPU lacks, a misaligned
 # access, an integer division by zero.
 CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGILL, signal.SIGBUS, signal.SIGFPE})
+AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
+# A test hook: "CPU FLAGS|BUILT FOR" stands for this CPU's flags and the engine's build line, as
+# a machine with AMX would show them (no such CPU where the tests run).
+AMX_HOOK = "LOCALLLM_TEST_AMX"
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
@@ -69,6 +74,27 @@ def engine_built_for() -> str:
 
     llama_cpp.llama_backend_init()
     return built_for(llama_cpp.llama_print_system_info().decode(errors="replace"))
+
+
+def amx_hazard(flags: frozenset[str] | None = None, built: str | None = None) -> str:
+    """Why llama.cpp's extra buffer types stay off on this machine ("" when they need not): an
+    engine built with AMX (a plain `pip install`; scripts/install.sh builds without it) on a CPU
+    that has AMX runs ggml's AMX kernels, which crashed on every answer on Sapphire Rapids
+    (patches/0001-no-amx.patch). The runner asks, before its load: the engine's build is asked
+    of the engine (loaded), and only on an AMX CPU."""
+    if (hook := os.environ.get(AMX_HOOK)) is not None:
+        hooked_flags, _, built = hook.partition("|")
+        flags = frozenset(hooked_flags.split())
+    flags = cpu_flags() if flags is None else flags
+    if not any(f in flags for f in AMX_FLAGS):
+        return ""
+    if built is None:
+        built = engine_built_for()
+    if "with AMX" not in built:
+        return ""
+    return ("extra buffer types (repack, AMX) off: the engine was built with AMX and this CPU "
+            "has it, where ggml's AMX kernels crash; rebuild it with scripts/install.sh (AMX "
+            "off) to have them")
 
 
 def is_engine_crash(exit_code: int | None) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import signal
 from dataclasses import dataclass, replace
 
@@ -22,6 +23,7 @@ from . import expert_cache
 from .host_pin import PinnedMapping, pin_mapped
 from .params import context_params, expert_cache_settings, model_params
 from .resident import ResidentWeights
+from .text_pieces import PIECE_CHARS, markers_pattern, pieces
 
 
 log = logging.getLogger("localllm.runner.model")
@@ -139,12 +141,37 @@ class Tokenizer:
         self.eos = llama_cpp.llama_vocab_eos(vocab)
         self.bos_piece = self.piece(self.bos, special=True)
         self.eos_piece = self.piece(self.eos, special=True)
+        self._markers: re.Pattern | None | bool = False  # False: not built yet
+
+    def markers(self) -> re.Pattern | None:
+        """The special tokens a long text may be cut before (llama/text_pieces.py), found in
+        the vocabulary once, at the first long text."""
+        if self._markers is False:
+            special = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+            texts = []
+            for token in range(llama_cpp.llama_vocab_n_tokens(self.vocab)):
+                attr = llama_cpp.llama_vocab_get_attr(self.vocab, token)
+                if attr & special and not attr & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP:
+                    text = llama_cpp.llama_vocab_get_text(self.vocab, token)
+                    texts.append((text or b"").decode("utf-8", errors="replace"))
+            self._markers = markers_pattern(texts)
+        return self._markers
 
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Special tokens in `text` are parsed; a BOS is added when the model wants one and the
-        text does not already start with it (a chat template often writes it itself)."""
+        text does not already start with it (a chat template often writes it itself). A long
+        text is tokenized in pieces cut before special tokens: the same tokens, in linear time
+        (llama/text_pieces.py)."""
         if add_bos is None:
             add_bos = self.add_bos and not (self.bos_piece and text.startswith(self.bos_piece))
+        if len(text) <= PIECE_CHARS:
+            return self._tokenize(text, add_bos)
+        tokens: list[int] = []
+        for i, piece in enumerate(pieces(text, self.markers())):
+            tokens += self._tokenize(piece, add_bos and i == 0)
+        return tokens
+
+    def _tokenize(self, text: str, add_bos: bool) -> list[int]:
         data = text.encode("utf-8", errors="replace")
         capacity = len(data) + 8
         while True:

@@ -400,7 +400,7 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
 def read_config_text(path: Path) -> str:
     """config.toml's text; ConfigError (with the place) when it is not UTF-8 or unreadable."""
     try:
-        data = path.read_bytes()
+        data = paths.read_regular(path)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read it: {e.strerror or e}", path=str(path)) from None
     try:

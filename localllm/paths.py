@@ -19,8 +19,10 @@ as NAME.bad-TIMESTAMP (never deleted: it may be worth a look) and a fresh one is
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +116,34 @@ def unless_broken(path: Path, what: str) -> Iterator[None]:
         raise
     except Exception as e:  # any content at all: that is the point
         set_aside(path, what, e)
+
+
+# A settings file (config.toml, a tuned profile, a tuner's record) is a few KiB; past this it
+# is not one, and reading it whole would hand its size to whoever put it there.
+MAX_SETTINGS_BYTES = 4 << 20
+
+
+def read_regular(path: Path, max_bytes: int = MAX_SETTINGS_BYTES) -> bytes:
+    """The bytes of the regular file at `path` (a symlink to one is followed), or OSError: a
+    FIFO, a device (a link to /dev/zero) or a folder is refused without reading it (opened
+    non-blocking, so a FIFO with no writer cannot hold the caller), and so is a file past
+    `max_bytes`, whatever it grows to while read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if info.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"larger than {max_bytes >> 20} MiB", str(path))
+        chunks, size = [], 0
+        while chunk := os.read(fd, min(1 << 20, max_bytes + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > max_bytes:
+                raise OSError(errno.EFBIG, f"larger than {max_bytes >> 20} MiB", str(path))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def private_dir(path: Path) -> Path:

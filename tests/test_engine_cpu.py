@@ -72,8 +72,8 @@ def crashing_daemon(tmp_path, smollm2_gguf, request):
     d.stop()
 
 
-def _generate(daemon) -> tuple[int, dict]:
-    body = json.dumps({"model": "smollm2", "prompt": "Hello", "stream": False,
+def _generate(daemon, model: str = "smollm2") -> tuple[int, dict]:
+    body = json.dumps({"model": model, "prompt": "Hello", "stream": False,
                        "options": {"num_predict": 4, "temperature": 0}}).encode()
     request = urllib.request.Request(daemon.url + "/api/generate", body,
                                      {"Content-Type": "application/json"})

@@ -155,15 +155,27 @@ def test_a_tool_reference_in_a_tool_result_brings_the_tools_definition():
     assert "Get the current weather" in result["content"]
 
 
-def test_a_bad_pattern_is_an_error_result_the_model_reads():
+async def test_a_bad_pattern_is_an_error_result_the_model_reads():
     """A regular expression that does not compile answers the search with an error block, and
     the model reads the error as the call's result."""
     tools = anthropic_tools({"tools": [SEARCH, *deferred(many_tools())]})
-    block = result_block(ToolCall("tool_search_tool_regex", {"query": "(x"}, "call_1", 0),
+    block = await result_block(ToolCall("tool_search_tool_regex", {"query": "(x"}, "call_1", 0),
                          "regex", tools.deferred)
     assert block["content"]["type"] == "tool_search_tool_result_error"
     assert block["content"]["error_code"] == "invalid_tool_input"
     assert result_text(block, tools.deferred).startswith("Error: the pattern is not")
+
+
+async def test_a_backtracking_pattern_is_stopped_and_reported():
+    """`(a+)+b` over a 40-letter description backtracks for hours in Python's `re`: the search
+    runs in a worker that is killed at its time limit, and the model reads why."""
+    tools = anthropic_tools({"tools": [SEARCH, *deferred(
+        [{"name": "spin", "description": "a" * 40, "input_schema": {"type": "object"}}])]})
+    block = await result_block(ToolCall("tool_search_tool_regex", {"query": "(a+)+b"},
+                                        "call_1", 0), "regex", tools.deferred)
+    assert block["content"]["type"] == "tool_search_tool_result_error", block
+    assert "took too long" in block["content"]["error_message"]
+    assert tools.deferred.regex("a{40}") == ["spin"]  # the next search gets a fresh worker
 
 
 # ---- through the daemon ----------------------------------------------------------------------

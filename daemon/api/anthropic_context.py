@@ -154,9 +154,9 @@ class CompactingWriter(MessagesWriter):
         self.search.chat = chat  # a search after this builds on the compacted conversation
         return block, chat
 
-    def follow_up(self, parsed: Parsed, done: Done) -> ChatRequest | None:
+    async def follow_up(self, parsed: Parsed, done: Done) -> ChatRequest | None:
         if not self.summarising:
-            return super().follow_up(parsed, done)
+            return await super().follow_up(parsed, done)
         block, chat = self.compacted(parsed, done)
         self.blocks.append(block)
         return chat

@@ -16,6 +16,7 @@ ToolSearch tool does) brings the referenced tools' definitions into that result 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field, replace
 
 from localllm.llama.runner.protocol import Done
@@ -100,12 +101,13 @@ def result_text(block: dict, deferred: DeferredTools) -> str:
     return f"Error: {error}" if error is not None else deferred.definitions(names)
 
 
-def result_block(call: ToolCall, kind: str, deferred: DeferredTools) -> dict:
-    """The search `call` asks for, run: its tool_search_tool_result block."""
+async def result_block(call: ToolCall, kind: str, deferred: DeferredTools) -> dict:
+    """The search `call` asks for, run (in a thread: its time grows with the tools and the
+    pattern): its tool_search_tool_result block."""
     use_id = server_use_block(call)["id"]
     try:
-        names = deferred.search(kind, call.arguments.get("query",
-                                                         call.arguments.get("pattern")))
+        names = await asyncio.to_thread(deferred.search, kind, call.arguments.get(
+            "query", call.arguments.get("pattern")))
     except BadQuery as e:
         return {"type": "tool_search_tool_result", "tool_use_id": use_id, "content": {
             "type": "tool_search_tool_result_error", "error_code": "invalid_tool_input",
@@ -133,12 +135,12 @@ class SearchRun:
     def is_search(self, call: ToolCall) -> bool:
         return call.name in self.tools.searches
 
-    def run(self, call: ToolCall) -> list[dict]:
+    async def run(self, call: ToolCall) -> list[dict]:
         """A search call of the model's, run: its server_tool_use and result blocks."""
         self.searched += 1
         self.searched_now = True
-        return [server_use_block(call),
-                result_block(call, self.tools.searches[call.name], self.tools.deferred)]
+        return [server_use_block(call), await result_block(
+            call, self.tools.searches[call.name], self.tools.deferred)]
 
     def next_request(self, done: Done) -> ChatRequest | None:
         """After a generation: the request that lets the model read its search results (None

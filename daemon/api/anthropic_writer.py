@@ -70,7 +70,7 @@ class MessagesWriter(Writer):
         return {"stop_reason": self.stop or reason, "stop_sequence": sequence, **managed}
 
     # -- whole
-    def follow_up(self, parsed: Parsed, done: Done) -> ChatRequest | None:
+    async def follow_up(self, parsed: Parsed, done: Done) -> ChatRequest | None:
         calls = kept_calls(parsed.tool_calls, self.parallel)
         if parsed.thinking:
             self.blocks.append({"type": "thinking", "thinking": parsed.thinking,
@@ -79,7 +79,7 @@ class MessagesWriter(Writer):
             self.blocks.append({"type": "text", "text": parsed.content})
         for call in calls:
             if self.search.is_search(call):
-                self.blocks += self.search.run(call)
+                self.blocks += await self.search.run(call)
             else:
                 self.blocks.append(tool_use_block(call))
                 self.any_calls = self.search.client_calls = True
@@ -130,7 +130,7 @@ class MessagesWriter(Writer):
         """A tool call: the client's as a tool_use block; a search, run here, as its
         server_tool_use block and its result."""
         if self.search.is_search(call):
-            use, result = self.search.run(call)
+            use, result = await self.search.run(call)
             await self.whole_block(use, {"type": "input_json_delta",
                                          "partial_json": json.dumps(call.arguments)})
             await self.whole_block(result)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 from localllm.llama.runner.protocol import Done, Token
+from localllm.modelstore.names import BadModelName, parse_name
 from localllm.modelstore.store import ModelEntry
 from localllm.profiles.planning.memory import kv_element_bytes
 from localllm.profiles.planning.quality import kv_label
@@ -328,6 +329,22 @@ async def _load_only(request: web.Request, common: Common) -> web.Response:
 
 
 # ---- what is loaded ---------------------------------------------------------------------------
+@routes.post("/api/crashes/forget")
+async def forget_crashes(request: web.Request) -> web.Response:
+    """Drop what the plans of `model` (of every model, without one) leave off because its
+    runners crashed (daemon/crashes.py): its next load runs the plan as made."""
+    body = await read_json(request) if request.can_read_body else {}
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise bad_request("field 'model' must be a model name", "model")
+        try:
+            model = parse_name(model).tagged
+        except BadModelName as e:
+            raise bad_request(str(e), "model") from None
+    return web.json_response({"forgotten": request.app[SCHEDULER].crashes.forget(model)})
+
+
 @routes.get("/api/ps")
 async def api_ps(request: web.Request) -> web.Response:
     models = []
@@ -368,9 +385,11 @@ async def api_ps(request: web.Request) -> web.Response:
             # where the choices came from: the request's options, the daemon's settings, a
             # saved profile (and why one was not used), the tuner
             "plan_reasons": list(plan.reasons),
-            "extra_bufts": plan.extra_bufts,  # off: the engine crashed with them on this CPU
-            # a part of the plan left off because the runner crashed with it (daemon/crashes)
-            **({"crash_note": note} if (note := request.app[SCHEDULER].crashes.notes.get(
+            # off: the engine crashed with them loading this model, or is built with AMX on
+            # an AMX CPU (plan_reasons says which)
+            "extra_bufts": plan.extra_bufts,
+            # what the plan leaves off because this model's runner crashed (daemon/crashes)
+            **({"crash_note": note} if (note := request.app[SCHEDULER].crashes.note(
                 slot.entry.name.tagged)) else {}),
             # as loaded: "mapped", "pinned in place" or "copied" (a refused pin copies them)
             "weights_in_ram": runner.weights_in_ram,

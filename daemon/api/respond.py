@@ -319,7 +319,7 @@ class Writer(ABC):
     # A writer whose answer may take more than one generation (a tool the server runs itself,
     # its result read by the model before it goes on) says so here: it returns the request to
     # run next, or None when the answer is complete.
-    def follow_up(self, parsed: Parsed, done: Done) -> ChatRequest | None:
+    async def follow_up(self, parsed: Parsed, done: Done) -> ChatRequest | None:
         """After each generation of an answer sent whole (`parsed`: all of its text), before
         `whole`."""
         return None
@@ -348,7 +348,7 @@ async def respond(request: web.Request, chat: ChatRequest, writer: Writer, *,
             async with run_of(asked) as run:
                 writer.run = run
                 parsed, done, logprobs = await run.whole()
-            asked = writer.follow_up(parsed, done)
+            asked = await writer.follow_up(parsed, done)
         return web.json_response(writer.whole(parsed, done, logprobs))
     async with run_of(chat) as run:
         writer.run = run

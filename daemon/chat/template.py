@@ -36,6 +36,7 @@ from localllm.errors import UserError
 from .template_worker import HEADER
 
 RENDER_SECONDS = 2.0
+SEARCH_SECONDS = 1.0  # a tool search's regular expression over the deferred tools' text
 KEEP_IDLE = 4
 WORKER_COMMAND = (sys.executable, "-m", "localllm.daemon.chat.template_worker")
 
@@ -205,18 +206,40 @@ def close_workers() -> None:
 
 
 def render_in_worker(template: str, variables: dict, seconds: float = RENDER_SECONDS) -> str:
-    request = json.dumps({"template": template, "variables": variables}, ensure_ascii=False,
-                         default=str).encode("utf-8", "surrogatepass")
+    try:
+        reply = _ask({"template": template, "variables": variables}, seconds)
+    except TimeoutError:
+        raise TemplateFailed(f"the chat template ran past its time limit of {seconds:g} s",
+                             "time") from None
+    if "error" in reply:
+        raise TemplateFailed(reply["error"], reply.get("limit"))
+    return reply["text"]
+
+
+def search_in_worker(pattern: str, texts: list[str], limit: int,
+                     seconds: float = SEARCH_SECONDS) -> list[int]:
+    """The indices of the first `limit` of `texts` that the regular expression `pattern`
+    matches, found in a worker: TimeoutError past `seconds` (the worker is killed), ValueError
+    for a pattern that does not compile."""
+    reply = _ask({"regex": pattern, "texts": texts, "limit": limit}, seconds)
+    if "error" in reply:
+        raise ValueError(reply["error"])
+    return reply["found"]
+
+
+def _ask(request: dict, seconds: float) -> dict:
+    """One request answered by an idle worker (or a new one): TimeoutError past `seconds`, the
+    worker killed; a worker that dies without answering is replaced once, then WorkerDied."""
+    data = json.dumps(request, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
     deadline = time.monotonic() + seconds
     for attempt in (1, 2):
         worker = _take()
         try:
-            reply = worker.ask(request, deadline)
+            reply = worker.ask(data, deadline)
             break
         except TimeoutError:
             worker.kill()
-            raise TemplateFailed(f"the chat template ran past its time limit of {seconds:g} s",
-                              "time") from None
+            raise
         except (EOFError, OSError):
             worker.kill()
             if attempt == 2:
@@ -226,9 +249,7 @@ def render_in_worker(template: str, variables: dict, seconds: float = RENDER_SEC
             worker.kill()
             raise
     _give_back(worker)
-    if "error" in reply:
-        raise TemplateFailed(reply["error"], reply.get("limit"))
-    return reply["text"]
+    return reply
 
 
 def _exit_text(code: int | None) -> str:

@@ -14,8 +14,14 @@ internals, no mutation of the request), so that:
   error naming the limit, and the worker lives on;
 - the daemon's event loop and memory are never the template's.
 
+A tool search's regular expression (chat/tool_search.py) runs here too, for the same reason:
+Python's `re` backtracks, so a pattern like `(a+)+b` (the model writes it: a template or a
+prompt injection can choose it) takes time doubling with each letter of the text, and only a
+process can be stopped mid-match.
+
 Wire: one JSON object per message, each prefixed by its length (4 bytes, big-endian), over
-stdin/stdout. Request {"template", "variables"}; reply {"text"} or {"error", "limit"}.
+stdin/stdout. Request {"template", "variables"}; reply {"text"} or {"error", "limit"}. Request
+{"regex", "texts", "limit"}; reply {"found": the indices of the first `limit` texts matched}.
 """
 
 from __future__ import annotations
@@ -185,6 +191,21 @@ def render_here(template: str, variables: dict) -> dict:
     return {"text": "".join(pieces)}
 
 
+def search_here(pattern: str, texts: list[str], limit: int) -> dict:
+    """The indices of the first `limit` texts that `pattern` matches (re.search)."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        return {"error": f"the pattern is not a regular expression Python reads: {e}"}
+    found = []
+    for i, text in enumerate(texts):
+        if compiled.search(text):
+            found.append(i)
+            if len(found) >= limit:
+                break
+    return {"found": found}
+
+
 def _memory_message() -> str:
     return (f"the chat template used more memory than its limit of "
             f"{MEMORY_LIMIT_BYTES >> 20} MiB")
@@ -213,7 +234,9 @@ def main() -> None:
             return
         try:
             request = json.loads(body)
-            reply = render_here(request["template"], request["variables"])
+            reply = (search_here(request["regex"], request["texts"], request["limit"])
+                     if "regex" in request else
+                     render_here(request["template"], request["variables"]))
             data = json.dumps(reply, ensure_ascii=False).encode("utf-8", "surrogatepass")
         except MemoryError:
             data = json.dumps({"error": _memory_message(), "limit": "memory"}).encode()

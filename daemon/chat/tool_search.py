@@ -3,7 +3,8 @@ front of it as a tool result when found.
 
 An agent with a hundred MCP tools marks them `defer_loading`; their definitions stay here,
 indexed by name, description and parameter names, and the model is offered one search tool
-instead. A search by regular expression (Python's `re.search`, over the same text) or by BM25
+instead. A search by regular expression (Python's `re.search`, over the same text, run in the
+template worker under a time limit: a backtracking pattern must not hold the daemon) or by BM25
 (keywords) names the tools that match; their definitions then come into the conversation as
 the search call's result, after the turns so far, so the prompt before it (the system prompt
 and the tools that were rendered) stays as it was and its cached tokens are reused.
@@ -15,6 +16,8 @@ import json
 import math
 import re
 from collections import Counter
+
+from .template import search_in_worker
 
 REGEX, BM25 = "regex", "bm25"
 MAX_FOUND = 5  # tools one search returns, best first (as Anthropic's search returns 3-5)
@@ -68,6 +71,10 @@ class DeferredTools:
 
     def __init__(self, tools: tuple[dict, ...] = ()):
         self.tools = tools
+        # by name, the first of a name winning: a request may reference 20,000 tools
+        self._by_name: dict[str, dict] = {}
+        for tool in tools:
+            self._by_name.setdefault(tool["function"]["name"], tool)
         # What a search reads of each tool: its name, description and parameter names.
         self._docs = [(f["name"], "\n".join([f["name"], f.get("description") or "",
                                              *_parameter_names(f.get("parameters"))]))
@@ -77,10 +84,11 @@ class DeferredTools:
         return bool(self.tools)
 
     def get(self, name: str) -> dict | None:
-        return next((t for t in self.tools if t["function"]["name"] == name), None)
+        return self._by_name.get(name)
 
     def search(self, kind: str, query) -> list[str]:
-        """Names of the tools `query` finds, best first, at most MAX_FOUND."""
+        """Names of the tools `query` finds, best first, at most MAX_FOUND. Blocking (a worker
+        process, or BM25 over every tool): callers on the event loop run it in a thread."""
         if not isinstance(query, str) or not query.strip():
             raise BadQuery("the query must be a non-empty string")
         return self.regex(query) if kind == REGEX else self.bm25(query)
@@ -89,10 +97,19 @@ class DeferredTools:
         if len(pattern) > MAX_PATTERN:
             raise BadQuery(f"the pattern is {len(pattern)} characters; at most {MAX_PATTERN}")
         try:
-            compiled = re.compile(pattern)
+            re.compile(pattern)  # (its error said here; the match runs in the worker)
         except re.error as e:
             raise BadQuery(f"the pattern is not a regular expression Python reads: {e}") from None
-        return [name for name, text in self._docs if compiled.search(text)][:MAX_FOUND]
+        if not self._docs:
+            return []
+        try:
+            found = search_in_worker(pattern, [text for _, text in self._docs], MAX_FOUND)
+        except TimeoutError:
+            raise BadQuery("the pattern took too long to match (it backtracks: nested "
+                           "repeats such as (a+)+); search with a simpler one") from None
+        except ValueError as e:
+            raise BadQuery(str(e)) from None
+        return [self._docs[i][0] for i in found]
 
     def bm25(self, query: str, k1: float = 1.2, b: float = 0.75) -> list[str]:
         """Okapi BM25 over each tool's words (name, description, parameter names)."""
@@ -117,7 +134,8 @@ class DeferredTools:
     def definitions(self, names: list[str]) -> str:
         """The text a search's (or a tool reference's) result carries: the definitions of the
         tools named, one JSON object a line, as templates list tools."""
-        found = [tool for tool in map(self.get, names) if tool is not None]
+        # each tool once: a request may reference one tool thousands of times
+        found = [tool for tool in map(self.get, dict.fromkeys(names)) if tool is not None]
         if not found:
             return "No tools matched. Search again with other words, or answer without them."
         return ("These tools can now be called like the others:\n"

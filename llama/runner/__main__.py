@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 
+from ..cpu import amx_hazard
 from .protocol import OP_BY_NAME, Failure, Loaded, TokenCoalescer, event_to_wire
 
 log = logging.getLogger("localllm.runner")
@@ -108,6 +109,12 @@ def main() -> int:
     import llama_cpp  # noqa: F401
     try:
         load = LOAD.request.from_wire(message)
+        hazard = amx_hazard() if load.plan.extra_bufts else ""
+        if hazard:  # ggml's AMX kernels would crash on this CPU: the plan goes without them
+            log.warning("%s", hazard)
+            load = dataclasses.replace(load, plan=dataclasses.replace(
+                load.plan, extra_bufts=False), bands=tuple(
+                dataclasses.replace(b, extra_bufts=False) for b in load.bands))
 
         from .engine import Engine
 
@@ -126,7 +133,8 @@ def main() -> int:
         engine.replies.on_expert_cache = lambda event: channel.send(event_to_wire("", event))
     channel.send(event_to_wire("", Loaded(
         os.getpid(), load_ns, engine.n_ctx, len(engine.slots), engine.lm.weights_in_ram,
-        dataclasses.asdict(pool) if pool else None, resident.report() if resident else None)))
+        dataclasses.asdict(pool) if pool else None, resident.report() if resident else None,
+        hazard)))
     log.info("loaded %s with %d slots of %d tokens", load.model_path, len(engine.slots),
              engine.n_ctx)
     threading.Thread(target=read_commands, args=(engine, channel), daemon=True).start()

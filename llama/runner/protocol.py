@@ -252,6 +252,9 @@ class Loaded:
     weights_in_ram: str = ""  # what holds the weights in RAM (llama/model.py)
     expert_cache: dict | None = None  # the pool's ExpertCacheStats fields (None: none made)
     past_ram: dict | None = None  # weights locked in RAM and those read per token (resident)
+    # why the runner loaded without llama.cpp's extra buffer types that the plan had on (an
+    # engine built with AMX on an AMX CPU: llama/cpu.py amx_hazard); "" when it did as planned
+    extra_bufts_off: str = ""
 
 
 @dataclass(frozen=True)

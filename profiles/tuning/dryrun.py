@@ -39,7 +39,7 @@ def dry_run(model_path: str, plan: Plan, timeout: float = 120.0) -> Buffers | No
     if cache.is_file():
         try:
             with paths.unless_broken(cache, "a cached dry run"):
-                found = json.loads(cache.read_bytes().decode("utf-8"))
+                found = json.loads(paths.read_regular(cache).decode("utf-8"))
                 if not isinstance(found, dict) or not isinstance(found.get("compute", {}), dict):
                     raise ValueError("not a dry run's figures")
                 return Buffers(**found)

@@ -113,7 +113,7 @@ def read_tables(path: Path) -> dict[str, dict]:
     (the figures are measured again)."""
     try:
         with paths.unless_broken(path, "the tuner's record"):
-            doc = tomllib.loads(path.read_bytes().decode("utf-8"))
+            doc = tomllib.loads(paths.read_regular(path).decode("utf-8"))
             return {k: v for k, v in doc.items() if isinstance(v, dict)}
     except OSError:
         pass
@@ -195,7 +195,7 @@ def load_profile(path: Path, set_aside_broken: bool = True) -> SavedProfile:
     One that is not TOML at all is set aside (a load re-tunes) unless `set_aside_broken` is
     False: the profile watcher's case, where the user may be in the middle of an edit."""
     try:
-        doc = tomllib.loads(path.read_bytes().decode("utf-8"))
+        doc = tomllib.loads(paths.read_regular(path).decode("utf-8"))
     except OSError as e:
         raise ProfileError(f"cannot read {path}: {e.strerror}") from None
     except (ValueError, RecursionError) as e:  # not TOML or not UTF-8: set aside, re-tuned

@@ -41,7 +41,7 @@ def _read(path: Path) -> dict[str, list[list[int]]]:
     localllm.paths)."""
     try:
         with paths.unless_broken(path, "the workload record"):
-            return _parse(path.read_bytes().decode("utf-8"))
+            return _parse(paths.read_regular(path).decode("utf-8"))
     except FileNotFoundError:
         return {}
     except OSError as e:
