@@ -33,9 +33,23 @@ class Layer:
 class RemoteModel:
     """A model served by an OpenAI-compatible server: nothing of it is stored here."""
 
-    url: str  # the API's base, ending in /v1
+    url: str  # the API's base, ending in /v1; it may carry credentials (user:secret@)
     model: str  # the upstream's name for it
     api_key_env: str = ""  # the daemon's environment variable holding the key, if any
+
+    @property
+    def shown_url(self) -> str:
+        """The URL as every output shows it: credentials as `***`."""
+        return shown_url(self.url)
+
+
+def shown_url(url: str) -> str:
+    """`url` with any credentials it carries (user and password) as `***`."""
+    scheme, sep, rest = url.partition("://")
+    host, slash, path = rest.partition("/")
+    if not sep or "@" not in host:
+        return url
+    return f"{scheme}://***@{host.rpartition('@')[2]}{slash}{path}"
 
 
 @dataclass(frozen=True)

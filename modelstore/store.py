@@ -312,7 +312,7 @@ class ModelStore:
             "remote": asdict(remote),
             "details": {"format": "remote", "family": "remote", "families": ["remote"],
                         "parameter_size": "", "quantization_level": ""},
-            "source": f"remote:{remote.url}",
+            "source": f"remote:{remote.shown_url}",
             "created_at": dt.datetime.now(dt.UTC).isoformat(),
         }
         path = self._manifest_path(model)
