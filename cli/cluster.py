@@ -81,13 +81,15 @@ def _device_name(text: str) -> str:
 
 def normalize_url(text: str) -> str:
     """An OpenAI API base: http(s)://host[:port]/path, /v1 added to a bare host."""
+    from localllm.modelstore.entries import shown_url
+
     parts = urlsplit(text.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UserError(f"--url must be an http:// or https:// URL, not {text!r}")
+        raise UserError(f"--url must be an http:// or https:// URL, not {shown_url(text)!r}")
     try:
         parts.port  # noqa: B018  (raises on a bad port)
     except ValueError:
-        raise UserError(f"--url has an invalid port: {text!r}") from None
+        raise UserError(f"--url has an invalid port: {shown_url(text)!r}") from None
     path = parts.path.rstrip("/") or "/v1"
     return f"{parts.scheme}://{parts.netloc}{path}"
 
@@ -109,7 +111,7 @@ def cmd_remote_add(args) -> int:
     note = ""
     if args.api_key_env and args.api_key_env not in os.environ:
         note = f" (set {args.api_key_env} in the daemon's environment)"
-    print(f"added {entry.name}: {upstream} at {url}{note}{replaced}")
+    print(f"added {entry.name}: {upstream} at {entry.remote.shown_url}{note}{replaced}")
     return 0
 
 
@@ -121,7 +123,7 @@ def cmd_remote_list(args) -> int:
     rows = [["NAME", "MODEL", "URL", "KEY"]]
     for entry in default_store().list():
         if entry.remote is not None:
-            rows.append([str(entry.name), entry.remote.model, entry.remote.url,
+            rows.append([str(entry.name), entry.remote.model, entry.remote.shown_url,
                          entry.remote.api_key_env or "-"])
     if len(rows) == 1:
         print("no remote models; add one with `localllm remote add NAME --url URL`")

@@ -131,6 +131,9 @@ def cmd_list(args) -> int:
     for m in data["models"]:
         rows.append([m["name"], m["digest"][:12], human_size(m["size"]), _ago(m["modified_at"])])
     print(_table(rows))
+    for bad in data.get("damaged", ()):  # each on its own line, with what to do
+        print(f"{bad['name']}: manifest damaged ({bad['error']}); `localllm rm {bad['name']}` "
+              f"removes it")
     return 0
 
 

@@ -234,9 +234,14 @@ def tcp_base_url(config) -> str:
 # ---- the model -----------------------------------------------------------------------------
 async def stored_models(client) -> list[dict]:
     """Each stored model with its size, capabilities and trained context (from /api/show)."""
+    from localllm.client import DaemonError
+
     models = []
     for m in (await client.request("GET", "/api/tags")).get("models", []):
-        show = await client.request("POST", "/api/show", {"model": m["model"]})
+        try:
+            show = await client.request("POST", "/api/show", {"model": m["model"]})
+        except DaemonError:  # a damaged model is no candidate, and stops no other one
+            continue
         info = show.get("model_info") or {}
         trained = next((v for k, v in info.items() if k.endswith(".context_length")), 0)
         models.append({"name": m["model"], "size": int(m.get("size") or 0),

@@ -1,8 +1,10 @@
 """`localllm import --from-ollama [NAME]`: the models Ollama already pulled, without a second
-download. Each GGUF blob is hard-linked into this store (one file on disk for both), or copied
-where a link cannot be made, with a note saying why. The system prompt and parameters come
-along through the same recipe `localllm create` builds; Ollama's chat template is a Go template,
-which localllm does not render, so the GGUF's own (Jinja) template is used.
+download. Each GGUF blob is hard-linked into this store (one file on disk for both) when it is
+already yours and 0600, or copied otherwise, with a note saying why: a link to a wider file would
+leave it readable through Ollama's name, and narrowing it would change the mode of your file.
+The system prompt and parameters come along through the same recipe `localllm create` builds;
+Ollama's chat template is a Go template, which localllm does not render, so the GGUF's own
+(Jinja) template is used.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from localllm.modelstore.store import (
     ModelStore,
     StoreError,
     check_projector,
+    check_room_to_copy,
     default_store,
     sha256_file,
 )
@@ -65,6 +68,10 @@ def stage_blob(store: ModelStore, blob: OllamaBlob, copy: bool = False) -> Stage
         reason = "--copy asked for a copy"
     elif info.st_uid != os.getuid():
         reason = "Ollama's blob belongs to another user (a link would share their file)"
+    elif stat.S_IMODE(info.st_mode) != 0o600:
+        reason = (f"Ollama's blob is {stat.S_IMODE(info.st_mode):04o}, and the store is "
+                  f"owner-only: a link would change your file's mode (`chmod 600` it for a "
+                  f"link)")
     else:
         reason = ""
     staged = store.staging_file("ollama-")
@@ -75,10 +82,11 @@ def stage_blob(store: ModelStore, blob: OllamaBlob, copy: bool = False) -> Stage
             staged.unlink()
             try:
                 os.link(blob.path, staged, follow_symlinks=False)
-                return Staged(blob, staged, _linked(info))
+                return Staged(blob, staged, "linked")
             except OSError as e:
                 reason = f"a hard link failed ({e.strerror or e}; another filesystem?)"
                 staged.touch(mode=0o600)
+        check_room_to_copy(blob.path, blob.size, store.tmp, link=False)
         started = time.perf_counter()
         digest = hashlib.sha256()
         with blob.path.open("rb") as src, staged.open("wb") as dst:
@@ -100,14 +108,6 @@ def _verify(blob: OllamaBlob, hexdigest: str, started: float) -> None:
     seconds = time.perf_counter() - started
     log.info("hashed %s in %.1f s (%s/s)", blob.path.name, seconds,
              human_size(int(blob.size / max(seconds, 1e-6))))
-
-
-def _linked(info: os.stat_result) -> str:
-    mode = stat.S_IMODE(info.st_mode)
-    if mode != 0o600:
-        return (f"linked; the file is now owner-only (0600, was {mode:04o}): it is one file "
-                f"in both stores, which Ollama, running as you, still reads")
-    return "linked"
 
 
 def discard(staged: list[Staged]) -> None:

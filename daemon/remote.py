@@ -1,9 +1,9 @@
 """Remote models: an OpenAI-compatible server (vLLM, SGLang, llama-server, another localllm)
 that answers for a stored remote model, as an Engine (daemon/engine.py) beside the local runner.
-Here are its client (the POST, its SSE chunks), the chat layer's request as the upstream's
-OpenAI request (`prepared`), and `RemoteEngine`, which streams the upstream's answer back as the
-runner's typed events; the response pipeline (api/respond.py) and every route's writer take it
-from there.
+Here are the chat layer's request as the upstream's OpenAI request (`prepared`), and
+`RemoteEngine`, which streams the upstream's answer back as the runner's typed events; the
+response pipeline (api/respond.py) and every route's writer take it from there. The upstream's
+client, and the capped, checked reading of its answers, are in remote_upstream.py.
 
 Upstream failures become ApiErrors inside the client (502: refused, unreachable or a bad
 answer; 504: no answer in time) and UpstreamError after the answer started; the engine turns
@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import aiohttp
-from localllm.llama.runner.protocol import Done, Embeddings, EmbedRequest, Event, Failure, Token
+from localllm.llama.runner.protocol import Embeddings, EmbedRequest, Event, Failure
+from localllm.modelstore.entries import shown_url
 from localllm.modelstore.store import ModelEntry
 
-from localllm.config import Config, ConfigError, load_config
 from localllm.options import SamplingOptions
 
 from .chat.errors import ChatError
@@ -31,146 +30,18 @@ from .chat.parse import call_id, make_parser
 from .chat.request import ChatRequest, Prepared
 from .chat.template import HERMES, THINK_TAGS
 from .http_errors import ApiError
-
-CONNECT_TIMEOUT_S = 10.0
-
-
-class UpstreamError(Exception):
-    """The upstream failed after its answer had started."""
-
-
-# ---- the upstream ------------------------------------------------------------------------------
-
-@dataclass
-class RemoteAnswer:
-    """What came back so far: pieces of text, why it ended, the upstream's counts, our clock."""
-
-    started: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    pieces: int = 0  # streamed pieces of text: about one token each
-    finish_reason: str | None = None
-    usage: dict = field(default_factory=dict)
-    timings: dict = field(default_factory=dict)  # llama-server's, when it sends them
-
-    def durations_ns(self) -> tuple[int, int]:
-        """(prompt, answer) durations: the upstream's timings when it sends them, else our
-        clock (the prompt up to the first piece, the answer after it)."""
-        end = time.perf_counter()
-        first = self.first_token_at or end
-        prompt_ns, eval_ns = int((first - self.started) * 1e9), int((end - first) * 1e9)
-        if self.timings.get("prompt_ms") is not None:
-            prompt_ns = int(self.timings["prompt_ms"] * 1e6)
-        if self.timings.get("predicted_ms") is not None:
-            eval_ns = int(self.timings["predicted_ms"] * 1e6)
-        return prompt_ns, eval_ns
-
-    def token(self, text: str) -> Token:
-        """A piece of text with the answer's running totals; the prompt's count comes with the
-        upstream's usage, at the end."""
-        self.first_token_at = self.first_token_at or time.perf_counter()
-        self.pieces += 1
-        _, eval_ns = self.durations_ns()
-        return Token(text, eval_count=self.pieces, eval_duration_ns=eval_ns,
-                     context_used=self.pieces)
-
-    def done(self) -> Done:
-        """The answer's Done; the context length is the upstream's secret, so it is 0."""
-        prompt_tokens = int(self.usage.get("prompt_tokens", 0))
-        answer_tokens = int(self.usage.get("completion_tokens", self.pieces))
-        prompt_ns, eval_ns = self.durations_ns()
-        return Done("length" if self.finish_reason == "length" else "stop",
-                    prompt_eval_count=prompt_tokens, prompt_eval_duration_ns=prompt_ns,
-                    eval_count=answer_tokens, eval_duration_ns=eval_ns,
-                    prompt_tokens=prompt_tokens, cached_tokens=0,
-                    context_used=prompt_tokens + answer_tokens, n_ctx=0)
-
-
-def _headers(entry: ModelEntry) -> dict:
-    remote = entry.remote
-    assert remote is not None
-    headers = {"Content-Type": "application/json"}
-    if remote.api_key_env:
-        key = os.environ.get(remote.api_key_env)
-        if not key:
-            raise ApiError(502, f"remote model {entry.name}: the daemon's environment has no "
-                                f"{remote.api_key_env} (its API key); set it and restart the "
-                                f"daemon")
-        headers["Authorization"] = f"Bearer {key}"
-    return headers
-
-
-def _error_text(raw: bytes) -> str:
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return raw.decode(errors="replace").strip()[:500] or "(empty answer)"
-    error = doc.get("error", doc) if isinstance(doc, dict) else doc
-    if isinstance(error, dict):
-        error = error.get("message", error)
-    return str(error)[:500]
-
-
-async def post(session: aiohttp.ClientSession, entry: ModelEntry, path: str,
-                payload: dict) -> aiohttp.ClientResponse:
-    """POST to the upstream; any failure before its answer starts is an ApiError."""
-    remote = entry.remote
-    assert remote is not None
-    url = remote.url + path
-    where = f"remote model {entry.name} ({remote.url})"
-    try:
-        response = await session.post(url, json=payload, headers=_headers(entry))
-    except (TimeoutError, aiohttp.ServerTimeoutError):
-        raise ApiError(504, f"{where}: no answer within {read_timeout():.0f} s") from None
-    except aiohttp.ClientConnectorError as e:
-        raise ApiError(502, f"{where}: cannot connect: {e.os_error or e}") from None
-    except aiohttp.ClientError as e:
-        raise ApiError(502, f"{where}: {type(e).__name__}: {e}") from None
-    if response.status >= 400:
-        text = _error_text(await response.read())
-        response.release()
-        raise ApiError(502, f"{where} answered {response.status}: {text}")
-    return response
-
-
-async def chunks(response: aiohttp.ClientResponse, entry: ModelEntry) -> AsyncIterator[dict]:
-    """The JSON objects of an SSE stream until [DONE]; UpstreamError when it breaks off."""
-    where = f"remote model {entry.name}"
-    try:
-        async for raw in response.content:
-            line = raw.decode(errors="replace").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
-            try:
-                chunk = json.loads(data)
-            except ValueError:
-                raise UpstreamError(f"{where}: the upstream sent invalid JSON: "
-                                    f"{data[:200]}") from None
-            if isinstance(chunk, dict) and "error" in chunk:
-                raise UpstreamError(f"{where}: the upstream failed: "
-                                    f"{_error_text(json.dumps(chunk).encode())}")
-            yield chunk
-    except (TimeoutError, aiohttp.ClientError) as e:
-        raise UpstreamError(f"{where}: the upstream broke off its answer "
-                            f"({type(e).__name__}{': ' + str(e) if str(e) else ''})") from None
-    raise UpstreamError(f"{where}: the upstream closed the stream before finishing")
-
-
-def read_timeout() -> float:
-    """Seconds the upstream may take to start answering, and between two parts of it."""
-    try:
-        return float(load_config().remote_timeout)
-    except ConfigError:
-        return float(Config.remote_timeout)
-
-
-def upstream_session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-        total=None, connect=CONNECT_TIMEOUT_S, sock_read=read_timeout()))
-
-
+from .remote_upstream import (  # the upstream's client, as the engine and routes use it
+    EMBEDDING_AT_MOST,
+    EMBEDDINGS_AT_MOST,
+    RemoteAnswer,
+    UpstreamError,
+    _Calls,
+    _read_chunk,
+    chunks,
+    post,
+    read_capped,
+    upstream_session,
+)
 
 
 # ---- the request the upstream takes ----------------------------------------------------------
@@ -260,35 +131,6 @@ def prepared(chat: ChatRequest) -> Prepared:
 
 # ---- the engine ---------------------------------------------------------------------------------
 
-class _Calls:
-    """The upstream's streamed tool calls, put together by index (names and arguments come in
-    pieces), written at the end as Hermes calls for the parser."""
-
-    def __init__(self) -> None:
-        self.calls: dict[int, dict] = {}
-
-    def add(self, deltas: list) -> None:
-        for delta in deltas:
-            call = self.calls.setdefault(int(delta.get("index", len(self.calls))),
-                                         {"name": "", "arguments": ""})
-            function = delta.get("function") or {}
-            call["name"] += function.get("name") or ""
-            arguments = function.get("arguments") or ""
-            call["arguments"] += arguments if isinstance(arguments, str) else json.dumps(
-                arguments)
-
-    def text(self) -> str:
-        out = ""
-        for _, call in sorted(self.calls.items()):
-            try:
-                arguments = json.loads(call["arguments"] or "{}")
-            except ValueError:
-                arguments = call["arguments"]
-            out += (f"<tool_call>\n{json.dumps({'name': call['name'], 'arguments': arguments})}"
-                    f"\n</tool_call>")
-        return out
-
-
 class RemoteEngine:
     """A remote model as an Engine (daemon/engine.py): always ready (its upstream loads and
     schedules for itself), one streamed upstream request per answer. Failures are Failure
@@ -330,27 +172,29 @@ class RemoteEngine:
         if request.dimensions:
             payload["dimensions"] = request.dimensions
         started = time.perf_counter_ns()
+        where = f"remote model {self.model_name}"
+        at_most = EMBEDDINGS_AT_MOST + EMBEDDING_AT_MOST * len(request.inputs)
         async with upstream_session() as session:
             response = await post(session, self.entry, "/embeddings", payload)
             async with response:
                 try:
-                    doc = json.loads(await response.read())
+                    doc = json.loads(await read_capped(response, at_most, where))
                     rows = sorted(doc["data"], key=lambda row: int(row.get("index", 0)))
                     vectors = tuple(_unit(row["embedding"][:request.dimensions or None])
                                     for row in rows)
+                    usage = doc.get("usage") or {}
+                    prompt_tokens = int(usage.get("prompt_tokens", 0))
                 except (TimeoutError, aiohttp.ClientError) as e:
-                    raise ApiError(502, f"remote model {self.model_name}: the upstream broke "
-                                        f"off its answer ({type(e).__name__})") from None
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    raise ApiError(502, f"remote model {self.model_name}: the upstream's "
-                                        f"/embeddings answer is not OpenAI's list of "
-                                        f"embeddings") from None
+                    raise ApiError(502, f"{where}: the upstream broke off its answer "
+                                        f"({type(e).__name__})") from None
+                except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+                    raise ApiError(502, f"{where}: the upstream's /embeddings answer is not "
+                                        f"OpenAI's list of embeddings ({type(e).__name__}: "
+                                        f"{str(e)[:200]})") from None
         if len(vectors) != len(request.inputs):
-            raise ApiError(502, f"remote model {self.model_name}: the upstream sent "
-                                f"{len(vectors)} embeddings for {len(request.inputs)} inputs")
-        usage = doc.get("usage") if isinstance(doc.get("usage"), dict) else {}
-        return Embeddings(vectors, int(usage.get("prompt_tokens", 0)),
-                          time.perf_counter_ns() - started)
+            raise ApiError(502, f"{where}: the upstream sent {len(vectors)} embeddings for "
+                                f"{len(request.inputs)} inputs")
+        return Embeddings(vectors, prompt_tokens, time.perf_counter_ns() - started)
 
     def _no_tokenizer(self) -> ChatError:
         return ChatError(f"{self.model_name} is a remote model: its tokenizer is its upstream's, "
@@ -366,25 +210,15 @@ class RemoteEngine:
                 response = await post(session, self.entry, request.path, payload)
                 async with response:
                     async for chunk in chunks(response, self.entry):
-                        if chunk.get("usage"):
-                            answer.usage = chunk["usage"]
-                        if isinstance(chunk.get("timings"), dict):
-                            answer.timings = chunk["timings"]
-                        for choice in chunk.get("choices") or ():
-                            delta = choice.get("delta") or {}
-                            text = ""
-                            if reasoning := delta.get("reasoning_content") or delta.get(
-                                    "reasoning"):
-                                text, thinking = ("" if thinking else "<think>") + reasoning, True
-                            if content := delta.get("content") or choice.get("text") or "":
-                                text += ("</think>" if thinking else "") + content
-                                thinking = False
-                            calls.add(delta.get("tool_calls") or [])
-                            answer.finish_reason = choice.get("finish_reason") or \
-                                answer.finish_reason
-                            if text:
-                                self.tokens_generated += 1
-                                yield answer.token(text)
+                        try:
+                            texts, thinking = _read_chunk(chunk, answer, calls, thinking)
+                        except (TypeError, ValueError, KeyError, AttributeError) as e:
+                            raise UpstreamError(
+                                f"remote model {self.model_name}: the upstream's answer is "
+                                f"malformed ({type(e).__name__}: {str(e)[:200]})") from None
+                        for text in texts:
+                            self.tokens_generated += 1
+                            yield answer.token(text)
         except ApiError as e:
             yield Failure(e.message, status=e.status)
             return
@@ -407,8 +241,9 @@ def show(entry: ModelEntry) -> dict:
     """/api/show for a remote model: where it lives; there is no GGUF to describe."""
     remote = entry.remote
     assert remote is not None
-    return {"license": "", "modelfile": f"# remote: {remote.model} at {remote.url}\n",
+    url = shown_url(remote.url)
+    return {"license": "", "modelfile": f"# remote: {remote.model} at {url}\n",
             "parameters": "", "template": "", "details": entry.details,
-            "model_info": {"general.architecture": "remote", "remote.url": remote.url,
+            "model_info": {"general.architecture": "remote", "remote.url": url,
                            "remote.model": remote.model},
             "capabilities": ["completion", "chat"], "modified_at": entry.modified_at}

@@ -4,6 +4,7 @@ Layout under the store root (`paths.models_dir()`):
     blobs/sha256-<hex>                  the files, immutable once published
     manifests/<name parts...>/<tag>     JSON: the model's layers (model file, companions)
     tmp/                                staging for imports and downloads (same filesystem)
+    locks/                              a lock per name, and the blob collection's (manifest_io)
 
 Publishing is ordered so a crash never leaves a listed model without its file: a blob is
 written to tmp/, verified, renamed into blobs/; the manifest is written last, atomically.
@@ -18,32 +19,44 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import hashlib
-import json
 import os
 import errno
 import shutil
 import stat
 import tempfile
 from dataclasses import asdict, dataclass
-from functools import cached_property
 from pathlib import Path
 
-from localllm.paths import private_dir, write_private
+from localllm.paths import private_dir
 
 from localllm.errors import UserError
 from localllm.units import human_size
+from .entries import (  # the store's values, named here as before
+    _CHUNK,
+    _LEGACY_LAYERS,
+    COMPANION_LAYERS as COMPANION_LAYERS,
+    DRAFT_LAYER as DRAFT_LAYER,
+    MODEL_LAYER,
+    MTP_LAYER as MTP_LAYER,
+    PROJECTOR_LAYER,
+    Layer,
+    ModelEntry,
+    RemoteModel,
+    model_details,
+    sha256_file,
+)
 from .gguf_header import GGUFError, read_header
+from .manifest_io import (
+    References,
+    collection_lock,
+    name_lock,
+    read_manifest_doc,
+    referenced_digests,
+    write_atomically,
+)
 from .names import ModelName, parse_name
-from .shape import ModelShape, format_param_count, shape_from_header
+from .shape import shape_from_header
 
-MODEL_LAYER = "application/vnd.localllm.model"
-DRAFT_LAYER = "application/vnd.localllm.draft"
-MTP_LAYER = "application/vnd.localllm.mtp"
-PROJECTOR_LAYER = "application/vnd.ollama.image.projector"  # Ollama's name for an mmproj
-_LEGACY_LAYERS = {"application/vnd.localllm.projector": PROJECTOR_LAYER}  # read as the above
-COMPANION_LAYERS = (DRAFT_LAYER, MTP_LAYER, PROJECTOR_LAYER)
-_CHUNK = 1 << 22
 
 
 class StoreError(UserError):
@@ -69,6 +82,28 @@ class DamagedModel(StoreError):
         super().__init__(f"the stored file of model '{name}' is damaged ({reason}); pull or "
                          f"import it again (`localllm pull {name}`, or `localllm import FILE "
                          f"{name}`)")
+
+
+class ManifestDamaged(StoreError):
+    """A manifest that does not read as one (409): listed apart, its blobs kept, `rm` removes
+    it."""
+
+    status = 409
+
+    def __init__(self, name: object, reason: str):
+        self.name, self.reason = name, reason
+        super().__init__(f"manifest for {name} is damaged ({reason}); remove it with "
+                         f"`localllm rm {name}` and import or pull it again")
+
+
+@dataclass(frozen=True)
+class Damaged:
+    """A stored model whose manifest is damaged, and the blobs its bytes may still name (None:
+    unreadable, so every blob is kept)."""
+
+    name: ModelName
+    reason: str
+    digests: frozenset[str] | None
 
 
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -111,89 +146,13 @@ def check_room_to_copy(source: Path, size: int, into: Path, link: bool) -> None:
                    f"disk has {human_size(free)} free; {hint}")
 
 
-@dataclass(frozen=True)
-class Layer:
-    media_type: str
-    digest: str  # "sha256:<hex>"
-    size: int
-
-
-@dataclass(frozen=True)
-class RemoteModel:
-    """A model served by an OpenAI-compatible server: nothing of it is stored here."""
-
-    url: str  # the API's base, ending in /v1
-    model: str  # the upstream's name for it
-    api_key_env: str = ""  # the daemon's environment variable holding the key, if any
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    name: ModelName
-    layers: tuple[Layer, ...]
-    details: dict
-    source: str
-    modified_at: str  # ISO 8601
-    model_path: Path | None  # None for a remote model
-    remote: RemoteModel | None = None
-
-    @property
-    def model_layer(self) -> Layer:
-        return next(layer for layer in self.layers if layer.media_type == MODEL_LAYER)
-
-    # Worked out once per entry: the daemon keeps the entries of the models it serves, and every
-    # request to one compares or keys by these.
-    @cached_property
-    def digest(self) -> str:
-        if self.remote is not None:  # stable for the same upstream, as a blob's would be
-            text = json.dumps([self.remote.url, self.remote.model])
-            return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
-        return self.model_layer.digest
-
-    @cached_property
-    def manifest_digest(self) -> str:
-        """What names this model as a whole, as Ollama's tags digest does: any layer (the
-        template, the parameters, a companion) changes it; a copy keeps it."""
-        if self.remote is not None:
-            return self.digest
-        text = json.dumps([[layer.media_type, layer.digest] for layer in self.layers])
-        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
-
-    @property
-    def size(self) -> int:
-        return sum(layer.size for layer in self.layers)
-
-    def companion(self, media_type: str) -> Layer | None:
-        return next((layer for layer in self.layers if layer.media_type == media_type), None)
-
-
-def sha256_file(path: Path, progress=None) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            if progress:
-                progress(len(chunk))
-    return h.hexdigest()
-
-
-def model_details(shape: ModelShape) -> dict:
-    """The `details` object of Ollama's /api/tags and /api/show."""
-    return {
-        "format": "gguf",
-        "family": shape.architecture,
-        "families": [shape.architecture],
-        "parameter_size": format_param_count(shape.n_params),
-        "quantization_level": shape.file_type,
-    }
-
-
 class ModelStore:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.blobs = self.root / "blobs"
         self.manifests = self.root / "manifests"
         self.tmp = self.root / "tmp"
+        self.locks = self.root / "locks"  # flock files (manifest_io.py); never deleted
 
     def ensure_dirs(self) -> None:
         for d in (self.root, self.blobs, self.manifests, self.tmp):
@@ -279,9 +238,6 @@ class ModelStore:
     def write_manifest(self, name: ModelName, layers: list[Layer], details: dict,
                        source: str) -> ModelEntry:
         self.ensure_dirs()
-        for layer in layers:
-            if not self.has_blob(layer.digest):
-                raise StoreError(f"blob {layer.digest} is missing; cannot write {name}")
         doc = {
             "schemaVersion": 2,
             "mediaType": "application/vnd.localllm.manifest.v1+json",
@@ -294,53 +250,55 @@ class ModelStore:
             "created_at": dt.datetime.now(dt.UTC).isoformat(),
         }
         path = self._manifest_path(name)
-        self._write_manifest_file(path, doc)
+        self._write_manifest_file(name, path, doc, layers)
         return self._entry(name, path)
 
-    def _write_manifest_file(self, path: Path, doc: dict) -> None:
-        """Atomically, 0600; a full disk leaves neither the new manifest nor a temp file."""
-        for directory in reversed(path.parent.relative_to(self.manifests).parents):
-            private_dir(self.manifests / directory)
-        private_dir(path.parent)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            write_private(tmp, json.dumps(doc, indent=2).encode())
-            os.replace(tmp, path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            if e.errno in NO_ROOM:
-                raise disk_full(e, f"writing the manifest of {path.name}") from None
-            raise
+    def _write_manifest_file(self, name: ModelName, path: Path, doc: dict,
+                             layers: list[Layer] = ()) -> None:
+        """Atomically, 0600, under the name's lock (manifest_io.py); a full disk leaves neither
+        the new manifest nor a temporary file. Its blobs are checked under the collection lock,
+        so that no removal deletes one between the check and the rename."""
+        with name_lock(self.locks, name.tagged), collection_lock(self.locks, alone=False):
+            for layer in layers:
+                if not self.has_blob(layer.digest):
+                    raise StoreError(f"blob {layer.digest} is missing; cannot write {name}")
+            for directory in reversed(path.parent.relative_to(self.manifests).parents):
+                private_dir(self.manifests / directory)
+            private_dir(path.parent)
+            try:
+                write_atomically(path, doc)
+            except OSError as e:
+                if e.errno in NO_ROOM:
+                    raise disk_full(e, f"writing the manifest of {name}") from None
+                raise
 
     def _entry(self, name: ModelName, path: Path) -> ModelEntry:
+        """The manifest at `path` as an entry; ManifestDamaged for anything that is not one
+        (every field's type checked here, so that no route meets a surprise later)."""
         try:
-            doc = json.loads(path.read_text())
+            doc = read_manifest_doc(path)
+            details, source = doc.get("details", {}), doc.get("source", "")
+            if not isinstance(details, dict) or not isinstance(source, str):
+                raise TypeError("its details must be an object and its source text")
+            modified = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.UTC).isoformat()
             if "remote" in doc:
-                return self._remote_entry(name, path, doc)
+                remote = RemoteModel(**doc["remote"])
+                if not all(isinstance(v, str) for v in vars(remote).values()):
+                    raise TypeError("its remote's url, model and key variable must be text")
+                return ModelEntry(name=name, layers=(), details=details, source=source,
+                                  modified_at=modified, model_path=None, remote=remote)
             layers = tuple(
                 Layer(_LEGACY_LAYERS.get(d["mediaType"], d["mediaType"]), d["digest"],
                       int(d["size"])) for d in doc["layers"]
             )
+            for layer in layers:
+                self.blob_path(layer.digest)  # a digest that names no blob is damage too
             model_layer = next(x for x in layers if x.media_type == MODEL_LAYER)
-        except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
-            raise StoreError(f"manifest for {name} is damaged ({e}); remove it with "
-                             f"`localllm rm {name}` and import or pull it again") from None
-        modified = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.UTC).isoformat()
-        return ModelEntry(
-            name=name,
-            layers=layers,
-            details=doc.get("details", {}),
-            source=doc.get("source", ""),
-            modified_at=modified,
-            model_path=self.blob_path(model_layer.digest),
-        )
-
-    def _remote_entry(self, name: ModelName, path: Path, doc: dict) -> ModelEntry:
-        remote = RemoteModel(**doc["remote"])
-        modified = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.UTC).isoformat()
-        return ModelEntry(name=name, layers=(), details=doc.get("details", {}),
-                          source=doc.get("source", ""), modified_at=modified, model_path=None,
-                          remote=remote)
+        except (OSError, ValueError, KeyError, TypeError, StopIteration, RecursionError,
+                StoreError) as e:
+            raise ManifestDamaged(name, str(e)[:200] or type(e).__name__) from None
+        return ModelEntry(name=name, layers=layers, details=details, source=source,
+                          modified_at=modified, model_path=self.blob_path(model_layer.digest))
 
     def add_remote(self, name: str | ModelName, remote: RemoteModel) -> ModelEntry:
         """Name a model that lives on an OpenAI-compatible server (replacing any entry of
@@ -354,11 +312,11 @@ class ModelStore:
             "remote": asdict(remote),
             "details": {"format": "remote", "family": "remote", "families": ["remote"],
                         "parameter_size": "", "quantization_level": ""},
-            "source": f"remote:{remote.url}",
+            "source": f"remote:{remote.shown_url}",
             "created_at": dt.datetime.now(dt.UTC).isoformat(),
         }
         path = self._manifest_path(model)
-        self._write_manifest_file(path, doc)
+        self._write_manifest_file(model, path, doc)
         return self._entry(model, path)
 
     def manifest_file(self, name: str | ModelName) -> Path:
@@ -379,18 +337,33 @@ class ModelStore:
         return self._manifest_path(model).is_file()
 
     def list(self) -> list[ModelEntry]:
-        if not self.manifests.is_dir():
-            return []
-        entries = []
-        for path in sorted(self.manifests.rglob("*")):
-            if not path.is_file() or path.name.startswith("."):
-                continue
-            rel = path.relative_to(self.manifests).parts
+        return self.scan()[0]
+
+    def scan(self) -> tuple[list[ModelEntry], list[Damaged]]:
+        """Every stored model, and apart those whose manifest is damaged: one bad manifest
+        hides no other model and stops nothing."""
+        entries: list[ModelEntry] = []
+        damaged: list[Damaged] = []
+        for name, path in self._manifest_files():
             try:
-                entries.append(self._entry(ModelName(rel[:-1], rel[-1]), path))
-            except StoreError:
-                continue  # a damaged manifest must not hide the rest of the list
-        return entries
+                entries.append(self._entry(name, path))
+            except StoreError as e:
+                damaged.append(Damaged(name, getattr(e, "reason", str(e)),
+                                       referenced_digests(path)))
+        return entries, damaged
+
+    def _manifest_files(self) -> list[tuple[ModelName, Path]]:
+        found = []
+        # os.walk skips a folder it cannot read (onerror=None) instead of raising
+        for folder, dirs, files in os.walk(self.manifests):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for file in sorted(files):
+                path = Path(folder, file)
+                if file.startswith(".") or not _is_file(path):
+                    continue
+                rel = path.relative_to(self.manifests).parts
+                found.append((ModelName(rel[:-1], rel[-1]), path))
+        return found
 
     def copy(self, source: str, destination: str) -> ModelEntry:
         entry = self.get(source)
@@ -400,17 +373,28 @@ class ModelStore:
         return self.write_manifest(dest, list(entry.layers), entry.details,
                                    f"copy:{entry.name}")
 
-    def remove(self, name: str | ModelName) -> ModelEntry:
-        """Remove the manifest and those of its blobs that no other manifest names. Other
-        blobs stay: an upload waiting for its create, a pull between publishing its blob and
-        writing its manifest (unreferenced blobs are swept at startup, past an age)."""
-        entry = self.get(name)
-        self._manifest_path(entry.name).unlink()
-        self._prune_dirs(self._manifest_path(entry.name).parent)
-        still_used = self.used_digests()
-        for layer in entry.layers:
-            if layer.digest not in still_used:
-                self.blob_path(layer.digest).unlink(missing_ok=True)
+    def remove(self, name: str | ModelName) -> ModelEntry | None:
+        """Remove the manifest and those of its blobs that no other manifest, damaged or not,
+        may name. Other blobs stay: an upload waiting for its create, a pull between publishing
+        its blob and writing its manifest (unreferenced blobs are swept at startup, past an
+        age). A damaged manifest is removed too (None returned): the blobs its bytes name go
+        as a whole one's would."""
+        model = parse_name(name) if isinstance(name, str) else name
+        path = self._manifest_path(model)
+        with name_lock(self.locks, model.tagged), collection_lock(self.locks, alone=True):
+            entry: ModelEntry | None = None
+            try:
+                entry = self.get(model)
+                digests = frozenset(layer.digest for layer in entry.layers)
+            except ManifestDamaged:
+                digests = referenced_digests(path) or frozenset()
+            path.unlink()
+            self._prune_dirs(path.parent)
+            still_used = self.references()
+            for digest in digests:
+                if not still_used.keeps(digest):
+                    with contextlib.suppress(StoreError):
+                        self.blob_path(digest).unlink(missing_ok=True)
         return entry
 
     def _prune_dirs(self, directory: Path) -> None:
@@ -418,9 +402,17 @@ class ModelStore:
             directory.rmdir()
             directory = directory.parent
 
+    def references(self) -> References:
+        """Every blob digest some manifest names or, damaged, may name."""
+        entries, damaged = self.scan()
+        found = References({layer.digest for entry in entries for layer in entry.layers})
+        for bad in damaged:
+            found.add(bad.digests)
+        return found
+
     def used_digests(self) -> set[str]:
-        """Every blob digest some manifest names."""
-        return {layer.digest for entry in self.list() for layer in entry.layers}
+        """Every blob digest some manifest names (damaged ones' included)."""
+        return self.references().digests
 
     # ---- import ------------------------------------------------------------------------
     def import_gguf(self, source: Path, name: str, link: bool = True,

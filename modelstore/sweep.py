@@ -1,6 +1,7 @@
 """The store's housekeeping at daemon start: what a crash or an abandoned upload left behind.
 
-- Blobs no manifest names: an upload (`POST /api/blobs`) whose create never came, a model
+- Blobs no manifest names (nor a damaged one's bytes; while a manifest cannot be read at all,
+  no blob is removed): an upload (`POST /api/blobs`) whose create never came, a model
   removed while another process still used it. Swept only past `BLOB_AGE`, so an upload
   waiting for its create, or a pull or import (the CLI's run in their own process) between
   publishing a blob and writing its manifest, keeps it.
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .manifest_io import collection_lock
 from .store import ModelStore
 
 BLOB_AGE = 24 * 3600.0
@@ -51,11 +53,16 @@ def sweep_store(store: ModelStore, now: float | None = None, blob_age: float = B
     now = time.time() if now is None else now
     swept = Swept()
     if store.blobs.is_dir():
-        used = store.used_digests()
-        for blob in store.blobs.glob("sha256-*"):
-            digest = "sha256:" + blob.name.removeprefix("sha256-")
-            if digest not in used and _remove_if_old(blob, now, blob_age, swept):
-                swept.blobs.append(digest)
+        with collection_lock(store.locks, alone=True):
+            used = store.references()
+            if not used.complete:
+                log.warning("store sweep: a manifest cannot be read, so no blob is removed")
+            for blob in store.blobs.glob("sha256-*"):
+                digest = "sha256:" + blob.name.removeprefix("sha256-")
+                if not used.keeps(digest) and _remove_if_old(blob, now, blob_age, swept):
+                    swept.blobs.append(digest)
+        for bad in store.scan()[1]:
+            log.warning("model %s: %s", bad.name, bad.reason)
     if store.tmp.is_dir():
         for path in store.tmp.iterdir():
             if not _resumable(path) and _remove_if_old(path, now, staging_age, swept):

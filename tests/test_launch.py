@@ -361,3 +361,30 @@ def test_a_model_whose_plan_cannot_hold_the_agent_is_refused_saying_why(tmp_path
     largest = int(re.search(r"the largest context that fits is (\d+) tokens", line).group(1))
     assert largest < first + ANSWER_MIN and "ram_budget" in line
     assert not (tmp_path / "record.json").exists()
+
+
+@pytest.mark.errors_expected
+def test_a_broken_stored_model_does_not_stop_launch_with_another_named(tmp_path, smollm2_gguf):
+    """A stored model whose file was cut short answers /api/show with an error: launch with
+    --model naming a good one goes on (it stopped at the first such model)."""
+    import shutil
+
+    from conftest import import_models
+
+    env = isolated_env(tmp_path / "d")
+    broken = tmp_path / "broken.gguf"
+    shutil.copyfile(smollm2_gguf, broken)
+    broken.chmod(0o600)
+    long = with_metadata(tool_model(smollm2_gguf, tmp_path), tmp_path / "t32.gguf",
+                         {"llama.context_length": 32768})
+    import_models(env, {"aaa-broken": broken, "smollm2-tools": long})
+    with open(broken, "r+b") as f:  # the store's blob is a hard link of it
+        f.truncate(4096)
+    d = start_daemon(env)
+    try:
+        assert d.cli("show", "aaa-broken").returncode == 1
+        r = launch(d, tmp_path, "claude", "--model", MODEL, "--print-env")
+    finally:
+        d.stop()
+    assert r.returncode == 0, r.stderr
+    assert exports(r.stdout)["ANTHROPIC_MODEL"] == MODEL

@@ -160,21 +160,22 @@ def ollama_store(tmp_path, smollm2_gguf) -> Path:
     return root
 
 
-def test_import_from_ollama_links_the_blob_with_system_and_parameters(empty_daemon,
-                                                                        ollama_store):
+def test_import_from_ollama_copies_a_0644_blob_with_system_and_parameters(empty_daemon,
+                                                                            ollama_store):
+    """Ollama leaves its blobs 0644: linking one would make the user's file 0600 (it did), so
+    it is copied, with a line saying why and how to get a link instead."""
     fresh_daemon = empty_daemon
     env = {"OLLAMA_MODELS": str(ollama_store)}
     result = cli(fresh_daemon, "import", "--from-ollama", "smolpirate", **env)
     assert result.returncode == 0, result.stderr
     line = result.stdout.strip()
-    assert line.startswith("imported smolpirate:latest (linked") and "system prompt" in line
-    assert "was 0644" in line  # the shared file is owner-only now, and it says so
+    assert line.startswith("imported smolpirate:latest (copied") and "system prompt" in line
+    assert "0644" in line and "chmod 600" in line
     assert "parameter num_keep left out" in line and "Go template left out" in line
-    blob = next((ollama_store / "blobs").glob("sha256-*"), None)
     ours = Path(fresh_daemon.env["XDG_DATA_HOME"]) / "localllm" / "models" / "blobs"
     model_blob = max(ollama_store.joinpath("blobs").iterdir(), key=lambda p: p.stat().st_size)
-    assert blob is not None and (ours / model_blob.name).stat().st_ino == \
-        model_blob.stat().st_ino  # one file on disk: a link, not a copy
+    assert (ours / model_blob.name).stat().st_ino != model_blob.stat().st_ino
+    assert model_blob.stat().st_mode & 0o777 == 0o644  # the user's file as it was
     assert (ours / model_blob.name).stat().st_mode & 0o777 == 0o600
     client = ollama.Client(host=fresh_daemon.url)
     shown = api_show(fresh_daemon, "smolpirate")
@@ -192,6 +193,17 @@ def test_import_from_ollama_links_the_blob_with_system_and_parameters(empty_daem
     assert "skipped big-cloud:latest: big-cloud:latest has no GGUF layer" in every.stdout
     names = {m["name"] for m in fresh_daemon.get("/api/tags")["models"]}
     assert {"smolpirate:latest", "someone/tiny:q4"} <= names
+
+
+def test_import_from_ollama_links_a_0600_blob(empty_daemon, ollama_store):
+    model_blob = max(ollama_store.joinpath("blobs").iterdir(), key=lambda p: p.stat().st_size)
+    model_blob.chmod(0o600)
+    result = cli(empty_daemon, "import", "--from-ollama", "smolpirate",
+                 OLLAMA_MODELS=str(ollama_store))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("imported smolpirate:latest (linked")
+    ours = Path(empty_daemon.env["XDG_DATA_HOME"]) / "localllm" / "models" / "blobs"
+    assert (ours / model_blob.name).stat().st_ino == model_blob.stat().st_ino  # one file
 
 
 def test_import_from_ollama_says_what_is_wrong(empty_daemon, ollama_store, tmp_path):

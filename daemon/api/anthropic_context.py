@@ -21,6 +21,7 @@ before the model reads the prompt, applied here the same way.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
 from aiohttp import web
@@ -59,13 +60,36 @@ def context_edits(body: dict) -> Edits | None:
     if not isinstance(edits, list) or not all(isinstance(e, dict) for e in edits):
         raise bad_request("context_management must be {edits: [{type: ...}, ...]}",
                           "context_management")
-    kinds = {e.get("type"): e for e in edits}
-    unknown = set(kinds) - {CLEAR_TOOL_USES, CLEAR_THINKING, COMPACT}
-    if unknown:
-        raise bad_request(f"context_management.edits: unknown type {sorted(map(str, unknown))} "
-                          f"({CLEAR_TOOL_USES}, {CLEAR_THINKING} and {COMPACT} are known)",
-                          "context_management")
+    unknown = [e.get("type") for e in edits
+               if e.get("type") not in (CLEAR_TOOL_USES, CLEAR_THINKING, COMPACT)]
+    if unknown:  # a type may be any JSON value: shown, never hashed
+        raise bad_request(f"context_management.edits: unknown type "
+                          f"{json.dumps(unknown)[:200]} ({CLEAR_TOOL_USES}, {CLEAR_THINKING} "
+                          f"and {COMPACT} are known)", "context_management")
+    kinds = {e["type"]: e for e in edits}
+    for edit in kinds.values():
+        _check_edit(edit)
     return Edits(kinds.get(CLEAR_TOOL_USES), kinds.get(COMPACT))
+
+
+def _check_edit(edit: dict) -> None:
+    """Every field an edit is read by, checked when the request comes (a 400 then, never a
+    surprise where the edit triggers)."""
+    kind = edit["type"]
+    if kind == CLEAR_TOOL_USES:
+        _value(edit, "trigger", "input_tokens", 0)
+        _value(edit, "keep", "tool_uses", 0)
+        _value(edit, "clear_at_least", "input_tokens", 0)
+        exclude = edit.get("exclude_tools")
+        if exclude is not None and not (isinstance(exclude, list)
+                                        and all(isinstance(n, str) for n in exclude)):
+            raise bad_request(f"context_management: {kind}.exclude_tools must be a list of "
+                              f"tool names", "context_management")
+    elif kind == COMPACT:
+        _value(edit, "trigger", "input_tokens", 0)
+        if not isinstance(edit.get("instructions") or "", str):
+            raise bad_request(f"context_management: {kind}.instructions must be text",
+                              "context_management")
 
 
 def _value(edit: dict, key: str, kind: str, default: int) -> int:

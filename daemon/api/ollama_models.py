@@ -9,7 +9,7 @@ import os
 
 from aiohttp import web
 from localllm.modelstore.projector import projector_info, show_info
-from localllm.modelstore.store import projector_path
+from localllm.modelstore.store import ManifestDamaged, projector_path
 
 from localllm import __version__
 from localllm.config import DAEMON_ONLY, ENV
@@ -54,7 +54,14 @@ async def api_status(request: web.Request) -> web.Response:
 
 @routes.get("/api/tags")
 async def api_tags(request: web.Request) -> web.Response:
-    return web.json_response({"models": [model_json(e) for e in request.app[STORE].list()]})
+    """The stored models; those whose manifest is damaged apart, each with what is wrong (a
+    key Ollama's clients ignore), so that one bad file hides no other model."""
+    entries, damaged = await asyncio.to_thread(request.app[STORE].scan)
+    body: dict = {"models": [model_json(e) for e in entries]}
+    if damaged:
+        body["damaged"] = [{"name": str(bad.name), "model": bad.name.tagged,
+                            "error": bad.reason} for bad in damaged]
+    return web.json_response(body)
 
 
 def show_parameters(num_ctx: int, stops: list[str], stored: dict) -> str:
@@ -125,9 +132,12 @@ async def api_show(request: web.Request) -> web.Response:
 async def api_delete(request: web.Request) -> web.Response:
     body = await read_json(request)
     name = get_model_field(body)
-    entry = find_model(request, name)
-    await request.app[SCHEDULER].unload(entry.name.tagged)  # never delete a file in use
-    request.app[STORE].remove(entry.name)
+    try:
+        model = find_model(request, name).name
+    except ManifestDamaged as e:  # removable: its own message says `localllm rm` it
+        model = e.name
+    await request.app[SCHEDULER].unload(model.tagged)  # never delete a file in use
+    await asyncio.to_thread(request.app[STORE].remove, model)
     return web.json_response({})
 
 
@@ -150,5 +160,5 @@ async def api_copy(request: web.Request) -> web.Response:
     body = await read_json(request)
     source = get_str(body, "source", required=True)
     destination = get_str(body, "destination", required=True)
-    request.app[STORE].copy(source, destination)
+    await asyncio.to_thread(request.app[STORE].copy, source, destination)  # waits on a lock
     return web.json_response({})
