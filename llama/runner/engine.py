@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from localllm.llama.loaded import LoadedModel
-from localllm.llama.model import ModelLoadError, RequestError
+from localllm.llama.model import ModelLoadError, PromptTooLong, RequestError
 from localllm.llama.vision import MediaPrompt, is_image_token, text_tokens
 from localllm.profiles.planning.plan import Plan
 
@@ -253,7 +253,7 @@ class Engine:
             try:
                 self._start(sub, free)
             except RequestError as e:
-                sub.emit(Failure(str(e), status=400))
+                sub.emit(Failure(str(e), status=400, context_exceeded=e.sizes))
             except Exception as e:  # this request fails, not the runner
                 log.exception("request %s could not start", sub.request.id)
                 sub.emit(Failure(f"{type(e).__name__}: {e}"))
@@ -322,10 +322,10 @@ class Engine:
                       f"tokens)" if trained > self.n_ctx else
                       f"use a model with a longer context ({self.n_ctx} tokens is all this "
                       f"one was trained on)")
-            raise RequestError(
+            raise PromptTooLong(
                 f"the prompt is {len(tokens)} tokens{images} but the loaded context holds "
                 f"{self.n_ctx}; shorten it{', send fewer images' if images else ''} or "
-                f"{bigger}")
+                f"{bigger}", len(tokens), self.n_ctx)
         if media is not None and is_image_token(tokens[-1]):  # (text tokens are never one)
             raise RequestError("the prompt ends with an image: put text after it")
 

@@ -259,6 +259,7 @@ class Failure:
     kind: ClassVar[str] = "error"
     message: str
     status: int = 500  # 400 when the request itself was at fault (prompt too long, no template)
+    context_exceeded: tuple[int, ...] = ()  # (prompt tokens, n_ctx) for a prompt too long
 
 
 Event = (Token | Done | Failure | Progress | Embeddings | TokenCount | Threads | Band
