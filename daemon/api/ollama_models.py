@@ -18,7 +18,7 @@ from .. import remote, security
 from ..chat.custom import capabilities
 from ..chat.model import model_for
 from ..chat.template import DEFAULT_TEMPLATE
-from ..state import CONFIG, SCHEDULER, STORE, live_config
+from ..state import CONFIG, SCHEDULER, STORE, aliases_json
 from .common import customization, find_model, get_bool, get_model_field, get_str, read_json
 from .ollama import OLLAMA_API_LEVEL, STARTED_AT, iso, model_json
 
@@ -55,8 +55,8 @@ async def api_status(request: web.Request) -> web.Response:
 @routes.get("/api/tags")
 async def api_tags(request: web.Request) -> web.Response:
     return web.json_response({"models": [model_json(e) for e in request.app[STORE].list()],
-                              # localllm's addition: the other names models answer to
-                              "aliases": live_config(request.app).model_aliases})
+                              **aliases_json(request.app)})
+
 
 
 def show_parameters(num_ctx: int, stops: list[str], stored: dict) -> str:
