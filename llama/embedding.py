@@ -95,6 +95,15 @@ class Embedder:
             vectors.append(self._pool(tokens, dimensions))
         return vectors, total
 
+    def answer(self, inputs: Sequence[str], truncate: bool, dimensions: int | None,
+               query: str | None) -> tuple[list[tuple[float, ...]], int]:
+        """What an embed request asks: the inputs' vectors, or with a `query` a reranker's
+        scores of them (each a vector of one value), and the tokens read."""
+        if query is None:
+            return self.embed(inputs, truncate, dimensions)
+        scores, total = self.rank(query, inputs, truncate)
+        return [(score,) for score in scores], total
+
     def rank(self, query: str, documents: Sequence[str],
              truncate: bool = True) -> tuple[list[float], int]:
         """Each document's score against `query`, and the tokens read over all pairs. A pair

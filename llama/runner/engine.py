@@ -208,12 +208,8 @@ class Engine:
         """Embeddings in a context of their own, made on first use (llama/embedding.py)."""
         started = time.perf_counter_ns()
         embedder = self.model.embedder(self.n_ctx, self.plan)
-        if request.query is not None:  # a reranker's scores, one per document
-            scores, total = embedder.rank(request.query, request.inputs, request.truncate)
-            vectors = [(score,) for score in scores]
-        else:
-            vectors, total = embedder.embed(request.inputs, request.truncate,
-                                            request.dimensions)
+        vectors, total = embedder.answer(request.inputs, request.truncate, request.dimensions,
+                                         request.query)
         return Embeddings(vectors=tuple(vectors), prompt_tokens=total,
                           duration_ns=time.perf_counter_ns() - started)
 
