@@ -134,7 +134,15 @@ def cmd_list(args) -> int:
     for bad in data.get("damaged", ()):  # each on its own line, with what to do
         print(f"{bad['name']}: manifest damaged ({bad['error']}); `localllm rm {bad['name']}` "
               f"removes it")
+    _print_aliases(data)
     return 0
+
+
+def _print_aliases(data: dict) -> None:
+    """The other names models answer to (the model_aliases setting), after list's and ps's
+    tables."""
+    for name, target in (data.get("aliases") or {}).items():
+        print(f"alias {name} -> {target}")
 
 
 def cmd_show(args) -> int:
@@ -308,6 +316,7 @@ def cmd_ps(args) -> int:
                      f"{m.get('active', 0)}/{m.get('num_parallel', 1)}", m.get("kv_type", ""),
                      until])
     print(_table(rows))
+    _print_aliases(data)
     for m in data["models"]:  # SIZE beside what the runner really holds, so neither surprises
         if m.get("rss_bytes"):
             print(f"{m['name']} memory: SIZE is its weights and KV cache as planned; its runner "

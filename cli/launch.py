@@ -31,6 +31,10 @@ model cannot hold them, it says why and runs nothing); then runs the agent point
 - opencode with a `localllm` provider (OpenAI-compatible) and the model's context and output
   limits, given as `OPENCODE_CONFIG_CONTENT`; autoupdate, sharing and the models.dev fetch off.
 
+Each agent's helper model (Claude Code's small fast model, opencode's small_model, Copilot
+CLI's gpt-5.4-nano, made an alias here) is the main model or `--helper-model`, and launch says
+which (launch_helpers.py).
+
 Every limit an agent is told comes from the context the daemon loaded (`/api/ps`), also with
 `--print-env`, which loads the model as launching would and runs nothing. The agent is sent
 the model's name as the store lists it, so every request names a model that exists (an agent
@@ -68,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch", help="run Claude Code, Codex, Copilot CLI or opencode against a local model",
         usage="localllm launch {claude,codex,copilot,opencode} [--model M] [--ctx N] "
-        "[--print-env] "
+        "[--helper-model M] [--print-env] "
         "[--print-config] [-- AGENT ARGS]",
         description="Start the daemon if needed, load a tool-capable model with a long "
         "context, and run the coding agent pointed at it. Arguments after `--` go to the "
@@ -88,6 +92,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, metavar="N",
                    help=f"context length to load the model with (default: {WANTED_CTX}, or "
                    "the model's trained length where that is less)")
+    p.add_argument("--helper-model", metavar="M",
+                   help="a stored model for the agent's side requests (its small fast "
+                   "model; Copilot CLI's gpt-5.4-nano); default: the main model")
     p.add_argument("--print-env", action="store_true",
                    help="load the model as launching would, print the environment and "
                    "command line the agent would get, and run nothing")
@@ -121,7 +128,7 @@ class Setup:
 
 
 def claude_env(base_url: str, model: str, token: str, n_ctx: int,
-               answer: int) -> dict[str, str]:
+               answer: int, helper: str) -> dict[str, str]:
     return {
         "ANTHROPIC_BASE_URL": base_url,
         "ANTHROPIC_AUTH_TOKEN": token,
@@ -129,8 +136,8 @@ def claude_env(base_url: str, model: str, token: str, n_ctx: int,
         "ANTHROPIC_MODEL": model,
         "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
         "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
-        "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
-        "ANTHROPIC_SMALL_FAST_MODEL": model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": helper,
+        "ANTHROPIC_SMALL_FAST_MODEL": helper,
         "CLAUDE_CODE_SUBAGENT_MODEL": model,
         "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
@@ -188,16 +195,17 @@ def copilot_env(base_url: str, model: str, token: str, n_ctx: int,
 
 
 def opencode_env(base_url: str, model: str, token: str, n_ctx: int,
-                 answer: int) -> dict[str, str]:
+                 answer: int, helper: str) -> dict[str, str]:
     config = {
         "$schema": "https://opencode.ai/config.json",
         "provider": {"localllm": {
             "npm": "@ai-sdk/openai-compatible", "name": "localllm",
             "options": {"baseURL": f"{base_url}/v1", "apiKey": token},
-            "models": {model: {"name": model, "tool_call": True, "limit": {
-                "context": n_ctx, "output": answer}}}}},
+            "models": {name: {"name": name, "tool_call": True,
+                              "limit": {"context": n_ctx, "output": answer}}
+                       for name in dict.fromkeys((model, helper))}}},
         "model": f"localllm/{model}",
-        "small_model": f"localllm/{model}",
+        "small_model": f"localllm/{helper}",
         "autoupdate": False,
         "share": "disabled",
     }
@@ -206,18 +214,22 @@ def opencode_env(base_url: str, model: str, token: str, n_ctx: int,
 
 
 def make_setup(agent: str, base_url: str, model: str, n_ctx: int, api_key: str,
-               agent_args: list[str], first_request: int = 0) -> Setup:
-    """`n_ctx`: the context loaded; `first_request`: the agent's first request's tokens."""
+               agent_args: list[str], first_request: int = 0, helper: str = "") -> Setup:
+    """`n_ctx`: the context loaded; `first_request`: the agent's first request's tokens;
+    `helper`: the model for its side requests (launch_helpers.py), the main one if empty."""
     token = api_key or PLACEHOLDER_TOKEN
     answer = answer_room(n_ctx, first_request)
+    helper = helper or model
     if agent == "claude":
-        return Setup(agent, model, n_ctx, claude_env(base_url, model, token, n_ctx, answer),
+        return Setup(agent, model, n_ctx,
+                     claude_env(base_url, model, token, n_ctx, answer, helper),
                      ["claude", "--model", model, *agent_args])
     if agent == "copilot":
         return Setup(agent, model, n_ctx, copilot_env(base_url, model, token, n_ctx, answer),
                      ["copilot", "--no-auto-update", *agent_args])
     if agent == "opencode":
-        return Setup(agent, model, n_ctx, opencode_env(base_url, model, token, n_ctx, answer),
+        return Setup(agent, model, n_ctx,
+                     opencode_env(base_url, model, token, n_ctx, answer, helper),
                      ["opencode", *agent_args])
     env = {"LOCALLLM_API_KEY": api_key} if api_key else {}
     return Setup(agent, model, n_ctx, env, [
@@ -376,7 +388,7 @@ def cmd_launch(args) -> int:
     config = load_config()
     if os.environ.get("LOCALLLM_HOST"):
         config = replace(config, host=os.environ["LOCALLLM_HOST"])
-    setup = asyncio.run(_prepare(config, args, agent_args))
+    setup = asyncio.run(_prepare(config, args, agent_args, dry))
     if dry:
         print_setup(setup)
         return 0
@@ -387,8 +399,10 @@ def cmd_launch(args) -> int:
     return 0  # not reached
 
 
-async def _prepare(config, args, agent_args: list[str]) -> Setup:
+async def _prepare(config, args, agent_args: list[str], dry: bool = False) -> Setup:
     from localllm.client import Client
+
+    from .launch_helpers import alias_helpers, choose_helper, say_helpers
 
     async with Client(config) as client:
         await client.connect()
@@ -399,8 +413,11 @@ async def _prepare(config, args, agent_args: list[str]) -> Setup:
         note = fit_note or load_note or note
         if note:
             print(f"note: {note}", file=sys.stderr)
+        helper = await choose_helper(client, args.helper_model, model["name"])
+        say_helpers(args.agent, helper, model["name"],
+                    await alias_helpers(client, args.agent, helper, dry))
     return make_setup(args.agent, tcp_base_url(config), model["name"], n_ctx, config.api_key,
-                      agent_args, need.first_request)
+                      agent_args, need.first_request, helper)
 
 
 def print_setup(setup: Setup) -> None:

@@ -49,3 +49,22 @@ def error_body(path: str, status: int, message: str, param: str | None = None,
                 404: "not_found_error", 503: "server_overloaded"}.get(status, "server_error")
         return {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return {"error": message}
+
+
+def overflow_message(path: str, tokens: int, n_ctx: int, message: str) -> str:
+    """A prompt longer than the context, worded as the clients of the route's API family
+    recognize an overflow (they compact the conversation and retry on it): Anthropic's "prompt
+    is too long: N tokens > M maximum" (Claude Code reads the two numbers), OpenAI's "maximum
+    context length is M tokens" (with the code `context_length_exceeded`), each followed by
+    `message`, which says what to do. Ollama's routes keep `message` alone."""
+    if is_anthropic(path):
+        return f"prompt is too long: {tokens} tokens > {n_ctx} maximum. {_sentence(message)}"
+    if path.startswith("/v1/"):
+        return (f"This model's maximum context length is {n_ctx} tokens. However, your "
+                f"messages resulted in {tokens} tokens. Please reduce the length of the "
+                f"messages. {_sentence(message)}")
+    return message
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]

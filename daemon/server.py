@@ -39,8 +39,9 @@ from .api import (
     stats,
 )
 from .api.common import KNOWN, MAX_BODY_BYTES
+from .chat.errors import ContextOverflow
 from .config_watch import watch_config, watch_profiles
-from .http_errors import OVERLOADED, error_body, is_anthropic
+from .http_errors import OVERLOADED, error_body, is_anthropic, overflow_message
 from .logging_setup import ACCESS_LOG, AccessLogger, setup_logging
 from .metrics import METRICS, Metrics
 from .metrics import routes as metrics_routes
@@ -89,6 +90,8 @@ async def error_middleware(request: web.Request, handler):
         else:
             log.exception("error serving %s %s", request.method, request.path)
             status, message = 500, f"internal error: {type(e).__name__}: {e}"
+        if isinstance(e, ContextOverflow):
+            message = overflow_message(request.path, e.tokens, e.n_ctx, message)
         param = getattr(e, "param", None)
         headers = {"Retry-After": "5"} if status == 503 else None
         if status == 503 and is_anthropic(request.path):

@@ -3,6 +3,11 @@
 The generating context keeps its KV cache (and its prefix reuse) untouched: embeddings get a
 second context on the same `llama_model`, made with `embeddings=True` and the GGUF's pooling
 type, or mean pooling for a causal LM whose GGUF names none. Vectors come back unit length.
+
+A reranker (a GGUF with rank pooling: a cross-encoder, or a causal model with a rank head) makes
+no embeddings; it scores a query and a document read together, in the pair llama.cpp's server
+builds (`format_prompt_rerank`: the GGUF's `rerank` template, else BOS query EOS SEP document
+EOS as the vocabulary adds them), one score per document (the head's first output).
 """
 
 from __future__ import annotations
@@ -42,8 +47,7 @@ class Embedder:
         if pooling_type in (None, llama_cpp.LLAMA_POOLING_TYPE_NONE,
                             llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED):
             pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN  # a causal LM: mean of its states
-        if pooling_type == llama_cpp.LLAMA_POOLING_TYPE_RANK:
-            raise ValueError("this model is a reranker; it scores pairs and makes no embeddings")
+        self.ranks = pooling_type == llama_cpp.LLAMA_POOLING_TYPE_RANK
         params.pooling_type = pooling_type
         self.ctx = llama_cpp.llama_init_from_model(model, params)
         if not self.ctx:
@@ -58,14 +62,16 @@ class Embedder:
             llama_cpp.llama_free(self.ctx)
             self.ctx = None
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True, special: bool = False) -> list[int]:
         data = text.encode("utf-8", errors="replace")
         size = len(data) + 8
         buf = (llama_cpp.llama_token * size)()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, size, True, False)
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, size, add_special,
+                                     special)
         if n < 0:
             buf = (llama_cpp.llama_token * -n)()
-            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, -n, True, False)
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, -n, add_special,
+                                         special)
         return list(buf[:n])
 
     def embed(self, inputs: Sequence[str], truncate: bool = True,
@@ -73,6 +79,8 @@ class Embedder:
         """A unit vector per input (its first `dimensions` only, if given) and the tokens read
         over all inputs. An input longer than the context is cut, or with `truncate` False
         refused (EmbedInputError)."""
+        if self.ranks:
+            raise ValueError("this model is a reranker; it scores pairs and makes no embeddings")
         vectors, total = [], 0
         for i, text in enumerate(inputs):
             tokens = self.tokenize(text)
@@ -87,9 +95,70 @@ class Embedder:
             vectors.append(self._pool(tokens, dimensions))
         return vectors, total
 
+    def answer(self, inputs: Sequence[str], truncate: bool, dimensions: int | None,
+               query: str | None) -> tuple[list[tuple[float, ...]], int]:
+        """What an embed request asks: the inputs' vectors, or with a `query` a reranker's
+        scores of them (each a vector of one value), and the tokens read."""
+        if query is None:
+            return self.embed(inputs, truncate, dimensions)
+        scores, total = self.rank(query, inputs, truncate)
+        return [(score,) for score in scores], total
+
+    def rank(self, query: str, documents: Sequence[str],
+             truncate: bool = True) -> tuple[list[float], int]:
+        """Each document's score against `query`, and the tokens read over all pairs. A pair
+        longer than the context loses the end of its document (or, with `truncate` False, is
+        refused: EmbedInputError)."""
+        if not self.ranks:
+            raise ValueError("this model cannot rank documents: it is not a reranker (a GGUF "
+                             "with rank pooling, such as bge-reranker or Qwen3-Reranker)")
+        scores, total = [], 0
+        for i, document in enumerate(documents):
+            tokens = self._pair(query, document)
+            if len(tokens) > self.n_ctx:
+                if not truncate:
+                    raise EmbedInputError(
+                        f"document {i} with the query is {len(tokens)} tokens, more than the "
+                        f"reranking context of {self.n_ctx} (send truncate: true to cut it)")
+                tokens = tokens[: self.n_ctx]
+            total += len(tokens)
+            scores.append(self._run(tokens)[0])
+        return scores, total
+
+    def _pair(self, query: str, document: str) -> list[int]:
+        """The query and a document as one input, as llama.cpp's server reads them."""
+        template = llama_cpp.llama_model_chat_template(self.model, b"rerank")
+        if template:
+            text = template.decode("utf-8", errors="replace")
+            text = text.replace("{query}", query).replace("{document}", document)
+            return self.tokenize(text, add_special=False, special=True)
+        vocab = self.vocab
+        eos = llama_cpp.llama_vocab_eos(vocab)
+        if eos == llama_cpp.LLAMA_TOKEN_NULL:
+            eos = llama_cpp.llama_vocab_sep(vocab)
+        tokens = [llama_cpp.llama_vocab_bos(vocab)] if llama_cpp.llama_vocab_get_add_bos(
+            vocab) else []
+        tokens += self.tokenize(query, add_special=False)
+        if llama_cpp.llama_vocab_get_add_eos(vocab):
+            tokens.append(eos)
+        if llama_cpp.llama_vocab_get_add_sep(vocab):
+            tokens.append(llama_cpp.llama_vocab_sep(vocab))
+        tokens += self.tokenize(document, add_special=False)
+        if llama_cpp.llama_vocab_get_add_eos(vocab):
+            tokens.append(eos)
+        return tokens
+
     def _pool(self, tokens: list[int], dimensions: int | None) -> tuple[float, ...]:
         if not tokens:
             return tuple(0.0 for _ in range(dimensions or self.n_embd))
+        values = self._run(tokens)[:self.n_embd]
+        if dimensions:
+            values = values[:dimensions]
+        norm = math.sqrt(sum(v * v for v in values)) or 1.0
+        return tuple(v / norm for v in values)
+
+    def _run(self, tokens: list[int]) -> list[float]:
+        """The pooled output of one input: its embedding, or a reranker's scores."""
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
         batch = self.batch
         fill(batch, tokens, all_logits=True)
@@ -100,8 +169,5 @@ class Embedder:
         pointer = llama_cpp.llama_get_embeddings_seq(self.ctx, 0)
         if not pointer:
             raise RuntimeError("llama.cpp returned no pooled embedding")
-        values = ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float))[: self.n_embd]
-        if dimensions:
-            values = values[:dimensions]
-        norm = math.sqrt(sum(v * v for v in values)) or 1.0
-        return tuple(v / norm for v in values)
+        width = max(1, llama_cpp.llama_model_n_cls_out(self.model)) if self.ranks else self.n_embd
+        return ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float))[:width]

@@ -40,6 +40,17 @@ class ModelLoadError(Exception):
 class RequestError(Exception):
     """The request cannot be served as asked (status 400): prompt too long, bad grammar."""
 
+    sizes: tuple[int, ...] = ()  # (prompt tokens, n_ctx) when the prompt did not fit
+
+
+class PromptTooLong(RequestError):
+    """A prompt longer than the loaded context: its size and the context's travel with the
+    message, for the daemon to word it as each API's clients read an overflow."""
+
+    def __init__(self, message: str, tokens: int, n_ctx: int):
+        super().__init__(message)
+        self.sizes = (tokens, n_ctx)
+
 
 @dataclass
 class LlamaModel:

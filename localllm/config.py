@@ -35,6 +35,7 @@
 | expert_cache      | LOCALLLM_EXPERT_CACHE      | auto                          | next load |
 | expert_misses     | LOCALLLM_EXPERT_MISSES     | auto                          | next load |
 | expert_cache_device | LOCALLLM_EXPERT_CACHE_DEVICE | gpu                       | next load |
+| model_aliases     | LOCALLLM_MODEL_ALIASES     | {}                            | live      |
 
 - num_parallel: the most requests one loaded model serves at once (llama.cpp sequences, each
   slot with its own KV cache of the full context). `auto`: as many as fit beside the tuner's
@@ -121,6 +122,11 @@
 - expert_cache_device: where the pool goes: `gpu` (the first GPU) or `cpu` (in RAM, where the
   CPU computes hits and misses alike: no gain in speed, for tests and development on a machine
   without a GPU; only a number of slots turns it on there).
+- model_aliases: names (or globs: `claude-haiku-*`) a request may give for a stored model, for
+  the helper models agents ask for that exist only at their vendor (Copilot CLI's
+  `gpt-5.4-nano`, Claude Code's small fast model): a `[model_aliases]` table of name = model,
+  `name=model,...` in the variable. A stored model of that name comes first; `ps` and `list`
+  show them; `launch copilot` adds the ones it needs (and says so).
 
 The runtime dir is $XDG_RUNTIME_DIR/localllm (the state dir where there is none).
 "restart": the daemon keeps its listening sockets, API key and hub until `localllm service
@@ -142,7 +148,7 @@ import tomli_w
 
 from . import paths
 from .config_values import (
-    ConfigError, parse_bands, parse_duration, parse_endpoint, parse_gpus, parse_size,
+    ConfigError, parse_bands, parse_duration, parse_endpoint, parse_gpus, parse_size, parse_table,
 )
 
 
@@ -151,8 +157,10 @@ def setting(default, env: str, *, words: tuple[str, ...] = (), least: float | No
     """One setting, declared whole: its default, its LOCALLLM_* variable, the words it takes
     (`words`), its bounds as a number (`least`, `most`) and, for a number-or-word setting, the
     words it takes besides a number (`besides`). check_setting and coerce apply them."""
-    return field(default=default, metadata={"env": env, "words": words, "least": least,
-                                            "most": most, "besides": besides})
+    rules = {"env": env, "words": words, "least": least, "most": most, "besides": besides}
+    if isinstance(default, dict):  # a table: each Config gets its own copy
+        return field(default_factory=lambda: dict(default), metadata=rules)
+    return field(default=default, metadata=rules)
 
 
 @dataclass(frozen=True)
@@ -194,6 +202,7 @@ class Config:
     expert_misses: str = setting("auto", "LOCALLLM_EXPERT_MISSES", words=("auto", "cpu", "gpu"))
     expert_cache_device: str = setting("gpu", "LOCALLLM_EXPERT_CACHE_DEVICE",
                                        words=("gpu", "cpu"))
+    model_aliases: dict[str, str] = setting({}, "LOCALLLM_MODEL_ALIASES")
 
     @property
     def socket_path(self) -> Path:
@@ -293,6 +302,8 @@ def coerce(name: str, value: object) -> bool | int | float | str | tuple[str, ..
             return float(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             raise ConfigError(f"{name} must be a number, not {value!r}") from None
+    if _kind(name).startswith("dict"):  # a TOML table, or "a=b,c=d" from the env or command line
+        return parse_table(name, value)
     if name == "gpus" and isinstance(value, (list, tuple)):  # TOML's gpus = [0, 1]
         value = ",".join(str(v) for v in value)
     if _kind(name).startswith("tuple"):  # a TOML list, or "a,b" from the env or command line

@@ -97,3 +97,20 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"RPC worker {text!r} is not host:port (e.g. 192.168.1.20:50052)")
     return host.strip("[]"), int(port)
+
+
+def parse_table(name: str, value: object) -> dict[str, str]:
+    """A table of names to names (model_aliases): a TOML table, or `a=b,c=d` as the variable
+    and `localllm config set` give it; ConfigError says which entry is wrong."""
+    if isinstance(value, str):
+        pairs = [part.split("=", 1) for part in value.split(",") if part.strip()]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ConfigError(f"{name} must be name=model pairs separated by commas, "
+                              f"not {value!r}")
+        value = {key.strip(): target.strip() for key, target in pairs}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a table of name = model, not {value!r}")
+    for key, target in value.items():
+        if not isinstance(target, str) or not key.strip() or not target.strip():
+            raise ConfigError(f"{name}: {key!r} must name a model, not {target!r}")
+    return {key.strip(): target.strip() for key, target in value.items()}

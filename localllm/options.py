@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from .errors import UserError
 from .speculative import AUTO, LOAD_MODES, SPECULATIVE_CHOICES
@@ -54,6 +54,8 @@ def _num(value: float) -> str:
 
 _TABLE = (
     Option("temperature", float, SAMPLE, "randomness; 0 always picks the likeliest token", 0, 100),
+    Option("min_temperature", float, SAMPLE, "the least temperature any request gets (a "
+           "model that loops at 0, for clients that force 0)", 0, 100),
     Option("top_k", int, SAMPLE, "sample from the k likeliest tokens (0: all)", 0, 1 << 20),
     Option("top_p", float, SAMPLE, "sample from the smallest set with this much probability",
            0, 1),
@@ -189,8 +191,12 @@ def checked(values: Mapping, labels: Mapping[str, str] | None = None) -> dict:
 
 
 def build(given: Mapping) -> tuple[SamplingOptions, LoadOptions]:
-    """Checked option values (see `checked`) -> the typed sampling and load options."""
+    """Checked option values (see `checked`) -> the typed sampling and load options. A
+    `min_temperature` (a Modelfile PARAMETER, typically) raises a lower temperature to it:
+    Copilot CLI sends 0 to every model it is given, and small models loop at 0."""
     sampling = SamplingOptions(**{k: v for k, v in given.items() if k in _SAMPLING_FIELDS})
+    if sampling.temperature < given.get("min_temperature", 0):
+        sampling = replace(sampling, temperature=given["min_temperature"])
     load = {}
     for name, value in given.items():
         option = OPTIONS[name]

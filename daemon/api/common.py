@@ -14,15 +14,16 @@ from typing import Any
 
 from aiohttp import web
 from localllm.modelstore.names import BadModelName
-from localllm.modelstore.store import ModelEntry, StoreError
+from localllm.modelstore.store import ModelEntry, ModelNotFound, StoreError
 
 from localllm import options
 from localllm.options import LoadOptions, SamplingOptions
 
+from ..aliases import alias_target
 from ..chat.custom import CUSTOM_LAYERS, Customization, read_customization
 from ..chat.images import ImageSource, slot
 from ..http_errors import ApiError, bad_request
-from ..state import STORE
+from ..state import STORE, live_config
 
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the app's client_max_size: past it, a 413
@@ -172,18 +173,28 @@ async def customization(request: web.Request, entry: ModelEntry) -> Customizatio
 
 
 def find_model(request: web.Request, name: str) -> ModelEntry:
-    """The stored model `name` names (ModelNotFound -> 404 in the middleware), looked up once a
-    request."""
+    """The stored model `name` names, or that its alias names (the `model_aliases` setting:
+    a stored model of that name comes first), looked up once a request (ModelNotFound -> 404
+    in the middleware)."""
     found = request.get(MODEL)
     if found is None or found[0] != name:
         try:
             found = (name, known_entry(request.app, name))
         except (StoreError, BadModelName) as e:
-            found = (name, e)
+            target = alias_target(live_config(request.app).model_aliases, name)
+            found = (name, e if target is None else _aliased(request.app, name, target))
         request[MODEL] = found
     if isinstance(found[1], Exception):
         raise found[1]
     return found[1]
+
+
+def _aliased(app: web.Application, name: str, target: str) -> ModelEntry | Exception:
+    try:
+        return known_entry(app, target)
+    except (StoreError, BadModelName) as e:
+        return ModelNotFound(f"model {name!r} is an alias (model_aliases) of {target!r}, "
+                             f"which is not stored here: {e}")
 
 
 # The store's entries by the name a request gave, each with its manifest file and that file's

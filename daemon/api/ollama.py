@@ -28,7 +28,7 @@ from ..chat.custom import Customization
 from ..chat.parse import Parsed
 from ..chat.request import THINK_LEVELS, ChatRequest
 from ..runner import new_request_id
-from ..state import SCHEDULER
+from ..state import SCHEDULER, aliases_json
 from .common import (
     bad_request,
     customization,
@@ -406,7 +406,7 @@ async def api_ps(request: web.Request) -> web.Response:
                               "seconds_per_image": round(plan.predicted_image_s, 3)}}
                if runner.projector_path else {}),
         })
-    return web.json_response({"models": models})
+    return web.json_response({"models": models, **aliases_json(request.app)})
 
 
 def processor(vram: int, size: int) -> str:

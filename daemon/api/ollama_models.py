@@ -18,7 +18,7 @@ from .. import remote, security
 from ..chat.custom import capabilities
 from ..chat.model import model_for
 from ..chat.template import DEFAULT_TEMPLATE
-from ..state import CONFIG, SCHEDULER, STORE
+from ..state import CONFIG, SCHEDULER, STORE, aliases_json
 from .common import customization, find_model, get_bool, get_model_field, get_str, read_json
 from .ollama import OLLAMA_API_LEVEL, STARTED_AT, iso, model_json
 
@@ -55,9 +55,10 @@ async def api_status(request: web.Request) -> web.Response:
 @routes.get("/api/tags")
 async def api_tags(request: web.Request) -> web.Response:
     """The stored models; those whose manifest is damaged apart, each with what is wrong (a
-    key Ollama's clients ignore), so that one bad file hides no other model."""
+    key Ollama's clients ignore), so that one bad file hides no other model; the aliases where
+    any are set."""
     entries, damaged = await asyncio.to_thread(request.app[STORE].scan)
-    body: dict = {"models": [model_json(e) for e in entries]}
+    body: dict = {"models": [model_json(e) for e in entries], **aliases_json(request.app)}
     if damaged:
         body["damaged"] = [{"name": str(bad.name), "model": bad.name.tagged,
                             "error": bad.reason} for bad in damaged]

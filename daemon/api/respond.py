@@ -28,6 +28,7 @@ from localllm.errors import UserError
 from localllm.options import LoadOptions
 
 from ..chat.custom import Customization
+from ..chat.errors import ContextOverflow
 from ..chat.images import load_images
 from ..chat.model import ChatModel, model_for
 from ..chat.parse import Parsed
@@ -63,12 +64,21 @@ class GenerationFailed(UserError):
         self.status = failure.status
 
 
+def failed(failure: Failure) -> UserError:
+    """The error a Failure before anything was sent is answered with: a prompt the runner
+    found too long for its context is an overflow, worded for each API's clients."""
+    if len(failure.context_exceeded) == 2:
+        tokens, n_ctx = failure.context_exceeded
+        return ContextOverflow(failure.message, tokens, n_ctx, param=None)
+    return GenerationFailed(failure)
+
+
 async def first_event(gen: Generation) -> Event:
     """The first event of a streamed request: a Failure here still becomes an HTTP error
     status, because nothing has been sent yet."""
     event = await anext(gen.events)
     if isinstance(event, Failure):
-        raise GenerationFailed(event)
+        raise failed(event)
     return event
 
 
@@ -158,7 +168,7 @@ class Answer:
                 out.add(parser.feed(event.text))
                 logprobs += event.logprobs or []
             elif isinstance(event, Failure):
-                raise GenerationFailed(event)
+                raise failed(event)
             elif isinstance(event, Done):
                 out.add(parser.finish())
                 return out, event, logprobs

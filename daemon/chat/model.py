@@ -14,7 +14,8 @@ from localllm.modelstore.store import PROJECTOR_LAYER, DamagedModel, ModelEntry
 
 from .template import TemplateStyle, template_style
 
-# llama.cpp's enum llama_pooling_type
+# llama.cpp's enum llama_pooling_type: a reranker's (it scores pairs, makes no embeddings)
+RANK_POOLING = 4
 
 @dataclass(frozen=True)
 class FimTokens:
@@ -41,7 +42,9 @@ class ChatModel:
     def capabilities(self) -> list[str]:
         """Ollama's capability names, in Ollama's order."""
         caps = []
-        if self.pooling_type not in (None, 0):
+        if self.ranks:
+            caps.append("rerank")
+        elif self.pooling_type not in (None, 0):
             caps.append("embedding")
         else:
             caps.append("completion")
@@ -54,6 +57,11 @@ class ChatModel:
         if self.style.thinking:
             caps.append("thinking")
         return caps
+
+    @property
+    def ranks(self) -> bool:
+        """A reranker: /v1/rerank scores documents with it."""
+        return self.pooling_type == RANK_POOLING
 
     def with_template(self, template: str) -> ChatModel:
         """The model rendered with another chat template (a Modelfile's TEMPLATE)."""

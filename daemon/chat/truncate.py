@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 
 from .model import ChatModel
-from .errors import ChatError
+from .errors import ChatError, ContextOverflow
 from .request import ChatRequest, Prepared, prepare_queued, turn_text
 
 log = logging.getLogger("localllm.chat")
@@ -44,7 +44,8 @@ def whole_context(n_ctx: int) -> int:
     return n_ctx - 1
 
 
-def too_long(count: int, n_ctx: int, trained: int, what: str = "the prompt is") -> ChatError:
+def too_long(count: int, n_ctx: int, trained: int,
+             what: str = "the prompt is") -> ContextOverflow:
     """The 400 for a prompt the context cannot hold: its size, the context's, what to do."""
     if trained > n_ctx:
         bigger = (f"load the model with a larger num_ctx (it was trained on {trained} "
@@ -52,9 +53,17 @@ def too_long(count: int, n_ctx: int, trained: int, what: str = "the prompt is") 
     else:
         bigger = (f"use a model with a longer context ({n_ctx} tokens is all this one was "
                   f"trained on)" if trained else "load the model with a larger num_ctx")
-    return ChatError(f"{what} {count} tokens but the loaded context holds {n_ctx}; shorten "
-                     f"the conversation (an agent: compact it or start a new one), or {bigger}",
-                     "messages")
+    return ContextOverflow(f"{what} {count} tokens but the loaded context holds {n_ctx}; "
+                           f"shorten the conversation (an agent: compact it or start a new "
+                           f"one), or {bigger}", count, n_ctx)
+
+
+def bytes_too_long(size: int, n_ctx: int, advice: str, param: str) -> ContextOverflow:
+    """The 400 for a prompt refused by its bytes alone (never tokenized: it cannot fit). Its
+    tokens are at least its bytes over BYTES_PER_TOKEN, and more than the context holds."""
+    return ContextOverflow(f"the prompt is {size} bytes, more than a context of {n_ctx} tokens "
+                           f"can hold; {advice}", max(size // BYTES_PER_TOKEN, n_ctx + 1),
+                           n_ctx, param)
 
 
 def drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
@@ -126,17 +135,15 @@ async def fit_to_context(model: ChatModel, request: ChatRequest, prepared: Prepa
                        generation=replace(prepared.generation,
                                           prompt=newest.decode("utf-8", errors="ignore")))
     if request.messages is None and size > runner.n_ctx * BYTES_PER_TOKEN:
-        raise ChatError(f"the prompt is {size} bytes, more than a context of {runner.n_ctx} "
-                        f"tokens can hold; shorten it, or load the model with a larger "
-                        f"num_ctx", "prompt")
+        raise bytes_too_long(size, runner.n_ctx, "shorten it, or load the model with a "
+                             "larger num_ctx", "prompt")
     if request.messages is None or prepared.fits_whole(runner.n_ctx):
         return prepared
     if size > whole * BYTES_PER_TOKEN:  # bound the text before tokenizing it (quadratic)
         if not truncate:
-            raise ChatError(f"the prompt is {size} bytes, more than a context of "
-                            f"{runner.n_ctx} tokens can hold; shorten the conversation, load "
-                            f"the model with a larger num_ctx, or leave truncate on to drop "
-                            f"the oldest turns", "messages")
+            raise bytes_too_long(size, runner.n_ctx, "shorten the conversation, load the "
+                                 "model with a larger num_ctx, or leave truncate on to drop "
+                                 "the oldest turns", "messages")
         request, prepared = await _keep_what_could_fit(model, request, limit * BYTES_PER_TOKEN)
     count = await runner.count_tokens(prepared.prompt)
     if count <= whole:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from localllm.llama.loaded import LoadedModel
-from localllm.llama.model import ModelLoadError, RequestError
+from localllm.llama.model import ModelLoadError, PromptTooLong, RequestError
 from localllm.llama.vision import MediaPrompt, is_image_token, text_tokens
 from localllm.profiles.planning.plan import Plan
 
@@ -208,7 +208,8 @@ class Engine:
         """Embeddings in a context of their own, made on first use (llama/embedding.py)."""
         started = time.perf_counter_ns()
         embedder = self.model.embedder(self.n_ctx, self.plan)
-        vectors, total = embedder.embed(request.inputs, request.truncate, request.dimensions)
+        vectors, total = embedder.answer(request.inputs, request.truncate, request.dimensions,
+                                         request.query)
         return Embeddings(vectors=tuple(vectors), prompt_tokens=total,
                           duration_ns=time.perf_counter_ns() - started)
 
@@ -253,7 +254,7 @@ class Engine:
             try:
                 self._start(sub, free)
             except RequestError as e:
-                sub.emit(Failure(str(e), status=400))
+                sub.emit(Failure(str(e), status=400, context_exceeded=e.sizes))
             except Exception as e:  # this request fails, not the runner
                 log.exception("request %s could not start", sub.request.id)
                 sub.emit(Failure(f"{type(e).__name__}: {e}"))
@@ -322,10 +323,10 @@ class Engine:
                       f"tokens)" if trained > self.n_ctx else
                       f"use a model with a longer context ({self.n_ctx} tokens is all this "
                       f"one was trained on)")
-            raise RequestError(
+            raise PromptTooLong(
                 f"the prompt is {len(tokens)} tokens{images} but the loaded context holds "
                 f"{self.n_ctx}; shorten it{', send fewer images' if images else ''} or "
-                f"{bigger}")
+                f"{bigger}", len(tokens), self.n_ctx)
         if media is not None and is_image_token(tokens[-1]):  # (text tokens are never one)
             raise RequestError("the prompt ends with an image: put text after it")
 

@@ -157,6 +157,9 @@ class EmbedRequest:
     inputs: tuple[str, ...]
     truncate: bool = True  # cut inputs longer than the embedding context (else a 400)
     dimensions: int | None = None  # keep the first N dimensions (then normalize again)
+    # A reranker's request: the inputs are documents scored against this query, and each
+    # vector of the answer is one score (llama/embedding.py: Embedder.rank).
+    query: str | None = None
 
     def to_wire(self) -> dict:
         return request_to_wire(self)
@@ -164,7 +167,8 @@ class EmbedRequest:
     @classmethod
     def from_wire(cls, data: dict) -> EmbedRequest:
         return cls(id=data["id"], inputs=tuple(data["inputs"]),
-                   truncate=bool(data.get("truncate", True)), dimensions=data.get("dimensions"))
+                   truncate=bool(data.get("truncate", True)), dimensions=data.get("dimensions"),
+                   query=data.get("query"))
 
 
 @dataclass(frozen=True)
@@ -204,7 +208,7 @@ class CpuShare:
 @dataclass(frozen=True)
 class Embeddings:
     kind: ClassVar[str] = "embeddings"
-    vectors: tuple[tuple[float, ...], ...]  # unit length, one per input
+    vectors: tuple[tuple[float, ...], ...]  # unit length, one per input (a rank: its score)
     prompt_tokens: int  # tokens read over all inputs
     duration_ns: int = 0
 
@@ -262,6 +266,7 @@ class Failure:
     kind: ClassVar[str] = "error"
     message: str
     status: int = 500  # 400 when the request itself was at fault (prompt too long, no template)
+    context_exceeded: tuple[int, ...] = ()  # (prompt tokens, n_ctx) for a prompt too long
 
 
 Event = (Token | Done | Failure | Progress | Embeddings | TokenCount | Threads | Band
