@@ -14,7 +14,8 @@ from typing import Any
 
 from aiohttp import web
 from localllm.modelstore.names import BadModelName
-from localllm.modelstore.store import ModelEntry, StoreError
+from localllm.modelstore.pull import not_stored
+from localllm.modelstore.store import ModelEntry, ModelNotFound, StoreError
 
 from localllm import options
 from localllm.options import LoadOptions, SamplingOptions
@@ -178,6 +179,8 @@ def find_model(request: web.Request, name: str) -> ModelEntry:
     if found is None or found[0] != name:
         try:
             found = (name, known_entry(request.app, name))
+        except ModelNotFound:
+            found = (name, not_stored(name))
         except (StoreError, BadModelName) as e:
             found = (name, e)
         request[MODEL] = found
