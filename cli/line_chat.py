@@ -196,6 +196,7 @@ async def stream_answer(client: Client, model: str, messages: list[dict], option
             sys.stdout.flush()
         if chunk.done:
             final = chunk.data
+            looping = loops.ended(final) if guard else 0
         elif guard and (looping := loops.feed(chunk.text)):
             break
     sys.stdout.write((out.flush() if out else "") + "\n")

@@ -228,3 +228,23 @@ def test_a_long_embedding_grows_the_runner_by_its_plans_batch_not_its_context(fr
     assert after - before < 600 << 20, (before >> 20, after >> 20)
     one = answer["embeddings"][1]
     assert abs(sum(x * x for x in one) - 1) < 1e-4
+
+
+# ---- the API's loop guard ------------------------------------------------------------------------
+LOOP = [{"role": "user", "content": "Say 'ha' 300 times: ha ha ha ha ha ha ha ha ha ha ha ha"}]
+
+
+def test_an_api_answer_without_a_token_cap_is_stopped_where_it_loops(daemon):
+    """Greedy, the model says `ha` until the context ends; with no num_predict / max_tokens the
+    daemon stops it as the chat's guard would, and says so; with a cap, the cap rules."""
+    request = urllib.request.Request(daemon.url + "/api/chat", data=json.dumps(
+        {"model": "smollm2", "messages": LOOP, "stream": False,
+         "options": {"temperature": 0, "num_ctx": 1024}}).encode())
+    with urllib.request.urlopen(request, timeout=600) as resp:
+        answer = json.loads(resp.read())
+    assert answer["done_reason"] == "loop", answer["done_reason"]
+    assert answer["message"]["content"].count("ha") >= 80 and answer["eval_count"] < 600
+    ai = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+    capped = ai.chat.completions.create(model="smollm2", messages=LOOP, temperature=0,
+                                        max_tokens=150)
+    assert capped.choices[0].finish_reason == "length" and capped.usage.completion_tokens == 150
