@@ -168,7 +168,9 @@ class ChatActions:
             path = paths.data_dir() / "exports" / f"{chat.id}-{slug}.md"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(chat_markdown(chat, self.chat.safe(self.store.messages, chat.id) or []))
+            # 0600 as the chats database it comes from: a chat is the user's own to share
+            paths.write_private(path, chat_markdown(
+                chat, self.chat.safe(self.store.messages, chat.id) or []).encode())
         except OSError as e:
             self.note(f"Cannot write {path}: {e.strerror or e}", "error")
             return
