@@ -204,6 +204,8 @@ def test_show_verbose_lists_the_metadata_and_create_quantize_is_one_line(daemon,
     metadata = shown.stdout.split("Metadata")[1]
     assert "general.architecture" in metadata and "llama.block_count" in metadata
     assert daemon.cli("show", "smollm2", "-v").stdout == shown.stdout
+    count = api_show(daemon, "smollm2")["model_info"]["general.parameter_count"]
+    assert 134_000_000 < count < 136_000_000  # SmolLM2-135M, counted from its tensors
     modelfile = tmp_path / "Modelfile"
     modelfile.write_text("FROM smollm2\n")
     one_line_error(daemon.cli("create", "smol-q", "-f", str(modelfile), "--quantize", "q4_K_M"),
