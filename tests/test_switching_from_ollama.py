@@ -13,6 +13,7 @@ import threading
 import urllib.request
 
 import anthropic
+import ollama
 import openai
 import pytest
 
@@ -250,3 +251,9 @@ def test_an_api_answer_without_a_token_cap_is_stopped_where_it_loops(daemon):
     capped = ai.chat.completions.create(model="smollm2", messages=LOOP, temperature=0,
                                         max_tokens=150)
     assert capped.choices[0].finish_reason == "length" and capped.usage.completion_tokens == 150
+
+
+def test_push_is_answered_with_why_not(daemon):
+    with pytest.raises(ollama.ResponseError) as caught:
+        ollama.Client(host=daemon.url).push("smollm2")
+    assert caught.value.status_code == 400 and "no model registry" in caught.value.error
