@@ -218,17 +218,17 @@ def test_show_verbose_lists_the_metadata_and_create_quantize_is_one_line(daemon,
 def test_a_long_embedding_grows_the_runner_by_its_plans_batch_not_its_context(fresh_daemon):
     """One 3,800-token /api/embed made the runner hold 1.5 GiB more (a 4096-token micro-batch:
     its compute buffers), for good; in the plan's 512-token micro-batches it is a few hundred
-    MiB (the embedding context's KV and buffers)."""
+    MiB (the embedding context's KV and buffers). Here 2,000 tokens, to stay quick."""
     generate(fresh_daemon, "smollm2", {"num_predict": 1})
     [before] = [m["rss_bytes"] for m in fresh_daemon.ps()]
-    text = " ".join(f"The item number {i} is a small red box." for i in range(300))
+    text = " ".join(f"The item number {i} is a small red box." for i in range(160))
     request = urllib.request.Request(fresh_daemon.url + "/api/embed", data=json.dumps(
         {"model": "smollm2", "input": [text, text[:200]]}).encode())
     with urllib.request.urlopen(request, timeout=600) as resp:
         answer = json.loads(resp.read())
-    assert answer["prompt_eval_count"] > 3000
+    assert answer["prompt_eval_count"] > 1900
     [after] = [m["rss_bytes"] for m in fresh_daemon.ps()]
-    assert after - before < 600 << 20, (before >> 20, after >> 20)
+    assert after - before < 400 << 20, (before >> 20, after >> 20)
     one = answer["embeddings"][1]
     assert abs(sum(x * x for x in one) - 1) < 1e-4
 
