@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import datetime as dt
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--license", action="store_true", help="print only its license")
     p.add_argument("--parameters", action="store_true", help="print only its parameters")
     p.add_argument("--system", action="store_true", help="print only its system message")
+    p.add_argument("-v", "--verbose", action="store_true", help="and every metadata key of "
+                   "the GGUF (as `ollama show -v`)")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("import", help="add a local GGUF file (or Ollama's models) to the store",
@@ -138,11 +141,11 @@ def cmd_list(args) -> int:
     return 0
 
 
-def _print_aliases(data: dict) -> None:
+def _print_aliases(data: dict, file=None) -> None:
     """The other names models answer to (the model_aliases setting), after list's and ps's
-    tables."""
+    tables (ps's on stderr, with its notes: its stdout is one line a model)."""
     for name, target in (data.get("aliases") or {}).items():
-        print(f"alias {name} -> {target}")
+        print(f"alias {name} -> {target}", file=file)
 
 
 def cmd_show(args) -> int:
@@ -183,11 +186,23 @@ def cmd_show(args) -> int:
     print("  Model")
     for key, value in lines:
         print(f"    {key:<20}{value}")
-    for title, rows in show_sections(data):
+    sections = show_sections(data)
+    if args.verbose:
+        sections.append(("Metadata", [f"{key:<40}{metadata_value(value)}" for key, value
+                                      in sorted(info.items())]))
+    for title, rows in sections:
         print(f"\n  {title}")
         for row in rows:
             print(f"    {row}".rstrip())
     return 0
+
+
+def metadata_value(value) -> str:
+    """A GGUF metadata value on one line: a long array (a vocabulary) by its first items."""
+    if isinstance(value, list):
+        shown = ", ".join(map(str, value[:5]))
+        return f"[{shown}, ... {len(value)} items]" if len(value) > 5 else f"[{shown}]"
+    return str(value)
 
 
 def show_sections(data: dict) -> list[tuple[str, list[str]]]:
@@ -316,52 +331,57 @@ def cmd_ps(args) -> int:
                      f"{m.get('active', 0)}/{m.get('num_parallel', 1)}", m.get("kv_type", ""),
                      until])
     print(_table(rows))
-    _print_aliases(data)
+    # One line a model on stdout, as `ollama ps` (scripts count them); the notes on each
+    # model go to stderr, for the person reading
+    def note(text: str) -> None:
+        print(text, file=sys.stderr)
+
+    _print_aliases(data, sys.stderr)
     for m in data["models"]:  # SIZE beside what the runner really holds, so neither surprises
         if m.get("rss_bytes"):
-            print(f"{m['name']} memory: SIZE is its weights and KV cache as planned; its runner "
-                  f"process holds {human_size(m['rss_bytes'])} of RAM (llama.cpp's buffers, the "
-                  "file's pages read, the prompt cache, Python), the chat's \"runner RAM\"")
+            note(f"{m['name']} memory: SIZE is its weights and KV cache as planned; its runner "
+                 f"process holds {human_size(m['rss_bytes'])} of RAM (llama.cpp's buffers, the "
+                 "file's pages read, the prompt cache, Python), the chat's \"runner RAM\"")
     for m in data["models"]:  # threads the runner dropped on a busy CPU, and why
         if m.get("threads_reason"):
-            print(f"{m['name']} threads: {m['threads_reason']}")
+            note(f"{m['name']} threads: {m['threads_reason']}")
     for m in data["models"]:  # what its plan leaves off after crashes, or on an AMX engine
         if m.get("crash_note"):
-            print(f"{m['name']} after crashes: {m['crash_note']} (see the daemon log; "
-                  f"`localllm ps --forget-crashes {m['name']}` turns it back on)")
+            note(f"{m['name']} after crashes: {m['crash_note']} (see the daemon log; "
+                 f"`localllm ps --forget-crashes {m['name']}` turns it back on)")
         elif m.get("extra_bufts") is False:
             why = next((r for r in m.get("plan_reasons", ()) if "extra buffer types" in r),
                        "extra buffer types (repack, AMX) off")
-            print(f"{m['name']} engine: {why}")
+            note(f"{m['name']} engine: {why}")
     for m in data["models"]:  # the driver refused to pin the weights in RAM where they are
         if m.get("pin_in_place") and m.get("weights_in_ram") == "copied":
-            print(f"{m['name']} weights in RAM: copied into pinned memory, as the driver refused "
-                  "to pin them in place (a slower load; see the daemon log)")
+            note(f"{m['name']} weights in RAM: copied into pinned memory, as the driver refused "
+                 "to pin them in place (a slower load; see the daemon log)")
     for m in data["models"]:  # the MoE expert cache's slots and hit rate (issue #40)
         if m.get("expert_cache"):
-            print(f"{m['name']} {m['expert_cache']['text']}")
+            note(f"{m['name']} {m['expert_cache']['text']}")
     for m in data["models"]:  # the session the plan is made for, and whence
         if m.get("workload"):
             w = m["workload"]
-            print(f"{m['name']} planned for: {w['planned_for']}"
-                  + (f" ({w['source']})" if w.get("source") else ""))
+            note(f"{m['name']} planned for: {w['planned_for']}"
+                 + (f" ({w['source']})" if w.get("source") else ""))
     for m in data["models"]:  # plans per fill band: the one running, and the pauses so far
         if m.get("fill_band"):
             band = m["fill_band"]
             pauses = ", ".join(f"{p:.2f}s" for p in band["switch_pauses"]) or "none yet"
-            print(f"{m['name']} fill band: up to {band['n_ctx']} tokens (bands "
-                  f"{', '.join(str(b) for b in band['bands'])}); switch pauses: {pauses}")
+            note(f"{m['name']} fill band: up to {band['n_ctx']} tokens (bands "
+                 f"{', '.join(str(b) for b in band['bands'])}); switch pauses: {pauses}")
     for m in data["models"]:  # a model spread over devices: its split, device by device
         if sum(1 for d in m.get("devices", ()) if d["device"] != "CPU" and d["layers"]) > 1 \
                 or any(d["device"].startswith("RPC") for d in m.get("devices", ())):
             split = ", ".join(f"{d['device']} {d['layers']} layers ({human_size(d['size'])})"
                               for d in m["devices"])
-            print(f"{m['name']} split: {split}")
+            note(f"{m['name']} split: {split}")
     for m in data["models"]:  # a vision model: where its projector encodes images
         if m.get("projector"):
             p = m["projector"]
-            print(f"{m['name']} vision projector: {p['device']}, about "
-                  f"{p['seconds_per_image']:.2f}s per image")
+            note(f"{m['name']} vision projector: {p['device']}, about "
+                 f"{p['seconds_per_image']:.2f}s per image")
     return 0
 
 

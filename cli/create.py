@@ -24,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-f", "--file", type=Path, default=Path("Modelfile"),
                    help="the Modelfile (default: ./Modelfile)")
     p.add_argument("--force", action="store_true", help="replace a model already stored as NAME")
+    # Ollama's flag, taken so that the daemon says in a sentence why it does not quantize
+    p.add_argument("-q", "--quantize", metavar="QUANT", help="not supported: pull the quant "
+                   "you want (`localllm pull NAME --quant Q`)")
     p.set_defaults(func=cmd_create)
 
 
@@ -52,9 +55,9 @@ def cmd_create(args) -> int:
 
     async def go() -> dict:
         async with Client(config_from_args(args)) as client:
-            return await client.request("POST", "/api/create", {"model": args.model,
-                                                                "modelfile": modelfile,
-                                                                "stream": False})
+            return await client.request("POST", "/api/create", {
+                "model": args.model, "modelfile": modelfile, "stream": False,
+                **({"quantize": args.quantize} if args.quantize else {})})
     answer = asyncio.run(go()) or {}
     notes = answer.get("notes") if isinstance(answer, dict) else None
     print(f"created {args.model}{replaced}" + (f" ({'; '.join(notes)})" if notes else ""))

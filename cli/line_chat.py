@@ -6,6 +6,7 @@ those that need the screen (/chats, /regen, ...) say so.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import sys
 
@@ -24,6 +25,12 @@ from localllm.repeats import LoopGuard
 from localllm.tui.stats import answer_notes, format_timings
 
 SCREEN_ONLY = ("chats", "save", "export", "regen", "stop")
+QUOTES = '"""'  # begins and ends a multi-line message
+
+
+def cancelled_text(model: str) -> str:
+    return (f"the answer was cancelled: {model} was unloaded while it answered (`localllm "
+            "stop`, `rm` or a keep_alive of 0); what came before the cut is above")
 
 
 class LineChat:
@@ -34,6 +41,7 @@ class LineChat:
         self.format = ""
         self.think: bool | None = None
         self.history: list[dict] = []
+        self.cancelled = False  # an answer was cut by `localllm stop`: the exit status says so
 
     async def turn(self, text: str) -> None:
         self.history.append({"role": "user", "content": text})
@@ -42,9 +50,16 @@ class LineChat:
         final = await stream_answer(self.client, self.model, messages + self.history,
                                     self.options or None, extra, self.verbose, guard=True)
         self.history.append({"role": "assistant", "content": final.get("text", "")})
+        if final.get("done_reason") == "cancelled":
+            self.cancelled = True
+            print(f"Error: {cancelled_text(self.model)}", file=sys.stderr)
         # (stream_answer said the loop and the timings)
         for note, _ in answer_notes(final, 0, False):
             print(f"note: {note}", file=sys.stderr)
+
+    async def turn_if_any(self, text: str) -> None:
+        if text.strip():
+            await self.turn(text.strip("\n"))
 
     async def command(self, line: str) -> bool:
         """Run a slash command; False when it ends the chat."""
@@ -58,12 +73,17 @@ class LineChat:
             return False
         if name in SCREEN_ONLY:
             print(f"Error: /{name} needs the chat screen (run in a terminal)", file=sys.stderr)
-        elif name == "set parameter":
+        elif name == "set parameter":  # said on stderr as `ollama run` says it, stdout answers
             self.options[args[0]] = args[1]
+            shown = " ".join(args[1]) if isinstance(args[1], list) else args[1]
+            print(f"Set parameter '{args[0]}' to '{shown}'", file=sys.stderr)
         elif name == "unset parameter":
             self.options.pop(args[0], None)
+            print(f"Parameter '{args[0]}' is back to its default", file=sys.stderr)
         elif name == "set system":
             self.system = args[0]
+            print("Set system message." if self.system else "Cleared the system message.",
+                  file=sys.stderr)
         elif name == "set verbose":
             self.verbose = args[0]
         elif name == "set format":
@@ -92,35 +112,54 @@ class LineChat:
 
     async def show(self, command: Command) -> None:
         what = command.args[0]
-        if what == "parameters":
-            rows = [f"  {k:<18} {v}" for k, v in self.options.items()]
-            print("\n".join(rows) or "No parameters set.")
-        elif what == "system":
-            print(self.system or "No system message.")
-        elif what == "plan":
+        if what == "plan":
             print("Error: /show plan needs the chat screen; `localllm ps` shows the plan",
                   file=sys.stderr)
         else:
             try:
                 data = await self.client.request("POST", "/api/show", {"model": self.model})
             except DaemonError as e:
-                print(f"Error: {e}", file=sys.stderr)
-                return
-            print(show_text(what, data, self.model))
+                if what not in ("parameters", "system"):  # those the chat has set, at least
+                    print(f"Error: {e}", file=sys.stderr)
+                    return
+                data = {}
+            print(show_text(what, data, self.model, self.options, self.system))
 
 
 async def chat_lines(client: Client, model: str, options: dict, extra: dict,
-                     verbose: bool) -> None:
+                     verbose: bool, first: list[str] = ()) -> int:
+    """A turn a line, after the lines `run` read to tell a script from a prompt (`first`); a
+    block between triple-quote lines is one message, as the chat's /? says."""
     chat = LineChat(client, model, options, extra, verbose)
-    for raw in sys.stdin:
-        line = raw.strip()
-        if not line:
+    block: list[str] | None = None
+    for raw in itertools.chain(first, sys.stdin):
+        line = raw.rstrip("\n")
+        if block is not None:  # inside a block: up to the line that ends with the quotes
+            end = line.rstrip().endswith(QUOTES)
+            block.append(line.rstrip()[:-len(QUOTES)] if end else line)
+            if end:
+                await chat.turn_if_any("\n".join(block))
+                block = None
             continue
-        if line.startswith("/"):
-            if not await chat.command(line):
+        stripped = line.strip()
+        if stripped.startswith(QUOTES):
+            rest = stripped[len(QUOTES):]
+            if len(rest) >= len(QUOTES) and rest.endswith(QUOTES):  # """one line"""
+                await chat.turn_if_any(rest[:-len(QUOTES)])
+            else:
+                block = [rest]
+            continue
+        if not stripped:
+            continue
+        if stripped.startswith("/"):
+            if not await chat.command(stripped):
                 break
             continue
-        await chat.turn(raw.rstrip("\n"))
+        await chat.turn(line)
+    else:
+        if block is not None:  # stdin ended inside a block: what was written is the message
+            await chat.turn_if_any("\n".join(block))
+    return 1 if chat.cancelled else 0
 
 
 async def stream_answer(client: Client, model: str, messages: list[dict], options, extra,
@@ -157,6 +196,7 @@ async def stream_answer(client: Client, model: str, messages: list[dict], option
             sys.stdout.flush()
         if chunk.done:
             final = chunk.data
+            looping = loops.ended(final) if guard else 0
         elif guard and (looping := loops.feed(chunk.text)):
             break
     sys.stdout.write((out.flush() if out else "") + "\n")

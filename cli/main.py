@@ -50,12 +50,27 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Flags that Ollama gives a value only after `=` (`--think`, `--think=low`): argparse's optional
+# value would take the next word (`run --think MODEL hi`), so the bare flag is spelled out first.
+BARE_FLAGS = {"--think": "--think=true"}
+
+
+def bare_flags(words: list[str]) -> list[str]:
+    """The words with each bare BARE_FLAGS flag given its value, up to a `--`."""
+    out = list(words)
+    for i, word in enumerate(out):
+        if word == "--":
+            break
+        out[i] = BARE_FLAGS.get(word, word)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     first = words[0] if words else None
     parser = build_parser(first if first and (first in ("-v", "--version")
                                               or not first.startswith("-")) else None)
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(bare_flags(words))
     # A command whose words may sit between its options (`run M --ctx 8192 "hi"`) names them in
     # `intermixed`: argparse leaves the words after an option over, and they belong there.
     words = getattr(args, "intermixed", None)

@@ -18,7 +18,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from localllm.daemon.api.create import Recipe, build
-from localllm.daemon.chat.custom import ModelfileError, check_template, parameter_value
+from localllm.daemon.chat.custom import (
+    GO_TEMPLATE_NOTE,
+    ModelfileError,
+    check_template,
+    parameter_value,
+)
 from localllm.errors import UserError
 from localllm.modelstore.ollama_store import (
     OllamaBlob,
@@ -135,7 +140,7 @@ def recipe_for(model, digest: str) -> tuple[Recipe, list[str]]:
         try:
             template = check_template(model.template)
         except ModelfileError:
-            notes.append("Ollama's Go template left out: the GGUF's own chat template is used")
+            notes.append(GO_TEMPLATE_NOTE)
     return Recipe(base=digest, parameters=parameters, template=template,
                   system=model.system, license=model.license), notes
 

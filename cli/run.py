@@ -44,11 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"most tokens for a one-shot answer (default {ONE_SHOT_NUM_PREDICT}; "
                    "-1: no cap); an answer that loops is stopped either way")
     p.add_argument("--format", choices=("json",), help="the answer as JSON (`--format json`)")
-    p.add_argument("--think", nargs="?", const="true", type=think_flag, metavar="BOOL|LEVEL",
-                   help="let a thinking model think (true, false, low, medium, high) and show "
-                        "its thinking; --think=false answers without thinking")
+    p.add_argument("--think", nargs="?", const="true", type=think_flag, metavar="=LEVEL",
+                   help="let a thinking model think and show its thinking; --think=false "
+                        "answers without thinking, --think=low|medium|high sets its effort")
     p.add_argument("--hidethinking", action="store_true",
-                   help="let a thinking model think, but print only its answer")
+                   help="let a thinking model think, but print only its answer (a model that "
+                        "does not think just answers)")
     p.add_argument("--nowordwrap", action="store_true",
                    help="print the answer as it comes, without wrapping words at the "
                         "terminal's edge")
@@ -113,9 +114,12 @@ def cmd_run(args) -> int:
             and len(prompt.split()) == 1:
         print(f"note: no model is named {prompt!r}; {model} answers the prompt "
               f"{prompt!r}", file=sys.stderr)
+    script: list[str] = []
     if prompt:
         prompt = with_piped_stdin(prompt)
-    return asyncio.run(_run_async(config, model, prompt, args))
+    elif sys.stdin is not None and not sys.stdin.isatty():
+        prompt, script = piped_prompt_or_script()
+    return asyncio.run(_run_async(config, model, prompt, args, script))
 
 
 def think_flag(text: str):
@@ -149,6 +153,22 @@ def with_piped_stdin(prompt: str) -> str:
     return f"{prompt}\n\n{piped.rstrip()}" if piped.strip() else prompt
 
 
+def piped_prompt_or_script() -> tuple[str, list[str]]:
+    """`printf 'Summarize:\\n...' | localllm run M`: all of stdin is one prompt, as `ollama run`
+    sends it. Stdin that opens with a slash command or a triple-quote block is a chat script
+    instead, read a turn at a time (its first lines are returned; the rest is read as it comes,
+    so a program can answer each reply)."""
+    first: list[str] = []
+    for line in sys.stdin:
+        first.append(line)
+        if line.strip():
+            break
+    opening = "".join(first).strip()
+    if not opening or opening.startswith(("/", '"""')):
+        return "", first
+    return (opening + "\n" + sys.stdin.read()).strip(), []
+
+
 def run_options(args) -> dict:
     """The Ollama options `run`'s flags ask for."""
     options: dict = {}
@@ -161,15 +181,19 @@ def run_options(args) -> dict:
     return options
 
 
-async def _run_async(config, model: str, prompt: str, args) -> int:
+async def _run_async(config, model: str, prompt: str, args, script: list[str]) -> int:
     async with Client(config) as client:
-        await ensure_pulled(client, model, warn_base=not args.raw)
+        shown = await ensure_pulled(client, model, warn_base=not args.raw)
         extra = {}
         if args.keepalive is not None:
             extra["keep_alive"] = args.keepalive
         if args.format:
             extra["format"] = args.format
-        think = True if args.hidethinking and args.think is None else args.think
+        think = args.think
+        if args.hidethinking and think is None:
+            # As `ollama run --hidethinking`: a thinking model thinks unseen, another just answers
+            shown = shown or await client.request("POST", "/api/show", {"model": model})
+            think = True if "thinking" in shown.get("capabilities", ()) else None
         if think is not None:
             extra["think"] = think
         options = run_options(args) or None
@@ -194,6 +218,10 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
                 raw=args.raw, show_thinking=think is not None and think is not False
                 and not args.hidethinking,
                 wrap=not args.nowordwrap and sys.stdout.isatty())
+            if final.get("done_reason") == "cancelled":
+                from localllm.cli.line_chat import cancelled_text
+
+                raise UserError(cancelled_text(model))
             if args.ctx and 0 < final.get("context_length", 0) < args.ctx:
                 print(await context_cap_note(client, model, args.ctx, final["context_length"]),
                       file=sys.stderr)
@@ -211,18 +239,18 @@ async def _run_async(config, model: str, prompt: str, args) -> int:
                 return await run_chat(config, model, resume=args.resume, options=options)
         from localllm.cli.line_chat import chat_lines
 
-        await chat_lines(client, model, dict(options or {}), extra, args.verbose)
-    return 0
+        return await chat_lines(client, model, dict(options or {}), extra, args.verbose,
+                                script)
 
 
-async def ensure_pulled(client: Client, model: str, warn_base: bool = False) -> None:
+async def ensure_pulled(client: Client, model: str, warn_base: bool = False) -> dict:
     """Pull the model through the daemon when it is not in the store yet; with warn_base, a
-    catalog base model is named as one before its download starts."""
+    catalog base model is named as one before its download starts. The model's /api/show
+    answer when it was stored already, else {}."""
     from localllm.client import DaemonError
 
     try:
-        await client.request("POST", "/api/show", {"model": model})
-        return
+        return await client.request("POST", "/api/show", {"model": model})
     except DaemonError as e:
         if e.status != 404:
             raise
@@ -243,6 +271,7 @@ async def ensure_pulled(client: Client, model: str, warn_base: bool = False) -> 
             raise UserError(f"model '{model}' not found and it cannot be pulled: {e}") from None
         raise
     print(file=sys.stderr)
+    return {}
 
 
 async def context_cap_note(client: Client, model: str, asked: int, got: int) -> str:

@@ -2,7 +2,10 @@
 
 The generating context keeps its KV cache (and its prefix reuse) untouched: embeddings get a
 second context on the same `llama_model`, made with `embeddings=True` and the GGUF's pooling
-type, or mean pooling for a causal LM whose GGUF names none. Vectors come back unit length.
+type. A causal LM whose GGUF names none is mean-pooled here, its input read in micro-batches of
+the plan's size: a context whose batch was its whole length (8192 tokens) grew a runner by 1.2
+GiB of compute buffers on one long input, memory no plan had counted. Vectors come back unit
+length.
 
 A reranker (a GGUF with rank pooling: a cross-encoder, or a causal model with a rank head) makes
 no embeddings; it scores a query and a document read together, in the pair llama.cpp's server
@@ -17,6 +20,7 @@ import math
 from collections.abc import Sequence
 
 import llama_cpp
+import numpy
 
 from .batch import fill
 
@@ -31,30 +35,35 @@ class EmbedInputError(Exception):
 
 class Embedder:
     def __init__(self, model: llama_cpp.llama_model_p, n_ctx: int, n_threads: int,
-                 n_threads_batch: int, pooling_type: int | None):
+                 n_threads_batch: int, pooling_type: int | None, n_ubatch: int = 512):
         self.model = model
         self.vocab = llama_cpp.llama_model_get_vocab(model)
         n_train = llama_cpp.llama_model_n_ctx_train(model)
         self.n_ctx = max(64, min(n_ctx, MAX_EMBED_CTX, n_train or MAX_EMBED_CTX))
+        self.ranks = pooling_type == llama_cpp.LLAMA_POOLING_TYPE_RANK
+        # A causal LM (no pooling in its GGUF): each token's state, summed here a micro-batch at
+        # a time, so the batch is the plan's, not the context's length. An embedding model
+        # pools inside llama.cpp, which needs the whole input in one micro-batch (and such
+        # models are small).
+        self.mean_here = pooling_type in (None, llama_cpp.LLAMA_POOLING_TYPE_NONE,
+                                          llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED)
+        self.chunk = max(1, min(n_ubatch, self.n_ctx)) if self.mean_here else self.n_ctx
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = self.n_ctx
-        params.n_batch = self.n_ctx  # non-causal models read each input in one batch
-        params.n_ubatch = self.n_ctx
+        params.n_batch = self.chunk
+        params.n_ubatch = self.chunk
         params.n_seq_max = 1
         params.n_threads = n_threads
         params.n_threads_batch = n_threads_batch
         params.embeddings = True
-        if pooling_type in (None, llama_cpp.LLAMA_POOLING_TYPE_NONE,
-                            llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED):
-            pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN  # a causal LM: mean of its states
-        self.ranks = pooling_type == llama_cpp.LLAMA_POOLING_TYPE_RANK
-        params.pooling_type = pooling_type
+        params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE if self.mean_here \
+            else pooling_type
         self.ctx = llama_cpp.llama_init_from_model(model, params)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create the embedding context (out of memory?)")
         self.n_embd = llama_cpp.llama_model_n_embd(model)
         self.encoder = llama_cpp.llama_model_has_encoder(model)
-        self.batch = llama_cpp.llama_batch_init(self.n_ctx, 0, 1)
+        self.batch = llama_cpp.llama_batch_init(self.chunk, 0, 1)
 
     def close(self) -> None:
         if self.ctx:
@@ -122,7 +131,7 @@ class Embedder:
                         f"reranking context of {self.n_ctx} (send truncate: true to cut it)")
                 tokens = tokens[: self.n_ctx]
             total += len(tokens)
-            scores.append(self._run(tokens)[0])
+            scores.append(self._pooled(tokens)[0])
         return scores, total
 
     def _pair(self, query: str, document: str) -> list[int]:
@@ -151,23 +160,39 @@ class Embedder:
     def _pool(self, tokens: list[int], dimensions: int | None) -> tuple[float, ...]:
         if not tokens:
             return tuple(0.0 for _ in range(dimensions or self.n_embd))
-        values = self._run(tokens)[:self.n_embd]
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+        values = self._mean(tokens) if self.mean_here else self._pooled(tokens)
         if dimensions:
             values = values[:dimensions]
         norm = math.sqrt(sum(v * v for v in values)) or 1.0
         return tuple(v / norm for v in values)
 
-    def _run(self, tokens: list[int]) -> list[float]:
-        """The pooled output of one input: its embedding, or a reranker's scores."""
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
-        batch = self.batch
-        fill(batch, tokens, all_logits=True)
+    def _run(self, tokens: list[int], start: int) -> None:
+        fill(self.batch, tokens, start, all_logits=True)
         run = llama_cpp.llama_encode if self.encoder else llama_cpp.llama_decode
-        rc = run(self.ctx, batch)
+        rc = run(self.ctx, self.batch)
         if rc != 0:
             raise RuntimeError(f"llama.cpp failed to embed the input (code {rc})")
+
+    def _pooled(self, tokens: list[int]) -> list[float]:
+        self._run(tokens, 0)
         pointer = llama_cpp.llama_get_embeddings_seq(self.ctx, 0)
         if not pointer:
             raise RuntimeError("llama.cpp returned no pooled embedding")
+        # the pooled output of one input: its embedding, or a reranker's scores
         width = max(1, llama_cpp.llama_model_n_cls_out(self.model)) if self.ranks else self.n_embd
         return ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float))[:width]
+
+    def _mean(self, tokens: list[int]) -> list[float]:
+        """Mean pooling of a causal LM's token states, read `chunk` tokens at a time (the
+        earlier ones stay in the KV cache, so each token sees the whole input before it)."""
+        total = numpy.zeros(self.n_embd, dtype=numpy.float64)
+        for start in range(0, len(tokens), self.chunk):
+            part = tokens[start:start + self.chunk]
+            self._run(part, start)
+            pointer = llama_cpp.llama_get_embeddings(self.ctx)
+            if not pointer:
+                raise RuntimeError("llama.cpp returned no token embeddings")
+            states = ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float))
+            total += numpy.ctypeslib.as_array(states, (len(part), self.n_embd)).sum(axis=0)
+        return (total / len(tokens)).tolist()

@@ -79,7 +79,8 @@ class LoadedModel:
             pooling = self.tokenizer.metadata(f"{arch}.pooling_type")
             self._embedder = Embedder(self.lm.model, n_ctx, plan.n_threads,
                                       plan.n_threads_batch,
-                                      int(pooling) if pooling is not None else None)
+                                      int(pooling) if pooling is not None else None,
+                                      plan.n_ubatch)
         return self._embedder
 
     def reload(self, plan: Plan) -> None:

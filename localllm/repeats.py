@@ -45,6 +45,11 @@ class LoopGuard:
         self.tail = (self.tail + text)[-self.KEEP:]
         return repeating_tail(self.tail)
 
+    def ended(self, final: dict) -> int:
+        """The unit's length when the daemon stopped the answer as a loop (done_reason "loop":
+        a request with no token cap) before this guard saw it in the streamed pieces, else 0."""
+        return repeating_tail(self.tail) if final.get("done_reason") == "loop" else 0
+
     @staticmethod
     def note(period: int) -> str:
         return f"stopped: the answer kept repeating the same {period} characters"

@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 import aiohttp
 
+from localllm.errors import UserError
+
 from . import catalog
 from .catalog import Companion
 from .download import DownloadOptions, PullError, RemoteFile, blob_lock, fetch_blob
@@ -36,7 +38,7 @@ from .hub import (
     HubClient, HubFileRef, HubQuantRef, HubSettings, Reference, WheelRef, parse_reference,
     pick_projector, pick_quant_files, store_name,
 )
-from .names import ModelName, parse_name
+from .names import BadModelName, ModelName, parse_name
 from .shape import format_param_count, shape_from_header
 from .store import (
     DRAFT_LAYER, MODEL_LAYER, PROJECTOR_LAYER, Layer, ModelEntry, ModelNotFound, ModelStore,
@@ -295,6 +297,20 @@ def find_stored(store: ModelStore, text: str) -> ModelEntry | None:
         if store.exists(other):  # pulled under another alias: same files, one more name
             return store.copy(str(other), str(model))
     return None
+
+
+def not_stored(text: str) -> ModelNotFound:
+    """The 404 for a model that is not stored, suggesting `localllm pull` only where it could
+    fetch the name (a catalog name or a direct reference): `gpt-4o` sent by an OpenAI client is
+    in no catalog, and a pull of it would only fail again."""
+    try:
+        plan_pull(text)
+    except (UserError, BadModelName):
+        return ModelNotFound(f"model '{text}' not found: it is not stored and not in the "
+                             "catalog; `localllm list` shows the stored models, `localllm pull "
+                             "--list` the catalog's names")
+    return ModelNotFound(f"model '{text}' not found; see `localllm list`, or `localllm pull "
+                         f"{text}`")
 
 
 @contextlib.asynccontextmanager

@@ -190,7 +190,6 @@ def test_create_from_an_uploaded_blob(md, oc, smollm2_gguf):
     ("FROM smollm2\nADAPTER ./lora.gguf", "ADAPTER is not supported"),
     ("FROM smollm2\nPARAMETER temperature hot", "temperature must be a number"),
     ("FROM smollm2\nPARAMETER wobble 3", "unknown PARAMETER"),
-    ('FROM smollm2\nTEMPLATE """{{ .Prompt }}"""', "Go template"),
     ("FROM ghost-model", "not found"),
     ("PARAMETER num_ctx 512", "needs a base"),
 ])

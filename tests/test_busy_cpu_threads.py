@@ -39,7 +39,7 @@ def test_a_cpu_hog_makes_the_runner_drop_a_thread_and_ps_shows_it(fresh_daemon):
     listed = fresh_daemon.cli("ps")
     assert listed.returncode == 0 and "THREADS" in listed.stdout
     assert f"{planned - 1} of {planned}" in listed.stdout
-    assert "threads: decode at" in listed.stdout
+    assert "threads: decode at" in listed.stderr
     log = Path(fresh_daemon.env["XDG_STATE_HOME"]) / "localllm" / "logs" / "runner.log"
     assert "threads: decode at" in log.read_text()
 

@@ -129,7 +129,7 @@ def test_a_daemon_with_the_setting_answers_alike_and_reports_hits(tmp_path, moe_
         assert cache["misses_on"] == "cpu"  # a pool in RAM: the CPU computes them
         shown = d.cli("ps")
         assert shown.returncode == 0, shown.stderr
-        assert f"moe:latest expert cache: 16 slots, {cache['hit_rate']:.0%} hits" in shown.stdout
+        assert f"moe:latest expert cache: 16 slots, {cache['hit_rate']:.0%} hits" in shown.stderr
 
         # a dense model under the same setting: loaded without a pool, and the plan says why
         dense = _post(f"{d.url}/api/generate", {"model": "dense", "prompt": "Hi", "stream": False,
@@ -139,7 +139,7 @@ def test_a_daemon_with_the_setting_answers_alike_and_reports_hits(tmp_path, moe_
         assert stats["expert_cache"] is None and stats["plan"]["expert_cache"] == 0
         assert any(r.startswith("expert cache off:") and "dense model" in r
                    for r in stats["plan"]["reasons"]), stats["plan"]["reasons"]
-        assert "dense:latest expert cache" not in d.cli("ps").stdout
+        assert "dense:latest expert cache" not in d.cli("ps").stderr
     finally:
         d.stop()
 

@@ -144,7 +144,7 @@ def test_a_switch_under_four_requests_loses_none_and_ps_shows_it(tmp_path, smoll
         assert stats["fill_band"] == band and stats["plan"]["n_ctx"] == band["n_ctx"]
         listed = daemon.cli("ps")
         assert listed.returncode == 0
-        assert f"fill band: up to {band['n_ctx']} tokens" in listed.stdout
+        assert f"fill band: up to {band['n_ctx']} tokens" in listed.stderr
         # tune shows the bands this daemon loads, each with its own curve and prompts
         tuned = daemon.cli("tune", "smollm2", "--ctx", str(loaded["context_length"]),
                            "--no-save")

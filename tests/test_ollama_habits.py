@@ -297,5 +297,5 @@ def test_ps_names_the_runners_ram_beside_size(fresh_daemon):
     assert 0.5 * rss < loaded["rss_bytes"] < 2 * rss  # the runner's own, not the daemon's
     assert loaded["rss_bytes"] != loaded["size"]
     ps = cli(fresh_daemon, "ps")
-    assert "smollm2:latest memory: SIZE is its weights and KV cache as planned" in ps.stdout
-    assert "runner RAM" in ps.stdout, ps.stdout
+    assert "smollm2:latest memory: SIZE is its weights and KV cache as planned" in ps.stderr
+    assert "runner RAM" in ps.stderr, ps.stderr

@@ -34,6 +34,6 @@ def test_a_refused_pin_copies_the_weights_and_ps_says_what_holds_them(fresh_daem
     [pinned] = fresh_daemon.ps()
     assert pinned["pin_in_place"] is True and pinned["weights_in_ram"] == "copied"
     ps = fresh_daemon.cli("ps")
-    assert "weights in RAM: copied into pinned memory, as the driver refused" in ps.stdout
+    assert "weights in RAM: copied into pinned memory, as the driver refused" in ps.stderr
     log = Path(fresh_daemon.env["XDG_STATE_HOME"]) / "localllm" / "logs" / "localllm.log"
     assert "the driver refused: they were copied into pinned memory" in log.read_text()

@@ -129,7 +129,7 @@ def test_model_across_two_workers_answers_as_alone(tmp_path_factory, smollm2_ggu
         assert f"split: CPU: layers 0-10 (11); RPC[{endpoints[0]}]: layers 11-20 (10)" in reasons
         assert "network per token: 2 worker(s)" in reasons
         ps = d.cli("ps")
-        assert ps.returncode == 0 and f"RPC[{endpoints[1]}] 10 layers" in ps.stdout
+        assert ps.returncode == 0 and f"RPC[{endpoints[1]}] 10 layers" in ps.stderr
 
         # Layers really live on the workers: without the second one the runner that used it
         # cannot answer. The request is not lost: the daemon loads the model again, planned

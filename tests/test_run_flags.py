@@ -38,7 +38,7 @@ def test_format_json_and_think_flags_reach_the_model(fresh_daemon):
     except ValueError:
         pass  # cut at 48 tokens; the grammar made it JSON from its first character
     # SmolLM2 does not think: asking it to is the API's 400, said in one line
-    thinking = cli(fresh_daemon, "run", "smollm2", "hi", "--hidethinking", "--num-predict", "4")
+    thinking = cli(fresh_daemon, "run", "smollm2", "hi", "--think", "--num-predict", "4")
     assert thinking.returncode == 1 and "think" in thinking.stderr
     plain = cli(fresh_daemon, "run", "smollm2", "hi", "--nowordwrap", "--num-predict", "4")
     assert plain.returncode == 0, plain.stderr

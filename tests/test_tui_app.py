@@ -204,7 +204,7 @@ async def test_bad_commands_show_a_message_and_the_chat_goes_on(daemon, chats):
         assert "top_p must be between 0 and 1" in errors[2]
         assert app.chat.options == {}
         await type_line(pilot, app, "/show parameters")
-        await wait_until(pilot, lambda: any("No parameters set" in n for n in notes(app)),
+        await wait_until(pilot, lambda: any("Model defined parameters" in n for n in notes(app)),
                          "the app to keep answering")
         await pilot.press("ctrl+c")  # idle: one Ctrl+C only says how to quit
         await pilot.pause()

@@ -38,6 +38,7 @@ async def test_resume_from_the_chat_list_and_export_markdown(home):
         text = target.read_text()
         assert text.startswith("# loops") and "## You\n\nShow me a Python loop." in text
         assert "```python\nfor i in range(3):" in text and "temperature = 0.2" in text
+        assert target.stat().st_mode & 0o777 == 0o600  # as private as the chats it came from
 
 
 async def test_click_copies_a_code_block_or_the_whole_message(home):

@@ -114,7 +114,7 @@ def test_an_agents_route_plans_the_first_load_for_the_agent_mix(daemon):
     assert loaded["workload"]["planned_for"].startswith(
         "agent: conversations that open with about 20000 tokens")
     done = daemon.cli("ps")
-    assert done.returncode == 0 and "smollm2:latest planned for: agent" in done.stdout
+    assert done.returncode == 0 and "smollm2:latest planned for: agent" in done.stderr
 
 
 def test_after_a_run_of_long_prompts_the_next_load_is_planned_for_them(daemon):

@@ -77,15 +77,7 @@ class ChatActions:
     # ---- show ------------------------------------------------------------------------------
     def _cmd_show(self, command: Command) -> None:
         what = command.args[0]
-        if what == "parameters":
-            rows = [f"  {k:<18} {' '.join(v) if isinstance(v, list) else v}"
-                    for k, v in self.chat.options.items()]
-            self.note("Parameters of this chat:\n" + "\n".join(rows) if rows else
-                      "No parameters set: the model's defaults apply. /set parameter NAME VALUE")
-        elif what == "system":
-            system = self.chat.system
-            self.note(f"System message:\n{system}" if system else "No system message.")
-        elif what == "plan":
+        if what == "plan":
             self._show_plan()
         else:
             self._show_from_daemon(what)
@@ -105,9 +97,12 @@ class ChatActions:
         try:
             data = await self.client.request("POST", "/api/show", {"model": self.chat.model})
         except (DaemonError, UserError, OSError) as e:
-            self.note(f"Cannot show {what}: {e}", "error")
-            return
-        self.note(show_text(what, data, self.chat.model))
+            if what not in ("parameters", "system"):  # those the chat has set, at least
+                self.note(f"Cannot show {what}: {e}", "error")
+                return
+            data = {}
+        # parameters and system: the model's own (its Modelfile), under what this chat set
+        self.note(show_text(what, data, self.chat.model, self.chat.options, self.chat.system))
 
     # ---- chats -----------------------------------------------------------------------------
     def _cmd_clear(self, command: Command) -> None:
@@ -173,7 +168,9 @@ class ChatActions:
             path = paths.data_dir() / "exports" / f"{chat.id}-{slug}.md"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(chat_markdown(chat, self.chat.safe(self.store.messages, chat.id) or []))
+            # 0600 as the chats database it comes from: a chat is the user's own to share
+            paths.write_private(path, chat_markdown(
+                chat, self.chat.safe(self.store.messages, chat.id) or []).encode())
         except OSError as e:
             self.note(f"Cannot write {path}: {e.strerror or e}", "error")
             return

@@ -207,6 +207,7 @@ class ChatApp(ChatActions, App[int]):
                                    "streaming")
                     if not chunk.done and (looped := loops.feed(chunk.text)):
                         break
+                    looped = looped or loops.ended(chunk.data if chunk.done else {})
             if not finished and not looped:  # the daemon went away between two lines
                 raise aiohttp.ClientPayloadError("the stream ended before the answer did")
             state = "stopped" if looped else "done"

@@ -184,8 +184,24 @@ def help_text(topic: str = "") -> str:
             "message. Ctrl+P opens the command palette.")
 
 
-def show_text(what: str, data: dict, model: str) -> str:
-    """`/show info|template|modelfile|license` from the daemon's /api/show answer."""
+def show_text(what: str, data: dict, model: str, options: dict | None = None,
+              system: str = "") -> str:
+    """`/show info|template|modelfile|license|parameters|system` from the daemon's /api/show
+    answer; `options` and `system` are what this chat set, over the model's own."""
+    if what == "parameters":
+        own = [line for line in data.get("parameters", "").splitlines() if line.strip()]
+        chat = [f"{k:<30} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                for k, v in (options or {}).items()]
+        text = "\n".join([f"Model defined parameters ({model}):", *own] if own else [])
+        if chat:
+            text += ("\n\n" if text else "") + "\n".join(["Set in this chat:", *chat])
+        return text or "No parameters set: the model's defaults apply."
+    if what == "system":
+        if system:
+            return f"System message (set in this chat):\n{system}"
+        if data.get("system"):
+            return f"System message ({model}'s Modelfile):\n{data['system']}"
+        return "No system message."
     if what == "template":
         return data.get("template") or f"{model} has no chat template."
     if what == "modelfile":

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 from localllm.modelstore.names import BadModelName
+from localllm.modelstore.pull import not_stored
 from localllm.modelstore.store import ModelEntry, ModelNotFound, StoreError
 
 from localllm import options
@@ -182,7 +183,10 @@ def find_model(request: web.Request, name: str) -> ModelEntry:
             found = (name, known_entry(request.app, name))
         except (StoreError, BadModelName) as e:
             target = alias_target(live_config(request.app).model_aliases, name)
-            found = (name, e if target is None else _aliased(request.app, name, target))
+            if target is not None:
+                found = (name, _aliased(request.app, name, target))
+            else:  # a name not stored: the 404 says whether a pull could fetch it
+                found = (name, not_stored(name) if isinstance(e, ModelNotFound) else e)
         request[MODEL] = found
     if isinstance(found[1], Exception):
         raise found[1]

@@ -41,8 +41,10 @@ from ..chat.custom import (
     PARAMS_LAYER,
     SYSTEM_LAYER,
     TEMPLATE_LAYER,
+    GO_TEMPLATE_NOTE,
     ModelfileError,
     check_template,
+    is_go_template,
     parameter_value,
     text_layer,
 )
@@ -113,13 +115,22 @@ def parse_modelfile(text: str) -> Recipe:
             raise ModelfileError("REQUIRES names an Ollama version; localllm cannot promise "
                                  "what a given Ollama version does: remove the line")
         elif command == "TEMPLATE":
-            recipe.template = check_template(rest)
+            take_template(recipe, rest)
         elif command == "SYSTEM":
             recipe.system = rest
         else:
             raise ModelfileError(f"{command} is not supported; localllm's Modelfile takes FROM, "
                                  f"PARAMETER, TEMPLATE, SYSTEM, MESSAGE and LICENSE")
     return recipe
+
+
+def take_template(recipe: Recipe, template: str) -> None:
+    """A Jinja TEMPLATE replaces the GGUF's; Ollama's Go template is left out with a note."""
+    if is_go_template(template):
+        if GO_TEMPLATE_NOTE not in recipe.notes:
+            recipe.notes.append(GO_TEMPLATE_NOTE)
+        return
+    recipe.template = check_template(template)
 
 
 def _quoted_block(command: str, first: str, lines: list[str], i: int) -> tuple[str, int]:
@@ -162,7 +173,7 @@ def recipe_from_json(body: dict) -> Recipe:
             else:
                 recipe.parameters[key] = parameter_value(key, value)
     if get_str(body, "template") is not None:
-        recipe.template = check_template(body["template"])
+        take_template(recipe, body["template"])
     if get_str(body, "system") is not None:
         recipe.system = body["system"]
     messages = body.get("messages")

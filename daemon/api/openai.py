@@ -85,7 +85,8 @@ def openai_options(body: dict, stored: dict | None = None, chat: bool = True
 def finish_reason(done: Done, parsed_calls: bool) -> str:
     if parsed_calls:
         return "tool_calls"
-    return "length" if done.done_reason == "length" else "stop"
+    # a loop cut short is an answer that did not end: said as OpenAI says a cut ("length")
+    return "length" if done.done_reason in ("length", "loop") else "stop"
 
 
 def usage(done: Done) -> dict:

@@ -117,3 +117,12 @@ async def _start(request: web.Request) -> web.StreamResponse:
 
 async def _write(response: web.StreamResponse, event: dict) -> None:
     await response.write(json.dumps(event).encode() + b"\n")
+
+
+@routes.post("/api/push")
+async def api_push(request: web.Request) -> web.Response:
+    """Ollama's push to its registry: localllm has no registry to push to; said in a sentence
+    rather than a bare 404 (a client's `push` then tells its user why)."""
+    raise ApiError(400, "push is not supported: localllm has no model registry; share a model "
+                   "by its GGUF file and `localllm show NAME --modelfile` (Hugging Face hosts "
+                   "GGUFs that `localllm pull hf.co/OWNER/REPO` fetches)")

@@ -27,8 +27,8 @@ CUSTOM_LAYERS = (PARAMS_LAYER, TEMPLATE_LAYER, SYSTEM_LAYER, MESSAGES_LAYER, LIC
 # is taken, and each is left out with a note (`import --from-ollama` says the same)
 OLLAMA_ONLY = frozenset({"num_keep", "mirostat", "mirostat_eta", "mirostat_tau", "tfs_z",
                          "penalize_newline", "num_gqa", "numa", "low_vram", "f16_kv",
-                         "logits_all", "vocab_only", "use_mlock", "embedding_only", "num_gpu",
-                         "main_gpu", "rope_frequency_base", "rope_frequency_scale"})
+                         "logits_all", "vocab_only", "use_mlock", "embedding_only", "main_gpu",
+                         "rope_frequency_base", "rope_frequency_scale"})
 MESSAGE_ROLES = ("system", "user", "assistant")
 
 class ModelfileError(UserError, ValueError):
@@ -62,8 +62,17 @@ def parameter_value(key: str, value):
         raise ModelfileError(str(e)) from None
 
 
+# `ollama show --modelfile` writes Ollama's own Go template: a Modelfile that carries one is
+# taken, with the GGUF's chat template in its place (the model was trained on that one)
+GO_TEMPLATE_NOTE = "Ollama's Go template left out: the GGUF's own chat template is used"
+
+
+def is_go_template(template: str) -> bool:
+    return bool(re.search(r"\{\{-?\s*\.", template))
+
+
 def check_template(template: str) -> str:
-    if re.search(r"\{\{-?\s*\.", template):
+    if is_go_template(template):
         raise ModelfileError("TEMPLATE is a Go template; localllm renders Jinja (Hugging Face) "
                              "chat templates: give one with `messages`, as in the GGUF")
     return template

@@ -77,7 +77,8 @@ class ChatModel:
 
 def read_chat_model(path: str | Path) -> ChatModel:
     """Blocking (reads the file): call it through `chat_model` from the event loop."""
-    md = read_header(path).metadata
+    header = read_header(path)
+    md = header.metadata
     arch = str(md.get("general.architecture", ""))
 
     def token_id(*keys: str) -> int | None:
@@ -115,8 +116,11 @@ def read_chat_model(path: str | Path) -> ChatModel:
         has_vision=any(k.endswith("vision.block_count") for k in md),
         style=template_style(template, arch),
         context_length=int(md.get(f"{arch}.context_length") or 0),
-        info={k: v for k, v in md.items()
-              if v is not None and (k.startswith("general.") or k.startswith(f"{arch}."))},
+        # Ollama's model_info carries general.parameter_count (clients size models by it); a
+        # GGUF seldom writes it, its tensors always tell it
+        info={"general.parameter_count": sum(t.n_elements for t in header.tensors),
+              **{k: v for k, v in md.items()
+                 if v is not None and (k.startswith("general.") or k.startswith(f"{arch}."))}},
     )
 
 

@@ -116,7 +116,7 @@ class Token:
 @dataclass(frozen=True)
 class Done:
     kind: ClassVar[str] = "done"
-    done_reason: str  # "stop", "length", "cancelled"
+    done_reason: str  # "stop", "length", "cancelled", "loop" (repeating, with no token cap)
     prompt_eval_count: int  # prompt tokens actually evaluated (after prefix reuse)
     prompt_eval_duration_ns: int
     eval_count: int

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from localllm.llama.loaded import LoadedModel, log_probs
+from localllm.repeats import LoopGuard
 from localllm.llama.vision import text_tokens
 
 from .protocol import Done, ExpertCacheStats, Failure, Token
@@ -41,6 +42,10 @@ class Replies:
             work.emit(self._token_event(slot, text))
         if hit:
             self.finish(slot, "stop", stop_hit=True)
+        elif work.loops is not None and (period := work.loops.feed(text)):
+            log.info("request %s stopped after %d answer tokens: %s", work.request.id,
+                     len(work.answer), LoopGuard.note(period))
+            self.finish(slot, "loop", stop_hit=True)  # as a stop: the rest is more of the loop
 
     def _token_event(self, slot: Slot, text: str) -> Token:
         work = slot.work

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from localllm.llama.loaded import Sampler
+from localllm.repeats import LoopGuard
 
 from .checkpoints import SlotCheckpoints
 from .protocol import Event, GenerationRequest
@@ -77,6 +78,7 @@ class Work:
     truncated: int = 0  # prompt tokens left out to fit the context (request.truncate)
     stops: StopMatcher = field(init=False)
     decoder: codecs.IncrementalDecoder = field(init=False)
+    loops: LoopGuard | None = field(init=False)
     answer: list[int] = field(default_factory=list)
     pending_tokens: int = 0  # answer tokens behind text not emitted yet
     pending_logprobs: list[dict] = field(default_factory=list)
@@ -92,6 +94,11 @@ class Work:
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.request.options.stop)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # An answer without a token cap that loops would run to the context's end (an editor's
+        # request streamed one for 400 s): the chat's guard stops it, done_reason "loop". A
+        # grammar's output (JSON) may repeat on purpose and ends by the grammar.
+        self.loops = LoopGuard() if self.request.options.num_predict < 0 \
+            and self.request.grammar is None else None
 
     @property
     def prompt_ns(self) -> int:
