@@ -160,7 +160,6 @@ class Embedder:
     def _pool(self, tokens: list[int], dimensions: int | None) -> tuple[float, ...]:
         if not tokens:
             return tuple(0.0 for _ in range(dimensions or self.n_embd))
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
         values = self._mean(tokens) if self.mean_here else self._pooled(tokens)
         if dimensions:
             values = values[:dimensions]
@@ -175,6 +174,8 @@ class Embedder:
             raise RuntimeError(f"llama.cpp failed to embed the input (code {rc})")
 
     def _pooled(self, tokens: list[int]) -> list[float]:
+        """One input's output pooled by llama.cpp, read whole from an empty context."""
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
         self._run(tokens, 0)
         pointer = llama_cpp.llama_get_embeddings_seq(self.ctx, 0)
         if not pointer:
@@ -186,6 +187,7 @@ class Embedder:
     def _mean(self, tokens: list[int]) -> list[float]:
         """Mean pooling of a causal LM's token states, read `chunk` tokens at a time (the
         earlier ones stay in the KV cache, so each token sees the whole input before it)."""
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
         total = numpy.zeros(self.n_embd, dtype=numpy.float64)
         for start in range(0, len(tokens), self.chunk):
             part = tokens[start:start + self.chunk]

@@ -7,11 +7,17 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import urllib.request
+
+
+# A Unix socket's path holds at most 107 bytes; the daemon's is RUNTIME/localllm/localllm.sock.
+# A deep pytest folder (pytest-of-root/pytest-1001/test_a_long_name0/...) passes that.
+RUNTIME_DIR_MAX = 107 - len("/localllm/localllm.sock")
 
 
 def isolated_env(root: Path, **extra: str) -> dict:
@@ -21,6 +27,8 @@ def isolated_env(root: Path, **extra: str) -> dict:
         d = root / var.lower()
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         env[var] = str(d)
+    if len(env["XDG_RUNTIME_DIR"]) > RUNTIME_DIR_MAX:  # pytest's folders outgrew a socket path
+        env["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="llr-")
     env["LOCALLLM_HOST"] = "127.0.0.1:0"  # any free port; the daemon prints the one it got
     env.update(extra)
     return env

@@ -74,7 +74,7 @@ def test_extra_buffer_types_off_for_the_model_that_crashed_until_forgotten(two_m
     assert _daemon_log(d).count(RETRY) == 1
     [model] = d.ps()
     assert model["extra_bufts"] is False and "extra buffer types" in model["crash_note"]
-    assert "--forget-crashes smollm2:latest" in d.cli("ps").stdout
+    assert "--forget-crashes smollm2:latest" in d.cli("ps").stderr  # ps notes
     # gemma is not smollm2: its load tries them (and crashes with them, here, on its own)
     assert _generate(d, "gemma3-270m")[0] == 200
     assert _daemon_log(d).count(RETRY) == 2
@@ -113,7 +113,7 @@ def test_an_amx_engine_on_an_amx_cpu_starts_without_extra_buffer_types(two_model
     assert model["extra_bufts"] is False
     assert any("built with AMX" in r for r in model["plan_reasons"])
     assert "engine: extra buffer types (repack, AMX) off: the engine was built with AMX" \
-        in d.cli("ps").stdout
+        in d.cli("ps").stderr
 
 
 @pytest.mark.slow

@@ -108,11 +108,12 @@ def test_an_alias_answers_on_every_api(helper_daemon):
 
 def test_list_and_ps_show_the_aliases(helper_daemon):
     assert helper_daemon.get("/api/tags")["aliases"]["gpt-5.4-nano"] == "smollm2"
-    for command in ("list", "ps"):
+    # list's after its table; ps's with its notes on stderr (its stdout is a line a model)
+    for command, stream in (("list", "stdout"), ("ps", "stderr")):
         r = helper_daemon.cli(command)
         assert r.returncode == 0, r.stderr
-        assert "alias gpt-5.4-nano -> smollm2" in r.stdout.splitlines()
-        assert "alias claude-haiku-* -> smollm2" in r.stdout.splitlines()
+        assert "alias gpt-5.4-nano -> smollm2" in getattr(r, stream).splitlines()
+        assert "alias claude-haiku-* -> smollm2" in getattr(r, stream).splitlines()
 
 
 # ---- the sampling floor ----------------------------------------------------------------------
