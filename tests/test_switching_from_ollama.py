@@ -237,9 +237,11 @@ def test_a_long_embedding_grows_the_runner_by_its_plans_batch_not_its_context(fr
 LOOP = [{"role": "user", "content": "Say 'ha' 300 times: ha ha ha ha ha ha ha ha ha ha ha ha"}]
 
 
-def test_an_api_answer_without_a_token_cap_is_stopped_where_it_loops(daemon):
+def test_an_api_answer_without_a_token_cap_is_stopped_where_it_loops(fresh_daemon):
     """Greedy, the model says `ha` until the context ends; with no num_predict / max_tokens the
-    daemon stops it as the chat's guard would, and says so; with a cap, the cap rules."""
+    daemon stops it as the chat's guard would, and says so; with a cap, the cap rules. A daemon
+    of its own: its 1024-token load would serve the shared daemon's later smollm2 requests."""
+    daemon = fresh_daemon
     request = urllib.request.Request(daemon.url + "/api/chat", data=json.dumps(
         {"model": "smollm2", "messages": LOOP, "stream": False,
          "options": {"temperature": 0, "num_ctx": 1024}}).encode())
