@@ -2,7 +2,7 @@
 
 A request's `speculative` option, a plan's mode, a saved profile, the scheduler's load decision,
 llama.cpp's parameters, the runner and the TUI read a mode's row here, never its name; a new mode
-is a row here, its drafter (llama/drafters.py) and its pricing (profiles/speculation.py).
+is a row here, its drafter (engine/drafters.py) and its pricing (profiles/speculation.py).
 The rules a plan derives from its row (the longest draft, the recurrent-state snapshots) are
 methods of the Plan (profiles/plan.py).
 """
@@ -35,7 +35,7 @@ class Mode:
     # request; the others adapt up to MAX_DRAFT at the acceptance measured.
     default_draft: int = MAX_DRAFT
     plan_bounds_length: bool = False
-    # Prompts of taken slots may be kept in RAM (the prompt cache, llama/runner/reuse.py); not
+    # Prompts of taken slots may be kept in RAM (the prompt cache, engine/runner/reuse.py); not
     # with MTP, whose own cache of each sequence would have to be saved and restored beside the
     # target's.
     prompt_cache: bool = True

@@ -21,7 +21,6 @@ import ast
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,11 +103,8 @@ def project_loads(path: Path) -> tuple[set[str], set[str]]:
 
 
 def project_dirs() -> list[Path]:
-    """The package's folders (pyproject.toml's package-dir) and scripts/."""
-    with open(REPO / "pyproject.toml", "rb") as f:
-        mapping = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
-    tops = {folder.split("/")[0] for folder in mapping.values()}
-    return [REPO / top for top in sorted(tops | {"scripts"})]
+    """The package (localllm/) and scripts/."""
+    return [REPO / "localllm", REPO / "scripts"]
 
 
 def check(lib_dir: Path, package_dir: Path) -> list[str]:

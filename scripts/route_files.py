@@ -47,8 +47,6 @@ import checkout_imports  # noqa: E402
 
 checkout_imports.bootstrap()
 
-ROOMS = ("localllm", "daemon", "llama", "profiles", "modelstore", "cli", "tui")
-
 HOOK = '''
 import os
 if os.environ.get("ROUTE_FILES_DIR"):
@@ -130,17 +128,12 @@ BODIES = {
 
 
 def ours(path: str) -> str | None:
-    """`path` as the project names it (daemon/api/ollama.py), or None for a file not ours. A
-    checkout without an editable install reads localllm/<room>/... through a shim package."""
+    """`path` as the project names it (localllm/daemon/api/ollama.py), or None for a file not
+    ours."""
     parts = Path(path).parts
-    if "site-packages" in parts or not path.endswith(".py"):
+    if "site-packages" in parts or not path.endswith(".py") or "localllm" not in parts:
         return None
-    for i, part in enumerate(parts):
-        if part in ROOMS:
-            if part == "localllm" and len(parts) > i + 2 and parts[i + 1] in ROOMS[1:]:
-                i += 1
-            return "/".join(parts[i:])
-    return None
+    return "/".join(parts[len(parts) - 1 - parts[::-1].index("localllm"):])
 
 
 def post(url: str, route: str) -> None:

@@ -2,7 +2,7 @@
 expert slots in RAM (`pool_in_ram`), so that the split of every decode step's experts between
 the pool and the model's own tensors runs with no GPU. Real llama.cpp (the engine install.sh
 built with the patches) in child processes (moe_cache_check.py gives the cache's settings to the
-engine before it creates a context: llama/expert_cache.py), on a tiny synthetic qwen3moe: 4 MoE
+engine before it creates a context: engine/expert_cache.py), on a tiny synthetic qwen3moe: 4 MoE
 blocks of 32 experts, 4 routed per token, every weight drawn; one file with skewed routing
 (zipf:1), one uniform. The slot bookkeeping (eviction order) is compiled from the patch and run
 alone."""
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import synth_gguf  # scripts/ is on the path (conftest)
 
-from localllm.llama import expert_cache
+from localllm.engine import expert_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = ROOT / "patches" / "0002-moe-expert-cache.patch"

@@ -112,8 +112,8 @@ def test_symbol_check_names_what_a_build_without_rpc_misses(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_symbols.py"),
                              str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
-    assert "llama/rpc.py: loads libggml-rpc.so" in result.stdout
-    assert "llama/rpc.py: ggml_backend_rpc_start_server not exported" in result.stdout
+    assert "localllm/engine/rpc.py: loads libggml-rpc.so" in result.stdout
+    assert "localllm/engine/rpc.py: ggml_backend_rpc_start_server not exported" in result.stdout
 
 
 def test_the_installed_engine_has_no_llama_common_and_each_library_once():

@@ -11,15 +11,15 @@ import pytest
 import synth_vision
 from localllm.daemon.drafting import DraftChoice
 from localllm.daemon.planner import Planner
-from localllm.daemon.runner import RunnerProcess
+from localllm.engine.local import RunnerProcess
 from localllm.daemon.scheduler import SERVED_REMEMBERED, LoadedModel
-from localllm.llama.params import context_params
-from localllm.llama.runner.engine import drafting_modes
-from localllm.llama.runner.load import Load
-from localllm.llama.runner.protocol import OP_BY_NAME, OPS, Done, GenerationRequest, Loaded
+from localllm.engine.params import context_params
+from localllm.engine.runner.engine import drafting_modes
+from localllm.engine.runner.load import Load
+from localllm.engine.runner.protocol import OP_BY_NAME, OPS, Done, GenerationRequest, Loaded
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.plan import Plan, cpu_plan
-from localllm.profiles.tuning.choose import settings_of
+from localllm.planner.plan import Plan, cpu_plan
+from localllm.profiles.choose import settings_of
 
 from localllm.config import Config
 from localllm.options import LoadOptions, SamplingOptions

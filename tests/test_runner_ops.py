@@ -1,4 +1,4 @@
-"""The runner's op table (llama/runner/protocol.py OPS): every op and every event crosses the
+"""The runner's op table (engine/runner/protocol.py OPS): every op and every event crosses the
 pipe and comes back equal, and every op names an Engine method that exists (a tuner's op, one
 of tuner_ops.py). No model: the
 table and the wire alone (the runner tests drive the real engine through it)."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from localllm.llama.expert_cache import ExpertCacheStats
-from localllm.llama.runner import tuner_ops
-from localllm.llama.runner.engine import Engine
-from localllm.llama.runner.load import Load
-from localllm.llama.runner.protocol import (
+from localllm.engine.expert_cache import ExpertCacheStats
+from localllm.engine.runner import tuner_ops
+from localllm.engine.runner.engine import Engine
+from localllm.engine.runner.load import Load
+from localllm.engine.runner.protocol import (
     ENDING_EVENTS,
     EVENTS,
     OPS,
@@ -33,8 +33,8 @@ from localllm.llama.runner.protocol import (
     event_to_wire,
     request_to_wire,
 )
-from localllm.profiles.planning.plan import Plan, TensorOverride, cpu_plan
-from localllm.profiles.planning.probes import (
+from localllm.planner.plan import Plan, TensorOverride, cpu_plan
+from localllm.engine.probes import (
     Bandwidth,
     Buffers,
     Calibrate,

@@ -35,7 +35,7 @@ def test_every_recorded_moe_run_is_priced_within_twelve_percent():
 def test_a_recurrent_block_on_the_gpu_is_priced(monkeypatch):
     """The hybrids' recurrent blocks cost their own kernels on the GPU: priced like attention
     blocks, every weight on the GPU, the model was 35-50% fast."""
-    from localllm.profiles.planning import speed
+    from localllm.planner import speed
 
     monkeypatch.setattr(speed, "GPU_RECURRENT_BLOCK_SECONDS", 0.0)
     resident = [r for r in recorded_runs() if "-e16 " in r.label]

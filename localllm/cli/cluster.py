@@ -61,15 +61,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_worker(args) -> int:
-    from localllm.profiles.planning.plan import physical_cores
-    from localllm.llama.rpc import serve
+    from localllm.planner.plan import physical_cores
+    from localllm.engine.rpc import serve
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be between 1 and 65535, not {args.port}")
     if args.threads < 0:
         raise UserError(f"--threads must be positive, not {args.threads}")
-    import llama_cpp  # noqa: F401  (loads the ggml libraries and registers the devices)
-
     devices = [_device_name(d) for d in args.device]
     return serve(args.host, args.port, devices, args.threads or physical_cores())
 

@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _settings(text: str) -> list[str]:
-    from localllm.profiles.planning.quality import split_kv
+    from localllm.planner.quality import split_kv
 
     settings = [s.strip() for s in text.split(",") if s.strip()]
     if not settings:
@@ -64,7 +64,7 @@ def _settings(text: str) -> list[str]:
 
 
 def _text(path: Path | None) -> str:
-    from localllm.profiles.tuning.evaluate import TEXT
+    from localllm.profiles.evaluate import TEXT
 
     path = path or TEXT
     try:
@@ -78,8 +78,8 @@ def _text(path: Path | None) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from localllm.profiles.tuning.evaluate import evaluate_in_child
-    from localllm.profiles.tuning.eval_results import save_result
+    from localllm.profiles.evaluate import evaluate_in_child
+    from localllm.profiles.eval_results import save_result
 
     if args.ctx < 64:
         raise UserError("--ctx must be at least 64")

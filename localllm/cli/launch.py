@@ -278,7 +278,7 @@ async def choose_model(client, asked: str | None) -> dict:
         if (show.get("model_info") or {}).get("general.architecture") == "remote":
             found = {**found, "remote": True}
         return found  # one that cannot call tools is refused when its request is counted
-    from localllm.llama.hardware import probe_card
+    from localllm.engine.hardware import probe_card
 
     card = probe_card()
     return pick_model(models, card.free_vram_bytes if card.has_gpu else 0)

@@ -138,8 +138,8 @@ def interrupted(store, name: str, started: float) -> str:
 
 def pick(target: Target, hub: HubSettings, card_name: str | None) -> Target:
     """Plan the repo's candidates, print them and the pick; the Target that pulls it."""
-    from localllm.llama.hardware import resolve_card
-    from localllm.profiles.tuning.calibration import calibrated
+    from localllm.engine.hardware import resolve_card
+    from localllm.profiles.calibration import calibrated
 
     from .quant_pick import candidates_from_hub, choose, pick_line, table
 
@@ -173,7 +173,7 @@ def pick_request():
     """The config's tuner settings at its default context, one slot: how the daemon would load
     each candidate at first."""
     from localllm.config import ConfigError, load_config
-    from localllm.profiles.tuning.choose import config_request
+    from localllm.profiles.choose import config_request
 
     try:
         n_ctx = load_config().default_ctx

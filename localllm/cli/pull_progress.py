@@ -83,7 +83,7 @@ class Machine:
 def detect_machine(card_name: str | None) -> Machine:
     """The GPU(s) to judge fit against: the tuner's probe where it exists, else CPU only."""
     try:
-        from localllm.llama.hardware import resolve_card
+        from localllm.engine.hardware import resolve_card
     except ImportError:
         return Machine("cpu only (no hardware probe available)", 0, 0)
     card = resolve_card(card_name)

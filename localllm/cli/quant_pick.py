@@ -20,12 +20,12 @@ from localllm.modelstore.hub import (
 )
 from localllm.modelstore.remote_header import read_model_header
 from localllm.modelstore.shape import ModelShape, shape_from_header
-from localllm.profiles.planning.card import GIB, Card
-from localllm.profiles.planning.disk import disk_bytes_per_token
-from localllm.profiles.planning.plan import Plan
-from localllm.profiles.planning.budgets import ram_budget
-from localllm.profiles.planning.search import NoPlanFits, Request
-from localllm.profiles.planning.tuner import tune
+from localllm.planner.card import GIB, Card
+from localllm.planner.disk import disk_bytes_per_token
+from localllm.planner.plan import Plan
+from localllm.planner.budgets import ram_budget
+from localllm.planner.search import NoPlanFits, Request
+from localllm.planner.tuner import tune
 
 HEADER_READS = 4  # header range requests in flight at once
 

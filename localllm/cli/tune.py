@@ -1,7 +1,7 @@
 """`localllm tune MODEL`: print (and save) the plan for a model on this card or a named one.
 
     localllm tune 27b-q3                         the plan for this machine, saved as a profile
-    localllm tune model.gguf --card rtx3060-12g  plan for a box from profiles/cards/
+    localllm tune model.gguf --card rtx3060-12g  plan for a box from planner/cards/
     localllm tune gemma3-27b --card rtx3060-12g --ram 16   a catalog model before pulling it
     localllm tune 27b-q3 --ctx 32768 --vram 10   a context, and a smaller memory budget
     localllm tune 27b-q3 --measure               load it, time it, calibrate the speed model
@@ -22,25 +22,25 @@ from localllm.config import parse_bands
 from localllm.errors import UserError
 from localllm.modelstore.shape import ModelShape, read_shape
 
-from localllm.profiles.planning.card import MIB, Card, card_names
-from localllm.profiles.planning import quality
+from localllm.planner.card import MIB, Card, card_names
+from localllm.planner import quality
 from localllm.options import LoadOptions
-from localllm.profiles.tuning.bands import FILL_BANDS, band_plans, bands_setting, choose_bands
-from localllm.profiles.tuning.choose import config_request, gpus_setting, tune_checked
-from localllm.profiles.planning.explain import REJECTED
-from localllm.profiles.planning.words import gib
-from localllm.llama.hardware import resolve_card
-from localllm.profiles.tuning.calibration import calibrated
-from localllm.profiles.tuning.measure import (
+from localllm.profiles.bands import FILL_BANDS, band_plans, bands_setting, choose_bands
+from localllm.profiles.choose import config_request, gpus_setting, tune_checked
+from localllm.planner.explain import REJECTED
+from localllm.planner.words import gib
+from localllm.engine.hardware import resolve_card
+from localllm.profiles.calibration import calibrated
+from localllm.profiles.measure import (
     doubtful, measure_in_child, reset_calibration, update_calibration,
 )
-from localllm.profiles.planning.costs import model_costs
-from localllm.profiles.planning.plan import Plan, layer_ranges
-from localllm.profiles.planning.quality import split_kv
-from localllm.profiles.tuning.saved import save_profile
-from localllm.profiles.planning.speed import predict_speed
-from localllm.profiles.planning.search import Request
-from localllm.profiles.planning.workload import WORKLOADS, from_fill
+from localllm.planner.costs import model_costs
+from localllm.planner.plan import Plan, layer_ranges
+from localllm.planner.quality import split_kv
+from localllm.profiles.saved import save_profile
+from localllm.planner.speed import predict_speed
+from localllm.planner.search import Request
+from localllm.planner.workload import WORKLOADS, from_fill
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -223,7 +223,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def calibrate_machine(card: Card, card_name: str, model_path: Path) -> Card:
     """--calibrate: the disk read rate (reading the model's file), then, with a GPU, the card's
     bandwidths; each stored as it is measured."""
-    from localllm.profiles.tuning.calibrate import calibrate, measure_disk_read, store_disk_read
+    from localllm.profiles.calibrate import calibrate, measure_disk_read, store_disk_read
 
     if card_name != "auto":
         raise UserError("--calibrate measures this machine's card: leave out --card")
@@ -277,8 +277,8 @@ def measure_and_calibrate(shape: ModelShape, model_name: str, plan: Plan, card: 
     """Time the plan for real; the figure becomes this card's calibration unless `store` is
     off, or it looks disturbed by other work (`force` stores it anyway). A plan with an expert
     pool decodes long enough to measure its hit rate, which is stored for the tuner."""
-    from localllm.llama.expert_cache import ExpertCacheStats
-    from localllm.profiles.tuning.expert_hits import record_pool, tokens_for_lookups
+    from localllm.engine.expert_cache import ExpertCacheStats
+    from localllm.profiles.expert_hits import record_pool, tokens_for_lookups
 
     print(f"measuring {shape.name} with the plan...", file=sys.stderr)
     tokens = 32  # measure_in_child's own default
@@ -295,7 +295,7 @@ def measure_and_calibrate(shape: ModelShape, model_name: str, plan: Plan, card: 
         print(f"warning: {why}; the calibration was not stored (measure again on a quiet "
               "machine, or pass --save to store it)", file=sys.stderr)
         return measured
-    from localllm.profiles.tuning.choose import placement_of, settings_of
+    from localllm.profiles.choose import placement_of, settings_of
 
     speed = predict_speed(model_costs(shape), placement_of(plan, shape), settings_of(plan), card,
                           plan.n_threads, depth=measured.prompt_tokens)
@@ -311,9 +311,9 @@ def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
     whether the daemon loads it: every band fill_bands names (`explicit`), those that pay
     under `auto` (bands.band_pays: the first against `plan`, the whole context's plan without
     bands; the others against the whole context's band)."""
-    from localllm.profiles.tuning.bands import placement_key
-    from localllm.profiles.planning.placements import kind_of
-    from localllm.profiles.tuning.choose import placement_of
+    from localllm.profiles.bands import placement_key
+    from localllm.planner.placements import kind_of
+    from localllm.profiles.choose import placement_of
 
     whole = bands[-1][1]
     plan = plan or whole
@@ -349,7 +349,7 @@ def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
 def band_loaded(bands: list[tuple[int, Plan]], i: int, plan: Plan, explicit: bool) -> bool:
     """Whether the daemon loads band i of `bands` (the last: the whole context's band), as
     profiles.tuning.bands.choose_bands keeps them; without bands it loads `plan` alone."""
-    from localllm.profiles.tuning.bands import band_pays
+    from localllm.profiles.bands import band_pays
 
     if explicit:
         return True

@@ -72,7 +72,7 @@ async def watch_profiles(directory: Path, log: logging.Logger) -> None:
     """Run until cancelled: check each edited tuned profile at once and log whether it is
     valid. The scheduler reads profiles at every load (profiles.choose), so a valid edit takes
     effect at the next load; an invalid one is reported now, and the tuner plans instead."""
-    from localllm.profiles.tuning.saved import ProfileError, load_profile
+    from localllm.profiles.saved import ProfileError, load_profile
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from localllm.profiles.planning.plan import Plan
+from localllm.planner.plan import Plan
 
 log = logging.getLogger("localllm.scheduler")
 

@@ -18,7 +18,7 @@ from localllm.modelstore.pull import find_stored, model_file
 from localllm.modelstore.shape import ModelShape
 from localllm.modelstore.store import DRAFT_LAYER, ModelEntry, ModelNotFound, ModelStore
 from localllm.options import LoadOptions
-from localllm.profiles.planning.plan import Plan
+from localllm.planner.plan import Plan
 from localllm.speculative import VOCAB_SLACK
 from localllm.speculative import mode as mode_row
 

@@ -27,11 +27,9 @@ from pathlib import Path
 from aiohttp.abc import AbstractAccessLogger
 from localllm import paths
 from localllm.config import Config
+from localllm.paths import LOG_FILE_BACKUPS, LOG_FILE_BYTES
 
 from .systemd import journal_stream
-
-LOG_FILE_BYTES = 10 * 1024 * 1024
-LOG_FILE_BACKUPS = 3
 
 # syslog priorities (sd-daemon(3)): journald reads "<N>" at the start of each stderr line.
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,

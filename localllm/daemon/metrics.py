@@ -21,8 +21,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from aiohttp import web
-from localllm.llama import hardware, nvml
-from localllm.llama.runner.protocol import Done
+from localllm.engine import hardware, nvml
+from localllm.engine.runner.protocol import Done
 
 from .api.stats import GPU, process_rss, vram_of
 

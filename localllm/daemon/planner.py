@@ -1,9 +1,9 @@
 """How a load is decided: the scheduler hands the planner what a request asks of the model
 (its load options), the daemon's live `Config` and the model; `Planner.decide` makes the one
-planning call and returns the frozen `Load` (llama/runner/load.py) the runner is started from. Every
-rule of a load is applied here, once: the speculative mode settled, the fill bands (none with a
-projector, a draft model or MTP: profiles/tuning/bands.py), the images' micro-batch, the prompt
-cache's RAM.
+planning call and returns the frozen `Load` (engine/runner/load.py) the runner is started
+from. Every rule of a load is applied here, once: the speculative mode settled, the fill bands
+(none with a projector, a draft model or MTP: profiles/bands.py), the images' micro-batch, the
+prompt cache's RAM.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from localllm.llama.runner.load import Load
+from localllm.engine.runner.load import Load
 from localllm.modelstore.shape import ModelShape
 from localllm.modelstore.store import ModelEntry
-from localllm.profiles.planning.plan import Plan
-from localllm.profiles.planning.vision import with_room_for_images
+from localllm.planner.plan import Plan
+from localllm.planner.vision import with_room_for_images
 
 from localllm.config import Config
 from localllm.options import LoadOptions
@@ -74,13 +74,13 @@ class Planner:
                projector=None, hint: str | None = None) -> Plan:
         """`projector`: a vision model's ProjectorInfo, planned on the card with the model
         (profiles.vision). `hint`: what the loading request's route says of its session."""
-        from localllm.profiles.tuning.choose import choose_plan
+        from localllm.profiles.choose import choose_plan
 
         card = self.card()
         if projector is None:
             return choose_plan(shape, model_name, n_ctx, load, card, draft_shape=draft_shape,
                                hint=hint, config=self.config())
-        from localllm.profiles.planning.vision import plan_with_projector, projector_cost
+        from localllm.planner.vision import plan_with_projector, projector_cost
 
         return plan_with_projector(
             card, projector_cost(projector),
@@ -91,14 +91,14 @@ class Planner:
               setting: str, hint: str | None = None) -> tuple[tuple[Plan, ...], Plan]:
         """Plans for the fill bands below `plan`'s context (config fill_bands), and the whole
         context's plan to load beside them (`plan` where there are none)."""
-        from localllm.profiles.tuning.bands import choose_bands
+        from localllm.profiles.bands import choose_bands
 
         return choose_bands(shape, model_name, load, self.card(), plan, setting, hint,
                             self.config())
 
     def step_down(self, plan: Plan, shape: ModelShape, model_name: str,
                   error: str) -> Plan | None:
-        from localllm.profiles.tuning.choose import step_down
+        from localllm.profiles.choose import step_down
 
         return step_down(plan, shape, self.card(), model_name, error, config=self.config())
 
@@ -106,9 +106,9 @@ class Planner:
         """This machine's card as `tune` plans on it: the GPUs CUDA_VISIBLE_DEVICES and `gpus`
         leave, with what `tune --measure` and `--calibrate` measured (the speed factors, the
         bandwidths, the disk's read rate), so the daemon loads what `tune` explains."""
-        from localllm.llama.hardware import probe_card
-        from localllm.profiles.tuning.calibration import calibrated
-        from localllm.profiles.tuning.choose import gpus_setting
+        from localllm.engine.hardware import probe_card
+        from localllm.profiles.calibration import calibrated
+        from localllm.profiles.choose import gpus_setting
 
         return calibrated(probe_card(gpus_setting(self.config())))
 
@@ -135,6 +135,6 @@ def prompt_cache_bytes(config: Config) -> int:
     """The RAM a runner may keep prompts of taken slots in (setting prompt_cache_ram)."""
     if config.prompt_cache_ram != "auto":
         return int(config.prompt_cache_ram) * 2**20
-    from localllm.llama.hardware import ram_available
+    from localllm.engine.hardware import ram_available
 
     return min(PROMPT_CACHE_AUTO_MAX, ram_available() // 4)

@@ -1,5 +1,5 @@
 """Remote models: an OpenAI-compatible server (vLLM, SGLang, llama-server, another localllm)
-that answers for a stored remote model, as an Engine (daemon/engine.py) beside the local runner.
+that answers for a stored remote model, as an Engine (engine/seam.py) beside the local runner.
 Here are its client (the POST, its SSE chunks), the chat layer's request as the upstream's
 OpenAI request (`prepared`), and `RemoteEngine`, which streams the upstream's answer back as the
 runner's typed events; the response pipeline (api/respond.py) and every route's writer take it
@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import aiohttp
-from localllm.llama.runner.protocol import Done, Embeddings, EmbedRequest, Event, Failure, Token
+from localllm.engine.runner.protocol import Done, Embeddings, EmbedRequest, Event, Failure, Token
 from localllm.modelstore.store import ModelEntry
 
 from localllm.config import Config, ConfigError, load_config
@@ -290,7 +290,7 @@ class _Calls:
 
 
 class RemoteEngine:
-    """A remote model as an Engine (daemon/engine.py): always ready (its upstream loads and
+    """A remote model as an Engine (engine/seam.py): always ready (its upstream loads and
     schedules for itself), one streamed upstream request per answer. Failures are Failure
     events: before the first piece with the status an HTTP error takes (502: refused,
     unreachable or a bad answer; 504: no answer in time), after it as the stream's end."""

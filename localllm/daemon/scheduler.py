@@ -20,13 +20,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from localllm.llama.runner.load import Load
-from localllm.llama.runner.protocol import Done
+from localllm.engine.runner.load import Load
+from localllm.engine.runner.protocol import RUNNER_COMMAND, Done
 from localllm.modelstore.gguf_header import GGUFError
 from localllm.modelstore.pull import model_file
 from localllm.modelstore.shape import ModelShape, read_shape
 from localllm.modelstore.store import DamagedModel, ModelEntry, ModelStore, projector_path
-from localllm.profiles.tuning.served import ServedRecords, drained
+from localllm.profiles.served import ServedRecords, drained
 
 from localllm.config import Config
 from localllm.errors import UserError
@@ -36,8 +36,7 @@ from .drafting import check_speculation, draft_model
 
 # Planner, context_to_ask and first_band are imported from here too (tests, callers).
 from .planner import Planner, context_to_ask, first_band  # noqa: F401
-from .runner import RUNNER_COMMAND, RunnerProcess
-from .starting import RunnerStarter
+from .starting import RunnerProcess, RunnerStarter
 
 log = logging.getLogger("localllm.scheduler")
 SERVED_REMEMBERED = 64  # distinct load options a loaded model remembers answering

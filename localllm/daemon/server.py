@@ -17,7 +17,7 @@ import socket
 from pathlib import Path
 
 from aiohttp import web
-from localllm.profiles.tuning.saved import profiles_dir
+from localllm.profiles.saved import profiles_dir
 from localllm.modelstore.store import ModelNotFound, ModelStore, default_store
 from localllm.modelstore.sweep import sweep_store
 

@@ -13,16 +13,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from localllm.llama.runner.load import Load
+from localllm.engine.local import EngineCrashed, LoadError, RunnerProcess
+from localllm.engine.runner.load import Load
 from localllm.modelstore.shape import ModelShape
-from localllm.profiles.planning.plan import Plan
-from localllm.profiles.planning.vision import with_room_for_images
+from localllm.planner.plan import Plan
+from localllm.planner.vision import with_room_for_images
 
 from localllm.config import Config
 
 from .crashes import Crashes
 from .planner import Planner
-from .runner import EngineCrashed, LoadError, RunnerProcess
 
 log = logging.getLogger("localllm.scheduler")
 

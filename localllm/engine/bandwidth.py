@@ -1,10 +1,10 @@
 """The card's real memory and host-to-device bandwidth, timed with torch (the optional extra) for
-`localllm tune --calibrate` (profiles/tuning/calibrate.py stores them). Runs in the engine's
-child program (the runner, llama/runner/tuner_ops.py), never in a process that loaded llama.cpp."""
+`localllm tune --calibrate` (profiles/calibrate.py stores them). Runs in the engine's
+child program (the runner, engine/runner/tuner_ops.py), never in a process that loaded llama.cpp."""
 
 from __future__ import annotations
 
-from localllm.profiles.planning.probes import Bandwidth
+from localllm.engine.probes import Bandwidth
 
 from localllm.errors import UserError
 

@@ -1,7 +1,7 @@
 """This CPU and the engine built for it: which instruction sets the CPU has, which ones llama.cpp
 was compiled with, and what to tell a user whose engine crashed on it.
 
-    python -m localllm.llama.cpu --built-for     what the installed engine was compiled for
+    python -m localllm.engine.cpu --built-for     what the installed engine was compiled for
 
 The install prints that line. A crash of the engine (SIGSEGV, SIGILL) while a model loads is
 named with this CPU's features, since a kernel that is wrong on one CPU is right on most others
@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
     if argv[1:] == ["--built-for"]:
         print(engine_built_for())
         return 0
-    print("usage: python -m localllm.llama.cpu --built-for", file=sys.stderr)
+    print("usage: python -m localllm.engine.cpu --built-for", file=sys.stderr)
     return 2
 
 

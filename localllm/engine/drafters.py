@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import llama_cpp
 import numpy as np
-from localllm.profiles.planning.plan import Plan
+from localllm.planner.plan import Plan
 
 from . import model as llama
 from .params import context_params, load_mode

@@ -1,10 +1,10 @@
 """The dry run itself: llama.cpp's compute buffers for a plan, allocating nothing (an op of the
-engine's child program, llama/runner/tuner_ops.py; profiles/tuning/dryrun.py asks it and caches
+engine's child program, engine/runner/tuner_ops.py; profiles/dryrun.py asks it and caches
 the answer).
 
 Model params `no_alloc=True` with `load_mode=LLAMA_LOAD_MODE_NONE` read only metadata; creating
 the context then logs `<device> compute buffer size = N MiB` for every device (and the KV and
-recurrent sizes in total). Both are built by llama/params.py, as the runner builds them.
+recurrent sizes in total). Both are built by engine/params.py, as the runner builds them.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import ctypes
 import re
 
 import llama_cpp
-from localllm.profiles.planning.plan import Plan
-from localllm.profiles.planning.probes import Buffers
+from localllm.planner.plan import Plan
+from localllm.engine.probes import Buffers
 
 from .params import context_params, model_params
 

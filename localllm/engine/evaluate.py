@@ -1,17 +1,17 @@
-"""The evaluation, an op of the engine's child program (llama/runner/tuner_ops.py): the
+"""The evaluation, an op of the engine's child program (engine/runner/tuner_ops.py): the
 logits of each chunk under the reference and each tested setting, reduced to KL divergence,
-top-token agreement and perplexity (profiles/tuning/evaluate.py says what is measured and why).
-Model and contexts are built by llama/params.py."""
+top-token agreement and perplexity (profiles/evaluate.py says what is measured and why).
+Model and contexts are built by engine/params.py."""
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
 
-import llama_cpp as llama  # before numpy: see llama/runner/tuner_ops.py
-from localllm.profiles.planning.plan import Plan, physical_cores
-from localllm.profiles.planning.probes import EvalResult, Evaluate, Evaluation
-from localllm.profiles.planning.quality import split_kv
+import llama_cpp as llama  # before numpy: see engine/runner/tuner_ops.py
+from localllm.planner.plan import Plan, physical_cores
+from localllm.engine.probes import EvalResult, Evaluate, Evaluation
+from localllm.planner.quality import split_kv
 
 from localllm.errors import UserError
 

@@ -9,8 +9,8 @@ as it is. `switched_on` gives them around one context's creation; `read` asks a 
 figures. An engine built without the patches has neither function: no pool is made, and `read`
 says None, as for a context with no cache.
 
-The runner gives a pool to the target context alone (llama/model.py, from the plan through
-llama/params.py): once the target context is made, the settings say "no pool" for the rest of
+The runner gives a pool to the target context alone (engine/model.py, from the plan through
+engine/params.py): once the target context is made, the settings say "no pool" for the rest of
 the process, so drafter and embedding contexts get none. llama.cpp reads its LLAMA_MOE_CACHE_*
 environment variables only while no settings were ever given (its own tools); the project never
 sets them.
@@ -32,7 +32,7 @@ FIELDS = ("slots", "layers", "hits", "misses", "swaps", "steps", "pool_bytes", "
 
 @dataclass(frozen=True)
 class Settings:
-    """One context's pool (llama/params.py fills it from the plan's fields of the same names,
+    """One context's pool (engine/params.py fills it from the plan's fields of the same names,
     which the config's and the tuner Request's also bear)."""
     expert_cache: int  # experts the pool holds (0: every lookup misses)
     expert_cache_swaps: int = 0  # experts taken in a step at most; 0: the engine's default, 4
@@ -75,7 +75,7 @@ def _params(settings: Settings | None) -> _Params:
 
 @dataclass(frozen=True)
 class ExpertCacheStats:
-    # the runner sends these figures as they are, an event of this kind (llama/runner/protocol.py)
+    # the runner sends these figures as they are, an event of this kind (engine/runner/protocol.py)
     kind: ClassVar[str] = "expert_cache"
     slots: int  # experts the pool holds
     layers: int  # MoE layers that share it

@@ -12,8 +12,8 @@ import os
 from dataclasses import replace
 from functools import lru_cache
 
-from localllm.profiles.planning.card import CPU_ONLY, GIB, MIB, Card, Gpu, load_card, match_card
-from localllm.profiles.planning.plan import physical_cores
+from localllm.planner.card import CPU_ONLY, GIB, MIB, Card, Gpu, load_card, match_card
+from localllm.planner.plan import physical_cores
 
 from . import nvml
 

@@ -6,7 +6,7 @@ the samplers of the requests in flight).
 
 `LoadedModel` owns their lifecycle (load, free, reload with another plan for a fill band
 switch) and the llama.cpp calls the runner's slot loop makes on the target context (decode,
-cut a sequence, sample), so the loop (llama/runner/) deals in slots and requests, not in
+cut a sequence, sample), so the loop (engine/runner/) deals in slots and requests, not in
 llama.cpp handles.
 
 A request's sampler chain follows Ollama's and llama.cpp's order: penalties, grammar, then
@@ -26,7 +26,7 @@ import random
 
 import llama_cpp
 import numpy as np
-from localllm.profiles.planning.plan import Plan
+from localllm.planner.plan import Plan
 
 from localllm.options import SamplingOptions
 

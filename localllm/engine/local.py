@@ -15,15 +15,14 @@ import logging
 import os
 import signal
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from localllm.llama.cpu import describe_crash, is_engine_crash
-from localllm.llama.expert_cache import ExpertCacheStats
-from localllm.llama.runner.load import Load
-from localllm.llama.runner.protocol import (
+from localllm.engine.cpu import describe_crash, is_engine_crash
+from localllm.engine.expert_cache import ExpertCacheStats
+from localllm.engine.runner.load import Load
+from localllm.engine.runner.protocol import (
     ENDING_EVENTS,
     RUNNER_COMMAND,
     RUNNER_SILENCE_S,
@@ -41,14 +40,13 @@ from localllm.llama.runner.protocol import (
     Token,
     TokenizeRequest,
     event_from_wire,
+    new_request_id,
 )
-from localllm.profiles.planning.plan import Plan
+from localllm.planner.plan import Plan
 
 from localllm.errors import UserError
-from localllm.paths import open_private_log
+from localllm.paths import LOG_FILE_BACKUPS, LOG_FILE_BYTES, open_private_log
 from localllm.speculative import SPECULATIVE_CHOICES
-
-from .logging_setup import LOG_FILE_BACKUPS, LOG_FILE_BYTES
 
 log = logging.getLogger("localllm.runner.process")
 # Protocol lines can be long (a Done event carries the whole token context).
@@ -58,7 +56,7 @@ STREAM_LIMIT = 64 * 1024 * 1024
 def runner_env(plan: Plan) -> dict[str, str]:
     """The runner's environment: the daemon's, with the plan's GPUs as CUDA_VISIBLE_DEVICES in
     NVML's (PCI bus) order, so that CUDA0, CUDA1... are the GPUs the plan was made for. (The
-    expert cache is the plan's alone: llama/expert_cache.py gives the engine its settings.)"""
+    expert cache is the plan's alone: engine/expert_cache.py gives the engine its settings.)"""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if plan.gpus:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
@@ -93,7 +91,7 @@ class RunnerRequestFailed(UserError):
         self.status = failure.status
 
 
-class RunnerProcess:  # the local model's Engine (daemon/engine.py)
+class RunnerProcess:  # the local model's Engine (engine/seam.py)
     def __init__(self, model_name: str, model_path: Path, plan: Plan, log_path: Path,
                  command: Sequence[str] = RUNNER_COMMAND, draft_model_path: Path | None = None,
                  projector_path: Path | None = None, prompt_cache_bytes: int = 0,
@@ -161,7 +159,7 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
         return runner
 
     def figures(self) -> dict:
-        """What the runner has done since its load (the Engine's figures, daemon/engine.py)."""
+        """What the runner has done since its load (the Engine's figures, engine/seam.py)."""
         return {"loaded_at": self.loaded_at, "load_duration": self.load_duration_ns,
                 "context_length": self.n_ctx, "tokens_generated": self.tokens_generated}
 
@@ -204,7 +202,7 @@ class RunnerProcess:  # the local model's Engine (daemon/engine.py)
                             refused=True)
         self.load_duration_ns, self.n_ctx = loaded.load_duration_ns, loaded.n_ctx
         self.n_parallel, self.past_ram = loaded.n_parallel, loaded.past_ram
-        # what really holds the weights in RAM (llama/model.py), which a refused pin changes
+        # what really holds the weights in RAM (engine/model.py), which a refused pin changes
         self.weights_in_ram = loaded.weights_in_ram
         if loaded.expert_cache:
             self.expert_cache = ExpertCacheStats(**loaded.expert_cache)
@@ -421,10 +419,6 @@ def exit_while_loading(model_name: str, code: int | None, plan: Plan,
            if code == -signal.SIGKILL else "")
     return LoadError(f"the runner exited while loading {model_name} "
                      f"({describe_exit(code)}{oom}); see {log_path}")
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex[:16]
 
 
 def describe_exit(code: int | None) -> str:

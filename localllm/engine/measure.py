@@ -1,5 +1,5 @@
-"""`tune --measure`'s benchmark, an op of the engine's child program (llama/runner/tuner_ops.py):
-the model and context loaded from the plan by the runner's own load (llama/model.py: the weights
+"""`tune --measure`'s benchmark, an op of the engine's child program (engine/runner/tuner_ops.py):
+the model and context loaded from the plan by the runner's own load (engine/model.py: the weights
 in RAM pinned in place, the expert pool), then a prompt read and a greedy decode timed over a
 bare llama_decode loop; with an expert pool, its hits too."""
 
@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict
 
 import llama_cpp  # before numpy: with a CUDA build, numpy loaded first crashes the model load
-from localllm.profiles.planning.probes import Measure, Measurement
+from localllm.engine.probes import Measure, Measurement
 
 from . import expert_cache, nvml
 from .batch import fill

@@ -14,7 +14,7 @@ import signal
 from dataclasses import dataclass, replace
 
 import llama_cpp
-from localllm.profiles.planning.plan import Plan
+from localllm.planner.plan import Plan
 
 from localllm.speculative import MAX_DRAFT
 
@@ -62,7 +62,7 @@ class LlamaModel:
 
 def load(model_path: str, plan: Plan) -> LlamaModel:
     """The model with the plan's placement and a context of `plan.n_parallel` sequences, each
-    with `plan.n_ctx` cells of its own (llama/params.py builds both, as dry runs do)."""
+    with `plan.n_ctx` cells of its own (engine/params.py builds both, as dry runs do)."""
     llama_cpp.llama_backend_init()
     mparams, keep_alive = model_params(plan)
     model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
-from localllm.profiles.planning.plan import TensorOverride
+from localllm.planner.plan import TensorOverride
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 
 import llama_cpp
-from localllm.profiles.planning.plan import Plan
+from localllm.planner.plan import Plan
 
 from .expert_cache import Settings as ExpertCacheSettings
 from .overrides import apply_tensor_overrides
@@ -39,10 +39,10 @@ def model_params(plan: Plan, metadata_only: bool = False):
         params.use_extra_bufts = False
     elif plan.expert_cache:
         # The expert cache fills its pool with the experts' bytes as they sit in RAM: experts
-        # repacked for the CPU's kernels cannot be cached (llama/expert_cache.py).
+        # repacked for the CPU's kernels cannot be cached (engine/expert_cache.py).
         params.use_extra_bufts = False
     elif plan.streamed_bytes and plan.use_mmap:
-        # Past RAM the CPU's weights must stay the file's pages (llama/resident.py): repacked
+        # Past RAM the CPU's weights must stay the file's pages (engine/resident.py): repacked
         # for the CPU they would be anonymous copies, which cannot be read back from the file.
         params.use_extra_bufts = False
     params.load_mtp = plan.draft_mode.nextn  # llama.cpp skips the NextN layers otherwise
@@ -89,7 +89,7 @@ def context_params(plan: Plan, n_seq: int | None = None, n_batch: int | None = N
 
 
 def expert_cache_settings(plan: Plan) -> ExpertCacheSettings | None:
-    """The engine's expert cache settings for the plan's target context (llama/expert_cache.py);
+    """The engine's expert cache settings for the plan's target context (engine/expert_cache.py);
     None: no pool."""
     if not plan.expert_cache:
         return None

@@ -1,7 +1,7 @@
 """What the tuner asks the engine to measure: one frozen request per op, one typed result each.
-They are ops of the engine's one child program, the runner (`python -m localllm.llama.runner`):
-llama/runner/protocol.py's op table names each request, the result that answers it and the
-function of llama/runner/tuner_ops.py that computes it; profiles/tuning/probing.py asks.
+They are ops of the engine's one child program, the runner (`python -m localllm.engine.runner`):
+engine/runner/protocol.py's op table names each request, the result that answers it and the
+function of engine/runner/tuner_ops.py that computes it; engine/probing.py asks.
 
     {"op": "dry_run", "id": "", ...the request's fields}    the child's first and only line in
     {"event": "chunks", "id": "", "done": 1, "total": 4}    any number out (Evaluate's progress)
@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from localllm.errors import UserError
 
-from .plan import Plan
+from localllm.planner.plan import Plan
 
 
 class WorkerError(UserError):
@@ -46,7 +46,7 @@ class Measurement:
     prompt_tokens: int
     decoded_tokens: int
     other_load: float = 0.0  # CPU cores other processes kept busy while it ran
-    expert_cache: dict | None = None  # the expert pool's figures (llama/expert_cache.py)
+    expert_cache: dict | None = None  # the expert pool's figures (engine/expert_cache.py)
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class Measure:
 @dataclass(frozen=True)
 class Evaluate:
     """`localllm eval`: each KV setting (or the other model) against the reference, per chunk of
-    `text` (profiles/tuning/evaluate.py says what is measured)."""
+    `text` (profiles/evaluate.py says what is measured)."""
     model_path: str
     settings: tuple[str, ...]
     text: str

@@ -1,5 +1,5 @@
-"""Runs one of the tuner's ops (profiles/planning/probes.py) in the engine's one child program,
-the runner (`python -m localllm.llama.runner`, its op table in llama/runner/protocol.py), and
+"""Runs one of the tuner's ops (engine/probes.py) in the engine's one child program,
+the runner (`python -m localllm.engine.runner`, its op table in engine/runner/protocol.py), and
 returns its typed result: the one place the tuning service starts a process that loads
 llama.cpp (or torch), so no CUDA context, ggml-rpc abort or second CUDA runtime ever lands in the
 daemon or the CLI.
@@ -14,7 +14,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 
-from localllm.llama.runner.protocol import (
+from localllm.engine.runner.protocol import (
     OP_OF_REQUEST,
     RUNNER_COMMAND,
     Chunks,
@@ -25,7 +25,7 @@ from localllm.llama.runner.protocol import (
 
 from localllm.errors import UserError
 
-from ..planning.probes import ProbeRequest
+from .probes import ProbeRequest
 
 
 class ProbeFailed(UserError):

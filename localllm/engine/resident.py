@@ -13,7 +13,7 @@ are shared between mappings of one file, so llama.cpp's reads find them resident
 streamed tensors cycle through what is left of the page cache. Two conditions:
 - the CPU's weights must be the file's pages: llama.cpp repacks Q4_0 and friends for the CPU
   into anonymous buffers (`use_extra_bufts`), which cannot be read back from the file; plans
-  that stream turn repacking off (llama/params.py);
+  that stream turn repacking off (engine/params.py);
 - mlock needs RLIMIT_MEMLOCK room (or CAP_IPC_LOCK). Where it falls short, what could be locked
   stays locked and the log says how to raise the limit.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from localllm.modelstore.gguf_header import GGUFHeader, read_header
 from localllm.modelstore.shape import shape_from_header
-from localllm.profiles.planning.plan import Plan
+from localllm.planner.plan import Plan
 
 BLOCK = re.compile(r"^blk\.(\d+)\.")
 TOKEN_TABLE = "token_embd.weight"

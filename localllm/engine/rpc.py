@@ -21,7 +21,7 @@ import sys
 import time
 from functools import lru_cache
 
-from localllm.profiles.planning.probes import Worker, WorkerDevice, WorkerError, Workers
+from localllm.engine.probes import Worker, WorkerDevice, WorkerError, Workers
 
 from localllm import config_values
 from localllm.paths import is_loopback
@@ -155,6 +155,8 @@ WARNING: Host ('{host}') is != '127.0.0.1'
 def serve(host: str, port: int, device_names: list[str], threads: int) -> int:
     """Serve devices of this machine to llama.cpp clients until killed (llama.cpp's
     rpc-server, from the same build as the runner). Returns only on a failure."""
+    import llama_cpp  # noqa: F401  (loads the ggml libraries and registers the devices)
+
     reg, base, rpc = _libs()
     if device_names:
         devices = []
@@ -292,7 +294,7 @@ def _measure_compute(endpoint: str, free_bytes: int, rtt: float) -> float:
 
 def probe(endpoints: tuple[str, ...]) -> Workers:
     """Each worker's devices, memory, link and compute speed, measured from this process: the
-    engine's child program (llama/runner/tuner_ops.py), which exits when done and so frees the
+    engine's child program (engine/runner/tuner_ops.py), which exits when done and so frees the
     workers."""
     _, base, rpc = _libs()
     out = []

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from localllm.llama.runner.protocol import Embeddings, EmbedRequest, Event
+from localllm.engine.runner.protocol import Embeddings, EmbedRequest, Event
 
 
 class Engine(Protocol):

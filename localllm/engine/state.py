@@ -5,11 +5,11 @@ its recurrent state, with their positions) as a `SavedSequence`, restored into a
 context of the same model, KV types and number of sequences (another context, a larger `n_ctx`,
 another seq id are all fine; llama.cpp writes one record per KV stream, one per sequence here
 since the KV is not unified, and refuses a state whose stream count differs). The runner's
-prompt cache and fill band switch use them (llama/runner/reuse.py, bands.py).
+prompt cache and fill band switch use them (engine/runner/reuse.py, bands.py).
 
 `take` / `load`: a `Checkpoint`, the part that cannot be cut back only
 (`LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`: for hybrid memory the recurrent part, for an iSWA cache
-the SWA cells); when the runner takes them is llama/runner/checkpoints.py's. A copy into fresh
+the SWA cells); when the runner takes them is engine/runner/checkpoints.py's. A copy into fresh
 memory pays a page fault per 4 KiB page, most of its cost: on the H200 a Qwen3.5-35B-A3B state
 of 63 MiB took 47 ms, twice per prompt; so a checkpoint that leaves its slot unshared gives its
 buffer back (`recycle`) for the next copy (at most `SPARE_BUFFERS` kept, outside the tuner's
@@ -92,7 +92,7 @@ class SavedSequence:
 
     `pos_min` is the lowest position still held (a sliding-window cache has dropped the ones
     before it), read when it was saved. `checkpoints`: the slot's checkpoints of its recurrent
-    or sliding-window state (llama/runner/checkpoints.py), which come back with it."""
+    or sliding-window state (engine/runner/checkpoints.py), which come back with it."""
 
     tokens: tuple[int, ...]
     data: ctypes.Array

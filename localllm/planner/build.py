@@ -116,7 +116,7 @@ PINNED_REASON = ("weights in RAM pinned for the GPU where the file maps them (pi
 
 
 def loads_pinned(card: Card, plan: Plan, streamed_bytes: int) -> bool:
-    """Whether a plan pins its RAM-resident weights for the GPU (llama/host_pin.py) rather than
+    """Whether a plan pins its RAM-resident weights for the GPU (engine/host_pin.py) rather than
     leaving them pageable: on a GPU, with blocks or tensors of blocks in RAM (the token table
     always is; alone it never crosses), all within the RAM budget (past RAM the file's pages
     must stay evictable: profiles/disk.py)."""

@@ -1,9 +1,9 @@
 """Card: the GPUs (or their absence) and the host a plan is made for, from a profile or a probe.
 
-`profiles/cards/*.toml` describe the common cards so that any card can be planned for on any
+`planner/cards/*.toml` describe the common cards so that any card can be planned for on any
 machine (`localllm tune --card rtx3060-12g`); a profile with `base` and `gpus` describes a box of
 several (`2x-rtx3090`), and `A+B` joins two profiles into one mixed box
-(`--card rtx3090+rtx3060-12g`). `localllm.llama.hardware.probe_card` fills the same type from
+(`--card rtx3090+rtx3060-12g`). `localllm.engine.hardware.probe_card` fills the same type from
 NVML and the OS. Each GPU of a card is a `Gpu`, named as llama.cpp names it (CUDA0, CUDA1...).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from localllm.errors import UserError
 
-CARDS_DIR = Path(__file__).resolve().parent.parent / "cards"
+CARDS_DIR = Path(__file__).resolve().parent / "cards"
 MIB = 1 << 20
 GIB = 1 << 30
 CPU_ONLY = "cpu-only"
@@ -63,7 +63,7 @@ class Card:
     # 0: not measured (plans past RAM assume profiles.planning.disk.ASSUMED_DISK_GBS)
     disk_read_gbs: float = 0.0
     # RAM a model may take when probed: MemAvailable capped by the cgroup's memory.max
-    # (llama/hardware.py ram_available); 0: not probed (plans count ram_bytes less a reserve)
+    # (engine/hardware.py ram_available); 0: not probed (plans count ram_bytes less a reserve)
     ram_available_bytes: int = 0
     # The GPUs one by one, where they differ (a mixed box, a probe that read each one's free
     # memory); empty: n_gpus alike, each as the fields above say.

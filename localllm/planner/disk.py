@@ -7,7 +7,7 @@ whose CPU weights exceed the RAM budget still runs, at the disk's read rate for 
 The page cache alone does not keep as much of the weights as the RAM budget leaves: decode reads
 them in the same order every token, and LRU evicts each page just before it is needed again, so
 nearly all of the CPU's weights would be read per token. The runner therefore locks the part
-the budget holds (llama/resident.py) and only the excess cycles through the cache; where mlock
+the budget holds (engine/resident.py) and only the excess cycles through the cache; where mlock
 is not allowed that far, decode is slower than predicted and the runner says so. For a mixture
 of experts only the routed experts are read per token, so only that share of the excess comes
 from disk.

@@ -12,7 +12,7 @@ A hit is priced (speed.ExpertPool): the share of the served blocks' routed exper
 the pool is read by the GPU instead of the CPU, each served block pays a second chain of
 kernels, and the experts copied in after each step cross PCIe. The share comes from a curve of
 hit rate against slots per served block (a share of its experts): routing studies of real
-models until this model's own hits were measured while serving (profiles/tuning/expert_hits.py),
+models until this model's own hits were measured while serving (profiles/expert_hits.py),
 then those. With `expert_cache = auto` the tuner prices a few pool sizes against none and keeps
 the fastest: a pool whose hits do not pay for the dense weights its VRAM displaces is off.
 """

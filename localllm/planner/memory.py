@@ -210,7 +210,7 @@ def kv_by_block(costs: ModelCosts, settings: ContextSettings) -> tuple[int, ...]
 
 
 # Copies of a sequence's recurrent or sliding-window state the runner keeps in RAM, per slot
-# (llama/runner/checkpoints.py: they let a prompt that diverges behind that state's reach
+# (engine/runner/checkpoints.py: they let a prompt that diverges behind that state's reach
 # restart from the copy instead of reading everything again).
 CHECKPOINTS_PER_SLOT = 4
 
@@ -314,7 +314,7 @@ def cuda_pool_bytes(costs: ModelCosts, settings: ContextSettings) -> int:
 # page, 2 MiB per GiB, on each GPU, mapped or not, given back at unregister
 # (scripts/device/host_register_probe.py on the H200: 2, 8, 32 and 80 MiB for 1, 4, 16 and 40
 # GiB). A plan with weights in RAM on a GPU registers the file's mapped pages that hold them
-# (llama/host_pin.py); an 80B-class plan at 12 GiB keeps 42 GiB there: 84 MiB of VRAM.
+# (engine/host_pin.py); an 80B-class plan at 12 GiB keeps 42 GiB there: 84 MiB of VRAM.
 PAGE_TABLE_BYTES_PER_BYTE = 8 / 4096
 
 

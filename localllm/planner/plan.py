@@ -47,19 +47,19 @@ class Plan:
     n_threads_batch: int = 1
     use_mmap: bool = True
     # With use_mmap on a GPU: the mapped weights that stay in RAM are pinned for the GPU where
-    # the file maps them (llama/host_pin.py), so a prompt's micro-batches copy them at PCIe speed
+    # the file maps them (engine/host_pin.py), so a prompt's micro-batches copy them at PCIe speed
     # without a second, pinned copy of them. The runner falls back to that copy (use_mmap off)
     # when the driver refuses.
     pin_in_place: bool = False
     # llama.cpp's extra buffer types (weights repacked for the CPU's kernels, AMX): off when the
     # engine crashed with them on this CPU (the daemon's retry, issue #32); past RAM they are
-    # off whatever this says (llama/params.py)
+    # off whatever this says (engine/params.py)
     extra_bufts: bool = True
     # Past RAM: bytes of the CPU's weights that RAM does not hold, read from the model file as
-    # each token needs them. The runner locks the rest in RAM so they stay (llama/resident.py).
+    # each token needs them. The runner locks the rest in RAM so they stay (engine/resident.py).
     streamed_bytes: int = 0
     n_parallel: int = 1  # slots: sequences decoded together, each with n_ctx of KV
-    # MoE: experts the engine's expert cache holds (patches/0002, profiles/planning/
+    # MoE: experts the engine's expert cache holds (patches/0002, planner/
     # expert_pool.py), a pool the target context alone gets; 0: off
     expert_cache: int = 0
     # With a pool on a GPU: its misses computed by the GPU from the experts where they lie in

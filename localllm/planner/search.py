@@ -62,7 +62,7 @@ class Request:
     # The smallest context a plan chosen without n_ctx gets (config default_ctx under the
     # `fit` policy): the tuner goes larger only where that costs no speed.
     min_ctx: int = MIN_DEFAULT_CTX
-    # MoE expert cache (config expert_cache; profiles/planning/expert_pool.py): the slots asked
+    # MoE expert cache (config expert_cache; planner/expert_pool.py): the slots asked
     # (0: off), and where the pool goes (config expert_cache_device: "cpu", in RAM, for tests)
     expert_cache: int = 0  # AUTO_SLOTS: the tuner sizes it (or turns it off)
     expert_cache_device: str = "gpu"

@@ -301,7 +301,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
 # copy reads at PCIe speed: Qwen3-30B-A3B with the experts of 24 blocks in RAM (8.2 GB) read a
 # 16K prompt at 1744 tok/s mapped and 5857 pinned at ubatch 2048, 438 and 2223 at 512 (about
 # 43 GB/s), and decoded at 66 mapped, 71 pinned. Plans within RAM on a GPU pin them where the
-# file maps them (build.py sets pin_in_place; llama/host_pin.py), which avoids load_mode none's
+# file maps them (build.py sets pin_in_place; engine/host_pin.py), which avoids load_mode none's
 # second copy (a band switch took 7.7 s that way instead of 1.8 s); past RAM the file's pages
 # must stay pageable, and reading them from the disk per micro-batch (per_ubatch_s) costs
 # more than the crossing.

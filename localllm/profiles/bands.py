@@ -2,7 +2,7 @@
 
 Less KV on the GPU leaves room for more of the weights, so while a context is short a smaller
 band's plan decodes faster; when a sequence is about to outgrow its band, the runner reloads
-with the next band's plan and carries every sequence's KV over (llama/runner/bands.py).
+with the next band's plan and carries every sequence's KV over (engine/runner/bands.py).
 
     band_plans(shape, card, request)            the tuner's plan per band, then the whole one
     choose_bands(shape, name, load, card, plan) the bands the daemon loads (config fill_bands)
@@ -22,11 +22,11 @@ from localllm.modelstore.shape import ModelShape
 from localllm.config import Config, parse_bands
 from localllm.options import LoadOptions
 
-from ..planning.card import Card
-from ..planning.plan import Plan
-from ..planning.quality import kv_label
-from ..planning.search import NoPlanFits, Request
-from ..planning.tuner import tune
+from localllm.planner.card import Card
+from localllm.planner.plan import Plan
+from localllm.planner.quality import kv_label
+from localllm.planner.search import NoPlanFits, Request
+from localllm.planner.tuner import tune
 from .choose import apply_options, config_request, request_from_load, tune_checked, tuning_config
 
 FILL_BANDS = (8192, 32768)  # plans per fill band: up to each of these, then the whole context
@@ -89,7 +89,7 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
                  config: Config | None = None) -> tuple[tuple[Plan, ...], Plan]:
     """Plans for the fill bands below `plan`'s context, smallest first (config fill_bands),
     and the whole context's plan to load with them: the runner starts in the first and moves
-    up as a sequence grows (llama/runner/engine.py). Without bands, `plan` itself.
+    up as a sequence grows (engine/runner/engine.py). Without bands, `plan` itself.
 
     `auto` keeps the first band only where the tuner made the plan for a GPU, the band's
     placement differs from `plan`'s (else it would only hold less KV) and it is predicted to

@@ -1,5 +1,5 @@
 """`localllm tune --calibrate`: measure the card's real memory and host-to-device bandwidth with
-torch (the optional extra; llama/bandwidth.py, in the engine's child program) and the host's
+torch (the optional extra; engine/bandwidth.py, in the engine's child program) and the host's
 disk read rate, and store them with the calibration.
 
 Without torch the tuner uses the theoretical figures NVML gives (memory clock x bus width, PCIe
@@ -20,11 +20,11 @@ import tomli_w
 
 from localllm.errors import UserError
 
-from ..planning.card import Card
-from ..planning.plan import physical_cores
-from ..planning.probes import Bandwidth, Calibrate
+from localllm.planner.card import Card
+from localllm.planner.plan import physical_cores
+from localllm.engine.probes import Bandwidth, Calibrate
 from .calibration import HOST_KEY, calibration_file, load_calibration, with_measured_bandwidth
-from .probing import ProbeFailed, ask
+from localllm.engine.probing import ProbeFailed, ask
 
 GB = 1e9
 
@@ -125,7 +125,7 @@ def store_disk_read(measured: DiskRead, path: Path | None = None) -> dict:
 
 
 def calibrate(card: Card) -> tuple[Bandwidth, Card]:
-    """The card's bandwidths measured with torch in the engine's child program (llama/bandwidth.py)
+    """The card's bandwidths measured with torch in the engine's child program (engine/bandwidth.py)
     and stored; the card as the tuner now sees it."""
     try:
         measured = ask(Calibrate(), timeout=300)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..planning.card import Card
+from localllm.planner.card import Card
 from .saved import profiles_dir, read_tables
 
 HOST_KEY = "host"  # the calibration table of this machine's own figures (no card is so named)

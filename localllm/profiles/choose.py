@@ -20,16 +20,16 @@ from localllm.config import Config, ConfigError, load_config_sources, parse_size
 from localllm.modelstore.shape import ModelShape
 from localllm.options import LoadOptions
 
-from ..planning.card import MIB, Card
-from ..planning.costs import model_costs
-from ..planning.expert_pool import AUTO_SLOTS
-from ..planning.memory import CPU, ComputeTable, ContextSettings, memory_by_device
-from ..planning.placements import Placement, placement_of_overrides
-from ..planning.plan import Plan
-from ..planning.quality import kv_label
-from ..planning.search import MIN_DEFAULT_CTX, NoPlanFits, Request
-from ..planning.tuner import tune
-from ..planning.workload import from_fill
+from localllm.planner.card import MIB, Card
+from localllm.planner.costs import model_costs
+from localllm.planner.expert_pool import AUTO_SLOTS
+from localllm.planner.memory import CPU, ComputeTable, ContextSettings, memory_by_device
+from localllm.planner.placements import Placement, placement_of_overrides
+from localllm.planner.plan import Plan
+from localllm.planner.quality import kv_label
+from localllm.planner.search import MIN_DEFAULT_CTX, NoPlanFits, Request
+from localllm.planner.tuner import tune
+from localllm.planner.workload import from_fill
 from .acceptance import measured_acceptance
 from .dryrun import dry_run, with_pool_bound
 from .eval_results import measured_kl
@@ -153,7 +153,7 @@ def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: Loa
                 card: Card, draft_shape: ModelShape | None = None,
                 hint: str | None = None, config: Config | None = None) -> Plan:
     """The plan the daemon loads `model_name` with on `card` (probed by the caller:
-    llama/hardware.py); raises NoPlanFits (a UserError) when the model cannot run at that
+    engine/hardware.py); raises NoPlanFits (a UserError) when the model cannot run at that
     context on this machine. `draft_shape`: the draft model paired with it in the catalog,
     which the tuner may plan speculative decoding with. `hint`: what the request that loads it
     says of its session (profiles.tuning.traffic.route_hint). `config`: the daemon's live

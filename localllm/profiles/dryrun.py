@@ -1,7 +1,7 @@
 """Dry-run loads: llama.cpp's own compute buffer sizes for a plan, without allocating anything.
 
 A dry run creates a CUDA context, so it runs in the engine's child program (the runner's
-llama/runner/tuner_ops.py runs llama/dryrun.py, which builds the model and context exactly as a
+engine/runner/tuner_ops.py runs engine/dryrun.py, which builds the model and context exactly as a
 runner's load does): the daemon never holds GPU memory of its own. Results are cached per model
 file and load settings in the cache dir, so a model is probed once per setting.
 """
@@ -16,13 +16,13 @@ from pathlib import Path
 
 from localllm import paths
 
-from ..planning.card import Card
-from ..planning.costs import ModelCosts
-from ..planning.memory import CPU, ContextSettings, memory_by_device
-from ..planning.placements import Placement
-from ..planning.plan import Plan
-from ..planning.probes import Buffers, DryRun
-from .probing import ProbeFailed, ask
+from localllm.planner.card import Card
+from localllm.planner.costs import ModelCosts
+from localllm.planner.memory import CPU, ContextSettings, memory_by_device
+from localllm.planner.placements import Placement
+from localllm.planner.plan import Plan
+from localllm.engine.probes import Buffers, DryRun
+from localllm.engine.probing import ProbeFailed, ask
 
 
 def _cache_file(model_path: str, plan: Plan) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from localllm.paths import unless_broken
 
-from ..planning.quality import REFERENCE
+from localllm.planner.quality import REFERENCE
 from .saved import model_table, profiles_dir, read_tables, write_toml
 
 def results_file() -> Path:

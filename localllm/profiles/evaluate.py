@@ -9,7 +9,7 @@ whether the two agree on the most likely token, and the tested log-likelihood of
 token (perplexity).
 
 The logits come from llama.cpp's low-level API in the engine's child program (the runner, whose
-llama/runner/tuner_ops.py runs llama/evaluate.py), as for `tune --measure`: a CUDA build must not
+engine/runner/tuner_ops.py runs engine/evaluate.py), as for `tune --measure`: a CUDA build must not
 share a process with the daemon or with numpy loaded first.
 """
 
@@ -20,10 +20,10 @@ from pathlib import Path
 
 from localllm.errors import UserError
 
-from ..planning.probes import EvalResult, Evaluate
-from .probing import ProbeFailed, ask
+from localllm.engine.probes import EvalResult, Evaluate
+from localllm.engine.probing import ProbeFailed, ask
 
-TEXT = Path(__file__).resolve().parent.parent / "eval_text.txt"
+TEXT = Path(__file__).resolve().parent / "eval_text.txt"
 DEFAULT_CTX = 512
 
 

@@ -1,7 +1,7 @@
 """Expert cache hit rates measured while serving, per model file, for the tuner (issue #40).
 
 The tuner prices a pool of hot experts from a curve of hit rate against slots per served block
-(profiles/planning/expert_pool.py): routing studies of real models until this model has been
+(planner/expert_pool.py): routing studies of real models until this model has been
 served with a pool here, then what its pool really hit. After each answer the daemon stores
 the runner's running totals since its load (hits, misses, evictions, steps) under the share of a
 block's experts the pool held (slots / (blocks served x experts a block)); a load with fewer
@@ -54,7 +54,7 @@ def record(model: str, file_size: int, share: float, hits: int, misses: int, evi
 def record_pool(model: str, file_size: int, expert_count: int, pool,
                 path: Path | None = None) -> None:
     """A pool's figures so far (`pool`: slots, layers, hits, misses, swaps, steps, as the
-    runner's expert_cache event and llama/expert_cache.read give them) under the share of a
+    runner's expert_cache event and engine/expert_cache.read give them) under the share of a
     block's experts it held; nothing for a pool that served no block."""
     if not pool.layers or not expert_count:
         return

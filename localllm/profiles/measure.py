@@ -16,11 +16,11 @@ import tomli_w
 
 from localllm.errors import UserError
 
-from ..planning.plan import Plan
-from ..planning.probes import Measure, Measurement
-from ..planning.speed import TOKEN_SECONDS
+from localllm.planner.plan import Plan
+from localllm.engine.probes import Measure, Measurement
+from localllm.planner.speed import TOKEN_SECONDS
 from .calibration import calibration_file, load_calibration
-from .probing import ProbeFailed, ask
+from localllm.engine.probing import ProbeFailed, ask
 
 
 # What update_calibration writes (reset_calibration removes them).
@@ -55,7 +55,7 @@ def update_calibration(card_name: str, gpu_seconds: float, cpu_seconds: float,
 
 def measure_in_child(model_path: str, plan: Plan, prompt_tokens: int = 128,
                      decode_tokens: int = 32, timeout: float = 600) -> Measurement:
-    """The plan loaded for real in the engine's child program (llama/measure.py), so a CUDA
+    """The plan loaded for real in the engine's child program (engine/measure.py), so a CUDA
     context never stays in this process; `other_load` says how busy the rest of the machine
     kept the CPU meanwhile."""
     before = _cpu_seconds()

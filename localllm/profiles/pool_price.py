@@ -5,10 +5,10 @@ pool's own (expert_hits.py), in place of the ones the plan was priced with."""
 
 from __future__ import annotations
 
-from ..planning.costs import model_costs
-from ..planning.expert_pool import PoolShape, pool_shape, priced_pool
-from ..planning.search import Request
-from ..planning.speed import ExpertPool, predict_speed
+from localllm.planner.costs import model_costs
+from localllm.planner.expert_pool import PoolShape, pool_shape, priced_pool
+from localllm.planner.search import Request
+from localllm.planner.speed import ExpertPool, predict_speed
 from .choose import placement_of, settings_of
 from .expert_hits import MIN_LOOKUPS, evicted
 

@@ -14,7 +14,7 @@ a layer count per device, so the split is exact (llama.cpp cuts at count / total
 Decode speed with the network in it: a token crosses each worker twice (its hidden state in and
 out, n_embd float32 values each way) and waits for about two round trips per worker (the graph
 and the result); a worker's layers take their bytes over the weight-reading speed measured on
-it (llama/rpc.py; RPC does not report the hardware, so a worker that could not
+it (engine/rpc.py; RPC does not report the hardware, so a worker that could not
 be measured is taken as fast as this machine's card, or RAM). The local plan's prediction
 covers the rest.
 """
@@ -27,13 +27,13 @@ from dataclasses import dataclass, replace
 
 from localllm.modelstore.shape import ModelShape
 
-from ..planning.budgets import ram_budget
-from ..planning.card import GIB, MIB, Card
-from ..planning.costs import model_costs
-from ..planning.memory import ContextSettings, block_kv_bytes
-from ..planning.plan import DeviceMemory, Plan, cpu_plan, layer_ranges
-from ..planning.search import NoPlanFits, Request
-from ..planning.probes import Worker, WorkerError
+from localllm.planner.budgets import ram_budget
+from localllm.planner.card import GIB, MIB, Card
+from localllm.planner.costs import model_costs
+from localllm.planner.memory import ContextSettings, block_kv_bytes
+from localllm.planner.plan import DeviceMemory, Plan, cpu_plan, layer_ranges
+from localllm.planner.search import NoPlanFits, Request
+from localllm.engine.probes import Worker, WorkerError
 from .workers import probe_workers
 
 log = logging.getLogger(__name__)

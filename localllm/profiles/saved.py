@@ -22,9 +22,9 @@ from localllm.errors import UserError
 
 from localllm.speculative import SPECULATIVE_MODES
 
-from ..planning.memory import KV_TYPES
+from localllm.planner.memory import KV_TYPES
 
-from ..planning.plan import SPECULATIVE_ALIASES, Plan, TensorOverride, speculative_mode
+from localllm.planner.plan import SPECULATIVE_ALIASES, Plan, TensorOverride, speculative_mode
 
 # Fields of Plan a profile may set, with their type; the rest are predictions and reasons.
 EDITABLE: dict[str, type] = {

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from localllm import paths
 
-from ..planning.workload import CHAT, MIN_LEARNED, Workload, learned, named
+from localllm.planner.workload import CHAT, MIN_LEARNED, Workload, learned, named
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""RPC workers as the planner sees them (`Worker`, profiles/planning/probes.py), measured by the
-engine's child program: llama/rpc.py owns the ggml-rpc library, which aborts the process it runs
+"""RPC workers as the planner sees them (`Worker`, engine/probes.py), measured by the
+engine's child program: engine/rpc.py owns the ggml-rpc library, which aborts the process it runs
 in when a worker cannot be reached, so it says HELLO to each worker first, from Python."""
 
 from __future__ import annotations
 
-from ..planning.probes import RpcProbe, Worker, WorkerError
-from .probing import ProbeFailed, ask
+from localllm.engine.probes import RpcProbe, Worker, WorkerError
+from localllm.engine.probing import ProbeFailed, ask
 
 PROBE_TIMEOUT_S = 60.0
 

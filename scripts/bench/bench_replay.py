@@ -53,7 +53,7 @@ from bench_tuner import MemorySampler  # noqa: E402
 from chat_models import QWEN_TOOL_TEMPLATE  # noqa: E402
 
 MIB = 1 << 20
-FIRST = ROOT / "cli" / "agent_requests"
+FIRST = ROOT / "localllm" / "cli" / "agent_requests"
 FOLLOW = ROOT / "tests" / "fixtures" / "agents"
 AGENTS = {  # first request, the recording with the CLI's own tool call
     "claude-code": ("claude-code-2.1.332-default.json", "claude-code-2.1.332-tool-result.json"),

@@ -40,11 +40,11 @@ checkout_imports.bootstrap()
 import synth_gguf  # noqa: E402
 
 from localllm.modelstore.shape import read_shape  # noqa: E402
-from localllm.profiles.planning import speed  # noqa: E402
-from localllm.profiles.planning.card import load_card  # noqa: E402
-from localllm.profiles.planning.costs import model_costs  # noqa: E402
-from localllm.profiles.planning.memory import ContextSettings  # noqa: E402
-from localllm.profiles.planning.placements import Placement  # noqa: E402
+from localllm.planner import speed  # noqa: E402
+from localllm.planner.card import load_card  # noqa: E402
+from localllm.planner.costs import model_costs  # noqa: E402
+from localllm.planner.memory import ContextSettings  # noqa: E402
+from localllm.planner.placements import Placement  # noqa: E402
 
 
 def priced(costs, kv: str, depth: int, ctx: int, card) -> dict:

@@ -9,7 +9,7 @@ otherwise both lend the CPU. The measuring process sees no GPU itself, so every 
 a worker. Rows, each its own process (a worker serves one client at a time):
   - localllm: `choose_plan` with rpc_workers set (probe, planner), model and context built
     from the plan as the runner builds them; prompt then decode timed over a bare
-    llama_decode loop (llama/measure.py);
+    llama_decode loop (localllm/engine/measure.py);
   - llama.cpp split: the same load with tensor_split left to llama.cpp (by free memory);
   - llama-bench --rpc: llama.cpp's own tool over the same workers, when it is on PATH;
   - alone: one device without RPC (the first GPU, or this CPU), for the network's cost.
@@ -84,13 +84,13 @@ def measure(request: dict) -> dict:
     import llama_cpp  # noqa: F401  (before numpy: the CUDA build needs this order)
     from dataclasses import replace
 
-    from localllm.llama import measure as bare_loop
+    from localllm.engine import measure as bare_loop
     from localllm.modelstore.shape import read_shape
     from localllm.options import LoadOptions
-    from localllm.profiles.tuning.choose import choose_plan
-    from localllm.llama.hardware import host_card
-    from localllm.profiles.planning.plan import Plan, physical_cores
-    from localllm.profiles.planning.probes import Measure
+    from localllm.profiles.choose import choose_plan
+    from localllm.engine.hardware import host_card
+    from localllm.planner.plan import Plan, physical_cores
+    from localllm.engine.probes import Measure
 
     n_ctx = request["prompt"] + request["tokens"] + 64
     shape = read_shape(request["model"])
@@ -115,7 +115,7 @@ def measure(request: dict) -> dict:
             split, predicted = "llama.cpp: by free memory", None
     t0 = time.perf_counter()
     # The model and context built from the plan as the runner builds them, then a bare
-    # llama_decode loop: a prompt read, a greedy decode (llama/measure.py, as tune --measure).
+    # llama_decode loop: a prompt read, a greedy decode (engine/measure.py, as tune --measure).
     result = bare_loop.run(Measure(request["model"], plan, request["prompt"], request["tokens"]))
     return {"row": request["kind"], "split": split,
             "load_and_run_s": round(time.perf_counter() - t0, 1),

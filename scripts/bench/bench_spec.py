@@ -4,7 +4,7 @@
     python scripts/bench/bench_spec.py --model M.gguf [--ngl 99 --ngl 44] [--draft-other D.gguf]
 
 1. Checking cost: llama_decode of B = 1, 2, 4, 8 tokens at a depth of 256, through the runner's
-   own loader (llama/model.py) with each placement, beside llama-bench ppB at the same
+   own loader (localllm/engine/model.py) with each placement, beside llama-bench ppB at the same
    depth (when llama-bench is on PATH); as tokens/s and as the cost of a pass over a pass of 1.
 2. Decode through the daemon's API (/api/generate, eval_count / eval_duration, median of
    --rounds), per placement: plain; prompt lookup on the model's own greedy text; the model as
@@ -51,8 +51,8 @@ DEPTH = 256
 # ---- 1. checking cost ----------------------------------------------------------------------
 def engine_check_cost(model: Path, ngl: int, threads: int, reps: int = 10) -> dict[int, float]:
     """tokens/s of a llama_decode of B tokens after DEPTH tokens, through the runner's loader."""
-    from localllm.llama import model as llama
-    from localllm.profiles.planning.plan import cpu_plan
+    from localllm.engine import model as llama
+    from localllm.planner.plan import cpu_plan
 
     plan = replace(cpu_plan(2048), n_gpu_layers=ngl, n_threads=threads, n_threads_batch=threads)
     lm = llama.load(str(model), plan)
@@ -159,8 +159,8 @@ def engine_decode(model: Path, plan, mode: str, tokens: int, rounds: int) -> tup
     """Greedy decode tok/s through the runner's engine loaded with `plan` (median of rounds)."""
     import threading
 
-    from localllm.llama.runner.engine import Engine
-    from localllm.llama.runner.protocol import (
+    from localllm.engine.runner.engine import Engine
+    from localllm.engine.runner.protocol import (
         Done,
         Failure,
         GenerationRequest,
@@ -200,8 +200,8 @@ def engine_decode(model: Path, plan, mode: str, tokens: int, rounds: int) -> tup
 def tuner_rows(args) -> list[str]:
     from bench_tuner import gpu_card
     from localllm.modelstore.shape import read_shape
-    from localllm.profiles.planning.search import NoPlanFits, Request
-    from localllm.profiles.tuning.choose import tune_checked
+    from localllm.planner.search import NoPlanFits, Request
+    from localllm.profiles.choose import tune_checked
 
     shape = read_shape(args.model)
     out = []

@@ -151,8 +151,8 @@ def never_accepted(model: Path, env: dict) -> None:
     with the drafts' speed), and the bench, which asks every request with `speculative: off`
     to compare plain decode with llama-server's, measures a plan made for something else. The
     record is the one `ServedRecords.drafted` writes after MIN_DRAFTED drafted tokens
-    (profiles/tuning/acceptance.py). BENCH_DRAFTS=assumed leaves it out."""
-    from localllm.profiles.tuning.acceptance import MIN_DRAFTED, record
+    (localllm/profiles/acceptance.py). BENCH_DRAFTS=assumed leaves it out."""
+    from localllm.profiles.acceptance import MIN_DRAFTED, record
     from localllm.speculative import DRAFTING_MODES
 
     config_dir = Path(env["XDG_CONFIG_HOME"]) / "localllm" / "profiles"

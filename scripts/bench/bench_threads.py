@@ -75,12 +75,12 @@ def main() -> int:
     parser.add_argument("--hogs", type=int, default=1, help="busy-loop processes (cores)")
     args = parser.parse_args()
 
-    import llama_cpp  # noqa: F401  (before numpy: see llama/runner/__main__.py)
-    from localllm.llama.hardware import probe_card
-    from localllm.llama.runner import protocol
-    from localllm.llama.runner.engine import Engine
+    import llama_cpp  # noqa: F401  (before numpy: see localllm/engine/runner/__main__.py)
+    from localllm.engine.hardware import probe_card
+    from localllm.engine.runner import protocol
+    from localllm.engine.runner.engine import Engine
     from localllm.modelstore.shape import read_shape
-    from localllm.profiles.tuning.choose import choose_plan
+    from localllm.profiles.choose import choose_plan
 
     from localllm.options import LoadOptions
 

@@ -11,7 +11,7 @@ its projector at a 12 GiB budget, in one run.
    read, one token), measured by the client, median of --rounds images (each new, so neither
    side reuses a cache): the localllm daemon (its own plan, the card whole) and llama-server
    with the same --mmproj, all layers on the GPU, flash attention. Target: ours at most 1.05x.
-3. At a 12 GiB budget: the tuner's plan with the projector (profiles/planning/vision.py), loaded in
+3. At a 12 GiB budget: the tuner's plan with the projector (localllm/planner/vision.py), loaded in
    this process with the projector, one image read; the peak VRAM over the baseline (NVML)
    must stay under the budget.
 Prints a table and writes it to $OUT/bench_vision.md (and .json).
@@ -178,13 +178,13 @@ class PeakVram:
 def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
     """The plan at the budget, then that plan loaded with the projector in a child process
     (a clean CUDA context) reading one image, its peak VRAM measured from here."""
-    from localllm.llama.hardware import host_card, probe_card
+    from localllm.engine.hardware import host_card, probe_card
     from localllm.modelstore.projector import projector_info
     from localllm.modelstore.shape import read_shape
-    from localllm.profiles.planning.card import load_card
-    from localllm.profiles.planning.search import Request
-    from localllm.profiles.planning.vision import plan_with_projector, projector_cost
-    from localllm.profiles.tuning.choose import tune_checked
+    from localllm.planner.card import load_card
+    from localllm.planner.search import Request
+    from localllm.planner.vision import plan_with_projector, projector_cost
+    from localllm.profiles.choose import tune_checked
 
     probed = probe_card()
     base = load_card(probed.name) if probed.has_gpu else load_card("h200")
@@ -221,8 +221,8 @@ def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
 
 def child(model: str, mmproj: str, size: int) -> int:
     """One image through the Engine with the plan on stdin; prints {"seconds": ...}."""
-    from localllm.llama.runner.engine import Engine
-    from localllm.llama.runner.protocol import (
+    from localllm.engine.runner.engine import Engine
+    from localllm.engine.runner.protocol import (
         IMAGE_MARKER,
         Done,
         Failure,
@@ -230,10 +230,10 @@ def child(model: str, mmproj: str, size: int) -> int:
         SamplingOptions,
     )
     from localllm.modelstore.projector import projector_info
-    from localllm.profiles.planning.plan import Plan
-    from localllm.profiles.planning.vision import with_room_for_images
+    from localllm.planner.plan import Plan
+    from localllm.planner.vision import with_room_for_images
 
-    # the daemon's planner raises the micro-batch to one image's tokens (daemon/planner.py)
+    # the daemon's planner raises the micro-batch to one image's tokens (localllm/daemon/planner.py)
     plan = with_room_for_images(Plan.from_dict(json.loads(sys.stdin.read())),
                                 projector_info(mmproj).tokens_per_image or 0)
     engine = Engine(model, plan, None, projector_path=mmproj)

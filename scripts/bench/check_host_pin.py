@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Weights in RAM on a GPU: copied into pinned memory (load_mode none), left in the file's
-mapped pages, or mapped and pinned in place (llama/host_pin.py). Per way: the load's time, the
+mapped pages, or mapped and pinned in place (engine/host_pin.py). Per way: the load's time, the
 pinning's, a long prompt's reading and decode after it, each in a fresh process.
 
     source .device-carry/on-device.sh
@@ -30,9 +30,9 @@ def measure(args: argparse.Namespace) -> dict:
     import random
 
     import llama_cpp
-    from localllm.llama.host_pin import pin_mapped
-    from localllm.llama.model import free, load
-    from localllm.profiles.planning.plan import Plan, TensorOverride
+    from localllm.engine.host_pin import pin_mapped
+    from localllm.engine.model import free, load
+    from localllm.planner.plan import Plan, TensorOverride
 
     blocks = "|".join(str(b) for b in range(args.cpu_expert_blocks))
     plan = Plan(n_ctx=args.ctx, n_gpu_layers=999, tensor_overrides=(TensorOverride(

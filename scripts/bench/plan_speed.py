@@ -33,11 +33,11 @@ checkout_imports.bootstrap()
 import synth_gguf  # noqa: E402
 
 from localllm.modelstore.shape import read_shape  # noqa: E402
-from localllm.profiles.planning.card import GIB, load_card  # noqa: E402
-from localllm.profiles.planning.expert_pool import AUTO_SLOTS  # noqa: E402
-from localllm.profiles.planning.search import NoPlanFits, Request  # noqa: E402
-from localllm.profiles.planning.tuner import tune  # noqa: E402
-from localllm.profiles.planning.workload import AGENT, CHAT  # noqa: E402
+from localllm.planner.card import GIB, load_card  # noqa: E402
+from localllm.planner.expert_pool import AUTO_SLOTS  # noqa: E402
+from localllm.planner.search import NoPlanFits, Request  # noqa: E402
+from localllm.planner.tuner import tune  # noqa: E402
+from localllm.planner.workload import AGENT, CHAT  # noqa: E402
 
 HOST = dict(ram_bytes=64 * GIB, cores=8, host_bandwidth_gbs=50.0)
 CARDS = ("rtx4060", "rtx3060-12g", "rtx3090", "a100-80g")

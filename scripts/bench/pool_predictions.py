@@ -8,7 +8,7 @@ priced with, and decode by depth; from the prior hit curve, or from a measured h
 The same plan a daemon on that card makes with default settings at a 32K context, where the
 budget is emulated as bench_session.py does (vram_margin_mib = free - budget + 128 MiB). A
 measured rate stands for the pool's own share (slots over served blocks' experts), as the
-daemon keeps it after serving (profiles/tuning/expert_hits.py).
+daemon keeps it after serving (localllm/profiles/expert_hits.py).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import synth_gguf
 
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.card import GIB, load_card
-from localllm.profiles.planning.expert_pool import AUTO_SLOTS, blocks_in_ram, pool_shape
-from localllm.profiles.planning.search import Request
-from localllm.profiles.planning.tuner import tune
+from localllm.planner.card import GIB, load_card
+from localllm.planner.expert_pool import AUTO_SLOTS, blocks_in_ram, pool_shape
+from localllm.planner.search import Request
+from localllm.planner.tuner import tune
 
 MIB = 1 << 20
 

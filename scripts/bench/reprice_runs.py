@@ -33,13 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import synth_gguf
 
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.card import load_card
-from localllm.profiles.planning.costs import model_costs
-from localllm.profiles.planning.expert_pool import pool_shape
-from localllm.profiles.planning.memory import ContextSettings
-from localllm.profiles.planning.placements import Placement
-from localllm.profiles.planning.speed import predict_speed
-from localllm.profiles.tuning.pool_price import measured_pool
+from localllm.planner.card import load_card
+from localllm.planner.costs import model_costs
+from localllm.planner.expert_pool import pool_shape
+from localllm.planner.memory import ContextSettings
+from localllm.planner.placements import Placement
+from localllm.planner.speed import predict_speed
+from localllm.profiles.pool_price import measured_pool
 
 RUNS = ("short", "prompt", "deep")
 

@@ -43,7 +43,7 @@ CACHE_SHARE = 0.4  # an LRU holding this share of a block's experts
 def corpus(n_chars: int) -> str:
     """Real text of mixed kinds, the same on every machine with this checkout."""
     parts = []
-    for pattern in ("docs/**/*.md", "modelstore/*.py", "profiles/*.py", "daemon/*.py"):
+    for pattern in ("docs/**/*.md", "modelstore/*.py", "profiles/*.py", "localllm/daemon/*.py"):
         parts += [p.read_text(errors="replace") for p in sorted(ROOT.glob(pattern))]
     text = "\n".join(parts)
     while len(text) < n_chars:

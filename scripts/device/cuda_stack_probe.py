@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import checkout_imports
 
 checkout_imports.bootstrap()  # the GPU machine has no install of localllm
-from localllm.llama.host_pin import loaded_library  # noqa: E402
+from localllm.engine.host_pin import loaded_library  # noqa: E402
 
 
 def main() -> int:

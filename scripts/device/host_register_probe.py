@@ -3,7 +3,7 @@
 (cudaMemGetInfo) before and after `cudaHostRegister` of a file's mapped pages, for each size,
 with and without cudaHostRegisterMapped (the flags patches/0003 gives ggml's registration).
 
-A plan that keeps experts in RAM registers the model file's mapped pages (llama/host_pin.py);
+A plan that keeps experts in RAM registers the model file's mapped pages (engine/host_pin.py);
 this measures whether that registration takes VRAM the planner must price. The pages are a
 sparse file's (page cache, 4 KiB pages, as a model file's are); nothing is written to disk.
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import checkout_imports
 
 checkout_imports.bootstrap()  # the GPU machine has no install of localllm
-from localllm.llama.host_pin import loaded_library  # noqa: E402
+from localllm.engine.host_pin import loaded_library  # noqa: E402
 
 PORTABLE, MAPPED, READ_ONLY = 1, 2, 8
 

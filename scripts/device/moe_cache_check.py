@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Greedy decode with llama.cpp's low-level API and print the tokens and the expert cache's
 figures as one JSON line (tests/test_expert_cache.py runs it in a child process, once per
-cache setting: the options are the engine's expert cache settings, llama/expert_cache.py, given
+cache setting: the options are the engine's expert cache settings, engine/expert_cache.py, given
 to the context it creates; without --slots it has no pool).
 
     python scripts/device/moe_cache_check.py MODEL.gguf --slots 8 --pool-in-ram \\
@@ -52,7 +52,7 @@ def _argmax(ctx, i: int, n_vocab: int) -> int:
 
 
 def _decode(ctx, tokens: list[int], pos: int, all_logits: bool) -> None:
-    from localllm.llama.batch import fill  # after checkout_imports.bootstrap (main)
+    from localllm.engine.batch import fill  # after checkout_imports.bootstrap (main)
 
     batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
     try:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", type=Path, help="decode this run's tokens (its JSON), not ours")
     p.add_argument("--gpu", action="store_true",
                    help="all layers on the GPU, the MoE experts in RAM (-ot exps=CPU)")
-    cache = p.add_argument_group("the expert cache (llama/expert_cache.py Settings)")
+    cache = p.add_argument_group("the expert cache (localllm/engine/expert_cache.py Settings)")
     cache.add_argument("--slots", type=int, help="a pool of this many experts (default: none)")
     cache.add_argument("--swaps", type=int, default=0, help="experts taken in a step at most")
     cache.add_argument("--pool-in-ram", action="store_true", help="the pool in RAM, not on a GPU")
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     import checkout_imports  # the GPU machine has no editable install
 
     checkout_imports.bootstrap()
-    from localllm.llama import expert_cache
+    from localllm.engine import expert_cache
 
     llama_cpp.llama_backend_init()
     mparams = llama_cpp.llama_model_default_params()
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     mparams.n_gpu_layers = 999 if args.gpu else 0
     keep = None
     if args.gpu:
-        from localllm.llama.overrides import apply_tensor_overrides
-        from localllm.profiles.planning.plan import TensorOverride
+        from localllm.engine.overrides import apply_tensor_overrides
+        from localllm.planner.plan import TensorOverride
 
         experts = TensorOverride(r"\.ffn_(up|gate|down)_exps\.weight$", "CPU")
         keep = apply_tensor_overrides(mparams, [experts])

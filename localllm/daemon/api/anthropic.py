@@ -23,7 +23,7 @@ from localllm.modelstore.store import ModelEntry
 from ..chat.compaction import summary_message
 from ..chat.custom import Customization
 from ..chat.request import ChatRequest
-from ..runner import new_request_id
+from localllm.engine.runner.protocol import new_request_id
 from .anthropic_context import context_edits, managed
 from .anthropic_search import SearchRun, Tools, anthropic_tools, result_text
 from .anthropic_writer import MessagesWriter

@@ -24,14 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from aiohttp import web
-from localllm.llama.runner.protocol import Done
+from localllm.engine.runner.protocol import Done
 from localllm.modelstore.store import ModelEntry
 
 from ..chat.compaction import summarising, summary_message, summary_text
 from ..chat.custom import Customization
 from ..chat.parse import Parsed
 from ..chat.request import ChatRequest
-from ..runner import new_request_id
+from localllm.engine.runner.protocol import new_request_id
 from .anthropic_writer import MessagesWriter
 from .common import bad_request
 from .respond import Part, count_prompt_tokens

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from localllm.llama.runner.protocol import Done
+from localllm.engine.runner.protocol import Done
 
 from ..chat.parse import ToolCall
 from ..chat.request import ChatRequest
 from ..chat.tool_search import BM25, REGEX, BadQuery, DeferredTools, search_tool
-from ..runner import new_request_id
+from localllm.engine.runner.protocol import new_request_id
 from .common import bad_request
 
 SEARCH_TYPES = {"tool_search_tool_regex": REGEX, "tool_search_tool_bm25": BM25}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from localllm.llama.runner.protocol import Done, Progress, Token
+from localllm.engine.runner.protocol import Done, Progress, Token
 
 from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest

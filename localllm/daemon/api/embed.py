@@ -1,7 +1,7 @@
 """Embedding routes: Ollama's /api/embed and legacy /api/embeddings, OpenAI's /v1/embeddings.
 
-All three read unit-length vectors from the model's Engine (daemon/engine.py): the runner's
-embedding context (llama/embedding.py: the GGUF's pooling, or mean pooling for a causal model, so
+All three read unit-length vectors from the model's Engine (engine/seam.py): the runner's
+embedding context (engine/embedding.py: the GGUF's pooling, or mean pooling for a causal model, so
 any stored model embeds), or a remote model's upstream /embeddings.
 """
 
@@ -12,9 +12,9 @@ import struct
 import time
 
 from aiohttp import web
-from localllm.llama.runner.protocol import Embeddings, EmbedRequest
+from localllm.engine.runner.protocol import Embeddings, EmbedRequest
 
-from ..runner import new_request_id
+from localllm.engine.runner.protocol import new_request_id
 from .common import (
     bad_request,
     find_model,

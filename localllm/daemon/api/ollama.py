@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass
 
 from aiohttp import web
-from localllm.llama.runner.protocol import Done, Token
+from localllm.engine.runner.protocol import Done, Token
 from localllm.modelstore.store import ModelEntry
-from localllm.profiles.planning.memory import kv_element_bytes
-from localllm.profiles.planning.quality import kv_label
+from localllm.planner.memory import kv_element_bytes
+from localllm.planner.quality import kv_label
 
 from localllm.config import ConfigError, parse_duration
 from localllm.options import LoadOptions, SamplingOptions
@@ -26,7 +26,7 @@ from localllm.options import LoadOptions, SamplingOptions
 from ..chat.custom import Customization
 from ..chat.parse import Parsed
 from ..chat.request import THINK_LEVELS, ChatRequest
-from ..runner import new_request_id
+from localllm.engine.runner.protocol import new_request_id
 from ..state import SCHEDULER
 from .common import (
     bad_request,

@@ -7,7 +7,7 @@ import time
 import uuid
 
 from aiohttp import web
-from localllm.llama.runner.protocol import Done, Token
+from localllm.engine.runner.protocol import Done, Token
 from localllm.modelstore.store import ModelEntry
 
 from localllm.options import LoadOptions, SamplingOptions
@@ -15,7 +15,7 @@ from localllm.options import LoadOptions, SamplingOptions
 from ..chat.custom import Customization
 from ..chat.parse import Parsed
 from ..chat.request import ChatRequest
-from ..runner import new_request_id
+from localllm.engine.runner.protocol import new_request_id
 from ..state import STORE
 from .common import (
     answer_limit,

@@ -1,5 +1,5 @@
 """One response pipeline for every wire format: a `ChatRequest` checked, prepared and run on
-the model's Engine (daemon/engine.py: the local runner, or a remote model's upstream), its
+the model's Engine (engine/seam.py: the local runner, or a remote model's upstream), its
 tokens parsed into parts, and the parts handed to the wire format's `Writer`, streamed or whole.
 
 A route parses its body into a ChatRequest and picks its writer; `respond` does the rest the
@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from aiohttp import web
-from localllm.llama.runner.protocol import Done, Event, Failure, Progress, Token
+from localllm.engine.runner.protocol import Done, Event, Failure, Progress, Token
 from localllm.modelstore.store import ModelEntry
 
 from localllm.errors import UserError
@@ -33,7 +33,7 @@ from ..chat.model import ChatModel, model_for
 from ..chat.parse import Parsed
 from ..chat.request import ChatRequest, Prepared, check_request_text, prepare_queued
 from ..chat.truncate import fit_to_context
-from ..engine import Engine
+from localllm.engine.seam import Engine
 from ..remote import RemoteEngine
 from ..remote import prepared as upstream_prepared
 from ..state import CONFIG, SCHEDULER

@@ -21,14 +21,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from aiohttp import web
-from localllm.llama.runner.protocol import Done, Progress
+from localllm.engine.runner.protocol import Done, Progress
 from localllm.modelstore.store import ModelEntry
 
 from ..chat.compaction import summarising, summary_text
 from ..chat.custom import Customization
 from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
-from ..runner import new_request_id
+from localllm.engine.runner.protocol import new_request_id
 from .common import (
     ApiError,
     answer_limit,

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from aiohttp import web
-from localllm.llama import nvml
-from localllm.profiles.planning.quality import kv_label
+from localllm.engine import nvml
+from localllm.planner.quality import kv_label
 
 from ..state import SCHEDULER
 
@@ -120,8 +120,8 @@ async def decode_at_hits(scheduler, slot) -> tuple[tuple[int, float], ...]:
     card as the planner sees it; () before that is known. Priced in a thread (the card is
     probed) once per answer's figures (kept on the loaded model); a failure is logged and
     leaves the field out, never the whole report."""
-    from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS
-    from localllm.profiles.tuning.pool_price import decode_at_measured_hits
+    from localllm.profiles.expert_hits import MIN_LOOKUPS
+    from localllm.profiles.pool_price import decode_at_measured_hits
 
     runner = slot.runner
     pool, plan = runner.expert_cache, runner.running_plan

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..runner import new_request_id
+from localllm.engine.runner.protocol import new_request_id
 from .request import ChatRequest
 
 SUMMARY_PROMPT = (

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
 from aiohttp.abc import AbstractResolver
-from localllm.llama.runner.protocol import IMAGE_MARKER
+from localllm.engine.runner.protocol import IMAGE_MARKER
 
 from .errors import ChatError
 

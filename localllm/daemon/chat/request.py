@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from localllm.llama.runner.protocol import GenerationRequest
+from localllm.engine.runner.protocol import GenerationRequest
 
 from localllm.options import LoadOptions, SamplingOptions
 

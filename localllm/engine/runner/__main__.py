@@ -1,6 +1,6 @@
 """The runner: the engine's one child program.
 
-    python -m localllm.llama.runner
+    python -m localllm.engine.runner
 
 The messages are in protocol.py, and the first line names the program's op. The load (the
 daemon's `Load`, one value) is answered by `Loaded`; then two threads: one reads commands from

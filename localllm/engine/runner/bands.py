@@ -1,6 +1,6 @@
 """Fill bands in the runner: the Engine starts in a small context's plan (the tuner's, for
 less KV and more weights on the GPU) and, before a sequence outgrows it, moves to the next
-band's: every sequence's state saved to RAM (llama/state.py), the model reloaded with the new
+band's: every sequence's state saved to RAM (engine/state.py), the model reloaded with the new
 placement, the states restored (a band with another KV type reads them again instead).
 
 It moves down again when the loaded band has not been needed for DOWN_AFTER_S (an agent's
@@ -11,7 +11,7 @@ back). The wait is long, as Ollama's keep_alive is: an agent alternating a long 
 with short side requests must not pay a reload each way.
 
 One object the runner's Engine (engine.py) holds, because it owns one thing: the switch. It
-reloads the model (llama/loaded.py), rebuilds what is bound to it in the slots (the samplers'
+reloads the model (engine/loaded.py), rebuilds what is bound to it in the slots (the samplers'
 grammars), sets the new sizes in the engine's Room and reports the pause (`on_band`).
 """
 
@@ -22,10 +22,10 @@ import os
 import time
 from collections.abc import Callable
 
-from localllm.llama import state
-from localllm.llama.loaded import LoadedModel
-from localllm.llama.model import ModelLoadError
-from localllm.profiles.planning.plan import Plan
+from localllm.engine import state
+from localllm.engine.loaded import LoadedModel
+from localllm.engine.model import ModelLoadError
+from localllm.planner.plan import Plan
 
 from .protocol import Band, Progress
 from .slots import Room, Slot

@@ -8,7 +8,7 @@ thinking, a client that re-formats tool calls) diverges from the cached sequence
 previous prompt ended, behind that window: without a copy of that state the whole prompt is
 read again.
 
-So while a prompt is read, the runner copies that state out at a few positions (llama/state.py:
+So while a prompt is read, the runner copies that state out at a few positions (engine/state.py:
 `llama_state_seq_get_data_ext` with `LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`: for hybrid memory
 the recurrent part only, for an iSWA cache the SWA cells only; llama-memory-hybrid.cpp,
 llama-kv-cache-iswa.cpp): `NEAR_END` tokens before its end and at its end (a template often
@@ -20,15 +20,15 @@ context checkpoints (tools/server/server-context.cpp); this follows its semantic
 
 The copies live in RAM, at most `MAX_PER_SLOT` per slot; the tuner counts them in the plan's
 RAM (profiles.memory.checkpoint_bytes, which owns that number); one that leaves its slot and
-no saved sequence holds lends its buffer to the next copy (llama/state.py). llama.cpp's
+no saved sequence holds lends its buffer to the next copy (engine/state.py). llama.cpp's
 `ON_DEVICE` flag keeps one copy per sequence only (taking another invalidates the first): it
 cannot hold several.
 """
 
 from __future__ import annotations
 
-from localllm.llama.state import Checkpoint, recycle
-from localllm.profiles.planning.memory import CHECKPOINTS_PER_SLOT as MAX_PER_SLOT
+from localllm.engine.state import Checkpoint, recycle
+from localllm.planner.memory import CHECKPOINTS_PER_SLOT as MAX_PER_SLOT
 
 NEAR_END = 4  # as llama-server: a checkpoint this many tokens before a prompt's end
 END, SPACED = "end", "spaced"

@@ -9,7 +9,7 @@ one decode step (step.py) whose batch carries the next token of every slot that 
 plus a chunk of any prompt being read (continuous batching: a new request joins at the next
 step). Prompts are read in chunks of at most `n_batch` tokens, whole micro-batches on a GPU
 (see prompt_chunk), so a cancel or a new request never waits for a whole long prompt. The model
-and everything bound to it is llama/loaded.py's; fill band switches are bands.py's.
+and everything bound to it is engine/loaded.py's; fill band switches are bands.py's.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from localllm.llama.loaded import LoadedModel
-from localllm.llama.model import ModelLoadError, RequestError
-from localllm.llama.vision import MediaPrompt, is_image_token, text_tokens
-from localllm.profiles.planning.plan import Plan
+from localllm.engine.loaded import LoadedModel
+from localllm.engine.model import ModelLoadError, RequestError
+from localllm.engine.vision import MediaPrompt, is_image_token, text_tokens
+from localllm.planner.plan import Plan
 
 from localllm.speculative import ALIASES, BY_NAME, MAX_DRAFT, VOCAB_SLACK, Mode, UnknownMode
 from localllm.speculative import mode as mode_row
@@ -205,7 +205,7 @@ class Engine:
         return self.steps.share_cpu(request.runners)
 
     def embed(self, request: EmbedRequest) -> Embeddings:
-        """Embeddings in a context of their own, made on first use (llama/embedding.py)."""
+        """Embeddings in a context of their own, made on first use (engine/embedding.py)."""
         started = time.perf_counter_ns()
         embedder = self.model.embedder(self.n_ctx, self.plan)
         vectors, total = embedder.embed(request.inputs, request.truncate, request.dimensions)
@@ -229,7 +229,7 @@ class Engine:
                 self.backlog.append(item)
 
     def _answer(self, question: Question) -> None:
-        from localllm.llama.embedding import EmbedInputError
+        from localllm.engine.embedding import EmbedInputError
 
         try:
             event = question.answer()

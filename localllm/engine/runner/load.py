@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from localllm.profiles.planning.plan import Plan
+from localllm.planner.plan import Plan
 
 from localllm.options import LoadOptions
 from localllm.speculative import mode as mode_row

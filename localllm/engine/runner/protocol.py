@@ -8,24 +8,25 @@ both sides keep are here too.
 
 `OPS` is the one table of what a runner serves: each op's request type, the events that end it
 and the Engine method that answers it. The runner's command loop (__main__.py) and the
-daemon's RunnerProcess (daemon/runner.py) both read it, so a new op is a request type and its
+daemon's RunnerProcess (engine/local.py) both read it, so a new op is a request type and its
 answer here, a row in `OPS`, the Engine method, and (for the daemon's callers) a RunnerProcess
 method. Its first op is the load: the daemon's frozen `Load` (load.py) as one value, rebuilt as
 the same dataclass in the runner, answered by one `Loaded` event (or a Failure); the runner
-decides nothing about it again. The tuner's ops (profiles/planning/probes.py: a dry run, a
+decides nothing about it again. The tuner's ops (engine/probes.py: a dry run, a
 measurement...) are rows too, each the first and only line of a runner of its own, answered by
-tuner_ops.py with its typed result (profiles/tuning/probing.py asks).
+tuner_ops.py with its typed result (engine/probing.py asks).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar
 
-from localllm.llama.expert_cache import ExpertCacheStats
-from localllm.profiles.planning.probes import (
+from localllm.engine.expert_cache import ExpertCacheStats
+from localllm.engine.probes import (
     Bandwidth,
     Buffers,
     Calibrate,
@@ -50,9 +51,14 @@ IMAGE_MARKER = "<__media__>"
 # within this; one that stays silent longer is taken for hung and stopped.
 RUNNER_SILENCE_S = 300.0
 
-# The runner program: the daemon starts one per loaded model (daemon/runner.py), the tuner one
-# per measurement (profiles/tuning/probing.py).
-RUNNER_COMMAND = (sys.executable, "-m", "localllm.llama.runner")
+# The runner program: the daemon starts one per loaded model (engine/local.py), the tuner one
+# per measurement (engine/probing.py).
+RUNNER_COMMAND = (sys.executable, "-m", "localllm.engine.runner")
+
+
+def new_request_id() -> str:
+    """A request's id on the pipe (and in the daemon's logs)."""
+    return uuid.uuid4().hex[:16]
 
 
 @dataclass(frozen=True)
@@ -249,7 +255,7 @@ class Loaded:
     load_duration_ns: int
     n_ctx: int  # the context a request may fill (the whole plan's, when it starts in a band)
     n_parallel: int
-    weights_in_ram: str = ""  # what holds the weights in RAM (llama/model.py)
+    weights_in_ram: str = ""  # what holds the weights in RAM (engine/model.py)
     expert_cache: dict | None = None  # the pool's ExpertCacheStats fields (None: none made)
     past_ram: dict | None = None  # weights locked in RAM and those read per token (resident)
 
@@ -274,7 +280,7 @@ class Op:
     an event of `ends` is its last; the Engine's `method` serves it. `stream`: served step by
     step by the engine's loop, with a cancel flag (Engine.submit(request, emit, cancelled));
     otherwise `method(request)` computes its one answer between two decode steps. `alone`: an
-    op of the tuner's (profiles/planning/probes.py), the program's first and only line, answered
+    op of the tuner's (engine/probes.py), the program's first and only line, answered
     by `method` of tuner_ops.py with no model loaded; the program then ends."""
     name: str
     request: type

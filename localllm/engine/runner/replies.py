@@ -12,8 +12,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from localllm.llama.loaded import LoadedModel, log_probs
-from localllm.llama.vision import text_tokens
+from localllm.engine.loaded import LoadedModel, log_probs
+from localllm.engine.vision import text_tokens
 
 from .protocol import Done, ExpertCacheStats, Failure, Token
 from .slots import Room, Slot, Work

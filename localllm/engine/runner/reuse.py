@@ -14,10 +14,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from localllm.llama import state
-from localllm.llama.loaded import LoadedModel
-from localllm.llama.state import Checkpoint, SavedSequence
-from localllm.llama.vision import MediaPrompt
+from localllm.engine import state
+from localllm.engine.loaded import LoadedModel
+from localllm.engine.state import Checkpoint, SavedSequence
+from localllm.engine.vision import MediaPrompt
 
 from .checkpoints import END, NEAR_END, SPACED, SlotCheckpoints
 from .slots import Slot
@@ -43,7 +43,7 @@ class Kept:
 
 
 # ---- the prompt cache ----------------------------------------------------------------------
-# The prompts of slots taken for other requests, kept in RAM as saved sequences (llama/state.py's
+# The prompts of slots taken for other requests, kept in RAM as saved sequences (engine/state.py's
 # `save` copies a sequence's KV cells or recurrent state out of the context; `restore` puts them
 # into a sequence of a context of the same model and KV types), so a conversation whose slot was
 # lent out gets its prompt back instead of reading it again.

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from localllm.llama.loaded import Sampler
+from localllm.engine.loaded import Sampler
 
 from .checkpoints import SlotCheckpoints
 from .protocol import Event, GenerationRequest

@@ -13,10 +13,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from localllm.llama.drafters import MTPDrafter, Want
-from localllm.llama.loaded import LoadedModel
-from localllm.llama.vision import is_image_token
-from localllm.profiles.planning.plan import Plan
+from localllm.engine.drafters import MTPDrafter, Want
+from localllm.engine.loaded import LoadedModel
+from localllm.engine.vision import is_image_token
+from localllm.planner.plan import Plan
 
 from localllm.speculative import mode as mode_row
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from localllm.profiles.planning.probes import (
+from localllm.engine.probes import (
     Calibrate,
     Chunks,
     DryRun,
@@ -32,31 +32,31 @@ log = logging.getLogger("localllm.runner")
 
 
 def dry_run(request: DryRun, emit: Callable) -> object:
-    from localllm.llama.dryrun import run
+    from localllm.engine.dryrun import run
 
     return run(request.model_path, request.plan)
 
 
 def measure(request: Measure, emit: Callable) -> object:
-    from localllm.llama.measure import run
+    from localllm.engine.measure import run
 
     return run(request)
 
 
 def evaluate(request: Evaluate, emit: Callable) -> object:
-    from localllm.llama.evaluate import run
+    from localllm.engine.evaluate import run
 
     return run(request, lambda done, total: emit(Chunks(done, total)))
 
 
 def rpc_probe(request: RpcProbe, emit: Callable) -> object:
-    from localllm.llama.rpc import probe
+    from localllm.engine.rpc import probe
 
     return probe(request.endpoints)
 
 
 def calibrate(request: Calibrate, emit: Callable) -> object:
-    from localllm.llama.bandwidth import measure_bandwidth  # torch, never llama.cpp
+    from localllm.engine.bandwidth import measure_bandwidth  # torch, never llama.cpp
 
     return measure_bandwidth(request.device)
 
