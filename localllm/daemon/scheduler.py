@@ -49,7 +49,7 @@ class QueueFull(UserError):
 
 
 @dataclass
-class LoadedModel:
+class LoadedRunner:
     """A loaded model: its runner, who uses it and who waits, and when it expires."""
     runner: RunnerProcess
     entry: ModelEntry
@@ -112,7 +112,7 @@ class Scheduler:
         self.log_dir = log_dir
         self.planner = planner or Planner(lambda: self.config)
         self.runner_command = tuple(runner_command)
-        self.models: dict[str, LoadedModel] = {}
+        self.models: dict[str, LoadedRunner] = {}
         self.on_answer: Callable[[str, Done], None] | None = None  # each answer (metrics)
         self._replanned: set[str] = set()  # models planned again for their pool's hits
         self.queued = 0  # requests waiting for a slot or a load, over all models
@@ -180,7 +180,7 @@ class Scheduler:
             if keep == 0 and model.idle and self.models.get(name) is model:
                 asyncio.ensure_future(self._unload_if_idle(name, model))
 
-    async def _share_cpu(self, entering: LoadedModel | None = None) -> None:
+    async def _share_cpu(self, entering: LoadedRunner | None = None) -> None:
         """Tell each busy runner that computes on the CPU how many do at once: each takes its
         plan's share of the threads (runner/step.py). The runner of a request that starts
         (`entering`) hears it before the request; the others between two of their steps."""
@@ -197,7 +197,7 @@ class Scheduler:
             await entering.runner.share_cpu(len(busy))
 
     async def _acquire(self, entry: ModelEntry, load: LoadOptions,
-                       prompt_chars: int = 0, hint: str | None = None) -> LoadedModel:
+                       prompt_chars: int = 0, hint: str | None = None) -> LoadedRunner:
         """A slot of a loaded, current runner for this request (503 past the queue's limits)."""
         if self.queued >= self.config.max_queue:
             raise QueueFull(f"{self.queued} requests are already waiting; try again later")
@@ -221,14 +221,14 @@ class Scheduler:
         finally:
             self.queued -= 1
 
-    def _current(self, model: LoadedModel | None, entry: ModelEntry, load: LoadOptions) -> bool:
+    def _current(self, model: LoadedRunner | None, entry: ModelEntry, load: LoadOptions) -> bool:
         return bool(model and model.runner.alive and model.entry.digest == entry.digest
                     and model.serves(load)
                     and file_id(model.runner.model_path) == model.file_id
                     and not (model.replan and not model.active))
 
     async def _loaded(self, entry: ModelEntry, load: LoadOptions,
-                      prompt_chars: int = 0, hint: str | None = None) -> LoadedModel:
+                      prompt_chars: int = 0, hint: str | None = None) -> LoadedRunner:
         name = entry.name.tagged
         model = self.models.get(name)
         if self._current(model, entry, load):
@@ -270,7 +270,7 @@ class Scheduler:
 
     async def _load_new(self, name: str, entry: ModelEntry, shape: ModelShape,
                         load: LoadOptions, draft, draft_shape, hint: str | None,
-                        prompt_chars: int) -> LoadedModel:
+                        prompt_chars: int) -> LoadedRunner:
         """Plan and start the model's runner (room made for it), and register it."""
         # One planning call decides the load (it may probe the GPU and dry-run llama.cpp:
         # seconds, off the event loop).
@@ -282,7 +282,7 @@ class Scheduler:
         log.info("planned %s in %.1fs", name, time.monotonic() - started)
         path = model_file(self.store, entry)
         runner = await self.starter.start(name, path, shape, decided)
-        model = LoadedModel(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
+        model = LoadedRunner(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
                             load=decided, keep_alive=self.config.keep_alive_seconds)
         records = ServedRecords(name, shape.file_size, shape.expert_count)
         runner.on_drafts = records.drafted
@@ -292,7 +292,7 @@ class Scheduler:
         self.models[name] = model
         return model
 
-    def _served(self, model: LoadedModel, records: ServedRecords, done: Done) -> None:
+    def _served(self, model: LoadedRunner, records: ServedRecords, done: Done) -> None:
         """After each answer: its records for the tuner (written off the event loop), and a
         re-plan where due (once a model)."""
         name, runner = model.entry.name.tagged, model.runner
@@ -306,7 +306,7 @@ class Scheduler:
             model.replan = why
             log.info("%s: %s; it loads again with a plan priced from that once idle", name, why)
 
-    async def _retire(self, name: str, model: LoadedModel) -> None:
+    async def _retire(self, name: str, model: LoadedRunner) -> None:
         """Unload a replaced runner once the answers it is giving have ended."""
         if model.runner.alive:
             for _ in range(model.runner.n_parallel):
@@ -347,7 +347,7 @@ class Scheduler:
         self._room_freed.set()
         return True
 
-    async def _unload_if_idle(self, name: str, model: LoadedModel,
+    async def _unload_if_idle(self, name: str, model: LoadedRunner,
                               expired_only: bool = False) -> None:
         """Unload `model` if, once its lock is held, it is still the loaded one and nobody uses
         or waits for it (the state is checked after the wait, never before)."""
@@ -381,7 +381,7 @@ class Scheduler:
                 woken.cancel()
 
 
-def computes_on_cpu(model: LoadedModel) -> bool:
+def computes_on_cpu(model: LoadedRunner) -> bool:
     """Whether the model's running plan leaves work to the CPU's threads: a block or the
     output layer there (llama.cpp's n_gpu_layers counts the output as one more), or tensors
     an override keeps there (MoE experts)."""

@@ -159,7 +159,7 @@ def engine_decode(model: Path, plan, mode: str, tokens: int, rounds: int) -> tup
     """Greedy decode tok/s through the runner's engine loaded with `plan` (median of rounds)."""
     import threading
 
-    from localllm.engine.runner.engine import Engine
+    from localllm.engine.runner.engine import RunnerEngine
     from localllm.engine.runner.protocol import (
         Done,
         Failure,
@@ -167,7 +167,7 @@ def engine_decode(model: Path, plan, mode: str, tokens: int, rounds: int) -> tup
         SamplingOptions,
     )
 
-    engine = Engine(str(model), plan)
+    engine = RunnerEngine(str(model), plan)
     loop = threading.Thread(target=engine.run, daemon=True)
     loop.start()
     rates, draft = [], {}

@@ -78,7 +78,7 @@ def main() -> int:
     import llama_cpp  # noqa: F401  (before numpy: see localllm/engine/runner/__main__.py)
     from localllm.engine.hardware import probe_card
     from localllm.engine.runner import protocol
-    from localllm.engine.runner.engine import Engine
+    from localllm.engine.runner.engine import RunnerEngine
     from localllm.modelstore.shape import read_shape
     from localllm.profiles.choose import choose_plan
 
@@ -94,8 +94,8 @@ def main() -> int:
     print(f"model {args.model.name}: plan {plan.n_threads} threads, predicted decode "
           f"{plan.predicted_decode_tps:.1f} tok/s; {args.seconds:.0f} s per run, "
           f"{args.rounds} rounds, {args.hogs} hog(s)")
-    engines = {"fixed": Engine(str(args.model), plan, adapt_threads=False),
-               "adaptive": Engine(str(args.model), plan)}
+    engines = {"fixed": RunnerEngine(str(args.model), plan, adapt_threads=False),
+               "adaptive": RunnerEngine(str(args.model), plan)}
     for engine in engines.values():
         threading.Thread(target=engine.run, daemon=True).start()
 

@@ -220,8 +220,8 @@ def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
 
 
 def child(model: str, mmproj: str, size: int) -> int:
-    """One image through the Engine with the plan on stdin; prints {"seconds": ...}."""
-    from localllm.engine.runner.engine import Engine
+    """One image through the RunnerEngine with the plan on stdin; prints {"seconds": ...}."""
+    from localllm.engine.runner.engine import RunnerEngine
     from localllm.engine.runner.protocol import (
         IMAGE_MARKER,
         Done,
@@ -236,7 +236,7 @@ def child(model: str, mmproj: str, size: int) -> int:
     # the daemon's planner raises the micro-batch to one image's tokens (localllm/daemon/planner.py)
     plan = with_room_for_images(Plan.from_dict(json.loads(sys.stdin.read())),
                                 projector_info(mmproj).tokens_per_image or 0)
-    engine = Engine(model, plan, None, projector_path=mmproj)
+    engine = RunnerEngine(model, plan, None, projector_path=mmproj)
     threading.Thread(target=engine.run, daemon=True).start()
     done, events = threading.Event(), []
 

@@ -91,12 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
 
-    from localllm.engine.runner.engine import Engine
+    from localllm.engine.runner.engine import RunnerEngine
     from localllm.planner.plan import Plan
 
     plan = Plan(n_ctx=2048, n_gpu_layers=args.gpu_layers, n_threads=args.threads,
                 n_threads_batch=args.threads, flash_attn=args.gpu_layers > 0)
-    engine = Engine(args.model, plan, adapt_threads=False)
+    engine = RunnerEngine(args.model, plan, adapt_threads=False)
     decode = engine.model.decode = Timed(engine.model.decode)
     profiler = cProfile.Profile() if args.profile else None
 

@@ -109,10 +109,10 @@ def main() -> int:
     try:
         load = LOAD.request.from_wire(message)
 
-        from .engine import Engine
+        from .engine import RunnerEngine
 
         t0 = time.perf_counter_ns()
-        engine = getattr(Engine, LOAD.method)(load)
+        engine = getattr(RunnerEngine, LOAD.method)(load)
         load_ns = time.perf_counter_ns() - t0
     except Exception as e:  # any load failure is reported, then the runner exits
         log.error("load failed: %s", traceback.format_exc())

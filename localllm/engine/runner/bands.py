@@ -1,4 +1,4 @@
-"""Fill bands in the runner: the Engine starts in a small context's plan (the tuner's, for
+"""Fill bands in the runner: the RunnerEngine starts in a small context's plan (the tuner's, for
 less KV and more weights on the GPU) and, before a sequence outgrows it, moves to the next
 band's: every sequence's state saved to RAM (engine/state.py), the model reloaded with the new
 placement, the states restored (a band with another KV type reads them again instead).
@@ -10,7 +10,7 @@ goes to the prompt cache where there is one (else it is read again if its conver
 back). The wait is long, as Ollama's keep_alive is: an agent alternating a long main thread
 with short side requests must not pay a reload each way.
 
-One object the runner's Engine (engine.py) holds, because it owns one thing: the switch. It
+One object the runner's RunnerEngine (engine.py) holds, because it owns one thing: the switch. It
 reloads the model (engine/loaded.py), rebuilds what is bound to it in the slots (the samplers'
 grammars), sets the new sizes in the engine's Room and reports the pause (`on_band`).
 """

@@ -73,7 +73,7 @@ class Question:
     emit: Callable[[Event], None]
 
 
-class Engine:
+class RunnerEngine:
     def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None,
                  adapt_threads: bool = True, projector_path: str | None = None,
                  prompt_cache_bytes: int = 0, bands: tuple[Plan, ...] = (),
@@ -127,7 +127,7 @@ class Engine:
         self._pace(plan)
 
     @classmethod
-    def from_load(cls, load: Load) -> Engine:
+    def from_load(cls, load: Load) -> RunnerEngine:
         """The engine of the daemon's load (the op table's first op)."""
         def path(p) -> str | None:
             return str(p) if p is not None else None

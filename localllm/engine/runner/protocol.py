@@ -7,9 +7,9 @@ the pipe to the runner process as JSON lines (`to_wire` / `event_from_wire`), an
 both sides keep are here too.
 
 `OPS` is the one table of what a runner serves: each op's request type, the events that end it
-and the Engine method that answers it. The runner's command loop (__main__.py) and the
+and the RunnerEngine method that answers it. The runner's command loop (__main__.py) and the
 daemon's RunnerProcess (engine/local.py) both read it, so a new op is a request type and its
-answer here, a row in `OPS`, the Engine method, and (for the daemon's callers) a RunnerProcess
+answer here, a row in `OPS`, the RunnerEngine method, and (for the daemon's callers) a RunnerProcess
 method. Its first op is the load: the daemon's frozen `Load` (load.py) as one value, rebuilt as
 the same dataclass in the runner, answered by one `Loaded` event (or a Failure); the runner
 decides nothing about it again. The tuner's ops (engine/probes.py: a dry run, a
@@ -277,8 +277,8 @@ Request = (Load | GenerationRequest | EmbedRequest | TokenizeRequest | CpuShare 
 @dataclass(frozen=True)
 class Op:
     """One thing the daemon asks a runner. `request` reads it from the wire (its from_wire);
-    an event of `ends` is its last; the Engine's `method` serves it. `stream`: served step by
-    step by the engine's loop, with a cancel flag (Engine.submit(request, emit, cancelled));
+    an event of `ends` is its last; the RunnerEngine's `method` serves it. `stream`: served step by
+    step by the engine's loop, with a cancel flag (RunnerEngine.submit(request, emit, cancelled));
     otherwise `method(request)` computes its one answer between two decode steps. `alone`: an
     op of the tuner's (engine/probes.py), the program's first and only line, answered
     by `method` of tuner_ops.py with no model loaded; the program then ends."""
@@ -291,7 +291,7 @@ class Op:
 
 
 OPS = (
-    # the first line a runner reads; its method is the Engine's constructor from the Load
+    # the first line a runner reads; its method is the RunnerEngine's constructor from the Load
     Op("load", Load, (Loaded, Failure), "from_load"),
     Op("generate", GenerationRequest, (Done, Failure), "submit", stream=True),
     Op("embed", EmbedRequest, (Embeddings, Failure), "embed"),

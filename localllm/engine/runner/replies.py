@@ -2,7 +2,7 @@
 strings held back), Token events with the request's running totals and logprobs, the one Done
 that ends it, or a Failure when llama.cpp refused a step.
 
-One object the runner's Engine (engine.py) holds; the decode step (step.py) calls it for each
+One object the runner's RunnerEngine (engine.py) holds; the decode step (step.py) calls it for each
 token it keeps.
 """
 

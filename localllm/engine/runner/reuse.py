@@ -1,8 +1,8 @@
-"""Which KV a new request may keep: the Engine's slot choice and prefix reuse, with the RAM
+"""Which KV a new request may keep: the RunnerEngine's slot choice and prefix reuse, with the RAM
 prompt cache (`PromptCache`, below), the checkpoints of a recurrent or sliding-window state
 (checkpoints.py) and the model's rules (a sliding window, a recurrent state, images kept whole).
 
-One object the runner's Engine (engine.py) holds, because it owns one question: what of a
+One object the runner's RunnerEngine (engine.py) holds, because it owns one question: what of a
 slot's cache, or of a saved prompt, serves the prompt at hand; and, while a prompt is read,
 which checkpoints a later prompt may need.
 """

@@ -4,7 +4,7 @@ being read, then sampling for the slots whose logits came out.
 
 On a GPU `llama_decode` returns before the device finishes; the text of the previous step's
 tokens (detokenizing, stop strings, sending) is handled then, while the device works, and only
-sampling waits for it. One object the runner's Engine (engine.py) holds.
+sampling waits for it. One object the runner's RunnerEngine (engine.py) holds.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Steps:
         self.step_costs = step_costs
         self.tokens_generated = 0  # over the runner's life, for its log
         self.on_threads: Callable[[Threads], None] | None = None
-        # The loaded plan's pace (engine.Engine.pace): prompt tokens per step, decode threads
+        # The loaded plan's pace (engine.RunnerEngine.pace): prompt tokens per step, decode threads
         self.plan: Plan | None = None
         self.prompt_chunk = 0
         self.threads: ThreadGovernor | None = None
