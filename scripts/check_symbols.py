@@ -1,6 +1,6 @@
 """Check that a llama.cpp build exports every C function that is bound to it by name.
 
-    .venv/bin/python scripts/check_symbols.py [LIB_DIR]
+    .venv/bin/python -m scripts.check_symbols [LIB_DIR]
 
 LIB_DIR defaults to the lib folder of the installed `llama_cpp`. The names come from the
 sources, read with `ast`, not from a list kept by hand:

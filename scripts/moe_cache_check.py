@@ -4,10 +4,10 @@ figures as one JSON line (tests/test_expert_cache.py runs it in a child process,
 cache setting: the options are the engine's expert cache settings, engine/expert_cache.py, given
 to the context it creates; without --slots it has no pool).
 
-    python scripts/device/moe_cache_check.py MODEL.gguf --slots 8 --pool-in-ram \\
+    python -m scripts.moe_cache_check MODEL.gguf --slots 8 --pool-in-ram \\
         --prompt 40 --tokens 24
     # a CUDA build: every layer on the GPU but the experts, a pool of 512 slots there
-    python scripts/device/moe_cache_check.py MODEL.gguf --gpu --threads 16 --slots 512
+    python -m scripts.moe_cache_check MODEL.gguf --gpu --threads 16 --slots 512
 
 The prompt is token ids (one batch, 32 or more tokens: the cache serves only smaller batches);
 then one token per decode. --verify K decodes the generated tokens again K at a time, as a
@@ -22,10 +22,10 @@ the activations to q8_1, the CPU to q8_0): on random weights near ties are commo
 step's top logits, and `--compare A.json B.json` says, step by step over the same tokens, how
 often the two picked the same token and how far their top logits moved:
 
-    python scripts/device/moe_cache_check.py MODEL.gguf --gpu > off.json
-    python scripts/device/moe_cache_check.py MODEL.gguf --gpu --slots 16 \
+    python -m scripts.moe_cache_check MODEL.gguf --gpu > off.json
+    python -m scripts.moe_cache_check MODEL.gguf --gpu --slots 16 \
         --force off.json > on.json
-    python scripts/device/moe_cache_check.py --compare off.json on.json
+    python -m scripts.moe_cache_check --compare off.json on.json
 """
 
 from __future__ import annotations
@@ -39,11 +39,7 @@ from pathlib import Path
 import llama_cpp  # (a CUDA build must load before numpy)
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # synth_gguf
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import checkout_imports
 
-checkout_imports.bootstrap()  # the GPU machine has no install of localllm
 
 
 def _argmax(ctx, i: int, n_vocab: int) -> int:
@@ -52,7 +48,7 @@ def _argmax(ctx, i: int, n_vocab: int) -> int:
 
 
 def _decode(ctx, tokens: list[int], pos: int, all_logits: bool) -> None:
-    from localllm.engine.batch import fill  # after checkout_imports.bootstrap (main)
+    from localllm.engine.batch import fill
 
     batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
     try:
@@ -117,11 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="misses on slots of zeros (1) or skipped (0); default: by device")
     args = p.parse_args(argv)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # synth_gguf
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import checkout_imports  # the GPU machine has no editable install
 
-    checkout_imports.bootstrap()
     from localllm.engine import expert_cache
 
     llama_cpp.llama_backend_init()

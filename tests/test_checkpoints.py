@@ -15,7 +15,7 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-import synth_gguf  # scripts/ is on the path (conftest)
+from scripts import synth_gguf
 from chat_models import QWEN_TOOL_TEMPLATE
 from localllm.engine.local import RunnerProcess
 from localllm.engine.runner.checkpoints import END, SPACED, Checkpoint, SlotCheckpoints

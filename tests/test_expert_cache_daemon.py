@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 from conftest import import_models
 from daemon_process import isolated_env, start_daemon, wait_for
 from localllm.daemon.scheduler import Planner, Scheduler

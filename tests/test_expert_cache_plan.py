@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from daemon_process import isolated_env
 from localllm.config import ConfigError, coerce, load_config
@@ -63,9 +63,9 @@ def tiny_moe(tmp_path_factory) -> Path:
 def test_the_pool_costs_what_the_engine_allocates(tiny_moe):
     """(slots + 1 zero slot) x one expert's up+gate+down, plus each block's map: the bytes the
     patched llama.cpp reports for its pool (in RAM, here)."""
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "device" / "moe_cache_check.py"),
+    run = subprocess.run([sys.executable, "-m", "scripts.moe_cache_check",
                           str(tiny_moe), "--tokens", "4", "--slots", "8", "--pool-in-ram"],
-                         capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     engine = json.loads(run.stdout.splitlines()[-1])["stats"]
     pool = pool_shape(read_shape(tiny_moe))

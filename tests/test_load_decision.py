@@ -8,7 +8,7 @@ import json
 import types
 
 import pytest
-import synth_vision
+from scripts import synth_vision
 from localllm.daemon.drafting import DraftChoice
 from localllm.daemon.planner import Planner
 from localllm.engine.local import RunnerProcess

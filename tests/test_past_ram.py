@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from conftest import import_models
 from daemon_process import isolated_env, start_daemon

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import ollama
-import synth_vision
+from scripts import synth_vision
 from daemon_process import isolated_env, start_daemon, wait_for
 from localllm.modelstore.store import ModelStore
 from test_vision import RED

@@ -41,7 +41,7 @@ ON_THE_WAY = ("localllm/daemon/api/ollama.py", "localllm/daemon/chat/template_wo
 
 
 def test_plain_chat_enters_no_unused_feature():
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "route_files.py"), "--json"],
+    run = subprocess.run([sys.executable, "-m", "scripts.route_files", "--json"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.splitlines()[-1])

@@ -203,7 +203,7 @@ def worker(endpoint: str, free_gib: float, link_gbs: float = 1.25, rtt_ms: float
 @pytest.fixture(scope="module")
 def big_shape(tmp_path_factory):
     """A 27B-class dense shape from the project's generator (sparse file: header only)."""
-    import synth_gguf
+    from scripts import synth_gguf
 
     paths = synth_gguf.ensure_headers(tmp_path_factory.getbasetemp() / "synth-headers")
     return read_shape(paths["dense-27b"])

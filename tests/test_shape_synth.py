@@ -4,7 +4,7 @@ kinds, KV sizes, recurrent state, NextN blocks, experts, tied embeddings."""
 from __future__ import annotations
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.modelstore.shape import (
     EXPERTS, FULL, RECURRENT_LAYER, SLIDING, read_shape,

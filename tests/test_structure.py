@@ -309,3 +309,45 @@ def test_child_programs_are_started_from_their_floor_or_above():
                              f"`python -m {target}` ({_room_of(target)}, floor "
                              f"{FLOORS[_room_of(target)]})")
     assert not wrong, wrong
+
+
+def _sys_path_edits(path: Path) -> list[int]:
+    """Lines of `path` that change sys.path (insert, append, a slice or a new list)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        target = node.func.value if isinstance(node, ast.Call) and isinstance(
+            node.func, ast.Attribute) else None
+        targets = [t.value if isinstance(t, ast.Subscript) else t
+                   for t in node.targets] if isinstance(node, ast.Assign) else [target]
+        if any(isinstance(t, ast.Attribute) and t.attr == "path" and isinstance(t.value, ast.Name)
+               and t.value.id == "sys" for t in targets):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_checkout_is_the_package_no_sys_path_lines():
+    """Scripts, the lab and the tests run as modules of the checkout (`python -m
+    scripts.bench.bench_session`, pytest's pythonpath): none edits sys.path to find another."""
+    wrong = [f"{path.relative_to(ROOT)}:{line}"
+             for folder in ("localllm", "scripts", "lab", "tests")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             for line in _sys_path_edits(path)]
+    assert not wrong, wrong
+
+
+def test_nothing_outside_the_lab_imports_it():
+    wrong = [f"{path.relative_to(ROOT)} imports {m}"
+             for folder in ("localllm", "scripts", "tests")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             for m in _imports_anywhere(path) if m.split(".")[0] == "lab"]
+    assert not wrong, wrong
+
+
+def _imports_anywhere(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add(node.module or "")
+    return found

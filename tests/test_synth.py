@@ -7,7 +7,7 @@ import os
 
 import llama_cpp
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.modelstore.shape import read_shape
 from localllm.planner.card import load_card

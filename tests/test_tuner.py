@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.engine.params import rollback_positions
 from localllm.modelstore.shape import read_shape

@@ -8,7 +8,7 @@ import sys
 
 import llama_cpp
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.cli.main import main
 from localllm.modelstore.shape import read_shape

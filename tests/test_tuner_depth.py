@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.modelstore.shape import read_shape
 from localllm.planner.card import GIB, MIB, load_card

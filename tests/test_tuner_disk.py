@@ -8,7 +8,7 @@ import re
 from dataclasses import replace
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.modelstore.shape import read_shape
 from localllm.planner.card import GIB, load_card

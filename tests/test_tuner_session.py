@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 from localllm.engine import hardware
 from localllm.engine.runner.engine import CANCEL_BOUND_S, prompt_chunk
 from localllm.modelstore.shape import read_shape

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.cli.main import main
 from localllm.modelstore.shape import read_shape

@@ -4,8 +4,8 @@ search on card profiles and the full-size synthetic Gemma 3 projector's header."
 from __future__ import annotations
 
 import pytest
-import synth_gguf
-import synth_vision
+from scripts import synth_gguf
+from scripts import synth_vision
 
 from localllm.modelstore.projector import projector_info
 from localllm.modelstore.shape import read_shape

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import llama_cpp
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 from localllm.daemon.api.ollama import device_split
 from localllm.engine.local import runner_env
 from localllm.engine import dryrun

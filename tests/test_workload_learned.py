@@ -174,7 +174,7 @@ def test_with_default_settings_the_band_a_16k_prompt_enters_reads_it_as_the_agen
     chat, read the prompt at 214 (dense) and 393 tok/s (Qwen3.5 shape), the agent workload's
     plan 895; fit q8_0 405 and 772. Planned for the prompt that enters it, it reads it at least
     as fast as the agent workload's plan, and the first band stays the chat's."""
-    import synth_gguf
+    from scripts import synth_gguf
 
     from localllm.modelstore.shape import read_shape
     from localllm.profiles.bands import band_plans, band_pays

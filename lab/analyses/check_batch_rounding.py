@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Does llama.cpp give the same logits for a token decoded alone and in a batch?
 
-    python scripts/bench/check_batch_rounding.py [--model PATH] [--depth 300] [--batch 5]
+    python -m lab.analyses.check_batch_rounding [--model PATH] [--depth 300] [--batch 5]
 
 Decodes `depth` tokens, then the next `batch` tokens once as one batch and once one at a time
 (fresh contexts, same prefix), and prints the largest logit difference, for flash attention
@@ -14,17 +14,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402  (a CUDA build must load before numpy)
 import numpy as np  # noqa: E402
 
@@ -73,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model
     if model is None:
-        import fetch_test_models
+        from scripts import fetch_test_models
 
         model = fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")
     llama_cpp.llama_backend_init()

@@ -4,7 +4,7 @@ mapped pages, or mapped and pinned in place (engine/host_pin.py). Per way: the l
 pinning's, a long prompt's reading and decode after it, each in a fresh process.
 
     source .device-carry/on-device.sh
-    python3 scripts/bench/check_host_pin.py MODEL.gguf --cpu-expert-blocks 24 --ctx 32768 \
+    python3 -m lab.analyses.check_host_pin MODEL.gguf --cpu-expert-blocks 24 --ctx 32768 \
         --ubatch 2048 --prompt 16384 --threads 16 > $OUT/host-pin.jsonl
 
 One JSON line per way.
@@ -17,11 +17,7 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # synth_gguf
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import checkout_imports
 
 WAYS = ("copied", "mapped", "pinned-in-place")
 
@@ -87,11 +83,11 @@ def main() -> None:
     p.add_argument("--way", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.way:
-        checkout_imports.bootstrap()
         print(json.dumps(measure(args)), flush=True)
         return
     for way in args.ways.split(","):
-        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--way", way],
+        out = subprocess.run([sys.executable, "-m", "lab.analyses.check_host_pin", *sys.argv[1:],
+                              "--way", way],
                              capture_output=True, text=True)
         line = out.stdout.strip().splitlines()[-1:] or [""]
         print(line[0] if out.returncode == 0 else json.dumps(

@@ -1,6 +1,6 @@
 """Where code decides on a speculative mode by its name, outside tests/ and scripts/ (issue #35).
 
-    python scripts/bench/count_speculative_sites.py [repo root]
+    python -m lab.analyses.count_speculative_sites [repo root]
 
 Read from the code's syntax trees (comments and docstrings do not count):
 - a branch site: a function (or a module's top level) holding a comparison of an expression about

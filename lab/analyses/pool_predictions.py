@@ -2,7 +2,7 @@
 with the expert cache sized by `auto`: its slots, where its misses go, the hit rate it was
 priced with, and decode by depth; from the prior hit curve, or from a measured hit rate.
 
-    python scripts/bench/pool_predictions.py qwen3-next-80b-a3b --card h200 --budget 12 \
+    python -m lab.analyses.pool_predictions qwen3-next-80b-a3b --card h200 --budget 12 \
         [--hit 0.63] [--misses auto|cpu|gpu] [--slots N]
 
 The same plan a daemon on that card makes with default settings at a 32K context, where the
@@ -19,9 +19,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # synth_gguf
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.modelstore.shape import read_shape
 from localllm.planner.card import GIB, load_card

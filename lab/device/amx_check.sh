@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine (issue #32): does its CPU have AMX, and which CPU builds of the vendored
-# llama.cpp decode the default model's tensor table there (scripts/device/check_cpu_engine.py, random
+# llama.cpp decode the default model's tensor table there (lab/device/check_cpu_engine.py, random
 # weights): the carried CUDA build run on the CPU (native, AMX compiled in), and native CPU
 # builds without and with patches/.
 #   here:   tar czf .device-carry/llama-src-min.tgz -C <sdist>/vendor llama.cpp (models, tools,
-#           GPU backends left out: about 5 MB); python3 scripts/device/check_cpu_engine.py --skeleton
+#           GPU backends left out: about 5 MB); python3 -m lab.device.check_cpu_engine --skeleton
 #           .device-carry/smollm2-skeleton.gguf
-#   there:  source .device-carry/on-device.sh; bash scripts/device/amx_check.sh $OUT
+#   there:  source .device-carry/on-device.sh; bash lab/device/amx_check.sh $OUT
 set -uo pipefail
 out=${1:?results folder}
 { grep -o 'amx[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' '; grep -m1 'model name' /proc/cpuinfo
@@ -17,7 +17,7 @@ gcc_libs=$(dirname "$(gcc -print-file-name=libstdc++.so)")
 check() {  # LIB NAME
   for flags in "" "--no-extra-bufts"; do
     CUDA_VISIBLE_DEVICES= LLAMA_CPP_LIB_PATH=$1 LD_LIBRARY_PATH=$1:$gcc_libs timeout 300 python3 \
-      scripts/device/check_cpu_engine.py --model /tmp/smollm2-skeleton.gguf \
+      -m lab.device.check_cpu_engine --model /tmp/smollm2-skeleton.gguf \
       --header .device-carry/smollm2-skeleton.gguf $flags |
       python3 -c "import json,sys; d=json.loads(sys.stdin.read()); d['build']='$2'; print(json.dumps(d))" |
       tee -a "$out/amx_check.jsonl" | cut -c1-160

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: llama-server and llama-bench of the newest llama.cpp
-# (scripts/device/carry_newest_llama.sh), built with CUDA for sm_90 into /tmp/newest/bin; prints
+# (lab/device/carry_newest_llama.sh), built with CUDA for sm_90 into /tmp/newest/bin; prints
 # the folder. A build carried back from an earlier call (.device-carry/newest-llama.tar.xz) is
 # unpacked in seconds; otherwise the carried source is built (all cores) and the binaries and
 # libraries are packed into $OUT/newest.part-* (cat them into .device-carry/newest-llama.tar.xz

@@ -2,15 +2,15 @@
 # On the GPU machine: the patched engine (patches/) in DIR (default /tmp/cuda-src/llama.cpp/build/bin),
 # for LLAMA_CPP_LIB_PATH, in about a minute instead of three or four.
 #
-#   bash scripts/device/carry_patched_source.sh             # here: .device-carry/llama-src.tgz
+#   bash lab/device/carry_patched_source.sh             # here: .device-carry/llama-src.tgz
 #   source .device-carry/on-device.sh                # there, from the checkout's root
-#   bash scripts/device/build_patched.sh .device-carry/llama-src.tgz [DIR]
+#   bash lab/device/build_patched.sh .device-carry/llama-src.tgz [DIR]
 #
 # libllama, ggml-base and ggml-cpu are built from the patched source without CUDA, and the CUDA
 # build that on-device.sh unpacked (/tmp/llama-cuda/bin) lends the rest: libggml (the backend
 # registry, linked to the CUDA and RPC backends) and libggml-cuda, built from the same llama.cpp
 # release, so every ggml struct they share has the same layout. patches/0003 changes ggml-cuda
-# too: scripts/device/carry_patched_cuda.sh puts a patched libggml-cuda into the carry before the run.
+# too: lab/device/carry_patched_cuda.sh puts a patched libggml-cuda into the carry before the run.
 # The result must offload to the GPU, export the expert cache's function and have 0003's mapped
 # buffers in ggml-cuda; when it does not, the whole engine is built with CUDA instead (the slow
 # way), so a run never measures a half-patched engine.
@@ -24,7 +24,7 @@ rm -rf "$work" && mkdir -p "$work" && tar xzf "$src" -C "$work"
 want=$(bash scripts/apply_patches.sh --hash)
 have=$(cat "$work/llama.cpp/LOCALLLM_PATCHES" 2>/dev/null || echo none)
 if [ "$have" != "$want" ]; then
-    echo "error: $src was made from patches $have, this checkout has $want: run scripts/device/carry_patched_source.sh" >&2
+    echo "error: $src was made from patches $have, this checkout has $want: run lab/device/carry_patched_source.sh" >&2
     exit 1
 fi
 cd "$work/llama.cpp"

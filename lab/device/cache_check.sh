@@ -4,7 +4,7 @@
 # and on (a pool of slots on the GPU, experts in RAM: moe_cache_check.py --gpu).
 #   here:   tar the patched vendor/llama.cpp into .device-carry-cache/llama-src.tgz (see the
 #           round's note), copy .device-carry/{llama_cpp,wheels} beside it
-#   there:  bash scripts/device/cache_check.sh .device-carry-cache $OUT
+#   there:  bash lab/device/cache_check.sh .device-carry-cache $OUT
 set -uo pipefail
 carry=${1:?carry dir}; out=${2:?out dir}
 mkdir -p "$out" /tmp/site /tmp/cuda-src
@@ -34,11 +34,11 @@ for routing in ("zipf:1", "uniform"):
     synth_gguf.write_gguf(f"/tmp/moe-{routing[:4]}.gguf", shape, "Q4_0", "noise", routing=routing)
 PY
 for m in zipf unif; do
-  run=(python3 scripts/device/moe_cache_check.py /tmp/moe-$m.gguf --gpu --prompt 40 --tokens 48 --verify 5)
+  run=(python3 -m scripts.moe_cache_check /tmp/moe-$m.gguf --gpu --prompt 40 --tokens 48 --verify 5)
   "${run[@]}" > "$out/$m-off.json" 2> "$out/$m-off.err"
   for slots in 0 16; do
     # the off run's tokens, forced: the logits compare step by step (moe_cache_check's head)
     "${run[@]}" --slots $slots --force "$out/$m-off.json" > "$out/$m-$slots.json" 2> "$out/$m-$slots.err"
-    echo "$m $slots slots: rc=$? $(python3 scripts/device/moe_cache_check.py --compare "$out/$m-off.json" "$out/$m-$slots.json") $(python3 -c "import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])['stats'])" "$out/$m-$slots.json")"
+    echo "$m $slots slots: rc=$? $(python3 -m scripts.moe_cache_check --compare "$out/$m-off.json" "$out/$m-$slots.json") $(python3 -c "import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])['stats'])" "$out/$m-$slots.json")"
   done
 done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here, before a device run: the newest llama.cpp source this machine can reach, slimmed to what
 # a CUDA build of llama-server and llama-bench needs, as .device-carry/llama-newest-src.tgz, for
-# scripts/device/build_newest_llama.sh on the GPU machine.
+# lab/device/build_newest_llama.sh on the GPU machine.
 #
 # Why this source: ggml-org/llama.cpp's git snapshot (1.47 GB) is over what the fetch tool brings
 # (500 MB), and only the package registries are reachable. The newest llama.cpp on them is the
@@ -9,7 +9,7 @@
 # MoE expert cache (`--moe-cache-mib`), the newer `--fit`, and context checkpoints, which the
 # llama.cpp inside llama-cpp-python 0.3.36 lacks.
 #
-#   bash scripts/device/carry_newest_llama.sh [WORK_DIR]
+#   bash lab/device/carry_newest_llama.sh [WORK_DIR]
 set -euo pipefail
 XLLAMACPP_VERSION=2026.10.11549
 root=$(cd "$(dirname "$0")/../.." && pwd)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Here, before a device run: build ggml-cuda from the patched source (patches/0003 changes it)
 # with this machine's nvcc, and put it into the carried CUDA build in place of the unpatched one,
-# so that scripts/device/build_patched.sh's quick path (patched libllama, ggml-base and
+# so that lab/device/build_patched.sh's quick path (patched libllama, ggml-base and
 # ggml-cpu over the carried CUDA libraries) runs a wholly patched engine without building CUDA
 # on the GPU machine (about four minutes of device time there; here about ten, on two cores).
 #
 #   bash ../shared/device/prepare.sh ...                 # fills .device-carry/
-#   bash scripts/device/carry_patched_cuda.sh [WORK_DIR]      # also writes llama-src.tgz
+#   bash lab/device/carry_patched_cuda.sh [WORK_DIR]      # also writes llama-src.tgz
 #
 # Needs nvcc (CUDA 13, as the GPU machine has), cuBLAS headers and libraries, and libcuda for
 # the link: where the toolkit lacks them, `pip download --no-deps "nvidia-cublas==13.0.*"`,

@@ -3,8 +3,8 @@
 crashed, on a model with the default model's tensor table (SmolLM2-135M-Instruct Q4_1: llama,
 n_embd 576, a Q8_0 token table) and random weights.
 
-    python3 scripts/device/check_cpu_engine.py --skeleton FILE  (here: the header of the real file)
-    LLAMA_CPP_LIB_PATH=DIR python3 scripts/device/check_cpu_engine.py --model /tmp/m.gguf \
+    python3 -m lab.device.check_cpu_engine --skeleton FILE  (here: the header of the real file)
+    LLAMA_CPP_LIB_PATH=DIR python3 -m lab.device.check_cpu_engine --model /tmp/m.gguf \
         --header skeleton.gguf [--no-extra-bufts]
 
 For engine builds where the real model cannot travel (the GPU machine takes 64 MiB): the AMX
@@ -80,9 +80,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     if args.skeleton:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # synth_gguf
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-        import fetch_test_models
+        from scripts import fetch_test_models
 
         write_skeleton(fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf"),
                        Path(args.skeleton))

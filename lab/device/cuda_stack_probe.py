@@ -8,7 +8,7 @@ prompt in micro-batches of --ubatch, and prints one JSON line: the stack limit
 (cudaLimitStackSize) and the card's used memory (cudaMemGetInfo) after each step, and the
 card's SM count and threads per SM, whose product times the stack is the reservation.
 
-    python scripts/device/cuda_stack_probe.py MODEL.gguf --ctx 32768 --long 16384 --ubatch 2048
+    python -m lab.device.cuda_stack_probe MODEL.gguf --ctx 32768 --long 16384 --ubatch 2048
 """
 
 from __future__ import annotations
@@ -18,15 +18,11 @@ import ctypes
 import json
 import random
 import sys
-from pathlib import Path
 
 import llama_cpp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import checkout_imports
 
-checkout_imports.bootstrap()  # the GPU machine has no install of localllm
-from localllm.engine.host_pin import loaded_library  # noqa: E402
+from localllm.engine.host_pin import loaded_library
 
 
 def main() -> int:

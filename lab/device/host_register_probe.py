@@ -7,7 +7,7 @@ A plan that keeps experts in RAM registers the model file's mapped pages (engine
 this measures whether that registration takes VRAM the planner must price. The pages are a
 sparse file's (page cache, 4 KiB pages, as a model file's are); nothing is written to disk.
 
-    python scripts/device/host_register_probe.py --sizes 1,4,16,40 --dir /tmp
+    python -m lab.device.host_register_probe --sizes 1,4,16,40 --dir /tmp
 """
 
 from __future__ import annotations
@@ -19,15 +19,11 @@ import mmap
 import os
 import sys
 import tempfile
-from pathlib import Path
 
 import llama_cpp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import checkout_imports
 
-checkout_imports.bootstrap()  # the GPU machine has no install of localllm
-from localllm.engine.host_pin import loaded_library  # noqa: E402
+from localllm.engine.host_pin import loaded_library
 
 PORTABLE, MAPPED, READ_ONLY = 1, 2, 8
 

@@ -2,8 +2,8 @@
 # A queue of benchmark commands on the GPU machine that outlives one device call.
 #
 #   source .device-carry/on-device.sh
-#   bash scripts/device/queue.sh start QUEUE_FILE   # runs its lines in turn, in the background
-#   bash scripts/device/queue.sh wait 560           # until the queue ends or 560 s pass,
+#   bash lab/device/queue.sh start QUEUE_FILE   # runs its lines in turn, in the background
+#   bash lab/device/queue.sh wait 560           # until the queue ends or 560 s pass,
 #                                                   # then packs the results into $OUT
 #
 # A device call may run 10 minutes; a machine stays warm 30 s after one. The queue runs in its

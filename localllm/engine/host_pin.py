@@ -3,10 +3,10 @@
 A plan on a GPU that keeps weights in RAM reads a long prompt by copying those weights to the GPU
 once per micro-batch (llama.cpp's op offload). From the file's mapped pages, which are pageable,
 CUDA stages each copy through a bounce buffer at about 7 GB/s; from pinned memory it copies at
-PCIe speed (43 GB/s on the H200: docs/bench/runs/h200-2026-12-02-round5b.md). Loading with
+PCIe speed (43 GB/s on the H200: lab/runs/h200-2026-12-02-round5b.md). Loading with
 `load_mode = none` pins them by copying every byte into a fresh pinned buffer, which made a
 load or a fill band switch of Qwen3-30B-A3B take 7.7 s instead of 1.8 s
-(docs/bench/runs/h200-2026-12-02-round5d.md). Registering
+(lab/runs/h200-2026-12-02-round5d.md). Registering
 the mapped range with CUDA (`cudaHostRegister`, read-only) pins the page cache's pages where
 they are: the same copies at PCIe speed, with no second copy of the weights.
 

@@ -40,16 +40,16 @@ STEP_ID_ROWS = 31
 AUTO_SLOTS = -1  # Request.expert_cache for `expert_cache = auto`: the tuner sizes it
 # Hit rate against slots per served block as a share of its experts. Routing studies of real
 # MoE models (256 experts, 8 a token) find an LRU of 64 hitting about 67% of lookups and 128
-# about 81% (docs/bench/synthetic-routing.md): 14 points a doubling, which the smaller shares
+# about 81% (docs/synthetic-routing.md): 14 points a doubling, which the smaller shares
 # extend (an LRU's curve is concave: linear from none, the 80B class's pool at a share of 0.18
-# was priced at 49% and hit 61-64% on the H200, docs/bench/runs/h200-2026-12-03-*). The
+# was priced at 49% and hit 61-64% on the H200, lab/runs/h200-2026-12-03-*). The
 # engine's decayed counts, a few swaps a step, are not an LRU: hits measured while serving
 # replace these.
 PRIOR_HITS = ((0.0625, 0.39), (0.125, 0.53), (0.25, 0.67), (0.5, 0.81))
 SWAPS_PER_STEP = 4  # the engine's default: the most experts a step copies in
 # A bigger pool gets more swaps a step (one per SLOTS_PER_SWAP slots, SWAPS_PER_STEP at least),
 # so that it warms in about as many steps as a small one. Replayed on the routing the 80B class
-# reads in bench_session.py (scripts/bench/pool_replay.py; docs/bench/synthetic-routing.md, "The
+# reads in bench_session.py (scripts/bench/pool_replay.py; docs/synthetic-routing.md, "The
 # policy, replayed"), 4322 slots over 46 blocks hit 61.8%, 68.3%, 73.2% in three answers with
 # 4 a step and 63.2%, 73.1%, 76.7% with 8; a swap costs one expert's copy, about 0.7 of what
 # the miss it saves costs (the GPU reads a miss from RAM at MAPPED_READ_FRACTION of PCIe).

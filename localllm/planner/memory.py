@@ -312,7 +312,7 @@ def cuda_pool_bytes(costs: ModelCosts, settings: ContextSettings) -> int:
 
 # Registering host memory with CUDA takes device memory for its page tables: 8 bytes per 4 KiB
 # page, 2 MiB per GiB, on each GPU, mapped or not, given back at unregister
-# (scripts/device/host_register_probe.py on the H200: 2, 8, 32 and 80 MiB for 1, 4, 16 and 40
+# (lab/device/host_register_probe.py on the H200: 2, 8, 32 and 80 MiB for 1, 4, 16 and 40
 # GiB). A plan with weights in RAM on a GPU registers the file's mapped pages that hold them
 # (engine/host_pin.py); an 80B-class plan at 12 GiB keeps 42 GiB there: 84 MiB of VRAM.
 PAGE_TABLE_BYTES_PER_BYTE = 8 / 4096

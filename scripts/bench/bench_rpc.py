@@ -1,8 +1,8 @@
 """Benchmark: a model split over two `localllm worker`s (RPC, loopback) by localllm's planner,
 against llama.cpp's own split over the same two workers.
 
-    python scripts/bench/bench_rpc.py                                # GPU machine: 27B-class model
-    python scripts/bench/bench_rpc.py --model .cache/test-models/SmolLM2-135M-Instruct.Q4_1.gguf
+    python -m scripts.bench.bench_rpc                                # GPU machine: 27B-class model
+    python -m scripts.bench.bench_rpc --model .cache/test-models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 With two or more NVIDIA GPUs each worker gets one (CUDA_VISIBLE_DEVICES, `--device cuda0`);
 otherwise both lend the CPU. The measuring process sees no GPU itself, so every layer runs on
@@ -29,14 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).resolve()
 START_DIR = Path.cwd()  # where relative paths given on the command line are
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()  # the GPU machine has no editable install (this may chdir)
 
 SYNTH_SHAPE = "dense-27b"
 
@@ -125,8 +120,9 @@ def measure(request: dict) -> dict:
 
 
 def run_child(request: dict, env: dict) -> dict:
-    done = subprocess.run([sys.executable, str(SCRIPT), "--child", json.dumps(request)], env=env,
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run([sys.executable, "-m", "scripts.bench.bench_rpc", "--child",
+                           json.dumps(request)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=1800)
     lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
@@ -182,9 +178,9 @@ def main() -> int:
         if not os.path.exists(model):
             print(f"writing {model} (synthetic {SYNTH_SHAPE}, random Q4_0 weights)...",
                   flush=True)
-            subprocess.run([sys.executable, str(ROOT / "scripts" / "synth_gguf.py"),
+            subprocess.run([sys.executable, "-m", "scripts.synth_gguf",
                             SYNTH_SHAPE, model, "--type", "Q4_0", "--fill", "random"],
-                           check=True)
+                           cwd=ROOT, check=True)
     gpus = gpu_count()
     use_gpu = gpus >= 2
     threads = args.threads or max(1, (os.cpu_count() or 2) // 4)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Speculative decoding on one machine: what a checking pass costs, and what drafting gives.
 
-    python scripts/bench/bench_spec.py --model M.gguf [--ngl 99 --ngl 44] [--draft-other D.gguf]
+    python -m scripts.bench.bench_spec --model M.gguf [--ngl 99 --ngl 44] [--draft-other D.gguf]
 
 1. Checking cost: llama_decode of B = 1, 2, 4, 8 tokens at a depth of 256, through the runner's
    own loader (localllm/engine/model.py) with each placement, beside llama-bench ppB at the same
@@ -35,13 +35,8 @@ from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402  (a CUDA build must load before numpy)
 
 BATCHES = (1, 2, 4, 8)
@@ -116,7 +111,7 @@ def rate(url: str, options: dict, rounds: int) -> tuple[float, dict]:
 
 
 def api_modes(args, ngl: int) -> list[tuple[str, float, dict]]:
-    from daemon_process import isolated_env, start_daemon
+    from tests.daemon_process import isolated_env, start_daemon
     from localllm.modelstore.shape import read_shape
     from localllm.modelstore.store import ModelStore
 
@@ -198,7 +193,7 @@ def engine_decode(model: Path, plan, mode: str, tokens: int, rounds: int) -> tup
 
 
 def tuner_rows(args) -> list[str]:
-    from bench_tuner import gpu_card
+    from scripts.bench.bench_tuner import gpu_card
     from localllm.modelstore.shape import read_shape
     from localllm.planner.search import NoPlanFits, Request
     from localllm.profiles.choose import tune_checked

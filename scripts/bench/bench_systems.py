@@ -13,21 +13,16 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))  # daemon_process
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
-from bench_tuner import MemorySampler  # noqa: E402
+from scripts.bench.bench_tuner import MemorySampler  # noqa: E402
 
 MIB = 1 << 20
 
@@ -46,7 +41,7 @@ class Ours:
 
     def __init__(self, model: Path, ctx: int, budget_mib: int, margin_mib: int, workload: str,
                  tmp: Path, fill_bands: str = "auto", **settings: str):
-        from daemon_process import isolated_env, start_daemon
+        from tests.daemon_process import isolated_env, start_daemon
 
         from localllm.modelstore.store import ModelStore
 

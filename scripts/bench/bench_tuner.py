@@ -4,7 +4,7 @@
 One command runs issue 13's matrix (about 8 minutes of GPU time):
 
     source .device-carry/on-device.sh
-    python3 scripts/bench/bench_tuner.py --out $OUT
+    python3 -m scripts.bench.bench_tuner --out $OUT
 
 - dense-27b (66 blocks, Q4_0) at a 12 GiB budget, 32K and 128K context; the 70B-class model
   (80 blocks, Q4_0, 37 GiB) at 24 GiB, 8K and 32K;
@@ -40,14 +40,10 @@ ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import kv_fill  # noqa: E402
-import synth_gguf  # noqa: E402
+from scripts.bench import kv_fill  # noqa: E402
+from scripts import synth_gguf  # noqa: E402
 
 from localllm.modelstore.shape import read_shape  # noqa: E402
 from localllm.planner.card import load_card  # noqa: E402

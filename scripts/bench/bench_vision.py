@@ -2,8 +2,8 @@
 """Images on the GPU: one 896x896 image through localllm against llama-server, and the plan with
 its projector at a 12 GiB budget, in one run.
 
-    source .device-carry/on-device.sh && python scripts/bench/bench_vision.py
-    python scripts/bench/bench_vision.py --tiny      # the toy pair: check the script on a CPU
+    source .device-carry/on-device.sh && python -m scripts.bench.bench_vision
+    python -m scripts.bench.bench_vision --tiny      # the toy pair: check the script on a CPU
 
 1. Writes the full-size synthetic Gemma 3 pair (scripts/synth_vision.py --shape
    gemma3-27b: the 27B language model in Q4_0 and its SigLIP projector in f16).
@@ -37,16 +37,11 @@ import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 # The carried CUDA build: the binding loads libmtmd from MTMD_CPP_LIB, not LLAMA_CPP_LIB_PATH.
 if os.environ.get("LLAMA_CPP_LIB_PATH") and not os.environ.get("MTMD_CPP_LIB"):
     os.environ["MTMD_CPP_LIB"] = os.environ["LLAMA_CPP_LIB_PATH"]
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402, F401  (the CUDA build must load before numpy)
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -98,7 +93,7 @@ def first_token_times(url: str, model: str, size: int, rounds: int, seed0: int) 
 
 # ---- the two servers -----------------------------------------------------------------------
 def ours(model: Path, mmproj: Path, size: int, rounds: int) -> dict:
-    from daemon_process import isolated_env, start_daemon
+    from tests.daemon_process import isolated_env, start_daemon
     from localllm.modelstore.store import ModelStore
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -195,8 +190,8 @@ def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
     request = Request(n_ctx=4096, margin_bytes=128 * MIB)
     plan = plan_with_projector(card, projector_cost(projector_info(mmproj)),
                                lambda c: tune_checked(shape, c, request, measure=True))
-    child = [sys.executable, str(Path(__file__).resolve()), "--child", str(model), str(mmproj),
-             str(size)]
+    child = [sys.executable, "-m", "scripts.bench.bench_vision", "--child", str(model),
+             str(mmproj), str(size)]  # from the checkout's root, as this script runs
     try:
         sampler = PeakVram()
     except Exception:  # no NVML: a CPU check of the script
@@ -294,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, help="where the pair is written (default: a temp dir)")
     p.add_argument("--tiny", action="store_true", help="the toy pair: a CPU check of the script")
     args = p.parse_args(argv)
-    import synth_vision
+    from scripts import synth_vision
 
     directory = args.dir or Path(tempfile.mkdtemp(prefix="bench-vision-"))
     t0 = time.time()

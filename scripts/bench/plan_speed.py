@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How long the plan search takes, and a digest of the plans it returns.
 
-    .venv/bin/python scripts/bench/plan_speed.py [--repeat N] [--dump plans.json]
+    .venv/bin/python -m scripts.bench.plan_speed [--repeat N] [--dump plans.json]
 
 Plans a fixed set of cases through `tune` (every synthetic shape on 8/12/24/80 GiB cards and
 two cards, the default context and 32K/128K, a paired draft model, the MoE expert pool sized
@@ -17,20 +17,15 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 
-import synth_gguf  # noqa: E402
+from scripts import synth_gguf  # noqa: E402
 
 from localllm.modelstore.shape import read_shape  # noqa: E402
 from localllm.planner.card import GIB, load_card  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the runner's decode loop costs beside llama.cpp's own calls, per answered token.
 
-    python scripts/bench/step_overhead.py [--model FILE.gguf] [--tokens 256] [--profile]
+    python -m scripts.bench.step_overhead [--model FILE.gguf] [--tokens 256] [--profile]
 
 The runner's engine (engine/runner/engine.py) runs in this process on one model, greedy, with
 speculation off, and answers --tokens tokens --runs times. Every llama_decode and the time
@@ -25,11 +25,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 
 
 class Timed:
