@@ -141,6 +141,7 @@ from pathlib import Path
 import tomli_w
 
 from . import paths
+from .kv_types import KV_SETTINGS
 from .config_values import (
     ConfigError, parse_bands, parse_duration, parse_endpoint, parse_gpus, parse_size,
 )
@@ -174,7 +175,7 @@ class Config:
     default_ctx: int = setting(4096, "LOCALLLM_CONTEXT_LENGTH", least=256)
     context_policy: str = setting("fit", "LOCALLLM_CONTEXT_POLICY", words=("fixed", "fit", "max"))
     kv_cache_type: str = setting("auto", "LOCALLLM_KV_CACHE_TYPE",
-                                 words=("auto", "f16", "bf16", "q8_0", "q4_0", "q8_0/q4_0"))
+                                 words=("auto", *KV_SETTINGS))
     quality: str = setting("balanced", "LOCALLLM_QUALITY", words=("max", "balanced", "speed"))
     expected_fill: float = setting(0.5, "LOCALLLM_EXPECTED_FILL", least=0.05, most=1.0)
     workload: str = setting("auto", "LOCALLLM_WORKLOAD", words=("auto", "chat", "agent"))

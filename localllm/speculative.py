@@ -61,9 +61,14 @@ class UnknownMode(ValueError):
     pass
 
 
+def current_name(name: str) -> str:
+    """A mode under its current name (an unknown name is left for the caller to refuse)."""
+    return ALIASES.get(name, name)
+
+
 def mode(name: str) -> Mode:
     """The row of a mode (under its current name); UnknownMode names the modes there are."""
-    row = BY_NAME.get(ALIASES.get(name, name))
+    row = BY_NAME.get(current_name(name))
     if row is None:
         raise UnknownMode(f"unknown speculative mode {name!r}; use "
                           f"{', '.join(SPECULATIVE_MODES)}")

@@ -20,8 +20,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from localllm.errors import UserError
+from localllm.kv_types import KV_LADDER
 
-DEFAULT_SETTINGS = "q8_0,q8_0/q4_0,q4_0"
+DEFAULT_SETTINGS = ",".join(KV_LADDER[1:])  # every rung below f16, the reference
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from localllm.config import parse_bands
 from localllm.errors import UserError
+from localllm.kv_types import KV_SETTINGS
 from localllm.modelstore.shape import ModelShape, read_shape
 
 from localllm.planner.card import MIB, Card, card_names
@@ -68,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quality", choices=quality.POLICIES,
                    help="how much quality the KV cache may cost (default: the config's quality, "
                    "balanced)")
-    p.add_argument("--kv", metavar="TYPE", help="pin the KV cache: f16, q8_0, q4_0 or q8_0/q4_0 "
+    p.add_argument("--kv", metavar="TYPE", help=f"pin the KV cache: {', '.join(KV_SETTINGS)} "
                    "(default: the config's kv_cache_type, auto)")
     p.add_argument("--workload", choices=tuple(WORKLOADS),
                    help="the session to plan for: chat (short prompts) or agent (a 20K-token "

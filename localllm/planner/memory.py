@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from localllm.kv_types import KV_TYPES
 from localllm.modelstore.shape import SLIDING, ModelShape
 
 from .card import MIB, Card
@@ -39,11 +40,6 @@ from .costs import ModelCosts, model_costs, per_costs
 from .placements import CPU, Placement, head_in_ram, in_ram, overridden
 from .plan import DeviceMemory
 
-# (elements per block, bytes per block) of the KV cache types llama.cpp accepts (-ctk/-ctv).
-KV_TYPES: dict[str, tuple[int, int]] = {
-    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
-    "q4_1": (32, 20), "iq4_nl": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24),
-}
 
 
 def kv_element_bytes(kv_type: str) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from localllm.speculative import ALIASES, AUTO, MAX_DRAFT, Mode, mode
+from localllm.speculative import AUTO, MAX_DRAFT, Mode, current_name, mode
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class Plan:
             data[key] = tuple((int(d), float(t)) for d, t in data.get(key, ()))
         data["device_layers"] = tuple((str(d), int(n)) for d, n in data.get("device_layers", ()))
         if "speculative" in data:
-            data["speculative"] = speculative_mode(data["speculative"])
+            data["speculative"] = current_name(data["speculative"])
         return cls(**data)
 
 
@@ -176,15 +176,6 @@ def layer_ranges(device_layers: tuple[tuple[str, int], ...] | list[tuple[str, in
             out.append(f"{device}: layers {first}-{first + n - 1} ({n})")
         first += n
     return out
-
-
-SPECULATIVE_ALIASES = ALIASES  # (saved.py reads them under this name)
-
-
-def speculative_mode(value: str) -> str:
-    """A plan's speculative mode under its current name (unknown values are left for the
-    caller to refuse)."""
-    return ALIASES.get(value, value)
 
 
 def physical_cores() -> int:

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-KV_LADDER = ("f16", "q8_0", "q8_0/q4_0", "q4_0")  # most precise first
-ASSUMED_KL = {"f16": 0.0, "bf16": 0.0, "q8_0": 0.002, "q8_0/q4_0": 0.01, "q4_0": 0.03}
+from localllm.kv_types import ASSUMED_KL, KV_LADDER, KV_SETTINGS, KV_TYPES
+
 THRESHOLDS = {"max": 0.001, "balanced": 0.005, "speed": 0.05}
 POLICIES = tuple(THRESHOLDS)
 DEFAULT_POLICY = "balanced"
@@ -36,13 +36,10 @@ def kv_label(type_k: str, type_v: str) -> str:
 
 def split_kv(label: str) -> tuple[str, str]:
     """(type_k, type_v) of a label; ValueError for a label that is not a KV setting."""
-    from .memory import KV_TYPES
-
     k, _, v = label.partition("/")
     v = v or k
     if k not in KV_TYPES or v not in KV_TYPES:
-        raise ValueError(f"{label!r} is not a KV cache setting (e.g. f16, q8_0, q4_0, "
-                         "q8_0/q4_0)")
+        raise ValueError(f"{label!r} is not a KV cache setting (e.g. {', '.join(KV_SETTINGS)})")
     return k, v
 
 

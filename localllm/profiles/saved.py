@@ -19,12 +19,12 @@ import tomli_w
 
 from localllm import paths
 from localllm.errors import UserError
+from localllm.kv_types import KV_TYPES
 
-from localllm.speculative import SPECULATIVE_MODES
+from localllm.speculative import ALIASES, SPECULATIVE_MODES, current_name
 
-from localllm.planner.memory import KV_TYPES
 
-from localllm.planner.plan import SPECULATIVE_ALIASES, Plan, TensorOverride, speculative_mode
+from localllm.planner.plan import Plan, TensorOverride
 
 # Fields of Plan a profile may set, with their type; the rest are predictions and reasons.
 EDITABLE: dict[str, type] = {
@@ -160,10 +160,10 @@ def parse_plan_table(path: Path, table: Any) -> Plan:
         if key in values and values[key] < 1:
             raise ProfileError(f"{path}: plan.{key} must be at least 1")
     if "speculative" in values:
-        if values["speculative"] not in (*SPECULATIVE_MODES, *SPECULATIVE_ALIASES):
+        if values["speculative"] not in (*SPECULATIVE_MODES, *ALIASES):
             raise ProfileError(f"{path}: plan.speculative = {values['speculative']!r} is not one "
                                f"of {', '.join(SPECULATIVE_MODES)}")
-        values["speculative"] = speculative_mode(values["speculative"])
+        values["speculative"] = current_name(values["speculative"])
     for key in ("draft_n_max", "draft_n_gpu_layers", "expert_cache", "expert_cache_swaps"):
         if key in values and values[key] < 0:
             raise ProfileError(f"{path}: plan.{key} must be 0 or more")

@@ -16,16 +16,13 @@ from textual.screen import Screen
 from localllm import paths
 from localllm.client import DaemonError
 from localllm.errors import UserError
-from localllm.speculative import LOAD_MODES
+from localllm.options import reloads
 
 from . import keys
 from .chatstore import chat_markdown
 from .slash import Command, SlashError, help_text, parse, show_text
 from .stats import TurnStats, answer_footer
 from .widgets import Entry, MessageView
-
-LOAD_OPTIONS = ("num_ctx", "num_gpu", "num_thread", "num_batch", "draft_model")
-
 
 QUIT_WINDOW_S = 3.0  # a second Ctrl+C within this long quits
 
@@ -48,8 +45,7 @@ class ChatActions:
         name, value = command.args
         self.chat.set_option(name, value)
         shown = " ".join(value) if isinstance(value, list) else value
-        reloads = name in LOAD_OPTIONS or name == "speculative" and value in LOAD_MODES
-        when = " (the model reloads with the next answer)" if reloads else ""
+        when = " (the model reloads with the next answer)" if reloads(name, value) else ""
         self.note(f"Set parameter '{name}' to '{shown}'{when}.")
 
     def _cmd_unset_parameter(self, command: Command) -> None:

@@ -142,37 +142,11 @@ def llama_server(model: Path, mmproj: Path, size: int, rounds: int) -> dict | No
 
 
 # ---- the 12 GiB plan -----------------------------------------------------------------------
-class PeakVram:
-    def __init__(self):
-        import pynvml
-
-        pynvml.nvmlInit()
-        self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
-        self.peak = self.baseline = self.used()
-        self._stop = threading.Event()
-
-    def used(self) -> int:
-        return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
-
-    def __enter__(self):
-        self.baseline = self.peak = self.used()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.used())
-            time.sleep(0.02)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-
 def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
     """The plan at the budget, then that plan loaded with the projector in a child process
     (a clean CUDA context) reading one image, its peak VRAM measured from here."""
+    from scripts.bench.bench_tuner import MemorySampler
+
     from localllm.engine.hardware import host_card, probe_card
     from localllm.modelstore.projector import projector_info
     from localllm.modelstore.shape import read_shape
@@ -192,19 +166,10 @@ def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
                                lambda c: tune_checked(shape, c, request, measure=True))
     child = [sys.executable, "-m", "scripts.bench.bench_vision", "--child", str(model),
              str(mmproj), str(size)]  # from the checkout's root, as this script runs
-    try:
-        sampler = PeakVram()
-    except Exception:  # no NVML: a CPU check of the script
-        sampler = None
-    if sampler is not None:
-        with sampler:
-            out = subprocess.run(child, input=json.dumps(plan.to_dict()), text=True,
-                                 capture_output=True, timeout=900)
-        peak = sampler.peak - sampler.baseline
-    else:
+    with MemorySampler() as sampler:  # no NVML: reads 0 (a CPU check of the script)
         out = subprocess.run(child, input=json.dumps(plan.to_dict()), text=True,
                              capture_output=True, timeout=900)
-        peak = 0
+    peak = sampler.delta
     if out.returncode != 0:
         raise RuntimeError(f"the budget run failed: {out.stderr[-2000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
