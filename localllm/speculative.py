@@ -2,9 +2,9 @@
 
 A request's `speculative` option, a plan's mode, a saved profile, the scheduler's load decision,
 llama.cpp's parameters, the runner and the TUI read a mode's row here, never its name; a new mode
-is a row here, its drafter (engine/drafters.py) and its pricing (profiles/speculation.py).
+is a row here, its drafter (engine/drafters.py) and its pricing (planner/speculation.py).
 The rules a plan derives from its row (the longest draft, the recurrent-state snapshots) are
-methods of the Plan (profiles/plan.py).
+methods of the Plan (planner/plan.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The store's side of `localllm pull` (the command is localllm/pull_command.py): the progress
+"""The store's side of `localllm pull` (the command is cli/pull.py): the progress
 bars and `--list`.
 
 The CLI pulls straight into the store (no daemon needed); the per-blob lock in the store's tmp/

@@ -182,7 +182,7 @@ class Scheduler:
 
     async def _share_cpu(self, entering: LoadedRunner | None = None) -> None:
         """Tell each busy runner that computes on the CPU how many do at once: each takes its
-        plan's share of the threads (runner/step.py). The runner of a request that starts
+        plan's share of the threads (engine/runner/step.py). The runner of a request that starts
         (`entering`) hears it before the request; the others between two of their steps."""
         if not self.cpu_share:
             return

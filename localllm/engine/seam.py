@@ -1,14 +1,14 @@
 """The engine seam: what the response pipeline asks of whatever answers for a model.
 
-Two kinds of engine answer: the local runner process (`runner/process.py`'s RunnerProcess,
+Two kinds of engine answer: the local runner process (`local.py`'s RunnerProcess,
 llama.cpp in a child process, one per loaded model, held through the scheduler's slots) and a
-remote model's upstream (`remote.py`'s RemoteEngine, an OpenAI-compatible server). The
-pipeline (`api/respond.py`) and the routes see only this protocol, so every route serves
+remote model's upstream (daemon/remote.py's RemoteEngine, an OpenAI-compatible server). The
+pipeline (daemon/api/respond.py) and the routes see only this protocol, so every route serves
 both: a route parses its wire format, the chat layer prepares the request the engine takes,
 and the engine's typed events (`Token`, `Progress`, `Done`, `Failure`) come back to the
 route's writer.
 
-The pipeline's `hold` (api/respond.py) picks the kind from the stored entry: a remote model's
+The pipeline's `hold` (daemon/api/respond.py) picks the kind from the stored entry: a remote model's
 engine is ready at once (its upstream loads and schedules for itself), a local one is loaded
 and one of its slots held by the scheduler.
 """

@@ -119,7 +119,7 @@ def loads_pinned(card: Card, plan: Plan, streamed_bytes: int) -> bool:
     """Whether a plan pins its RAM-resident weights for the GPU (engine/host_pin.py) rather than
     leaving them pageable: on a GPU, with blocks or tensors of blocks in RAM (the token table
     always is; alone it never crosses), all within the RAM budget (past RAM the file's pages
-    must stay evictable: profiles/disk.py)."""
+    must stay evictable: planner/disk.py)."""
     blocks_in_ram = any(device == CPU and n for device, n in plan.device_layers)
     return card.has_gpu and (blocks_in_ram or bool(plan.tensor_overrides)) \
         and not streamed_bytes
