@@ -22,7 +22,7 @@ UNUSED = (
     "localllm/daemon/chat/images.py",
     "localllm/engine/vision.py",
     "localllm/daemon/chat/grammar.py",
-    "localllm/daemon/chat/custom.py",
+    "localllm/modelstore/modelfile.py",
     "localllm/daemon/chat/truncate.py",
     "localllm/daemon/chat/roles.py",
     "localllm/daemon/drafting.py",

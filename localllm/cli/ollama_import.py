@@ -15,9 +15,14 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from localllm.daemon.api.create import Recipe, build
-from localllm.daemon.chat.custom import ModelfileError, check_template, parameter_value
 from localllm.errors import UserError
+from localllm.modelstore.modelfile import (
+    ModelfileError,
+    Recipe,
+    build,
+    check_template,
+    parameter_value,
+)
 from localllm.modelstore.ollama_store import (
     OllamaBlob,
     OllamaStoreError,

@@ -15,7 +15,7 @@ from localllm import __version__
 from localllm.config import DAEMON_ONLY, ENV
 
 from .. import remote, security
-from ..chat.custom import capabilities
+from ..chat.model import capabilities
 from ..chat.model import model_for
 from ..chat.template import DEFAULT_TEMPLATE
 from ..state import CONFIG, SCHEDULER, STORE

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from localllm.modelstore.gguf_header import GGUFError, read_header, read_token_pieces
+from localllm.modelstore.modelfile import Customization
 from localllm.modelstore.store import PROJECTOR_LAYER, DamagedModel, ModelEntry
 
 from .template import TemplateStyle, template_style
@@ -135,3 +136,8 @@ async def model_for(entry: ModelEntry, template: str | None = None) -> ChatModel
             from None
     model = replace(model, has_vision=entry.companion(PROJECTOR_LAYER) is not None)
     return model.with_template(template) if template else model
+
+
+def capabilities(model: ChatModel, custom: Customization) -> list[str]:
+    """/api/show's capabilities: the model's, with a Modelfile TEMPLATE in place of the GGUF's."""
+    return (model.with_template(custom.template) if custom.template else model).capabilities
