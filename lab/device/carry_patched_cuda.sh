@@ -22,7 +22,7 @@ carry=$root/.device-carry/llama-cpp-0.3.36-cuda-sm90.tgz
 [ -f "$carry" ] || { echo "error: no $carry: run ../shared/device/prepare.sh first" >&2; exit 1; }
 # the patched source, fresh whenever the patches change, and the source tarball with it, so
 # that both carried pieces come from the same patches
-bash "$root/scripts/device/carry_patched_source.sh" "$work"
+bash "$root/lab/device/carry_patched_source.sh" "$work"
 src=$(echo "$work"/src/llama_cpp_python-*/vendor/llama.cpp)
 # the carried build's options (../shared/device/build-cuda.sh), the ggml-cuda target alone
 cmake -S "$src" -B "$work/build" -G Ninja -DGGML_CUDA=ON -DGGML_RPC=ON \
