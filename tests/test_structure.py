@@ -351,3 +351,18 @@ def _imports_anywhere(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and not node.level:
             found.add(node.module or "")
     return found
+
+
+def test_the_engines_class_names_mean_one_class():
+    """The engine's words name one class each in the whole product (there were two `Engine`s,
+    the seam's protocol and the runner's loop, and two `LoadedModel`s, the runner's model and
+    the scheduler's record): a reader who meets the name knows which it is."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    engine = str(PACKAGE.relative_to(ROOT) / "engine") + "/"
+    twice = {name: paths for name, paths in where.items()
+             if len(paths) > 1 and any(p.startswith(engine) for p in paths)}
+    assert not twice, twice
