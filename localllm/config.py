@@ -64,7 +64,7 @@
   /v1/responses or with tools. Whichever it is, once a model has served 4 requests its next
   load is planned for the mix it served (the daemon keeps the lengths of its last 24 prompts
   and answers in the state dir, `workload.json`, 0600). The plan minimizes the session's total
-  time, prompt reading and decode at each depth (profiles.planning.workload has the lengths); a fill
+  time, prompt reading and decode at each depth (planner.workload has the lengths); a fill
   band above the first is planned for the long prompt that enters it; `tune` and `ps` say which
   workload a plan is for and where it came from.
 - expected_fill: the older form of workload, kept: when set (in the file or the environment) the

@@ -7,7 +7,7 @@
 
 Prints perplexity and the KL divergence to the reference (mean, 99th percentile) and how often
 the two agree on the most likely token; saves the results per (model, setting), where the tuner
-reads them to decide which KV settings `quality` allows (profiles.planning.quality).
+reads them to decide which KV settings `quality` allows (planner.quality).
 """
 
 from __future__ import annotations

@@ -349,7 +349,7 @@ def format_bands(bands: list[tuple[int, Plan]], shape: ModelShape,
 
 def band_loaded(bands: list[tuple[int, Plan]], i: int, plan: Plan, explicit: bool) -> bool:
     """Whether the daemon loads band i of `bands` (the last: the whole context's band), as
-    profiles.tuning.bands.choose_bands keeps them; without bands it loads `plan` alone."""
+    profiles.bands.choose_bands keeps them; without bands it loads `plan` alone."""
     from localllm.profiles.bands import band_pays
 
     if explicit:

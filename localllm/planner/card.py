@@ -60,7 +60,7 @@ class Card:
     # tune --ram/--cores)
     source: str = "profile"
     # The host's disk read rate, GB/s, from `tune --calibrate` or a profile's [host] disk_gbs;
-    # 0: not measured (plans past RAM assume profiles.planning.disk.ASSUMED_DISK_GBS)
+    # 0: not measured (plans past RAM assume planner.disk.ASSUMED_DISK_GBS)
     disk_read_gbs: float = 0.0
     # RAM a model may take when probed: MemAvailable capped by the cgroup's memory.max
     # (engine/hardware.py ram_available); 0: not probed (plans count ram_bytes less a reserve)

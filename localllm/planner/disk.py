@@ -12,7 +12,7 @@ is not allowed that far, decode is slower than predicted and the runner says so.
 of experts only the routed experts are read per token, so only that share of the excess comes
 from disk.
 
-The read rate is the host's, measured by `localllm tune --calibrate` (profiles.tuning.calibrate) and
+The read rate is the host's, measured by `localllm tune --calibrate` (profiles.calibrate) and
 stored with the other calibration figures; without a measurement a conservative NVMe figure is
 assumed and the plan says so.
 """

@@ -2,7 +2,7 @@
 (memory per device, decode and prefill speed, the workload's session), as an `Option`; which
 options the quality policy lets win; and the slots and sliding-window cache that take what
 VRAM the winner leaves. The placements worth pricing come from their kinds
-(profiles.planning.placements); the search over contexts is profiles.planning.tuner.
+(planner.placements); the search over contexts is planner.tuner.
 """
 
 from __future__ import annotations

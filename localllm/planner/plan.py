@@ -1,6 +1,6 @@
 """Plan: every parameter the runner loads a model with, with the predicted cost and the reasons.
 
-The runner only ever sees a Plan; the tuner (profiles.tuning.choose) makes them. `cpu_plan`
+The runner only ever sees a Plan; the tuner (profiles.choose) makes them. `cpu_plan`
 holds the safe all-CPU defaults the tuner starts from on a machine without a GPU.
 """
 
@@ -82,7 +82,7 @@ class Plan:
     draft_n_max: int = 0  # the longest draft; the runner adapts below it (0: the mode's default)
     draft_n_gpu_layers: int = 0  # the draft model's layers on the GPU (llama.cpp's -ngld)
     # RPC workers ("host:port") whose devices come before the local GPUs in llama.cpp's device
-    # list; tensor_split counts over that list (profiles.tuning.rpc_plan makes such plans).
+    # list; tensor_split counts over that list (profiles.rpc_plan makes such plans).
     rpc_workers: tuple[str, ...] = ()
     # Layers per device ("CPU", "RPC[host:port]#0", "CUDA0"; the output layer counted), for ps.
     device_layers: tuple[tuple[str, int], ...] = ()
@@ -101,7 +101,7 @@ class Plan:
     predicted_decode_by_depth: tuple[tuple[int, float], ...] = ()  # (tokens in context, tok/s)
     # Time to the first token of a prompt read into an empty context: (prompt tokens, seconds)
     predicted_ttft: tuple[tuple[int, float], ...] = ()
-    workload: str = ""  # the session the plan was made for (profiles.planning.workload)
+    workload: str = ""  # the session the plan was made for (planner.workload)
     workload_source: str = ""  # where that came from: learned from N requests, a route, config
     predicted_session_s: float = 0.0  # that session's predicted time, prompts and answers
     reasons: tuple[str, ...] = ()

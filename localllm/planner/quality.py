@@ -14,7 +14,7 @@ Policies, each a threshold on the mean KL divergence:
                      context's KV on the GPU (the cache's size then decides the speed)
     speed     0.05   any setting, the fastest wins
 Measured results live in `<config dir>/profiles/quality.toml`, one table per model
-(profiles.tuning.eval_results reads and writes them).
+(profiles.eval_results reads and writes them).
 """
 
 from __future__ import annotations

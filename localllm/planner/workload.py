@@ -13,7 +13,7 @@ its answer (slower as the context fills), and minimizes the total time.
 - fill (the older `expected_fill`): one short prompt, then an answer that fills that part of
   the context; the plan then maximizes decode averaged over the fill, as it used to.
 - learned (`learned`): the mix of the requests a model served, from the daemon's record of
-  their lengths (profiles.tuning.traffic): the first prompts, what each later turn adds, the
+  their lengths (profiles.traffic): the first prompts, what each later turn adds, the
   answers.
 
 A fill band above the first is entered by a prompt longer than the band below holds (a long
@@ -66,7 +66,7 @@ class Workload:
 
     def in_band(self, band: int) -> Workload:
         """The part of sessions a fill band of `band` tokens serves
-        (profiles.tuning.bands.band_plans).
+        (profiles.bands.band_plans).
 
         A runner starts in the smallest band that holds a request's prompt, so a session whose
         first turn does not fit the band never runs in it: what the band serves then are the

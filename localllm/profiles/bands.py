@@ -8,7 +8,7 @@ with the next band's plan and carries every sequence's KV over (engine/runner/ba
     choose_bands(shape, name, load, card, plan) the bands the daemon loads (config fill_bands)
                                                 and the whole context's plan beside them
 
-Each band is planned for the prompt that enters it (profiles.planning.workload): the first for
+Each band is planned for the prompt that enters it (planner.workload): the first for
 the short requests a runner starts with, the others for the long prompt that moves it up.
 """
 
@@ -96,7 +96,7 @@ def choose_bands(shape: ModelShape, model_name: str, load: LoadOptions, card: Ca
     decode faster after a short prompt (else the short moments would pay for it: band_pays);
     a band above it where it does so against the whole context's band. Never with drafting by
     a draft model or MTP, or RPC workers: their state is bound to the loaded model. `hint`:
-    the route's, as for the plan (profiles.tuning.traffic). `config`: the daemon's live
+    the route's, as for the plan (profiles.traffic). `config`: the daemon's live
     settings (None: config.toml)."""
     sizes = parse_bands(setting)
     if sizes == "off" or plan.draft_mode.loaded or plan.rpc_workers:

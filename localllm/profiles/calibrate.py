@@ -5,7 +5,7 @@ disk read rate, and store them with the calibration.
 Without torch the tuner uses the theoretical figures NVML gives (memory clock x bus width, PCIe
 generation x width: see hardware.card_from_nvml); those are peaks no kernel reaches, which is
 what the measured figures correct. The disk rate (plans past RAM read weights from disk, see
-profiles.planning.disk) is the host's, so it is stored under `[host]`, for every card planned here.
+planner.disk) is the host's, so it is stored under `[host]`, for every card planned here.
 """
 
 from __future__ import annotations

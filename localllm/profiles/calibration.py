@@ -1,7 +1,7 @@
 """The calibration this machine keeps, `<config dir>/profiles/calibration.toml`: per card
 what `localllm tune --measure` learned (factors on the speed model's bandwidths) and what
 `--calibrate` measured (bandwidths), and under `[host]` the disk's read rate; `calibrated`
-applies them to a card. Written by profiles.tuning.measure and profiles.tuning.calibrate.
+applies them to a card. Written by profiles.measure and profiles.calibrate.
 """
 
 from __future__ import annotations

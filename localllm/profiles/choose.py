@@ -69,7 +69,7 @@ def config_request(model_name: str | None = None, file_size: int = 0,
                    hint: str | None = None, config: Config | None = None) -> Request:
     """The config's tuner settings (quality, kv_cache_type, num_parallel, vram_margin_mib,
     ram_budget, expert_cache, expert_misses, expert_cache_device), the workload (learned from
-    what the model served, else the config's or the route's `hint`: profiles.tuning.traffic; the
+    what the model served, else the config's or the route's `hint`: profiles.traffic; the
     older expected_fill where set), the model's `localllm eval` results and the draft acceptance
     measured while serving it, as a Request.
     `config`: the daemon's live settings (None: config.toml, see tuning_config)."""
@@ -156,13 +156,13 @@ def choose_plan(shape: ModelShape, model_name: str, n_ctx: int | None, load: Loa
     engine/hardware.py); raises NoPlanFits (a UserError) when the model cannot run at that
     context on this machine. `draft_shape`: the draft model paired with it in the catalog,
     which the tuner may plan speculative decoding with. `hint`: what the request that loads it
-    says of its session (profiles.tuning.traffic.route_hint). `config`: the daemon's live
+    says of its session (profiles.traffic.route_hint). `config`: the daemon's live
     settings (None: config.toml)."""
     settings, _ = tuning_config(config)
     base = config_request(model_name, shape.file_size, hint, settings)
     request = request_from_load(n_ctx, load, base.margin_bytes, base)
     workers = settings.rpc_workers if settings is not None else ()
-    if workers:  # other machines' devices too: profiles.tuning.rpc_plan (no saved profiles)
+    if workers:  # other machines' devices too: profiles.rpc_plan (no saved profiles)
         from .rpc_plan import plan_for_workers
 
         plan = plan_for_workers(shape, card, request, workers, tune_checked)
@@ -233,7 +233,7 @@ def tune_checked(shape: ModelShape, card: Card, request: Request,
 
 
 def settings_of(plan: Plan) -> ContextSettings:
-    # the runner's recurrent-state snapshots, by the same rule as llama.params
+    # the runner's recurrent-state snapshots, by the same rule as engine.params
     return ContextSettings(plan.n_ctx, plan.type_k, plan.type_v, plan.flash_attn, plan.n_ubatch,
                            plan.swa_full, plan.n_parallel, n_rs_seq=plan.rollback_positions())
 

@@ -1,6 +1,6 @@
 """`localllm eval` results as they are kept: the KL divergence each KV setting cost a model,
 in `<config dir>/profiles/quality.toml`, one table per model (the policy that reads them is
-profiles.planning.quality)."""
+planner.quality)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A workload the user must name is a setting nobody sets, while the daemon sees every request. So
 it keeps, per model, the last KEEP requests as (prompt tokens, tokens of it read, answer tokens),
-and the next load of that model is planned for that mix (profiles.planning.workload.learned). Before
+and the next load of that model is planned for that mix (planner.workload.learned). Before
 there is enough of a record, the workload comes from the config (`workload = chat|agent`), or,
 with `auto`, from the route that asked: Anthropic's /v1/messages, OpenAI's /v1/responses and
 requests with tools are agents' (a long system prompt, tool results turn after turn).

@@ -50,7 +50,7 @@ class ChatRequest:
     logprobs: int | None = None
     echo: bool = False  # completions: the answer starts with the prompt (with its logprobs)
     # What the route says of the session, for a model's first load before the daemon has seen
-    # what it is asked (profiles.tuning.traffic): agents' routes name themselves.
+    # what it is asked (profiles.traffic): agents' routes name themselves.
     workload_hint: str | None = None
     extra: dict = field(default_factory=dict)
 

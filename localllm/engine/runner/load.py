@@ -33,7 +33,7 @@ class Load:
     prompt_cache_bytes: int = 0  # the RAM the runner may keep prompts of taken slots in
     model_path: Path | None = None  # the model's file
     # A vision model's image tokens (0: none): the plan's micro-batch holds one image's
-    # (profiles.planning.vision.with_room_for_images), a smaller plan's too
+    # (planner.vision.with_room_for_images), a smaller plan's too
     image_tokens: int = 0
 
     def serves(self, running: Plan, asked: LoadOptions) -> bool:
