@@ -73,7 +73,7 @@ class Planner:
                load: LoadOptions, draft_shape: ModelShape | None = None,
                projector=None, hint: str | None = None) -> Plan:
         """`projector`: a vision model's ProjectorInfo, planned on the card with the model
-        (profiles.vision). `hint`: what the loading request's route says of its session."""
+        (planner.vision). `hint`: what the loading request's route says of its session."""
         from localllm.profiles.choose import choose_plan
 
         card = self.card()

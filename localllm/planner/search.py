@@ -56,7 +56,7 @@ class Request:
     num_parallel: int | None = 1  # slots: a cap; None = auto (as many as fit, at most 4)
     ffn_split: bool = True  # may a block's FFN sit in RAM apart from its attention
     # Measured acceptance per speculative mode ("mtp", "draft", "lookup"); others are assumed
-    # (profiles.speculation.ASSUMED_ACCEPTANCE).
+    # (planner.speculation.ASSUMED_ACCEPTANCE).
     acceptance: Mapping[str, float] = field(default_factory=dict)
     speculation: bool = True  # may the plan turn speculative decoding on
     # The smallest context a plan chosen without n_ctx gets (config default_ctx under the
@@ -115,7 +115,7 @@ class Option:
 
     @property
     def ram_fits(self) -> bool:
-        """Weights past the RAM budget are read from the mmapped file (profiles.disk); what is
+        """Weights past the RAM budget are read from the mmapped file (planner.disk); what is
         allocated (KV, compute buffers) must fit."""
         return non_weight_ram_fits(self.memory, self.ram_budget)
 

@@ -19,7 +19,7 @@ position, and the prompt is read from there (reuse.py). llama-server does the sa
 context checkpoints (tools/server/server-context.cpp); this follows its semantics.
 
 The copies live in RAM, at most `MAX_PER_SLOT` per slot; the tuner counts them in the plan's
-RAM (profiles.memory.checkpoint_bytes, which owns that number); one that leaves its slot and
+RAM (planner.memory.checkpoint_bytes, which owns that number); one that leaves its slot and
 no saved sequence holds lends its buffer to the next copy (engine/state.py). llama.cpp's
 `ON_DEVICE` flag keeps one copy per sequence only (taking another invalidates the first): it
 cannot hold several.
