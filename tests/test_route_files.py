@@ -22,6 +22,7 @@ UNUSED = (
     "localllm/daemon/chat/images.py",
     "localllm/engine/vision.py",
     "localllm/daemon/chat/grammar.py",
+    "localllm/modelstore/custom.py",
     "localllm/modelstore/modelfile.py",
     "localllm/daemon/chat/truncate.py",
     "localllm/daemon/chat/roles.py",

@@ -16,13 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from localllm.errors import UserError
-from localllm.modelstore.modelfile import (
-    ModelfileError,
-    Recipe,
-    build,
-    check_template,
-    parameter_value,
-)
+from localllm.modelstore.custom import ModelfileError, check_template, parameter_value
+from localllm.modelstore.modelfile import Recipe, build
 from localllm.modelstore.ollama_store import (
     OllamaBlob,
     OllamaStoreError,

@@ -21,7 +21,7 @@ from aiohttp import web
 from localllm.modelstore.store import ModelEntry
 
 from ..chat.compaction import summary_message
-from localllm.modelstore.modelfile import Customization
+from localllm.modelstore.custom import Customization
 from ..chat.request import ChatRequest
 from localllm.engine.runner.protocol import new_request_id
 from .anthropic_context import context_edits, managed

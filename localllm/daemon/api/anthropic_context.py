@@ -28,7 +28,7 @@ from localllm.engine.runner.protocol import Done
 from localllm.modelstore.store import ModelEntry
 
 from ..chat.compaction import summarising, summary_message, summary_text
-from localllm.modelstore.modelfile import Customization
+from localllm.modelstore.custom import Customization
 from ..chat.parse import Parsed
 from ..chat.request import ChatRequest
 from localllm.engine.runner.protocol import new_request_id

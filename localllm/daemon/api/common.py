@@ -19,7 +19,7 @@ from localllm.modelstore.store import ModelEntry, StoreError
 from localllm import options
 from localllm.options import LoadOptions, SamplingOptions
 
-from localllm.modelstore.modelfile import CUSTOM_LAYERS, Customization, read_customization
+from localllm.modelstore.custom import CUSTOM_LAYERS, Customization, read_customization
 from ..chat.images import ImageSource, slot
 from ..http_errors import ApiError, bad_request
 from ..state import STORE

@@ -6,8 +6,8 @@
     SYSTEM \"\"\"<system prompt>\"\"\"
 
 The new model shares the base's GGUF blob; what the Modelfile adds is stored as small blobs
-(modelstore/modelfile.py reads and builds it). Ollama's JSON form (`from`, `files`,
-`template`, `system`, `parameters`) maps onto the same thing.
+(modelstore/modelfile.py builds it, modelstore/custom.py stores it). Ollama's JSON form
+(`from`, `files`, `template`, `system`, `parameters`) maps onto the same thing.
 """
 
 from __future__ import annotations
@@ -17,18 +17,14 @@ import hashlib
 import json
 
 from aiohttp import web
-from localllm.modelstore.modelfile import (
-    BLOB_DIGEST,
+from localllm.modelstore.custom import (
     MESSAGE_ROLES,
     OLLAMA_ONLY,
     ModelfileError,
-    Recipe,
-    build,
     check_template,
-    is_path,
     parameter_value,
-    parse_modelfile,
 )
+from localllm.modelstore.modelfile import BLOB_DIGEST, Recipe, build, is_path, parse_modelfile
 from localllm.modelstore.store import ModelStore, no_room_is_disk_full
 
 from .. import security

@@ -23,7 +23,7 @@ from localllm.planner.quality import kv_label
 from localllm.config import ConfigError, parse_duration
 from localllm.options import LoadOptions, SamplingOptions
 
-from localllm.modelstore.modelfile import Customization
+from localllm.modelstore.custom import Customization
 from ..chat.parse import Parsed
 from ..chat.request import THINK_LEVELS, ChatRequest
 from localllm.engine.runner.protocol import new_request_id

@@ -12,7 +12,7 @@ from localllm.modelstore.store import ModelEntry
 
 from localllm.options import LoadOptions, SamplingOptions
 
-from localllm.modelstore.modelfile import Customization
+from localllm.modelstore.custom import Customization
 from ..chat.parse import Parsed
 from ..chat.request import ChatRequest
 from localllm.engine.runner.protocol import new_request_id

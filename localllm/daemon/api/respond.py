@@ -27,7 +27,7 @@ from localllm.modelstore.store import ModelEntry
 from localllm.errors import UserError
 from localllm.options import LoadOptions
 
-from localllm.modelstore.modelfile import Customization
+from localllm.modelstore.custom import Customization
 from ..chat.images import load_images
 from ..chat.model import ChatModel, model_for
 from ..chat.parse import Parsed

@@ -25,7 +25,7 @@ from localllm.engine.runner.protocol import Done, Progress
 from localllm.modelstore.store import ModelEntry
 
 from ..chat.compaction import summarising, summary_text
-from localllm.modelstore.modelfile import Customization
+from localllm.modelstore.custom import Customization
 from ..chat.parse import Parsed, ToolCall
 from ..chat.request import ChatRequest
 from localllm.engine.runner.protocol import new_request_id

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from localllm.modelstore.gguf_header import GGUFError, read_header, read_token_pieces
-from localllm.modelstore.modelfile import Customization
+from localllm.modelstore.custom import Customization
 from localllm.modelstore.store import PROJECTOR_LAYER, DamagedModel, ModelEntry
 
 from .template import TemplateStyle, template_style
