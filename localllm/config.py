@@ -65,7 +65,7 @@
   /v1/responses or with tools. Whichever it is, once a model has served 4 requests its next
   load is planned for the mix it served (the daemon keeps the lengths of its last 24 prompts
   and answers in the state dir, `workload.json`, 0600). The plan minimizes the session's total
-  time, prompt reading and decode at each depth (profiles.planning.workload has the lengths); a fill
+  time, prompt reading and decode at each depth (planner.workload has the lengths); a fill
   band above the first is planned for the long prompt that enters it; `tune` and `ps` say which
   workload a plan is for and where it came from.
 - expected_fill: the older form of workload, kept: when set (in the file or the environment) the
@@ -147,6 +147,7 @@ from pathlib import Path
 import tomli_w
 
 from . import paths
+from .kv_types import KV_SETTINGS
 from .config_values import (
     ConfigError, parse_bands, parse_duration, parse_endpoint, parse_gpus, parse_size, parse_table,
 )
@@ -182,7 +183,7 @@ class Config:
     default_ctx: int = setting(4096, "LOCALLLM_CONTEXT_LENGTH", least=256)
     context_policy: str = setting("fit", "LOCALLLM_CONTEXT_POLICY", words=("fixed", "fit", "max"))
     kv_cache_type: str = setting("auto", "LOCALLLM_KV_CACHE_TYPE",
-                                 words=("auto", "f16", "bf16", "q8_0", "q4_0", "q8_0/q4_0"))
+                                 words=("auto", *KV_SETTINGS))
     quality: str = setting("balanced", "LOCALLLM_QUALITY", words=("max", "balanced", "speed"))
     expected_fill: float = setting(0.5, "LOCALLLM_EXPECTED_FILL", least=0.05, most=1.0)
     workload: str = setting("auto", "LOCALLLM_WORKLOAD", words=("auto", "chat", "agent"))

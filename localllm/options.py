@@ -71,8 +71,8 @@ _TABLE = (
     Option("num_predict", int, SAMPLE, "most tokens per answer (-1: until the model stops)",
            -2, 1 << 24),
     Option("stop", list, SAMPLE, "stop strings (several allowed)"),
-    Option("speculative", str, SAMPLE, "drafting: auto, off, lookup, mtp or draft (mtp and "
-           "draft reload the model)", choices=SPECULATIVE_CHOICES),
+    Option("speculative", str, SAMPLE, f"drafting: {', '.join(SPECULATIVE_CHOICES)} "
+           f"({' and '.join(LOAD_MODES)} reload the model)", choices=SPECULATIVE_CHOICES),
     Option("num_ctx", int, LOAD, "context length; reloads the model", 256, 1 << 24),
     Option("num_gpu", int, LOAD, "layers on the GPU (-1: the tuner decides); reloads the model",
            -1, 1 << 16, auto=(-1,)),
@@ -197,14 +197,18 @@ def build(given: Mapping) -> tuple[SamplingOptions, LoadOptions]:
     sampling = SamplingOptions(**{k: v for k, v in given.items() if k in _SAMPLING_FIELDS})
     if sampling.temperature < given.get("min_temperature", 0):
         sampling = replace(sampling, temperature=given["min_temperature"])
-    load = {}
-    for name, value in given.items():
-        option = OPTIONS[name]
-        if option.role == LOAD and value not in option.auto:
-            load[name] = value
-    if given.get("speculative") in LOAD_MODES:
-        load["speculative"] = given["speculative"]
+    load = {name: value for name, value in given.items() if reloads(name, value)}
     return sampling, LoadOptions(**load)
+
+
+def reloads(name: str, value) -> bool:
+    """Whether a request's `name` = `value` changes what is loaded: a load option's own value
+    (not its "the tuner decides"), or a speculative mode that loads a drafter (LOAD_MODES).
+    The one table of load options: LoadOptions' fields, the TUI's "reloads" note."""
+    option = OPTIONS.get(name)
+    if option is not None and option.role == LOAD:
+        return value not in option.auto
+    return name == "speculative" and value in LOAD_MODES
 
 
 def parse(values: Mapping, labels: Mapping[str, str] | None = None

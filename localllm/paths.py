@@ -155,6 +155,12 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+# The size and count of the daemon's and the runners' log files: rotated by open_private_log
+# (runner logs) and by the daemon's own handler.
+LOG_FILE_BYTES = 10 * 1024 * 1024
+LOG_FILE_BACKUPS = 3
+
+
 def open_private_log(path: Path, max_bytes: int, backups: int, truncate: bool = False):
     """`path` opened for appending (binary), 0600 in a 0700 folder; first, a file past
     `max_bytes` is rotated to `path.1` (.. `path.<backups>`, the oldest dropped)."""

@@ -2,9 +2,9 @@
 
 A request's `speculative` option, a plan's mode, a saved profile, the scheduler's load decision,
 llama.cpp's parameters, the runner and the TUI read a mode's row here, never its name; a new mode
-is a row here, its drafter (llama/drafters.py) and its pricing (profiles/speculation.py).
+is a row here, its drafter (engine/drafters.py) and its pricing (planner/speculation.py).
 The rules a plan derives from its row (the longest draft, the recurrent-state snapshots) are
-methods of the Plan (profiles/plan.py).
+methods of the Plan (planner/plan.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Mode:
     # request; the others adapt up to MAX_DRAFT at the acceptance measured.
     default_draft: int = MAX_DRAFT
     plan_bounds_length: bool = False
-    # Prompts of taken slots may be kept in RAM (the prompt cache, llama/runner/reuse.py); not
+    # Prompts of taken slots may be kept in RAM (the prompt cache, engine/runner/reuse.py); not
     # with MTP, whose own cache of each sequence would have to be saved and restored beside the
     # target's.
     prompt_cache: bool = True
@@ -61,9 +61,14 @@ class UnknownMode(ValueError):
     pass
 
 
+def current_name(name: str) -> str:
+    """A mode under its current name (an unknown name is left for the caller to refuse)."""
+    return ALIASES.get(name, name)
+
+
 def mode(name: str) -> Mode:
     """The row of a mode (under its current name); UnknownMode names the modes there are."""
-    row = BY_NAME.get(ALIASES.get(name, name))
+    row = BY_NAME.get(current_name(name))
     if row is None:
         raise UnknownMode(f"unknown speculative mode {name!r}; use "
                           f"{', '.join(SPECULATIVE_MODES)}")

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Check a running daemon against what editors and apps depend on; print PASS or FAIL per case.
 
-    python scripts/check_clients.py                          # the daemon at LOCALLLM_HOST
-    python scripts/check_clients.py --url http://127.0.0.1:11434 --model smollm2
+    python -m scripts.check_clients                          # the daemon at LOCALLLM_HOST
+    python -m scripts.check_clients --url http://127.0.0.1:11434 --model smollm2
 
 Each case names the client whose source it comes from (see docs/ and the README's API section).
 Tools and fill-in-the-middle are checked both ways: a model whose /api/show lists the

@@ -1,6 +1,6 @@
 """Check that a llama.cpp build exports every C function that is bound to it by name.
 
-    .venv/bin/python scripts/check_symbols.py [LIB_DIR]
+    .venv/bin/python -m scripts.check_symbols [LIB_DIR]
 
 LIB_DIR defaults to the lib folder of the installed `llama_cpp`. The names come from the
 sources, read with `ast`, not from a list kept by hand:
@@ -21,7 +21,6 @@ import ast
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,11 +103,8 @@ def project_loads(path: Path) -> tuple[set[str], set[str]]:
 
 
 def project_dirs() -> list[Path]:
-    """The package's folders (pyproject.toml's package-dir) and scripts/."""
-    with open(REPO / "pyproject.toml", "rb") as f:
-        mapping = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
-    tops = {folder.split("/")[0] for folder in mapping.values()}
-    return [REPO / top for top in sorted(tops | {"scripts"})]
+    """The package (localllm/) and scripts/."""
+    return [REPO / "localllm", REPO / "scripts"]
 
 
 def check(lib_dir: Path, package_dir: Path) -> list[str]:

@@ -159,5 +159,5 @@ else
   PYTHONWARNINGS=ignore::UserWarning "${pip[@]}" install -q -e ".$extra"
 fi
 # What the engine was compiled for, as it reports itself (the CPU line of its system info).
-echo "llama.cpp built for: $(.venv/bin/python -m localllm.llama.cpu --built-for)"
+echo "llama.cpp built for: $(.venv/bin/python -m localllm.engine.cpu --built-for)"
 echo "installed: $(.venv/bin/localllm --version)  ->  .venv/bin/localllm"

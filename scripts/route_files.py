@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Which of the project's files one warm request crosses, in every process of the daemon's tree.
 
-    python scripts/route_files.py                  # one plain POST /api/chat, streamed
-    python scripts/route_files.py --route /v1/chat/completions
-    python scripts/route_files.py --json           # the same, as JSON (tests read it)
+    python -m scripts.route_files                  # one plain POST /api/chat, streamed
+    python -m scripts.route_files --route /v1/chat/completions
+    python -m scripts.route_files --json           # the same, as JSON (tests read it)
 
 Starts a real daemon on the small test model, loads it with a first request, then sends one
 more request of the same kind and prints two counts of the files of ours that it runs:
@@ -32,22 +32,14 @@ import math
 import os
 import signal
 import struct
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
-
-ROOMS = ("localllm", "daemon", "llama", "profiles", "modelstore", "cli", "tui")
 
 HOOK = '''
 import os
@@ -130,17 +122,12 @@ BODIES = {
 
 
 def ours(path: str) -> str | None:
-    """`path` as the project names it (daemon/api/ollama.py), or None for a file not ours. A
-    checkout without an editable install reads localllm/<room>/... through a shim package."""
+    """`path` as the project names it (localllm/daemon/api/ollama.py), or None for a file not
+    ours."""
     parts = Path(path).parts
-    if "site-packages" in parts or not path.endswith(".py"):
+    if "site-packages" in parts or not path.endswith(".py") or "localllm" not in parts:
         return None
-    for i, part in enumerate(parts):
-        if part in ROOMS:
-            if part == "localllm" and len(parts) > i + 2 and parts[i + 1] in ROOMS[1:]:
-                i += 1
-            return "/".join(parts[i:])
-    return None
+    return "/".join(parts[len(parts) - 1 - parts[::-1].index("localllm"):])
 
 
 def post(url: str, route: str) -> None:
@@ -193,8 +180,8 @@ def measure(route: str) -> dict:
     """Run one warm request on `route` under the hooks: {"processes": {name: {file: seconds
     from the request's sending to the file's first call}}, "decode": seconds to the runner's
     first llama_decode}."""
-    import fetch_test_models
-    from daemon_process import isolated_env, start_daemon
+    from scripts import fetch_test_models
+    from tests.daemon_process import isolated_env, start_daemon
 
     from localllm.modelstore.store import ModelStore
 

@@ -1,7 +1,7 @@
 """Write docs/settings.md from the settings table in localllm/config.py's docstring.
 
-    python scripts/settings_doc.py           rewrite docs/settings.md
-    python scripts/settings_doc.py --check   exit 1 when docs/settings.md differs
+    python -m scripts.settings_doc           rewrite docs/settings.md
+    python -m scripts.settings_doc --check   exit 1 when docs/settings.md differs
 
 The table and the notes under it are the one source; tests/test_settings_doc.py fails when the
 page was not regenerated after the table changed.

@@ -1,7 +1,7 @@
 """Soak a localllm daemon on this machine: many clients, mixed requests, runner kills; then
 check that it held. Bounded in time and in requests; loopback only (it kills runner pids).
 
-    .venv/bin/python scripts/soak.py --spawn --clients 64 --duration 120 --kill-every 20
+    .venv/bin/python -m scripts.soak --spawn --clients 64 --duration 120 --kill-every 20
 
 --spawn starts `localllm serve` on a free loopback port with this environment (its store and
 config: point LOCALLLM_MODELS or XDG_DATA_HOME elsewhere to soak a scratch store) and stops it

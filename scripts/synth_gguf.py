@@ -3,7 +3,7 @@
 
 Speed and memory of llama.cpp do not depend on weight values, so a synthetic file measures what
 the real model costs without downloading it, with one exception: which experts an MoE model
-routes to (scripts/synth_routing.py, docs/bench/synthetic-routing.md). Fillings:
+routes to (scripts/synth_routing.py, docs/synthetic-routing.md). Fillings:
   sparse  header plus holes: no disk used, llama.cpp reads zeros (planning, dry runs, loads;
           an MoE model then routes every token to the same experts)
   random  small random weights, quantized validly, so the model computes finite numbers (16
@@ -13,10 +13,10 @@ routes to (scripts/synth_routing.py, docs/bench/synthetic-routing.md). Fillings:
   zeros   written zeros (a sparse file on a filesystem without holes)
 --routing (MoE shapes) uniform, balanced, zipf:S, local:G,S or real (scripts/synth_routing.py).
 
-    python scripts/synth_gguf.py dense-27b /tmp/dense-27b.gguf --type Q4_0 --fill random
-    python scripts/synth_gguf.py --list
-    python scripts/synth_gguf.py llama-8b /tmp/tiny.gguf --tiny      # a loadable toy of that shape
-    python scripts/synth_gguf.py qwen3-next-80b-a3b /tmp/80b.gguf --fill random --routing zipf:0.6
+    python -m scripts.synth_gguf dense-27b /tmp/dense-27b.gguf --type Q4_0 --fill random
+    python -m scripts.synth_gguf --list
+    python -m scripts.synth_gguf llama-8b /tmp/tiny.gguf --tiny      # a loadable toy of that shape
+    python -m scripts.synth_gguf qwen3-next-80b-a3b /tmp/80b.gguf --fill random --routing zipf:0.6
 
 The vocabulary is a byte-fallback SentencePiece one ("llama" tokenizer) of the shape's size.
 The shapes and their tensor tables: scripts/synth_shapes.py. A vision pair (a Gemma 3 model
@@ -31,11 +31,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import synth_routing
+from scripts import synth_routing
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
 from gguf import quants as gguf_quants
 # The shapes, which the benchmarks and tests also import from here.
-from synth_shapes import (  # noqa: F401
+from scripts.synth_shapes import (  # noqa: F401
     SHAPES, ShapeConfig, Tensor, fewer_experts, tensor_table, tiny,
 )
 
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="MoE routers: uniform, balanced (no reuse beyond chance), zipf:S "
                         "(Zipf-like popularity of exponent about S), local:G,S (popularity plus "
                         "locality of gain G that follows the text) or real "
-                        "(docs/bench/synthetic-routing.md)")
+                        "(docs/synthetic-routing.md)")
     p.add_argument("--list", action="store_true", help="list the shapes")
     args = p.parse_args(argv)
     if args.list or not args.shape:

@@ -15,7 +15,7 @@ what the hidden state carries of u: popularity is Zipf-like, with an exponent of
 the most used quarter of the experts, and moves with the text as far as the hidden state does
 (a token leaning less along u is routed more by its own content). It acts through the hidden
 state llama.cpp computes, with no change to the engine; scripts/bench/routing_profile.py measures
-the LRU hit-rate curve it gives (docs/bench/synthetic-routing.md).
+the LRU hit-rate curve it gives (docs/synthetic-routing.md).
 
 Local routing (`local:G,S`): the same popularity, plus locality that follows the text. Every
 attention block's q and k share one large constant component (along u, which every token
@@ -31,7 +31,7 @@ state that routes alike (uniform qwen3moe models do past a dozen blocks).
 
 Spec: "uniform" (default), "balanced", "zipf:S" with S in (0, 3], "local:G,S" with G in
 (0, 20] and S in [0, 3], or "real" (local:REAL_GAIN,REAL_ZIPF: the calibrated one,
-docs/bench/synthetic-routing.md).
+docs/synthetic-routing.md).
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-import synth_locality
+from scripts import synth_locality
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 # b_e per unit of S, in units of the spread of a score's content part: measured on tiny
 # qwen3moe / qwen35moe / qwen3next models (scripts/bench/routing_profile.py), zipf:1 fits an
 # exponent of 1.05 / 1.11 / 1.33 over the head of the popularity curve, zipf:0.5 0.88 / 0.62
-# / 0.74 (docs/bench/synthetic-routing.md).
+# / 0.74 (docs/synthetic-routing.md).
 STRENGTH_PER_EXPONENT = 1.0
 U_WEIGHT = 0.5  # u's length in a token's embedding, relative to the noise's
 
@@ -136,7 +136,7 @@ def writer(spec: str, config, fill: str, seed: int):
 # models keep their residual branches small; skewed models do too. Uniform ones keep them
 # full: their worst case needs hidden states that forget the token (the hybrids' recurrent
 # blocks give that; qwen3moe's attention-only blocks instead converge to one state that routes
-# every token alike past block 12, see docs/bench/synthetic-routing.md).
+# every token alike past block 12, see docs/synthetic-routing.md).
 RESIDUAL_BRANCHES = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight",
                      "ffn_down_exps.weight", "ffn_down_shexp.weight")
 

@@ -3,8 +3,8 @@
 projector (SigLIP encoder, average pool, soft-embedding norm, input projection) with the tensor
 names and keys the vendored mtmd reads.
 
-    python scripts/synth_vision.py /tmp/vl                      # model.gguf + mmproj.gguf, toy
-    python scripts/synth_vision.py /tmp/vl27 --shape gemma3-27b # the full-size pair
+    python -m scripts.synth_vision /tmp/vl                      # model.gguf + mmproj.gguf, toy
+    python -m scripts.synth_vision /tmp/vl27 --shape gemma3-27b # the full-size pair
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import synth_gguf
+from scripts import synth_gguf
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
-from synth_gguf import SHAPES, ShapeConfig, tiny, write_gguf
+from scripts.synth_gguf import SHAPES, ShapeConfig, tiny, write_gguf
 
 @dataclass(frozen=True)
 class ProjectorConfig:

@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
-.venv/bin/python scripts/fetch_test_models.py >/dev/null
+.venv/bin/python -m scripts.fetch_test_models >/dev/null
 exec .venv/bin/python -m pytest -q "$@"

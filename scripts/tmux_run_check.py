@@ -2,7 +2,7 @@
 """Run `localllm run MODEL` in a real terminal (tmux), type a prompt, read the answer and the
 stats line off the screen with `tmux capture-pane`, then quit with /bye.
 
-    python scripts/tmux_run_check.py [--model smollm2] [--prompt "..."] [--size 100x30]
+    python -m scripts.tmux_run_check [--model smollm2] [--prompt "..."] [--size 100x30]
 
 Uses the daemon that `localllm` itself would use (LOCALLLM_HOST, the socket; started when
 none runs). Prints the last screen and the figures it read; exits 1 when something is missing.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gguf_edit import with_metadata
+from tests.gguf_edit import with_metadata
 
 # Written after Qwen2.5's template: tools listed in the system turn, calls in <tool_call> tags,
 # tool results folded into a user turn in <tool_response> tags.

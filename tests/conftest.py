@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "scripts" / d) for d in ("bench", "device", ".")]
-sys.path.insert(0, str(ROOT / "tests"))
 
-import fetch_test_models  # noqa: E402
+from scripts import fetch_test_models  # noqa: E402
 
 from localllm.modelstore.store import ModelStore  # noqa: E402
 

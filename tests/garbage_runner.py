@@ -5,7 +5,7 @@ how the daemon fails closed."""
 import os
 import sys
 
-from localllm.llama.runner import __main__ as runner
+from localllm.engine.runner import __main__ as runner
 
 marker = os.environ["GARBAGE_MARKER"]
 if not os.path.exists(marker):

@@ -6,7 +6,7 @@ import json
 import urllib.request
 from pathlib import Path
 
-from localllm.profiles.tuning.acceptance import DECAY_AT, MIN_DRAFTED, measured_acceptance, record
+from localllm.profiles.acceptance import DECAY_AT, MIN_DRAFTED, measured_acceptance, record
 
 
 def test_a_rate_counts_once_enough_was_drafted(tmp_path):

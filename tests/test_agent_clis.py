@@ -4,7 +4,7 @@ an answer, and for Claude Code and Codex a tool call reaches the daemon and its 
 back in the next request (a recording proxy between CLI and daemon sees it). The model is
 SmolLM2 with a template that makes it call the agent's shell tool once (tests/chat_models.py
 AGENT_TEMPLATE), created with /api/create; greedy sampling. Requests recorded from the real
-CLIs (tests/fixtures/agents/, and cli/agent_requests/: the first request of each, which
+CLIs (tests/fixtures/agents/, and localllm/cli/agent_requests/: the first request of each, which
 `launch` sizes the context by) are replayed through their routes, which answer 200.
 
 The CLIs are installed once into .cache/agent-clis (reused between runs); without npm, or
@@ -35,7 +35,8 @@ from mcp_tools_server import tools as mcp_tools
 ROOT = Path(__file__).resolve().parent.parent
 CLIS = ROOT / ".cache" / "agent-clis"
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "agents"
-FIRST_REQUESTS = ROOT / "cli" / "agent_requests"  # what `launch` sizes each agent's context by
+# what `launch` sizes each agent's context by
+FIRST_REQUESTS = ROOT / "localllm" / "cli" / "agent_requests"
 RECORDED = {p.name: p for d in (FIXTURES, FIRST_REQUESTS) for p in d.glob("*.json")}
 PINNED = {"@anthropic-ai/claude-code": "2.1.332", "@openai/codex": "0.169.0",
           "@github/copilot": "1.0.102", "opencode-ai": "1.18.33"}
@@ -119,7 +120,7 @@ def tool_names(body: dict) -> list:
 
 def assert_sends_the_recorded_first_request(agent: str, bodies: list[dict]) -> None:
     """The pinned CLI still sends the tools of the first request `launch` sizes its context by
-    (cli/agent_requests/); a CLI pinned anew has its first request recorded again there."""
+    (localllm/cli/agent_requests/); a CLI pinned anew has its first request recorded again there."""
     from localllm.cli.launch_context import first_request
 
     recorded = tool_names(first_request(agent)[1])

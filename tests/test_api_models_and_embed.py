@@ -227,8 +227,8 @@ def test_check_clients_script_passes(md, model):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "check_clients.py"
-    done = subprocess.run([sys.executable, str(script), "--url", md.url, "--model", model],
+    done = subprocess.run([sys.executable, "-m", "scripts.check_clients", "--url", md.url,
+                           "--model", model], cwd=Path(__file__).resolve().parent.parent,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("PASS") == 14 and "FAIL" not in done.stdout
@@ -239,8 +239,8 @@ def test_check_clients_script_reports_failures(md):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "check_clients.py"
-    done = subprocess.run([sys.executable, str(script), "--url", md.url, "--model", "ghost"],
+    done = subprocess.run([sys.executable, "-m", "scripts.check_clients", "--url", md.url,
+                           "--model", "ghost"], cwd=Path(__file__).resolve().parent.parent,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert "FAIL  /api/show {name} parameters parse" in done.stdout

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "bench" / "bench_baseline.py"
+SCRIPT = ("-m", "scripts.bench.bench_baseline")  # run from ROOT
 
 
 def rows() -> list[dict]:
@@ -30,8 +30,8 @@ def rows() -> list[dict]:
 def test_the_summary_gives_medians_spread_and_the_ratio_to_the_strongest_baseline(tmp_path):
     jsonl = tmp_path / "baseline.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows()))
-    table = subprocess.run([sys.executable, str(SCRIPT), "--summarize", str(jsonl)],
-                           capture_output=True, text=True, timeout=60, check=True).stdout
+    table = subprocess.run([sys.executable, *SCRIPT, "--summarize", str(jsonl)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
     line = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
             for ln in table.splitlines()[2:]}
     ours, newest, vendored = line["short_decode_tps"][:3]

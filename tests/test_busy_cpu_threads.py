@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import ollama
-from localllm.llama.runner.threads import WINDOW_S, CpuSample, ThreadGovernor
+from localllm.engine.runner.threads import WINDOW_S, CpuSample, ThreadGovernor
 
 HOG = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end: pass\n"
 

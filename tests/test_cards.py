@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from localllm.profiles.planning.card import GIB, MIB, CardError, card_names, load_card, match_card
-from localllm.llama.nvml import devices as nvml_devices
-from localllm.llama.hardware import card_from_nvml, probe_card, resolve_card
-from localllm.profiles.planning.plan import physical_cores
+from localllm.planner.card import GIB, MIB, CardError, card_names, load_card, match_card
+from localllm.engine.nvml import devices as nvml_devices
+from localllm.engine.hardware import card_from_nvml, probe_card, resolve_card
+from localllm.planner.plan import physical_cores
 
 CARDS = ["rtx3060-12g", "rtx3080", "rtx4060", "rtx4060ti-16g", "rtx4070", "rtx4070tis",
          "rtx4080", "rtx3090", "rtx4090", "rtx5090", "a100-40g", "a100-80g", "l40s", "h100",

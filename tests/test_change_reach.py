@@ -6,7 +6,7 @@
   the small test model through the response pipeline, with nothing else of the daemon changed.
 - A new tuner setting: the settings table (`localllm/config.py`: the field with its variable
   and the words or bounds it takes, its line in the table), the tuner Request's field of the
-  same name (`profiles/planning/search.py`) and the planning module that reads it.
+  same name (`localllm/planner/search.py`) and the planning module that reads it.
   `choose.config_request` passes a setting the Request names as the config does with no line of
   its own, shown with a setting made up here.
 """
@@ -26,11 +26,10 @@ import pytest
 
 from localllm.config import Config, ConfigError, check_setting
 from localllm.daemon.server import create_app
-from localllm.profiles.planning.search import Request
-from localllm.profiles.tuning import choose
+from localllm.planner.search import Request
+from localllm.profiles import choose
 
 ROOT = Path(__file__).resolve().parent.parent
-ROOMS = ("localllm", "daemon", "llama", "profiles", "modelstore", "cli", "tui")
 
 # A wire format no client speaks: a chat in, the answer as lines of text out (streamed), or
 # one JSON object (whole). Everything it needs is the daemon's, as a new route's module would.
@@ -75,8 +74,7 @@ async def lines_chat(request):
 
 
 def product_files():
-    for room in ROOMS:
-        yield from sorted((ROOT / room).rglob("*.py"))
+    yield from sorted((ROOT / "localllm").rglob("*.py"))
 
 
 def route_table_files() -> set[str]:
@@ -102,7 +100,7 @@ def load_module(path: Path):
 async def test_a_new_chat_like_route_is_its_module_and_a_line_in_the_route_table(
         aiohttp_client, store, smollm2_gguf, tmp_path):
     table = route_table_files()
-    assert table == {"daemon/server.py"}, table
+    assert table == {"localllm/daemon/server.py"}, table
     wire = tmp_path / "lines_wire.py"
     wire.write_text(WIRE_MODULE)
     store.import_gguf(smollm2_gguf, "smollm2")
@@ -130,7 +128,7 @@ async def test_a_new_chat_like_route_is_its_module_and_a_line_in_the_route_table
 def module_name(path: Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-    return ".".join(parts if parts[0] == "localllm" else ("localllm", *parts))
+    return ".".join(parts)
 
 
 def imported(path: Path) -> set[str]:
@@ -163,7 +161,7 @@ def test_no_module_below_the_api_names_a_wire_module():
     assert chat_modules <= set().union(*(imported(ROOT / rel) for rel in table))
     for path in product_files():
         rel = str(path.relative_to(ROOT))
-        if not rel.startswith("daemon/api/") and rel not in table:
+        if not rel.startswith("localllm/daemon/api/") and rel not in table:
             assert not imported(path) & chat_modules, (rel, imported(path) & chat_modules)
 
 
@@ -208,7 +206,7 @@ def test_a_new_tuner_setting_is_the_settings_table_the_request_and_its_reader(mo
     files = files_naming("expert_misses")
     readers = files - registries
     assert registries <= files, files
-    assert readers and all(f.startswith("profiles/planning/") for f in readers), readers
+    assert readers and all(f.startswith("localllm/planner/") for f in readers), readers
     assert len(files) <= 3, sorted(files)
     # its words are declared with its field, and the check applies them from there
     declared = {f.name: f for f in dataclasses.fields(Config)}["expert_misses"]

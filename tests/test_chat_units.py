@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from localllm.daemon.api.create import parse_modelfile
-from localllm.daemon.chat.custom import ModelfileError
+from localllm.modelstore.modelfile import parse_modelfile
+from localllm.modelstore.custom import ModelfileError
 from localllm.daemon.chat.grammar import BadFormat, format_grammar, tool_call_grammar
 from localllm.daemon.chat.template import TemplateFailed, render
 from localllm.daemon.chat.truncate import drop_oldest_turn

@@ -15,22 +15,22 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-import synth_gguf  # scripts/ is on the path (conftest)
+from scripts import synth_gguf
 from chat_models import QWEN_TOOL_TEMPLATE
-from localllm.daemon.runner import RunnerProcess
-from localllm.llama.runner.checkpoints import END, SPACED, Checkpoint, SlotCheckpoints
-from localllm.llama.runner.protocol import Done, GenerationRequest, SamplingOptions
+from localllm.engine.local import RunnerProcess
+from localllm.engine.runner.checkpoints import END, SPACED, Checkpoint, SlotCheckpoints
+from localllm.engine.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.card import load_card
-from localllm.profiles.planning.costs import model_costs
-from localllm.profiles.planning.memory import (
+from localllm.planner.card import load_card
+from localllm.planner.costs import model_costs
+from localllm.planner.memory import (
     CHECKPOINTS_PER_SLOT,
     ContextSettings,
     checkpoint_bytes,
     memory_by_device,
 )
-from localllm.profiles.planning.placements import Placement
-from localllm.profiles.planning.plan import cpu_plan
+from localllm.planner.placements import Placement
+from localllm.planner.plan import cpu_plan
 
 GREEDY = SamplingOptions(num_predict=8, temperature=0)
 WORDS = " ".join(f"w{i}" for i in range(300)) + " end."
@@ -228,7 +228,7 @@ def test_a_slot_keeps_the_latest_prompt_end_then_spaced_checkpoints_and_drops_th
 def test_a_checkpoint_that_leaves_its_slot_lends_its_memory_to_the_next():
     """Copies into fresh memory pay a page fault per page (47 ms for 63 MiB on the H200): a
     dropped checkpoint's buffer is taken again, unless a saved sequence still holds it."""
-    from localllm.llama import state as checkpoints
+    from localllm.engine import state as checkpoints
 
     def taken(n: int, kind: str) -> Checkpoint:
         buffer = checkpoints._buffer(4096)

@@ -45,9 +45,9 @@ def test_each_command_imports_only_the_module_that_registers_it():
     # in a fresh process: `list` leaves the planner unimported, `--version` every command
     probe = ("import sys; from localllm.cli.main import build_parser; build_parser(sys.argv[1]); "
              "print(sorted(m for m in sys.modules if m.startswith('localllm.cli.') "
-             "or m == 'localllm.profiles.planning.tuner'))")
+             "or m == 'localllm.planner.tuner'))")
     for command, absent in (("list", "localllm.cli.tune"),
-                            ("list", "localllm.profiles.planning.tuner"),
+                            ("list", "localllm.planner.tuner"),
                             ("--version", "localllm.cli.commands")):
         loaded = subprocess.run([sys.executable, "-c", probe, command], capture_output=True,
                                 text=True, check=True).stdout

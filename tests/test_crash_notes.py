@@ -14,8 +14,8 @@ from daemon_process import isolated_env, start_daemon, wait_for
 from test_engine_cpu import _daemon_log, _generate
 
 from localllm.daemon.crashes import CRASHES_BEFORE_SAFER, Crashes
-from localllm.llama.cpu import amx_hazard
-from localllm.profiles.planning.plan import Plan
+from localllm.engine.cpu import amx_hazard
+from localllm.planner.plan import Plan
 
 RETRY = "retrying with llama.cpp's extra buffer types (repack, AMX) off"
 RISKY = Plan(n_ctx=8192, expert_cache=512, expert_misses_on_gpu=True)

@@ -3,7 +3,7 @@ tests feed it times and acceptances and check the decisions."""
 
 from __future__ import annotations
 
-from localllm.llama.runner.speculation import (
+from localllm.engine.runner.speculation import (
     MAX_DRAFT,
     PAUSE_STEPS,
     Drafting,

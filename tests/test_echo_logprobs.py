@@ -10,7 +10,7 @@ import openai
 import pytest
 from llama_cpp import Llama
 
-from localllm.profiles.tuning.evaluate import TEXT
+from localllm.profiles.evaluate import TEXT
 
 CTX = 64  # `localllm eval --ctx`: one chunk of 64 tokens, its second half scored
 

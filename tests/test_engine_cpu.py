@@ -20,8 +20,8 @@ from conftest import import_models
 DECODE = r"""
 import sys
 import llama_cpp
-from localllm.llama.model import Tokenizer, load
-from localllm.profiles.planning.plan import Plan
+from localllm.engine.model import Tokenizer, load
+from localllm.planner.plan import Plan
 
 lm = load(sys.argv[1], Plan(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2, n_threads_batch=2))
 tok = Tokenizer(lm.model, lm.vocab)
@@ -53,7 +53,7 @@ def test_every_shipped_model_decodes_with_the_installed_engine(model, request):
 
 
 def test_the_engine_is_built_without_amx():
-    built = subprocess.run([sys.executable, "-m", "localllm.llama.cpu", "--built-for"],
+    built = subprocess.run([sys.executable, "-m", "localllm.engine.cpu", "--built-for"],
                            capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stderr
     assert built.stdout.strip().endswith("no AMX"), built.stdout
@@ -115,7 +115,7 @@ def test_a_crash_at_the_first_decode_is_retried_without_extra_buffer_types(crash
 @pytest.mark.errors_expected
 @pytest.mark.parametrize("crashing_daemon", ["always"], indirect=True)
 def test_an_engine_that_crashes_either_way_is_named_with_the_cpu(crashing_daemon):
-    from localllm.llama.cpu import cpu_model
+    from localllm.engine.cpu import cpu_model
 
     status, answer = _generate(crashing_daemon)
     assert status >= 500, answer

@@ -1,5 +1,5 @@
 """A dry run builds exactly the model and context params the runner loads with: both go through
-llama/params.py, and this checks what really reaches llama.cpp on each path (the real functions
+engine/params.py, and this checks what really reaches llama.cpp on each path (the real functions
 run; the test only records the params they were given)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import llama_cpp
 import pytest
 
-from localllm.llama import model as runner_model
-from localllm.llama import dryrun
-from localllm.profiles.planning.plan import Plan, TensorOverride
+from localllm.engine import model as runner_model
+from localllm.engine import dryrun
+from localllm.planner.plan import Plan, TensorOverride
 
 
 def _fields(struct) -> dict:
@@ -67,7 +67,7 @@ def test_the_dry_run_builds_the_runners_params(smollm2_gguf, recorded, plan):
 def test_every_setting_reaches_a_field_llama_cpp_reads(smollm2_gguf, recorded, use_mmap):
     """ctypes takes an assignment to a name outside a struct's fields as a Python attribute,
     silently: `use_mmap`, renamed `load_mode` in llama.cpp, did nothing that way."""
-    from localllm.llama.params import context_params, model_params
+    from localllm.engine.params import context_params, model_params
 
     plan = Plan(n_ctx=512, use_mmap=use_mmap)
     params, _ = model_params(plan)
@@ -82,10 +82,10 @@ def test_every_setting_reaches_a_field_llama_cpp_reads(smollm2_gguf, recorded, u
 
 
 def test_pinning_in_place_falls_back_to_a_pinned_copy_without_cuda(smollm2_gguf, recorded):
-    """A plan that pins its mapped weights in place (llama/host_pin.py) on an engine that
+    """A plan that pins its mapped weights in place (localllm/engine/host_pin.py) on an engine that
     cannot (here: no CUDA backend) loads them into pinned memory instead: the model loads,
     the second load is llama.cpp's load mode `none`, nothing stays registered."""
-    from localllm.llama.host_pin import mapped_ranges
+    from localllm.engine.host_pin import mapped_ranges
 
     lm = runner_model.load(str(smollm2_gguf), Plan(n_ctx=512, pin_in_place=True))
     try:
@@ -100,7 +100,7 @@ def test_pinning_in_place_falls_back_to_a_pinned_copy_without_cuda(smollm2_gguf,
 def test_mapped_ranges_are_this_process_s_mappings_of_the_file(smollm2_gguf):
     lm = runner_model.load(str(smollm2_gguf), Plan(n_ctx=512))
     try:
-        from localllm.llama.host_pin import mapped_ranges
+        from localllm.engine.host_pin import mapped_ranges
 
         ranges = mapped_ranges(str(smollm2_gguf))
         assert ranges and all(length > 0 for _, length in ranges)

@@ -9,11 +9,11 @@ import sys
 import pytest
 
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.card import load_card
-from localllm.profiles.tuning.eval_results import measured_kl
-from localllm.profiles.tuning.evaluate import TEXT
-from localllm.profiles.planning.search import Request
-from localllm.profiles.planning.tuner import tune
+from localllm.planner.card import load_card
+from localllm.profiles.eval_results import measured_kl
+from localllm.profiles.evaluate import TEXT
+from localllm.planner.search import Request
+from localllm.planner.tuner import tune
 
 
 def localllm(*args: str) -> subprocess.CompletedProcess:

@@ -2,7 +2,7 @@
 expert slots in RAM (`pool_in_ram`), so that the split of every decode step's experts between
 the pool and the model's own tensors runs with no GPU. Real llama.cpp (the engine install.sh
 built with the patches) in child processes (moe_cache_check.py gives the cache's settings to the
-engine before it creates a context: llama/expert_cache.py), on a tiny synthetic qwen3moe: 4 MoE
+engine before it creates a context: engine/expert_cache.py), on a tiny synthetic qwen3moe: 4 MoE
 blocks of 32 experts, 4 routed per token, every weight drawn; one file with skewed routing
 (zipf:1), one uniform. The slot bookkeeping (eviction order) is compiled from the patch and run
 alone."""
@@ -19,13 +19,13 @@ import tarfile
 from pathlib import Path
 
 import pytest
-import synth_gguf  # scripts/ is on the path (conftest)
+from scripts import synth_gguf
 
-from localllm.llama import expert_cache
+from localllm.engine import expert_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = ROOT / "patches" / "0002-moe-expert-cache.patch"
-CHECK = ROOT / "scripts" / "device" / "moe_cache_check.py"
+CHECK = ("-m", "scripts.moe_cache_check")  # run from ROOT
 LAYERS, EXPERTS, USED = 4, 32, 4
 TOKENS = 48  # generated: the prompt's batch, then TOKENS - 1 one-token decodes
 PROMPT = 40  # 32 or more: the prompt batch's FFNs keep today's path, but for its last block
@@ -58,9 +58,9 @@ def _run(model: Path, *extra: str, slots: int | None = None, pool_in_ram: bool =
     if zero_slot is not None:
         cache += ["--zero-slot", str(int(zero_slot))]
     result = subprocess.run(
-        [sys.executable, str(CHECK), str(model), "--prompt", str(PROMPT),
+        [sys.executable, *CHECK, str(model), "--prompt", str(PROMPT),
          "--tokens", str(TOKENS), "--verify", str(VERIFY), *cache, *extra],
-        capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
 
@@ -151,7 +151,7 @@ def test_misses_asked_of_a_gpu_stay_on_the_cpu_where_the_pool_has_none(models, w
 
 
 def _compare(a: Path, b: Path) -> dict:
-    result = subprocess.run([sys.executable, str(CHECK), "--compare", str(a), str(b)],
+    result = subprocess.run([sys.executable, *CHECK, "--compare", str(a), str(b)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout)
@@ -329,8 +329,8 @@ def test_the_patches_apply_to_the_engine_source(tmp_path):
 
 
 def test_the_device_build_refuses_source_made_from_other_patches(tmp_path):
-    """The GPU machine's build (scripts/device/build_patched.sh) checks the carried source's
-    stamp (scripts/device/carry_patched_source.sh writes it) against this checkout's patches before
+    """The GPU machine's build (lab/device/build_patched.sh) checks the carried source's
+    stamp (lab/device/carry_patched_source.sh writes it) against this checkout's patches before
     it compiles: a stale tarball would measure another engine, or fail after the build."""
     def build(stamp: str | None) -> subprocess.CompletedProcess:
         tree = tmp_path / (stamp or "none") / "llama.cpp"
@@ -340,7 +340,7 @@ def test_the_device_build_refuses_source_made_from_other_patches(tmp_path):
         tgz = tmp_path / f"{stamp or 'none'}.tgz"
         with tarfile.open(tgz, "w:gz") as tar:
             tar.add(tree, arcname="llama.cpp")
-        return subprocess.run(["bash", "scripts/device/build_patched.sh", str(tgz),
+        return subprocess.run(["bash", "lab/device/build_patched.sh", str(tgz),
                                str(tmp_path / "engine")], cwd=ROOT, capture_output=True,
                               text=True, timeout=60)
 
@@ -389,7 +389,7 @@ def test_the_replays_policy_swaps_and_counts_as_the_engines(tmp_path):
     engine's policy compiled from the patch: the same swaps, hits and misses on a skewed
     session of prompt batches and steps."""
     import numpy as np
-    from pool_replay import Policy
+    from scripts.bench.pool_replay import Policy
 
     (tmp_path / "llama-moe-cache-policy.h").write_text(
         _new_file(PATCH.read_text(), "llama-moe-cache-policy.h"))

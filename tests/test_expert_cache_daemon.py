@@ -20,14 +20,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 from conftest import import_models
 from daemon_process import isolated_env, start_daemon, wait_for
 from localllm.daemon.scheduler import Planner, Scheduler
-from localllm.llama.runner.protocol import Done, GenerationRequest, SamplingOptions
-from localllm.profiles.planning.plan import cpu_plan
-from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, REPLAN_HIT_GAP, measured_hits
-from localllm.profiles.tuning.served import drained
+from localllm.engine.runner.protocol import Done, GenerationRequest, SamplingOptions
+from localllm.planner.plan import cpu_plan
+from localllm.profiles.expert_hits import MIN_LOOKUPS, REPLAN_HIT_GAP, measured_hits
+from localllm.profiles.served import drained
 
 from localllm.config import Config
 from localllm.options import LoadOptions
@@ -176,7 +176,7 @@ class PricedLow(Planner):
     """CPU plans with a pool of 16 slots (in RAM here) that the first load prices at a hit rate
     of FIRST_PRICE, the way `auto` prices a first load from the prior curve (this model's
     routing hits far more); later loads say what the tuner would, from the hits measured
-    since (profiles/tuning/expert_hits.py)."""
+    since (localllm/profiles/expert_hits.py)."""
 
     def __init__(self):
         self.priced_at: list[float] = []

@@ -15,16 +15,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from daemon_process import isolated_env
 from localllm.config import ConfigError, coerce, load_config
-from localllm.llama import expert_cache
-from localllm.llama.params import expert_cache_settings, model_params
+from localllm.engine import expert_cache
+from localllm.engine.params import expert_cache_settings, model_params
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.card import GIB, load_card
-from localllm.profiles.planning.costs import model_costs
-from localllm.profiles.planning.expert_pool import (
+from localllm.planner.card import GIB, load_card
+from localllm.planner.costs import model_costs
+from localllm.planner.expert_pool import (
     AUTO_SLOTS,
     AUTO_VRAM_SHARES,
     PRIOR_HITS,
@@ -35,12 +35,12 @@ from localllm.profiles.planning.expert_pool import (
     swaps_per_step,
     with_expert_pool,
 )
-from localllm.profiles.planning.memory import memory_by_device
-from localllm.profiles.planning.plan import Plan
-from localllm.profiles.planning.search import Request
-from localllm.profiles.planning.tuner import tune
-from localllm.profiles.tuning.choose import placement_of, settings_of
-from localllm.profiles.tuning.saved import ProfileError, load_profile, save_profile
+from localllm.planner.memory import memory_by_device
+from localllm.planner.plan import Plan
+from localllm.planner.search import Request
+from localllm.planner.tuner import tune
+from localllm.profiles.choose import placement_of, settings_of
+from localllm.profiles.saved import ProfileError, load_profile, save_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,9 +64,9 @@ def tiny_moe(tmp_path_factory) -> Path:
 def test_the_pool_costs_what_the_engine_allocates(tiny_moe):
     """(slots + 1 zero slot) x one expert's up+gate+down, plus each block's map: the bytes the
     patched llama.cpp reports for its pool (in RAM, here)."""
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "device" / "moe_cache_check.py"),
+    run = subprocess.run([sys.executable, "-m", "scripts.moe_cache_check",
                           str(tiny_moe), "--tokens", "4", "--slots", "8", "--pool-in-ram"],
-                         capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     engine = json.loads(run.stdout.splitlines()[-1])["stats"]
     pool = pool_shape(read_shape(tiny_moe))
@@ -108,7 +108,7 @@ def test_a_dry_run_of_a_pooled_plan_counts_the_graph_the_pool_makes(headers):
     """A dry run has no pool (the engine makes none for a model without weights), so its GPU
     compute buffer is raised to the formula's bound for the pooled graph; the host's, and every
     figure of a plan without a pool or with the pool in RAM, stay as measured."""
-    from localllm.profiles.tuning.dryrun import with_pool_bound
+    from localllm.profiles.dryrun import with_pool_bound
 
     shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
     plan = tune(shape, card, Request(expert_cache=512))
@@ -131,9 +131,9 @@ def test_a_hit_moves_an_experts_read_from_the_cpu_to_the_gpu(headers):
     """The speed model: the served blocks' routed experts found in the pool are read at the
     GPU's bandwidth, the rest at the host's; more hits, faster decode; none, slower (the
     second chains and the copies still cost)."""
-    from localllm.profiles.planning.checking import checking_terms
-    from localllm.profiles.planning.speed import ExpertPool, curve_at, predict_speed
-    from localllm.profiles.tuning.choose import placement_of, settings_of
+    from localllm.planner.checking import checking_terms
+    from localllm.planner.speed import ExpertPool, curve_at, predict_speed
+    from localllm.profiles.choose import placement_of, settings_of
 
     assert curve_at(PRIOR_HITS, 0.25) == pytest.approx(0.67)
     assert curve_at(PRIOR_HITS, 0.375) == pytest.approx(0.74)
@@ -191,7 +191,7 @@ def test_auto_sizes_the_pool_and_turns_it_off_where_measured_hits_do_not_pay(hea
 
 
 def test_measured_hits_are_kept_per_model_file(tmp_path):
-    from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, measured_hits, record
+    from localllm.profiles.expert_hits import MIN_LOOKUPS, measured_hits, record
 
     path = tmp_path / "expert_hits.toml"
     record("moe", 100, 0.125, 30_000, 10_000, 500, 1000, path=path)
@@ -306,7 +306,7 @@ def test_a_profile_saved_under_the_old_name_still_loads(tmp_path):
 def test_the_pool_in_ram_is_a_setting_that_reaches_the_plan(tiny_moe, tmp_path):
     """expert_cache_device = cpu: the pool in RAM (tests without a GPU), carried by the plan to
     the engine's settings; a word it does not know is refused, naming the choices."""
-    from localllm.profiles.tuning.choose import config_request
+    from localllm.profiles.choose import config_request
 
     config = load_config(tmp_path / "none.toml", {"LOCALLLM_EXPERT_CACHE_DEVICE": "cpu",
                                                   "LOCALLLM_EXPERT_CACHE": "8"})
@@ -324,7 +324,7 @@ def test_the_pool_in_ram_is_a_setting_that_reaches_the_plan(tiny_moe, tmp_path):
 
 
 def test_the_plan_is_the_target_contexts_pool():
-    """The engine's settings come from the plan alone (llama/params.py; tests/test_expert_cache.py
+    """The engine's settings come from the plan alone (engine/params.py; tests/test_expert_cache.py
     shows the engine taking them): no pool without slots."""
     assert expert_cache_settings(Plan(n_ctx=4096)) is None
     assert expert_cache_settings(Plan(n_ctx=4096, expert_cache=16)) == \
@@ -335,11 +335,11 @@ def test_the_plan_is_the_target_contexts_pool():
 
 
 def test_only_an_auto_pool_far_from_its_price_is_planned_again():
-    """The scheduler's rule (profiles/tuning/expert_hits.py): `auto`, MIN_LOOKUPS lookups, and a
+    """The scheduler's rule (localllm/profiles/expert_hits.py): `auto`, MIN_LOOKUPS lookups, and a
     measured rate REPLAN_HIT_GAP or more from the plan's, either way."""
     from types import SimpleNamespace
 
-    from localllm.profiles.tuning.expert_hits import (
+    from localllm.profiles.expert_hits import (
         MIN_LOOKUPS,
         REPLAN_HIT_GAP,
         pool_far_from_its_price,
@@ -364,8 +364,8 @@ def test_misses_on_the_gpu_trade_the_crossings_for_pcie_reads(headers):
     from pinned RAM over PCIe (speed.MAPPED_READ_FRACTION of the card's pcie_gbs), and their two
     crossings a block go. Where the pool hits most, that is faster; where it misses most, the
     PCIe reads cost more than the host's. Checking passes price the misses the same way."""
-    from localllm.profiles.planning.checking import checking_terms
-    from localllm.profiles.planning.speed import ExpertPool, predict_speed
+    from localllm.planner.checking import checking_terms
+    from localllm.planner.speed import ExpertPool, predict_speed
 
     shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
     plan = tune(shape, card, Request())
@@ -387,7 +387,7 @@ def test_misses_on_the_gpu_trade_the_crossings_for_pcie_reads(headers):
 def test_the_expert_misses_setting_picks_who_computes_them(headers, tmp_path):
     """`expert_misses`: cpu and gpu are kept as asked; auto prices both and keeps the faster,
     and the plan says so. Past RAM (pageable pages) the GPU cannot read them in place."""
-    from localllm.profiles.planning.expert_pool import misses_can_go_to_gpu
+    from localllm.planner.expert_pool import misses_can_go_to_gpu
 
     shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
     hits = ((0.2, 0.9, 0.5),)
@@ -450,9 +450,9 @@ def test_the_running_plan_is_priced_again_at_its_pools_measured_hits(headers):
     """/api/stats' expert_cache.predicted_decode_by_depth (decode_at_measured_hits): the same
     placement with the pool's measured hit rate in place of the one it was priced with."""
     from localllm.daemon.api.stats import expert_cache_report
-    from localllm.llama.expert_cache import ExpertCacheStats
-    from localllm.profiles.tuning.expert_hits import MIN_LOOKUPS, evicted
-    from localllm.profiles.tuning.pool_price import decode_at_measured_hits
+    from localllm.engine.expert_cache import ExpertCacheStats
+    from localllm.profiles.expert_hits import MIN_LOOKUPS, evicted
+    from localllm.profiles.pool_price import decode_at_measured_hits
 
     shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
     plan = tune(shape, card, Request(expert_cache=AUTO_SLOTS,

@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
-from localllm.daemon.runner import RunnerProcess
-from localllm.llama.runner.protocol import Done, GenerationRequest, Progress, SamplingOptions
-from localllm.profiles.planning.plan import cpu_plan
+from localllm.engine.local import RunnerProcess
+from localllm.engine.runner.protocol import Done, GenerationRequest, Progress, SamplingOptions
+from localllm.planner.plan import cpu_plan
 
 NEAR_TIE = 0.05  # as tests/test_speculation.py: a logprob gap rounding may break either way
 BAND = 512

@@ -267,7 +267,7 @@ def test_tune_reset_calibration_forgets_measure_and_keeps_calibrate(tmp_path):
 
 
 def test_a_slow_figure_on_a_busy_machine_is_doubtful():
-    from localllm.profiles.tuning.measure import Measurement, doubtful
+    from localllm.profiles.measure import Measurement, doubtful
 
     def measured(tps, load):
         return Measurement(prefill_tps=100, decode_tps=tps, vram_bytes=0, prompt_tokens=128,

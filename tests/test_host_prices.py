@@ -13,20 +13,20 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 import tomli_w
 
 from daemon_process import isolated_env
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.card import load_card
-from localllm.profiles.planning.costs import model_costs
-from localllm.profiles.planning.memory import ContextSettings
-from localllm.profiles.planning.placements import Placement
-from localllm.profiles.planning.search import Request
-from localllm.profiles.planning.speed import expert_read_bps, predict_speed, read_gbs_at
-from localllm.profiles.planning.tuner import tune
-from localllm.profiles.tuning.calibration import calibrated
-from localllm.profiles.tuning.host_prices import (
+from localllm.planner.card import load_card
+from localllm.planner.costs import model_costs
+from localllm.planner.memory import ContextSettings
+from localllm.planner.placements import Placement
+from localllm.planner.search import Request
+from localllm.planner.speed import expert_read_bps, predict_speed, read_gbs_at
+from localllm.planner.tuner import tune
+from localllm.profiles.calibration import calibrated
+from localllm.profiles.host_prices import (
     measure_read_gbs,
     measured_on_first_use,
     prices_of,

@@ -96,7 +96,7 @@ def test_a_fresh_venv_installs_the_machine_wheel_and_compiles_nothing(tmp_path):
 
 
 def test_every_bound_c_function_is_exported():
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_symbols.py")],
+    result = subprocess.run([sys.executable, "-m", "scripts.check_symbols"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert " 0 missing" in result.stdout
@@ -109,11 +109,11 @@ def test_symbol_check_names_what_a_build_without_rpc_misses(tmp_path):
     for lib in lib_dir.glob("*.so*"):
         if not lib.name.startswith("libggml-rpc"):
             shutil.copy2(lib, tmp_path / lib.name)
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_symbols.py"),
-                             str(tmp_path)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "scripts.check_symbols", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
-    assert "llama/rpc.py: loads libggml-rpc.so" in result.stdout
-    assert "llama/rpc.py: ggml_backend_rpc_start_server not exported" in result.stdout
+    assert "localllm/engine/rpc.py: loads libggml-rpc.so" in result.stdout
+    assert "localllm/engine/rpc.py: ggml_backend_rpc_start_server not exported" in result.stdout
 
 
 def test_the_installed_engine_has_no_llama_common_and_each_library_once():
@@ -144,7 +144,7 @@ def test_release_wheel_installs_and_answers_without_a_compiler(tmp_path, smollm2
     assert "llama.cpp: release wheel" in result.stdout
     assert not calls.exists(), calls.read_text()
     python = str(checkout / ".venv" / "bin" / "python")
-    checked = subprocess.run([python, str(checkout / "scripts" / "check_symbols.py")],
+    checked = subprocess.run([python, "-m", "scripts.check_symbols"], cwd=checkout,
                              capture_output=True, text=True, timeout=120, env=env)
     assert checked.returncode == 0, checked.stdout
 

@@ -8,18 +8,18 @@ import json
 import types
 
 import pytest
-import synth_vision
+from scripts import synth_vision
 from localllm.daemon.drafting import DraftChoice
 from localllm.daemon.planner import Planner
-from localllm.daemon.runner import RunnerProcess
-from localllm.daemon.scheduler import SERVED_REMEMBERED, LoadedModel
-from localllm.llama.params import context_params
-from localllm.llama.runner.engine import drafting_modes
-from localllm.llama.runner.load import Load
-from localllm.llama.runner.protocol import OP_BY_NAME, OPS, Done, GenerationRequest, Loaded
+from localllm.engine.local import RunnerProcess
+from localllm.daemon.scheduler import SERVED_REMEMBERED, LoadedRunner
+from localllm.engine.params import context_params
+from localllm.engine.runner.engine import drafting_modes
+from localllm.engine.runner.load import Load
+from localllm.engine.runner.protocol import OP_BY_NAME, OPS, Done, GenerationRequest, Loaded
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.plan import Plan, cpu_plan
-from localllm.profiles.tuning.choose import settings_of
+from localllm.planner.plan import Plan, cpu_plan
+from localllm.profiles.choose import settings_of
 
 from localllm.config import Config
 from localllm.options import LoadOptions, SamplingOptions
@@ -128,7 +128,7 @@ def test_a_loaded_model_decides_once_per_load_options_whether_it_serves(monkeypa
     real = Load.serves
     monkeypatch.setattr(Load, "serves", lambda self, running, asked: (
         decided.append(asked), real(self, running, asked))[1])
-    model = LoadedModel(runner=types.SimpleNamespace(plan=plan, n_parallel=1), entry=None,
+    model = LoadedRunner(runner=types.SimpleNamespace(plan=plan, n_parallel=1), entry=None,
                         shape=None, file_id=(), load=load)
     assert decided == [LoadOptions(num_ctx=2048)]  # what it was loaded for, at load
     for _ in range(3):  # warm requests: the answer the load gave the first time

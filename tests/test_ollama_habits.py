@@ -272,10 +272,10 @@ def test_config_set_default_ctx_takes_effect_under_fit(fresh_daemon):
 
 
 def test_the_context_length_variable_takes_effect_under_fit(home, monkeypatch, smollm2_gguf):
-    from localllm.llama.hardware import host_card
+    from localllm.engine.hardware import host_card
     from localllm.modelstore.shape import read_shape
     from localllm.options import LoadOptions
-    from localllm.profiles.tuning.choose import choose_plan
+    from localllm.profiles.choose import choose_plan
 
     shape = read_shape(smollm2_gguf)
     card = host_card()  # this machine as it would probe without a GPU, wherever the test runs

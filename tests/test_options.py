@@ -15,7 +15,7 @@ from localllm.cli.run import option_flag
 from localllm.daemon.api.common import ApiError
 from localllm.daemon.api.ollama import ollama_options
 from localllm.daemon.api.openai import openai_options
-from localllm.daemon.chat.custom import ModelfileError, parameter_value
+from localllm.modelstore.custom import ModelfileError, parameter_value
 from localllm.options import OPTIONS, LoadOptions, OptionError, check, parse
 from localllm.tui.slash import SlashError, parse_parameter
 

@@ -1,5 +1,5 @@
 """Issue 21, the past-RAM tier: a plan whose CPU weights exceed its RAM budget locks the part RAM
-holds and streams the rest from the model file (llama/resident.py), and says so in /api/ps."""
+holds and streams the rest from the model file (engine/resident.py), and says so in /api/ps."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from conftest import import_models
 from daemon_process import isolated_env, start_daemon
-from localllm.llama.resident import TOKEN_TABLE, cpu_tensors, page_ranges, split_resident
+from localllm.engine.resident import TOKEN_TABLE, cpu_tensors, page_ranges, split_resident
 from localllm.modelstore.gguf_header import read_header
-from localllm.profiles.planning.plan import Plan, TensorOverride
+from localllm.planner.plan import Plan, TensorOverride
 
 MIB = 1 << 20
 

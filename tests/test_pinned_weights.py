@@ -1,5 +1,5 @@
 """What holds the weights in RAM is reported as it really ran. A plan on a GPU pins them in place
-(llama/host_pin.py); where the driver refuses, the runner copies them instead (load_mode none),
+(engine/host_pin.py); where the driver refuses, the runner copies them instead (load_mode none),
 and /api/ps, `localllm ps` and the log say so. No CUDA here: a saved profile asks for the pin on
 the CPU, which can never grant it, so the fallback runs for real."""
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import ollama
-import synth_vision
+from scripts import synth_vision
 from daemon_process import isolated_env, start_daemon, wait_for
 from localllm.modelstore.store import ModelStore
 from test_vision import RED
@@ -68,8 +68,8 @@ def test_runner_log_is_rotated_past_its_size_at_a_runner_start(fresh_daemon):
 
 
 def test_saved_chats_and_profiles_are_the_users_alone(home):
-    from localllm.profiles.planning.plan import Plan
-    from localllm.profiles.tuning.saved import profiles_dir, save_profile
+    from localllm.planner.plan import Plan
+    from localllm.profiles.saved import profiles_dir, save_profile
     from localllm.tui.chatstore import ChatStore
 
     from localllm import paths

@@ -1,5 +1,5 @@
-"""The tuner's ops in the engine's one child program, the runner (llama/runner/tuner_ops.py),
-asked through the one parent-side helper (profiles/tuning/probing.py): typed requests cross the
+"""The tuner's ops in the engine's one child program, the runner (engine/runner/tuner_ops.py),
+asked through the one parent-side helper (localllm/engine/probing.py): typed requests cross the
 runner's op table as they are, and a request the child cannot serve comes back as one clear
 Failure, never a traceback or a hang. Each request and result crosses the pipe unchanged in
 test_runner_ops.py; the ops themselves run on real llama.cpp in test_synth.py (dry run),
@@ -12,11 +12,11 @@ import subprocess
 
 import pytest
 
-from localllm.daemon.runner import RUNNER_COMMAND
-from localllm.llama.runner.protocol import Failure, event_from_wire
-from localllm.profiles.planning.plan import Plan
-from localllm.profiles.planning.probes import DryRun
-from localllm.profiles.tuning.probing import ProbeFailed, ask
+from localllm.engine.local import RUNNER_COMMAND
+from localllm.engine.runner.protocol import Failure, event_from_wire
+from localllm.planner.plan import Plan
+from localllm.engine.probes import DryRun
+from localllm.engine.probing import ProbeFailed, ask
 
 
 def test_the_runner_refuses_a_first_line_that_names_no_op_it_starts_with():

@@ -11,13 +11,13 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
-from localllm.daemon.runner import RunnerProcess
-from localllm.llama import model as llama
-from localllm.llama import state as seqstate
-from localllm.llama.runner.protocol import Done, GenerationRequest, SamplingOptions
-from localllm.llama.runner.reuse import PromptCache
-from localllm.llama.state import SavedSequence
-from localllm.profiles.planning.plan import cpu_plan
+from localllm.engine.local import RunnerProcess
+from localllm.engine import model as llama
+from localllm.engine import state as seqstate
+from localllm.engine.runner.protocol import Done, GenerationRequest, SamplingOptions
+from localllm.engine.runner.reuse import PromptCache
+from localllm.engine.state import SavedSequence
+from localllm.planner.plan import cpu_plan
 
 GREEDY = SamplingOptions(num_predict=8, temperature=0)
 STORY = " ".join(f"Line {i}: the {['red', 'green', 'blue'][i % 3]} fox ran {i} miles."

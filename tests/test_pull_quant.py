@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from hub_server import FILE, REPO
 

@@ -19,28 +19,30 @@ ROOT = Path(__file__).resolve().parent.parent
 # messages after other turns, a drafter asked for, checkpoints (the model is of full attention),
 # fill bands (one band), config durations (parsed once per Config).
 UNUSED = (
-    "daemon/chat/images.py",
-    "llama/vision.py",
-    "daemon/chat/grammar.py",
-    "daemon/chat/custom.py",
-    "daemon/chat/truncate.py",
-    "daemon/chat/roles.py",
-    "daemon/drafting.py",
-    "llama/runner/checkpoints.py",
-    "llama/state.py",
-    "llama/runner/bands.py",
+    "localllm/daemon/chat/images.py",
+    "localllm/engine/vision.py",
+    "localllm/daemon/chat/grammar.py",
+    "localllm/modelstore/custom.py",
+    "localllm/modelstore/modelfile.py",
+    "localllm/daemon/chat/truncate.py",
+    "localllm/daemon/chat/roles.py",
+    "localllm/daemon/drafting.py",
+    "localllm/engine/runner/checkpoints.py",
+    "localllm/engine/state.py",
+    "localllm/engine/runner/bands.py",
     "localllm/config_values.py",
 )
 # What is worked out once per stored model, not per request: the store's entry (kept while its
-# manifest file is unchanged, daemon/api/common.py) and the chat layer's view of the model.
-ONCE_PER_MODEL = ("modelstore/store.py", "modelstore/names.py", "daemon/chat/model.py")
+# manifest file is unchanged, localllm/daemon/api/common.py) and the chat layer's view of the model.
+ONCE_PER_MODEL = ("localllm/modelstore/store.py", "localllm/modelstore/names.py",
+                  "localllm/daemon/chat/model.py")
 # What every request runs, in each process: the hook saw the request at all.
-ON_THE_WAY = ("daemon/api/ollama.py", "daemon/chat/template_worker.py",
-              "llama/runner/engine.py", "llama/loaded.py")
+ON_THE_WAY = ("localllm/daemon/api/ollama.py", "localllm/daemon/chat/template_worker.py",
+              "localllm/engine/runner/engine.py", "localllm/engine/loaded.py")
 
 
 def test_plain_chat_enters_no_unused_feature():
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "route_files.py"), "--json"],
+    run = subprocess.run([sys.executable, "-m", "scripts.route_files", "--json"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.splitlines()[-1])

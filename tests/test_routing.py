@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import routing_profile
-import synth_gguf
-import synth_routing
+from scripts.bench import routing_profile
+from scripts import synth_gguf
+from scripts import synth_routing
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_local_routing_makes_neighbouring_tokens_share_experts(tmp_path):
 def test_the_benchmark_text_does_not_repeat():
     """A repeated list of words routed the benchmark's prompts to the same experts over and
     over; its prompts are now seeded words that do not repeat."""
-    import bench_text
+    from scripts.bench import bench_text
 
     text = bench_text.text_of(16384, 2)
     words = text.split()

@@ -19,12 +19,12 @@ from conftest import import_models
 from daemon_process import isolated_env, start_daemon, wait_for
 
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.card import load_card
-from localllm.profiles.planning.probes import Worker, WorkerDevice, WorkerError
-from localllm.profiles.tuning.workers import probe_workers
-from localllm.profiles.tuning.rpc_plan import plan_with_workers
-from localllm.profiles.planning.search import NoPlanFits, Request
-from localllm.profiles.planning.tuner import tune
+from localllm.planner.card import load_card
+from localllm.engine.probes import Worker, WorkerDevice, WorkerError
+from localllm.profiles.workers import probe_workers
+from localllm.profiles.rpc_plan import plan_with_workers
+from localllm.planner.search import NoPlanFits, Request
+from localllm.planner.tuner import tune
 
 GREEDY = {"num_predict": 24, "temperature": 0}
 PROMPT = "The three primary colours are"
@@ -203,7 +203,7 @@ def worker(endpoint: str, free_gib: float, link_gbs: float = 1.25, rtt_ms: float
 @pytest.fixture(scope="module")
 def big_shape(tmp_path_factory):
     """A 27B-class dense shape from the project's generator (sparse file: header only)."""
-    import synth_gguf
+    from scripts import synth_gguf
 
     paths = synth_gguf.ensure_headers(tmp_path_factory.getbasetemp() / "synth-headers")
     return read_shape(paths["dense-27b"])

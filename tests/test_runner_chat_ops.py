@@ -8,8 +8,8 @@ import math
 
 import pytest
 from llama_cpp import Llama
-from localllm.daemon.runner import RunnerProcess, RunnerRequestFailed
-from localllm.llama.runner.protocol import (
+from localllm.engine.local import RunnerProcess, RunnerRequestFailed
+from localllm.engine.runner.protocol import (
     Done,
     EmbedRequest,
     Failure,
@@ -17,7 +17,7 @@ from localllm.llama.runner.protocol import (
     SamplingOptions,
     Token,
 )
-from localllm.profiles.planning.plan import cpu_plan
+from localllm.planner.plan import cpu_plan
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 from localllm.daemon.crashes import CRASHES_BEFORE_SAFER, Crashes, log_tail
-from localllm.profiles.planning.plan import Plan
+from localllm.planner.plan import Plan
 
 
 def _runner_pid(daemon) -> int:

@@ -1,5 +1,5 @@
-"""The runner's op table (llama/runner/protocol.py OPS): every op and every event crosses the
-pipe and comes back equal, and every op names an Engine method that exists (a tuner's op, one
+"""The runner's op table (engine/runner/protocol.py OPS): every op and every event crosses the
+pipe and comes back equal, and every op names an RunnerEngine method that exists (a tuner's op, one
 of tuner_ops.py). No model: the
 table and the wire alone (the runner tests drive the real engine through it)."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from localllm.llama.expert_cache import ExpertCacheStats
-from localllm.llama.runner import tuner_ops
-from localllm.llama.runner.engine import Engine
-from localllm.llama.runner.load import Load
-from localllm.llama.runner.protocol import (
+from localllm.engine.expert_cache import ExpertCacheStats
+from localllm.engine.runner import tuner_ops
+from localllm.engine.runner.engine import RunnerEngine
+from localllm.engine.runner.load import Load
+from localllm.engine.runner.protocol import (
     ENDING_EVENTS,
     EVENTS,
     OPS,
@@ -33,8 +33,8 @@ from localllm.llama.runner.protocol import (
     event_to_wire,
     request_to_wire,
 )
-from localllm.profiles.planning.plan import Plan, TensorOverride, cpu_plan
-from localllm.profiles.planning.probes import (
+from localllm.planner.plan import Plan, TensorOverride, cpu_plan
+from localllm.engine.probes import (
     Bandwidth,
     Buffers,
     Calibrate,
@@ -112,7 +112,8 @@ def test_every_event_crosses_the_pipe_unchanged():
 def test_every_op_ends_in_a_failure_or_its_answer_and_names_an_engine_method():
     for op in OPS:
         assert Failure in op.ends and set(op.ends) <= set(ENDING_EVENTS)
-        server = tuner_ops.METHODS.get(op.method) if op.alone else getattr(Engine, op.method, None)
+        server = (tuner_ops.METHODS.get(op.method) if op.alone
+                  else getattr(RunnerEngine, op.method, None))
         assert callable(server), op
     assert [op.name for op in OPS if op.stream] == ["generate"]
     assert [op.name for op in OPS if op.alone] == ["dry_run", "measure", "evaluate", "rpc_probe",

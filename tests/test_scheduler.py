@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 from daemon_process import wait_for_async
-from localllm.daemon.runner import LoadError
+from localllm.engine.local import LoadError
 from localllm.daemon.scheduler import Planner, Scheduler, context_to_ask
-from localllm.llama.runner.protocol import Done, GenerationRequest, SamplingOptions
+from localllm.engine.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.plan import cpu_plan
+from localllm.planner.plan import cpu_plan
 
 from localllm.config import Config
 from localllm.options import LoadOptions
@@ -142,7 +142,7 @@ def test_a_model_whole_on_the_gpu_does_not_take_a_share_of_the_cpu():
     from types import SimpleNamespace
 
     from localllm.daemon.scheduler import computes_on_cpu
-    from localllm.profiles.planning.plan import Plan, TensorOverride
+    from localllm.planner.plan import Plan, TensorOverride
 
     def loaded(plan):
         return SimpleNamespace(runner=SimpleNamespace(running_plan=plan),

@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-import settings_doc
+from scripts import settings_doc
 
 from localllm.config import ENV, Config
 
@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_settings_page_is_what_the_config_table_generates():
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "settings_doc.py"),
-                             "--check"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-m", "scripts.settings_doc", "--check"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     page = (ROOT / "docs" / "settings.md").read_text()
     assert page == settings_doc.render(settings_doc.config_docstring())

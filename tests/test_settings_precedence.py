@@ -11,8 +11,8 @@ from pathlib import Path
 from daemon_process import isolated_env, start_daemon
 
 from conftest import import_models
-from localllm.profiles.planning.plan import Plan
-from localllm.profiles.tuning.saved import save_profile
+from localllm.planner.plan import Plan
+from localllm.profiles.saved import save_profile
 
 
 def _generate(daemon) -> dict:

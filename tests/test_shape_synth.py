@@ -4,7 +4,7 @@ kinds, KV sizes, recurrent state, NextN blocks, experts, tied embeddings."""
 from __future__ import annotations
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.modelstore.shape import (
     EXPERTS, FULL, RECURRENT_LAYER, SLIDING, read_shape,
@@ -135,7 +135,7 @@ def test_gpt_oss_sliding_every_other_block_with_mxfp4_experts(shapes):
 def test_fewer_experts_keep_a_decode_steps_work(tmp_path):
     """bench_resident.py's files: the same routed bytes and per-block layout a token, a fraction
     of the file."""
-    from localllm.profiles.planning.costs import model_costs
+    from localllm.planner.costs import model_costs
 
     for name in ("qwen35-35b-a3b", "qwen3-next-80b-a3b"):
         real = synth_gguf.SHAPES[name]

@@ -436,11 +436,10 @@ def test_a_long_chat_is_truncated_by_counting_each_turn_once(fresh_daemon):
 
 
 def test_soak_counts_embeddings_and_sse_comments_as_answers(fresh_daemon):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     import argparse
 
     import aiohttp
-    import soak
+    from scripts import soak
 
     args = argparse.Namespace(duration=60, kill_every=0, timeout=120, clients=1,
                               max_requests=10, max_tokens=4, seed=0, store="")

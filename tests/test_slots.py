@@ -141,7 +141,7 @@ def test_a_prefix_past_the_sliding_window_is_read_again_not_reused(parallel_daem
 async def test_a_runner_that_writes_garbage_fails_the_request_and_the_next_one_loads_fresh(
         store, smollm2_gguf, tmp_path, monkeypatch):
     from localllm.daemon.scheduler import Scheduler
-    from localllm.llama.runner.protocol import Done, Failure, GenerationRequest, SamplingOptions
+    from localllm.engine.runner.protocol import Done, Failure, GenerationRequest, SamplingOptions
 
     from localllm.config import Config
     from localllm.options import LoadOptions

@@ -14,7 +14,7 @@ import urllib.request
 
 import openai
 import pytest
-import synth_gguf  # scripts/ is on the path (conftest)
+from scripts import synth_gguf
 
 from daemon_process import isolated_env, start_daemon
 

@@ -1,4 +1,4 @@
-"""The speed model against decode the daemon measured on the H200 (docs/bench/runs/*.jsonl, priced
+"""The speed model against decode the daemon measured on the H200 (lab/runs/*.jsonl, priced
 again at each run's measured expert-pool hits by scripts/bench/reprice_runs.py): a constant refitted
 for one shape must not quietly break the others."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import reprice_runs
+from scripts.bench import reprice_runs
 
-BENCH = Path(__file__).resolve().parent.parent / "docs" / "bench" / "runs"
+BENCH = Path(__file__).resolve().parent / "fixtures" / "runs"  # copies of lab/runs/
 RECORDED = ("h200-2026-12-03-round10.jsonl", "h200-2026-12-03-round11.jsonl",
             "h200-2026-12-03-round12.jsonl")
 # Issue 37 asks 15% of the plan's prediction, which also guesses the hit rate. The same plan
@@ -35,7 +35,7 @@ def test_every_recorded_moe_run_is_priced_within_twelve_percent():
 def test_a_recurrent_block_on_the_gpu_is_priced(monkeypatch):
     """The hybrids' recurrent blocks cost their own kernels on the GPU: priced like attention
     blocks, every weight on the GPU, the model was 35-50% fast."""
-    from localllm.profiles.planning import speed
+    from localllm.planner import speed
 
     monkeypatch.setattr(speed, "GPU_RECURRENT_BLOCK_SECONDS", 0.0)
     resident = [r for r in recorded_runs() if "-e16 " in r.label]

@@ -14,9 +14,9 @@ from daemon_process import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localllm.profiles.planning.card import load_card
-from localllm.profiles.tuning import acceptance, calibration, eval_results, expert_hits, traffic
-from localllm.profiles.tuning.saved import ProfileError, load_profile, read_tables
+from localllm.planner.card import load_card
+from localllm.profiles import acceptance, calibration, eval_results, expert_hits, traffic
+from localllm.profiles.saved import ProfileError, load_profile, read_tables
 
 HOSTILE = [
     b"[" * 100_000, b"{" * 100_000, b"a = " + b"[" * 100_000, b'{"models": ' + b"[" * 50_000,

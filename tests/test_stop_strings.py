@@ -4,7 +4,7 @@ possible start of a stop string reaches the client when the answer ends for anot
 from __future__ import annotations
 
 import ollama
-from localllm.llama.runner.slots import StopMatcher
+from localllm.engine.runner.slots import StopMatcher
 
 
 def test_the_earliest_stop_wins_whatever_the_order():

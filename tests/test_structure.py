@@ -1,14 +1,18 @@
-"""The house's rules, read from the code's own imports (no module is imported here):
+"""The house's rules, read from the code's own imports (no module is imported here).
 
-- the base floor (localllm/: config, paths, errors, options, the client) imports nothing else of
-  ours;
+Every folder of localllm/ is a room, and its import name is its path (localllm/engine/ is
+`localllm.engine`): the checkout is the package.
+
+- the base floor (the files of localllm/ itself: config, paths, errors, options, the client)
+  imports nothing else of ours;
 - nothing imports the commands room (cli/), which stands on the top floor;
 - the rooms stand on floors (FLOORS): a room imports only rooms on its own floor or below;
-- planning (profiles/) and the store (modelstore/) never touch llama.cpp, NVML or the daemon:
-  those live in the engine room (llama/) and the daemon;
-- inside profiles/, pure planning (planning/) never imports the tuning service (tuning/), which
-  reads files and starts processes: the tuning service is a room of its own, on the floor above
-  the engine room, whose child program it starts;
+- only the engine (engine/) imports llama.cpp, NVML or ctypes;
+- the local engine (engine/local.py, the runner process) is imported, outside the engine, by the
+  daemon's starter alone; the rest of the daemon, the remote engine first, reads the engine's
+  face (ENGINE_FACE: its protocol, the Load, the card facts), never its insides;
+- the tuning service (profiles/) touches the engine only through its child program: the probe
+  runs (engine/probing.py) and their values;
 - no two rooms import each other, directly or around a loop;
 - inside a room, no two modules import each other around a loop, deferred (function-level)
   and type-checking imports included: a loop held open by a late import is still a loop;
@@ -24,32 +28,32 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Import name -> the folder that holds it (pyproject.toml's package-dir).
-ROOMS = {"localllm.cli": "cli", "localllm.llama": "llama", "localllm.modelstore": "modelstore",
-         "localllm.profiles": "profiles", "localllm.daemon": "daemon", "localllm.tui": "tui",
-         "localllm": "localllm"}
+PACKAGE = ROOT / "localllm"
 ENGINE_MODULES = ("llama_cpp", "pynvml", "ctypes")
-TUNING = "profiles/tuning"  # a room inside profiles/ (the tuning service), above the engine room
 # Each room's floor, the base floor 0: a room imports rooms of its own floor or below, and starts
-# child programs of its own floor or below. Pure planning stands below the engine room (which
-# builds its values), the tuning service above it (it asks the engine's child program), the
-# daemon above both, the commands room on top.
-FLOORS = {"localllm": 0, "modelstore": 1, "profiles": 2, "llama": 3, TUNING: 4, "daemon": 5,
+# child programs of its own floor or below. The store reads models; pure planning (planner/)
+# plans from their shapes; the engine builds and runs what a plan says; the tuning service
+# (profiles/) asks the engine's child program and keeps what it learns; the daemon and the chat
+# screen above all of it, the commands room on top.
+FLOORS = {"localllm": 0, "modelstore": 1, "planner": 2, "engine": 3, "profiles": 4, "daemon": 5,
           "tui": 5, "cli": 6}
+# What the rooms above the engine may import of it: the engine seam and its protocol (requests,
+# events, the op table), the Load, the probe runs and their values, and the card facts (NVML,
+# the CPU, RPC workers) the planner is fed with. The local engine (local.py) is the starter's.
+ENGINE_FACE = ("localllm.engine.seam", "localllm.engine.runner.protocol",
+               "localllm.engine.runner.load", "localllm.engine.probes",
+               "localllm.engine.probing", "localllm.engine.hardware", "localllm.engine.nvml",
+               "localllm.engine.expert_cache", "localllm.engine.rpc")
+LOCAL_ENGINE = "localllm.engine.local"
+LOCAL_ENGINE_STARTERS = {"localllm/daemon/starting.py"}
+REMOTE_ENGINE = "localllm/daemon/remote.py"
 
 
 def _package(path: Path) -> str:
-    folder = path.relative_to(ROOT).parts[0]
-    for name, room in ROOMS.items():
-        if room == folder:
-            base = name
-            break
-    else:
-        raise AssertionError(f"{path} is in no room")
-    inner = path.relative_to(ROOT / folder).with_suffix("").parts
+    inner = path.relative_to(ROOT).with_suffix("").parts
     if inner[-1] == "__init__":
         inner = inner[:-1]
-    return ".".join((base, *inner))
+    return ".".join(inner)
 
 
 def _imports(path: Path) -> set[str]:
@@ -75,34 +79,40 @@ def _imports(path: Path) -> set[str]:
 
 
 def _room_of(module: str) -> str | None:
-    if module == "localllm.profiles.tuning" or module.startswith("localllm.profiles.tuning."):
-        return TUNING
-    for name, room in ROOMS.items():  # longest names first in ROOMS
-        if module == name or module.startswith(name + "."):
-            return room
-    return None
+    parts = module.split(".")
+    if parts[0] != "localllm":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in FLOORS else "localllm"
 
 
 def _room_of_path(path: Path) -> str:
-    parts = path.relative_to(ROOT).parts
-    return TUNING if "/".join(parts[:2]) == TUNING else parts[0]
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else "localllm"
 
 
 def _sources() -> dict[Path, set[str]]:
-    return {path: _imports(path) for room in set(ROOMS.values())
-            for path in sorted((ROOT / room).rglob("*.py"))}
+    return {path: _imports(path) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_in(module: str, names) -> bool:
+    return any(module == n or module.startswith(n + ".") for n in names)
+
+
+def test_every_folder_is_a_room_on_a_floor():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(FLOORS) - {"localllm"}, folders
 
 
 def test_the_base_floor_imports_nothing_else_of_ours():
     wrong = [f"{p.relative_to(ROOT)} imports {m}"
-             for p, modules in _sources().items() if p.parts[len(ROOT.parts)] == "localllm"
+             for p, modules in _sources().items() if _room_of_path(p) == "localllm"
              for m in modules if _room_of(m) not in (None, "localllm")]
     assert not wrong, wrong
 
 
 def test_nothing_imports_the_commands_room():
     wrong = [f"{p.relative_to(ROOT)} imports {m}"
-             for p, modules in _sources().items() if p.parts[len(ROOT.parts)] != "cli"
+             for p, modules in _sources().items() if _room_of_path(p) != "cli"
              for m in modules if _room_of(m) == "cli"]
     assert not wrong, wrong
 
@@ -114,31 +124,55 @@ def test_imports_go_down_the_floors():
     assert not wrong, wrong
 
 
-def test_planning_and_the_store_never_touch_the_engine_or_the_daemon():
+def test_only_the_engine_imports_llama_cpp_nvml_or_ctypes():
     wrong = [f"{p.relative_to(ROOT)} imports {m}"
-             for p, modules in _sources().items()
-             if _room_of_path(p) in ("profiles", "modelstore")
-             for m in modules
-             if m.split(".")[0] in ENGINE_MODULES or _room_of(m) in ("daemon", "llama")]
+             for p, modules in _sources().items() if _room_of_path(p) != "engine"
+             for m in modules if m.split(".")[0] in ENGINE_MODULES]
+    assert not wrong, wrong
+
+
+def test_only_the_daemons_starter_imports_the_local_engine():
+    wrong = [f"{p.relative_to(ROOT)} imports {m}"
+             for p, modules in _sources().items() if _room_of_path(p) != "engine"
+             and str(p.relative_to(ROOT)) not in LOCAL_ENGINE_STARTERS
+             for m in modules if _is_in(m, (LOCAL_ENGINE,))]
+    assert not wrong, wrong
+
+
+def test_the_rooms_above_read_the_engines_face_only():
+    wrong = [f"{p.relative_to(ROOT)} imports {m}"
+             for p, modules in _sources().items() if _room_of_path(p) != "engine"
+             and str(p.relative_to(ROOT)) not in LOCAL_ENGINE_STARTERS
+             for m in modules if _room_of(m) == "engine" and m != "localllm.engine"
+             and not _is_in(m, ENGINE_FACE)]
+    assert not wrong, wrong
+
+
+def test_the_remote_engine_imports_the_engines_protocol_only():
+    modules = _imports(ROOT / REMOTE_ENGINE)
+    wrong = sorted(m for m in modules if _room_of(m) == "engine" and not _is_in(
+        m, ("localllm.engine.seam", "localllm.engine.runner.protocol")))
     assert not wrong, wrong
 
 
 def test_the_tuning_service_touches_the_engine_only_through_its_child_program():
-    """It reads the runner's protocol (values) and starts the runner; llama.cpp, NVML and the
-    engine's modules load in that child alone, never in the daemon or the CLI through it."""
+    """It asks the runner through the probe runs (engine/probing.py) with their values;
+    llama.cpp, NVML and the engine's modules load in that child alone, never in the daemon or
+    the CLI through it."""
     wrong = [f"{p.relative_to(ROOT)} imports {m}"
-             for p, modules in _sources().items() if _room_of_path(p) == TUNING
-             for m in modules
-             if m.split(".")[0] in ENGINE_MODULES
-             or (_room_of(m) == "llama" and not m.startswith("localllm.llama.runner.protocol"))]
+             for p, modules in _sources().items() if _room_of_path(p) == "profiles"
+             for m in modules if _room_of(m) == "engine" and not _is_in(
+                 m, ("localllm.engine.probes", "localllm.engine.probing",
+                     "localllm.engine.runner.protocol"))]
     assert not wrong, wrong
 
 
-def test_pure_planning_never_imports_the_tuning_service():
+def test_pure_planning_reads_only_the_base_floor_and_model_shapes():
+    """The planner is pure: from a shape, a card and a request to a plan."""
     wrong = [f"{p.relative_to(ROOT)} imports {m}"
-             for p, modules in _sources().items()
-             if p.relative_to(ROOT).parts[:2] == ("profiles", "planning")
-             for m in modules if m.startswith("localllm.profiles.tuning")]
+             for p, modules in _sources().items() if _room_of_path(p) == "planner"
+             for m in modules if _room_of(m) not in (None, "localllm", "planner")
+             and not _is_in(m, ("localllm.modelstore.shape",))]
     assert not wrong, wrong
 
 
@@ -163,8 +197,7 @@ def test_no_rooms_import_each_other_around_a_loop():
 def _module_arrows() -> dict[Path, set[Path]]:
     """Each file -> the files of its own room it imports (lazy and type-checking imports too).
     `from . import keys` is an arrow to keys.py, not to the package's __init__.py."""
-    files = {_package(path): path for room in set(ROOMS.values())
-             for path in sorted((ROOT / room).rglob("*.py"))}
+    files = {_package(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
     def file_of(name: str) -> Path | None:
         while name and name not in files:
@@ -187,9 +220,9 @@ def _module_arrows() -> dict[Path, set[Path]]:
                     module = f"{base}.{module}" if module else base
                 for alias in node.names:
                     found.add(files.get(f"{module}.{alias.name}") or file_of(module))
-        room = path.relative_to(ROOT).parts[0]
+        room = _room_of_path(path)
         arrows[path] = {f for f in found
-                        if f is not None and f != path and f.relative_to(ROOT).parts[0] == room}
+                        if f is not None and f != path and _room_of_path(f) == room}
     return arrows
 
 
@@ -233,11 +266,11 @@ def test_no_file_over_500_lines_and_no_class_over_300():
 # Each child program of ours (`python -m localllm.X`) and the modules that start it: a child
 # program is a dependency the import graph does not see, so a new one is declared here. The
 # runner is the engine's one child program: the daemon's runners and the tuner's measurements
-# (llama/runner/tuner_ops.py) are its ops. The CLI is no child program: the daemon is started as
-# the installed `localllm` command (localllm/client.py's serve_command), as a unit file would.
+# (engine/runner/tuner_ops.py) are its ops. The CLI is no child program: the daemon is started
+# as the installed `localllm` command (localllm/client.py's serve_command), as a unit file would.
 CHILD_PROGRAMS = {
-    "localllm.llama.runner": {"llama/runner/protocol.py"},
-    "localllm.daemon.chat.template_worker": {"daemon/chat/template.py"},
+    "localllm.engine.runner": {"localllm/engine/runner/protocol.py"},
+    "localllm.daemon.chat.template_worker": {"localllm/daemon/chat/template.py"},
 }
 
 
@@ -276,3 +309,60 @@ def test_child_programs_are_started_from_their_floor_or_above():
                              f"`python -m {target}` ({_room_of(target)}, floor "
                              f"{FLOORS[_room_of(target)]})")
     assert not wrong, wrong
+
+
+def _sys_path_edits(path: Path) -> list[int]:
+    """Lines of `path` that change sys.path (insert, append, a slice or a new list)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        target = node.func.value if isinstance(node, ast.Call) and isinstance(
+            node.func, ast.Attribute) else None
+        targets = [t.value if isinstance(t, ast.Subscript) else t
+                   for t in node.targets] if isinstance(node, ast.Assign) else [target]
+        if any(isinstance(t, ast.Attribute) and t.attr == "path" and isinstance(t.value, ast.Name)
+               and t.value.id == "sys" for t in targets):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_checkout_is_the_package_no_sys_path_lines():
+    """Scripts, the lab and the tests run as modules of the checkout (`python -m
+    scripts.bench.bench_session`, pytest's pythonpath): none edits sys.path to find another."""
+    wrong = [f"{path.relative_to(ROOT)}:{line}"
+             for folder in ("localllm", "scripts", "lab", "tests")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             for line in _sys_path_edits(path)]
+    assert not wrong, wrong
+
+
+def test_nothing_outside_the_lab_imports_it():
+    wrong = [f"{path.relative_to(ROOT)} imports {m}"
+             for folder in ("localllm", "scripts", "tests")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             for m in _imports_anywhere(path) if m.split(".")[0] == "lab"]
+    assert not wrong, wrong
+
+
+def _imports_anywhere(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add(node.module or "")
+    return found
+
+
+def test_the_engines_class_names_mean_one_class():
+    """The engine's words name one class each in the whole product (there were two `Engine`s,
+    the seam's protocol and the runner's loop, and two `LoadedModel`s, the runner's model and
+    the scheduler's record): a reader who meets the name knows which it is."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    engine = str(PACKAGE.relative_to(ROOT) / "engine") + "/"
+    twice = {name: paths for name, paths in where.items()
+             if len(paths) > 1 and any(p.startswith(engine) for p in paths)}
+    assert not twice, twice

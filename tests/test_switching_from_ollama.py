@@ -20,7 +20,7 @@ import pytest
 from test_ollama_habits import api_show, one_line_error
 from test_tui_app import config_for, notes, type_line, wait_loaded, wait_until
 
-from localllm.daemon.chat.custom import GO_TEMPLATE_NOTE
+from localllm.modelstore.custom import GO_TEMPLATE_NOTE
 from localllm.tui.app import ChatApp
 from localllm.tui.chatstore import ChatStore
 

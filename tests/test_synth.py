@@ -7,15 +7,15 @@ import os
 
 import llama_cpp
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.card import load_card
-from localllm.profiles.tuning.dryrun import dry_run
-from localllm.profiles.planning.costs import model_costs
-from localllm.profiles.planning.memory import ContextSettings, memory_by_device
-from localllm.profiles.planning.placements import Placement
-from localllm.profiles.planning.plan import Plan
+from localllm.planner.card import load_card
+from localllm.profiles.dryrun import dry_run
+from localllm.planner.costs import model_costs
+from localllm.planner.memory import ContextSettings, memory_by_device
+from localllm.planner.placements import Placement
+from localllm.planner.plan import Plan
 
 
 @pytest.fixture(scope="module")

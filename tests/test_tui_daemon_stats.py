@@ -7,7 +7,7 @@ import os
 import urllib.request
 
 from localllm.daemon.api.stats import plan_summary, process_rss, vram_of
-from localllm.profiles.planning.plan import Plan
+from localllm.planner.plan import Plan
 
 
 def chat_lines(daemon, num_predict: int) -> list[dict]:

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import tmux_run_check
+from scripts import tmux_run_check
 
 from localllm.tui.chatstore import ChatStore
 

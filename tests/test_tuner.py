@@ -8,16 +8,16 @@ from __future__ import annotations
 import re
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
-from localllm.llama.params import rollback_positions
+from localllm.engine.params import rollback_positions
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.card import GIB, MIB, load_card
-from localllm.profiles.planning.memory import ComputeTable, ContextSettings
-from localllm.profiles.planning.placements import Placement
-from localllm.profiles.planning.budgets import ram_budget, vram_budget
-from localllm.profiles.planning.search import NoPlanFits, Request
-from localllm.profiles.planning.tuner import tune
+from localllm.planner.card import GIB, MIB, load_card
+from localllm.planner.memory import ComputeTable, ContextSettings
+from localllm.planner.placements import Placement
+from localllm.planner.budgets import ram_budget, vram_budget
+from localllm.planner.search import NoPlanFits, Request
+from localllm.planner.tuner import tune
 
 CARDS = {8: "rtx4060", 12: "rtx3060-12g", 16: "rtx4060ti-16g", 24: "rtx3090", 80: "a100-80g"}
 CONTEXTS = (4096, 32768, 131072)

@@ -8,22 +8,22 @@ import sys
 
 import llama_cpp
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.cli.main import main
 from localllm.modelstore.shape import read_shape
 from localllm.options import LoadOptions
-from localllm.profiles.planning.card import GIB, load_card
-from localllm.profiles.tuning.choose import choose_plan, placement_of, step_down
-from localllm.llama.hardware import host_card, probe_card
-from localllm.llama.overrides import tensor_overrides_applied
-from localllm.profiles.planning.plan import Plan, TensorOverride, physical_cores
-from localllm.profiles.tuning.saved import (
+from localllm.planner.card import GIB, load_card
+from localllm.profiles.choose import choose_plan, placement_of, step_down
+from localllm.engine.hardware import host_card, probe_card
+from localllm.engine.overrides import tensor_overrides_applied
+from localllm.planner.plan import Plan, TensorOverride, physical_cores
+from localllm.profiles.saved import (
     ProfileError, find_profile, load_profile, profile_path, save_profile,
 )
-from localllm.profiles.planning.placements import tensor_overrides
-from localllm.profiles.planning.search import Request
-from localllm.profiles.planning.tuner import tune
+from localllm.planner.placements import tensor_overrides
+from localllm.planner.search import Request
+from localllm.planner.tuner import tune
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +184,7 @@ def test_tune_measure_times_the_plan_and_calibrates(home, smollm2_gguf, capsys):
     assert "measured: prefill" in out
     saved = find_profile(smollm2_gguf.stem, probe_card().name)
     assert saved.measured["decode_tps"] > 0 and saved.measured["decoded_tokens"] > 0
-    from localllm.profiles.tuning.calibration import calibrated, load_calibration
+    from localllm.profiles.calibration import calibrated, load_calibration
 
     entry = load_calibration()[probe_card().name]
     assert entry["measured_decode_tps"] > 0
@@ -196,8 +196,8 @@ def test_calibrate_without_torch_says_what_to_install(smollm2_gguf, home):
     import subprocess
     import sys
 
-    from localllm.llama.hardware import probe_card
-    from localllm.profiles.tuning.calibration import load_calibration
+    from localllm.engine.hardware import probe_card
+    from localllm.profiles.calibration import load_calibration
 
     result = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", str(smollm2_gguf),
                              "--calibrate", "--no-save"], capture_output=True, text=True,
@@ -220,8 +220,8 @@ def test_calibrate_without_torch_says_what_to_install(smollm2_gguf, home):
 
 def test_calibrating_a_gpu_without_torch_says_what_to_install(home, monkeypatch):
     from localllm.errors import UserError
-    from localllm.profiles.tuning.calibrate import calibrate
-    from localllm.profiles.planning.card import load_card
+    from localllm.profiles.calibrate import calibrate
+    from localllm.planner.card import load_card
 
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` fails, as without the extra
     with pytest.raises(UserError, match="needs torch"):
@@ -229,10 +229,10 @@ def test_calibrating_a_gpu_without_torch_says_what_to_install(home, monkeypatch)
 
 
 def test_measured_bandwidth_replaces_the_theoretical_one(tmp_path):
-    from localllm.profiles.planning.probes import Bandwidth
-    from localllm.profiles.tuning.calibrate import store_bandwidth
-    from localllm.profiles.planning.card import load_card
-    from localllm.profiles.tuning.calibration import calibrated
+    from localllm.engine.probes import Bandwidth
+    from localllm.profiles.calibrate import store_bandwidth
+    from localllm.planner.card import load_card
+    from localllm.profiles.calibration import calibrated
 
     card = load_card("rtx3060-12g")
     path = tmp_path / "calibration.toml"

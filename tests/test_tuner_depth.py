@@ -9,14 +9,14 @@ import subprocess
 import sys
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.card import GIB, MIB, load_card
-from localllm.profiles.tuning.choose import placement_of
-from localllm.profiles.planning.budgets import ram_budget, vram_budget
-from localllm.profiles.planning.search import Request
-from localllm.profiles.planning.tuner import tune
+from localllm.planner.card import GIB, MIB, load_card
+from localllm.profiles.choose import placement_of
+from localllm.planner.budgets import ram_budget, vram_budget
+from localllm.planner.search import Request
+from localllm.planner.tuner import tune
 
 H200_HOST = dict(ram_bytes=128 * GIB, cores=16, host_bandwidth_gbs=51.2)
 

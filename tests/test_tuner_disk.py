@@ -8,14 +8,14 @@ import re
 from dataclasses import replace
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.card import GIB, load_card
-from localllm.profiles.planning.disk import ASSUMED_DISK_GBS
-from localllm.profiles.planning.budgets import ram_budget, vram_budget
-from localllm.profiles.planning.search import Request
-from localllm.profiles.planning.tuner import tune
+from localllm.planner.card import GIB, load_card
+from localllm.planner.disk import ASSUMED_DISK_GBS
+from localllm.planner.budgets import ram_budget, vram_budget
+from localllm.planner.search import Request
+from localllm.planner.tuner import tune
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +98,8 @@ def written_file(path, size: int):
 
 
 def test_disk_read_is_measured_stored_and_used(tmp_path):
-    from localllm.profiles.tuning.calibrate import PAGE, measure_disk_read, store_disk_read
-    from localllm.profiles.tuning.calibration import calibrated
+    from localllm.profiles.calibrate import PAGE, measure_disk_read, store_disk_read
+    from localllm.profiles.calibration import calibrated
 
     model = written_file(tmp_path / "model.gguf", 96 << 20)
     measured = measure_disk_read(model)
@@ -120,7 +120,7 @@ def test_disk_read_is_measured_stored_and_used(tmp_path):
 
 def test_disk_read_refuses_files_that_measure_nothing(tmp_path):
     from localllm.errors import UserError
-    from localllm.profiles.tuning.calibrate import measure_disk_read
+    from localllm.profiles.calibrate import measure_disk_read
 
     sparse = tmp_path / "sparse.gguf"
     with open(sparse, "wb") as f:
@@ -136,8 +136,8 @@ def test_the_daemon_plans_with_what_tune_calibrated(big, tmp_path, monkeypatch):
     `tune` explains one plan and the daemon loads another."""
     from localllm.daemon.scheduler import Planner
     from localllm.options import LoadOptions
-    from localllm.profiles.tuning.calibration import HOST_KEY
-    from localllm.profiles.tuning.calibration import calibration_file
+    from localllm.profiles.calibration import HOST_KEY
+    from localllm.profiles.calibration import calibration_file
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.setenv("LOCALLLM_RAM_BUDGET", "8G")  # the 37 GiB model spills past RAM here

@@ -10,22 +10,22 @@ import sys
 from dataclasses import replace
 
 import pytest
-import synth_gguf
-from localllm.llama import hardware
-from localllm.llama.runner.engine import CANCEL_BOUND_S, prompt_chunk
+from scripts import synth_gguf
+from localllm.engine import hardware
+from localllm.engine.runner.engine import CANCEL_BOUND_S, prompt_chunk
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.budgets import RAM_RESERVE, ram_budget
-from localllm.profiles.planning.card import GIB, MIB, load_card
-from localllm.profiles.planning.costs import model_costs
-from localllm.profiles.planning.memory import ContextSettings, block_kv_bytes, memory_by_device
-from localllm.profiles.planning.placements import Placement
-from localllm.profiles.planning.plan import Plan
-from localllm.profiles.planning.search import Request
-from localllm.profiles.planning.speed import prompt_cost
-from localllm.profiles.planning.tuner import tune
-from localllm.profiles.planning.workload import AGENT, CHAT, from_fill
-from localllm.profiles.tuning.bands import band_plans
-from localllm.profiles.tuning.choose import config_request, placement_of, settings_of
+from localllm.planner.budgets import RAM_RESERVE, ram_budget
+from localllm.planner.card import GIB, MIB, load_card
+from localllm.planner.costs import model_costs
+from localllm.planner.memory import ContextSettings, block_kv_bytes, memory_by_device
+from localllm.planner.placements import Placement
+from localllm.planner.plan import Plan
+from localllm.planner.search import Request
+from localllm.planner.speed import prompt_cost
+from localllm.planner.tuner import tune
+from localllm.planner.workload import AGENT, CHAT, from_fill
+from localllm.profiles.bands import band_plans
+from localllm.profiles.choose import config_request, placement_of, settings_of
 
 from localllm.config import ConfigError, check_setting
 
@@ -286,7 +286,7 @@ def test_a_band_serves_the_part_of_the_session_that_fits_it():
 
 
 def test_auto_keeps_a_band_only_where_it_decodes_faster_after_a_short_prompt(shapes):
-    from localllm.profiles.tuning.bands import band_pays
+    from localllm.profiles.bands import band_pays
 
     shape = shapes["qwen35-27b"]
     whole = tune(shape, h200(12), Request(n_ctx=32768, margin_bytes=128 * MIB, workload=AGENT))
@@ -302,7 +302,7 @@ def test_auto_keeps_a_band_only_where_it_decodes_faster_after_a_short_prompt(sha
 
 
 def test_the_daemon_loads_fill_bands_only_where_they_move_weights(shapes):
-    from localllm.profiles.tuning.bands import choose_bands, placement_key
+    from localllm.profiles.bands import choose_bands, placement_key
 
     from localllm.options import LoadOptions
 

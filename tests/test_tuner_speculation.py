@@ -8,22 +8,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.cli.main import main
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning import speculation
-from localllm.profiles.planning.card import GIB, MIB, load_card
-from localllm.profiles.tuning.choose import placement_of, settings_of
-from localllm.profiles.planning.costs import model_costs
-from localllm.profiles.planning.memory import ContextSettings, memory_by_device
-from localllm.profiles.planning.placements import Placement
-from localllm.profiles.planning.plan import Plan
-from localllm.profiles.tuning.saved import ProfileError, find_profile, profile_path, save_profile
-from localllm.profiles.planning.checking import checking_cost, checking_terms
-from localllm.profiles.planning.budgets import ram_budget, vram_budget
-from localllm.profiles.planning.search import Request
-from localllm.profiles.planning.tuner import tune
+from localllm.planner import speculation
+from localllm.planner.card import GIB, MIB, load_card
+from localllm.profiles.choose import placement_of, settings_of
+from localllm.planner.costs import model_costs
+from localllm.planner.memory import ContextSettings, memory_by_device
+from localllm.planner.placements import Placement
+from localllm.planner.plan import Plan
+from localllm.profiles.saved import ProfileError, find_profile, profile_path, save_profile
+from localllm.planner.checking import checking_cost, checking_terms
+from localllm.planner.budgets import ram_budget, vram_budget
+from localllm.planner.search import Request
+from localllm.planner.tuner import tune
 
 HOST = dict(ram_bytes=64 * GIB, cores=8, host_bandwidth_gbs=50.0)
 H200_HOST = dict(ram_bytes=128 * GIB, cores=16, host_bandwidth_gbs=51.2)

@@ -1,18 +1,18 @@
-"""A vision model's projector in the plan (profiles/planning/vision.py), with the tuner's real
+"""A vision model's projector in the plan (localllm/planner/vision.py), with the tuner's real
 search on card profiles and the full-size synthetic Gemma 3 projector's header."""
 
 from __future__ import annotations
 
 import pytest
-import synth_gguf
-import synth_vision
+from scripts import synth_gguf
+from scripts import synth_vision
 
 from localllm.modelstore.projector import projector_info
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.card import GIB, load_card
-from localllm.profiles.planning.search import Request
-from localllm.profiles.planning.tuner import tune
-from localllm.profiles.planning.vision import plan_with_projector, projector_cost
+from localllm.planner.card import GIB, load_card
+from localllm.planner.search import Request
+from localllm.planner.tuner import tune
+from localllm.planner.vision import plan_with_projector, projector_cost
 
 
 @pytest.fixture(scope="module")

@@ -11,21 +11,21 @@ from dataclasses import replace
 
 import llama_cpp
 import pytest
-import synth_gguf
+from scripts import synth_gguf
 from localllm.daemon.api.ollama import device_split
-from localllm.daemon.runner import runner_env
-from localllm.llama import dryrun
-from localllm.llama.hardware import card_from_nvml, visible_devices
-from localllm.llama.params import model_params
+from localllm.engine.local import runner_env
+from localllm.engine import dryrun
+from localllm.engine.hardware import card_from_nvml, visible_devices
+from localllm.engine.params import model_params
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.budgets import vram_budgets
-from localllm.profiles.planning.card import GIB, MIB, CardError, load_card
-from localllm.profiles.planning.memory import split_layers
-from localllm.profiles.planning.plan import Plan
-from localllm.profiles.planning.probes import Worker, WorkerDevice
-from localllm.profiles.planning.search import Request
-from localllm.profiles.planning.tuner import tune
-from localllm.profiles.tuning.rpc_plan import plan_with_workers
+from localllm.planner.budgets import vram_budgets
+from localllm.planner.card import GIB, MIB, CardError, load_card
+from localllm.planner.memory import split_layers
+from localllm.planner.plan import Plan
+from localllm.engine.probes import Worker, WorkerDevice
+from localllm.planner.search import Request
+from localllm.planner.tuner import tune
+from localllm.profiles.rpc_plan import plan_with_workers
 
 from localllm.config import ConfigError, load_config
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import ollama
 import openai
 import pytest
-import synth_gguf
-import synth_vision
+from scripts import synth_gguf
+from scripts import synth_vision
 from PIL import Image
 
 from localllm.modelstore.store import PROJECTOR_LAYER, ModelStore

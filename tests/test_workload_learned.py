@@ -19,9 +19,9 @@ from dataclasses import replace
 
 from conftest import import_models
 from daemon_process import isolated_env, start_daemon, wait_for
-from localllm.profiles.tuning import acceptance, traffic
-from localllm.profiles.tuning.served import ServedRecords, drained
-from localllm.profiles.planning.workload import AGENT, CHAT, MIN_LEARNED, learned
+from localllm.profiles import acceptance, traffic
+from localllm.profiles.served import ServedRecords, drained
+from localllm.planner.workload import AGENT, CHAT, MIN_LEARNED, learned
 
 # About 2250 tokens: a long prompt (LONG_PROMPT is 2048) that a busy 2-core CPU reads soon.
 LONG = " ".join(f"Fact {i}: the {['cold', 'deep', 'blue', 'salty'][i % 4]} water holds "
@@ -174,13 +174,13 @@ def test_with_default_settings_the_band_a_16k_prompt_enters_reads_it_as_the_agen
     chat, read the prompt at 214 (dense) and 393 tok/s (Qwen3.5 shape), the agent workload's
     plan 895; fit q8_0 405 and 772. Planned for the prompt that enters it, it reads it at least
     as fast as the agent workload's plan, and the first band stays the chat's."""
-    import synth_gguf
+    from scripts import synth_gguf
 
     from localllm.modelstore.shape import read_shape
-    from localllm.profiles.tuning.bands import band_plans, band_pays
-    from localllm.profiles.planning.card import GIB, MIB, load_card
-    from localllm.profiles.planning.search import Request
-    from localllm.profiles.planning.tuner import tune
+    from localllm.profiles.bands import band_plans, band_pays
+    from localllm.planner.card import GIB, MIB, load_card
+    from localllm.planner.search import Request
+    from localllm.planner.tuner import tune
 
     paths = synth_gguf.ensure_headers(tmp_path_factory.getbasetemp() / "synth-headers")
     shape = read_shape(paths[name])

@@ -2,9 +2,9 @@
 """What agents get from the daemon: decode speed and time to first token through each API,
 and the second turn of a long agent prompt after a side request.
 
-    python scripts/bench/bench_agents.py                      # llama-8b and dense-27b, synthetic
-    python scripts/bench/bench_agents.py --shape llama-8b --agent-tokens 20000 --tokens 128
-    python scripts/bench/bench_agents.py --gguf M.gguf --agent-tokens 1500   # a model file
+    python -m scripts.bench.bench_agents                      # llama-8b and dense-27b, synthetic
+    python -m scripts.bench.bench_agents --shape llama-8b --agent-tokens 20000 --tokens 128
+    python -m scripts.bench.bench_agents --gguf M.gguf --agent-tokens 1500   # a model file
 
 For each shape (a synthetic Q4_0 GGUF from synth_gguf.py, random weights, given a chat
 template through /api/create): the same short chat streamed through /api/chat,
@@ -36,16 +36,11 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
-from agent_replay import (  # noqa: E402
+from tests.agent_replay import (  # noqa: E402
     Message,
     Request,
     Session,
@@ -54,7 +49,7 @@ from agent_replay import (  # noqa: E402
     system_prompt,
     tool_result,
 )
-from chat_models import QWEN_TOOL_TEMPLATE  # noqa: E402
+from tests.chat_models import QWEN_TOOL_TEMPLATE  # noqa: E402
 
 QUESTION = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 APIS = ("/api/chat", "/v1/chat/completions", "/v1/messages", "/v1/responses")
@@ -204,7 +199,7 @@ def words_for(base: str, model: str, tokens: int) -> int:
 
 # ---- one shape ------------------------------------------------------------------------------
 def start(tmp: Path, gguf: Path, num_parallel: int, n_ctx: int):
-    from daemon_process import isolated_env, start_daemon
+    from tests.daemon_process import isolated_env, start_daemon
 
     from localllm.modelstore.store import ModelStore
 
@@ -232,9 +227,10 @@ def bench_shape(shape: str, tmp: Path, n: int, rounds: int, agent_tokens: int,
         lines = [f"## {given.name} ({gguf.stat().st_size / 2**30:.2f} GiB)", ""]
     else:
         gguf = tmp / f"{shape}.gguf"
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "synth_gguf.py"), shape,
+        subprocess.run([sys.executable, "-m", "scripts.synth_gguf", shape,
                         str(gguf), "--type", "Q4_0", "--fill", "random",
-                        *(["--tiny"] if tiny else [])], check=True, stdout=subprocess.DEVNULL)
+                        *(["--tiny"] if tiny else [])], cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL)
         lines = [f"## {shape} (synthetic Q4_0, {gguf.stat().st_size / 2**30:.1f} GiB, written "
                  f"in {time.perf_counter() - started:.0f} s)", ""]
     n_ctx = max(8192, agent_tokens + 4096)

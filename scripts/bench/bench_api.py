@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Decode speed through localllm's streaming API beside llama.cpp's own tools, in one run.
 
-    python scripts/bench/bench_api.py                     # CPU: the default model, 1 and 4 streams
-    python scripts/bench/bench_api.py --model M.gguf [--model M2.gguf ...] [--tokens 256]
-    python scripts/bench/bench_api.py --routes [--tokens 128]  # one stream through each API route
+    python -m scripts.bench.bench_api                     # CPU: the default model, 1 and 4 streams
+    python -m scripts.bench.bench_api --model M.gguf [--model M2.gguf ...] [--tokens 256]
+    python -m scripts.bench.bench_api --routes [--tokens 128]  # one stream through each API route
 
 For each model: llama-bench `tg` (when llama-bench is on PATH), llama-server (when on PATH) and
 the localllm daemon, each greedy and with Ollama's default sampling (temperature 0.8, top_k 40,
@@ -30,13 +30,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 # A CUDA build of llama.cpp must load before numpy (gguf, the store) or the model load crashes.
 import llama_cpp  # noqa: E402, F401
 
@@ -182,7 +177,7 @@ def stream_route(url: str, route: str, n: int) -> tuple[int, float, float]:
 def route_daemon(root: Path, model: Path, python: str = sys.executable):
     """A daemon of the checkout `python` has installed, in its own dirs under `root`, with
     `model` stored as "bench", loaded and warmed up."""
-    from daemon_process import isolated_env, start_daemon
+    from tests.daemon_process import isolated_env, start_daemon
 
     from localllm.modelstore.store import ModelStore
 
@@ -296,7 +291,7 @@ def llama_bench(model: Path, plan: dict, n: int) -> float | None:
 
 # ---- one model -------------------------------------------------------------------------
 def bench_model(model: Path, n: int, rounds: int) -> dict:
-    from daemon_process import isolated_env, start_daemon
+    from tests.daemon_process import isolated_env, start_daemon
 
     from localllm.modelstore.store import ModelStore
 
@@ -382,7 +377,7 @@ def main() -> None:
     args = parser.parse_args()
     models = args.model
     if not models:
-        import fetch_test_models
+        from scripts import fetch_test_models
 
         models = [fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")]
     if args.routes:

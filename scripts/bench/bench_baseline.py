@@ -2,19 +2,19 @@
 """localllm against the strongest llama.cpp of the same lease: swept settings, alternating runs.
 
     source .device-carry/on-device.sh && eval "$(bash tests/gpu/device_engine.sh)"
-    newest=$(bash scripts/device/build_newest_llama.sh)     # llama.cpp's newest server
-    python3 scripts/bench/bench_baseline.py --phase sweep --shape qwen3-30b-a3b \
+    newest=$(bash lab/device/build_newest_llama.sh)     # llama.cpp's newest server
+    python3 -m scripts.bench.bench_baseline --phase sweep --shape qwen3-30b-a3b \
         --routing zipf:0.3 --newest $newest --out $OUT        # best threads, expert-cache size
-    python3 scripts/bench/bench_baseline.py --phase rounds --rounds 3 --best $OUT/best.json \
+    python3 -m scripts.bench.bench_baseline --phase rounds --rounds 3 --best $OUT/best.json \
         --shape qwen3-30b-a3b --routing zipf:0.3 --newest $newest --out $OUT
-    python3 scripts/bench/bench_baseline.py --summarize baseline.jsonl [more.jsonl ...]
+    python3 -m scripts.bench.bench_baseline --summarize baseline.jsonl [more.jsonl ...]
 
 Systems (--systems):
   ours              the localllm daemon with default settings
   vendored-fit      `llama-server --fit` of the llama.cpp inside llama-cpp-python 0.3.36 (on
                     PATH after on-device.sh), q8_0 KV
   newest-fit        the same with the newest llama.cpp (--newest: the folder of its build,
-                    scripts/device/build_newest_llama.sh)
+                    lab/device/build_newest_llama.sh)
   newest-fit-cache  newest-fit with llama.cpp's own expert cache (`--moe-cache-mib`, left free
                     by --fit, which does not count it)
 Every system gets the same budget: --budget GiB of the card (ours: vram_margin_mib = free -
@@ -45,7 +45,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 MIB = 1 << 20
 SYSTEMS = ("ours", "vendored-fit", "newest-fit", "newest-fit-cache")
@@ -56,7 +55,7 @@ FIGURES = {"short_decode_tps": True, "prompt_tps": True, "ttft_s": False,
 
 def start(name: str, args, model: Path, tmp: Path, threads: int, cache_mib: int):
     """One system, loaded and ready."""
-    from bench_systems import Fit, Ours
+    from scripts.bench.bench_systems import Fit, Ours
 
     budget_mib = int(args.budget * 1024)
     if name == "ours":
@@ -78,7 +77,7 @@ def start(name: str, args, model: Path, tmp: Path, threads: int, cache_mib: int)
 
 def measure(system, args, with_prompt: bool) -> dict:
     """Decode after a short prompt; with_prompt: then the long prompt and the decode after."""
-    from bench_session import calibrate, text_of
+    from scripts.bench.bench_session import calibrate, text_of
 
     system.generate("Hello there. " * 4, 4)  # loads (ours) and warms up
     short = system.generate(text_of(300, 11), args.tokens)
@@ -95,7 +94,7 @@ def measure(system, args, with_prompt: bool) -> dict:
 def one(name: str, args, model: Path, record, *, threads: int = 0, cache_mib: int = 0,
         with_prompt: bool = True, **tags) -> dict | None:
     """Start a system, measure, stop; the row recorded (an error is a row too)."""
-    from bench_tuner import MemorySampler
+    from scripts.bench.bench_tuner import MemorySampler
 
     if time.monotonic() - args.t0 > args.deadline:
         record({"system": name, **tags, "skipped": "deadline"})
@@ -215,13 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarize:
         print(summarize(read_rows(args.summarize)))
         return 0
-    import checkout_imports
 
-    checkout_imports.bootstrap()
     import llama_cpp  # noqa: F401  (a CUDA build must load before numpy)
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import synth_gguf
+    from scripts import synth_gguf
 
     args.t0 = time.monotonic()
     args.systems = [s for s in args.systems.split(",") if s]

@@ -4,7 +4,7 @@ with the daemon's runners sharing the cores (the default: each busy runner takes
 share of the threads, scheduler._share_cpu) and without (LOCALLLM_CPU_SHARE=off: both at the
 plan's threads, llama.cpp's threads of each meeting at barriers on cores the other holds).
 
-    .venv/bin/python scripts/bench/bench_cpu_share.py [--rounds 5] [--words 600] [--every 0.25]
+    .venv/bin/python -m scripts.bench.bench_cpu_share [--rounds 5] [--words 600] [--every 0.25]
 
 A real daemon on the test models: SmolLM2 reads a raw prompt of `--words` numbered words (a new
 one each round, so nothing is reused; num_predict 1), and meanwhile Gemma 3 270M answers "hi"
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -26,9 +25,6 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
 
 def post(url: str, body: dict) -> dict:
@@ -47,7 +43,7 @@ def one_token(url: str) -> float:
 
 def run(mode: str, rounds: int, words: int, every: float, models: dict[str, Path]) -> dict:
     from conftest import import_models
-    from daemon_process import isolated_env, start_daemon
+    from tests.daemon_process import isolated_env, start_daemon
 
     with tempfile.TemporaryDirectory() as tmp:
         env = isolated_env(Path(tmp), LOCALLLM_CPU_SHARE=mode)
@@ -97,7 +93,7 @@ def main() -> None:
     p.add_argument("--words", type=int, default=600,
                    help="SmolLM2's prompt, in words (about 4 tokens each; within 4096)")
     args = p.parse_args()
-    import fetch_test_models
+    from scripts import fetch_test_models
 
     models = {"smollm2": fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf"),
               "gemma": fetch_test_models.ensure("gemma-3-270m-q4_k_m.gguf")}

@@ -2,9 +2,9 @@
 """The past-RAM tier for real: a model larger than VRAM plus RAM, in a cgroup that limits RAM.
 
     source .device-carry/on-device.sh
-    python3 scripts/bench/bench_past_ram.py --out $OUT                # 70B-class Q4_0 (37 GiB),
+    python3 -m scripts.bench.bench_past_ram --out $OUT                # 70B-class Q4_0 (37 GiB),
                                                                 # 12 GiB VRAM, memory.max 24 GiB
-    python3 scripts/bench/bench_past_ram.py --tiny --systems ours --out /tmp/p   # the same code on
+    python3 -m scripts.bench.bench_past_ram --tiny --systems ours --out /tmp/p   # the same code on
                                                                 # a CPU: a 1B model, 1 GiB
 
 The model is written first (scripts/synth_gguf.py), then this process moves itself into a
@@ -35,18 +35,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
-import synth_gguf  # noqa: E402
-from bench_systems import Fit, Ours  # noqa: E402
-from bench_tuner import MemorySampler  # noqa: E402
+from scripts import synth_gguf  # noqa: E402
+from scripts.bench.bench_systems import Fit, Ours  # noqa: E402
+from scripts.bench.bench_tuner import MemorySampler  # noqa: E402
 
 MIB, GIB = 1 << 20, 1 << 30
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -162,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="/tmp/bench-models")
     p.add_argument("--routing", default="uniform",
                    help="MoE routers of the synthetic model: uniform, balanced, zipf:S, "
-                        "local:G,S or real (docs/bench/synthetic-routing.md)")
+                        "local:G,S or real (docs/synthetic-routing.md)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tiny", action="store_true",
                    help="a 1B model (0.7 GiB) on a CPU, in a group of --tiny-ram GiB where a "

@@ -2,8 +2,8 @@
 """Recorded agent sessions replayed through the daemon and through llama-server at the same
 budget: wall time per session and tokens read per turn.
 
-    python scripts/bench/bench_replay.py --shape qwen3-30b-a3b --budget 12      # GPU machine
-    python scripts/bench/bench_replay.py --tiny --systems ours                  # a CPU check
+    python -m scripts.bench.bench_replay --shape qwen3-30b-a3b --budget 12      # GPU machine
+    python -m scripts.bench.bench_replay --tiny --systems ours                  # a CPU check
 
 A session starts from a real CLI's recorded first request (cli/agent_requests/: Claude Code's
 system prompt and 12 tools, Codex's instructions and tools) and goes on with the tool call each
@@ -23,7 +23,7 @@ the cache: usage.prompt_tokens_details.cached_tokens for ours, timings.prompt_n 
 llama-server), answer tokens. Per session: the sum. Systems: `ours` (default settings, the
 budget given as the daemon's VRAM margin), `fit-KV` (llama-server on PATH, `--fit on` for the
 same budget, KV type f16 or q8_0), `newest-fit-KV` (the newest llama.cpp's llama-server,
-scripts/device/build_newest_llama.sh, given by --newest-bin), `newest-cache-KV` (the same with
+lab/device/build_newest_llama.sh, given by --newest-bin), `newest-cache-KV` (the same with
 llama.cpp's own expert cache, `--moe-cache-mib`, which --fit is told to leave free). Writes
 replay.jsonl and replay.md under --out ($OUT when set).
 """
@@ -44,16 +44,15 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-from bench_session import add_budget_args  # noqa: E402  (puts tests/ and scripts/ on the path)
-from bench_systems import Fit, Ours, post  # noqa: E402
-import synth_gguf  # noqa: E402
-from bench_text import text_of  # noqa: E402
-from bench_tuner import MemorySampler  # noqa: E402
-from chat_models import QWEN_TOOL_TEMPLATE  # noqa: E402
+from scripts.bench.bench_session import add_budget_args  # noqa: E402
+from scripts.bench.bench_systems import Fit, Ours, post  # noqa: E402
+from scripts import synth_gguf  # noqa: E402
+from scripts.bench.bench_text import text_of  # noqa: E402
+from scripts.bench.bench_tuner import MemorySampler  # noqa: E402
+from tests.chat_models import QWEN_TOOL_TEMPLATE  # noqa: E402
 
 MIB = 1 << 20
-FIRST = ROOT / "cli" / "agent_requests"
+FIRST = ROOT / "localllm" / "cli" / "agent_requests"
 FOLLOW = ROOT / "tests" / "fixtures" / "agents"
 AGENTS = {  # first request, the recording with the CLI's own tool call
     "claude-code": ("claude-code-2.1.332-default.json", "claude-code-2.1.332-tool-result.json"),
@@ -276,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     add_budget_args(p, shape="qwen3-30b-a3b", ctx=65536)
     p.add_argument("--systems", default="ours,newest-fit-q8_0,newest-fit-f16")
     p.add_argument("--newest-bin", default="/tmp/newest/bin",
-                   help="the newest llama.cpp's binaries (scripts/device/build_newest_llama.sh)")
+                   help="the newest llama.cpp's binaries (lab/device/build_newest_llama.sh)")
     p.add_argument("--agents", default=",".join(AGENTS))
     p.add_argument("--turns", type=int, default=8, help="tool calls after the first request")
     p.add_argument("--turn-chars", type=int, default=4000, help="each tool output's length")
@@ -286,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="newest-cache-KV: llama.cpp's own expert cache, left free by --fit")
     p.add_argument("--models", default="/tmp/bench-models")
     p.add_argument("--routing", default="real",
-                   help="MoE routers of the synthetic model (docs/bench/synthetic-routing.md)")
+                   help="MoE routers of the synthetic model (docs/synthetic-routing.md)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tiny", action="store_true", help="a toy model on a CPU, small sizes")
     args = p.parse_args(argv)

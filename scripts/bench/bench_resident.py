@@ -2,7 +2,7 @@
 """Decode with every weight on the GPU: llama-bench beside the speed model's price, per shape.
 
     source .device-carry/on-device.sh
-    python3 scripts/bench/bench_resident.py --shapes qwen35-35b-a3b,qwen3-next-80b-a3b \
+    python3 -m scripts.bench.bench_resident --shapes qwen35-35b-a3b,qwen3-next-80b-a3b \
         --experts 16 --kv f16,q8_0 --depths 0,16384,29480 --models /tmp/models --out $OUT
 
 The parts of the speed model that are the GPU's own (a block's kernels by kind, attention at
@@ -29,22 +29,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 
-import synth_gguf  # noqa: E402
+from scripts import synth_gguf  # noqa: E402
 
 from localllm.modelstore.shape import read_shape  # noqa: E402
-from localllm.profiles.planning import speed  # noqa: E402
-from localllm.profiles.planning.card import load_card  # noqa: E402
-from localllm.profiles.planning.costs import model_costs  # noqa: E402
-from localllm.profiles.planning.memory import ContextSettings  # noqa: E402
-from localllm.profiles.planning.placements import Placement  # noqa: E402
+from localllm.planner import speed  # noqa: E402
+from localllm.planner.card import load_card  # noqa: E402
+from localllm.planner.costs import model_costs  # noqa: E402
+from localllm.planner.memory import ContextSettings  # noqa: E402
+from localllm.planner.placements import Placement  # noqa: E402
 
 
 def priced(costs, kv: str, depth: int, ctx: int, card) -> dict:

@@ -1,15 +1,15 @@
 """Benchmark: a model split over two `localllm worker`s (RPC, loopback) by localllm's planner,
 against llama.cpp's own split over the same two workers.
 
-    python scripts/bench/bench_rpc.py                                # GPU machine: 27B-class model
-    python scripts/bench/bench_rpc.py --model .cache/test-models/SmolLM2-135M-Instruct.Q4_1.gguf
+    python -m scripts.bench.bench_rpc                                # GPU machine: 27B-class model
+    python -m scripts.bench.bench_rpc --model .cache/test-models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 With two or more NVIDIA GPUs each worker gets one (CUDA_VISIBLE_DEVICES, `--device cuda0`);
 otherwise both lend the CPU. The measuring process sees no GPU itself, so every layer runs on
 a worker. Rows, each its own process (a worker serves one client at a time):
   - localllm: `choose_plan` with rpc_workers set (probe, planner), model and context built
     from the plan as the runner builds them; prompt then decode timed over a bare
-    llama_decode loop (llama/measure.py);
+    llama_decode loop (localllm/engine/measure.py);
   - llama.cpp split: the same load with tensor_split left to llama.cpp (by free memory);
   - llama-bench --rpc: llama.cpp's own tool over the same workers, when it is on PATH;
   - alone: one device without RPC (the first GPU, or this CPU), for the network's cost.
@@ -29,14 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).resolve()
 START_DIR = Path.cwd()  # where relative paths given on the command line are
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()  # the GPU machine has no editable install (this may chdir)
 
 SYNTH_SHAPE = "dense-27b"
 
@@ -84,13 +79,13 @@ def measure(request: dict) -> dict:
     import llama_cpp  # noqa: F401  (before numpy: the CUDA build needs this order)
     from dataclasses import replace
 
-    from localllm.llama import measure as bare_loop
+    from localllm.engine import measure as bare_loop
     from localllm.modelstore.shape import read_shape
     from localllm.options import LoadOptions
-    from localllm.profiles.tuning.choose import choose_plan
-    from localllm.llama.hardware import host_card
-    from localllm.profiles.planning.plan import Plan, physical_cores
-    from localllm.profiles.planning.probes import Measure
+    from localllm.profiles.choose import choose_plan
+    from localllm.engine.hardware import host_card
+    from localllm.planner.plan import Plan, physical_cores
+    from localllm.engine.probes import Measure
 
     n_ctx = request["prompt"] + request["tokens"] + 64
     shape = read_shape(request["model"])
@@ -115,7 +110,7 @@ def measure(request: dict) -> dict:
             split, predicted = "llama.cpp: by free memory", None
     t0 = time.perf_counter()
     # The model and context built from the plan as the runner builds them, then a bare
-    # llama_decode loop: a prompt read, a greedy decode (llama/measure.py, as tune --measure).
+    # llama_decode loop: a prompt read, a greedy decode (engine/measure.py, as tune --measure).
     result = bare_loop.run(Measure(request["model"], plan, request["prompt"], request["tokens"]))
     return {"row": request["kind"], "split": split,
             "load_and_run_s": round(time.perf_counter() - t0, 1),
@@ -125,8 +120,9 @@ def measure(request: dict) -> dict:
 
 
 def run_child(request: dict, env: dict) -> dict:
-    done = subprocess.run([sys.executable, str(SCRIPT), "--child", json.dumps(request)], env=env,
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run([sys.executable, "-m", "scripts.bench.bench_rpc", "--child",
+                           json.dumps(request)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=1800)
     lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
@@ -182,9 +178,9 @@ def main() -> int:
         if not os.path.exists(model):
             print(f"writing {model} (synthetic {SYNTH_SHAPE}, random Q4_0 weights)...",
                   flush=True)
-            subprocess.run([sys.executable, str(ROOT / "scripts" / "synth_gguf.py"),
+            subprocess.run([sys.executable, "-m", "scripts.synth_gguf",
                             SYNTH_SHAPE, model, "--type", "Q4_0", "--fill", "random"],
-                           check=True)
+                           cwd=ROOT, check=True)
     gpus = gpu_count()
     use_gpu = gpus >= 2
     threads = args.threads or max(1, (os.cpu_count() or 2) // 4)

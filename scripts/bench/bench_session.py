@@ -2,10 +2,10 @@
 """A session's moments through the daemon's API beside `llama-server --fit`, on an emulated budget.
 
     source .device-carry/on-device.sh
-    python3 scripts/bench/bench_session.py --shape dense-27b --ctx 32768 --runs short,prompt \
+    python3 -m scripts.bench.bench_session --shape dense-27b --ctx 32768 --runs short,prompt \
         --out $OUT
-    python3 scripts/bench/bench_session.py --tiny --out /tmp/s  # the same code on a CPU, toy model
-    python3 scripts/bench/bench_session.py --shape qwen35-27b --ctx 65536 --systems ours,fit-q8_0 \
+    python3 -m scripts.bench.bench_session --tiny --out /tmp/s  # the same code on a CPU, toy model
+    python3 -m scripts.bench.bench_session --shape qwen35-27b --ctx 65536 --systems ours,fit-q8_0 \
         --runs agent-rerendered --answer-tokens 128 --out $OUT   # a changed history (#33)
 
 For one synthetic model (scripts/synth_gguf.py, random Q4_0 weights) and one context, each
@@ -51,19 +51,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
-import synth_gguf  # noqa: E402
-from bench_text import SHORT_CHARS, short_prompt, text_of  # noqa: E402
-from bench_systems import MIB, Fit, Ours, at_depth  # noqa: E402
-from bench_tuner import MemorySampler  # noqa: E402
+from scripts import synth_gguf  # noqa: E402
+from scripts.bench.bench_text import SHORT_CHARS, short_prompt, text_of  # noqa: E402
+from scripts.bench.bench_systems import MIB, Fit, Ours, at_depth  # noqa: E402
+from scripts.bench.bench_tuner import MemorySampler  # noqa: E402
 
 
 def calibrate(system, chars_per_token: list[float], ctx: int) -> float:
@@ -241,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="/tmp/bench-models")
     p.add_argument("--routing", default="uniform",
                    help="MoE routers of the synthetic model: uniform, balanced, zipf:S, "
-                        "local:G,S or real (docs/bench/synthetic-routing.md)")
+                        "local:G,S or real (docs/synthetic-routing.md)")
     p.add_argument("--deadline", type=float, default=520, help="seconds; later runs skipped")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tiny", action="store_true", help="a toy model on a CPU, small sizes")

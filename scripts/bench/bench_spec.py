@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Speculative decoding on one machine: what a checking pass costs, and what drafting gives.
 
-    python scripts/bench/bench_spec.py --model M.gguf [--ngl 99 --ngl 44] [--draft-other D.gguf]
+    python -m scripts.bench.bench_spec --model M.gguf [--ngl 99 --ngl 44] [--draft-other D.gguf]
 
 1. Checking cost: llama_decode of B = 1, 2, 4, 8 tokens at a depth of 256, through the runner's
-   own loader (llama/model.py) with each placement, beside llama-bench ppB at the same
+   own loader (localllm/engine/model.py) with each placement, beside llama-bench ppB at the same
    depth (when llama-bench is on PATH); as tokens/s and as the cost of a pass over a pass of 1.
 2. Decode through the daemon's API (/api/generate, eval_count / eval_duration, median of
    --rounds), per placement: plain; prompt lookup on the model's own greedy text; the model as
@@ -35,13 +35,8 @@ from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402  (a CUDA build must load before numpy)
 
 BATCHES = (1, 2, 4, 8)
@@ -51,8 +46,8 @@ DEPTH = 256
 # ---- 1. checking cost ----------------------------------------------------------------------
 def engine_check_cost(model: Path, ngl: int, threads: int, reps: int = 10) -> dict[int, float]:
     """tokens/s of a llama_decode of B tokens after DEPTH tokens, through the runner's loader."""
-    from localllm.llama import model as llama
-    from localllm.profiles.planning.plan import cpu_plan
+    from localllm.engine import model as llama
+    from localllm.planner.plan import cpu_plan
 
     plan = replace(cpu_plan(2048), n_gpu_layers=ngl, n_threads=threads, n_threads_batch=threads)
     lm = llama.load(str(model), plan)
@@ -116,7 +111,7 @@ def rate(url: str, options: dict, rounds: int) -> tuple[float, dict]:
 
 
 def api_modes(args, ngl: int) -> list[tuple[str, float, dict]]:
-    from daemon_process import isolated_env, start_daemon
+    from tests.daemon_process import isolated_env, start_daemon
     from localllm.modelstore.shape import read_shape
     from localllm.modelstore.store import ModelStore
 
@@ -159,15 +154,15 @@ def engine_decode(model: Path, plan, mode: str, tokens: int, rounds: int) -> tup
     """Greedy decode tok/s through the runner's engine loaded with `plan` (median of rounds)."""
     import threading
 
-    from localllm.llama.runner.engine import Engine
-    from localllm.llama.runner.protocol import (
+    from localllm.engine.runner.engine import RunnerEngine
+    from localllm.engine.runner.protocol import (
         Done,
         Failure,
         GenerationRequest,
         SamplingOptions,
     )
 
-    engine = Engine(str(model), plan)
+    engine = RunnerEngine(str(model), plan)
     loop = threading.Thread(target=engine.run, daemon=True)
     loop.start()
     rates, draft = [], {}
@@ -198,10 +193,10 @@ def engine_decode(model: Path, plan, mode: str, tokens: int, rounds: int) -> tup
 
 
 def tuner_rows(args) -> list[str]:
-    from bench_tuner import gpu_card
+    from scripts.bench.bench_tuner import gpu_card
     from localllm.modelstore.shape import read_shape
-    from localllm.profiles.planning.search import NoPlanFits, Request
-    from localllm.profiles.tuning.choose import tune_checked
+    from localllm.planner.search import NoPlanFits, Request
+    from localllm.profiles.choose import tune_checked
 
     shape = read_shape(args.model)
     out = []

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prompt-lookup speculation through the API: acceptance and speedup against plain decode.
 
-    python scripts/bench/bench_speed.py [--model PATH] [--tokens 400] [--rounds 2]
+    python -m scripts.bench.bench_speed [--model PATH] [--tokens 400] [--rounds 2]
 
 Three cases, each answered with `speculative: off` and `lookup` (interleaved rounds, medians):
 repeating a ~400-token code listing with one change, greedy (drafts from the prompt should
@@ -17,19 +17,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
 CODE = "\n".join(f"def scale_{i}(values):\n    return [v * {i} + {i * 3} for v in values]\n"
@@ -65,13 +59,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
-    from daemon_process import isolated_env, start_daemon
+    from tests.daemon_process import isolated_env, start_daemon
 
     from localllm.modelstore.store import ModelStore
 
     model = args.model
     if model is None:
-        import fetch_test_models
+        from scripts import fetch_test_models
 
         model = fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")
     lines = [f"Prompt lookup vs plain decode, {model.name}, {args.tokens} tokens, median of "

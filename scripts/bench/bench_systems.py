@@ -13,21 +13,16 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))  # daemon_process
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
-from bench_tuner import MemorySampler  # noqa: E402
+from scripts.bench.bench_tuner import MemorySampler  # noqa: E402
 
 MIB = 1 << 20
 
@@ -46,7 +41,7 @@ class Ours:
 
     def __init__(self, model: Path, ctx: int, budget_mib: int, margin_mib: int, workload: str,
                  tmp: Path, fill_bands: str = "auto", **settings: str):
-        from daemon_process import isolated_env, start_daemon
+        from tests.daemon_process import isolated_env, start_daemon
 
         from localllm.modelstore.store import ModelStore
 
@@ -151,8 +146,8 @@ def never_accepted(model: Path, env: dict) -> None:
     with the drafts' speed), and the bench, which asks every request with `speculative: off`
     to compare plain decode with llama-server's, measures a plan made for something else. The
     record is the one `ServedRecords.drafted` writes after MIN_DRAFTED drafted tokens
-    (profiles/tuning/acceptance.py). BENCH_DRAFTS=assumed leaves it out."""
-    from localllm.profiles.tuning.acceptance import MIN_DRAFTED, record
+    (localllm/profiles/acceptance.py). BENCH_DRAFTS=assumed leaves it out."""
+    from localllm.profiles.acceptance import MIN_DRAFTED, record
     from localllm.speculative import DRAFTING_MODES
 
     config_dir = Path(env["XDG_CONFIG_HOME"]) / "localllm" / "profiles"

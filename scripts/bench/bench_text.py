@@ -3,7 +3,7 @@
 A repeated list of words routes an MoE model to the same experts over and over (a cache's
 decode was seen to double over real text's), so the benchmarks read random letters in words of
 2-10, with commas and full stops: the only reuse left is what the routing itself makes
-(docs/bench/synthetic-routing.md).
+(docs/synthetic-routing.md).
 """
 
 from __future__ import annotations

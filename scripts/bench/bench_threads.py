@@ -1,7 +1,7 @@
 """Decode speed beside a CPU hog: the plan's fixed threads vs the runner's adaptive ones.
 
-    .venv/bin/python scripts/bench/bench_threads.py                  SmolLM2 (the test model)
-    .venv/bin/python scripts/bench/bench_threads.py --model M.gguf --seconds 10 --rounds 5 --hogs 1
+    .venv/bin/python -m scripts.bench.bench_threads                  SmolLM2 (the test model)
+    .venv/bin/python -m scripts.bench.bench_threads --model M.gguf --seconds 10 --rounds 5 --hogs 1
 
 Two engines of the same plan (the tuner's for this machine, one slot) are loaded side by side,
 one with `adapt_threads=False` (what the runner did before threads.py), one adaptive. Each
@@ -25,8 +25,6 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # synth_gguf
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 HOG = "import time\nend = time.monotonic() + 900\nwhile time.monotonic() < end: pass\n"
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8,"  # greedy counting goes on for thousands of tokens
@@ -75,17 +73,17 @@ def main() -> int:
     parser.add_argument("--hogs", type=int, default=1, help="busy-loop processes (cores)")
     args = parser.parse_args()
 
-    import llama_cpp  # noqa: F401  (before numpy: see llama/runner/__main__.py)
-    from localllm.llama.hardware import probe_card
-    from localllm.llama.runner import protocol
-    from localllm.llama.runner.engine import Engine
+    import llama_cpp  # noqa: F401  (before numpy: see localllm/engine/runner/__main__.py)
+    from localllm.engine.hardware import probe_card
+    from localllm.engine.runner import protocol
+    from localllm.engine.runner.engine import RunnerEngine
     from localllm.modelstore.shape import read_shape
-    from localllm.profiles.tuning.choose import choose_plan
+    from localllm.profiles.choose import choose_plan
 
     from localllm.options import LoadOptions
 
     if args.model is None:
-        import fetch_test_models
+        from scripts import fetch_test_models
 
         args.model = fetch_test_models.ensure("SmolLM2-135M-Instruct.Q4_1.gguf")
     plan = replace(choose_plan(read_shape(args.model), "bench-threads", None, LoadOptions(),
@@ -94,8 +92,8 @@ def main() -> int:
     print(f"model {args.model.name}: plan {plan.n_threads} threads, predicted decode "
           f"{plan.predicted_decode_tps:.1f} tok/s; {args.seconds:.0f} s per run, "
           f"{args.rounds} rounds, {args.hogs} hog(s)")
-    engines = {"fixed": Engine(str(args.model), plan, adapt_threads=False),
-               "adaptive": Engine(str(args.model), plan)}
+    engines = {"fixed": RunnerEngine(str(args.model), plan, adapt_threads=False),
+               "adaptive": RunnerEngine(str(args.model), plan)}
     for engine in engines.values():
         threading.Thread(target=engine.run, daemon=True).start()
 

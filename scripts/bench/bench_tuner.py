@@ -4,7 +4,7 @@
 One command runs issue 13's matrix (about 8 minutes of GPU time):
 
     source .device-carry/on-device.sh
-    python3 scripts/bench/bench_tuner.py --out $OUT
+    python3 -m scripts.bench.bench_tuner --out $OUT
 
 - dense-27b (66 blocks, Q4_0) at a 12 GiB budget, 32K and 128K context; the 70B-class model
   (80 blocks, Q4_0, 37 GiB) at 24 GiB, 8K and 32K;
@@ -40,20 +40,16 @@ ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import kv_fill  # noqa: E402
-import synth_gguf  # noqa: E402
+from scripts.bench import kv_fill  # noqa: E402
+from scripts import synth_gguf  # noqa: E402
 
 from localllm.modelstore.shape import read_shape  # noqa: E402
-from localllm.profiles.planning.card import load_card  # noqa: E402
-from localllm.profiles.tuning.choose import tune_checked  # noqa: E402
-from localllm.llama.hardware import host_card, probe_card  # noqa: E402
-from localllm.profiles.planning.search import NoPlanFits, Request  # noqa: E402
+from localllm.planner.card import load_card  # noqa: E402
+from localllm.profiles.choose import tune_checked  # noqa: E402
+from localllm.engine.hardware import host_card, probe_card  # noqa: E402
+from localllm.planner.search import NoPlanFits, Request  # noqa: E402
 
 # (shape, budget GiB, context, measure after filling half the context too)
 MATRIX = (("dense-27b", 12, 32768, True), ("dense-27b", 12, 131072, True),
@@ -116,9 +112,9 @@ CHILD = r"""
 import llama_cpp
 import ctypes, json, sys, time
 import llama_cpp.llama_cpp as ll
-from localllm.llama.params import GGML_TYPES
-from localllm.llama.overrides import tensor_overrides_applied
-from localllm.profiles.planning.plan import Plan
+from localllm.engine.params import GGML_TYPES
+from localllm.engine.overrides import tensor_overrides_applied
+from localllm.planner.plan import Plan
 req = json.loads(sys.stdin.read())
 plan = Plan.from_dict(req["plan"])
 kwargs = dict(model_path=req["path"], n_gpu_layers=plan.n_gpu_layers, n_ctx=plan.n_ctx,

@@ -3,8 +3,8 @@
 card plus a `localllm worker` on the other, each against llama.cpp's own way.
 
     source .device-carry/on-device.sh
-    python3 scripts/bench/bench_two_gpus.py --out $OUT            # nvidia-h200-x2, under 9 minutes
-    python3 scripts/bench/bench_two_gpus.py --tiny --out /tmp/b2  # the same code on a CPU, a toy
+    python3 -m scripts.bench.bench_two_gpus --out $OUT            # nvidia-h200-x2, under 9 minutes
+    python3 -m scripts.bench.bench_two_gpus --tiny --out /tmp/b2  # the same code on a CPU, a toy
 
 The model is scripts/synth_gguf.py's `70b` (Q4_0, random weights, 37 GiB). Each card is
 limited to --budgets GiB (default 24 and 12): the daemon by vram_margin_mib = free - budget +
@@ -37,20 +37,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
-import synth_gguf  # noqa: E402
-from bench_rpc import gpu_count, start_worker  # noqa: E402
-from bench_session import calibrate, text_of  # noqa: E402
-from bench_systems import Fit, Ours, wait_healthy  # noqa: E402
-from bench_tuner import MemorySampler  # noqa: E402
+from scripts import synth_gguf  # noqa: E402
+from scripts.bench.bench_rpc import gpu_count, start_worker  # noqa: E402
+from scripts.bench.bench_session import calibrate, text_of  # noqa: E402
+from scripts.bench.bench_systems import Fit, Ours, wait_healthy  # noqa: E402
+from scripts.bench.bench_tuner import MemorySampler  # noqa: E402
 
 MIB = 1 << 20
 
@@ -60,7 +55,7 @@ class Daemon(Ours):
 
     def __init__(self, name: str, model: Path, ctx: int, margin_mib: int, tmp: Path,
                  env_extra: dict[str, str]):
-        from daemon_process import isolated_env, start_daemon
+        from tests.daemon_process import isolated_env, start_daemon
 
         from localllm.modelstore.store import ModelStore
 

@@ -2,8 +2,8 @@
 """Images on the GPU: one 896x896 image through localllm against llama-server, and the plan with
 its projector at a 12 GiB budget, in one run.
 
-    source .device-carry/on-device.sh && python scripts/bench/bench_vision.py
-    python scripts/bench/bench_vision.py --tiny      # the toy pair: check the script on a CPU
+    source .device-carry/on-device.sh && python -m scripts.bench.bench_vision
+    python -m scripts.bench.bench_vision --tiny      # the toy pair: check the script on a CPU
 
 1. Writes the full-size synthetic Gemma 3 pair (scripts/synth_vision.py --shape
    gemma3-27b: the 27B language model in Q4_0 and its SigLIP projector in f16).
@@ -11,7 +11,7 @@ its projector at a 12 GiB budget, in one run.
    read, one token), measured by the client, median of --rounds images (each new, so neither
    side reuses a cache): the localllm daemon (its own plan, the card whole) and llama-server
    with the same --mmproj, all layers on the GPU, flash attention. Target: ours at most 1.05x.
-3. At a 12 GiB budget: the tuner's plan with the projector (profiles/planning/vision.py), loaded in
+3. At a 12 GiB budget: the tuner's plan with the projector (localllm/planner/vision.py), loaded in
    this process with the projector, one image read; the peak VRAM over the baseline (NVML)
    must stay under the budget.
 Prints a table and writes it to $OUT/bench_vision.md (and .json).
@@ -37,16 +37,11 @@ import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 # The carried CUDA build: the binding loads libmtmd from MTMD_CPP_LIB, not LLAMA_CPP_LIB_PATH.
 if os.environ.get("LLAMA_CPP_LIB_PATH") and not os.environ.get("MTMD_CPP_LIB"):
     os.environ["MTMD_CPP_LIB"] = os.environ["LLAMA_CPP_LIB_PATH"]
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 import llama_cpp  # noqa: E402, F401  (the CUDA build must load before numpy)
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -98,7 +93,7 @@ def first_token_times(url: str, model: str, size: int, rounds: int, seed0: int) 
 
 # ---- the two servers -----------------------------------------------------------------------
 def ours(model: Path, mmproj: Path, size: int, rounds: int) -> dict:
-    from daemon_process import isolated_env, start_daemon
+    from tests.daemon_process import isolated_env, start_daemon
     from localllm.modelstore.store import ModelStore
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,44 +142,18 @@ def llama_server(model: Path, mmproj: Path, size: int, rounds: int) -> dict | No
 
 
 # ---- the 12 GiB plan -----------------------------------------------------------------------
-class PeakVram:
-    def __init__(self):
-        import pynvml
-
-        pynvml.nvmlInit()
-        self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
-        self.peak = self.baseline = self.used()
-        self._stop = threading.Event()
-
-    def used(self) -> int:
-        return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
-
-    def __enter__(self):
-        self.baseline = self.peak = self.used()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.used())
-            time.sleep(0.02)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-
 def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
     """The plan at the budget, then that plan loaded with the projector in a child process
     (a clean CUDA context) reading one image, its peak VRAM measured from here."""
-    from localllm.llama.hardware import host_card, probe_card
+    from scripts.bench.bench_tuner import MemorySampler
+
+    from localllm.engine.hardware import host_card, probe_card
     from localllm.modelstore.projector import projector_info
     from localllm.modelstore.shape import read_shape
-    from localllm.profiles.planning.card import load_card
-    from localllm.profiles.planning.search import Request
-    from localllm.profiles.planning.vision import plan_with_projector, projector_cost
-    from localllm.profiles.tuning.choose import tune_checked
+    from localllm.planner.card import load_card
+    from localllm.planner.search import Request
+    from localllm.planner.vision import plan_with_projector, projector_cost
+    from localllm.profiles.choose import tune_checked
 
     probed = probe_card()
     base = load_card(probed.name) if probed.has_gpu else load_card("h200")
@@ -195,21 +164,12 @@ def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
     request = Request(n_ctx=4096, margin_bytes=128 * MIB)
     plan = plan_with_projector(card, projector_cost(projector_info(mmproj)),
                                lambda c: tune_checked(shape, c, request, measure=True))
-    child = [sys.executable, str(Path(__file__).resolve()), "--child", str(model), str(mmproj),
-             str(size)]
-    try:
-        sampler = PeakVram()
-    except Exception:  # no NVML: a CPU check of the script
-        sampler = None
-    if sampler is not None:
-        with sampler:
-            out = subprocess.run(child, input=json.dumps(plan.to_dict()), text=True,
-                                 capture_output=True, timeout=900)
-        peak = sampler.peak - sampler.baseline
-    else:
+    child = [sys.executable, "-m", "scripts.bench.bench_vision", "--child", str(model),
+             str(mmproj), str(size)]  # from the checkout's root, as this script runs
+    with MemorySampler() as sampler:  # no NVML: reads 0 (a CPU check of the script)
         out = subprocess.run(child, input=json.dumps(plan.to_dict()), text=True,
                              capture_output=True, timeout=900)
-        peak = 0
+    peak = sampler.delta
     if out.returncode != 0:
         raise RuntimeError(f"the budget run failed: {out.stderr[-2000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -220,9 +180,9 @@ def budget_run(model: Path, mmproj: Path, budget_gib: float, size: int) -> dict:
 
 
 def child(model: str, mmproj: str, size: int) -> int:
-    """One image through the Engine with the plan on stdin; prints {"seconds": ...}."""
-    from localllm.llama.runner.engine import Engine
-    from localllm.llama.runner.protocol import (
+    """One image through the RunnerEngine with the plan on stdin; prints {"seconds": ...}."""
+    from localllm.engine.runner.engine import RunnerEngine
+    from localllm.engine.runner.protocol import (
         IMAGE_MARKER,
         Done,
         Failure,
@@ -230,13 +190,13 @@ def child(model: str, mmproj: str, size: int) -> int:
         SamplingOptions,
     )
     from localllm.modelstore.projector import projector_info
-    from localllm.profiles.planning.plan import Plan
-    from localllm.profiles.planning.vision import with_room_for_images
+    from localllm.planner.plan import Plan
+    from localllm.planner.vision import with_room_for_images
 
-    # the daemon's planner raises the micro-batch to one image's tokens (daemon/planner.py)
+    # the daemon's planner raises the micro-batch to one image's tokens (localllm/daemon/planner.py)
     plan = with_room_for_images(Plan.from_dict(json.loads(sys.stdin.read())),
                                 projector_info(mmproj).tokens_per_image or 0)
-    engine = Engine(model, plan, None, projector_path=mmproj)
+    engine = RunnerEngine(model, plan, None, projector_path=mmproj)
     threading.Thread(target=engine.run, daemon=True).start()
     done, events = threading.Event(), []
 
@@ -294,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, help="where the pair is written (default: a temp dir)")
     p.add_argument("--tiny", action="store_true", help="the toy pair: a CPU check of the script")
     args = p.parse_args(argv)
-    import synth_vision
+    from scripts import synth_vision
 
     directory = args.dir or Path(tempfile.mkdtemp(prefix="bench-vision-"))
     t0 = time.time()

@@ -24,8 +24,8 @@ import struct
 from pathlib import Path
 
 from localllm.modelstore.shape import RECURRENT_LAYER, SLIDING, ModelShape
-from localllm.llama.params import GGML_TYPES
-from localllm.profiles.planning.memory import kv_row_bytes
+from localllm.engine.params import GGML_TYPES
+from localllm.planner.memory import kv_row_bytes
 
 MAGIC = 0x67677371  # 'ggsq'
 VERSION = 3

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How long the plan search takes, and a digest of the plans it returns.
 
-    .venv/bin/python scripts/bench/plan_speed.py [--repeat N] [--dump plans.json]
+    .venv/bin/python -m scripts.bench.plan_speed [--repeat N] [--dump plans.json]
 
 Plans a fixed set of cases through `tune` (every synthetic shape on 8/12/24/80 GiB cards and
 two cards, the default context and 32K/128K, a paired draft model, the MoE expert pool sized
@@ -17,27 +17,22 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 
-import synth_gguf  # noqa: E402
+from scripts import synth_gguf  # noqa: E402
 
 from localllm.modelstore.shape import read_shape  # noqa: E402
-from localllm.profiles.planning.card import GIB, load_card  # noqa: E402
-from localllm.profiles.planning.expert_pool import AUTO_SLOTS  # noqa: E402
-from localllm.profiles.planning.search import NoPlanFits, Request  # noqa: E402
-from localllm.profiles.planning.tuner import tune  # noqa: E402
-from localllm.profiles.planning.workload import AGENT, CHAT  # noqa: E402
+from localllm.planner.card import GIB, load_card  # noqa: E402
+from localllm.planner.expert_pool import AUTO_SLOTS  # noqa: E402
+from localllm.planner.search import NoPlanFits, Request  # noqa: E402
+from localllm.planner.tuner import tune  # noqa: E402
+from localllm.planner.workload import AGENT, CHAT  # noqa: E402
 
 HOST = dict(ram_bytes=64 * GIB, cores=8, host_bandwidth_gbs=50.0)
 CARDS = ("rtx4060", "rtx3060-12g", "rtx3090", "a100-80g")

@@ -3,7 +3,7 @@
 of a given size, swaps a step and decay would have had, answer by answer, in seconds and with
 no GPU.
 
-    python scripts/bench/pool_replay.py --shape qwen3-next-80b-a3b --routing zipf:0.4 \
+    python -m scripts.bench.pool_replay --shape qwen3-next-80b-a3b --routing zipf:0.4 \
         --slots-per-block 94 --blocks 46 --swaps 4,8 --decay 0.95
 
 The routing is llama.cpp's own, as bench_session.py's short run makes it: a toy of the shape
@@ -27,10 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # synth_gguf
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from bench_text import short_prompt
+from scripts.bench.bench_text import short_prompt
 
 SHORT_PROMPT = short_prompt()  # the benchmark's short prompt (bench_session.py's short run)
 
@@ -108,8 +106,8 @@ class Policy:
 def route_session(shape: str, routing: str, tokens: int, tmp: Path) -> tuple[dict, int, int]:
     """({block: [routed ids per token]}, prompt tokens, n_expert) of the short prompt and a
     greedy answer of `tokens`, on a toy of `shape` at its real depth."""
-    import routing_profile
-    import synth_gguf
+    from scripts.bench import routing_profile
+    from scripts import synth_gguf
 
     config = routing_profile.tiny_moe(shape, synth_gguf.SHAPES[shape].n_layer)
     path = synth_gguf.write_gguf(tmp / "toy.gguf", config, "Q8_0", "random", routing=routing)

@@ -2,8 +2,8 @@
 """Recorded H200 runs of the daemon priced again by today's speed model, each at the hit rate
 its expert pool measured in that run: how far the model is from what was measured.
 
-    python scripts/bench/reprice_runs.py docs/bench/runs/h200-2026-12-03-round11.jsonl \
-        docs/bench/runs/h200-2026-12-03-round12.jsonl
+    python -m scripts.bench.reprice_runs lab/runs/h200-2026-12-03-round11.jsonl \
+        lab/runs/h200-2026-12-03-round12.jsonl
 
 Reads bench_session.py's rows of system `ours` (decode after a short prompt, after a 16K
 prompt, after 90% of the context). A run's placement is rebuilt from its rows: the plan's
@@ -27,19 +27,17 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # synth_gguf
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-import synth_gguf
+from scripts import synth_gguf
 
 from localllm.modelstore.shape import read_shape
-from localllm.profiles.planning.card import load_card
-from localllm.profiles.planning.costs import model_costs
-from localllm.profiles.planning.expert_pool import pool_shape
-from localllm.profiles.planning.memory import ContextSettings
-from localllm.profiles.planning.placements import Placement
-from localllm.profiles.planning.speed import predict_speed
-from localllm.profiles.tuning.pool_price import measured_pool
+from localllm.planner.card import load_card
+from localllm.planner.costs import model_costs
+from localllm.planner.expert_pool import pool_shape
+from localllm.planner.memory import ContextSettings
+from localllm.planner.placements import Placement
+from localllm.planner.speed import predict_speed
+from localllm.profiles.pool_price import measured_pool
 
 RUNS = ("short", "prompt", "deep")
 

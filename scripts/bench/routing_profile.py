@@ -2,9 +2,9 @@
 """Which experts a synthetic MoE model routes to, read from llama.cpp as it runs, and the hit
 rate an LRU cache of K experts per block would have had.
 
-    python scripts/bench/routing_profile.py                       # uniform vs zipf, tiny qwen35moe
-    python scripts/bench/routing_profile.py --routing "uniform;zipf:1.2" --tokens 4000
-    python scripts/bench/routing_profile.py --model some.gguf       # any MoE GGUF
+    python -m scripts.bench.routing_profile                       # uniform vs zipf, tiny qwen35moe
+    python -m scripts.bench.routing_profile --routing "uniform;zipf:1.2" --tokens 4000
+    python -m scripts.bench.routing_profile --model some.gguf       # any MoE GGUF
 
 The routing is llama.cpp's own: an eval callback (`cb_eval` in the context parameters) reads
 each block's `ffn_moe_topk` tensor, the expert ids chosen per token, while the model reads a
@@ -27,12 +27,10 @@ from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))  # synth_gguf
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports, shared parts
 
 import llama_cpp  # noqa: E402  (a CUDA build must load before numpy)
 
-import synth_gguf  # noqa: E402
+from scripts import synth_gguf  # noqa: E402
 
 SIZES = (8, 16, 32, 64, 128)
 STATIC = 64  # a fixed set of the most used experts (knowing the whole text): popularity alone
@@ -43,7 +41,7 @@ CACHE_SHARE = 0.4  # an LRU holding this share of a block's experts
 def corpus(n_chars: int) -> str:
     """Real text of mixed kinds, the same on every machine with this checkout."""
     parts = []
-    for pattern in ("docs/**/*.md", "modelstore/*.py", "profiles/*.py", "daemon/*.py"):
+    for pattern in ("docs/**/*.md", "modelstore/*.py", "profiles/*.py", "localllm/daemon/*.py"):
         parts += [p.read_text(errors="replace") for p in sorted(ROOT.glob(pattern))]
     text = "\n".join(parts)
     while len(text) < n_chars:

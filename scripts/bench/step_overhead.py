@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """What the runner's decode loop costs beside llama.cpp's own calls, per answered token.
 
-    python scripts/bench/step_overhead.py [--model FILE.gguf] [--tokens 256] [--profile]
+    python -m scripts.bench.step_overhead [--model FILE.gguf] [--tokens 256] [--profile]
 
-The runner's engine (llama/runner/engine.py) runs in this process on one model, greedy, with
+The runner's engine (engine/runner/engine.py) runs in this process on one model, greedy, with
 speculation off, and answers --tokens tokens --runs times. Every llama_decode and the time
 between one call's end and the next one's start is the loop's own work: sampling, batch
 filling, bookkeeping, detokenising, stop strings and events (the median gap, so that a gap
@@ -25,11 +25,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 
 
 class Timed:
@@ -59,7 +56,7 @@ class Timed:
 
 def answer(engine, tokens: int) -> tuple[int, int]:
     """One greedy answer of `tokens` tokens; (tokens answered, wall ns from first to last)."""
-    from localllm.llama.runner.protocol import Done, GenerationRequest, Token
+    from localllm.engine.runner.protocol import Done, GenerationRequest, Token
 
     from localllm.options import SamplingOptions
 
@@ -91,12 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
 
-    from localllm.llama.runner.engine import Engine
-    from localllm.profiles.planning.plan import Plan
+    from localllm.engine.runner.engine import RunnerEngine
+    from localllm.planner.plan import Plan
 
     plan = Plan(n_ctx=2048, n_gpu_layers=args.gpu_layers, n_threads=args.threads,
                 n_threads_batch=args.threads, flash_attn=args.gpu_layers > 0)
-    engine = Engine(args.model, plan, adapt_threads=False)
+    engine = RunnerEngine(args.model, plan, adapt_threads=False)
     decode = engine.model.decode = Timed(engine.model.decode)
     profiler = cProfile.Profile() if args.profile else None
 

@@ -7,7 +7,7 @@
 #
 # A build of the same patches carried from an earlier call (.device-carry/patched-engine.tar.xz,
 # with its patches' hash inside) is unpacked in seconds; else the patched source carried as
-# .device-carry/llama-src.tgz (scripts/device/carry_patched_source.sh) is built, about four minutes on
+# .device-carry/llama-src.tgz (lab/device/carry_patched_source.sh) is built, about four minutes on
 # 16 cores, and its libraries are packed into $OUT in pieces of 15 MiB
 # (cat $OUT/engine.part-* > .device-carry/patched-engine.tar.xz here, for the next call).
 set -euo pipefail
@@ -27,7 +27,7 @@ else
     work=/tmp/patched/src
     rm -rf "$work" && mkdir -p "$work" && tar xzf "$carry/llama-src.tgz" -C "$work"
     have=$(cat "$work/llama.cpp/LOCALLLM_PATCHES" 2>/dev/null || echo none)
-    [ "$have" = "$want" ] || { echo "error: llama-src.tgz has patches $have, the checkout $want: run scripts/device/carry_patched_source.sh" >&2; exit 1; }
+    [ "$have" = "$want" ] || { echo "error: llama-src.tgz has patches $have, the checkout $want: run lab/device/carry_patched_source.sh" >&2; exit 1; }
     start=$(date +%s)
     cmake -S "$work/llama.cpp" -B "$work/build" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \

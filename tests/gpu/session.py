@@ -8,7 +8,7 @@ that prefix, a new chat, concurrent requests, a stream cut mid-way, an unload an
 every step records what came back, the runner's pid before and after, and the card's peak
 memory, so a test can assert that nothing died and nothing went unanswered.
 
-    python3 tests/gpu/session.py --shape qwen3-30b-a3b --budget 12 --steps crash --out $OUT
+    python3 -m tests.gpu.session --shape qwen3-30b-a3b --budget 12 --steps crash --out $OUT
 
 runs one session outside pytest (the device's first look at a crash).
 """
@@ -28,13 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # checkout_imports
-sys.path.insert(0, str(ROOT / "tests"))
 
-import checkout_imports  # noqa: E402
 
-checkout_imports.bootstrap()
 
 MIB = 1 << 20
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
@@ -134,7 +129,7 @@ class Session:
 
     def __init__(self, model_path: Path, budget_gib: float, tmp: Path, ctx: int = 32768,
                  **settings: str):
-        from daemon_process import isolated_env, start_daemon
+        from tests.daemon_process import isolated_env, start_daemon
 
         from localllm.modelstore.store import ModelStore
 
@@ -346,7 +341,7 @@ def run_one(model: Path, args, settings: dict[str, str], tag: str) -> tuple[Sess
 
 
 def main(argv: list[str] | None = None) -> int:
-    import synth_gguf
+    from scripts import synth_gguf
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-30b-a3b")

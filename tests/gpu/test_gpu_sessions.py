@@ -13,10 +13,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 
 from matrix import BUDGETS_GIB, ROOT, ROUTING, SHAPES, gpu_engine, selected
 
@@ -30,16 +26,9 @@ MOE = tuple(s for s in SHAPES if s != "llama-8b")
 
 
 @pytest.fixture(scope="session")
-def bootstrapped():
-    import checkout_imports
-
-    checkout_imports.bootstrap()
-
-
-@pytest.fixture(scope="session")
-def synthetic(bootstrapped):
+def synthetic():
     """shape name -> its synthetic Q4_0 model (written on first use, kept for the session)."""
-    import synth_gguf
+    from scripts import synth_gguf
 
     directory = Path(os.environ.get("LOCALLLM_GPU_MODELS", "/tmp/models"))
 
@@ -103,13 +92,13 @@ def test_the_crash_sequence_with_each_expert_setting(synthetic, tmp_path, shape,
     assert peak <= s.budget_mib
 
 
-CHECK = ROOT / "scripts" / "device" / "moe_cache_check.py"
+CHECK = ("-m", "scripts.moe_cache_check")  # run from ROOT
 
 
 def _check(model, *args: str, slots: int = 0) -> dict:
     pool = ("--slots", str(slots)) if slots else ()
-    run = subprocess.run([sys.executable, str(CHECK), str(model), "--gpu", "--threads", "16",
-                          *pool, *args], capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, *CHECK, str(model), "--gpu", "--threads", "16",
+                          *pool, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.splitlines()[-1])
 
@@ -134,8 +123,8 @@ def test_the_pool_computes_what_the_model_computes_without_it(synthetic, tmp_pat
     off.write_text(json.dumps(_check(model, "--tokens", "48")))
     on = tmp_path / "on.json"
     on.write_text(json.dumps(_check(model, "--force", str(off), slots=64)))
-    compared = subprocess.run([sys.executable, str(CHECK), "--compare", str(off), str(on)],
-                              capture_output=True, text=True, timeout=60)
+    compared = subprocess.run([sys.executable, *CHECK, "--compare", str(off), str(on)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
     figures = json.loads(compared.stdout)
     print(shape, figures)
     assert figures["same_greedy"] >= 0.9, figures

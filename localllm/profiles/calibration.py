@@ -1,0 +1,91 @@
+"""The calibration this machine keeps, `<config dir>/profiles/calibration.toml`: per card
+what `localllm tune --measure` learned (factors on the speed model's bandwidths) and what
+`--calibrate` measured (bandwidths), and under `[host]` the disk's read rate; `calibrated`
+applies them to a card. Written by profiles.measure, profiles.calibrate and
+profiles.host_prices (the RAM read rate by threads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from localllm.planner.card import Card
+from .saved import profiles_dir, read_tables
+
+HOST_KEY = "host"  # the calibration table of this machine's own figures (no card is so named)
+READ_KEY = "read_gbs"  # under [host]: {"threads": GB/s} (host_prices.py)
+READ_WHEN_KEY = "read_measured_at"
+
+
+def calibration_file() -> Path:
+    return profiles_dir() / "calibration.toml"
+
+
+def load_calibration(path: Path | None = None) -> dict:
+    return read_tables(path or calibration_file())
+
+
+def calibrated(card: Card, path: Path | None = None) -> Card:
+    """The card with the factors `--measure` stored for it and, for this machine's probed
+    card, the host's measured disk rate (a profile keeps its box's own; none: unchanged)."""
+    doc = load_calibration(path)
+    if card.source == "probe":
+        card = with_measured_disk(card, doc.get(HOST_KEY, {}))
+        if card.has_gpu:  # host_prices.py measures them on first use
+            card = replace(card, host_read_gbs=stored_reads(doc.get(HOST_KEY, {})))
+    factors = doc.get(card.name, {})
+    try:
+        gpu = float(factors.get("gpu_bandwidth_factor", 1.0))
+        host = float(factors.get("host_bandwidth_factor", 1.0))
+    except (TypeError, ValueError, OverflowError):
+        return card
+    card = with_measured_bandwidth(card, factors)  # from --calibrate, when it ran
+    if not (0.01 <= gpu <= 100 and 0.01 <= host <= 100):
+        return card
+    return replace(card, decode_efficiency=card.decode_efficiency * gpu,
+                   host_bandwidth_gbs=card.host_bandwidth_gbs * host)
+
+
+def stored_reads(host: dict) -> tuple[tuple[int, float], ...]:
+    """The read rates by thread count a `[host]` table holds (host_prices.py), checked; ()
+    where none or any is not a sane figure."""
+    table = host.get(READ_KEY)
+    if not isinstance(table, dict):
+        return ()
+    rates = []
+    for threads, gbs in table.items():
+        try:
+            t, rate = int(threads), float(gbs)
+        except (TypeError, ValueError, OverflowError):
+            return ()
+        if not (0 < t <= 4096 and 0 < rate < 100_000):
+            return ()
+        rates.append((t, rate))
+    return tuple(sorted(rates))
+
+
+def with_measured_disk(card: Card, host: dict) -> Card:
+    """The card with the host's measured disk read rate, when one is stored."""
+    try:
+        value = float(host["disk_read_gbs"])
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return card
+    return replace(card, disk_read_gbs=value) if 0 < value < 1000 else card
+
+
+def with_measured_bandwidth(card: Card, factors: dict) -> Card:
+    """The card with measured bandwidths in place of the theoretical ones, when stored."""
+    changes = {}
+    for key, field in (("memory_bandwidth_gbs", "bandwidth_gbs"), ("pcie_gbs", "pcie_gbs")):
+        try:
+            value = float(factors[key])
+        except (KeyError, TypeError, ValueError, OverflowError):
+            continue
+        if 0 < value < 100_000:
+            changes[field] = value
+    if "bandwidth_gbs" in changes and card.gpus:  # the GPUs of the measured kind with it
+        changes["gpus"] = tuple(
+            replace(g, bandwidth_gbs=changes["bandwidth_gbs"])
+            if g.bandwidth_gbs == card.bandwidth_gbs else g for g in card.gpus)
+    return replace(card, **changes) if changes else card

@@ -1,0 +1,134 @@
+"""This machine's read rate by thread count, measured on first use and kept: the price of the
+experts the CPU multiplies at decode (planner/speed.py expert_read_bps).
+
+The card table's host bandwidth is a guess for a box nobody measured (an H100's 16-core host
+read Qwen3-30B-A3B's experts in RAM about 1.5x faster than it said, and the round trip to the
+CPU was priced 3x too high, which made `expert_cache = auto` pick the slowest of its ways). So
+the first plan for a GPU on this machine times its threads reading RAM, about a second (numpy's
+reductions free the GIL, so Python threads stream in parallel, each over its own span, as
+llama.cpp's threads split a tensor's rows), and stores the rates under `[host]` in the
+calibration file, with when; every later plan reads them. `tune --json` names the source of
+each price (prices_of).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import tomli_w
+
+from localllm.planner.card import Card
+from .calibration import (
+    HOST_KEY,
+    READ_KEY,
+    READ_WHEN_KEY,
+    calibration_file,
+    load_calibration,
+)
+
+log = logging.getLogger("localllm.tuner")
+BUFFER_BYTES = 512 << 20  # well past any last-level cache
+REPEATS = 3
+
+
+def thread_counts(cores: int) -> list[int]:
+    """The thread counts worth measuring on `cores` cores: powers of two, the quarters in
+    between, and all cores."""
+    counts = {1, cores}
+    n = 2
+    while n < cores:
+        counts.add(n)
+        n *= 2
+    counts.update(max(1, cores * q // 4) for q in (1, 2, 3))
+    return sorted(counts)
+
+
+def measure_read_gbs(threads: list[int], buffer_bytes: int = BUFFER_BYTES) -> dict[int, float]:
+    """GB/s read by each of `threads` thread counts (the best of REPEATS passes)."""
+    import numpy as np
+
+    words = np.ones(buffer_bytes // 8, dtype=np.uint64)
+    rates: dict[int, float] = {}
+    for n in threads:
+        spans = np.array_split(words, n)
+        best = float("inf")
+        for _ in range(REPEATS):
+            workers = [threading.Thread(target=np.add.reduce, args=(span,)) for span in spans]
+            start = time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            best = min(best, time.perf_counter() - start)
+        rates[n] = round(words.nbytes / best / 1e9, 2)
+    return rates
+
+
+def measured_on_first_use(card: Card, path: Path | None = None,
+                          buffer_bytes: int | None = None) -> Card:
+    """This machine's card (as `calibrated` gives it, stored rates applied) with its read
+    rates measured now and stored where none were. A card from a profile describes another box
+    and is left as it is; so is a machine without a GPU, where every weight is read by the CPU
+    and no plan weighs the CPU's reads against the GPU's."""
+    if card.source != "probe" or not card.has_gpu or card.host_read_gbs:
+        return card
+    path = path or calibration_file()
+    rates = _measure_and_store(card.cores, load_calibration(path), path, buffer_bytes)
+    return replace(card, host_read_gbs=rates) if rates else card
+
+
+def _measure_and_store(cores: int, doc: dict, path: Path,
+                       buffer_bytes: int | None) -> tuple[tuple[int, float], ...]:
+    started = time.monotonic()
+    try:
+        measured = measure_read_gbs(thread_counts(cores), buffer_bytes or BUFFER_BYTES)
+    except MemoryError:
+        log.warning("could not measure this machine's RAM read rate (no memory for the "
+                    "buffer): experts in RAM are priced from the card table")
+        return ()
+    entry = dict(doc.get(HOST_KEY, {}))
+    entry[READ_KEY] = {str(t): gbs for t, gbs in measured.items()}
+    entry[READ_WHEN_KEY] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    doc[HOST_KEY] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(tomli_w.dumps(doc))
+    except OSError as e:  # a full disk or a read-only config: priced now, measured again later
+        log.warning("could not save this machine's RAM read rate to %s: %s", path, e)
+    log.info("measured this machine's RAM read rate in %.1f s: %s GB/s by threads",
+             time.monotonic() - started, measured)
+    return tuple(sorted(measured.items()))
+
+
+def prices_of(card: Card, path: Path | None = None) -> dict[str, dict]:
+    """Each price the speed model reads of the machine, with where it came from: measured on
+    this machine (and when) or assumed (the card table's, or an estimate)."""
+    doc = load_calibration(path or calibration_file())
+    host = doc.get(HOST_KEY, {}) if card.source == "probe" else {}
+    entry = doc.get(card.name, {})
+    return {
+        "host_read_gbs": {
+            "value": dict(card.host_read_gbs) if card.host_read_gbs else
+            card.host_bandwidth_gbs,
+            "source": f"measured on this machine at {host.get(READ_WHEN_KEY)}" if card.host_read_gbs
+            and host.get(READ_WHEN_KEY) else "assumed: the host bandwidth of the card table or an "
+            "estimate from the cores, shared out by threads"},
+        "gpu_bandwidth_gbs": {
+            "value": card.bandwidth_gbs,
+            "source": f"measured by tune --calibrate at {entry['bandwidth_measured_at']}"
+            if "bandwidth_measured_at" in entry else "assumed: the card table or NVML's peak"},
+        "pcie_gbs": {
+            "value": card.pcie_gbs,
+            "source": f"measured by tune --calibrate at {entry['bandwidth_measured_at']}"
+            if "bandwidth_measured_at" in entry else "assumed: the card table or the link's "
+            "generation and width"},
+        "disk_read_gbs": {
+            "value": card.disk_read_gbs,
+            "source": f"measured by tune --calibrate at {host['disk_measured_at']}"
+            if card.disk_read_gbs and "disk_measured_at" in host else
+            "the card profile's" if card.disk_read_gbs else "assumed"},
+    }
