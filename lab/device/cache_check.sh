@@ -26,8 +26,7 @@ export LD_LIBRARY_PATH=$LLAMA_CPP_LIB_PATH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 - "$out" <<'PY'
 import dataclasses, sys
-sys.path.insert(0, "scripts")
-import synth_gguf
+from scripts import synth_gguf  # run from the checkout's root
 tiny = synth_gguf.tiny(synth_gguf.SHAPES["qwen3-30b-a3b"])
 shape = dataclasses.replace(tiny, name="moe-cache", n_layer=4, n_expert=32, n_expert_used=4)
 for routing in ("zipf:1", "uniform"):

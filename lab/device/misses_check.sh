@@ -13,8 +13,7 @@ export LLAMA_CPP_LIB_PATH=$engine LD_LIBRARY_PATH=$engine${LD_LIBRARY_PATH:+:$LD
 export GGML_CUDA_REGISTER_HOST=1  # the cache registers the experts' pages itself (no pin here)
 python3 - <<'PY'
 import dataclasses, sys
-sys.path.insert(0, "scripts")
-import synth_gguf
+from scripts import synth_gguf  # run from the checkout's root
 tiny = synth_gguf.tiny(synth_gguf.SHAPES["qwen3-30b-a3b"])
 shape = dataclasses.replace(tiny, name="moe-cache", n_layer=4, n_expert=32, n_expert_used=4)
 synth_gguf.write_gguf("/tmp/moe-zipf.gguf", shape, "Q4_0", "noise", routing="zipf:1")
