@@ -400,3 +400,24 @@ async def test_after_load_the_bar_shows_the_new_context_and_a_cached_regenerate_
         assert app.runner.n_ctx != 2048
         await wait_until(pilot, lambda: f"/{app.runner.n_ctx} " in stats_text(app),
                          "the bar to show the new model's context", timeout=10)
+
+
+async def test_a_resumed_chat_labels_each_answer_with_the_model_that_wrote_it(daemon, chats):
+    app = ChatApp(config_for(daemon), "smollm2", store=chats)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await wait_loaded(pilot, app)
+        await type_line(pilot, app, "/set parameter num_predict 3")
+        for model in ("smollm2", "gemma3-270m"):
+            if model != app.chat.model:
+                await type_line(pilot, app, f"/load {model}")
+                await wait_until(pilot, lambda m=model: app.chat.model == m
+                                 and app.runner is not None, f"{model} to load")
+            await type_line(pilot, app, "Hi!")
+            await wait_until(pilot, lambda: not app.streaming and len(app.chat.entries) >= 2
+                             and app.chat.entries[-1].state == "done", f"{model}'s answer")
+        chat_id = app.chat.chat_id
+    resumed = ChatApp(config_for(daemon), "smollm2", store=chats, resume=str(chat_id))
+    async with resumed.run_test(size=(120, 30)) as pilot:
+        await wait_until(pilot, lambda: len(resumed.chat.entries) == 4, "the chat to reopen")
+        assert [e.view.who for e in resumed.chat.entries] == [
+            "You", "smollm2", "You", "gemma3-270m"]
