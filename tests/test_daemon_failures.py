@@ -91,6 +91,14 @@ def test_a_client_that_disconnects_stops_generation_soon_after(fresh_daemon):
     assert {m["model"]: m for m in status["loaded"]}["smollm2:latest"]["tokens_generated"] == count
     log = (fresh_daemon_state(fresh_daemon) / "logs" / "runner.log").read_text()
     assert "cancelled" in log
+    # The departed request has its access-log line, as nginx spells it (499: the client
+    # closed the request); aiohttp logs nothing for a handler it cancels.
+    access = wait_for(lambda: [line for line in (fresh_daemon_state(fresh_daemon) / "logs"
+                                                 / "localllm.log").read_text().splitlines()
+                               if "logger=localllm.access" in line and " /api/chat " in line],
+                      timeout=10, what="the access-log line of the cancelled request")
+    assert len(access) == 1 and 'msg="POST /api/chat 499"' in access[0], access
+    assert fresh_daemon.get("/api/ps")["models"], "the daemon stays up, the model loaded"
 
 
 def fresh_daemon_state(daemon):

@@ -197,6 +197,19 @@ def test_the_pick_is_the_largest_tool_model_that_fits_else_the_smallest():
         pick_model([m("chat", 30, tools=False)], free_vram=100)
 
 
+def test_with_no_gpu_the_pick_fits_the_ram_or_says_why_none_does():
+    from localllm.cli.launch import pick_model
+    from localllm.errors import UserError
+
+    gb = 10**9
+    models = [{"name": n, "size": s, "capabilities": ["tools"], "trained_ctx": 0}
+              for n, s in (("big", 18_600_000_000), ("mid", 5 * gb))]
+    assert pick_model(models, free_vram=0, ram_room=8 * gb)["name"] == "mid"
+    assert pick_model(models, free_vram=2 * gb, ram_room=4 * gb)["name"] == "mid"
+    with pytest.raises(UserError, match=r"fits this machine \(3.*of RAM and no GPU\).*mid"):
+        pick_model(models, free_vram=0, ram_room=3 * gb)
+
+
 def test_each_agent_is_told_the_context_and_kept_off_the_network(launch_daemon, tmp_path):
     """The loaded context and each agent's own switches (telemetry, analytics, updates) as
     their docs and binaries name them; the model is loaded with the 32,768 tokens its header

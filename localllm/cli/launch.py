@@ -53,6 +53,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from localllm.errors import UserError
+from localllm.units import human_size
 
 from .launch_context import Need, answer_room, check_trained, first_request_tokens, \
     too_small_for_card
@@ -262,9 +263,11 @@ async def stored_models(client) -> list[dict]:
     return models
 
 
-def pick_model(models: list[dict], free_vram: int) -> dict:
-    """The largest tool-capable model whose weights fit `free_vram`; the smallest when none
-    does (a model mostly in RAM is slow, a smaller one less so)."""
+def pick_model(models: list[dict], free_vram: int, ram_room: int | None = None) -> dict:
+    """The largest tool-capable model whose weights fit `free_vram`; where none does, the
+    smallest that fits the GPU and the RAM together (a model mostly in RAM is slow, a smaller
+    one less so); where even that is too large for `ram_room` (None: not checked), one line
+    saying why instead of a model that cannot load (an 18.6 GB pick on a box with no GPU)."""
     tools = [m for m in models if "tools" in m["capabilities"]]
     if not tools:
         names = ", ".join(m["name"] for m in models) or "none"
@@ -273,7 +276,14 @@ def pick_model(models: list[dict], free_vram: int) -> dict:
     fitting = [m for m in tools if m["size"] <= free_vram]
     if fitting:
         return max(fitting, key=lambda m: (m["size"], m["name"]))
-    return min(tools, key=lambda m: (m["size"], m["name"]))
+    smallest = min(tools, key=lambda m: (m["size"], m["name"]))
+    if ram_room is not None and smallest["size"] > free_vram + ram_room:
+        where = (f"{human_size(free_vram)} of free VRAM and {human_size(ram_room)} of RAM"
+                 if free_vram else f"{human_size(ram_room)} of RAM and no GPU")
+        raise UserError(f"no stored tool-capable model fits this machine ({where}); the "
+                        f"smallest, {smallest['name']}, is {human_size(smallest['size'])}: pull "
+                        f"a smaller one, or name one with --model")
+    return smallest
 
 
 async def choose_model(client, asked: str | None) -> dict:
@@ -296,9 +306,10 @@ async def choose_model(client, asked: str | None) -> dict:
             found = {**found, "remote": True}
         return found  # one that cannot call tools is refused when its request is counted
     from localllm.engine.hardware import probe_card
+    from localllm.planner.budgets import ram_budget
 
     card = probe_card()
-    return pick_model(models, card.free_vram_bytes if card.has_gpu else 0)
+    return pick_model(models, card.free_vram_bytes if card.has_gpu else 0, ram_budget(card))
 
 
 def wanted_context(model: dict, asked: int | None) -> tuple[int, str]:

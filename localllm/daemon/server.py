@@ -60,6 +60,27 @@ def route_of(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
+CLIENT_CLOSED = 499  # nginx's status for a request its client closed before the answer ended
+
+
+@web.middleware
+async def cancelled_middleware(request: web.Request, handler):
+    """A request whose client left has its access-log line too. With handler_cancellation,
+    aiohttp cancels the handler when the connection drops and then logs nothing, so a cancelled
+    stream (the runner already stopped for it) was invisible in the log."""
+    started = asyncio.get_running_loop().time()
+    try:
+        return await handler(request)
+    except asyncio.CancelledError:
+        if request.transport is None or request.transport.is_closing():
+            agent = request.headers.get("User-Agent", "").split(" ", 1)[0][:60]
+            ACCESS_LOG.info("%s %s %d", request.method, request.path, CLIENT_CLOSED, extra={
+                "status": CLIENT_CLOSED,
+                "ms": round((asyncio.get_running_loop().time() - started) * 1000),
+                "client": agent or "-"})
+        raise
+
+
 @web.middleware
 async def metrics_middleware(request: web.Request, handler):
     """Every request counted by route and status for /metrics (daemon/metrics.py), a refused
@@ -71,6 +92,9 @@ async def metrics_middleware(request: web.Request, handler):
         return response
     except web.HTTPException as e:
         status = e.status
+        raise
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED
         raise
     finally:
         request.app[METRICS].requests[(request.method, route_of(request), status)] += 1
@@ -108,10 +132,11 @@ async def root(request: web.Request) -> web.Response:
 
 
 def create_app(config: Config, store: ModelStore | None = None) -> web.Application:
-    # Outermost first: every request counted (metrics), who is asking (Host, Origin, which
+    # Outermost first: a request its client left logged (aiohttp logs none), every request
+    # counted (metrics), who is asking (Host, Origin, which
     # local user) before anything runs, errors turned into JSON around the handlers, and the
     # key checked inside so a 401 has the API's error shape.
-    middlewares = [metrics_middleware,
+    middlewares = [cancelled_middleware, metrics_middleware,
                    security.host_middleware(config), security.cors_middleware(config),
                    security.owner_middleware(config), error_middleware,
                    security.key_middleware(config.api_key)]

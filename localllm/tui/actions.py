@@ -131,7 +131,10 @@ class ChatActions:
                 m_state, footer = "stopped", footer or "interrupted"
             else:
                 m_state = m.state
-            view = MessageView(m.role, m.content, chat.model if m.role == "assistant" else "",
+            # each answer under the model that wrote it (stored with its figures since /load
+            # could change it mid-chat); the chat's model only for answers saved before that
+            wrote = (m.stats or {}).get("model") or chat.model
+            view = MessageView(m.role, m.content, wrote if m.role == "assistant" else "",
                                footer, m_state)
             self.chat.entries.append(Entry(m.role, m.content, m_state, m.id, view, m.images))
         self.mount_views(e.view for e in self.chat.entries)

@@ -24,6 +24,7 @@ class TurnStats:
     eval_duration_ns: int = 0
     prompt_eval_count: int = 0
     prompt_eval_duration_ns: int = 0
+    prompt_cached: int = 0  # prompt tokens the runner's cache held: not evaluated again
     context_used: int = 0
     context_length: int = 0
     ttft_ns: int | None = None
@@ -40,6 +41,7 @@ class TurnStats:
             eval_duration_ns=int(stats.get("eval_duration", 0)),
             prompt_eval_count=int(stats.get("prompt_eval_count", 0)),
             prompt_eval_duration_ns=int(stats.get("prompt_eval_duration", 0)),
+            prompt_cached=int(stats.get("prompt_eval_cached_count", 0)),
             context_used=int(stats.get("context_used", 0)),
             context_length=int(stats.get("context_length", 0)),
             ttft_ns=stats.get("time_to_first_token"),
@@ -54,6 +56,7 @@ class TurnStats:
         wire = {"eval_count": self.eval_count, "eval_duration": self.eval_duration_ns,
                 "prompt_eval_count": self.prompt_eval_count,
                 "prompt_eval_duration": self.prompt_eval_duration_ns,
+                "prompt_eval_cached_count": self.prompt_cached,
                 "context_used": self.context_used, "context_length": self.context_length,
                 "time_to_first_token": self.ttft_ns, "done_reason": self.done_reason}
         if self.drafted is not None:
@@ -69,7 +72,9 @@ class TurnStats:
 
     @property
     def prompt_rate(self) -> float | None:
-        if self.prompt_eval_count <= 0 or self.prompt_eval_duration_ns <= 0:
+        # One token (a regenerate whose prompt was cached) is no rate: its time is the
+        # request's overhead, and "prompt 1 tok at 1.2 tok/s" read as a slow machine.
+        if self.prompt_eval_count < 2 or self.prompt_eval_duration_ns <= 0:
             return None
         return self.prompt_eval_count * NS / self.prompt_eval_duration_ns
 
@@ -187,8 +192,9 @@ def segments(turn: TurnStats | None, live_rate: float | None, runner: RunnerStat
             accepted = turn.draft_accepted or 0
             out.append(Segment(f"draft {accepted}/{turn.drafted} "
                                f"{100 * accepted / turn.drafted:.0f}%", 3))
-    n_ctx = (turn.context_length if turn and turn.context_length else 0) or \
-        (runner.n_ctx if runner else 0)
+    # The loaded runner's context first: after /load the last answer's is the old model's.
+    n_ctx = (runner.n_ctx if runner else 0) or \
+        (turn.context_length if turn and turn.context_length else 0)
     if n_ctx:
         used = turn.context_used if turn else 0
         out.append(Segment(f"ctx {used}/{n_ctx} {100 * used / n_ctx:.0f}%", 1))
@@ -227,6 +233,8 @@ def answer_footer(turn: TurnStats) -> str:
     parts.append(f"{turn.eval_count} tok")
     if turn.prompt_rate is not None:
         parts.append(f"prompt {turn.prompt_eval_count} tok at {human_rate(turn.prompt_rate)} tok/s")
+    if turn.prompt_cached:
+        parts.append(f"{turn.prompt_cached} prompt tok cached")
     if turn.ttft_ns is not None:
         parts.append(f"ttft {human_seconds(turn.ttft_ns)}")
     if turn.drafted:

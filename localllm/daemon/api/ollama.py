@@ -144,6 +144,8 @@ def live_stats(event: Token | Done, n_ctx: int, ttft_ns: int) -> dict:
         "context_length": n_ctx,
         "time_to_first_token": ttft_ns,  # request received -> first text sent, load included
     }
+    if isinstance(event, Done):  # the part of the prompt reused: a regenerate's is nearly all
+        stats["prompt_eval_cached_count"] = event.cached_tokens
     if event.drafted is not None:  # only while speculative decoding is on
         stats["draft"] = {"drafted": event.drafted, "accepted": event.draft_accepted or 0}
     return stats
