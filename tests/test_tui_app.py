@@ -407,13 +407,15 @@ async def test_a_resumed_chat_labels_each_answer_with_the_model_that_wrote_it(da
     async with app.run_test(size=(120, 30)) as pilot:
         await wait_loaded(pilot, app)
         await type_line(pilot, app, "/set parameter num_predict 3")
-        for model in ("smollm2", "gemma3-270m"):
+        for turn, model in enumerate(("smollm2", "gemma3-270m"), 1):
             if model != app.chat.model:
                 await type_line(pilot, app, f"/load {model}")
                 await wait_until(pilot, lambda m=model: app.chat.model == m
                                  and app.runner is not None, f"{model} to load")
             await type_line(pilot, app, "Hi!")
-            await wait_until(pilot, lambda: not app.streaming and len(app.chat.entries) >= 2
+            # this turn's two entries, its answer done (not the last turn's, on a slow machine)
+            await wait_until(pilot, lambda n=2 * turn: not app.streaming
+                             and len(app.chat.entries) == n
                              and app.chat.entries[-1].state == "done", f"{model}'s answer")
         chat_id = app.chat.chat_id
     resumed = ChatApp(config_for(daemon), "smollm2", store=chats, resume=str(chat_id))
