@@ -33,7 +33,6 @@ from localllm.planner.expert_pool import (
     hit_curve,
     pool_shape,
     swaps_per_step,
-    with_expert_pool,
 )
 from localllm.planner.memory import memory_by_device
 from localllm.planner.plan import Plan
@@ -224,25 +223,6 @@ def test_tune_on_a_card_profile_reads_the_setting(headers, tmp_path):
     assert plan["expert_cache"] == 0
     off = next(r for r in plan["reasons"] if r.startswith("expert cache off: the best pool"))
     assert "assumed from routing studies" in off and "an assumed hit rate must win by" in off
-
-
-def test_auto_sizes_a_pool_from_measured_hits_with_no_margin(headers):
-    """The same model and card with its hits measured while serving (as high as the prior
-    says): the pool pays, and auto sizes it; with the prior alone it stays off."""
-    shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
-
-    def auto(measured):
-        return with_expert_pool(shape, card, Request(expert_cache=AUTO_SLOTS,
-                                                     measured_hits=measured),
-                                lambda r: tune(shape, card, r))
-
-    assert auto(()).expert_cache == 0
-    measured = tuple((share, rate, 4.0) for share, rate in PRIOR_HITS)
-    plan = auto(measured)
-    slots = plan.expert_cache  # multiples of 128 experts, or the most in a VRAM share
-    assert slots > 0
-    assert any(r.startswith(f"expert cache on: {slots} expert slots") for r in plan.reasons)
-    assert any("measured while serving" in r for r in plan.reasons)
 
 
 def test_a_dense_model_is_refused_with_a_reason_not_an_error(headers):

@@ -1,6 +1,7 @@
 """Issue 65, prices from the machine: the RAM read rate by thread count measured on first use,
 kept in the calibration file, read back by every later plan; the speed model pricing experts in
-RAM at it; `tune --json` naming each price's source. A real measurement (a small buffer), real
+RAM at it; `tune --json` naming each price's source; a pool priced from assumed hits turned on
+only where it wins by a margin. A real measurement (a small buffer), real
 tuner searches over a synthetic Qwen3-30B-A3B header, the real `localllm tune` command."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import tomli_w
 from daemon_process import isolated_env
 from localllm.modelstore.shape import read_shape
 from localllm.planner.card import load_card
+from localllm.planner.expert_pool import AUTO_SLOTS, PRIOR_HITS, with_expert_pool
 from localllm.planner.costs import model_costs
 from localllm.planner.memory import ContextSettings
 from localllm.planner.placements import Placement
@@ -148,3 +150,22 @@ def test_measured_prices_fit_what_the_h100_decoded(moe):
         assert abs(ratio(measured, row) - 1) <= (0.10 if row["k"] else 0.15), row
     assumed = [ratio(_this_machine(), row) for row in recorded["decode"] if row["k"]]
     assert max(assumed) < 0.75
+
+
+def test_auto_sizes_a_pool_from_measured_hits_with_no_margin(moe):
+    """The same model and card with its hits measured while serving (as high as the prior
+    says): the pool pays, and auto sizes it; with the prior alone it stays off."""
+    shape, card = read_shape(moe), load_card("rtx3060-12g")
+
+    def auto(measured):
+        return with_expert_pool(shape, card, Request(expert_cache=AUTO_SLOTS,
+                                                     measured_hits=measured),
+                                lambda r: tune(shape, card, r))
+
+    assert auto(()).expert_cache == 0
+    measured = tuple((share, rate, 4.0) for share, rate in PRIOR_HITS)
+    plan = auto(measured)
+    slots = plan.expert_cache  # multiples of 128 experts, or the most in a VRAM share
+    assert slots > 0
+    assert any(r.startswith(f"expert cache on: {slots} expert slots") for r in plan.reasons)
+    assert any("measured while serving" in r for r in plan.reasons)
