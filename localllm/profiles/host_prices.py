@@ -31,6 +31,9 @@ from .calibration import (
 )
 
 log = logging.getLogger("localllm.tuner")
+# What this process measured, by calibration file and cores: the daemon asks for its card
+# several times a load, and a config it cannot write must not cost a measurement each time
+_MEASURED: dict[tuple[str, int], tuple[tuple[int, float], ...]] = {}
 BUFFER_BYTES = 512 << 20  # well past any last-level cache
 REPEATS = 3
 
@@ -77,7 +80,11 @@ def measured_on_first_use(card: Card, path: Path | None = None,
     if card.source != "probe" or not card.has_gpu or card.host_read_gbs:
         return card
     path = path or calibration_file()
-    rates = _measure_and_store(card.cores, load_calibration(path), path, buffer_bytes)
+    key = (str(path), card.cores)
+    if key not in _MEASURED:  # once a process, even where the file could not be written
+        _MEASURED[key] = _measure_and_store(card.cores, load_calibration(path), path,
+                                            buffer_bytes)
+    rates = _MEASURED[key]
     return replace(card, host_read_gbs=rates) if rates else card
 
 
