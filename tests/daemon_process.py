@@ -48,6 +48,15 @@ class Daemon:
     def ps(self) -> list[dict]:
         return self.get("/api/ps")["models"]
 
+    def unload(self, model: str) -> None:
+        """Unload `model` (keep_alive 0), so that the next test sharing this daemon loads it with
+        the default options, not the num_ctx this one asked for."""
+        body = json.dumps({"model": model, "keep_alive": 0}).encode()
+        req = urllib.request.Request(self.url + "/api/generate", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.read()
+
     def cli(self, *args: str, input: str | None = None, timeout: float = 120):
         """Run the `localllm` command against this daemon."""
         env = {**self.env, "LOCALLLM_HOST": self.url.removeprefix("http://")}

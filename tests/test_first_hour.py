@@ -342,12 +342,15 @@ def test_run_raw_sends_the_prompt_without_the_template(daemon):
 
 # ---- edges: a context past what the model takes is capped with a note ----------------------
 def test_a_ctx_past_the_trained_context_is_capped_with_a_note(daemon):
-    result = daemon.cli("run", "smollm2", "--ctx", "999999", "--num-predict", "2", "hi")
-    assert result.returncode == 0, result.stderr
-    assert "note: --ctx 999999 was capped at 8192: smollm2 was trained for 8192 tokens" \
-        in result.stderr.splitlines()
-    fits = daemon.cli("run", "smollm2", "--ctx", "2048", "--num-predict", "2", "hi")
-    assert fits.returncode == 0 and "capped" not in fits.stderr
+    try:
+        result = daemon.cli("run", "smollm2", "--ctx", "999999", "--num-predict", "2", "hi")
+        assert result.returncode == 0, result.stderr
+        assert "note: --ctx 999999 was capped at 8192: smollm2 was trained for 8192 tokens" \
+            in result.stderr.splitlines()
+        fits = daemon.cli("run", "smollm2", "--ctx", "2048", "--num-predict", "2", "hi")
+        assert fits.returncode == 0 and "capped" not in fits.stderr
+    finally:
+        daemon.unload("smollm2")
 
 
 # ---- edges: show has ollama show's sections --------------------------------------------------

@@ -376,30 +376,33 @@ async def test_after_load_the_bar_shows_the_new_context_and_a_cached_regenerate_
         daemon, chats):
     """The bar kept the last answer's context after /load until the next answer; a regenerate
     whose prompt the runner had cached read "prompt 1 tok at 1.2 tok/s"."""
-    app = ChatApp(config_for(daemon), "smollm2", store=chats)
-    async with app.run_test(size=(140, 30)) as pilot:
-        await wait_loaded(pilot, app)
-        for line in ("/set parameter num_ctx 2048", "/set parameter num_predict 4", "Hi!"):
-            await type_line(pilot, app, line)
-        await wait_until(pilot, lambda: not app.streaming and app.chat.turn is not None
-                         and app.chat.turn.done, "the first answer")
-        await wait_until(pilot, lambda: re.search(r"ctx \d+/2048 ", stats_text(app)),
-                         "the bar to show 2048")
-        for _ in range(2):  # the second regenerate finds the whole prompt cached
-            before = app.chat.entries[-1]
-            await pilot.press("ctrl+r")
-            await wait_until(pilot, lambda old=before: not app.streaming
-                             and app.chat.entries[-1] is not old
-                             and app.chat.entries[-1].state == "done", "the regenerate")
-        footer = app.chat.entries[-1].view.footer
-        assert "prompt 1 tok at" not in footer and "prompt tok cached" in footer, footer
-        await type_line(pilot, app, "/unset parameter num_ctx")
-        await type_line(pilot, app, "/load gemma3-270m")
-        await wait_until(pilot, lambda: app.chat.model == "gemma3-270m"
-                         and app.runner is not None, "gemma3-270m to load")
-        assert app.runner.n_ctx != 2048
-        await wait_until(pilot, lambda: f"/{app.runner.n_ctx} " in stats_text(app),
-                         "the bar to show the new model's context", timeout=10)
+    try:
+        app = ChatApp(config_for(daemon), "smollm2", store=chats)
+        async with app.run_test(size=(140, 30)) as pilot:
+            await wait_loaded(pilot, app)
+            for line in ("/set parameter num_ctx 2048", "/set parameter num_predict 4", "Hi!"):
+                await type_line(pilot, app, line)
+            await wait_until(pilot, lambda: not app.streaming and app.chat.turn is not None
+                             and app.chat.turn.done, "the first answer")
+            await wait_until(pilot, lambda: re.search(r"ctx \d+/2048 ", stats_text(app)),
+                             "the bar to show 2048")
+            for _ in range(2):  # the second regenerate finds the whole prompt cached
+                before = app.chat.entries[-1]
+                await pilot.press("ctrl+r")
+                await wait_until(pilot, lambda old=before: not app.streaming
+                                 and app.chat.entries[-1] is not old
+                                 and app.chat.entries[-1].state == "done", "the regenerate")
+            footer = app.chat.entries[-1].view.footer
+            assert "prompt 1 tok at" not in footer and "prompt tok cached" in footer, footer
+            await type_line(pilot, app, "/unset parameter num_ctx")
+            await type_line(pilot, app, "/load gemma3-270m")
+            await wait_until(pilot, lambda: app.chat.model == "gemma3-270m"
+                             and app.runner is not None, "gemma3-270m to load")
+            assert app.runner.n_ctx != 2048
+            await wait_until(pilot, lambda: f"/{app.runner.n_ctx} " in stats_text(app),
+                             "the bar to show the new model's context", timeout=10)
+    finally:
+        daemon.unload("smollm2")  # loaded at num_ctx 2048: the next test must not find it
 
 
 async def test_a_resumed_chat_labels_each_answer_with_the_model_that_wrote_it(daemon, chats):

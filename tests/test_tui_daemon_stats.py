@@ -19,6 +19,7 @@ def chat_lines(daemon, num_predict: int) -> list[dict]:
 
 
 def test_every_chunk_carries_the_runners_running_totals(daemon):
+    daemon.unload("smollm2")  # an earlier test's num_ctx must not be the context seen here
     lines = chat_lines(daemon, 12)
     final, chunks = lines[-1], lines[:-1]
     assert final["done"] and chunks and not any(c["done"] for c in chunks)

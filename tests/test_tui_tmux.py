@@ -19,6 +19,7 @@ def test_run_in_a_real_terminal_shows_the_answer_and_the_stats(daemon, size):
     # scripts/test.sh installs tmux; a missing tmux fails here rather than skipping.
     assert shutil.which("tmux"), "tmux is not installed: apt install tmux"
     env = {**daemon.env, "LOCALLLM_HOST": daemon.url.removeprefix("http://")}
+    daemon.unload("smollm2")  # an earlier test's num_ctx must not be the context seen here
     seen = tmux_run_check.check("smollm2", PROMPT, env=env, width=size[0],
                                 height=size[1], num_predict=24)
     assert "smollm2 ready in" in seen.ready_line and "context 4096" in seen.ready_line
