@@ -185,8 +185,11 @@ class PricedLow(Planner):
         measured = measured_hits(model_name, shape.file_size)
         rate = measured[0][1] if measured else FIRST_PRICE
         self.priced_at.append(rate)
+        # priced from its hits, a pool takes in experts at another pace (a load key that
+        # differs: a plan that differed only in its price would be kept, not loaded again)
         return replace(cpu_plan(n_ctx or 1024, shape.context_length), expert_cache=16,
-                       expert_cache_device="cpu", expected_hit_rate=rate)
+                       expert_cache_device="cpu", expected_hit_rate=rate,
+                       expert_cache_swaps=8 if measured else 0)
 
 
 async def test_a_pool_that_misses_its_price_is_planned_again_from_its_hits(

@@ -360,6 +360,13 @@ def cmd_ps(args) -> int:
     for m in data["models"]:  # the MoE expert cache's slots and hit rate (issue #40)
         if m.get("expert_cache"):
             note(f"{m['name']} {m['expert_cache']['text']}")
+    for m in data["models"]:  # decode as served against the plan's price (issue #65)
+        if m.get("decode"):
+            d = m["decode"]
+            note(f"{m['name']} decode: {d['measured_tps']:.1f} tok/s measured, "
+                 f"{d['predicted_tps']:.1f} predicted (over {d['tokens']} tokens)"
+                 + ("; more than 15% off: a plan with work on the host is priced again "
+                    "once idle" if d.get("off") else ""))
     for m in data["models"]:  # the session the plan is made for, and whence
         if m.get("workload"):
             w = m["workload"]

@@ -18,7 +18,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 
 from localllm.engine.runner.load import Load
 from localllm.engine.runner.protocol import RUNNER_COMMAND, Done
@@ -36,10 +35,11 @@ from .drafting import check_speculation, draft_model
 
 # Planner, context_to_ask and first_band are imported from here too (tests, callers).
 from .planner import Planner, context_to_ask, first_band  # noqa: F401
+from .loaded import LoadedRunner, file_id
+from .replanning import Replanning
 from .starting import RunnerProcess, RunnerStarter
 
 log = logging.getLogger("localllm.scheduler")
-SERVED_REMEMBERED = 64  # distinct load options a loaded model remembers answering
 # How long a model whose plan missed its price (LoadedRunner.replan) must sit idle before it is
 # loaded again: a follow-up that comes sooner (an agent's next turn, a user's next question)
 # is answered by the running plan at once; a re-plan inside one made it wait 9.8 s on the H100.
@@ -52,66 +52,7 @@ class QueueFull(UserError):
     status = 503
 
 
-@dataclass
-class LoadedRunner:
-    """A loaded model: its runner, who uses it and who waits, and when it expires."""
-    runner: RunnerProcess
-    entry: ModelEntry
-    shape: ModelShape  # read once at load; /api/ps and /api/stats use it
-    file_id: tuple  # (inode, size, mtime) of the model file when it was loaded
-    load: Load  # the load decision it was started from
-    slots: asyncio.Semaphore = field(init=False)
-    active: int = 0  # requests holding a slot
-    waiting: int = 0  # requests waiting for a slot
-    keep_alive: float | None = 300.0  # seconds after the last request; None = forever
-    expires_at: float | None = None  # wall-clock time; None while in use or kept forever
-    last_used: float = 0.0
-    # Whether this load serves a request's load options (Load.serves), decided once per load
-    # and options (the load and its runner's plan never change while it is loaded): at load
-    # for the options it was loaded for, so the requests that follow, asking the same, find it.
-    served: dict[LoadOptions, bool] = field(init=False, default_factory=dict)
-    # Why this load should be planned again ("": it serves as planned): its expert pool's
-    # measured hit rate is far from the one the plan was priced with. The reaper loads it again
-    # once it has been idle Scheduler.replan_idle_s, between requests: a follow-up that comes
-    # sooner is answered by the running plan, never made to wait for a new one.
-    replan: str = ""
-    replan_now: bool = False  # idle long enough: the next _loaded loads it again
-    # /api/stats' price of the running plan at its pool's measured hits: (plan, pool figures,
-    # curve), made again only when the plan (a band switch) or an answer's figures change, not
-    # on every poll of a live display. The plan itself, not its id: a freed plan's id returns.
-    priced_at_hits: tuple = ()
-
-    def __post_init__(self) -> None:
-        self.slots = asyncio.Semaphore(max(1, self.runner.n_parallel))
-        self.serves(self.load.asked)
-
-    def serves(self, asked: LoadOptions) -> bool:
-        """Whether the loaded model serves a request's load options as it is (Load.serves)."""
-        found = self.served.get(asked)
-        if found is None:
-            if len(self.served) >= SERVED_REMEMBERED:
-                self.served.clear()  # clients that vary num_ctx at will: no growing memory
-            found = self.served[asked] = self.load.serves(self.runner.plan, asked)
-        return found
-
-    @property
-    def busy(self) -> bool:
-        return self.active > 0
-
-    @property
-    def idle(self) -> bool:
-        return self.active == 0 and self.waiting == 0
-
-
-def file_id(path) -> tuple:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return ()
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-class Scheduler:
+class Scheduler(Replanning):
     def __init__(self, store: ModelStore, config: Config, log_dir,
                  planner: Planner | None = None, runner_command: Sequence[str] = RUNNER_COMMAND):
         self.store = store
@@ -121,7 +62,7 @@ class Scheduler:
         self.runner_command = tuple(runner_command)
         self.models: dict[str, LoadedRunner] = {}
         self.on_answer: Callable[[str, Done], None] | None = None  # each answer (metrics)
-        self._replanned: set[str] = set()  # models planned again for their pool's hits
+        self._replans: dict[str, int] = {}  # times each model was planned again (MAX_REPLANS)
         self.replan_idle_s = REPLAN_IDLE_S
         self.queued = 0  # requests waiting for a slot or a load, over all models
         self._model_locks: dict[str, asyncio.Lock] = {}
@@ -170,6 +111,7 @@ class Scheduler:
         keep = self.config.keep_alive_seconds if keep_alive == "default" else keep_alive
         model = await self._acquire(entry, load, prompt_chars, hint)
         model.active += 1
+        model.crowded = model.crowded or model.active > 1
         model.expires_at = None
         try:
             if model.active == 1:
@@ -180,6 +122,7 @@ class Scheduler:
             model.last_used = time.time()
             model.keep_alive = keep
             if model.active == 0:
+                model.crowded = False
                 model.expires_at = None if keep is None else time.time() + keep
                 asyncio.ensure_future(self._share_cpu())
                 self._room_freed.set()
@@ -236,7 +179,10 @@ class Scheduler:
                     and not model.replan_now)
 
     async def _loaded(self, entry: ModelEntry, load: LoadOptions,
-                      prompt_chars: int = 0, hint: str | None = None) -> LoadedRunner:
+                      prompt_chars: int = 0, hint: str | None = None,
+                      decided: Load | None = None) -> LoadedRunner:
+        """The loaded, current runner of `entry` for `load`, loading it where needed (with
+        `decided`, a load a re-plan decided already, rather than planning it again)."""
         name = entry.name.tagged
         model = self.models.get(name)
         if self._current(model, entry, load):
@@ -271,23 +217,25 @@ class Scheduler:
                 self._loading.add(name)
             try:
                 return await self._load_new(name, entry, shape, load, draft, draft_shape,
-                                            hint, prompt_chars)
+                                            hint, prompt_chars, decided)
             finally:
                 self._loading.discard(name)
                 self._room_freed.set()
 
     async def _load_new(self, name: str, entry: ModelEntry, shape: ModelShape,
                         load: LoadOptions, draft, draft_shape, hint: str | None,
-                        prompt_chars: int) -> LoadedRunner:
-        """Plan and start the model's runner (room made for it), and register it."""
-        # One planning call decides the load (it may probe the GPU and dry-run llama.cpp:
-        # seconds, off the event loop).
-        started = time.monotonic()
-        await drained()  # what the answers served so far taught the tuner, written
-        decided = await asyncio.to_thread(
-            self.planner.decide, self.config, entry, shape, load, draft, draft_shape,
-            projector_path(self.store, entry), hint, prompt_chars)
-        log.info("planned %s in %.1fs", name, time.monotonic() - started)
+                        prompt_chars: int, decided: Load | None = None) -> LoadedRunner:
+        """Plan (unless `decided`) and start the model's runner (room made for it), and
+        register it."""
+        if decided is None:
+            # One planning call decides the load (it may probe the GPU and dry-run llama.cpp:
+            # seconds, off the event loop).
+            started = time.monotonic()
+            await drained()  # what the answers served so far taught the tuner, written
+            decided = await asyncio.to_thread(
+                self.planner.decide, self.config, entry, shape, load, draft, draft_shape,
+                projector_path(self.store, entry), hint, prompt_chars)
+            log.info("planned %s in %.1fs", name, time.monotonic() - started)
         path = model_file(self.store, entry)
         runner = await self.starter.start(name, path, shape, decided)
         model = LoadedRunner(runner=runner, entry=entry, shape=shape, file_id=file_id(path),
@@ -299,22 +247,6 @@ class Scheduler:
             name, plan, why, runner.log_path, code)
         self.models[name] = model
         return model
-
-    def _served(self, model: LoadedRunner, records: ServedRecords, done: Done) -> None:
-        """After each answer: its records for the tuner (written off the event loop), and a
-        re-plan where due (once a model)."""
-        name, runner = model.entry.name.tagged, model.runner
-        if self.on_answer is not None:
-            self.on_answer(name, done)
-        records.answered(done.prompt_tokens, done.prompt_tokens - done.cached_tokens,
-                         done.eval_count, runner.expert_cache)
-        if name not in self._replanned and (why := records.replan_reason(
-                runner.expert_cache, runner.running_plan, self.config.expert_cache)):
-            self._replanned.add(name)
-            model.replan = why
-            log.info("%s: %s; it loads again with a plan priced from that once idle %.0f s",
-                     name, why, self.replan_idle_s)
-            self._wake.set()
 
     async def _retire(self, name: str, model: LoadedRunner) -> None:
         """Unload a replaced runner once the answers it is giving have ended."""
@@ -369,16 +301,6 @@ class Scheduler:
             del self.models[name]
             await model.runner.stop()
             log.info("unloaded %s", name)
-
-    async def _replan(self, model: LoadedRunner) -> None:
-        """Load `model` again with a plan priced from what it measured (`replan`), now that it
-        has been idle replan_idle_s; a request that comes meanwhile waits for the new load, as
-        for any load. A failure is the next request's to report."""
-        model.replan_now = True  # no longer current: the next _loaded retires it
-        try:
-            await self._loaded(model.entry, model.load.asked)
-        except Exception as e:
-            log.warning("could not load %s again after its re-plan: %s", model.entry.name, e)
 
     async def _reap_expired(self) -> None:
         while True:

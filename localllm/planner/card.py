@@ -69,6 +69,12 @@ class Card:
     # (profiles/host_prices.py): what the CPU's expert matmuls stream at decode; empty:
     # not measured (they are priced at host_bandwidth_gbs shared out by threads)
     host_read_gbs: tuple[tuple[int, float], ...] = ()
+    # How much slower (above 1) or faster the decodes this machine served were than priced,
+    # put on the part of a step each one's error was laid to (profiles/served_speed.py): the
+    # host's seconds (weights and experts the CPU reads, its attention) and the GPU's reads of
+    # missed experts in pinned RAM. 1.0: nothing served differed by more than the check's gap.
+    served_host_factor: float = 1.0
+    served_mapped_factor: float = 1.0
     # The GPUs one by one, where they differ (a mixed box, a probe that read each one's free
     # memory); empty: n_gpus alike, each as the fields above say.
     gpus: tuple[Gpu, ...] = ()

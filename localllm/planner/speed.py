@@ -140,6 +140,8 @@ class Speed:
     decode_seconds_gpu: float  # per token, weights and KV read on the GPUs
     decode_seconds_cpu: float  # per token, weights and KV read from host RAM
     decode_flops_cpu: float = 0.0  # per token, matmul FLOPs of the weights the CPU multiplies
+    # of decode_seconds_gpu, the expert pool's misses read by the GPU from pinned RAM
+    decode_seconds_mapped: float = 0.0
 
 
 # Priced with this machine's measured read rate (profiles/host_prices.py): llama.cpp's
@@ -252,7 +254,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     expert_bw = expert_read_bps(card, threads)
     bandwidths = gpu_bandwidths(card)
     depth = min(depth, settings.n_ctx)
-    gpu_s = cpu_s = 0.0
+    gpu_s = cpu_s = mapped_s = 0.0
     cpu_flops = 0.0
     crossings = 0
     previous = CPU  # token embeddings are looked up on the CPU
@@ -267,8 +269,9 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
         gpu_s += routed * hits / bandwidths[card.gpu_list[0].device] \
             + POOL_BLOCK_SECONDS * len(served) + pool.swap_bytes / (card.pcie_gbs * 1e9)
         if mapped:  # the misses too, read from pinned RAM, in a chain of their own
-            gpu_s += routed * (1.0 - hits) / mapped_bandwidth(card) \
-                + POOL_BLOCK_SECONDS * len(served)
+            mapped_s = (routed * (1.0 - hits) / mapped_bandwidth(card)
+                        + POOL_BLOCK_SECONDS * len(served)) * card.served_mapped_factor
+            gpu_s += mapped_s
     for i in range(costs.n_blocks):
         if not costs.block_bytes[i] and not costs.expert_bytes[i]:
             continue  # a skipped NextN block
@@ -319,6 +322,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     else:
         gpu_s += costs.output_bytes / bandwidths[output_device]
     crossings += output_device != previous
+    cpu_s *= card.served_host_factor  # what serving measured of this host (1.0: as priced)
     decode_s = gpu_s + cpu_s + TOKEN_SECONDS + CROSSING_SECONDS * max(0, crossings - 1)
     return Speed(
         decode_tps=1.0 / decode_s,
@@ -326,6 +330,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
         decode_seconds_gpu=gpu_s,
         decode_seconds_cpu=cpu_s,
         decode_flops_cpu=cpu_flops,
+        decode_seconds_mapped=mapped_s,
     )
 
 

@@ -16,6 +16,11 @@ from .saved import profiles_dir, read_tables
 HOST_KEY = "host"  # the calibration table of this machine's own figures (no card is so named)
 READ_KEY = "read_gbs"  # under [host]: {"threads": GB/s} (host_prices.py)
 READ_WHEN_KEY = "read_measured_at"
+# under [host]: what serving measured against the plans' prices (served_speed.py)
+SERVED_FACTOR_KEYS = ("served_host_factor", "served_mapped_factor")  # as the Card's fields
+SERVED_WHEN_KEY = "served_measured_at"
+SERVED_FACTOR_RANGE = (0.25, 4.0)  # past these a plan's error is not the host's price
+SERVED_FROM_KEY = "served_measured_on"
 
 
 def calibration_file() -> Path:
@@ -32,8 +37,9 @@ def calibrated(card: Card, path: Path | None = None) -> Card:
     doc = load_calibration(path)
     if card.source == "probe":
         card = with_measured_disk(card, doc.get(HOST_KEY, {}))
-        if card.has_gpu:  # host_prices.py measures them on first use
-            card = replace(card, host_read_gbs=stored_reads(doc.get(HOST_KEY, {})))
+        if card.has_gpu:  # host_prices.py measures them on first use; serving, the factors
+            card = replace(card, host_read_gbs=stored_reads(doc.get(HOST_KEY, {})),
+                           **served_factors(doc.get(HOST_KEY, {})))
     factors = doc.get(card.name, {})
     try:
         gpu = float(factors.get("gpu_bandwidth_factor", 1.0))
@@ -63,6 +69,21 @@ def stored_reads(host: dict) -> tuple[tuple[int, float], ...]:
             return ()
         rates.append((t, rate))
     return tuple(sorted(rates))
+
+
+def served_factors(host: dict) -> dict[str, float]:
+    """The Card fields of the served-speed factors a `[host]` table holds (served_speed.py),
+    each checked (a factor past SERVED_FACTOR_RANGE is not a price: left out)."""
+    out = {}
+    low, high = SERVED_FACTOR_RANGE
+    for key in SERVED_FACTOR_KEYS:
+        try:
+            value = float(host[key])
+        except (KeyError, TypeError, ValueError, OverflowError):
+            continue
+        if low <= value <= high:
+            out[key] = value
+    return out
 
 
 def with_measured_disk(card: Card, host: dict) -> Card:

@@ -26,6 +26,9 @@ from .calibration import (
     HOST_KEY,
     READ_KEY,
     READ_WHEN_KEY,
+    SERVED_FACTOR_KEYS,
+    SERVED_FROM_KEY,
+    SERVED_WHEN_KEY,
     calibration_file,
     load_calibration,
 )
@@ -133,6 +136,12 @@ def prices_of(card: Card, path: Path | None = None) -> dict[str, dict]:
             "source": f"measured by tune --calibrate at {entry['bandwidth_measured_at']}"
             if "bandwidth_measured_at" in entry else "assumed: the card table or the link's "
             "generation and width"},
+        **{field: {
+            "value": getattr(card, field),
+            "source": f"measured serving {host.get(SERVED_FROM_KEY)} at "
+            f"{host.get(SERVED_WHEN_KEY)}" if field in host and getattr(card, field) != 1.0
+            else "assumed: 1.0, as priced (nothing served here was more than 15% off)"}
+           for field in SERVED_FACTOR_KEYS},
         "disk_read_gbs": {
             "value": card.disk_read_gbs,
             "source": f"measured by tune --calibrate at {host['disk_measured_at']}"

@@ -2,9 +2,10 @@
 
 After each answer: the request's lengths, for the workload the next load is planned for
 (`traffic.py`); the draft acceptance of each mode, every FLUSH_DRAFTED drafted tokens rather than
-after every answer (`acceptance.py`); the expert pool's hits so far (`expert_hits.py`). And the
-one decision the hits lead to: whether the pool hits so far from the rate its plan was priced
-with that the model should be planned again once idle.
+after every answer (`acceptance.py`); the expert pool's hits so far (`expert_hits.py`); and,
+when a plan decoded far from its price, the factor serving measured (`served_speed.py`). And
+the one decision the hits lead to: whether the pool hits so far from the rate its plan was
+priced with that the model should be planned again once idle.
 
 Each write reads and rewrites a small state file: one writer thread for the whole daemon keeps
 them in order and away from the event loop, and a full disk costs a warning, never an answer.
@@ -17,7 +18,7 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from . import acceptance, expert_hits, traffic
+from . import acceptance, expert_hits, served_speed, traffic
 
 log = logging.getLogger("localllm.scheduler")
 _writer = ThreadPoolExecutor(1, "tuner-records")
@@ -52,6 +53,25 @@ class ServedRecords:
         if pool is not None:
             _write("the expert cache's hit rate", expert_hits.record_pool, self.model,
                    self.file_size, self.expert_count, pool)
+
+    def repriced(self, check, shape, card, pool=None) -> None:
+        """A plan whose decode was far from its price (`check`: served_speed.DecodeCheck):
+        the error laid on this machine's price it belongs to, and stored for the next plan.
+        `card`: gives this machine's card as the planner sees it (it probes: off the loop)."""
+        def run() -> None:
+            try:
+                blamed = served_speed.blame(check, shape, card(), pool)
+            except Exception as e:  # a price that cannot be made must not stop the writer
+                log.warning("%s: could not price its plan again: %s", self.model, e)
+                return
+            if blamed is None:
+                log.info("%s: no host price to correct for its plan's decode", self.model)
+                return
+            field, factor = blamed
+            served_speed.store(field, factor, self.model)
+            log.info("%s: %s is now %.3f (what serving measured)", self.model, field, factor)
+
+        _write("the served-speed factor", run)
 
     @staticmethod
     def replan_reason(pool, plan, setting: int | str) -> str:
