@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from localllm.errors import UserError
+from .catalog_shape import CatalogShape, lookup_shape
 from .names import BadModelName, ModelName, parse_name
 from .store import DRAFT_LAYER, MTP_LAYER, PROJECTOR_LAYER
 from .wheel_source import (
@@ -69,6 +70,22 @@ class CatalogEntry:
 
         reference = parse_reference(self.source)
         return reference.repo if isinstance(reference, HubQuantRef | HubFileRef) else None
+
+    @property
+    def shape(self) -> CatalogShape | None:
+        """The entry's shape as catalog_shapes.toml carries it (planning without the file or
+        the hub), or None."""
+        return lookup_shape(self.name)
+
+    @property
+    def quant(self) -> str:
+        """The quant the source names (`UD-Q3_K_XL`), or "" (a wheel or a URL)."""
+        from .hub import HubFileRef, HubQuantRef, parse_reference, quant_label
+
+        reference = parse_reference(self.source)
+        if isinstance(reference, HubQuantRef):
+            return reference.quant or ""
+        return quant_label(reference.path) if isinstance(reference, HubFileRef) else ""
 
     @property
     def names(self) -> tuple[ModelName, ...]:
