@@ -42,11 +42,10 @@ def entry_shape(entry: CatalogEntry, hub: HubSettings | None = None) -> tuple[Mo
             return catalog_model_shape(entry), f"{FROM_CATALOG}: {described.words}"
         raise UserError(f"{entry.name} is not on the hub ({entry.source}): pull it first, "
                         f"then tune it")
-    from .pull import _with_client
-    from .quant_pick import source_shape
+    from .quant_pick import source_shape, with_client
 
     try:
-        shape, read = asyncio.run(_with_client(
+        shape, read = asyncio.run(with_client(
             hub or HubSettings.from_environment(),
             lambda client: source_shape(client, entry.source)))
     except HubUnreachable as e:

@@ -13,13 +13,11 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-import aiohttp
-
 from localllm.errors import UserError
 from localllm.modelstore import catalog
 from localllm.modelstore.download import DownloadOptions, resumable_bytes
 from localllm.modelstore.hub import (
-    HubClient, HubQuantRef, HubSettings, parse_reference, pick_quant_files, store_name,
+    HubQuantRef, HubSettings, parse_reference, pick_quant_files, store_name,
 )
 from localllm.modelstore.pull import pull_model
 from localllm.cli.pull_progress import (
@@ -171,12 +169,12 @@ def pick(target: Target, hub: HubSettings, card_name: str | None,
     from localllm.profiles.calibration import calibrated
 
     from .catalog_fit import FROM_CATALOG, catalog_candidates, unreachable
-    from .quant_pick import candidates_from_hub, choose, pick_line, table
+    from .quant_pick import candidates_from_hub, choose, pick_line, table, with_client
 
     card = calibrated(resolve_card(card_name))
     repo = target.pick_repo
     try:
-        candidates, header_bytes = asyncio.run(_with_client(
+        candidates, header_bytes = asyncio.run(with_client(
             hub, lambda client: candidates_from_hub(client, repo, card, pick_request(),
                                                     target.quants)))
         where = (f"planned at context {pick_request().n_ctx} from each file's GGUF header: "
@@ -235,9 +233,3 @@ def pick_request():
     except ConfigError:
         n_ctx = 4096
     return replace(config_request(), n_ctx=n_ctx, num_parallel=1)
-
-
-async def _with_client(hub: HubSettings, work):
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=60)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        return await work(HubClient(session, hub))

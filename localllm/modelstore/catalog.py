@@ -13,14 +13,19 @@ import tomllib
 from dataclasses import dataclass
 from importlib import resources
 
+from typing import TYPE_CHECKING
+
 from localllm.errors import UserError
-from .catalog_shape import CatalogShape, lookup_shape
 from .names import BadModelName, ModelName, parse_name
 from .store import DRAFT_LAYER, MTP_LAYER, PROJECTOR_LAYER
 from .wheel_source import (
     GEMMA3_270M_PARTS, GEMMA3_270M_SHA256, GEMMA3_270M_SIZE, SMOLLM2_PARTS, SMOLLM2_SHA256,
     SMOLLM2_SIZE, WheelPart,
 )
+
+
+if TYPE_CHECKING:
+    from .catalog_shape import CatalogShape
 
 
 class CatalogError(UserError, ValueError):
@@ -74,7 +79,9 @@ class CatalogEntry:
     @property
     def shape(self) -> CatalogShape | None:
         """The entry's shape as catalog_shapes.toml carries it (planning without the file or
-        the hub), or None."""
+        the hub), or None. Read only when asked: serving never needs it."""
+        from .catalog_shape import lookup_shape
+
         return lookup_shape(self.name)
 
     @property
