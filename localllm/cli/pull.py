@@ -13,13 +13,11 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-import aiohttp
-
 from localllm.errors import UserError
 from localllm.modelstore import catalog
 from localllm.modelstore.download import DownloadOptions, resumable_bytes
 from localllm.modelstore.hub import (
-    HubClient, HubQuantRef, HubSettings, parse_reference, pick_quant_files, store_name,
+    HubQuantRef, HubSettings, parse_reference, pick_quant_files, store_name,
 )
 from localllm.modelstore.pull import pull_model
 from localllm.cli.pull_progress import (
@@ -103,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     target = resolve_target(args.model, args.quant, args.dry_run)
     hub = HubSettings.from_environment()
     if target.pick_repo:
-        target = pick(target, hub, args.card)
+        target = pick(target, hub, args.card, offline_ok=args.dry_run)
         if args.dry_run:
             print("dry run: nothing downloaded")
             return 0
@@ -111,9 +109,13 @@ def run(args: argparse.Namespace) -> int:
         from localllm.modelstore.pull import plan_pull
 
         planned = plan_pull(target.text)  # a name no pull can fetch fails here as it would
-        print(f"would pull {planned.source_label}; --dry-run plans the quants only of "
-              "hf.co/OWNER/REPO and of catalog names with --quant")
-        return 0
+        entry = catalog.lookup(args.model) if parse_reference(args.model) is None else None
+        if entry is None:
+            print(f"would pull {planned.source_label}; --dry-run plans catalog names, "
+                  "hf.co/OWNER/REPO and hf.co/OWNER/REPO:QUANT")
+            return 0
+        print(f"would pull {planned.source_label}")
+        return dry_run(entry, hub, args.card)
     store = default_store()
     started = time.time()
     try:
@@ -136,27 +138,62 @@ def interrupted(store, name: str, started: float) -> str:
     return f"pull interrupted: nothing was kept; `localllm pull {name}` starts it again"
 
 
-def pick(target: Target, hub: HubSettings, card_name: str | None) -> Target:
-    """Plan the repo's candidates, print them and the pick; the Target that pulls it."""
+def dry_run(entry: catalog.CatalogEntry, hub: HubSettings, card_name: str | None) -> int:
+    """`pull NAME --dry-run` for a catalog name: does its file fit the card, and how. A name
+    with no shape to plan from (no hub, none in the catalog) is still a name the pull takes:
+    the dry run says why it is not planned."""
     from localllm.engine.hardware import resolve_card
+    from localllm.modelstore.download import HubUnreachable
     from localllm.profiles.calibration import calibrated
 
-    from .quant_pick import candidates_from_hub, choose, pick_line, table
+    from .catalog_fit import dry_run_entry, unreachable
+
+    card = calibrated(resolve_card(card_name))
+    try:
+        lines = dry_run_entry(entry, card, pick_request(), hub)
+    except HubUnreachable as e:
+        lines = [f"not planned: the catalog carries no shape for it and {unreachable(e)}"]
+    for line in lines:
+        print(line)
+    print("dry run: nothing downloaded")
+    return 0
+
+
+def pick(target: Target, hub: HubSettings, card_name: str | None,
+         offline_ok: bool = False) -> Target:
+    """Plan the repo's candidates, print them and the pick; the Target that pulls it. With
+    `offline_ok` (a dry run) a hub that cannot be reached leaves the quants the catalog
+    carries shapes for."""
+    from localllm.engine.hardware import resolve_card
+    from localllm.modelstore.download import HubUnreachable
+    from localllm.profiles.calibration import calibrated
+
+    from .catalog_fit import FROM_CATALOG, catalog_candidates, unreachable
+    from .quant_pick import candidates_from_hub, choose, pick_line, table, with_client
 
     card = calibrated(resolve_card(card_name))
     repo = target.pick_repo
-    candidates, header_bytes = asyncio.run(_with_client(
-        hub, lambda client: candidates_from_hub(client, repo, card, pick_request(),
-                                                target.quants)))
+    try:
+        candidates, header_bytes = asyncio.run(with_client(
+            hub, lambda client: candidates_from_hub(client, repo, card, pick_request(),
+                                                    target.quants)))
+        where = (f"planned at context {pick_request().n_ctx} from each file's GGUF header: "
+                 f"{size_text(header_bytes)} read by range requests")
+    except HubUnreachable as e:
+        candidates = catalog_candidates(repo, target.quants, card, pick_request()) \
+            if offline_ok else []
+        if not candidates:
+            raise
+        where = (f"{FROM_CATALOG}: planned at context {pick_request().n_ctx} the "
+                 f"{len(candidates)} quants of hf.co/{repo} it carries shapes for, derived "
+                 f"from the published configs (estimates); {unreachable(e)}")
     if target.forced:
-        files = pick_quant_files([f for c in candidates for f in c.files], target.forced, repo)
-        best = next(c for c in candidates if c.files == tuple(files))
+        best = forced_candidate(candidates, target.forced, repo)
     else:
         best = choose(candidates)
     for line in table(candidates, best):
         print(line)
-    print(f"(planned at context {pick_request().n_ctx} from each file's GGUF header: "
-          f"{size_text(header_bytes)} read by range requests)")
+    print(f"({where})")
     if best is None:
         smallest = min(candidates, key=lambda c: c.size)
         raise UserError(f"no quant of hf.co/{repo} fits {card.label}: even {smallest.label} "
@@ -165,8 +202,24 @@ def pick(target: Target, hub: HubSettings, card_name: str | None) -> Target:
         print(f"{best.label}: as asked (--quant)")
         return target
     print(pick_line(best, candidates, card))
+    if not best.files:  # planned from the catalog: a dry run, which pulls nothing
+        return target
     store_as = target.store_as or f"hf.co/{repo}:{best.label}"
     return replace(target, text=f"hf.co/{repo}/{best.files[0].filename}", store_as=store_as)
+
+
+def forced_candidate(candidates: list, quant: str, repo: str):
+    """The candidate `--quant` names: by its files (read from the hub), else by its label (a
+    catalog shape, which has no files)."""
+    files = [f for c in candidates for f in c.files]
+    if not files:
+        match = next((c for c in candidates if c.label.lower() == quant.lower()), None)
+        if match is None:
+            raise UserError(f"the catalog carries no shape for {quant} of hf.co/{repo}, and "
+                            "the hub could not be reached to read its header")
+        return match
+    files = pick_quant_files(files, quant, repo)
+    return next(c for c in candidates if c.files == tuple(files))
 
 
 def pick_request():
@@ -180,9 +233,3 @@ def pick_request():
     except ConfigError:
         n_ctx = 4096
     return replace(config_request(), n_ctx=n_ctx, num_parallel=1)
-
-
-async def _with_client(hub: HubSettings, work):
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=60)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        return await work(HubClient(session, hub))

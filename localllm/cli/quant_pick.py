@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
+import aiohttp
+
 from localllm.modelstore.download import RemoteFile, RemoteNotFound
 from localllm.modelstore.hub import (
-    HubClient, HubFileRef, HubQuantRef, gguf_groups, parse_reference, pick_quant_files,
+    HubClient, HubFileRef, HubSettings, HubQuantRef, gguf_groups, parse_reference, pick_quant_files,
     quant_label,
 )
 from localllm.modelstore.remote_header import read_model_header
@@ -195,3 +197,10 @@ async def source_shape(client: HubClient, source: str) -> tuple[ModelShape, int]
     else:
         raise RemoteNotFound(f"{source} is no hub file: its header cannot be read remotely")
     return await remote_shape(client, repo, files)
+
+
+async def with_client(hub: HubSettings, work):
+    """`work(client)` with a hub client on a session of its own, its result."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        return await work(HubClient(session, hub))

@@ -53,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "plan as an editable profile the daemon loads with.")
     p.add_argument("model", nargs="?", help="a stored model's name, a path to a .gguf file, "
                    "or a catalog name not pulled yet (planned from its header, read by range "
-                   "requests: nothing is downloaded or saved)")
+                   "requests, or offline from the shape the catalog carries: nothing is "
+                   "downloaded or saved)")
     p.add_argument("--card", default="auto",
                    help=f"a card profile ({', '.join(card_names())}): the whole box it "
                    "describes (GPUs, RAM, cores, disk); several joined by + "
@@ -124,21 +125,12 @@ def resolve_model(model: str) -> tuple[ModelShape, str, str]:
 
 
 def catalog_shape(entry) -> tuple[ModelShape, str, str]:
-    """A catalog entry's shape from its file's header on the hub (no weights read)."""
-    import asyncio
+    """A catalog entry's shape without its file: the hub's header, or the catalog's own
+    (localllm.cli.catalog_fit says which, and why)."""
+    from localllm.cli.catalog_fit import entry_shape
 
-    from localllm.cli.pull import _with_client
-    from localllm.cli.pull_progress import size_text
-    from localllm.cli.quant_pick import source_shape
-    from localllm.modelstore.hub import HubSettings
-
-    if entry.repo is None:
-        raise UserError(f"{entry.name} is not on the hub ({entry.source}): pull it first, "
-                        f"then tune it")
-    shape, read = asyncio.run(_with_client(HubSettings.from_environment(),
-                                           lambda client: source_shape(client, entry.source)))
-    return shape, str(entry.name), (f"planned from the header of {entry.source} "
-                                    f"({size_text(read)} read by range requests)")
+    shape, where = entry_shape(entry)
+    return shape, str(entry.name), where
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

@@ -13,6 +13,8 @@ import tomllib
 from dataclasses import dataclass
 from importlib import resources
 
+from typing import TYPE_CHECKING
+
 from localllm.errors import UserError
 from .names import BadModelName, ModelName, parse_name
 from .store import DRAFT_LAYER, MTP_LAYER, PROJECTOR_LAYER
@@ -20,6 +22,10 @@ from .wheel_source import (
     GEMMA3_270M_PARTS, GEMMA3_270M_SHA256, GEMMA3_270M_SIZE, SMOLLM2_PARTS, SMOLLM2_SHA256,
     SMOLLM2_SIZE, WheelPart,
 )
+
+
+if TYPE_CHECKING:
+    from .catalog_shape import CatalogShape
 
 
 class CatalogError(UserError, ValueError):
@@ -69,6 +75,24 @@ class CatalogEntry:
 
         reference = parse_reference(self.source)
         return reference.repo if isinstance(reference, HubQuantRef | HubFileRef) else None
+
+    @property
+    def shape(self) -> CatalogShape | None:
+        """The entry's shape as catalog_shapes.toml carries it (planning without the file or
+        the hub), or None. Read only when asked: serving never needs it."""
+        from .catalog_shape import lookup_shape
+
+        return lookup_shape(self.name)
+
+    @property
+    def quant(self) -> str:
+        """The quant the source names (`UD-Q3_K_XL`), or "" (a wheel or a URL)."""
+        from .hub import HubFileRef, HubQuantRef, parse_reference, quant_label
+
+        reference = parse_reference(self.source)
+        if isinstance(reference, HubQuantRef):
+            return reference.quant or ""
+        return quant_label(reference.path) if isinstance(reference, HubFileRef) else ""
 
     @property
     def names(self) -> tuple[ModelName, ...]:
