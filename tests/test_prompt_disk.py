@@ -289,3 +289,47 @@ def test_a_long_prompt_is_read_from_disk_after_an_unload_and_a_restart(tmp_path,
         assert "is damaged" in log and not saved.exists()
     finally:
         daemon.stop()
+
+
+# ---- a sliding-window model: its checkpoints go to disk with its prompt -----------------
+async def runner_answer(load, log: Path, prompt: str) -> tuple[str, object]:
+    from localllm.engine.local import RunnerProcess
+    from localllm.engine.runner.protocol import (
+        RUNNER_COMMAND, Done, GenerationRequest, SamplingOptions)
+
+    runner = RunnerProcess.of("m", load, log, RUNNER_COMMAND)
+    await runner.start()
+    try:
+        text, done = [], None
+        async for event in runner.generate(GenerationRequest(
+                id="r", prompt=prompt, options=SamplingOptions(num_predict=8, temperature=0))):
+            if isinstance(event, Done):
+                done = event
+            elif hasattr(event, "text"):
+                text.append(event.text)
+        return "".join(text), done
+    finally:
+        await runner.stop()  # the runner writes its slot's prompt to disk as it ends
+
+
+async def test_a_sliding_window_prompt_comes_back_from_disk_with_its_checkpoints(
+        tmp_path, gemma_gguf):
+    """Gemma 3 keeps the last 512 positions of its sliding-window layers: a prompt diverging
+    from a saved one 600 tokens before its end can reuse it only up to a checkpoint, which must
+    have come back from disk with it (no RAM cache here: a new runner each time)."""
+    from localllm.engine.runner.load import Load
+
+    plan = dataclasses.replace(cpu_plan(4096), n_parallel=1)
+    words = [f"w{i}" for i in range(560)]
+    first = " ".join(words) + " end."  # about 2,100 tokens: checkpoints at 1536, 2048, the end
+    then = " ".join(words[:450]) + " Then once upon a time"  # diverges near token 1,690
+    load = Load(plan, model_path=gemma_gguf, prompt_disk_dir=tmp_path / "prompts",
+                prompt_disk_bytes=256 << 20)
+    _, cold = await runner_answer(load, tmp_path / "r0.log", first)
+    assert cold.prompt_tokens > 2000
+    text, warm = await runner_answer(load, tmp_path / "r1.log", then)
+    assert (warm.cached_from, warm.checkpoint, warm.cached_tokens) == ("disk", 1536, 1536)
+    # the answer a runner that never saw the first prompt gives
+    alone = dataclasses.replace(load, prompt_disk_dir=tmp_path / "elsewhere")
+    text_alone, read_alone = await runner_answer(alone, tmp_path / "r2.log", then)
+    assert read_alone.cached_tokens == 0 and text == text_alone
