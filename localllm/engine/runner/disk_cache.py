@@ -170,8 +170,8 @@ class DiskCache:
             entries.append(entry)
         for old in covered:  # the new file serves every prompt these did
             self._delete(old)
-        log.info("prompt cache on disk: wrote %d tokens with %d checkpoints (%.1f MiB) in "
-                 "%.0f ms", n, len(saved.checkpoints), size / 2**20,
+        log.info("prompt cache on disk: wrote %d tokens with %d checkpoints (%.1f MiB) as %s "
+                 "in %.0f ms", n, len(saved.checkpoints), size / 2**20, path.name,
                  (time.perf_counter() - started) * 1e3)
         self.trim()
         return True
@@ -223,6 +223,11 @@ class DiskCache:
         with self._lock:
             entries = self._index.get(entry.key, [])
             entries[:] = [e for e in entries if e.path != entry.path]
+
+    def discard(self, entry: FileEntry) -> None:
+        """Delete a file llama.cpp refused although its key matched."""
+        log.warning("prompt cache on disk: %s deleted", entry.path)
+        self._delete(entry)
 
     def _delete(self, entry: FileEntry) -> None:
         self._forget(entry)

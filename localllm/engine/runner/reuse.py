@@ -245,16 +245,22 @@ class PromptReuse:
             self.stash(slot)
         usable = lambda e, n: self._saved_prefix(e, n, tokens, media)
         entry, common = cache.best(tokens, usable) if cache is not None else (None, 0)
-        source = "prompt cache"
-        if disk is not None and len(tokens) > disk.min_tokens:
+        source, found = "prompt cache", None
+        for _ in range(3 if disk is not None and len(tokens) > disk.min_tokens else 0):
             found, n = disk.best(tokens, usable)
-            if found is not None and n > max(common, kept + MIN_RESTORE_GAIN - 1):
-                saved = disk.load(found)  # None: damaged or gone (logged)
-                if saved is not None:
-                    entry, common, source = saved, n, "disk"
+            if found is None or n < max(common + 1, kept + MIN_RESTORE_GAIN):
+                break
+            saved = disk.load(found)  # None: damaged or gone, and deleted: the next best
+            if saved is not None:
+                entry, common, source = saved, n, "disk"
+                break
         if entry is None or common < kept + MIN_RESTORE_GAIN:
             return ""
-        return source if self._restore(slot, entry, common) else ""
+        if self._restore(slot, entry, common):
+            return source
+        if source == "disk":  # its key matched and llama.cpp still said no: never again
+            disk.discard(found)
+        return ""
 
     def stash(self, slot: Slot) -> None:
         """Save what `slot` holds to the prompt cache (unless it holds it already): a request
