@@ -104,10 +104,9 @@
   and a later request starting with that prompt gets it back instead of reading it again.
   Least recently used first out. `auto`: a quarter of the RAM free when the model loads, at
   most 8 GiB; 0 turns it off.
-- prompt_cache_disk: MiB of disk (the cache dir's `prompts/`, all models together) for prompts
-  of 1024 tokens or more, kept past an unload or restart: written when the RAM cache lets one
-  go and when a model unloads, restored when a prompt starts with one (docs/prompt-cache.md).
-  Least recently used first out; 0 turns it off.
+- prompt_cache_disk: MiB of disk (the cache dir's `prompts/`, all models) for prompts of 1024
+  tokens or more, written as they leave RAM or their model unloads, restored when a prompt
+  starts with one (docs/prompt-cache.md). Least recently used first out; 0 turns it off.
 - fill_bands: plans per fill band. A model loads with the plan of a smaller context first (less
   KV on the GPU leaves room for more of the weights: faster while the context is short); when a
   sequence is about to outgrow it, the runner reloads with the next band's plan and carries
