@@ -31,6 +31,7 @@
 | remote_timeout    | LOCALLLM_REMOTE_TIMEOUT    | 300                           | live      |
 | image_urls        | LOCALLLM_IMAGE_URLS        | on                            | live      |
 | prompt_cache_ram  | LOCALLLM_PROMPT_CACHE_RAM  | auto                          | next load |
+| prompt_cache_disk | LOCALLLM_PROMPT_CACHE_DISK | 4096                          | next load |
 | fill_bands        | LOCALLLM_FILL_BANDS        | auto                          | next load |
 | expert_cache      | LOCALLLM_EXPERT_CACHE      | auto                          | next load |
 | expert_misses     | LOCALLLM_EXPERT_MISSES     | auto                          | next load |
@@ -103,6 +104,9 @@
   and a later request starting with that prompt gets it back instead of reading it again.
   Least recently used first out. `auto`: a quarter of the RAM free when the model loads, at
   most 8 GiB; 0 turns it off.
+- prompt_cache_disk: MiB of disk (the cache dir's `prompts/`, all models) for prompts of 1024
+  tokens or more, written as they leave RAM or their model unloads, restored when a prompt
+  starts with one (docs/prompt-cache.md). Least recently used first out; 0 turns it off.
 - fill_bands: plans per fill band. A model loads with the plan of a smaller context first (less
   KV on the GPU leaves room for more of the weights: faster while the context is short); when a
   sequence is about to outgrow it, the runner reloads with the next band's plan and carries
@@ -197,6 +201,7 @@ class Config:
     remote_timeout: int = setting(300, "LOCALLLM_REMOTE_TIMEOUT", least=1)
     image_urls: str = setting("on", "LOCALLLM_IMAGE_URLS", words=("on", "off"))
     prompt_cache_ram: int | str = setting("auto", "LOCALLLM_PROMPT_CACHE_RAM", least=0)
+    prompt_cache_disk: int = setting(4096, "LOCALLLM_PROMPT_CACHE_DISK", least=0)
     fill_bands: str = setting("auto", "LOCALLLM_FILL_BANDS")
     expert_cache: int | str = setting("auto", "LOCALLLM_EXPERT_CACHE", least=0,
                                       besides=("off", "auto"))
@@ -238,7 +243,8 @@ class Config:
 DAEMON_ONLY = ("max_loaded_models", "num_parallel", "max_queue", "queue_timeout",
                "load_timeout", "default_ctx", "context_policy", "kv_cache_type",
                "expected_fill", "vram_margin_mib", "ram_budget", "gpus", "prompt_cache_ram",
-               "fill_bands", "expert_misses", "expert_cache_device", "keep_alive")
+               "prompt_cache_disk", "fill_bands", "expert_misses", "expert_cache_device",
+               "keep_alive")
 
 
 # Each setting's LOCALLLM_* variable, as its declaration names it.

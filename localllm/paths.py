@@ -23,8 +23,9 @@ import errno
 import logging
 import os
 import stat
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import platformdirs
@@ -41,15 +42,17 @@ class BadHost(UserError, ValueError):
     """A host value that cannot be listened on; the message says why."""
 
 
-def write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes | Sequence) -> None:
     """Write `path` 0600 from its creation on (no moment in which another user could open it);
-    an existing file is narrowed to 0600 too. For secrets (config.toml's api_key) and the store."""
+    an existing file is narrowed to 0600 too. For secrets (config.toml's api_key) and the store.
+    `data`: bytes, or a sequence of buffers written one after the other (no joined copy)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.fchmod(fd, 0o600)  # O_CREAT keeps an existing file's mode
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        for part in [data] if isinstance(data, (bytes, bytearray)) else data:
+            view = memoryview(part).cast("B")
+            while view:
+                view = view[os.write(fd, view[:1 << 30]):]  # (one write is capped at 2 GiB)
         os.fsync(fd)  # on disk before a rename makes it the file (replace_private)
     finally:
         os.close(fd)
@@ -58,9 +61,16 @@ def write_private(path: Path, data: bytes) -> None:
 def replace_private(path: Path, text: str) -> None:
     """Atomically replace `path` with `text`, the new file 0600: a temporary file written and
     fsynced, renamed over it, the folder fsynced."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    replace_private_parts(path, [text.encode()])
+
+
+def replace_private_parts(path: Path, parts: Sequence) -> None:
+    """replace_private for bytes given as buffers in order (the prompt cache's large files).
+    The temporary file's name carries the writer's pid and thread, so two writers never share
+    one, and a dead writer's is told apart (`stale_temporary`)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
     try:
-        write_private(tmp, text.encode())
+        write_private(tmp, parts)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -75,6 +85,24 @@ def replace_private(path: Path, text: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def stale_temporary(path: Path) -> bool:
+    """Whether `path` is a temporary file of `replace_private_parts` whose writer is gone (a
+    runner killed while it wrote): safe to delete."""
+    name = path.name
+    if not name.startswith(".") or ".tmp" not in name:
+        return False
+    pid = name.rpartition(".tmp")[2].partition("-")[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def set_aside(path: Path, what: str, error: BaseException) -> Path | None:

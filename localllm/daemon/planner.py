@@ -3,7 +3,7 @@
 planning call and returns the frozen `Load` (engine/runner/load.py) the runner is started
 from. Every rule of a load is applied here, once: the speculative mode settled, the fill bands
 (none with a projector, a draft model or MTP: profiles/bands.py), the images' micro-batch, the
-prompt cache's RAM.
+prompt cache's RAM and its folder on disk.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from localllm.modelstore.store import ModelEntry
 from localllm.planner.plan import Plan
 from localllm.planner.vision import with_room_for_images
 
+from localllm import paths
 from localllm.config import Config
 from localllm.options import LoadOptions
 
@@ -67,7 +68,7 @@ class Planner:
             plan = with_room_for_images(plan, image_tokens)
         return Load(plan, asked, bands, first_band(bands, prompt_chars), draft_path,
                     draft.name, projector, prompt_cache_bytes(config), entry.model_path,
-                    image_tokens)
+                    image_tokens, *prompt_disk(config))
 
     def choose(self, shape: ModelShape, model_name: str, n_ctx: int | None,
                load: LoadOptions, draft_shape: ModelShape | None = None,
@@ -130,6 +131,14 @@ def first_band(bands: tuple[Plan, ...], prompt_chars: int) -> int:
     its characters, and room to answer. len(bands) is the whole context's plan."""
     need = prompt_chars // CHARS_PER_TOKEN + 256
     return next((i for i, band in enumerate(bands) if band.n_ctx >= need), len(bands))
+
+
+def prompt_disk(config: Config) -> tuple[Path | None, int]:
+    """The prompt cache's folder on disk and the bytes its files may hold (setting
+    prompt_cache_disk; 0: no folder)."""
+    if config.prompt_cache_disk <= 0:
+        return None, 0
+    return paths.cache_dir() / "prompts", config.prompt_cache_disk * 2**20
 
 
 def prompt_cache_bytes(config: Config) -> int:

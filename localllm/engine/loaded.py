@@ -56,6 +56,7 @@ class LoadedModel:
         `projector_path`. ModelLoadError when llama.cpp refuses any of them."""
         self.path = model_path
         self.lm: LlamaModel = load(model_path, plan)
+        self.plan = plan  # the plan `lm` was loaded with (the prompt cache's key reads it)
         self.tokenizer = Tokenizer(self.lm.model, self.lm.vocab)
         self.batch_capacity = batch_capacity(self.lm)
         self.batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
@@ -92,6 +93,7 @@ class LoadedModel:
             self._embedder = None
         free(self.lm)
         self.lm = load(self.path, plan)
+        self.plan = plan
         self.tokenizer = Tokenizer(self.lm.model, self.lm.vocab)
         if batch_capacity(self.lm) > self.batch_capacity:
             llama_cpp.llama_batch_free(self.batch)

@@ -99,6 +99,9 @@ class SavedSequence:
     pos_min: int
     saved_at: float = field(default_factory=time.monotonic)
     checkpoints: tuple[Checkpoint, ...] = ()
+    # the key of the KV layout it was saved from, where a disk cache may keep it
+    # (engine/runner/disk_format.py: a fill band switch may load another layout meanwhile)
+    kv_key: str = ""
 
     @property
     def nbytes(self) -> int:

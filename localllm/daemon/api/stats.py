@@ -88,7 +88,8 @@ def last_request(done) -> dict | None:
         "prompt_tokens": done.prompt_tokens,
         "cached_tokens": done.cached_tokens,
         # where they came from: "slot", "checkpoint" (of the recurrent or sliding-window
-        # state, at position `checkpoint`), "prompt cache"; "" when nothing was kept
+        # state, at position `checkpoint`), "prompt cache" (RAM), "disk"; "" when nothing was
+        # kept
         "cached_from": done.cached_from,
         "checkpoint": done.checkpoint,
     }

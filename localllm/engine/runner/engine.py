@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from localllm.engine.loaded import LoadedModel
 from localllm.engine.model import ModelLoadError, PromptTooLong, RequestError
@@ -32,6 +33,7 @@ from localllm.speculative import mode as mode_row
 
 from . import checkpoints
 from .bands import FillBands
+from .disk_cache import SHUTDOWN_WRITE_S, DiskCache
 from .load import Load
 from .protocol import (
     CpuShare,
@@ -77,12 +79,13 @@ class RunnerEngine:
     def __init__(self, model_path: str, plan: Plan, draft_model_path: str | None = None,
                  adapt_threads: bool = True, projector_path: str | None = None,
                  prompt_cache_bytes: int = 0, bands: tuple[Plan, ...] = (),
-                 start_band: int = 0):
+                 start_band: int = 0, prompt_disk: tuple[str, int] | None = None):
         """`bands`: plans for smaller contexts than `plan`'s, smallest first (fill bands: less
         KV leaves VRAM for more of the weights). The engine starts in `start_band` and moves
         up when a sequence needs more room (bands.py); `plan` is the last band. What to load
         is decided in the daemon's planning (daemon/planner.py): the bands (none beside a
-        projector or a drafter bound to the model) and the images' micro-batch come as given."""
+        projector or a drafter bound to the model) and the images' micro-batch come as given.
+        `prompt_disk`: the prompt cache's folder on disk and its budget in bytes (None: none)."""
         plans = (*bands, plan)
         start = max(0, min(start_band, len(plans) - 1))
         plan = plans[start]
@@ -106,16 +109,11 @@ class RunnerEngine:
         self.inbox: queue.Queue[Submission | Question | None] = queue.Queue()
         self.backlog: collections.deque[Submission] = collections.deque()
         self._closing = False
-        # Prompts of slots taken for other requests, in RAM (reuse.py). Not with MTP: its
-        # own cache of each sequence would have to be saved and restored beside the target's.
-        prompt_cache = None
-        if prompt_cache_bytes > 0 and drafting.prompt_cache:
-            prompt_cache = PromptCache(prompt_cache_bytes,
-                                       keep_contained=bool(lm.n_swa or lm.recurrent))
         # Tokens between checkpoints of a long prompt; 0: a model of full attention only, whose
         # KV is cut back anywhere, needs none (checkpoints.py)
         spacing = checkpoints.spacing(self.room.n_ctx) if lm.recurrent or lm.n_swa else 0
-        self.reuse = PromptReuse(self.model, prompt_cache, spacing)
+        self.reuse = PromptReuse(self.model, *prompt_caches(
+            self.model, model_path, drafting, prompt_cache_bytes, prompt_disk), spacing)
         self.bands = FillBands(plans, start, self.model, self.slots, self.room,
                                stash=self.reuse.stash)
         self.replies = Replies(self.model, self.room)
@@ -135,7 +133,9 @@ class RunnerEngine:
         return cls(str(load.model_path), load.plan, path(load.draft_path),
                    projector_path=path(load.projector),
                    prompt_cache_bytes=load.prompt_cache_bytes, bands=load.bands,
-                   start_band=load.start_band)
+                   start_band=load.start_band,
+                   prompt_disk=(str(load.prompt_disk_dir), load.prompt_disk_bytes)
+                   if load.prompt_disk_dir is not None else None)
 
     def _pace(self, plan: Plan) -> None:
         """Prompt chunks and decode threads for the plan loaded (at start, after a band switch)."""
@@ -347,13 +347,15 @@ class RunnerEngine:
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> None:
-        """Serve until `close()` and nothing is left in flight."""
+        """Serve until `close()` and nothing is left in flight; then the prompts go to disk
+        where there is a disk cache."""
         while True:
             busy = any(not slot.free for slot in self.slots)
             self._take_inbox(block=not busy and not self.backlog and not self._closing)
             self._admit()
             self._drop_cancelled()
             if self._closing and not self.backlog and all(s.free for s in self.slots):
+                self.reuse.save_all(self.slots, time.monotonic() + SHUTDOWN_WRITE_S)
                 return
             try:
                 self.step()
@@ -374,6 +376,22 @@ class RunnerEngine:
             if switched is not None:
                 self._pace(switched)
         self.steps.step()
+
+
+def prompt_caches(model: LoadedModel, model_path: str, drafting: Mode, ram_bytes: int,
+                  disk: tuple[str, int] | None) -> tuple[PromptCache | None, DiskCache | None]:
+    """The prompt caches of a load: prompts of slots taken for other requests, in RAM
+    (reuse.py), and long prompts kept on disk past this runner (disk_cache.py). Neither with
+    MTP: its own cache of each sequence would have to be saved and restored beside the
+    target's."""
+    lm = model.lm
+    keep_contained = bool(lm.n_swa or lm.recurrent)
+    ram = PromptCache(ram_bytes, keep_contained) if ram_bytes > 0 and drafting.prompt_cache \
+        else None
+    on_disk = None
+    if disk is not None and disk[1] > 0 and drafting.prompt_cache:
+        on_disk = DiskCache(Path(disk[0]), disk[1], model, model_path, keep_contained)
+    return ram, on_disk
 
 
 def drafting_modes(drafter, lm, draft_cap: int) -> dict[str, tuple[str | None, str]]:

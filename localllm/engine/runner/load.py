@@ -35,6 +35,10 @@ class Load:
     # A vision model's image tokens (0: none): the plan's micro-batch holds one image's
     # (planner.vision.with_room_for_images), a smaller plan's too
     image_tokens: int = 0
+    # The prompt cache on disk (engine/runner/disk_cache.py): its folder (None: none) and the
+    # bytes all its files may hold (setting prompt_cache_disk)
+    prompt_disk_dir: Path | None = None
+    prompt_disk_bytes: int = 0
 
     def serves(self, running: Plan, asked: LoadOptions) -> bool:
         """Whether this load, running `running` (its plan, or the smaller one a failed load
@@ -61,7 +65,9 @@ class Load:
                 "draft_path": path(self.draft_path), "draft_name": self.draft_name,
                 "projector": path(self.projector),
                 "prompt_cache_bytes": self.prompt_cache_bytes,
-                "model_path": path(self.model_path), "image_tokens": self.image_tokens}
+                "model_path": path(self.model_path), "image_tokens": self.image_tokens,
+                "prompt_disk_dir": path(self.prompt_disk_dir),
+                "prompt_disk_bytes": self.prompt_disk_bytes}
 
     @classmethod
     def from_wire(cls, data: dict) -> Load:
@@ -73,7 +79,8 @@ class Load:
                    int(data.get("start_band") or 0), path(data.get("draft_path")),
                    str(data.get("draft_name") or ""), path(data.get("projector")),
                    int(data.get("prompt_cache_bytes") or 0), path(data.get("model_path")),
-                   int(data.get("image_tokens") or 0))
+                   int(data.get("image_tokens") or 0), path(data.get("prompt_disk_dir")),
+                   int(data.get("prompt_disk_bytes") or 0))
 
 
 def differs(speculative: str, draft_name: str, load: LoadOptions) -> bool:

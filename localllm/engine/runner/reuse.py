@@ -1,6 +1,7 @@
 """Which KV a new request may keep: the RunnerEngine's slot choice and prefix reuse, with the RAM
-prompt cache (`PromptCache`, below), the checkpoints of a recurrent or sliding-window state
-(checkpoints.py) and the model's rules (a sliding window, a recurrent state, images kept whole).
+prompt cache (`PromptCache`, below), the prompt cache on disk behind it (disk_cache.py), the
+checkpoints of a recurrent or sliding-window state (checkpoints.py) and the model's rules (a
+sliding window, a recurrent state, images kept whole).
 
 One object the runner's RunnerEngine (engine.py) holds, because it owns one question: what of a
 slot's cache, or of a saved prompt, serves the prompt at hand; and, while a prompt is read,
@@ -56,16 +57,18 @@ def common_prefix(a, b) -> int:
 
 
 class PromptCache:
-    """Saved sequences within a byte budget, least recently used dropped first.
+    """Saved sequences within a byte budget, least recently used dropped first (to `on_evict`,
+    the disk cache's, where there is one).
 
     `keep_contained`: whether an entry whose tokens are a prefix of a newer entry's is kept.
     With full attention the newer one serves every prompt the older would (restored, it is cut
     back to the shared prefix); a sliding-window or recurrent state can only be continued from
     near its end, so there the shorter one may still be the one that fits."""
 
-    def __init__(self, budget_bytes: int, keep_contained: bool = False):
+    def __init__(self, budget_bytes: int, keep_contained: bool = False, on_evict=None):
         self.budget = max(0, budget_bytes)
         self.keep_contained = keep_contained
+        self.on_evict = on_evict  # called with each entry dropped for room
         self._entries: collections.OrderedDict[int, SavedSequence] = collections.OrderedDict()
         self.used = 0
 
@@ -94,7 +97,9 @@ class PromptCache:
                         common_prefix(entry.tokens, saved.tokens) == len(entry.tokens):
                     self._drop(key)
         while self._entries and self.used + saved.nbytes > self.budget:
-            self._drop(next(iter(self._entries)))
+            evicted = self._drop(next(iter(self._entries)))
+            if self.on_evict is not None:
+                self.on_evict(evicted)
         self._entries[id(saved)] = saved
         self.used += saved.nbytes
         return True
@@ -111,19 +116,25 @@ class PromptCache:
             self._entries.move_to_end(id(best))
         return best, best_n
 
-    def _drop(self, key: int) -> None:
-        self.used -= self._entries.pop(key).nbytes
+    def _drop(self, key: int) -> SavedSequence:
+        entry = self._entries.pop(key)
+        self.used -= entry.nbytes
+        return entry
 
 
 class PromptReuse:
-    def __init__(self, model: LoadedModel, prompt_cache: PromptCache | None,
+    def __init__(self, model: LoadedModel, prompt_cache: PromptCache | None, disk,
                  checkpoint_spacing: int):
         """`prompt_cache`: saved prompts of slots taken for other requests (None: none kept);
         `checkpoint_spacing`: tokens between checkpoints of a long prompt (0: the model, of
-        full attention only, needs none)."""
+        full attention only, needs none); `disk`: the prompt cache on disk (disk_cache.py's
+        DiskCache, which imports this module; None: none)."""
         self.model = model
         self.prompt_cache = prompt_cache
         self.checkpoint_spacing = checkpoint_spacing
+        self.disk = disk
+        if disk is not None and prompt_cache is not None:
+            prompt_cache.on_evict = self._to_disk
 
     def _usable_prefix(self, common: int, held: int, pos_min: int, prompt: int,
                        rollback: int) -> int:
@@ -200,20 +211,20 @@ class PromptReuse:
                      reuse: bool) -> Kept:
         """Make `slot` hold the longest prefix of `tokens` it may keep, from its own KV, a
         checkpoint or a saved prompt (none without `reuse`), and say so in the log."""
-        restored = reuse and self._swap_in_saved_prompt(slot, tokens, media)
+        restored = self._swap_in_saved_prompt(slot, tokens, media) if reuse else ""
         n, checkpoint = self._reuse_prefix(slot, tokens, media, reuse)
-        source = "" if not n else "prompt cache" if restored else \
-            "checkpoint" if checkpoint is not None else "slot"
+        source = "" if not n else restored or ("checkpoint" if checkpoint is not None
+                                               else "slot")
         kept = Kept(n, source, checkpoint.n_tokens if checkpoint is not None else None)
         how = source or "nothing"
         if checkpoint is not None:
-            how = f"checkpoint at {checkpoint.n_tokens}{' of a saved prompt' * restored}"
+            how = f"checkpoint at {checkpoint.n_tokens}{' of a saved prompt' * bool(restored)}"
         log.info("prompt: %d tokens, %d kept (%s), %d to read", len(tokens), n, how,
                  len(tokens) - n)
         return kept
 
     def _swap_in_saved_prompt(self, slot: Slot, tokens: list[int],
-                              media: MediaPrompt | None = None) -> bool:
+                              media: MediaPrompt | None = None) -> str:
         """Before a request takes `slot`: save what it holds to the prompt cache when the
         request would throw most of it away, and restore a saved prompt into it when one shares
         a longer prefix with the request than the slot itself does.
@@ -222,35 +233,92 @@ class PromptReuse:
         and loses only a tail, which is not worth a copy. A saved prompt is matched by its
         longest common prefix with the request, so a prompt that differs from it late (a
         changed line after the tools) still reuses everything before that line. The slot's
-        checkpoints go and come back with its prompt. True when a saved prompt was restored."""
-        cache = self.prompt_cache
-        if cache is None:
-            return False
+        checkpoints go and come back with its prompt. A long prompt looks on disk too, where
+        a file reusing more than RAM holds is read and restored instead. Where the restored
+        prompt came from ("prompt cache", "disk"), or "" when none was."""
+        cache, disk = self.prompt_cache, self.disk
+        if cache is None and disk is None:
+            return ""
         kept = self._slot_prefix(slot, tokens, media)
         lost = len(slot.tokens) - kept
         if lost >= MIN_SAVED_TOKENS and lost > kept // 4:
             self.stash(slot)
-        entry, common = cache.best(
-            tokens, lambda e, n: self._saved_prefix(e, n, tokens, media))
+        usable = lambda e, n: self._saved_prefix(e, n, tokens, media)
+        entry, common = cache.best(tokens, usable) if cache is not None else (None, 0)
+        source, found = "prompt cache", None
+        for _ in range(3 if disk is not None and len(tokens) > disk.min_tokens else 0):
+            found, n = disk.best(tokens, usable)
+            if found is None or n < max(common + 1, kept + MIN_RESTORE_GAIN):
+                break
+            saved = disk.load(found)  # None: damaged or gone, and deleted: the next best
+            if saved is not None:
+                entry, common, source = saved, n, "disk"
+                break
         if entry is None or common < kept + MIN_RESTORE_GAIN:
-            return False
-        return self._restore(slot, entry, common)
+            return ""
+        if self._restore(slot, entry, common):
+            return source
+        if source == "disk":  # its key matched and llama.cpp still said no: never again
+            disk.discard(found)
+        return ""
 
     def stash(self, slot: Slot) -> None:
         """Save what `slot` holds to the prompt cache (unless it holds it already): a request
         takes the slot for another prompt, or a fill band moved down drops the sequence."""
         cache = self.prompt_cache
-        if cache is None or not slot.tokens or cache.covers(slot.tokens):
+        if cache is None:  # with a disk cache alone, a long prompt goes there
+            if self.disk is not None and len(slot.tokens) >= self.disk.min_tokens:
+                self._to_disk(self._save(slot))
+            return
+        if not slot.tokens or cache.covers(slot.tokens):
             return
         started = time.perf_counter()
-        saved = state.save(self.model.lm.ctx, slot.seq_id, slot.tokens, limit=cache.budget,
-                           checkpoints=slot.checkpoints.copy())
-        if saved is not None and cache.put(saved):
+        saved = self._save(slot, limit=cache.budget if self.disk is None else None)
+        if saved is not None and not cache.put(saved):
+            self._to_disk(saved)  # larger than the RAM cache's whole budget
+        elif saved is not None:
             log.info("prompt cache: saved %d tokens of slot %d with %d checkpoints "
                      "(%.1f MiB) in %.0f ms; %d prompts, %.1f of %.1f MiB",
                      len(saved.tokens), slot.seq_id, len(saved.checkpoints),
                      saved.nbytes / 2**20, (time.perf_counter() - started) * 1e3,
                      len(cache), cache.used / 2**20, cache.budget / 2**20)
+
+    def _save(self, slot: Slot, limit: int | None = None) -> SavedSequence | None:
+        saved = state.save(self.model.lm.ctx, slot.seq_id, slot.tokens, limit=limit,
+                           checkpoints=slot.checkpoints.copy())
+        if saved is not None and self.disk is not None:
+            saved.kv_key = self.disk.key()
+        return saved
+
+    def _to_disk(self, saved: SavedSequence | None) -> None:
+        """A prompt the RAM cache lets go (or has no room for), to the disk cache's writer."""
+        if saved is not None and self.disk is not None:
+            self.disk.put(saved, saved.kv_key or self.disk.key())
+
+    def save_all(self, slots: list[Slot], deadline: float) -> None:
+        """The runner ends: every slot's prompt and every prompt the RAM cache holds, most
+        recently used first, written to disk until `deadline` (time.monotonic)."""
+        disk = self.disk
+        if disk is None:
+            return
+        disk.drain(deadline)  # what was evicted before goes first: it is older
+        key = disk.key()
+        cached = self.prompt_cache.entries[::-1] if self.prompt_cache is not None else []
+        for what in [*sorted(slots, key=lambda s: -s.last_used), *cached]:
+            if time.monotonic() > deadline:
+                log.info("prompt cache on disk: out of time; the rest is not written")
+                return
+            if isinstance(what, Slot):
+                if len(what.tokens) < disk.min_tokens:
+                    continue
+                what = self._save(what)
+                if what is None:
+                    continue
+            try:
+                disk.write(what, what.kv_key or key)
+            except OSError as e:  # a full or read-only disk: the rest would fail alike
+                log.warning("prompt cache on disk: could not write: %s", e)
+                return
 
     def _restore(self, slot: Slot, entry: SavedSequence, common: int) -> bool:
         started = time.perf_counter()
