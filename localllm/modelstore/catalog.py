@@ -8,6 +8,8 @@ a second way to download.
 
 from __future__ import annotations
 
+import functools
+
 import re
 import tomllib
 from dataclasses import dataclass
@@ -166,15 +168,9 @@ def _parse_entry(raw: dict, index: int) -> CatalogEntry:
                         raw.get("base", False), str(raw.get("instruct", "")))
 
 
-_catalog: dict[ModelName, CatalogEntry] | None = None
-
-
+@functools.cache  # the file ships with the package: read once a process
 def load_catalog() -> dict[ModelName, CatalogEntry]:
-    global _catalog
-    if _catalog is None:
-        text = resources.files(__package__).joinpath("catalog.toml").read_text()
-        _catalog = parse_catalog(text)
-    return _catalog
+    return parse_catalog(resources.files(__package__).joinpath("catalog.toml").read_text())
 
 
 def lookup(name: str | ModelName) -> CatalogEntry | None:

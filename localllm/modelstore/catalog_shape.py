@@ -16,6 +16,8 @@ Each entry says where its figures come from:
 
 from __future__ import annotations
 
+import functools
+
 import re
 import tomllib
 from dataclasses import dataclass
@@ -192,15 +194,9 @@ def parse_shapes(text: str) -> dict[ModelName, CatalogShape]:
     return out
 
 
-_shapes: dict[ModelName, CatalogShape] | None = None
-
-
+@functools.cache  # the file ships with the package: read once a process
 def load_shapes() -> dict[ModelName, CatalogShape]:
-    global _shapes
-    if _shapes is None:
-        text = resources.files(__package__).joinpath("catalog_shapes.toml").read_text()
-        _shapes = parse_shapes(text)
-    return _shapes
+    return parse_shapes(resources.files(__package__).joinpath("catalog_shapes.toml").read_text())
 
 
 def header_of(shape: CatalogShape) -> GGUFHeader:
