@@ -23,7 +23,7 @@ from localllm.errors import UserError
 from localllm.planner.card import Card
 from localllm.planner.plan import physical_cores
 from localllm.engine.probes import Bandwidth, Calibrate
-from .calibration import HOST_KEY, calibration_file, load_calibration, with_measured_bandwidth
+from .calibration import calibration_file, load_calibration, update_host, with_measured_bandwidth
 from localllm.engine.probing import ProbeFailed, ask
 
 GB = 1e9
@@ -112,16 +112,8 @@ def measure_disk_read(path: Path, max_bytes: int = DISK_READ_BYTES,
 
 
 def store_disk_read(measured: DiskRead, path: Path | None = None) -> dict:
-    path = path or calibration_file()
-    doc = load_calibration(path)
-    entry = dict(doc.get(HOST_KEY, {}))
-    entry["disk_read_gbs"] = round(measured.gbs, 2)
-    entry["disk_read_how"] = measured.how
-    entry["disk_measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    doc[HOST_KEY] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(tomli_w.dumps(doc))
-    return entry
+    return update_host({"disk_read_gbs": round(measured.gbs, 2), "disk_read_how": measured.how,
+                        "disk_measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, path)
 
 
 def calibrate(card: Card) -> tuple[Bandwidth, Card]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import tomli_w
+
 from localllm.planner.card import Card
 from .saved import profiles_dir, read_tables
 
@@ -29,6 +31,18 @@ def calibration_file() -> Path:
 
 def load_calibration(path: Path | None = None) -> dict:
     return read_tables(path or calibration_file())
+
+
+def update_host(fields: dict, path: Path | None = None) -> dict:
+    """Set `fields` in the `[host]` table (this machine's own figures) and write the file;
+    the table as written."""
+    path = path or calibration_file()
+    doc = load_calibration(path)
+    entry = {**doc.get(HOST_KEY, {}), **fields}
+    doc[HOST_KEY] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(doc))
+    return entry
 
 
 def calibrated(card: Card, path: Path | None = None) -> Card:

@@ -25,8 +25,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomli_w
-
 from localllm.planner.card import Card
 from localllm.planner.costs import model_costs
 from localllm.planner.expert_pool import pool_shape
@@ -35,8 +33,8 @@ from localllm.planner.placements import in_ram
 from localllm.planner.plan import Plan
 from localllm.planner.speed import ExpertPool, predict_speed, pool_hits
 
-from .calibration import (HOST_KEY, SERVED_FACTOR_RANGE, SERVED_FROM_KEY, SERVED_WHEN_KEY,
-                          calibration_file, load_calibration)
+from .calibration import SERVED_FACTOR_RANGE, SERVED_FROM_KEY, SERVED_WHEN_KEY, update_host
+from .choose import placement_of, settings_of
 
 MIN_CHECK_TOKENS = 96  # decoded tokens before a plan is judged: a few answers, not one
 MIN_ANSWER_TOKENS = 8  # an answer shorter than this times its first steps, not decode
@@ -131,8 +129,6 @@ def blame(check: DecodeCheck, shape, card: Card, pool=None) -> tuple[str, float]
     where it has one), so that a pool's hit rate is not mistaken for a price."""
     plan = check.plan
     costs = model_costs(shape)
-    from .choose import placement_of, settings_of
-
     placement = placement_of(plan, shape)
     priced_pool = pool_as_served(plan, shape, costs, placement, card, pool)
     speed = predict_speed(costs, placement, settings_of(plan), card, plan.n_threads,
@@ -171,12 +167,5 @@ def pool_as_served(plan: Plan, shape, costs, placement, card: Card, pool) -> Exp
 def store(field: str, factor: float, model: str, path: Path | None = None) -> None:
     """Keep a served-speed factor for this machine (calibration.toml's [host]), with when and
     on which model it was measured (`tune --json` names it as the price's source)."""
-    path = path or calibration_file()
-    doc = load_calibration(path)
-    entry = dict(doc.get(HOST_KEY, {}))
-    entry[field] = factor
-    entry[SERVED_WHEN_KEY] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    entry[SERVED_FROM_KEY] = model
-    doc[HOST_KEY] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(tomli_w.dumps(doc))
+    update_host({field: factor, SERVED_WHEN_KEY: time.strftime("%Y-%m-%dT%H:%M:%S"),
+                 SERVED_FROM_KEY: model}, path)
