@@ -12,7 +12,7 @@ from scripts import synth_vision
 from localllm.daemon.drafting import DraftChoice
 from localllm.daemon.planner import Planner
 from localllm.engine.local import RunnerProcess
-from localllm.daemon.loaded import SERVED_REMEMBERED, LoadedRunner
+from localllm.daemon.scheduler import SERVED_REMEMBERED, LoadedRunner
 from localllm.engine.params import context_params
 from localllm.engine.runner.engine import drafting_modes
 from localllm.engine.runner.load import Load

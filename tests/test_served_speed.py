@@ -31,15 +31,14 @@ from localllm.planner.tuner import tune
 from localllm.profiles.calibration import calibrated, load_calibration
 from localllm.profiles.choose import placement_of, settings_of
 from localllm.profiles.host_prices import prices_of
-from localllm.profiles.served import drained
-from localllm.profiles.served_speed import (
+from localllm.profiles.served import (
     MIN_CHECK_TOKENS,
     DecodeCheck,
-    blame,
     decode_at,
+    drained,
     has_host_part,
-    store,
 )
+from localllm.profiles.served_speed import blame, store
 
 PRICES = json.loads((Path(__file__).parent / "fixtures" / "h100-moe-prices.json").read_text())
 CURVE = ((0, 100.0), (1000, 50.0))
@@ -243,8 +242,11 @@ async def test_a_plan_far_from_its_price_is_planned_again_once_idle(
             assert model.runner.running_plan.n_batch == 256
         else:  # the same plan at a new price: kept, its check started over at that price
             assert model.runner is first and first.alive
-            assert model.speed.tokens == 0 and model.speed.plan.predicted_decode_by_depth[0][1] \
-                == FAST / 1000
+            assert model.runner.running_plan.predicted_decode_by_depth[0][1] == FAST / 1000
+            async with scheduler.use(entry, load) as runner:
+                done = await answer(runner)
+            assert model.speed.plan is model.runner.running_plan  # checked at the new price
+            assert model.speed.tokens == done.eval_count
         assert scheduler._replans[name] == 1
     finally:
         await scheduler.close()

@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 
 from localllm.engine.runner.load import Load
 from localllm.engine.runner.protocol import RUNNER_COMMAND, Done
@@ -25,7 +26,7 @@ from localllm.modelstore.gguf_header import GGUFError
 from localllm.modelstore.pull import model_file
 from localllm.modelstore.shape import ModelShape, read_shape
 from localllm.modelstore.store import DamagedModel, ModelEntry, ModelStore, projector_path
-from localllm.profiles.served import ServedRecords, drained
+from localllm.profiles.served import DecodeCheck, ServedRecords, drained, has_host_part
 
 from localllm.config import Config
 from localllm.errors import UserError
@@ -35,8 +36,7 @@ from .drafting import check_speculation, draft_model
 
 # Planner, context_to_ask and first_band are imported from here too (tests, callers).
 from .planner import Planner, context_to_ask, first_band  # noqa: F401
-from .loaded import LoadedRunner, file_id
-from .replanning import Replanning
+from .replanning import MAX_REPLANS, Replanning
 from .starting import RunnerProcess, RunnerStarter
 
 log = logging.getLogger("localllm.scheduler")
@@ -50,6 +50,106 @@ class QueueFull(UserError):
     """Too many requests are waiting, or one waited too long (status 503, Retry-After)."""
 
     status = 503
+
+
+SERVED_REMEMBERED = 64  # distinct load options a loaded model remembers answering
+
+
+@dataclass
+class LoadedRunner:
+    """A loaded model: its runner, who uses it and who waits, and when it expires."""
+    runner: RunnerProcess
+    entry: ModelEntry
+    shape: ModelShape  # read once at load; /api/ps and /api/stats use it
+    file_id: tuple  # (inode, size, mtime) of the model file when it was loaded
+    load: Load  # the load decision it was started from
+    slots: asyncio.Semaphore = field(init=False)
+    active: int = 0  # requests holding a slot
+    waiting: int = 0  # requests waiting for a slot
+    keep_alive: float | None = 300.0  # seconds after the last request; None = forever
+    expires_at: float | None = None  # wall-clock time; None while in use or kept forever
+    last_used: float = 0.0
+    # Whether this load serves a request's load options (Load.serves), decided once per load
+    # and options (the load and its runner's plan never change while it is loaded): at load
+    # for the options it was loaded for, so the requests that follow, asking the same, find it.
+    served: dict[LoadOptions, bool] = field(init=False, default_factory=dict)
+    # Why this load should be planned again ("": it serves as planned): its expert pool's
+    # measured hit rate is far from the one the plan was priced with. The reaper loads it again
+    # once it has been idle Scheduler.replan_idle_s, between requests: a follow-up that comes
+    # sooner is answered by the running plan, never made to wait for a new one.
+    replan: str = ""
+    replan_now: bool = False  # idle long enough: the next _loaded loads it again
+    # Its decode as served against the running plan's prediction (profiles/served.py),
+    # from answers that had the runner to themselves: `crowded` is set while another request
+    # overlapped one since the model was last idle.
+    speed: DecodeCheck | None = None
+    crowded: bool = False
+    # /api/stats' price of the running plan at its pool's measured hits: (plan, pool figures,
+    # curve), made again only when the plan (a band switch) or an answer's figures change, not
+    # on every poll of a live display. The plan itself, not its id: a freed plan's id returns.
+    priced_at_hits: tuple = ()
+
+    def __post_init__(self) -> None:
+        self.slots = asyncio.Semaphore(max(1, self.runner.n_parallel))
+        self.serves(self.load.asked)
+
+    def serves(self, asked: LoadOptions) -> bool:
+        """Whether the loaded model serves a request's load options as it is (Load.serves)."""
+        found = self.served.get(asked)
+        if found is None:
+            if len(self.served) >= SERVED_REMEMBERED:
+                self.served.clear()  # clients that vary num_ctx at will: no growing memory
+            found = self.served[asked] = self.load.serves(self.runner.plan, asked)
+        return found
+
+    @property
+    def busy(self) -> bool:
+        return self.active > 0
+
+    @property
+    def idle(self) -> bool:
+        return self.active == 0 and self.waiting == 0
+
+    def answered(self, records: ServedRecords, done: Done, setting: int | str,
+                 may_replan: bool, card: Callable) -> str:
+        """After an answer: its records for the tuner, its decode added to the plan's check;
+        why the model should be planned again once idle ("": it should not, it is due already,
+        or `may_replan` is false). A plan found off its price has the error laid on the price
+        it belongs to (`card`: this machine's card as the planner sees it)."""
+        runner = self.runner
+        records.answered(done.prompt_tokens, done.prompt_tokens - done.cached_tokens,
+                         done.eval_count, runner.expert_cache)
+        off = self.check_speed(done)
+        if self.replan or not may_replan:
+            return ""
+        if why := records.replan_reason(runner.expert_cache, runner.running_plan, setting):
+            return why
+        if off:
+            records.repriced(self.speed, self.shape, card, runner.expert_cache)
+        return off
+
+    def check_speed(self, done: Done) -> str:
+        """Add an answer's decode to the check against the running plan; why the plan should
+        be priced again ("": it should not, or its prices are not the host's to correct: every
+        weight on the GPU)."""
+        runner = self.runner
+        plan = runner.running_plan
+        if (self.crowded or runner.cpu_share != 1 or runner.n_threads != plan.n_threads
+                or done.drafted is not None):
+            return ""  # not the plan's own decode: shared, with fewer threads, or drafted
+        if self.speed is None or self.speed.plan is not plan:
+            # a new load, a fill band's other plan, or the same runner priced again
+            self.speed = DecodeCheck(plan, on_host=has_host_part(plan, self.shape.n_layer))
+        self.speed.add(done.prompt_tokens, done.eval_count, done.eval_duration_ns / 1e9)
+        return self.speed.off() if self.speed.on_host else ""
+
+
+def file_id(path) -> tuple:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class Scheduler(Replanning):
@@ -247,6 +347,16 @@ class Scheduler(Replanning):
             name, plan, why, runner.log_path, code)
         self.models[name] = model
         return model
+
+    def _served(self, model: LoadedRunner, records: ServedRecords, done: Done) -> None:
+        """After each answer: the metrics', and the tuner's records (LoadedRunner.answered),
+        and a re-plan where one is due (at most MAX_REPLANS a model)."""
+        name = model.entry.name.tagged
+        if self.on_answer is not None:
+            self.on_answer(name, done)
+        if why := model.answered(records, done, self.config.expert_cache,
+                                 self._replans.get(name, 0) < MAX_REPLANS, self.planner.card):
+            self._replan_due(model, why)
 
     async def _retire(self, name: str, model: LoadedRunner) -> None:
         """Unload a replaced runner once the answers it is giving have ended."""

@@ -120,3 +120,12 @@ class RunnerStarter:
                  runner.pid, runner.n_parallel)
         return runner
 
+
+def reprice(runner: RunnerProcess, load: Load) -> None:
+    """Give `runner` `load`'s plans, which start that very runner (the same load keys) at other
+    prices: what it predicts follows (ps, the served-speed check), nothing that it runs."""
+    if [p.load_key() for p in (*runner.bands, runner.plan)] != \
+            [p.load_key() for p in (*load.bands, load.plan)]:
+        raise ValueError("reprice takes plans that start the same runner")
+    runner.plan, runner.bands = load.plan, tuple(load.bands)
+    runner.load = replace(runner.load, plan=load.plan, bands=tuple(load.bands))

@@ -402,7 +402,7 @@ async def api_ps(request: web.Request) -> web.Response:
                if plan.workload else {}),
             **({"fill_band": runner.fill_band()} if runner.bands else {}),
             # decode as served beside the running plan's prediction for the same answers
-            # (profiles/served_speed.py; answers that shared the runner are left out)
+            # (profiles/served.py; answers that shared the runner are left out)
             **({"decode": slot.speed.report()} if slot.speed and slot.speed.tokens else {}),
             **({"past_ram": runner.past_ram} if runner.past_ram else {}),
             **({"expert_cache": {**cache, "text": expert_cache_words(cache)}}
