@@ -367,6 +367,12 @@ def cmd_ps(args) -> int:
                  f"{d['predicted_tps']:.1f} predicted (over {d['tokens']} tokens)"
                  + ("; more than 15% off: a plan with work on the host is priced again "
                     "once idle" if d.get("off") else ""))
+    for m in data["models"]:  # MoE ways priced too close to trust, measured in turn (#65)
+        if m.get("ways"):
+            rows = [f"{w['way']} {w['predicted_tps']:.1f} predicted" +
+                    (f", {w['measured_tps']:.1f} measured" if w["measured_tps"] else "")
+                    for w in m["ways"]["weighed"]]
+            note(f"{m['name']} ways: {m['ways']['running']} running; " + "; ".join(rows))
     for m in data["models"]:  # the session the plan is made for, and whence
         if m.get("workload"):
             w = m["workload"]

@@ -28,6 +28,10 @@ log = logging.getLogger("localllm.scheduler")
 # (each corrects a price, so the next plan is priced closer); the second lets the way the first
 # re-plan moved to be measured and corrected in turn, and then the model stays as it is.
 MAX_REPLANS = 2
+# Re-plans past those that load another way `auto` weighed (planner/ways.py): each of at most
+# three ways measured once, and the fastest loaded; a record that cannot be written must not
+# make it measure the same ways again for ever.
+MAX_WAY_TRIALS = 3
 
 
 class Replanning:
@@ -67,7 +71,8 @@ class Replanning:
                     return
                 log.info("loading %s again with a plan priced from what it served: %s",
                          name, model.replan)
-            await self._loaded(model.entry, model.load.asked, decided=decided)
+                model.decided = decided  # for whichever request loads it first, or this
+            await self._loaded(model.entry, model.load.asked)
         except Exception as e:
             model.replan, model.replan_now = "", False  # not tried again: it stays as loaded
             log.warning("could not plan %s again: %s", model.entry.name, e)

@@ -26,7 +26,10 @@ from localllm.modelstore.gguf_header import GGUFError
 from localllm.modelstore.pull import model_file
 from localllm.modelstore.shape import ModelShape, read_shape
 from localllm.modelstore.store import DamagedModel, ModelEntry, ModelStore, projector_path
-from localllm.profiles.served import DecodeCheck, ServedRecords, drained, has_host_part
+from localllm.planner.ways import after_measuring
+from localllm.profiles.served import (
+    MIN_CHECK_TOKENS, DecodeCheck, ServedRecords, drained, has_host_part,
+)
 
 from localllm.config import Config
 from localllm.errors import UserError
@@ -36,7 +39,7 @@ from .drafting import check_speculation, draft_model
 
 # Planner, context_to_ask and first_band are imported from here too (tests, callers).
 from .planner import Planner, context_to_ask, first_band  # noqa: F401
-from .replanning import MAX_REPLANS, Replanning
+from .replanning import MAX_REPLANS, MAX_WAY_TRIALS, Replanning
 from .starting import RunnerProcess, RunnerStarter
 
 log = logging.getLogger("localllm.scheduler")
@@ -79,6 +82,7 @@ class LoadedRunner:
     # sooner is answered by the running plan, never made to wait for a new one.
     replan: str = ""
     replan_now: bool = False  # idle long enough: the next _loaded loads it again
+    decided: Load | None = None  # what that load is, once the re-plan decided it
     # Its decode as served against the running plan's prediction (profiles/served.py),
     # from answers that had the runner to themselves: `crowded` is set while another request
     # overlapped one since the model was last idle.
@@ -110,23 +114,33 @@ class LoadedRunner:
     def idle(self) -> bool:
         return self.active == 0 and self.waiting == 0
 
-    def answered(self, records: ServedRecords, done: Done, setting: int | str,
-                 may_replan: bool, card: Callable) -> str:
+    def answered(self, records: ServedRecords, done: Done, setting: int | str, replans: int,
+                 card: Callable) -> str:
         """After an answer: its records for the tuner, its decode added to the plan's check;
-        why the model should be planned again once idle ("": it should not, it is due already,
-        or `may_replan` is false). A plan found off its price has the error laid on the price
-        it belongs to (`card`: this machine's card as the planner sees it)."""
+        why the model should be planned again once idle ("": it should not, one is due
+        already, or this model was planned again `replans` times, the most it may be). A plan
+        found off its price has the error laid on the price it belongs to (`card`: this
+        machine's card as the planner sees it); a way `auto` weighed has what it decoded
+        stored once it is measured, and another way is loaded while one is unmeasured or was
+        measured faster (planner/ways.py)."""
         runner = self.runner
         records.answered(done.prompt_tokens, done.prompt_tokens - done.cached_tokens,
                          done.eval_count, runner.expert_cache)
         off = self.check_speed(done)
-        if self.replan or not may_replan:
+        check, trial = self.speed, ""
+        if check is not None and check.plan.ways and not check.way_measured and \
+                check.tokens >= MIN_CHECK_TOKENS:
+            check.way_measured = True
+            trial = after_measuring(check.plan, records.way_measured(check))
+        if self.replan:
             return ""
+        if replans >= MAX_REPLANS:  # prices corrected enough: ways measured, at most
+            return trial if replans < MAX_REPLANS + MAX_WAY_TRIALS else ""
         if why := records.replan_reason(runner.expert_cache, runner.running_plan, setting):
             return why
         if off:
-            records.repriced(self.speed, self.shape, card, runner.expert_cache)
-        return off
+            records.repriced(check, self.shape, card, runner.expert_cache)
+        return trial or off
 
     def check_speed(self, done: Done) -> str:
         """Add an answer's decode to the check against the running plan; why the plan should
@@ -279,10 +293,10 @@ class Scheduler(Replanning):
                     and not model.replan_now)
 
     async def _loaded(self, entry: ModelEntry, load: LoadOptions,
-                      prompt_chars: int = 0, hint: str | None = None,
-                      decided: Load | None = None) -> LoadedRunner:
-        """The loaded, current runner of `entry` for `load`, loading it where needed (with
-        `decided`, a load a re-plan decided already, rather than planning it again)."""
+                      prompt_chars: int = 0, hint: str | None = None) -> LoadedRunner:
+        """The loaded, current runner of `entry` for `load`, loading it where needed (the load
+        a re-plan decided for these options, `LoadedRunner.decided`, rather than planning it
+        again, whichever request gets here first)."""
         name = entry.name.tagged
         model = self.models.get(name)
         if self._current(model, entry, load):
@@ -305,6 +319,8 @@ class Scheduler(Replanning):
                 raise DamagedModel(name, str(e).replace(str(entry.model_path), "its blob")) \
                     from None
             check_speculation(entry, shape, load, draft, draft_shape)
+            decided = model.decided if model and model.replan_now and \
+                model.load.asked == load else None
             if model is not None:
                 if model.runner.alive and file_id(model.runner.model_path) != model.file_id:
                     log.warning("the file of %s changed under it; loading it again", name)
@@ -350,12 +366,13 @@ class Scheduler(Replanning):
 
     def _served(self, model: LoadedRunner, records: ServedRecords, done: Done) -> None:
         """After each answer: the metrics', and the tuner's records (LoadedRunner.answered),
-        and a re-plan where one is due (at most MAX_REPLANS a model)."""
+        and a re-plan where one is due (at most MAX_REPLANS a model to correct prices, and
+        MAX_WAY_TRIALS more to measure ways)."""
         name = model.entry.name.tagged
         if self.on_answer is not None:
             self.on_answer(name, done)
         if why := model.answered(records, done, self.config.expert_cache,
-                                 self._replans.get(name, 0) < MAX_REPLANS, self.planner.card):
+                                 self._replans.get(name, 0), self.planner.card):
             self._replan_due(model, why)
 
     async def _retire(self, name: str, model: LoadedRunner) -> None:

@@ -29,6 +29,7 @@ from .memory import CPU
 from .placements import placement_of_overrides
 from .plan import DeviceMemory, Plan
 from .search import NoPlanFits, Request
+from . import ways
 from .speed import ExpertPool, curve_at
 from .words import gib, seconds
 
@@ -277,10 +278,9 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
     # Priced at the context the plan without a pool gets: a pool that only fits beside a
     # smaller context would win by a shallower session, not by its hits.
     same = replace(plain, n_ctx=without.n_ctx)
-    best: tuple[Plan, int, ExpertPool] | None = None
-    ways = misses_ways(pool, request.expert_misses)
+    best: dict[str, tuple[Plan, int, ExpertPool]] = {}  # each way's fastest pool
     for n in _sizes(pool, card, request) if auto else [slots]:
-        for on_gpu in ways:
+        for on_gpu in misses_ways(pool, request.expert_misses):
             priced = priced_pool(pool, n, request, on_gpu)
             try:
                 plan = tune(replace(same, reserved_vram_bytes=pool.bytes(n), expert_pool=priced))
@@ -288,26 +288,44 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
                 continue
             if on_gpu and not misses_can_go_to_gpu(plan):
                 continue
-            if blocks_in_ram(plan, shape, pool) and (best is None or _faster(plan, best[0])):
-                best = (plan, n, priced)
-    if best is None:
+            way = "pool-gpu" if on_gpu else "pool-cpu"
+            if blocks_in_ram(plan, shape, pool) and (way not in best or
+                                                     _faster(plan, best[way][0])):
+                best[way] = (plan, n, priced)
+    if not best:
         smallest = AUTO_SIZES[0] * pool.n_expert if auto else slots
         what = f"no pool of {smallest} slots or more" if auto else f"its {slots} slots"
         return _off(without, f"{what} ({gib(pool.bytes(smallest))}) do not fit in VRAM "
                              "beside the smallest placement")
-    plan, n, priced = best
+    fastest = next(iter(best))
+    for other in best:
+        if _faster(best[other][0], best[fastest][0]):
+            fastest = other
+    plan, n, priced = best[fastest]
+    versus = _versus(plan, without, shape, pool, priced, bool(request.measured_hits))
+    margin = 1.0 if request.measured_hits else ASSUMED_HITS_MARGIN
+    declined = auto and not _faster(plan, without, margin)  # by price, no pool
+    priced_ways = {w: b[0] for w, b in best.items()} | ({"no-pool": without} if auto else {})
+    key = ways.situation(card, without.n_ctx)
+    way, measuring, table = ways.choose(priced_ways, "no-pool" if declined else fastest,
+                                        request.measured_ways.get(key, {}))
+    weighed = dict(way=way, ways=table, ways_key=key if table else "")
+    if way == "no-pool":
+        if declined:
+            pays = "it does not pay" if not _faster(plan, without) else \
+                f"it gains less than the {margin - 1:.0%} an assumed hit rate must win by"
+            why = (f"the best pool priced, {n} slots, {versus}: {pays} for the weights its "
+                   "VRAM moves to RAM")
+        else:
+            why = f"the best pool priced, {n} slots, {versus}; measurement decides (ways)"
+        return _with_ways(replace(_off(without, why), **weighed), measuring)
+    plan, n, priced = best[way]
     if request.n_ctx is None:  # the context was chosen for the plan without a pool: say why
         chosen = [r for r in without.reasons if r.startswith(f"context {without.n_ctx}")]
         plan = replace(plan, reasons=tuple(
             chosen[0] if chosen and r == f"context {plan.n_ctx}, as asked" else r
             for r in plan.reasons))
     versus = _versus(plan, without, shape, pool, priced, bool(request.measured_hits))
-    margin = 1.0 if request.measured_hits else ASSUMED_HITS_MARGIN
-    if auto and not _faster(plan, without, margin):
-        pays = "it does not pay" if not _faster(plan, without) else \
-            f"it gains less than the {margin - 1:.0%} an assumed hit rate must win by"
-        return _off(without, f"the best pool priced, {n} slots, {versus}: {pays} "
-                             f"for the weights its VRAM moves to RAM")
     where = f"on {device} ({gib(pool.bytes(n))} of VRAM kept out of the placement's budget)"
     plan = _with_pool_memory(plan, device, pool.bytes(n))
     plan = replace(plan, expected_hit_rate=round(
@@ -316,8 +334,13 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
     if priced.misses_on_gpu:
         where += ("; its misses read by the GPU where they lie in pinned RAM, over PCIe, so "
                   "a decode step never passes through the CPU")
-    return _on(plan, shape, pool, n, where, versus + ("" if _faster(plan, without) else
-                                                      ": the pool does not pay here"))
+    versus += "" if _faster(plan, without) else ": the pool does not pay here"
+    return _with_ways(replace(_on(plan, shape, pool, n, where, versus), **weighed), measuring)
+
+
+def _with_ways(plan: Plan, measuring: str) -> Plan:
+    """The plan with a reason saying how the ways in doubt were decided (planner/ways.py)."""
+    return replace(plan, reasons=(*plan.reasons, f"ways: {measuring}")) if measuring else plan
 
 
 def _versus(plan: Plan, without: Plan, shape: ModelShape, pool: PoolShape,

@@ -75,6 +75,13 @@ class Plan:
     # the hit rate that pool was priced with (expert_pool.py; 0.0: no pool); the scheduler
     # plans again once the pool's measured rate is far from it
     expected_hit_rate: float = 0.0
+    # The ways `auto` weighed for the experts (planner/ways.py) where their prices were too
+    # close to trust: this plan's way, each way's (name, predicted tok/s, tok/s measured here
+    # or 0), and what they were measured under (card, free VRAM, context). The daemon stores
+    # what the plan's way decodes serving, and plans again while a way is unmeasured.
+    way: str = ""
+    ways: tuple[tuple[str, float, float], ...] = ()
+    ways_key: str = ""
     # Speculative decoding: "off", "lookup" (n-grams of the prompt), "mtp" (the model's NextN
     # layers) or "draft" (the paired draft model). A profile's "prompt-lookup" reads as "lookup",
     # "none" (the name before requests and plans shared one vocabulary) as "off".
@@ -163,6 +170,7 @@ class Plan:
         for key in ("predicted_decode_by_depth", "predicted_ttft"):
             data[key] = tuple((int(d), float(t)) for d, t in data.get(key, ()))
         data["device_layers"] = tuple((str(d), int(n)) for d, n in data.get("device_layers", ()))
+        data["ways"] = tuple((str(w), float(p), float(m)) for w, p, m in data.get("ways", ()))
         if "speculative" in data:
             data["speculative"] = current_name(data["speculative"])
         return cls(**data)

@@ -71,6 +71,9 @@ class Request:
     # Hit rates measured while serving the model: (slots per served block / n_expert, hit
     # rate), replacing the prior curve where they were measured (expert_pool.hit_curve)
     measured_hits: tuple[tuple[float, float], ...] = ()
+    # Each way's decode measured while serving this model file (profiles/ways.py), by what it
+    # was measured under (ways.situation): {situation: {way: tok/s}}
+    measured_ways: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     expert_pool: ExpertPool | None = None  # the pool as decode is priced with it (expert_pool.py)
     # VRAM kept out of the first GPU's budget for the placement (the expert cache's pool)
     reserved_vram_bytes: int = 0

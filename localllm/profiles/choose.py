@@ -34,6 +34,7 @@ from .acceptance import measured_acceptance
 from .dryrun import dry_run, with_pool_bound
 from .eval_results import measured_kl
 from .expert_hits import measured_hits
+from .ways import measured_ways
 from .saved import ProfileError, find_profile, record_event
 from .traffic import starting_workload
 
@@ -70,8 +71,8 @@ def config_request(model_name: str | None = None, file_size: int = 0,
     """The config's tuner settings (quality, kv_cache_type, num_parallel, vram_margin_mib,
     ram_budget, expert_cache, expert_misses, expert_cache_device), the workload (learned from
     what the model served, else the config's or the route's `hint`: profiles.traffic; the
-    older expected_fill where set), the model's `localllm eval` results and the draft acceptance
-    measured while serving it, as a Request.
+    older expected_fill where set), the model's `localllm eval` results, and the draft
+    acceptance, expert pool hits and ways' decode measured while serving it, as a Request.
     `config`: the daemon's live settings (None: config.toml, see tuning_config)."""
     config, fill_set = tuning_config(config)
     if config is None:
@@ -95,6 +96,7 @@ def config_request(model_name: str | None = None, file_size: int = 0,
         min_ctx=config.default_ctx,
         expert_cache=asked_pool(config.expert_cache),
         measured_hits=measured_hits(model_name, file_size) if model_name else (),
+        measured_ways=measured_ways(model_name, file_size) if model_name else {},
     )
     as_set = {name: getattr(config, name) for name in same_names() if name not in converted}
     return Request(**as_set, **converted)

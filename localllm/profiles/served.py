@@ -1,13 +1,14 @@
 """What serving a loaded model teaches the tuner, recorded off the daemon's event loop.
 
 After each answer: the request's lengths, for the workload the next load is planned for
-(`traffic.py`); the draft acceptance of each mode, every FLUSH_DRAFTED drafted tokens rather than
-after every answer (`acceptance.py`); the expert pool's hits so far (`expert_hits.py`); and,
-when a plan decoded far from its price, the factor serving measured (`served_speed.py`). And
-the decisions they lead to: whether the pool hits so far from the rate its plan was priced
+(`traffic.py`); the draft acceptance of each mode, every FLUSH_DRAFTED drafted tokens rather
+than after every answer (`acceptance.py`); the expert pool's hits so far (`expert_hits.py`);
+what the plan's way decoded where `auto` weighed ways priced too close to trust (`ways.py`);
+and, when a plan decoded far from its price, the factor serving measured (`served_speed.py`).
+And the decisions they lead to: whether the pool hits so far from the rate its plan was priced
 with, or the answers decode so far from the plan's curve (`DecodeCheck`: the seconds they took
-against the seconds the curve gives at each answer's depth, once MIN_CHECK_TOKENS are in), that
-the model should be planned again once idle.
+against the seconds the curve gives at each answer's depth, once MIN_CHECK_TOKENS are in), or
+another way is still to be measured, that the model should be planned again once idle.
 
 Each write reads and rewrites a small state file: one writer thread for the whole daemon keeps
 them in order and away from the event loop, and a full disk costs a warning, never an answer.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from localllm.planner.plan import Plan
 
-from . import acceptance, expert_hits, served_speed, traffic
+from . import acceptance, expert_hits, served_speed, traffic, ways
 
 log = logging.getLogger("localllm.scheduler")
 _writer = ThreadPoolExecutor(1, "tuner-records")
@@ -46,6 +47,7 @@ class DecodeCheck:
     seconds: float = 0.0
     predicted_seconds: float = 0.0
     depth_tokens: int = 0  # sum of each answer's middle depth x its tokens
+    way_measured: bool = False  # what the plan's way decoded is stored (ServedRecords)
 
     def add(self, prompt_tokens: int, eval_count: int, eval_seconds: float) -> None:
         curve = self.plan.predicted_decode_by_depth
@@ -162,6 +164,16 @@ class ServedRecords:
             log.info("%s: %s is now %.3f (what serving measured)", self.model, field, factor)
 
         _write("the served-speed factor", run)
+
+    def way_measured(self, check: DecodeCheck) -> float:
+        """The check's plan's way (planner/ways.py) decoded as `check` says: stored for the
+        next plan, carried to the plan's own depth (its prediction over the check's ratio);
+        returns that figure."""
+        plan = check.plan
+        tps = plan.predicted_decode_tps / check.ratio
+        _write("the way's measured decode", ways.record, self.model, self.file_size,
+               plan.ways_key, plan.way, tps, check.tokens)
+        return tps
 
     @staticmethod
     def replan_reason(pool, plan, setting: int | str) -> str:

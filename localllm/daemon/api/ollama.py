@@ -404,6 +404,10 @@ async def api_ps(request: web.Request) -> web.Response:
             # decode as served beside the running plan's prediction for the same answers
             # (profiles/served.py; answers that shared the runner are left out)
             **({"decode": slot.speed.report()} if slot.speed and slot.speed.tokens else {}),
+            # the ways `auto` weighed for the experts, priced and as measured here (planner/ways)
+            **({"ways": {"running": plan.way, "weighed": [
+                {"way": w, "predicted_tps": p, "measured_tps": m} for w, p, m in plan.ways]}}
+               if plan.ways else {}),
             **({"past_ram": runner.past_ram} if runner.past_ram else {}),
             **({"expert_cache": {**cache, "text": expert_cache_words(cache)}}
                if (cache := expert_cache_report(plan, runner.expert_cache)) else {}),
