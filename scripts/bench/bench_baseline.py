@@ -20,10 +20,12 @@ Systems (--systems):
 Every system gets the same budget: --budget GiB of the card (ours: vram_margin_mib = free -
 budget; llama-server: --fit-target free - budget).
 
-`--phase sweep` measures each llama.cpp system's decode after a short prompt at each thread
-count of --thread-sweep (0: llama.cpp's default), then newest-fit-cache at its best threads
-with each size of --cache-sweep (decode after a short prompt and after the long prompt), and
-writes the best settings to OUT/best.json. `--phase rounds` runs every system --rounds times,
+`--phase sweep` first lets ours settle (short answers with idle gaps until the ways `auto`
+weighs are measured; what it learns, OUT/ours-learned, every later start of ours begins with,
+as a user's machine does after its first answers), then measures each llama.cpp system's
+decode after a short prompt at each thread count of --thread-sweep (0: llama.cpp's default),
+then newest-fit-cache at its best threads with each size of --cache-sweep (decode after a
+short prompt and after the long prompt), and writes the best settings to OUT/best.json. `--phase rounds` runs every system --rounds times,
 alternating (round r starts at system r, so no system always runs first or last after the
 same neighbour), each at its best settings: a decode after a short prompt, then a
 --prompt-tokens prompt (time to first token, reading speed) and the decode after it. Every
@@ -59,7 +61,8 @@ def start(name: str, args, model: Path, tmp: Path, threads: int, cache_mib: int)
 
     budget_mib = int(args.budget * 1024)
     if name == "ours":
-        system = Ours(model, args.ctx, budget_mib, args.margin, "auto", tmp, "auto")
+        system = Ours(model, args.ctx, budget_mib, args.margin, "auto", tmp, "auto",
+                      learned=Path(args.out) / "ours-learned")
         system.name = name
         return system
     if name == "vendored-fit":
@@ -117,8 +120,11 @@ def one(name: str, args, model: Path, record, *, threads: int = 0, cache_mib: in
 
 
 def sweep(args, model: Path, record) -> dict:
-    """Each llama.cpp system's best thread count, then the expert cache's best size."""
+    """Ours settled (the ways `auto` weighs measured: bench_session.settle), then each
+    llama.cpp system's best thread count, then the expert cache's best size."""
     best: dict[str, dict] = {}
+    if "ours" in args.systems:
+        settle_ours(args, model, record)
     for name in (s for s in args.systems if s != "ours"):
         rows = [one(name, args, model, record, threads=t, with_prompt=False, phase="sweep")
                 for t in args.thread_sweep]
@@ -135,6 +141,25 @@ def sweep(args, model: Path, record) -> dict:
             top = max(done, key=lambda r: r["short_decode_tps"] + r["decode_after_prompt_tps"])
             best["newest-fit-cache"] = {"threads": threads, "moe_cache_mib": top["moe_cache_mib"]}
     return best
+
+
+def settle_ours(args, model: Path, record) -> None:
+    """Ours with default settings, short answers with idle gaps until its plan settles; what
+    it learned (OUT/ours-learned) every later start of ours begins with, as on a user's machine
+    after its first answers."""
+    from scripts.bench.bench_session import settle
+
+    with tempfile.TemporaryDirectory() as tmp:
+        system = None
+        try:
+            system = start("ours", args, model, Path(tmp), 0, 0)
+            system.generate("Hello there. " * 4, 4)
+            settle(system, args, lambda row: record({"phase": "settle", **row}))
+        except Exception as e:
+            record({"system": "ours", "phase": "settle", "error": f"{type(e).__name__}: {e}"})
+        finally:
+            if system is not None:
+                system.stop()
 
 
 def within(row: dict) -> bool:
@@ -205,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--round-offset", type=int, default=0)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--settle-rounds", type=int, default=12, help="ours' settling: answers at most")
+    p.add_argument("--settle-gap", type=float, default=6.0, help="ours' settling: idle seconds")
     p.add_argument("--prompt-tokens", type=int, default=16384)
     p.add_argument("--models", default="/tmp/models")
     p.add_argument("--deadline", type=float, default=540, help="seconds; later runs skipped")

@@ -27,6 +27,8 @@ Runs (--runs, in this order):
            answer's place (what agents send: templates drop earlier turns' thinking, clients
            re-format tool calls), so the cached sequence diverges where the last prompt ended;
            per turn the tokens read against the tokens the turn added
+  settle   ours: short answers with --settle-gap idle seconds after each until the plan settles
+           (the ways `auto` weighed all measured, no re-plan due; --settle-rounds at most)
   session-order
            a real session's order (issue 36): --short-count short requests, then the
            --prompt-tokens prompt (its time to first token, reading speed and decode after it),
@@ -100,6 +102,25 @@ def run_system(system, args, record) -> None:
                                 rerendered=run == "agent-rerendered"))
         elif run == "session-order":
             session_order(system, args, record, calibrate(system, cpt, args.ctx))
+        elif run == "settle":
+            settle(system, args, record)
+
+
+def settle(system, args, record) -> None:
+    """Ours: short answers with an idle gap after each (a user reading the answer), as many as
+    the plan takes to settle (every way `auto` weighed measured and no re-plan due) or
+    --settle-rounds: what each decoded, on which way, and what ps said of the ways."""
+    if not hasattr(system, "settling"):
+        return
+    for round_ in range(args.settle_rounds):
+        r = system.generate(short_prompt(), args.tokens)
+        state = system.settling()
+        record({"system": system.name, "run": "settle", "round": round_,
+                "decode_tps": round(r["decode_tps"], 2), **state, **running(system)})
+        ways = (state.get("ways") or {}).get("weighed", ())
+        if "replan" not in state and all(w["measured_tps"] for w in ways) and round_:
+            return
+        time.sleep(args.settle_gap)  # idle: the daemon plans again between requests
 
 
 def expert_cache(system) -> dict:
@@ -225,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="system ours-cache: the expert_cache setting (slots, or auto)")
     p.add_argument("--runs", default="short,prompt")
     p.add_argument("--tokens", type=int, default=48, help="decoded per decode measurement")
+    p.add_argument("--learned", default="", metavar="DIR",
+                   help="ours: keep what the daemon learns here (ways, hits, prices) from one "
+                        "run of this script to the next, as a user's config folder does")
+    p.add_argument("--settle-rounds", type=int, default=12, help="settle: answers at most")
+    p.add_argument("--settle-gap", type=float, default=6.0,
+                   help="settle: idle seconds after each answer (the daemon re-plans after 5)")
     p.add_argument("--short-count", type=int, default=10,
                    help="session-order: short requests before the long prompt")
     p.add_argument("--prompt-tokens", type=int, default=0, help="0: 16384, 65536 at >= 128K")
@@ -277,8 +304,10 @@ def main(argv: list[str] | None = None) -> int:
                 system = None
                 try:
                     if name == "ours" or name.startswith("ours-"):
+                        learned = Path(args.learned) if args.learned else None
                         system = Ours(model, args.ctx, budget_mib, args.margin, args.workload,
-                                      Path(tmp), args.fill_bands, **ours_settings(name, args))
+                                      Path(tmp), args.fill_bands, learned,
+                                      **ours_settings(name, args))
                         system.name = name
                     elif name.startswith("fit-"):
                         if args.tiny:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,7 +41,11 @@ class Ours:
     name = "ours"
 
     def __init__(self, model: Path, ctx: int, budget_mib: int, margin_mib: int, workload: str,
-                 tmp: Path, fill_bands: str = "auto", **settings: str):
+                 tmp: Path, fill_bands: str = "auto", learned: Path | None = None,
+                 **settings: str):
+        """`learned`: a folder that keeps what the daemon learns on this machine (its profiles
+        folder: the ways measured, the pool's hits, the prices served) from one start to the
+        next, as a user's config folder does; None: each start learns from nothing."""
         from tests.daemon_process import isolated_env, start_daemon
 
         from localllm.modelstore.store import ModelStore
@@ -57,6 +62,10 @@ class Ours:
         ModelStore(Path(env["XDG_DATA_HOME"]) / "localllm" / "models").import_gguf(model, "bench")
         if os.environ.get("BENCH_DRAFTS", "unaccepted") == "unaccepted":
             never_accepted(model, env)
+        self.profiles = Path(env["XDG_CONFIG_HOME"]) / "localllm" / "profiles"
+        self.learned = learned
+        if learned is not None and learned.is_dir():
+            shutil.copytree(learned, self.profiles, dirs_exist_ok=True)
         self.daemon = start_daemon(env)
         self.url = self.daemon.url
         self.ctx = ctx
@@ -131,12 +140,20 @@ class Ours:
         """The MoE expert cache's slots, hits and misses so far (/api/stats; None: off)."""
         return self._model("/api/stats").get("expert_cache")
 
+    def settling(self) -> dict:
+        """What ps says of the plan's settling: the ways `auto` weighed (priced, measured),
+        the decode check, and the re-plan due once idle (absent when none is)."""
+        m = self._model("/api/ps")
+        return {k: m[k] for k in ("ways", "decode", "replan") if k in m}
+
     def band(self) -> dict | None:
         """The fill band the runner is in and the pauses of its switches (ps)."""
         return self._model("/api/ps").get("fill_band")
 
     def stop(self) -> None:
-        self.daemon.stop()
+        self.daemon.stop()  # (the tuner's records are written before it exits)
+        if self.learned is not None and self.profiles.is_dir():
+            shutil.copytree(self.profiles, self.learned, dirs_exist_ok=True)
 
 
 def never_accepted(model: Path, env: dict) -> None:

@@ -408,6 +408,8 @@ async def api_ps(request: web.Request) -> web.Response:
             **({"ways": {"running": plan.way, "weighed": [
                 {"way": w, "predicted_tps": p, "measured_tps": m} for w, p, m in plan.ways]}}
                if plan.ways else {}),
+            # why it is planned again once idle (a price or a way to measure), until it is
+            **({"replan": slot.replan} if slot.replan else {}),
             **({"past_ram": runner.past_ram} if runner.past_ram else {}),
             **({"expert_cache": {**cache, "text": expert_cache_words(cache)}}
                if (cache := expert_cache_report(plan, runner.expert_cache)) else {}),
