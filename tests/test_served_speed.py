@@ -15,11 +15,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from runner_answer import answer
 from scripts import synth_gguf
 
 from localllm.config import Config
 from localllm.daemon.scheduler import Planner, Scheduler
-from localllm.engine.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.modelstore.shape import read_shape
 from localllm.options import LoadOptions
 from localllm.planner.card import load_card
@@ -185,14 +185,6 @@ class PricedFast(Planner):
         speed = FAST if self.made == 1 else FAST / 1000
         return replace(plan, n_gpu_layers=1, n_threads=1, n_batch=batch, n_ubatch=batch,
                        predicted_decode_by_depth=((0, speed), (plan.n_ctx, speed)))
-
-
-async def answer(runner) -> Done:
-    request = GenerationRequest(id="r", prompt="Count from one to forty: one, two, three,",
-                                options=SamplingOptions(num_predict=48, temperature=0))
-    events = [e async for e in runner.generate(request)]
-    assert isinstance(events[-1], Done), events[-1]
-    return events[-1]
 
 
 @pytest.mark.parametrize("changes", [False, True])

@@ -14,11 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from runner_answer import answer
 from scripts import synth_gguf
 
 from localllm.config import Config
 from localllm.daemon.scheduler import Planner, Scheduler
-from localllm.engine.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.modelstore.shape import read_shape
 from localllm.options import LoadOptions
 from localllm.planner import ways
@@ -139,14 +139,6 @@ class TwoWays(Planner):
         way, _, table = ways.choose(priced, "pool-gpu", seen)
         self.made.append(way)
         return replace(priced[way], way=way, ways=table, ways_key=key)
-
-
-async def answer(runner) -> Done:
-    request = GenerationRequest(id="r", prompt="Count from one to forty: one, two, three,",
-                                options=SamplingOptions(num_predict=48, temperature=0))
-    events = [e async for e in runner.generate(request)]
-    assert isinstance(events[-1], Done), events[-1]
-    return events[-1]
 
 
 async def test_the_daemon_measures_each_way_in_turn(store, smollm2_gguf, tmp_path):
