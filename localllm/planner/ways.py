@@ -39,11 +39,12 @@ def way_of(plan: Plan) -> str:
     return "pool-gpu" if plan.expert_misses_on_gpu else "pool-cpu"
 
 
-def situation(card: Card, n_ctx: int) -> str:
-    """What ways are measured under: this card with this much free VRAM (to a half GiB, so
-    that a probe's few MiB of drift keep it), at this context."""
-    free = round(card.gpu_list[0].free_vram_bytes / GIB * 2) / 2 if card.has_gpu else 0.0
-    return f"{card.name}, {free:g} GiB, ctx {n_ctx}"
+def situation(card: Card, margin_bytes: int, n_ctx: int) -> str:
+    """What ways are measured under: this card with this much VRAM to plan in (its free VRAM
+    less the margin kept free, to a half GiB, so that a probe's few MiB of drift keep it), at
+    this context."""
+    budget = card.gpu_list[0].free_vram_bytes - margin_bytes if card.has_gpu else 0
+    return f"{card.name}, {round(budget / GIB * 2) / 2:g} GiB, ctx {n_ctx}"
 
 
 def choose(priced: Mapping[str, Plan], by_price: str, measured: Mapping[str, float]
