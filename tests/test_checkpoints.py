@@ -122,7 +122,7 @@ async def test_a_hybrid_model_keeps_the_prompt_when_other_text_replaces_its_answ
     log = Path(runner.log_path).read_text()
     assert f"checkpoint: slot 0 at {n1} (end" in log
     assert f"prompt: {n2} tokens, {n1} kept (checkpoint at {n1})" in log
-    assert "with 4 checkpoints" in log  # the saved sequence took the slot's along
+    assert f"with {CHECKPOINTS_PER_SLOT} checkpoints" in log  # the saved sequence took the slot's
 
     cold = await runner_for(hybrid_gguf)
     same_answer(second, await answer(cold, turn2, "cold2"))
@@ -207,22 +207,23 @@ def checkpoint(n: int, kind: str, nbytes: int = 100) -> Checkpoint:
 
 
 def test_a_slot_keeps_the_latest_prompt_end_then_spaced_checkpoints_and_drops_the_oldest():
-    slot = SlotCheckpoints(limit=4)
-    for c in (checkpoint(512, SPACED), checkpoint(1024, SPACED), checkpoint(1196, END),
-              checkpoint(1200, END)):
+    slot = SlotCheckpoints(limit=5)
+    # a prompt's three ends (checkpoints.ends: 4 + n_ubatch and 4 before its end, the end)
+    for c in (checkpoint(512, SPACED), checkpoint(1024, SPACED), checkpoint(1132, END),
+              checkpoint(1196, END), checkpoint(1200, END)):
         slot.add(c)
-    assert [c.n_tokens for c in slot.items] == [512, 1024, 1196, 1200]
+    assert [c.n_tokens for c in slot.items] == [512, 1024, 1132, 1196, 1200]
     # The next turn's ends: the previous prompt's ends go first, the spaced ones stay.
-    slot.add(checkpoint(1396, END))
-    slot.add(checkpoint(1400, END))
-    assert [c.n_tokens for c in slot.items] == [512, 1024, 1396, 1400]
+    for n in (1332, 1396, 1400):
+        slot.add(checkpoint(n, END))
+    assert [c.n_tokens for c in slot.items] == [512, 1024, 1332, 1396, 1400]
     # A long read: its spaced checkpoints push out the older spaced ones, oldest first.
     slot.add(checkpoint(1912, SPACED))
-    assert [c.n_tokens for c in slot.items] == [1024, 1396, 1400, 1912]
+    assert [c.n_tokens for c in slot.items] == [1024, 1332, 1396, 1400, 1912]
     assert slot.latest(1399).n_tokens == 1396 and slot.latest(1023) is None
-    assert slot.last_at(2000) == 1912 and slot.nbytes == 400
+    assert slot.last_at(2000) == 1912 and slot.nbytes == 500
     slot.cut(1396)  # the sequence keeps its first 1396 tokens
-    assert [c.n_tokens for c in slot.items] == [1024, 1396]
+    assert [c.n_tokens for c in slot.items] == [1024, 1332, 1396]
 
 
 def test_a_checkpoint_that_leaves_its_slot_lends_its_memory_to_the_next():

@@ -39,7 +39,7 @@ class Checkpoint:
 
     n_tokens: int
     data: ctypes.Array
-    kind: str  # END (a prompt's end or NEAR_END before it) or SPACED
+    kind: str  # END (a prompt's end or one of checkpoints.ends before it) or SPACED
     order: int = field(default_factory=lambda: next(_ORDER))
     shared: bool = False  # a saved sequence holds it too: its buffer is never reused
     buffer: bytearray | None = field(default=None, repr=False)  # the memory under `data`

@@ -207,8 +207,9 @@ def kv_by_block(costs: ModelCosts, settings: ContextSettings) -> tuple[int, ...]
 
 # Copies of a sequence's recurrent or sliding-window state the runner keeps in RAM, per slot
 # (engine/runner/checkpoints.py: they let a prompt that diverges behind that state's reach
-# restart from the copy instead of reading everything again).
-CHECKPOINTS_PER_SLOT = 4
+# restart from the copy instead of reading everything again): the latest prompt's three ends
+# (checkpoints.ends) and two spaced ones, for a change earlier in a long prompt.
+CHECKPOINTS_PER_SLOT = 5
 
 
 @per_costs

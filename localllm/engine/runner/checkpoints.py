@@ -11,9 +11,12 @@ read again.
 So while a prompt is read, the runner copies that state out at a few positions (engine/state.py:
 `llama_state_seq_get_data_ext` with `LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`: for hybrid memory
 the recurrent part only, for an iSWA cache the SWA cells only; llama-memory-hybrid.cpp,
-llama-kv-cache-iswa.cpp): `NEAR_END` tokens before its end and at its end (a template often
-renders the previous answer's opening differently from the generation prompt), and every
-`spacing` tokens of a long prompt. A later prompt that shares a prefix with the slot restores
+llama-kv-cache-iswa.cpp): at its end and `NEAR_END` tokens before it (a template often
+renders the previous answer's opening differently from the generation prompt), a micro-batch
+before that (`ends`: a prompt whose last turn is another short one, such as the same system
+prompt and tools with a new user message, diverges a few dozen tokens before the end, where a
+sliding window or a recurrent state cannot be cut back to), and every `spacing` tokens of a
+long prompt. A later prompt that shares a prefix with the slot restores
 the latest checkpoint at or before the divergence, the full-attention KV is cut back to the same
 position, and the prompt is read from there (reuse.py). llama-server does the same with its
 context checkpoints (tools/server/server-context.cpp); this follows its semantics.
@@ -32,6 +35,18 @@ from localllm.planner.memory import CHECKPOINTS_PER_SLOT as MAX_PER_SLOT
 
 NEAR_END = 4  # as llama-server: a checkpoint this many tokens before a prompt's end
 END, SPACED = "end", "spaced"
+
+
+END_PER_PROMPT = 3  # len(ends(...))
+
+
+def ends(n_ubatch: int) -> tuple[int, ...]:
+    """How many tokens before a prompt's end its END checkpoints are taken, furthest first:
+    llama-server's positions (`4 + n_ubatch` and 4, its PR 20288) and the end itself. The one
+    a micro-batch back serves a new last turn of up to a micro-batch: without it, the same
+    20K-token agent prefix with another user message restarted from the latest spaced
+    checkpoint, up to `spacing` tokens back (1,500-3,000 tokens of Gemma 3 read again)."""
+    return (NEAR_END + n_ubatch, NEAR_END, 0)
 
 
 def spacing(n_ctx: int) -> int:
@@ -96,8 +111,8 @@ class SlotCheckpoints:
 
     def _evictable(self, incoming: Checkpoint) -> Checkpoint:
         by_age = sorted(self.items, key=lambda c: c.order)
-        ends = [c for c in [*by_age, incoming] if c.kind == END]
-        latest_ends = set(map(id, ends[-2:]))  # the latest prompt's end and near-end
+        end_kind = [c for c in [*by_age, incoming] if c.kind == END]
+        latest_ends = set(map(id, end_kind[-END_PER_PROMPT:]))  # the latest prompt's
         for c in by_age:
             if c.kind == END and id(c) not in latest_ends:
                 return c

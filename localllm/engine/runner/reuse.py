@@ -20,7 +20,7 @@ from localllm.engine.loaded import LoadedModel
 from localllm.engine.state import Checkpoint, SavedSequence
 from localllm.engine.vision import MediaPrompt
 
-from .checkpoints import END, NEAR_END, SPACED, SlotCheckpoints
+from .checkpoints import END, SPACED, SlotCheckpoints, ends
 from .slots import Slot
 
 log = logging.getLogger("localllm.runner")
@@ -371,22 +371,29 @@ class PromptReuse:
     # ---- taking checkpoints while a prompt is read ---------------------------------------
     def checkpoint_stop(self, slot: Slot) -> int | None:
         """Where the prompt chunk being filled must end for a checkpoint to be taken there:
-        NEAR_END tokens before the prompt's end (checkpoints are taken between decodes)."""
+        the next of the prompt's END positions before its end (`_end_positions`; checkpoints
+        are taken between decodes)."""
         work = slot.work
         if not self.checkpoint_spacing or work.media is not None or slot.replaying:
             return None
-        stop = len(work.prompt) - NEAR_END
-        return stop if len(slot.tokens) < stop else None
+        n = len(slot.tokens)
+        return next((p for p in self._end_positions(len(work.prompt)) if n < p), None)
+
+    def _end_positions(self, end: int) -> list[int]:
+        """Where a prompt of `end` tokens gets its END checkpoints (checkpoints.ends: a
+        micro-batch and NEAR_END before its end, and the end), in order."""
+        ubatch = min(self.model.plan.n_ubatch, self.model.lm.n_batch)  # as params.py sets it
+        return [end - back for back in ends(ubatch) if end - back > 0]
 
     def checkpoint_read(self, slot: Slot) -> None:
-        """After a prompt chunk was decoded: a checkpoint when the slot is at the prompt's end
-        or NEAR_END before it, or `checkpoint_spacing` past its latest checkpoint. Never
+        """After a prompt chunk was decoded: a checkpoint when the slot is at one of the
+        prompt's END positions, or `checkpoint_spacing` past its latest checkpoint. Never
         during the answer: decoding an answer costs no copies."""
         work = slot.work
         if not self.checkpoint_spacing or work.media is not None:
             return
         n, end = len(slot.tokens), len(work.prompt)
-        if n in (end, end - NEAR_END):
+        if n in self._end_positions(end):
             kind = END
         elif n - slot.checkpoints.last_at(n) >= self.checkpoint_spacing:
             kind = SPACED
