@@ -25,10 +25,11 @@ weighs are measured; what it learns, OUT/ours-learned, every later start of ours
 as a user's machine does after its first answers), then measures each llama.cpp system's
 decode after a short prompt at each thread count of --thread-sweep (0: llama.cpp's default),
 then newest-fit-cache at its best threads with each size of --cache-sweep (decode after a
-short prompt and after the long prompt), and writes the best settings to OUT/best.json. `--phase rounds` runs every system --rounds times,
-alternating (round r starts at system r, so no system always runs first or last after the
-same neighbour), each at its best settings: a decode after a short prompt, then a
---prompt-tokens prompt (time to first token, reading speed) and the decode after it. Every
+short prompt and after the long prompt), and writes the best settings to OUT/best.json.
+`--phase rounds` runs every system --rounds times, alternating (round r starts at system r, so
+no system always runs first or last after the same neighbour), each at its best settings: a
+decode after a short prompt, then a --prompt-tokens prompt (time to first token, reading
+speed) and the decode after it. Every
 measurement is appended to OUT/baseline.jsonl as it is made; `--summarize` gives, per run and
 system, the median with min and max, and ours over the best baseline of the same file.
 A lease is 10 minutes a call: give --deadline and run the rounds over several calls
