@@ -35,11 +35,9 @@ FROM_HUB = "read from the hub"
 def entry_shape(entry: CatalogEntry, hub: HubSettings | None = None) -> tuple[ModelShape, str]:
     """(the shape to plan the entry with, where it came from in words)."""
     described = entry.shape
-    if described is not None and pins_file(described, entry.sha256):
+    if described is not None and (entry.repo is None or pins_file(described, entry.sha256)):
         return catalog_model_shape(entry), f"{FROM_CATALOG}: {described.words}"
     if entry.repo is None:
-        if described is not None:
-            return catalog_model_shape(entry), f"{FROM_CATALOG}: {described.words}"
         raise UserError(f"{entry.name} is not on the hub ({entry.source}): pull it first, "
                         f"then tune it")
     from .quant_pick import source_shape, with_client

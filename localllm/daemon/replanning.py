@@ -61,7 +61,7 @@ class Replanning:
                 if self.models.get(name) is not model:
                     return
                 decided = await self._decide_again(model)
-                if same_load(decided, model.load):
+                if decided.starts_same_runner(model.load):
                     # the runner's plans at their new prices: its next answers are checked
                     # against them (a new DecodeCheck), and ps shows them
                     reprice(model.runner, decided)
@@ -86,8 +86,3 @@ class Replanning:
         return await asyncio.to_thread(
             self.planner.decide, self.config, entry, model.shape, asked, draft, draft_shape,
             projector_path(self.store, entry))
-
-
-def same_load(a: Load, b: Load) -> bool:
-    """Whether two loads start the same runner (their plans' and fill bands' load keys)."""
-    return [p.load_key() for p in (a.plan, *a.bands)] == [p.load_key() for p in (b.plan, *b.bands)]

@@ -124,8 +124,7 @@ class RunnerStarter:
 def reprice(runner: RunnerProcess, load: Load) -> None:
     """Give `runner` `load`'s plans, which start that very runner (the same load keys) at other
     prices: what it predicts follows (ps, the served-speed check), nothing that it runs."""
-    if [p.load_key() for p in (*runner.bands, runner.plan)] != \
-            [p.load_key() for p in (*load.bands, load.plan)]:
+    if not runner.load.starts_same_runner(load):
         raise ValueError("reprice takes plans that start the same runner")
     runner.plan, runner.bands = load.plan, tuple(load.bands)
     runner.load = replace(runner.load, plan=load.plan, bands=tuple(load.bands))

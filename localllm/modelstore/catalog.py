@@ -9,12 +9,10 @@ a second way to download.
 from __future__ import annotations
 
 import functools
-
 import re
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
-
 from typing import TYPE_CHECKING
 
 from localllm.errors import UserError
@@ -24,7 +22,6 @@ from .wheel_source import (
     GEMMA3_270M_PARTS, GEMMA3_270M_SHA256, GEMMA3_270M_SIZE, SMOLLM2_PARTS, SMOLLM2_SHA256,
     SMOLLM2_SIZE, WheelPart,
 )
-
 
 if TYPE_CHECKING:
     from .catalog_shape import CatalogShape

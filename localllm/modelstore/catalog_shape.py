@@ -17,7 +17,6 @@ Each entry says where its figures come from:
 from __future__ import annotations
 
 import functools
-
 import re
 import tomllib
 from dataclasses import dataclass

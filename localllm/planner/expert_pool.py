@@ -288,7 +288,7 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
                 continue
             if on_gpu and not misses_can_go_to_gpu(plan):
                 continue
-            way = "pool-gpu" if on_gpu else "pool-cpu"
+            way = ways.pool_way(on_gpu)
             if blocks_in_ram(plan, shape, pool) and (way not in best or
                                                      _faster(plan, best[way][0])):
                 best[way] = (plan, n, priced)
@@ -302,7 +302,6 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
         if _faster(best[other][0], best[fastest][0]):
             fastest = other
     plan, n, priced = best[fastest]
-    versus = _versus(plan, without, shape, pool, priced, bool(request.measured_hits))
     margin = 1.0 if request.measured_hits else ASSUMED_HITS_MARGIN
     declined = auto and not _faster(plan, without, margin)  # by price, no pool
     priced_ways = {w: b[0] for w, b in best.items()} | ({"no-pool": without} if auto else {})
@@ -311,6 +310,7 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
                                         request.measured_ways.get(key, {}))
     weighed = dict(way=way, ways=table, ways_key=key if table else "")
     if way == "no-pool":
+        versus = _versus(plan, without, shape, pool, priced, bool(request.measured_hits))
         if declined:
             pays = "it does not pay" if not _faster(plan, without) else \
                 f"it gains less than the {margin - 1:.0%} an assumed hit rate must win by"

@@ -34,9 +34,12 @@ WORDS = {"no-pool": "no pool (the CPU computes the experts in RAM)",
 
 def way_of(plan: Plan) -> str:
     """The way a plan runs its experts (WORDS)."""
-    if not plan.expert_cache:
-        return "no-pool"
-    return "pool-gpu" if plan.expert_misses_on_gpu else "pool-cpu"
+    return pool_way(plan.expert_misses_on_gpu) if plan.expert_cache else "no-pool"
+
+
+def pool_way(misses_on_gpu: bool) -> str:
+    """The way of a pool whose misses the GPU (or else the CPU) computes."""
+    return "pool-gpu" if misses_on_gpu else "pool-cpu"
 
 
 def situation(card: Card, margin_bytes: int, n_ctx: int) -> str:

@@ -10,10 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import tomli_w
-
 from localllm.planner.card import Card
-from .saved import profiles_dir, read_tables
+from .saved import profiles_dir, read_tables, write_toml
 
 HOST_KEY = "host"  # the calibration table of this machine's own figures (no card is so named)
 READ_KEY = "read_gbs"  # under [host]: {"threads": GB/s} (host_prices.py)
@@ -40,8 +38,7 @@ def update_host(fields: dict, path: Path | None = None) -> dict:
     doc = load_calibration(path)
     entry = {**doc.get(HOST_KEY, {}), **fields}
     doc[HOST_KEY] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(tomli_w.dumps(doc))
+    write_toml(path, doc)
     return entry
 
 

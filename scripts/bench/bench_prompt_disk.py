@@ -38,7 +38,6 @@ import re
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,12 +45,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
+from scripts.bench.bench_systems import post  # noqa: E402
 from tests.agent_replay import system_prompt, tools  # noqa: E402
 from tests.daemon_process import isolated_env, start_daemon, wait_for  # noqa: E402
 
 from localllm.engine.runner.disk_cache import SHUTDOWN_WRITE_S  # noqa: E402
 
 MODEL = "bench"
+CHAT_TIMEOUT_S = 1800  # a cold 20K-token read took 894-1,224 s on two busy cores
 READ_TARGET = 0.05  # issue #67: at most 5% of the prefix read after a stop or a restart
 # Each step's user turn: the prefix is shared, the turn differs, as an agent's next request.
 TURNS = {
@@ -82,13 +83,6 @@ GEMMA3_TEMPLATE = """\
 
 
 # ---- requests ------------------------------------------------------------------------------
-def post(url: str, body: dict, timeout: float = 1800) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
 def prefix(words: int) -> str:
     """The agent's system prompt of about `words` words (every line distinct) and its tools as
     JSON schemas, as an agent's prefix reads."""
@@ -124,7 +118,8 @@ def chat(daemon, words: int, turn: str, num_ctx: int, num_predict: int) -> dict:
     started = time.perf_counter()
     r = post(daemon.url + "/api/chat", {
         "model": MODEL, "stream": False, "messages": messages(words, turn), "logprobs": True,
-        "options": {"temperature": 0, "num_predict": num_predict, "num_ctx": num_ctx}})
+        "options": {"temperature": 0, "num_predict": num_predict, "num_ctx": num_ctx}},
+        timeout=CHAT_TIMEOUT_S)
     wall = time.perf_counter() - started
     last = next((m.get("last", {}) for m in daemon.get("/api/stats")["models"]
                  if m.get("model", "").split(":")[0] == MODEL), {})

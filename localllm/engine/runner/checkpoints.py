@@ -37,9 +37,6 @@ NEAR_END = 4  # as llama-server: a checkpoint this many tokens before a prompt's
 END, SPACED = "end", "spaced"
 
 
-END_PER_PROMPT = 3  # len(ends(...))
-
-
 def ends(n_ubatch: int) -> tuple[int, ...]:
     """How many tokens before a prompt's end its END checkpoints are taken, furthest first:
     llama-server's positions (`4 + n_ubatch` and 4, its PR 20288) and the end itself. The one
@@ -47,6 +44,9 @@ def ends(n_ubatch: int) -> tuple[int, ...]:
     20K-token agent prefix with another user message restarted from the latest spaced
     checkpoint, up to `spacing` tokens back (1,500-3,000 tokens of Gemma 3 read again)."""
     return (NEAR_END + n_ubatch, NEAR_END, 0)
+
+
+END_PER_PROMPT = len(ends(0))  # the END checkpoints a prompt takes, the latest ones kept
 
 
 def spacing(n_ctx: int) -> int:

@@ -40,6 +40,12 @@ class Load:
     prompt_disk_dir: Path | None = None
     prompt_disk_bytes: int = 0
 
+    def starts_same_runner(self, other: Load) -> bool:
+        """Whether `other` starts the very runner this load does (its plan's and fill bands'
+        load keys): a re-plan that gives such a load changes prices, not what runs."""
+        return [p.load_key() for p in (self.plan, *self.bands)] == \
+            [p.load_key() for p in (other.plan, *other.bands)]
+
     def serves(self, running: Plan, asked: LoadOptions) -> bool:
         """Whether this load, running `running` (its plan, or the smaller one a failed load
         stepped down to), serves a request's load options as it is (Ollama's needsReload, over
