@@ -85,14 +85,25 @@ def measure(system, args, with_prompt: bool) -> dict:
 
     system.generate("Hello there. " * 4, 4)  # loads (ours) and warms up
     short = system.generate(text_of(300, 11), args.tokens)
-    row = {"short_decode_tps": round(short["decode_tps"], 2)}
+    row = {"short_decode_tps": round(short["decode_tps"], 2),
+           **beside(system, "short", short["prompt_tokens"])}
     if with_prompt:
         chars = calibrate(system, [], args.ctx)
         r = system.generate(text_of(int(args.prompt_tokens * chars), 12), args.tokens)
         row.update(prompt_tokens=r["prompt_tokens"], ttft_s=round(r["ttft"], 2),
                    prompt_tps=round(r["prompt_tokens"] / max(1e-9, r["ttft"]), 1),
-                   decode_after_prompt_tps=round(r["decode_tps"], 2))
+                   decode_after_prompt_tps=round(r["decode_tps"], 2),
+                   **beside(system, "after_prompt", r["prompt_tokens"]))
     return row
+
+
+def beside(system, moment: str, depth: int) -> dict:
+    """Ours: the running plan's predicted decode at this depth and the way it ran (the planner's
+    figure beside each measured one); {} for llama.cpp."""
+    if not hasattr(system, "predicted"):
+        return {}
+    way = (system.settling().get("ways") or {}).get("running")
+    return {f"predicted_{moment}_tps": system.predicted(depth), f"way_{moment}": way}
 
 
 def one(name: str, args, model: Path, record, *, threads: int = 0, cache_mib: int = 0,
