@@ -59,7 +59,8 @@ def test_ways_priced_close_are_measured_in_turn_and_the_fastest_measured_kept(qw
     assert sorted(names) == ["no-pool", "pool-cpu", "pool-gpu"]
     assert all(measured == 0 for _, _, measured in first.ways)
     assert first.way in names
-    assert first.ways_key == ways.situation(card, auto().margin_bytes, first.n_ctx)
+    assert first.ways_key == ways.situation(card, auto().margin_bytes, first.n_ctx,
+                                            first.n_threads)
     assert any(r.startswith("ways: ways priced too close") for r in first.reasons)
     assert first.way == ways.way_of(first)
 

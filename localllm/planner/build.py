@@ -16,6 +16,7 @@ from .memory import CPU, gpu_layers
 from .placements import tensor_overrides
 from .plan import Plan, cpu_plan
 from .search import Option, Request, Search
+from .speed import decode_threads
 from .workload import objective_depth
 
 
@@ -54,7 +55,8 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
     full_swa = evaluator.with_full_swa(best, shape.chat_template is not None)
     if full_swa is not None:
         best = full_swa
-    threads = request.n_threads or card.cores
+    threads = decode_threads(card, request.n_threads) if card.has_gpu \
+        else request.n_threads or card.cores
     s = best.settings
     if not card.has_gpu:
         base = cpu_plan(s.n_ctx, 0)
@@ -74,7 +76,8 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
             type_k=s.type_k, type_v=s.type_v, flash_attn=s.flash_attn,
             n_batch=request.n_batch or max(2048, s.n_ubatch),
             n_ubatch=min(s.n_ubatch, request.n_batch or s.n_ubatch),
-            n_threads=threads, n_threads_batch=threads,
+            # a prompt's batches are compute, not a read: all cores (or num_thread) there
+            n_threads=threads, n_threads_batch=request.n_threads or card.cores,
         )
     chosen = replace(chosen, best=best)
     spec = best.speculation

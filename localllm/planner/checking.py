@@ -26,6 +26,7 @@ from .speed import (
     DECODE_DEPTH,
     ExpertPool,
     attention_row,
+    decode_threads,
     expert_read_bps,
     mapped_bandwidth,
     pool_hits,
@@ -84,7 +85,7 @@ def checking_terms(costs: ModelCosts, placement: Placement, settings: ContextSet
     passes, batches under 32 rows, as it serves decode)."""
     plain = predict_speed(costs, placement, settings, card, n_threads, depth, pool)
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
-    threads = min(n_threads or card.cores, card.cores)
+    threads = decode_threads(card, n_threads)
     host_bw = expert_read_bps(card, threads)  # the CPU's extra reads are experts'
     gpu_bw = card.bandwidth_gbs * 1e9 * card.decode_efficiency
     depth = min(depth, settings.n_ctx)

@@ -30,7 +30,7 @@ from .placements import placement_of_overrides
 from .plan import DeviceMemory, Plan
 from .search import NoPlanFits, Request
 from . import ways
-from .speed import ExpertPool, curve_at
+from .speed import ExpertPool, curve_at, decode_threads
 from .words import gib, seconds
 
 # The three matrices of one expert the pool holds, as the GGUF names their stacks.
@@ -305,7 +305,8 @@ def with_expert_pool(shape: ModelShape, card: Card, request: Request,
     margin = 1.0 if request.measured_hits else ASSUMED_HITS_MARGIN
     declined = auto and not _faster(plan, without, margin)  # by price, no pool
     priced_ways = {w: b[0] for w, b in best.items()} | ({"no-pool": without} if auto else {})
-    key = ways.situation(card, request.margin_bytes, without.n_ctx)
+    key = ways.situation(card, request.margin_bytes, without.n_ctx,
+                         decode_threads(card, request.n_threads))
     way, measuring, table = ways.choose(priced_ways, "no-pool" if declined else fastest,
                                         request.measured_ways.get(key, {}))
     weighed = dict(way=way, ways=table, ways_key=key if table else "")

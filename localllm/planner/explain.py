@@ -66,7 +66,14 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
     if chosen.prompt_note:
         out.append(chosen.prompt_note)
     cpu_weights = next((m.weights for m in best.memory if m.device == CPU), 0)
-    if cpu_weights > shape.embedding_bytes * 1.5:
+    if cpu_weights > shape.embedding_bytes * 1.5 and threads < card.cores \
+            and not request.n_threads:
+        rates = dict(card.host_read_gbs)
+        out.append(f"{threads} of {card.cores} threads at decode: {gib(cpu_weights)} of weights "
+                   f"stay in RAM, and this machine read RAM fastest with {threads} threads "
+                   f"({rates.get(threads, 0):g} GB/s; {rates.get(card.cores, 0):g} with all "
+                   f"{card.cores}); prompts are read with all {card.cores}")
+    elif cpu_weights > shape.embedding_bytes * 1.5:
         out.append(f"{threads} threads = physical cores: {gib(cpu_weights)} of weights stay in "
                    "RAM and decode on the CPU fastest with one thread per core")
     else:

@@ -166,6 +166,27 @@ def expert_read_bps(card: Card, threads: int) -> float:
     return card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
 
 
+# A thread count below all cores is chosen for decode only where this machine read RAM this
+# much faster with it: one measurement's noise must not move a plan.
+FEWER_THREADS_GAIN = 1.05
+
+
+def decode_threads(card: Card, n_threads: int | None = None) -> int:
+    """The threads a GPU plan decodes with: `n_threads` where asked (num_thread); else the count
+    at which this machine's measured read rate peaks (the CPU's share of a decode step, experts
+    in RAM, is a read of them), where it beats all cores by FEWER_THREADS_GAIN; else all cores.
+    On an H100 lease's 16-core host the rate fell from 72.5 GB/s at 12 threads to 48.9 at 16:
+    one straggling thread holds up every step (lab/runs/h100-2026-12-07-moe-ways.md)."""
+    if n_threads:
+        return min(n_threads, card.cores)
+    rates = {t: r for t, r in card.host_read_gbs if t <= card.cores}
+    if not card.has_gpu or not rates:
+        return card.cores
+    best = max(rates, key=lambda t: (rates[t], t))
+    at_all = read_gbs_at(card.host_read_gbs, card.cores)
+    return best if rates[best] >= FEWER_THREADS_GAIN * at_all else card.cores
+
+
 def read_gbs_at(rates: tuple[tuple[int, float], ...], threads: int) -> float:
     """A measured read rate at `threads`: linear between the thread counts measured, the
     nearest one's rate outside them."""
@@ -249,7 +270,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
     kept = in_ram(costs, placement)
     served, hits = pool_hits(costs, devices, kept, pool)
-    threads = min(n_threads or card.cores, card.cores)
+    threads = decode_threads(card, n_threads)
     host_bw = card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
     expert_bw = expert_read_bps(card, threads)
     bandwidths = gpu_bandwidths(card)

@@ -42,12 +42,13 @@ def pool_way(misses_on_gpu: bool) -> str:
     return "pool-gpu" if misses_on_gpu else "pool-cpu"
 
 
-def situation(card: Card, margin_bytes: int, n_ctx: int) -> str:
+def situation(card: Card, margin_bytes: int, n_ctx: int, threads: int) -> str:
     """What ways are measured under: this card with this much VRAM to plan in (its free VRAM
     less the margin kept free, to a half GiB, so that a probe's few MiB of drift keep it), at
-    this context."""
+    this context, the CPU's share decoded with this many threads (a way measured with other
+    threads is measured again)."""
     budget = card.gpu_list[0].free_vram_bytes - margin_bytes if card.has_gpu else 0
-    return f"{card.name}, {round(budget / GIB * 2) / 2:g} GiB, ctx {n_ctx}"
+    return f"{card.name}, {round(budget / GIB * 2) / 2:g} GiB, ctx {n_ctx}, {threads} threads"
 
 
 def choose(priced: Mapping[str, Plan], by_price: str, measured: Mapping[str, float]
