@@ -11,6 +11,8 @@
 
 Systems (--systems):
   ours              the localllm daemon with default settings
+  ours-all-cores    the same with num_thread = all cores (what decode took before the thread
+                    count came from the machine's measured read rate)
   vendored-fit      `llama-server --fit` of the llama.cpp inside llama-cpp-python 0.3.36 (on
                     PATH after on-device.sh), q8_0 KV
   newest-fit        the same with the newest llama.cpp (--newest: the folder of its build,
@@ -50,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 MIB = 1 << 20
-SYSTEMS = ("ours", "vendored-fit", "newest-fit", "newest-fit-cache")
+SYSTEMS = ("ours", "vendored-fit", "newest-fit", "newest-fit-cache", "ours-all-cores")
 # the figures a round measures, and whether more is better
 FIGURES = {"short_decode_tps": True, "prompt_tps": True, "ttft_s": False,
            "decode_after_prompt_tps": True}
@@ -61,9 +63,10 @@ def start(name: str, args, model: Path, tmp: Path, threads: int, cache_mib: int)
     from scripts.bench.bench_systems import Fit, Ours
 
     budget_mib = int(args.budget * 1024)
-    if name == "ours":
+    if name in ("ours", "ours-all-cores"):
+        options = {"num_thread": os.cpu_count() or 1} if name == "ours-all-cores" else {}
         system = Ours(model, args.ctx, budget_mib, args.margin, "auto", tmp, "auto",
-                      learned=Path(args.out) / "ours-learned")
+                      learned=Path(args.out) / "ours-learned", options=options)
         system.name = name
         return system
     if name == "vendored-fit":
@@ -125,7 +128,7 @@ def one(name: str, args, model: Path, record, *, threads: int = 0, cache_mib: in
         finally:
             if system is not None:
                 system.stop()
-    row = {"system": name, **tags, **(settings if name != "ours" else {}), **row,
+    row = {"system": name, **tags, **(settings if not name.startswith("ours") else {}), **row,
            "peak_vram_mib": mem.delta // MIB, "budget_mib": int(args.budget * 1024)}
     record(row)
     return row
@@ -137,7 +140,7 @@ def sweep(args, model: Path, record) -> dict:
     best: dict[str, dict] = {}
     if "ours" in args.systems:
         settle_ours(args, model, record)
-    for name in (s for s in args.systems if s != "ours"):
+    for name in (s for s in args.systems if not s.startswith("ours")):
         rows = [one(name, args, model, record, threads=t, with_prompt=False, phase="sweep")
                 for t in args.thread_sweep]
         done = [r for r in rows if r and "short_decode_tps" in r and within(r)]
@@ -205,7 +208,7 @@ def summarize(rows: list[dict]) -> str:
                 continue
             medians[s] = statistics.median(values)
             cells.append(f"{medians[s]:g} [{min(values):g}-{max(values):g}] ({len(values)})")
-        baselines = {s: m for s, m in medians.items() if s != "ours"}
+        baselines = {s: m for s, m in medians.items() if not s.startswith("ours")}
         ratio = "-"
         if "ours" in medians and baselines:
             strongest = (max if higher else min)(baselines, key=baselines.get)
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=32768)
     p.add_argument("--budget", type=float, default=12, metavar="GiB")
     p.add_argument("--margin", type=int, default=128, metavar="MiB")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS[:4]))
     p.add_argument("--newest", default="", help="folder with the newest llama.cpp's llama-server")
     p.add_argument("--thread-sweep", default="0,8,12,16", help="0: llama.cpp's default")
     p.add_argument("--cache-sweep", default="2048,4096,6144", metavar="MiB,...")
@@ -269,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         config = synth_gguf.tiny(config)
         args.ctx, args.budget, args.tokens, args.prompt_tokens = 2048, 0.5, 8, 600
     model = synth_gguf.ensure_model(args.models, config, routing=args.routing)
-    source = (Path(args.newest) / "SOURCE").read_text().strip() if args.newest else ""
+    # the newest build's name, where a system of it runs (a lease without the build passes
+    # --newest all the same: its queue names one folder for either baseline)
+    newest = any(s.startswith("newest-") for s in args.systems)
+    source = (Path(args.newest) / "SOURCE").read_text().strip() if args.newest and newest else ""
     with open(out / "baseline.jsonl", "a") as jsonl:
         def record(row: dict) -> None:
             row = {"shape": args.shape, "routing": args.routing, "ctx": args.ctx,

@@ -42,10 +42,12 @@ class Ours:
 
     def __init__(self, model: Path, ctx: int, budget_mib: int, margin_mib: int, workload: str,
                  tmp: Path, fill_bands: str = "auto", learned: Path | None = None,
-                 **settings: str):
+                 options: dict | None = None, **settings: str):
         """`learned`: a folder that keeps what the daemon learns on this machine (its profiles
         folder: the ways measured, the pool's hits, the prices served) from one start to the
-        next, as a user's config folder does; None: each start learns from nothing."""
+        next, as a user's config folder does; None: each start learns from nothing.
+        `options`: more of every request's options (num_thread)."""
+        self.options = dict(options or {})
         from tests.daemon_process import isolated_env, start_daemon
 
         from localllm.modelstore.store import ModelStore
@@ -74,7 +76,8 @@ class Ours:
         """{ttft, decode_tps, prompt_tokens, text} of one streamed raw generation."""
         body = json.dumps({"model": "bench", "prompt": prompt, "raw": True, "stream": True,
                            "options": {"num_predict": n, "temperature": 0, "seed": 1,
-                                       "speculative": "off", "num_ctx": self.ctx}})
+                                       "speculative": "off", "num_ctx": self.ctx,
+                                       **self.options}})
         req = urllib.request.Request(self.url + "/api/generate", data=body.encode(),
                                      headers={"Content-Type": "application/json"})
         start = time.perf_counter()
