@@ -299,6 +299,15 @@ def test_auto_keeps_a_band_only_where_it_decodes_faster_after_a_short_prompt(sha
     slower = replace(band, predicted_decode_by_depth=((0, start * 0.6), (8192, start * 0.55)))
     assert not band_pays(slower, whole)
     assert not band_pays(replace(whole, n_ctx=8192), whole)  # the same placement: no gain
+    # a band measuring the ways `auto` weighs is kept while any is unmeasured, however priced
+    settling = replace(slower, way="no-pool", ways=(("pool-gpu", 90.0, 103.5),
+                                                    ("no-pool", 60.0, 0.0)))
+    assert band_pays(settling, whole)
+    settled = replace(settling, ways=(("pool-gpu", 90.0, 103.5), ("no-pool", 60.0, 75.0)))
+    assert not band_pays(settled, whole)
+    assert not band_pays(replace(settling, n_ctx=8192, **{
+        f: getattr(whole, f) for f in ("n_gpu_layers", "tensor_overrides", "tensor_split",
+                                       "n_batch", "n_ubatch", "flash_attn")}), whole)
 
 
 def test_the_daemon_loads_fill_bands_only_where_they_move_weights(shapes):

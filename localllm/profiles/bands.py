@@ -143,11 +143,20 @@ def curve_up_to(curve: tuple[tuple[int, float], ...],
 def band_pays(band: Plan, whole: Plan) -> bool:
     """Whether `auto` keeps a band: its placement differs from the whole plan's (else it would
     only hold less KV) and it decodes faster after a short prompt, the moment a band exists to
-    serve (its switch costs a reload)."""
+    serve (its switch costs a reload), or it is measuring a way (below)."""
     def at_start(plan: Plan) -> float:
         curve = plan.predicted_decode_by_depth
         return curve[0][1] if curve else plan.predicted_decode_tps
-    return placement_key(band) != placement_key(whole) and at_start(band) > at_start(whole)
+    return placement_key(band) != placement_key(whole) and (
+        at_start(band) > at_start(whole) or measuring_ways(band))
+
+
+def measuring_ways(plan: Plan) -> bool:
+    """Whether the plan runs a way `auto` is still measuring (some of its ways unmeasured): a
+    band that does is kept, so the way is measured where short prompts will be served. Dropped
+    for being priced slower, its load ran the whole plan's own first way instead: on an H100
+    lease the 8K band's settling spent two loads measuring the whole context's way."""
+    return any(measured == 0 for _, _, measured in plan.ways)
 
 
 def placement_key(plan: Plan) -> tuple:
