@@ -176,6 +176,8 @@ def agent_replay(system, args, chars_per_token: float, rerendered: bool) -> dict
                "new": r["prompt_total"] - before if turn else r["prompt_total"]}
         if r.get("cached_from") is not None:
             row.update(cached_from=r["cached_from"], checkpoint=r["checkpoint"])
+        if getattr(args, "vram_peak", None):  # where a run went past its budget, which turn
+            row["vram_peak_mib"] = args.vram_peak()
         turns.append(row)
         before = r["prompt_total"]
         # Other words where the answer was: the cached sequence holds the model's own tokens
@@ -317,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                                      out / f"{name}-{args.shape}-{args.ctx}.log")
                     else:
                         raise SystemExit(f"unknown system {name!r}")
+                    args.vram_peak = lambda mem=mem: (mem.peak - mem.baseline) // MIB
                     run_system(system, args, record)
                 except Exception as e:  # one system failing must not lose the others' rows
                     record({"system": name, "error": f"{type(e).__name__}: {e}"})
