@@ -110,12 +110,12 @@
 - fill_bands: plans per fill band. A model loads with the plan of a smaller context first (less
   KV on the GPU leaves room for more of the weights: faster while the context is short); when a
   sequence is about to outgrow it, the runner reloads with the next band's plan and carries
-  every sequence's KV over (a pause of a model load; ps and the log show it), and back down
-  once that band went unneeded for 5 minutes. `auto`: the tuner's bands (8K, 32K, then the
-  whole context) where their placement differs from the whole context's and they decode faster
-  after a short prompt, on a GPU, for plans the tuner made (not a saved profile, a draft model
-  or a vision projector); `off`: one plan for the whole context; token counts (`4096,16384`):
-  these bands, on any machine.
+  every sequence's KV over (a pause of a model load; ps and the log show it), and back down once
+  that band went unneeded for 5 minutes. `auto`: the tuner's bands (8K, 32K, then the whole
+  context) where their placement differs from the whole context's and they decode faster after a
+  short prompt (or measure an MoE way), on a GPU, for plans the tuner made (not a saved profile,
+  a draft model or a vision projector); `off`: one plan for the whole context; token counts
+  (`4096,16384`): these bands, on any machine.
 - expert_cache: a VRAM pool of the MoE experts a plan keeps in RAM (docs/expert-cache.md). `auto`:
   the tuner prices pool sizes and none on a GPU, from the model's measured hits (a pool 15 points
   off its price loads again once, priced from them); `off` (or 0); or N slots. ps shows hits.

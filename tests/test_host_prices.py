@@ -25,7 +25,8 @@ from localllm.planner.costs import model_costs
 from localllm.planner.memory import ContextSettings
 from localllm.planner.placements import Placement
 from localllm.planner.search import Request
-from localllm.planner.speed import decode_threads, expert_read_bps, predict_speed, read_gbs_at
+from localllm.planner.host_reads import decode_threads, expert_read_bps, read_gbs_at
+from localllm.planner.speed import predict_speed
 from localllm.planner.tuner import tune
 from localllm.profiles.calibration import calibrated
 from localllm.profiles.host_prices import (

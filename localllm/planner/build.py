@@ -16,7 +16,7 @@ from .memory import CPU, gpu_layers
 from .placements import tensor_overrides
 from .plan import Plan, cpu_plan
 from .search import Option, Request, Search
-from .speed import decode_threads
+from .host_reads import decode_threads
 from .workload import objective_depth
 
 

@@ -21,13 +21,12 @@ from .card import Card
 from .costs import ModelCosts, per_costs
 from .memory import CPU, ContextSettings, block_devices
 from .placements import Placement, in_ram
+from .host_reads import decode_threads, expert_read_bps
 from .speed import (
     CPU_GFLOPS_PER_CORE,
     DECODE_DEPTH,
     ExpertPool,
     attention_row,
-    decode_threads,
-    expert_read_bps,
     mapped_bandwidth,
     pool_hits,
     predict_speed,

@@ -30,7 +30,8 @@ from .placements import placement_of_overrides
 from .plan import DeviceMemory, Plan
 from .search import NoPlanFits, Request
 from . import ways
-from .speed import ExpertPool, curve_at, decode_threads
+from .host_reads import decode_threads
+from .speed import ExpertPool, curve_at
 from .words import gib, seconds
 
 # The three matrices of one expert the pool holds, as the GGUF names their stacks.

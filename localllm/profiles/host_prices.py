@@ -1,5 +1,5 @@
 """This machine's read rate by thread count, measured on first use and kept: the price of the
-experts the CPU multiplies at decode (planner/speed.py expert_read_bps).
+experts the CPU multiplies at decode (planner/host_reads.py expert_read_bps).
 
 The card table's host bandwidth is a guess for a box nobody measured (an H100's 16-core host
 read Qwen3-30B-A3B's experts in RAM about 1.5x faster than it said, and the round trip to the
