@@ -63,6 +63,11 @@ def route_of(request: web.Request) -> str:
 CLIENT_CLOSED = 499  # nginx's status for a request its client closed before the answer ended
 
 
+def client_gone(request: web.Request) -> bool:
+    """Whether the request's client has closed its connection."""
+    return request.transport is None or request.transport.is_closing()
+
+
 @web.middleware
 async def cancelled_middleware(request: web.Request, handler):
     """A request whose client left has its access-log line too. With handler_cancellation,
@@ -72,7 +77,7 @@ async def cancelled_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except asyncio.CancelledError:
-        if request.transport is None or request.transport.is_closing():
+        if client_gone(request):
             agent = request.headers.get("User-Agent", "").split(" ", 1)[0][:60]
             ACCESS_LOG.info("%s %s %d", request.method, request.path, CLIENT_CLOSED, extra={
                 "status": CLIENT_CLOSED,
@@ -109,6 +114,11 @@ async def error_middleware(request: web.Request, handler):
             raise
         return web.json_response(error_body(request.path, e.status, e.reason), status=e.status)
     except Exception as e:
+        if isinstance(e, ConnectionResetError) and client_gone(request):
+            # A write found the client gone, a moment before aiohttp cancelled the handler for
+            # it (handler_cancellation): the same end as that cancel, not an error of ours. (A
+            # reset of another connection, the hub's in a pull, is one while the client waits.)
+            raise asyncio.CancelledError from e
         if isinstance(e, UserError):  # the exception carries its own message and status
             status, message = e.status, str(e)
         else:

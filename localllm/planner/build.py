@@ -55,8 +55,7 @@ def build_plan(shape: ModelShape, card: Card, request: Request, chosen: Search,
     full_swa = evaluator.with_full_swa(best, shape.chat_template is not None)
     if full_swa is not None:
         best = full_swa
-    threads = decode_threads(card, request.n_threads) if card.has_gpu \
-        else request.n_threads or card.cores
+    threads = request.n_threads or decode_threads(card)  # num_thread as asked
     s = best.settings
     if not card.has_gpu:
         base = cpu_plan(s.n_ctx, 0)

@@ -13,6 +13,7 @@ from .card import Card
 from .disk import disk_reason
 from .evaluator import Evaluator
 from .explain_speculation import speculation_lines
+from .host_reads import read_gbs_at
 from .memory import CPU, ContextSettings, gpu_layers
 from .placements import kind_of, span
 from .plan import layer_ranges
@@ -24,6 +25,17 @@ REJECTED = "rejected: "
 
 def _kv_text(settings: ContextSettings) -> str:
     return f"{quality.kv_label(settings.type_k, settings.type_v)} KV"
+
+
+def _threads_line(card: Card, request: Request, threads: int, cpu_weights: int) -> str:
+    if threads >= card.cores or request.n_threads:
+        return (f"{threads} threads = physical cores: {gib(cpu_weights)} of weights stay in RAM "
+                "and decode on the CPU fastest with one thread per core")
+    return (f"{threads} of {card.cores} threads at decode: {gib(cpu_weights)} of weights stay "
+            f"in RAM, and this machine read RAM fastest with {threads} threads "
+            f"({read_gbs_at(card.host_read_gbs, threads):g} GB/s; "
+            f"{read_gbs_at(card.host_read_gbs, card.cores):g} with all {card.cores}); prompts "
+            f"are read with all {card.cores}")
 
 
 def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
@@ -66,16 +78,8 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
     if chosen.prompt_note:
         out.append(chosen.prompt_note)
     cpu_weights = next((m.weights for m in best.memory if m.device == CPU), 0)
-    if cpu_weights > shape.embedding_bytes * 1.5 and threads < card.cores \
-            and not request.n_threads:
-        rates = dict(card.host_read_gbs)
-        out.append(f"{threads} of {card.cores} threads at decode: {gib(cpu_weights)} of weights "
-                   f"stay in RAM, and this machine read RAM fastest with {threads} threads "
-                   f"({rates.get(threads, 0):g} GB/s; {rates.get(card.cores, 0):g} with all "
-                   f"{card.cores}); prompts are read with all {card.cores}")
-    elif cpu_weights > shape.embedding_bytes * 1.5:
-        out.append(f"{threads} threads = physical cores: {gib(cpu_weights)} of weights stay in "
-                   "RAM and decode on the CPU fastest with one thread per core")
+    if cpu_weights > shape.embedding_bytes * 1.5:
+        out.append(_threads_line(card, request, threads, cpu_weights))
     else:
         out.append(f"{threads} threads: the GPU does the work; the CPU only feeds it")
     out += _slot_lines(best, request, card, slot_note)

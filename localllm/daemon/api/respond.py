@@ -13,7 +13,6 @@ work.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -325,13 +324,7 @@ class Writer(ABC):
         ...
 
     async def write(self, data: bytes) -> None:
-        try:
-            await self.response.write(data)
-        except ConnectionResetError as e:
-            # The client left between two parts, a moment before aiohttp cancelled this handler
-            # (handler_cancellation): the same end as that cancel, not an error of the server's
-            # (it was logged as one, and failed a test on a loaded machine).
-            raise asyncio.CancelledError from e
+        await self.response.write(data)
 
     # A writer whose answer may take more than one generation (a tool the server runs itself,
     # its result read by the model before it goes on) says so here: it returns the request to
