@@ -22,12 +22,13 @@ Systems (--systems):
 Every system gets the same budget: --budget GiB of the card (ours: vram_margin_mib = free -
 budget; llama-server: --fit-target free - budget).
 
-`--phase sweep` first lets ours settle (short answers with idle gaps until the ways `auto`
-weighs are measured; what it learns, OUT/ours-learned, every later start of ours begins with,
-as a user's machine does after its first answers), then measures each llama.cpp system's
-decode after a short prompt at each thread count of --thread-sweep (0: llama.cpp's default),
-then newest-fit-cache at its best threads with each size of --cache-sweep (decode after a
-short prompt and after the long prompt), and writes the best settings to OUT/best.json.
+`--phase sweep` first lets ours settle (short answers with idle gaps until the ways `auto` weighs
+are measured; --settle-long: then answers after long prompts, which run in a fill band of their
+own with ways of their own; what it learns, OUT/ours-learned, every later start of ours begins
+with, as a user's machine does after its first answers), then measures each llama.cpp system's
+decode after a short prompt at each thread count of --thread-sweep (0: llama.cpp's default), then
+newest-fit-cache at its best threads with each size of --cache-sweep (decode after a short prompt
+and after the long prompt), and writes the best settings to OUT/best.json.
 `--phase rounds` runs every system --rounds times, alternating (round r starts at system r, so
 no system always runs first or last after the same neighbour), each at its best settings: a
 decode after a short prompt, then a --prompt-tokens prompt (time to first token, reading
@@ -162,7 +163,7 @@ def settle_ours(args, model: Path, record) -> None:
     """Ours with default settings, short answers with idle gaps until its plan settles; what
     it learned (OUT/ours-learned) every later start of ours begins with, as on a user's machine
     after its first answers."""
-    from scripts.bench.bench_session import settle
+    from scripts.bench.bench_session import calibrate, settle
 
     with tempfile.TemporaryDirectory() as tmp:
         system = None
@@ -170,6 +171,9 @@ def settle_ours(args, model: Path, record) -> None:
             system = start("ours", args, model, Path(tmp), 0, 0)
             system.generate("Hello there. " * 4, 4)
             settle(system, args, lambda row: record({"phase": "settle", **row}))
+            if args.settle_long:  # the band a long prompt runs in has ways of its own
+                settle(system, args, lambda row: record({"phase": "settle", **row}),
+                       calibrate(system, [], args.ctx))
         except Exception as e:
             record({"system": "ours", "phase": "settle", "error": f"{type(e).__name__}: {e}"})
         finally:
@@ -248,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle-rounds", type=int, default=12, help="ours' settling: answers at most")
     p.add_argument("--settle-gap", type=float, default=6.0, help="ours' settling: idle seconds")
     p.add_argument("--prompt-tokens", type=int, default=16384)
+    p.add_argument("--settle-long", action="store_true",
+                   help="ours' settling: then answers after --prompt-tokens prompts")
     p.add_argument("--models", default="/tmp/models")
     p.add_argument("--deadline", type=float, default=540, help="seconds; later runs skipped")
     p.add_argument("--out", default=os.environ.get("OUT", "."))

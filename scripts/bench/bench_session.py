@@ -29,6 +29,7 @@ Runs (--runs, in this order):
            per turn the tokens read against the tokens the turn added
   settle   ours: short answers with --settle-gap idle seconds after each until the plan settles
            (the ways `auto` weighed all measured, no re-plan due; --settle-rounds at most)
+  settle-long  ours: the same with a new --prompt-tokens prompt each time (the long fill band)
   session-order
            a real session's order (issue 36): --short-count short requests, then the
            --prompt-tokens prompt (its time to first token, reading speed and decode after it),
@@ -104,19 +105,27 @@ def run_system(system, args, record) -> None:
             session_order(system, args, record, calibrate(system, cpt, args.ctx))
         elif run == "settle":
             settle(system, args, record)
+        elif run == "settle-long":
+            settle(system, args, record, calibrate(system, cpt, args.ctx))
 
 
-def settle(system, args, record) -> None:
+def settle(system, args, record, long_chars: float = 0) -> None:
     """Ours: short answers with an idle gap after each (a user reading the answer), as many as
     the plan takes to settle (every way `auto` weighed measured and no re-plan due) or
-    --settle-rounds: what each decoded, on which way, and what ps said of the ways."""
+    --settle-rounds: what each decoded, on which way, and what ps said of the ways.
+    `long_chars` (chars per token): answers after a --prompt-tokens prompt instead, a new one
+    each time (a user with long documents), which settle the fill band such prompts run in."""
     if not hasattr(system, "settling"):
         return
+    run = "settle-long" if long_chars else "settle"
     for round_ in range(args.settle_rounds):
-        r = system.generate(short_prompt(), args.tokens)
+        prompt = text_of(int(args.prompt_tokens * long_chars), 40 + round_) if long_chars \
+            else short_prompt()
+        r = system.generate(prompt, args.tokens)
         state = system.settling()
-        record({"system": system.name, "run": "settle", "round": round_,
-                "decode_tps": round(r["decode_tps"], 2), **state, **running(system)})
+        record({"system": system.name, "run": run, "round": round_,
+                "prompt_tokens": r["prompt_tokens"], "decode_tps": round(r["decode_tps"], 2),
+                "band": system.band(), **state, **running(system)})
         ways = (state.get("ways") or {}).get("weighed", ())
         if "replan" not in state and all(w["measured_tps"] for w in ways) and round_:
             return
@@ -261,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--turn-tokens", type=int, default=2048)
     p.add_argument("--answer-tokens", type=int, default=256)
+    p.add_argument("--llama-server", default="llama-server",
+                   help="the fit systems' binary (default: the one on PATH, the vendored build)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 16)
     p.add_argument("--models", default="/tmp/bench-models")
     p.add_argument("--routing", default="uniform",
@@ -316,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                             record({"system": name, "skipped": "--tiny"})
                             continue
                         system = Fit(model, args.ctx, budget_mib, name[4:], args.threads,
-                                     out / f"{name}-{args.shape}-{args.ctx}.log")
+                                     out / f"{name}-{args.shape}-{args.ctx}.log",
+                                     binary=args.llama_server)
                     else:
                         raise SystemExit(f"unknown system {name!r}")
                     args.vram_peak = lambda mem=mem: (mem.peak - mem.baseline) // MIB
