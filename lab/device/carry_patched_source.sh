@@ -29,4 +29,6 @@ fi
 tar czf "$root/.device-carry/llama-src.tgz" -C "$vendor" \
   --exclude='llama.cpp/'{models,docs,media,tests,benches,examples,conversion,gguf-py,.github,tools,app,pocs} \
   llama.cpp
+# ggml's operator test, for lab/device/fattn_check.sh (the tarball leaves tests/ out)
+xz -c "$vendor/llama.cpp/tests/test-backend-ops.cpp" > "$root/.device-carry/test-backend-ops.cpp.xz"
 echo "wrote .device-carry/llama-src.tgz (patches $(cat "$vendor/llama.cpp/LOCALLLM_PATCHES"))"
