@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine, after tests/gpu/device_engine.sh built the patched engine from its source
-# (/tmp/patched/src): ggml's own operator test, test-backend-ops (CUDA against the CPU), for
-# FLASH_ATTN_EXT with patch 0007's query-head columns forced on (LOCALLLM_FA_VEC_GQA=1), with cases
-# of the shapes it serves added (head sizes 64/128/256, 2-16 query heads per KV head, one token,
-# q8_0 and q4_0, 512 and 4096 cells, sinks or none, two sequences), which the stock list has only
-# at 64; then its perf mode on one token's attention at Qwen3-30B-A3B's and the 80B class's
+# (/tmp/patched/src): ggml's own operator test, test-backend-ops (CUDA against the CPU), on
+# FLASH_ATTN_EXT's one-token cases (the patch's) with patch 0007's query-head columns forced on
+# (LOCALLLM_FA_VEC_GQA=1), with cases of the shapes it serves added (head sizes 64/128/256, 2-16
+# query heads per KV head, q8_0 and q4_0, 512 and 4096 cells, sinks or none, two sequences),
+# which the stock list has only at 64; then its perf mode on one token's attention at Qwen3-30B-A3B's and the 80B class's
 # shapes, 4K-32K cells, with the patch off, on, and over an f16 cache.
 #   bash lab/device/fattn_check.sh          # results in $OUT/fattn-*.log
 # A failed case leaves /tmp/fattn-off, which lab/device/queues/moe-ways.queue's lines read
@@ -49,7 +49,7 @@ g++ -O2 -std=c++17 "$work/tbo.cpp" -I"$src/ggml/include" -L/tmp/patched/bin -lgg
     -lpthread -o "$work/tbo"
 echo "test-backend-ops built in $(( $(date +%s) - start )) s"
 export LD_LIBRARY_PATH=/tmp/patched/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-LOCALLLM_FA_VEC_GQA=1 "$work/tbo" test -o FLASH_ATTN_EXT -b CUDA0 -j 8 > "$OUT/fattn-test-on.log" 2>&1 || true
+LOCALLLM_FA_VEC_GQA=1 "$work/tbo" test -o FLASH_ATTN_EXT -b CUDA0 -p "nb=1," -j 8 > "$OUT/fattn-test-on.log" 2>&1 || true
 echo "FLASH_ATTN_EXT, query-head columns forced on: $(grep -c ': OK' "$OUT/fattn-test-on.log") OK, $(grep -c 'FAIL' "$OUT/fattn-test-on.log") FAIL"
 if grep -q FAIL "$OUT/fattn-test-on.log" || ! grep -q ': OK' "$OUT/fattn-test-on.log"; then
   grep -m 5 FAIL "$OUT/fattn-test-on.log" || true
