@@ -4,8 +4,8 @@
 # FLASH_ATTN_EXT's one-token cases (the patch's) with patch 0007's query-head columns forced on
 # (LOCALLLM_FA_VEC_GQA=1), with cases of the shapes it serves added (head sizes 64/128/256, 2-16
 # query heads per KV head, q8_0 and q4_0, 512 and 4096 cells, sinks or none, two sequences),
-# which the stock list has only at 64; then its perf mode on one token's attention at Qwen3-30B-A3B's and the 80B class's
-# shapes, 4K-32K cells, with the patch off, on, and over an f16 cache.
+# which the stock list has only at 64; then its perf mode on one token's attention at the shapes
+# of Qwen3-30B-A3B and the 80B class, 4K-32K cells, with the patch off, on, and over f16.
 #   bash lab/device/fattn_check.sh          # results in $OUT/fattn-*.log
 # A failed case leaves /tmp/fattn-off, which lab/device/queues/moe-ways.queue's lines read
 # (LOCALLLM_FA_VEC_GQA=0: figures of the engine as before rather than of a wrong kernel).
