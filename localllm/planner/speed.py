@@ -58,6 +58,12 @@ CROSSING_SECONDS = 0.1e-3  # hidden state between GPU and CPU, and the sync it f
 # priced 4.6 (llama-bench, 16 threads, every weight on the GPU).
 GPU_ATTENTION_ELEMENT_SECONDS = {"f16": 1.9e-13, "bf16": 1.9e-13, "f32": 3.8e-13,
                                  "q8_0": 5.0e-13, "q4_0": 9.0e-13}
+# Patch 0007: with a quantized cache, one block takes the query heads of one KV head (8, 4 or 2,
+# the most that divide the heads a KV head serves), so the walk over the cells (their loads and
+# dequantization) is shared by them and the rest (dot products, softmax) stays per query head.
+# The share of the figures above that the walk is, by cache type (test-backend-ops perf, one
+# token, 8 query heads a KV head; lab/device/fattn_check.sh): a type absent is priced as before.
+GPU_GROUPED_WALK_SHARE: dict[str, float] = {}
 GPU_ATTENTION_REFERENCE_GBS = 4800.0  # the H200's, where the figures above were measured
 GPU_ATTENTION_REFERENCE_TFLOPS = 989.0
 GPU_KV_READ_EFFICIENCY = 0.6  # a cache with as many KV heads as query heads is bound by bytes
@@ -169,8 +175,9 @@ def attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, dept
            + kv_row_bytes(settings.type_v, costs.kv_v_elements[i]))
     if on_gpu:
         peak = gpu_peak_gbs or card.bandwidth_gbs
-        per_element = (_gpu_element_seconds(settings.type_k)
-                       + _gpu_element_seconds(settings.type_v)) / 2
+        grouped = heads_per_block(costs, i) if settings.type_k in GPU_GROUPED_WALK_SHARE else 1
+        per_element = (_gpu_element_seconds(settings.type_k, grouped)
+                       + _gpu_element_seconds(settings.type_v, grouped)) / 2
         slower = min(GPU_ATTENTION_REFERENCE_GBS / max(1.0, peak),
                      GPU_ATTENTION_REFERENCE_TFLOPS / max(1.0, gpu_tflops or card.fp16_tflops))
         walks = cells * costs.attention_flops[i] / 2 * per_element * slower
@@ -194,8 +201,17 @@ def attention_row(costs: ModelCosts, type_k: str, type_v: str, depth: int, on_gp
                  for i in range(costs.n_blocks))
 
 
-def _gpu_element_seconds(cache_type: str) -> float:
-    return GPU_ATTENTION_ELEMENT_SECONDS.get(cache_type, GPU_ATTENTION_ELEMENT_SECONDS["q4_0"])
+def heads_per_block(costs: ModelCosts, i: int) -> int:
+    """Query heads one block of patch 0007's decode kernel takes for block i's attention."""
+    per_kv_head = costs.attention_flops[i] // 2 // max(
+        1, costs.kv_k_elements[i] + costs.kv_v_elements[i])
+    return next((n for n in (8, 4, 2) if per_kv_head % n == 0), 1)
+
+
+def _gpu_element_seconds(cache_type: str, grouped: int = 1) -> float:
+    alone = GPU_ATTENTION_ELEMENT_SECONDS.get(cache_type, GPU_ATTENTION_ELEMENT_SECONDS["q4_0"])
+    walk = GPU_GROUPED_WALK_SHARE.get(cache_type, 0.0)
+    return alone * (1 - walk + walk / grouped)
 
 
 def pool_hits(costs: ModelCosts, devices: list[str], kept, pool: ExpertPool | None
