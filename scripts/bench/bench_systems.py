@@ -28,6 +28,14 @@ from scripts.bench.bench_tuner import MemorySampler  # noqa: E402
 MIB = 1 << 20
 
 
+def attention_kernel() -> str:
+    """Which one-token attention kernel ours runs over a quantized cache: "grouped" (patch 0007,
+    query heads of one KV head a block) or "per-head" (before it, or LOCALLLM_FA_VEC_GQA=0);
+    recorded with every row, so that a repricing prices each run with the kernel it ran."""
+    patched = (ROOT / "patches" / "0007-fattn-vec-gqa-heads.patch").exists()
+    return "grouped" if patched and os.environ.get("LOCALLLM_FA_VEC_GQA") != "0" else "per-head"
+
+
 def post(url: str, body: dict, timeout: float = 900) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
