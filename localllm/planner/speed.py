@@ -165,9 +165,11 @@ def gpu_bandwidths(card: Card) -> dict[str, float]:
 def attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, depth: int,
                        on_gpu: bool, card: Card, threads: int,
                        gpu_peak_gbs: float | None = None,
-                       gpu_tflops: float | None = None) -> float:
+                       gpu_tflops: float | None = None, grouped: bool = True) -> float:
     """Attention of block i over `depth` cells, on the device that holds its KV (a GPU of
-    `gpu_peak_gbs` and `gpu_tflops`, the card's by default)."""
+    `gpu_peak_gbs` and `gpu_tflops`, the card's by default). `grouped`: the engine's decode
+    kernel shares the walk over a quantized cache among a KV head's query heads (patch 0007);
+    False prices the kernel before it (runs recorded then)."""
     if not costs.kv_k_elements[i]:
         return 0.0
     cells = min(depth, costs.sliding_window) if costs.kinds[i] == SLIDING else depth
@@ -175,9 +177,10 @@ def attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, dept
            + kv_row_bytes(settings.type_v, costs.kv_v_elements[i]))
     if on_gpu:
         peak = gpu_peak_gbs or card.bandwidth_gbs
-        grouped = heads_per_block(costs, i) if settings.type_k in GPU_GROUPED_WALK_SHARE else 1
-        per_element = (_gpu_element_seconds(settings.type_k, grouped)
-                       + _gpu_element_seconds(settings.type_v, grouped)) / 2
+        heads = heads_per_block(costs, i) \
+            if grouped and settings.type_k in GPU_GROUPED_WALK_SHARE else 1
+        per_element = (_gpu_element_seconds(settings.type_k, heads)
+                       + _gpu_element_seconds(settings.type_v, heads)) / 2
         slower = min(GPU_ATTENTION_REFERENCE_GBS / max(1.0, peak),
                      GPU_ATTENTION_REFERENCE_TFLOPS / max(1.0, gpu_tflops or card.fp16_tflops))
         walks = cells * costs.attention_flops[i] / 2 * per_element * slower
@@ -193,11 +196,11 @@ def attention_seconds(costs: ModelCosts, i: int, settings: ContextSettings, dept
 @per_costs
 def attention_row(costs: ModelCosts, type_k: str, type_v: str, depth: int, on_gpu: bool,
                   card: Card, threads: int, gpu_peak_gbs: float | None = None,
-                  gpu_tflops: float | None = None) -> tuple[float, ...]:
+                  gpu_tflops: float | None = None, grouped: bool = True) -> tuple[float, ...]:
     """attention_seconds of every block with these KV types (all it reads of the settings)."""
     settings = ContextSettings(depth, type_k, type_v)
     return tuple(attention_seconds(costs, i, settings, depth, on_gpu, card, threads, gpu_peak_gbs,
-                                   gpu_tflops)
+                                   gpu_tflops, grouped)
                  for i in range(costs.n_blocks))
 
 
@@ -228,7 +231,7 @@ def pool_hits(costs: ModelCosts, devices: list[str], kept, pool: ExpertPool | No
 @per_costs
 def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSettings, card: Card,
                   n_threads: int | None = None, depth: int = DECODE_DEPTH,
-                  pool: ExpertPool | None = None) -> Speed:
+                  pool: ExpertPool | None = None, grouped_attention: bool = True) -> Speed:
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
     kept = in_ram(costs, placement)
     served, hits = pool_hits(costs, devices, kept, pool)
@@ -245,7 +248,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     kv = (settings.type_k, settings.type_v)
     cpu_attention = attention_row(costs, *kv, depth, False, card, threads)
     gpu_attention = {g.device: attention_row(costs, *kv, depth, True, card, threads,
-                                             g.bandwidth_gbs, g.fp16_tflops)
+                                             g.bandwidth_gbs, g.fp16_tflops, grouped_attention)
                      for g in card.gpu_list}
     if served:  # the pool's GPU: its hits, its second chains, the copies after each step
         routed = sum(costs.expert_bytes[i] for i in served) * costs.expert_active_fraction

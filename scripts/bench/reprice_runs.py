@@ -98,8 +98,9 @@ def runs(rows: list[dict], card_name: str = "h200") -> list[Run]:
             before = pool
         depth = row.get("prompt_tokens", 60)
         threads = int(ran.get("n_threads") or card.cores)
-        tps = predict_speed(costs, placement, settings, card, threads, depth,
-                            pool=priced).decode_tps
+        # runs recorded before patch 0007 (no "attention" field) ran the per-head kernel
+        tps = predict_speed(costs, placement, settings, card, threads, depth, pool=priced,
+                            grouped_attention=row.get("attention") == "grouped").decode_tps
         label = (f"{row.get('lease', '')} {row['shape']}"
                  f"{'-e' + str(row['experts']) if row.get('experts') else ''}"
                  f" {row['run']} at {depth}")
