@@ -3,6 +3,7 @@
 # carried tree anew under the running queue), the model written while ours and the newest
 # llama.cpp build side by side, then lab/device/queues/moe-ways.queue started and waited on.
 #   source .device-carry/on-device.sh && bash lab/device/queues/moe-ways-start.sh
+# QUEUE names another queue file (moe-ways-short.queue for a short lease).
 # BASELINE=vendored-fit skips the newest build (about 200 s more than ours alone) and measures
 # against the llama.cpp carried prebuilt.
 set -euo pipefail
@@ -17,5 +18,5 @@ eval "$(bash tests/gpu/device_engine.sh)"
 wait
 tail -2 "$OUT"/synth.log "$OUT"/newest.log 2>/dev/null || true
 echo "builds and model: $(( $(date +%s) - t0 )) s"
-bash lab/device/queue.sh start lab/device/queues/moe-ways.queue
+bash lab/device/queue.sh start "${QUEUE:-lab/device/queues/moe-ways.queue}"
 bash lab/device/queue.sh wait $(( 585 - ($(date +%s) - t0) ))
