@@ -6,17 +6,20 @@
 # query heads per KV head, q8_0 and q4_0, 512 and 4096 cells, sinks or none, two sequences),
 # which the stock list has only at 64; then its perf mode on one token's attention at the shapes
 # of Qwen3-30B-A3B and the 80B class, 4K-32K cells, with the patch off, on, and over f16.
-#   bash lab/device/fattn_check.sh          # results in $OUT/fattn-*.log
+#   bash lab/device/fattn_check.sh compile  # the test alone, beside the engine's build
+#   bash lab/device/fattn_check.sh          # after it: results in $OUT/fattn-*.log
 # A failed case leaves /tmp/fattn-off, which lab/device/queues/moe-ways.queue's lines read
 # (LOCALLLM_FA_VEC_GQA=0: figures of the engine as before rather than of a wrong kernel).
 # The source comes from .device-carry/test-backend-ops.cpp.xz (lab/device/carry_patched_source.sh).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-src=/tmp/patched/src/llama.cpp
 work=/tmp/fattn-check
 mkdir -p "$work" "${OUT:=/tmp/out}"
-xz -dc "$root/.device-carry/test-backend-ops.cpp.xz" > "$work/tbo.cpp"
-python3 - "$work/tbo.cpp" <<'PY'
+compile() {  # needs only ggml's headers (from the carried source): runs beside the builds
+  mkdir -p "$work/src"
+  tar xzf "$root/.device-carry/llama-src.tgz" -C "$work/src" llama.cpp/ggml/include
+  xz -dc "$root/.device-carry/test-backend-ops.cpp.xz" > "$work/tbo.cpp"
+  python3 - "$work/tbo.cpp" <<'PY'
 import sys
 path = sys.argv[1]
 s = open(path).read()
@@ -44,10 +47,16 @@ for fn, extra in (("make_test_cases_eval() {\n    ", served), ("make_test_cases_
     s = s[:at + len(head)] + extra + s[at + len(head):]
 open(path, "w").write(s)
 PY
-start=$(date +%s)
-g++ -O2 -std=c++17 "$work/tbo.cpp" -I"$src/ggml/include" -L/tmp/patched/bin -lggml -lggml-base \
-    -lpthread -o "$work/tbo"
-echo "test-backend-ops built in $(( $(date +%s) - start )) s"
+  local start=$(date +%s)
+  g++ -O1 -std=c++17 -c "$work/tbo.cpp" -I"$work/src/llama.cpp/ggml/include" -o "$work/tbo.o"
+  echo "test-backend-ops compiled in $(( $(date +%s) - start )) s"
+}
+if [ "${1:-}" = compile ]; then
+  compile
+  exit 0
+fi
+[ -f "$work/tbo.o" ] || compile
+g++ "$work/tbo.o" -L/tmp/patched/bin -lggml -lggml-base -lpthread -o "$work/tbo"
 export LD_LIBRARY_PATH=/tmp/patched/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 LOCALLLM_FA_VEC_GQA=1 "$work/tbo" test -o FLASH_ATTN_EXT -b CUDA0 -p "nb=1," -j 8 > "$OUT/fattn-test-on.log" 2>&1 || true
 echo "FLASH_ATTN_EXT, query-head columns forced on: $(grep -c ': OK' "$OUT/fattn-test-on.log") OK, $(grep -c 'FAIL' "$OUT/fattn-test-on.log") FAIL"

@@ -13,10 +13,11 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader; npro
 python3 -c "from scripts import synth_gguf as s; print(s.ensure_model('/tmp/models', s.SHAPES['qwen3-30b-a3b'], routing='real'))" > "$OUT/synth.log" 2>&1 &
 [ "${BASELINE:-newest-fit}" = vendored-fit ] ||
   bash lab/device/build_newest_llama.sh > "$OUT/newest.log" 2>&1 &
+bash lab/device/fattn_check.sh compile > "$OUT/tbo-compile.log" 2>&1 &  # patch 0007's test
 export BASELINE=${BASELINE:-newest-fit}
 eval "$(bash tests/gpu/device_engine.sh)"
 wait
-tail -2 "$OUT"/synth.log "$OUT"/newest.log 2>/dev/null || true
+tail -2 "$OUT"/synth.log "$OUT"/newest.log "$OUT"/tbo-compile.log 2>/dev/null || true
 echo "builds and model: $(( $(date +%s) - t0 )) s"
 bash lab/device/queue.sh start "${QUEUE:-lab/device/queues/moe-ways.queue}"
 bash lab/device/queue.sh wait $(( 585 - ($(date +%s) - t0) ))
