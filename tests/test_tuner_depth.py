@@ -123,3 +123,29 @@ def test_full_swa_cache_for_a_chat_model_with_room(shapes, gemma_gguf, smollm2_g
     assert not base.swa_full  # no chat template: nothing to reuse across turns
     no_window = tune(read_shape(smollm2_gguf), h200(24), Request(n_ctx=8192))
     assert not no_window.swa_full
+
+
+def test_a_quantized_cache_is_priced_with_the_attention_kernel_that_runs(shapes, monkeypatch):
+    """Patch 0007: one token's attention over a quantized cache walks each KV head's cells once
+    for the query heads it serves (8 a block for Qwen3-30B-A3B, 2 for the Qwen3.5-27B shape's
+    6, none for dense-27b's 5); runs recorded before it price with the per-head kernel."""
+    from localllm.planner import speed
+    from localllm.planner.costs import model_costs
+
+    moe, hybrid, dense = (model_costs(shapes[n]) for n in ("qwen3-30b-a3b", "qwen35-27b",
+                                                             "dense-27b"))
+    block = next(i for i, k in enumerate(moe.kv_k_elements) if k)
+    assert speed.heads_per_block(moe, block) == 8
+    assert speed.heads_per_block(hybrid, next(i for i, k in enumerate(hybrid.kv_k_elements)
+                                              if k)) == 2
+    assert speed.heads_per_block(dense, 0) == 1
+    monkeypatch.setattr(speed, "GPU_GROUPED_WALK_SHARE", {"q8_0": 0.8})
+    card = h200(12)
+
+    def at_16k(costs, kv: str, grouped: bool) -> float:
+        return sum(speed.attention_row(costs, kv, kv, 16384, True, card, 16, grouped=grouped))
+
+    # 1 - 0.8 + 0.8 / 8 of the per-head price, where the cache is quantized and heads group
+    assert at_16k(moe, "q8_0", True) == pytest.approx(0.3 * at_16k(moe, "q8_0", False), rel=0.02)
+    assert at_16k(moe, "f16", True) == at_16k(moe, "f16", False)
+    assert at_16k(dense, "q8_0", True) == at_16k(dense, "q8_0", False)
