@@ -10,7 +10,8 @@ set -euo pipefail
 t0=$(date +%s)
 rm -rf /tmp/lw && mkdir -p /tmp/lw && cp -a . /tmp/lw && cd /tmp/lw
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader; nproc
-python3 -c "from scripts import synth_gguf as s; print(s.ensure_model('/tmp/models', s.SHAPES['qwen3-30b-a3b'], routing='real'))" > "$OUT/synth.log" 2>&1 &
+[ "${SYNTH:-1}" = 0 ] ||  # SYNTH=0: a queue with no model in it (fattn-only.queue)
+  python3 -c "from scripts import synth_gguf as s; print(s.ensure_model('/tmp/models', s.SHAPES['qwen3-30b-a3b'], routing='real'))" > "$OUT/synth.log" 2>&1 &
 [ "${BASELINE:-newest-fit}" = vendored-fit ] ||
   bash lab/device/build_newest_llama.sh > "$OUT/newest.log" 2>&1 &
 bash lab/device/fattn_check.sh compile > "$OUT/tbo-compile.log" 2>&1 &  # patch 0007's test
