@@ -1,6 +1,7 @@
 """Fill bands: a runner starts in a small context's plan and moves to the next band's plan when a
-sequence outgrows it, carrying the KV over (llama.cpp's sequence state). Real runner processes
-with real llama.cpp and the real SmolLM2 model."""
+sequence outgrows it, carrying the KV over (llama.cpp's sequence state), or, when a request's
+prompt and answer room pass the band, as that request starts. Real runner processes with real
+llama.cpp and the real SmolLM2 model."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from localllm.planner.plan import cpu_plan
 
 NEAR_TIE = 0.05  # as tests/test_speculation.py: a logprob gap rounding may break either way
 BAND = 512
+# The mid-answer tests: an answer longer than the room a request starts with (512 tokens at
+# most) still crosses its band while it is written; no room makes this short one do so.
+NO_ROOM = "LOCALLLM_BAND_ANSWER_ROOM"
 # About 460 tokens: the answer of 200 crosses the 512-token band while it is being written. A
 # count has no near-tie to break, and a sequence whose KV did not come over would lose it.
 PROMPT = "Here is a list of facts about the sea. " + " ".join(
@@ -68,7 +72,9 @@ def exact_until(tops: list[list[float]]) -> int:
     return len(tops)
 
 
-async def test_a_band_switch_mid_answer_keeps_the_greedy_text(runner_for, smollm2_gguf):
+async def test_a_band_switch_mid_answer_keeps_the_greedy_text(runner_for, smollm2_gguf,
+                                                             monkeypatch):
+    monkeypatch.setenv(NO_ROOM, "0")
     start = runner_for(smollm2_gguf)
     whole = whole_plan()
     banded = await start(whole, bands=(dataclasses.replace(whole, n_ctx=BAND),))
@@ -92,7 +98,9 @@ async def test_a_band_switch_mid_answer_keeps_the_greedy_text(runner_for, smollm
     assert done.prompt_eval_count == ref_done.prompt_eval_count  # no prompt was read twice
 
 
-async def test_a_band_with_another_kv_type_reads_the_sequence_again(runner_for, smollm2_gguf):
+async def test_a_band_with_another_kv_type_reads_the_sequence_again(runner_for, smollm2_gguf,
+                                                                   monkeypatch):
+    monkeypatch.setenv(NO_ROOM, "0")
     start = runner_for(smollm2_gguf)
     whole = whole_plan(type_k="q8_0", type_v="q8_0")
     small = dataclasses.replace(whole, n_ctx=BAND, type_k="f16", type_v="f16")
@@ -115,7 +123,8 @@ def test_a_switch_under_four_requests_loses_none_and_ps_shows_it(tmp_path, smoll
     from conftest import import_models
     from daemon_process import isolated_env, start_daemon
 
-    env = isolated_env(tmp_path / "d", LOCALLLM_FILL_BANDS=str(BAND), LOCALLLM_NUM_PARALLEL="4")
+    env = isolated_env(tmp_path / "d", LOCALLLM_FILL_BANDS=str(BAND), LOCALLLM_NUM_PARALLEL="4",
+                       **{NO_ROOM: "0"})
     import_models(env, {"smollm2": smollm2_gguf})
     daemon = start_daemon(env)
     try:
@@ -160,6 +169,38 @@ def test_a_switch_under_four_requests_loses_none_and_ps_shows_it(tmp_path, smoll
         assert "carried 4 sequences" in log
     finally:
         daemon.stop()
+
+
+async def test_a_request_whose_answer_would_cross_the_band_moves_it_before_its_first_token(
+        runner_for, smollm2_gguf):
+    """The default: the prompt (about 460 tokens) and its 200-token answer pass the 512-token
+    band, so the runner moves up as the request starts: the reload's note comes before the
+    first token, nothing is carried (nothing was read yet), and the answer is the plain
+    runner's."""
+    start = runner_for(smollm2_gguf)
+    whole = whole_plan()
+    runner = await start(whole, bands=(dataclasses.replace(whole, n_ctx=BAND),))
+    order, text, done = [], "", None
+    request = GenerationRequest(id="a", prompt=PROMPT,
+                                options=SamplingOptions(num_predict=200, temperature=0))
+    async for event in runner.generate(request):
+        if isinstance(event, Done):
+            done = event
+        elif isinstance(event, Progress):
+            order.append("note" if "moving to the 2048-token band" in (event.note or "")
+                         else "progress")
+        elif event.text:
+            order.append("token")
+            text += event.text
+    assert done is not None and done.eval_count == 200
+    assert done.prompt_tokens < BAND < done.prompt_tokens + done.eval_count
+    assert "note" in order and order.index("note") < order.index("token"), order
+    assert runner.band == 1 and len(runner.band_pauses) == 1
+    log = Path(runner.log_path).read_text()
+    assert "carried 0 sequences" in log and "tokens read again" not in log
+    assert done.prompt_eval_count == done.prompt_tokens  # the prompt was read once
+    pieces, _, _, _ = await greedy(await start(whole))
+    assert text == "".join(pieces)
 
 
 def test_the_request_that_loads_the_model_picks_its_band():

@@ -1,7 +1,11 @@
 """Fill bands in the runner: the RunnerEngine starts in a small context's plan (the tuner's, for
 less KV and more weights on the GPU) and, before a sequence outgrows it, moves to the next
 band's: every sequence's state saved to RAM (engine/state.py), the model reloaded with the new
-placement, the states restored (a band with another KV type reads them again instead).
+placement, the states restored (a band with another KV type reads them again instead). A
+request whose prompt and answer room (its num_predict, ANSWER_ROOM at most) pass the band moves
+it as it starts, before its prompt is read: the reload then comes before the first token, not
+in the middle of the answer (an agent's turn that crossed 32K mid-answer decoded at 28 tok/s
+where the turns around it did 60); only an answer longer than that room moves it mid-answer.
 
 It moves down again when the loaded band has not been needed for DOWN_AFTER_S (an agent's
 long conversation that went quiet; a user back to short chats): as the next request starts,
@@ -34,7 +38,15 @@ log = logging.getLogger("localllm.runner")
 
 DOWN_AFTER_S = 300.0  # the loaded band unneeded this long: the next request moves down
 DOWN_AFTER_VARIABLE = "LOCALLLM_BAND_DOWN_AFTER_S"  # another wait, for tests and tuning
-ANSWER_ROOM = 512  # answer tokens a band moved down to holds beyond each prompt (at most)
+ANSWER_ROOM = 512  # answer tokens a band moved to holds beyond each prompt (at most)
+ANSWER_ROOM_VARIABLE = "LOCALLLM_BAND_ANSWER_ROOM"  # another room: 0 moves up only when outgrown
+
+
+def answer_room() -> int:
+    try:
+        return max(0, int(os.environ.get(ANSWER_ROOM_VARIABLE, ANSWER_ROOM)))
+    except ValueError:
+        return ANSWER_ROOM
 
 
 def down_after_seconds() -> float:
@@ -58,6 +70,7 @@ class FillBands:
         self.room = room
         self.stash = stash
         self.down_after_s = down_after_seconds()
+        self.answer_room = answer_room()
         self.needed_at = time.monotonic()  # when a sequence last needed the loaded band
         self.pauses: list[float] = []  # seconds each switch stopped decoding
         self.on_band: Callable[[Band], None] | None = None  # after each switch
@@ -78,7 +91,7 @@ class FillBands:
         The new band's plan, or None when the loaded one stays."""
         now = time.monotonic()
         busy = [s for s in self.slots if not s.free]
-        need = max((len(s.tokens) + len(s.to_decode) + 1 for s in busy), default=0)
+        need = max((self._need(s) for s in busy), default=0)
         if self.band and need > self.plans[self.band - 1].n_ctx:
             self.needed_at = now
         if not self.last and need > self.room.seq:
@@ -92,8 +105,7 @@ class FillBands:
                 or not any(s.reading_prompt for s in busy):
             return None
         # not a band the answers outgrow at once
-        need = max(len(s.tokens) + len(s.to_decode) + min(s.work.limit, ANSWER_ROOM)
-                   for s in busy)
+        need = max(len(s.tokens) + len(s.to_decode) + self._room(s) for s in busy)
         target = next((i for i in range(self.band) if self.plans[i].n_ctx >= need), self.band)
         if target == self.band:
             return None
@@ -107,6 +119,16 @@ class FillBands:
                              f"{now - self.needed_at:.0f} s")
         self.needed_at = now
         return self.plan
+
+    def _room(self, slot: Slot) -> int:
+        """Answer tokens a band must hold beyond the sequence's prompt (at least the next)."""
+        return max(1, min(slot.work.limit, self.answer_room))
+
+    def _need(self, slot: Slot) -> int:
+        """Tokens the loaded band must hold for this sequence now: while its prompt is read,
+        the prompt and its answer's room; while it answers, the next token."""
+        room = self._room(slot) if slot.reading_prompt else 1
+        return len(slot.tokens) + len(slot.to_decode) + room
 
     def _switch(self, target: int, why: str) -> None:
         """Save every sequence's state to RAM, load the target band's plan (the same file,
