@@ -39,8 +39,8 @@ class Policy:
     the coldest holders they are hotter than; then every count decays."""
 
     def __init__(self, n_layer: int, n_expert: int, n_slots: int, decay: float,
-                 max_swaps: int) -> None:
-        self.n_expert, self.n_slots = n_expert, n_slots
+                 max_swaps: int, margin: float = 0.0) -> None:
+        self.n_expert, self.n_slots, self.margin = n_expert, n_slots, np.float32(margin)
         self.decay, self.max_swaps = decay, max_swaps
         self.count = np.zeros(n_layer * n_expert, dtype=np.float32)
         self.slot = np.full(n_layer * n_expert, -1, dtype=np.int64)
@@ -74,7 +74,7 @@ class Policy:
                     continue
                 victim = int(np.argmin(self.count[self.owner]))  # the first coldest
             old = int(self.owner[victim])
-            if old >= 0 and not self.count[key] > self.count[old]:
+            if old >= 0 and not self.count[key] > self.count[old] + self.margin:
                 continue
             if old >= 0:
                 self.slot[old] = -1
@@ -117,20 +117,23 @@ def route_session(shape: str, routing: str, tokens: int, tmp: Path) -> tuple[dic
 
 
 def replay(blocks: dict, prompt: int, n_expert: int, slots_per_block: int, served: int,
-           decay: float, swaps: int, answers: int, tokens: int) -> list[tuple[float, float]]:
+           decay: float, swaps: int, answers: int, tokens: int,
+           margin: float = 0.0) -> list[tuple[float, float]]:
     """Per answer: its own hit rate and swaps a step, the pool shared by the last `served`
     blocks: the prompt learned in one batch, then `answers` answers of `tokens` steps."""
     rows = [blocks[b] for b in sorted(blocks)[-served:]]
-    policy = Policy(len(rows), n_expert, slots_per_block * len(rows), decay, swaps)
+    policy = Policy(len(rows), n_expert, slots_per_block * len(rows), decay, swaps, margin)
+    # each block's answer is its last `tokens` steps: the last block routes only the prompt's
+    # last token (llama.cpp computes no other row of it), so its prompt part is shorter
     for layer, seq in enumerate(rows):
-        policy.learn(layer, [e for ids in seq[:prompt] for e in ids])
+        policy.learn(layer, [e for ids in seq[:len(seq) - tokens] for e in ids])
     policy.plan(served=False)
     out = []
     for _ in range(answers):
         hits, misses, swapped = policy.hits, policy.misses, policy.swaps
-        for t in range(prompt, prompt + tokens):
+        for t in range(tokens):
             for layer, seq in enumerate(rows):
-                policy.observe(layer, seq[t])
+                policy.observe(layer, seq[len(seq) - tokens + t])
             policy.plan()
         lookups = policy.hits - hits + policy.misses - misses
         out.append(((policy.hits - hits) / max(1, lookups), (policy.swaps - swapped) / tokens))
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=46, help="blocks the pool serves (the last)")
     p.add_argument("--swaps", default="4,8", help="swaps a step at most, comma-separated")
     p.add_argument("--decay", default="0.95", help="decays, comma-separated")
+    p.add_argument("--margins", default="0",
+                   help="uses a newcomer must lead the coldest holder by, comma-separated")
     p.add_argument("--answers", type=int, default=3)
     p.add_argument("--tokens", type=int, default=96, help="answer tokens (bench_session.py's)")
     args = p.parse_args(argv)
@@ -153,13 +158,14 @@ def main(argv: list[str] | None = None) -> int:
                                                  Path(tmp))
     print(f"{args.shape} {args.routing}: {args.slots_per_block} slots a block over "
           f"{args.blocks} blocks, a prompt of {prompt} tokens")
-    for decay in (float(d) for d in args.decay.split(",")):
-        for swaps in (int(s) for s in args.swaps.split(",")):
+    settings = [(float(d), int(s), float(m)) for d in args.decay.split(",")
+                for s in args.swaps.split(",") for m in args.margins.split(",")]
+    for decay, swaps, margin in settings:
             runs = replay(blocks, prompt, n_expert, args.slots_per_block, args.blocks, decay,
-                          swaps, args.answers, args.tokens)
+                          swaps, args.answers, args.tokens, margin)
             n_used = len(next(iter(blocks.values()))[0])
             misses = [(1 - h) * args.blocks * n_used for h, _ in runs]
-            print(f"  decay {decay:g}, {swaps:2} swaps: "
+            print(f"  decay {decay:g}, {swaps:2} swaps, margin {margin:g}: "
                   + ", ".join(f"{h:.1%} ({m:.0f} misses a token, {s:.1f} swaps a step)"
                               for (h, s), m in zip(runs, misses, strict=True)))
     return 0
