@@ -208,13 +208,14 @@ def heads_per_block(costs: ModelCosts, i: int) -> int:
     """Query heads one block of patch 0007's decode kernel takes for block i's attention."""
     per_kv_head = costs.attention_flops[i] // 2 // max(
         1, costs.kv_k_elements[i] + costs.kv_v_elements[i])
-    return next((n for n in (8, 4, 2) if per_kv_head % n == 0), 1)
+    return next((n for n in (8, 4, 2) if per_kv_head and per_kv_head % n == 0), 1)
 
 
-def _gpu_element_seconds(cache_type: str, grouped: int = 1) -> float:
+def _gpu_element_seconds(cache_type: str, heads: int = 1) -> float:
+    """Seconds per query-head element, its walk shared by `heads` query heads."""
     alone = GPU_ATTENTION_ELEMENT_SECONDS.get(cache_type, GPU_ATTENTION_ELEMENT_SECONDS["q4_0"])
     walk = GPU_GROUPED_WALK_SHARE.get(cache_type, 0.0)
-    return alone * (1 - walk + walk / grouped)
+    return alone * (1 - walk + walk / heads)
 
 
 def pool_hits(costs: ModelCosts, devices: list[str], kept, pool: ExpertPool | None
