@@ -282,15 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     # --newest all the same: its queue names one folder for either baseline)
     newest = any(s.startswith("newest-") for s in args.systems)
     source = (Path(args.newest) / "SOURCE").read_text().strip() if args.newest and newest else ""
-    from scripts.bench.bench_systems import attention_kernel
+    from scripts.bench.bench_systems import with_kernel
 
     with open(out / "baseline.jsonl", "a") as jsonl:
         def record(row: dict) -> None:
-            row = {"shape": args.shape, "routing": args.routing, "ctx": args.ctx,
-                   **({"newest": source} if source else {}),
-                   "t": round(time.monotonic() - args.t0), **row}
-            if str(row.get("system", "")).startswith("ours"):
-                row["attention"] = attention_kernel()
+            row = with_kernel({"shape": args.shape, "routing": args.routing, "ctx": args.ctx,
+                               **({"newest": source} if source else {}),
+                               "t": round(time.monotonic() - args.t0), **row})
             jsonl.write(json.dumps(row) + "\n")
             jsonl.flush()
             print(json.dumps(row), flush=True)

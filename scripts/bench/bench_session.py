@@ -60,7 +60,7 @@ import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
 from scripts import synth_gguf  # noqa: E402
 from scripts.bench.bench_text import SHORT_CHARS, short_prompt, text_of  # noqa: E402
-from scripts.bench.bench_systems import MIB, Fit, Ours, at_depth, attention_kernel  # noqa: E402
+from scripts.bench.bench_systems import MIB, Fit, Ours, at_depth, with_kernel  # noqa: E402
 from scripts.bench.bench_tuner import MemorySampler  # noqa: E402
 
 
@@ -303,8 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"shape": args.shape, "ctx": args.ctx, "t": round(time.monotonic() - args.t0),
                    **({"routing": args.routing} if args.routing != "uniform" else {}),
                    **({"experts": config.n_expert} if args.experts else {}), **row}
-            if str(row.get("system", "")).startswith("ours"):
-                row["attention"] = attention_kernel()
+            row = with_kernel(row)
             rows.append(row)
             jsonl.write(json.dumps(row) + "\n")
             jsonl.flush()

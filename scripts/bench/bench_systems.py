@@ -16,6 +16,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,12 +29,20 @@ from scripts.bench.bench_tuner import MemorySampler  # noqa: E402
 MIB = 1 << 20
 
 
+@cache
 def attention_kernel() -> str:
     """Which one-token attention kernel ours runs over a quantized cache: "grouped" (patch 0007,
-    query heads of one KV head a block) or "per-head" (before it, or LOCALLLM_FA_VEC_GQA=0);
-    recorded with every row, so that a repricing prices each run with the kernel it ran."""
+    query heads of one KV head a block) or "per-head" (before it, or LOCALLLM_FA_VEC_GQA=0)."""
     patched = (ROOT / "patches" / "0007-fattn-vec-gqa-heads.patch").exists()
     return "grouped" if patched and os.environ.get("LOCALLLM_FA_VEC_GQA") != "0" else "per-head"
+
+
+def with_kernel(row: dict) -> dict:
+    """A row of ours tagged with the attention kernel it ran, so that a repricing prices each
+    run with its own (scripts/bench/reprice_runs.py); other systems' rows as they are."""
+    if str(row.get("system", "")).startswith("ours"):
+        return {**row, "attention": attention_kernel()}
+    return row
 
 
 def post(url: str, body: dict, timeout: float = 900) -> dict:

@@ -116,7 +116,7 @@ def route_session(shape: str, routing: str, tokens: int, tmp: Path) -> tuple[dic
     return blocks, len(next(iter(blocks.values()))) - tokens, n_expert
 
 
-def replay(blocks: dict, prompt: int, n_expert: int, slots_per_block: int, served: int,
+def replay(blocks: dict, n_expert: int, slots_per_block: int, served: int,
            decay: float, swaps: int, answers: int, tokens: int,
            margin: float = 0.0) -> list[tuple[float, float]]:
     """Per answer: its own hit rate and swaps a step, the pool shared by the last `served`
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = [(float(d), int(s), float(m)) for d in args.decay.split(",")
                 for s in args.swaps.split(",") for m in args.margins.split(",")]
     for decay, swaps, margin in settings:
-            runs = replay(blocks, prompt, n_expert, args.slots_per_block, args.blocks, decay,
+            runs = replay(blocks, n_expert, args.slots_per_block, args.blocks, decay,
                           swaps, args.answers, args.tokens, margin)
             n_used = len(next(iter(blocks.values()))[0])
             misses = [(1 - h) * args.blocks * n_used for h, _ in runs]

@@ -42,18 +42,20 @@ ANSWER_ROOM = 512  # answer tokens a band moved to holds beyond each prompt (at 
 ANSWER_ROOM_VARIABLE = "LOCALLLM_BAND_ANSWER_ROOM"  # another room: 0 moves up only when outgrown
 
 
-def answer_room() -> int:
+def _setting(variable: str, default):
+    """A number from the environment (of the default's type, at least 0), else the default."""
     try:
-        return max(0, int(os.environ.get(ANSWER_ROOM_VARIABLE, ANSWER_ROOM)))
+        return max(type(default)(0), type(default)(os.environ.get(variable, default)))
     except ValueError:
-        return ANSWER_ROOM
+        return default
+
+
+def answer_room() -> int:
+    return _setting(ANSWER_ROOM_VARIABLE, ANSWER_ROOM)
 
 
 def down_after_seconds() -> float:
-    try:
-        return max(0.0, float(os.environ.get(DOWN_AFTER_VARIABLE, DOWN_AFTER_S)))
-    except ValueError:
-        return DOWN_AFTER_S
+    return _setting(DOWN_AFTER_VARIABLE, DOWN_AFTER_S)
 
 
 class FillBands:
