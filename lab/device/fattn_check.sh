@@ -69,3 +69,4 @@ for mode in 0 1; do
   LOCALLLM_FA_VEC_GQA=$mode "$work/tbo" perf -o FLASH_ATTN_EXT -b CUDA0 -p 'nb=1,' > "$OUT/fattn-perf-$mode.log" 2>&1 || true
   echo "perf, LOCALLLM_FA_VEC_GQA=$mode:"; grep -E 'kv=(4096|16384|32768),nb=1,' "$OUT/fattn-perf-$mode.log" | grep -E 'hsk=(128|256)' | sed -E 's/ +/ /g' | cut -c1-230 || true
 done
+(cd "$root" && python3 -m lab.device.fattn_share "$OUT") || true  # off/on per case, the walk's share
