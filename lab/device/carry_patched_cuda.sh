@@ -2,7 +2,7 @@
 # Here, before a device run: the whole patched engine built with CUDA for sm_90 on this machine
 # (no GPU needed, only nvcc), packed as .device-carry/patched-engine.tar.xz, which
 # tests/gpu/device_engine.sh unpacks on the GPU machine instead of building it there (four to
-# five minutes of device time on 16 cores; here about 35 minutes on two cores, incremental after).
+# five minutes of device time on 16 cores; here 18 minutes on two cores, incremental after).
 # Its CPU code is built for any x86-64 (GGML_NATIVE=OFF: this machine's instructions may not run
 # there), so the tarball says CPU_PORTABLE and device_engine.sh builds ggml-base and ggml-cpu
 # again there, natively and without CUDA, in well under a minute.
