@@ -10,7 +10,15 @@
 # llama.cpp inside llama-cpp-python 0.3.36 lacks.
 #
 #   bash lab/device/carry_newest_llama.sh [WORK_DIR]
+#   bash lab/device/carry_newest_llama.sh --build [WORK_DIR]   # and build it here (nvcc, no GPU)
+#
+# --build compiles llama-server and llama-bench with CUDA for sm_90 here (about 25 minutes on
+# two cores; lab/device/carry_patched_cuda.sh's head says what the toolkit needs) into
+# .device-carry/newest-llama.tar.xz, its CPU code for any x86-64: build_newest_llama.sh there
+# then builds only ggml-base and ggml-cpu, natively (lab/device/native_cpu.sh), where the whole
+# build took about seven minutes of device time.
 set -euo pipefail
+build=0; [ "${1:-}" = --build ] && { build=1; shift; }
 XLLAMACPP_VERSION=2026.10.11549
 root=$(cd "$(dirname "$0")/../.." && pwd)
 work=${1:-/tmp/newest-llama}
@@ -31,3 +39,18 @@ done
 tar czf "$root/.device-carry/llama-newest-src.tgz" -C "$tree" \
   "${skip[@]/#/--exclude=llama.cpp/}" llama.cpp
 du -h "$root/.device-carry/llama-newest-src.tgz"
+[ "$build" = 1 ] || exit 0
+out=$work/out && rm -rf "$out" && mkdir -p "$out" && tar xzf "$root/.device-carry/llama-newest-src.tgz" -C "$out"
+cmake -S "$out/llama.cpp" -B "$out/build" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
+  -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
+  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
+  -DCMAKE_BUILD_TYPE=Release > "$out/cmake.log"
+cmake --build "$out/build" -j "$(nproc)" --target llama-server llama-bench > "$out/build.log" ||
+  { grep -m 10 -i error "$out/build.log" >&2; exit 1; }
+bin=$out/build/bin
+readelf -d "$bin/libggml-cuda.so" | grep -q 'libcuda.so.1' ||
+  { echo "error: libggml-cuda.so does not link libcuda.so.1 (an empty stub?)" >&2; exit 1; }
+cp "$out/llama.cpp/LOCALLLM_SOURCE" "$bin/SOURCE" && echo "built here with GGML_NATIVE=OFF" > "$bin/CPU_PORTABLE"
+(cd "$bin" && tar cf - SOURCE CPU_PORTABLE llama-server llama-bench lib*.so*) | xz -T0 -6 \
+  > "$root/.device-carry/newest-llama.tar.xz"
+du -h "$root/.device-carry/newest-llama.tar.xz"

@@ -23,23 +23,11 @@ cp -a "$prebuilt"/lib*.so* "$dest/"
 if [ -f "$carry/patched-engine.tar.xz" ] &&
    [ "$(tar xJf "$carry/patched-engine.tar.xz" -O PATCHES 2>/dev/null)" = "$want" ]; then
     tar xJf "$carry/patched-engine.tar.xz" -C "$dest" --exclude PATCHES
-    if [ -f "$dest/CPU_PORTABLE" ]; then
-        # built elsewhere for any x86-64 (lab/device/carry_patched_cuda.sh): the CPU side again,
-        # natively, from the same source (its ABI is the source's, so the rest stays)
-        start=$(date +%s)
-        work=/tmp/patched/cpu
-        rm -rf "$work" && mkdir -p "$work" && tar xzf "$carry/llama-src.tgz" -C "$work"
-        [ "$(cat "$work/llama.cpp/LOCALLLM_PATCHES" 2>/dev/null)" = "$want" ] ||
+    if [ -f "$dest/CPU_PORTABLE" ]; then  # built without a GPU (lab/device/carry_patched_cuda.sh)
+        [ "$(tar xzf "$carry/llama-src.tgz" -O llama.cpp/LOCALLLM_PATCHES)" = "$want" ] ||
             { echo "error: llama-src.tgz is not of patches $want: run lab/device/carry_patched_cuda.sh" >&2; exit 1; }
-        cmake -S "$work/llama.cpp" -B "$work/build" -DGGML_CUDA=OFF -DLLAMA_BUILD_TESTS=OFF \
-            -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_APP=OFF \
-            -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-            -DCMAKE_BUILD_TYPE=Release > "$log" 2>&1
-        cmake --build "$work/build" -j "$(nproc)" --target ggml-cpu >> "$log" 2>&1 ||
-            { grep -m 10 -i 'error' "$log" >&2; exit 1; }
-        (cd "$work/build/bin" && cp -a libggml-base.so* libggml-cpu.so* "$dest/")
-        rm "$dest/CPU_PORTABLE"
-        echo "patched engine $want: unpacked the carried CUDA build, its CPU side built natively in $(( $(date +%s) - start )) s" >&2
+        bash "$root/lab/device/native_cpu.sh" "$carry/llama-src.tgz" "$dest"
+        echo "patched engine $want: unpacked the carried CUDA build, its CPU side built here" >&2
     else
         echo "patched engine $want: unpacked the carried build" >&2
     fi
