@@ -16,7 +16,7 @@ if [ -x "$dest/llama-server" ] && [ -f "$dest/SOURCE" ]; then
 elif [ -f "$carry/newest-llama.tar.xz" ]; then
   tar xJf "$carry/newest-llama.tar.xz" -C "$dest"
   # built without a GPU (carry_newest_llama.sh --build): its CPU code made for this machine here
-  [ ! -f "$dest/CPU_PORTABLE" ] || bash "$root/lab/device/native_cpu.sh" "$carry/llama-newest-src.tgz" "$dest"
+  [ ! -f "$dest/CPU_PORTABLE" ] || bash "$root/lab/device/native_cpu.sh" "$dest/ggml-src.tgz" "$dest"
   echo "newest llama.cpp: unpacked the carried build ($(cat "$dest/SOURCE"))" >&2
 else
   work=/tmp/newest/src

@@ -15,8 +15,8 @@
 # --build compiles llama-server and llama-bench with CUDA for sm_90 here (about 25 minutes on
 # two cores; lab/device/carry_patched_cuda.sh's head says what the toolkit needs) into
 # .device-carry/newest-llama.tar.xz, its CPU code for any x86-64: build_newest_llama.sh there
-# then builds only ggml-base and ggml-cpu, natively (lab/device/native_cpu.sh), where the whole
-# build took about seven minutes of device time.
+# then builds only ggml-base and ggml-cpu, natively (lab/device/native_cpu.sh, from the ggml
+# source packed with it), where the whole build took about seven minutes of device time.
 set -euo pipefail
 build=0; [ "${1:-}" = --build ] && { build=1; shift; }
 XLLAMACPP_VERSION=2026.10.11549
@@ -45,12 +45,17 @@ cmake -S "$out/llama.cpp" -B "$out/build" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTU
   -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
   -DCMAKE_BUILD_TYPE=Release > "$out/cmake.log"
-cmake --build "$out/build" -j "$(nproc)" --target llama-server llama-bench > "$out/build.log" ||
+# the executables' link looks for libggml-cuda's libcuda.so.1 on the library path: the stub's
+# folder, with a libcuda.so.1 link beside the stub
+stubs=$(dirname "$(sed -n 's/^CUDA_cuda_driver_LIBRARY:FILEPATH=//p' "$out/build/CMakeCache.txt")")
+LD_LIBRARY_PATH=$stubs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+  cmake --build "$out/build" -j "$(nproc)" --target llama-server llama-bench > "$out/build.log" ||
   { grep -m 10 -i error "$out/build.log" >&2; exit 1; }
 bin=$out/build/bin
 readelf -d "$bin/libggml-cuda.so" | grep -q 'libcuda.so.1' ||
   { echo "error: libggml-cuda.so does not link libcuda.so.1 (an empty stub?)" >&2; exit 1; }
 cp "$out/llama.cpp/LOCALLLM_SOURCE" "$bin/SOURCE" && echo "built here with GGML_NATIVE=OFF" > "$bin/CPU_PORTABLE"
-(cd "$bin" && tar cf - SOURCE CPU_PORTABLE llama-server llama-bench lib*.so*) | xz -T0 -6 \
+bash "$root/lab/device/ggml_slice.sh" "$out/llama.cpp" "$bin/ggml-src.tgz"  # for native_cpu.sh there
+(cd "$bin" && tar cf - SOURCE CPU_PORTABLE ggml-src.tgz llama-server llama-bench lib*.so*) | xz -T0 -6 \
   > "$root/.device-carry/newest-llama.tar.xz"
 du -h "$root/.device-carry/newest-llama.tar.xz"

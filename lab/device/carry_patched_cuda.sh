@@ -4,8 +4,8 @@
 # tests/gpu/device_engine.sh unpacks on the GPU machine instead of building it there (four to
 # five minutes of device time on 16 cores; here 18 minutes on two cores, incremental after).
 # Its CPU code is built for any x86-64 (GGML_NATIVE=OFF: this machine's instructions may not run
-# there), so the tarball says CPU_PORTABLE and device_engine.sh builds ggml-base and ggml-cpu
-# again there, natively and without CUDA, in well under a minute.
+# there), so the tarball says CPU_PORTABLE and holds ggml's source (ggml_slice.sh), from which
+# device_engine.sh builds ggml-base and ggml-cpu again there, natively, in well under a minute.
 #
 #   bash ../shared/device/prepare.sh ...                 # fills .device-carry/
 #   bash lab/device/carry_patched_cuda.sh [WORK_DIR]      # also writes llama-src.tgz
@@ -38,6 +38,7 @@ bin=$work/build/bin
 readelf -d "$bin/libggml-cuda.so" | grep -q 'libcuda.so.1' ||
   { echo "error: libggml-cuda.so does not link libcuda.so.1 (an empty stub?): see this script's head" >&2; exit 1; }
 echo "$want" > "$bin/PATCHES" && echo "built here with GGML_NATIVE=OFF" > "$bin/CPU_PORTABLE"
+bash "$root/lab/device/ggml_slice.sh" "$src" "$bin/ggml-src.tgz"  # for native_cpu.sh there
 libs=$(cd "$bin" && ls lib*.so*)
-tar cf - -C "$bin" PATCHES CPU_PORTABLE $libs | xz -T0 -6 > "$root/.device-carry/patched-engine.tar.xz"
+tar cf - -C "$bin" PATCHES CPU_PORTABLE ggml-src.tgz $libs | xz -T0 -6 > "$root/.device-carry/patched-engine.tar.xz"
 echo "carried: .device-carry/patched-engine.tar.xz ($(du -h "$root/.device-carry/patched-engine.tar.xz" | cut -f1), patches $want)"

@@ -10,14 +10,19 @@
 #   bash lab/device/fattn_check.sh          # after it: results in $OUT/fattn-*.log
 # A failed case leaves /tmp/fattn-off, which lab/device/queues/moe-ways.queue's lines read
 # (LOCALLLM_FA_VEC_GQA=0: figures of the engine as before rather than of a wrong kernel).
-# The source comes from .device-carry/test-backend-ops.cpp.xz (lab/device/carry_patched_source.sh).
+# The source comes from .device-carry/test-backend-ops.cpp.xz (lab/device/carry_patched_source.sh),
+# ggml's headers from the carried source or engine.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 work=/tmp/fattn-check
 mkdir -p "$work" "${OUT:=/tmp/out}"
 compile() {  # needs only ggml's headers (from the carried source): runs beside the builds
   mkdir -p "$work/src"
-  tar xzf "$root/.device-carry/llama-src.tgz" -C "$work/src" llama.cpp/ggml/include
+  if [ -f "$root/.device-carry/llama-src.tgz" ]; then
+    tar xzf "$root/.device-carry/llama-src.tgz" -C "$work/src" llama.cpp/ggml/include
+  else  # the ggml source packed with an engine built without a GPU (carry_patched_cuda.sh)
+    tar xJf "$root/.device-carry/patched-engine.tar.xz" -O ggml-src.tgz | tar xzf - -C "$work/src" llama.cpp/ggml/include
+  fi
   xz -dc "$root/.device-carry/test-backend-ops.cpp.xz" > "$work/tbo.cpp"
   python3 - "$work/tbo.cpp" <<'PY'
 import sys

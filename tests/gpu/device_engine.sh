@@ -24,9 +24,9 @@ if [ -f "$carry/patched-engine.tar.xz" ] &&
    [ "$(tar xJf "$carry/patched-engine.tar.xz" -O PATCHES 2>/dev/null)" = "$want" ]; then
     tar xJf "$carry/patched-engine.tar.xz" -C "$dest" --exclude PATCHES
     if [ -f "$dest/CPU_PORTABLE" ]; then  # built without a GPU (lab/device/carry_patched_cuda.sh)
-        [ "$(tar xzf "$carry/llama-src.tgz" -O llama.cpp/LOCALLLM_PATCHES)" = "$want" ] ||
-            { echo "error: llama-src.tgz is not of patches $want: run lab/device/carry_patched_cuda.sh" >&2; exit 1; }
-        bash "$root/lab/device/native_cpu.sh" "$carry/llama-src.tgz" "$dest"
+        [ "$(tar xzf "$dest/ggml-src.tgz" -O llama.cpp/LOCALLLM_PATCHES)" = "$want" ] ||
+            { echo "error: the carried ggml source is not of patches $want" >&2; exit 1; }
+        bash "$root/lab/device/native_cpu.sh" "$dest/ggml-src.tgz" "$dest"
         echo "patched engine $want: unpacked the carried CUDA build, its CPU side built here" >&2
     else
         echo "patched engine $want: unpacked the carried build" >&2
