@@ -13,6 +13,16 @@ from dataclasses import dataclass
 
 # The longest draft the runner checks in one pass.
 MAX_DRAFT = 8
+
+
+def logit_rows(n_seq: int) -> int:
+    """The most rows of one llama_decode on the model's own context that ask for logits: each
+    slot's next token with its longest draft (a slot reading its prompt asks for one row). The
+    context is created to hold this many (llama.cpp's n_outputs_max): its default, n_batch,
+    reserves n_vocab f32 logits for every row of a micro-batch in the compute buffer and on the
+    host, 1.2 GiB for a 152K vocabulary at n_ubatch 2048, used only by a prompt read whole
+    with logprobs, which the runner reads in chunks of this many rows instead."""
+    return n_seq * (1 + MAX_DRAFT)
 # A draft model's vocabulary may have this many more or fewer tokens than the model's (llama.cpp's
 # speculative example allows as much); the ids they share must mean the same text.
 VOCAB_SLACK = 128

@@ -190,10 +190,12 @@ def test_agent_workload_buys_prompt_speed_and_depth_where_chat_buys_the_start(sh
     agent = tune(shape, card, Request(n_ctx=32768, margin_bytes=128 * MIB, workload=AGENT))
     assert agent.n_ubatch >= chat.n_ubatch
     assert agent.n_gpu_layers == shape.n_layer + 1  # every block's attention on the GPU
-    # From pinned memory the weights in RAM cross at PCIe speed (speed.py): both plans read a
-    # long prompt at about the same speed, the chat's too (issue 36).
+    # From pinned memory the weights in RAM cross at PCIe speed (speed.py): the chat reads a
+    # long prompt within a third of the agent's time (issue 36), the agent no slower: its
+    # bigger micro-batch costs little VRAM since the logits are reserved for the rows that
+    # ask for them, not for the whole micro-batch.
     ttft = dict(agent.predicted_ttft)[16384], dict(chat.predicted_ttft)[16384]
-    assert ttft[0] == pytest.approx(ttft[1], rel=0.1), ttft
+    assert ttft[0] <= ttft[1] * 1.05 and ttft[1] <= ttft[0] * 1.35, ttft
     assert agent.pin_in_place and chat.pin_in_place
     # Each plan is the better one for its own session.
     chat_depths, agent_depths = dict(chat.predicted_decode_by_depth), \
@@ -207,7 +209,10 @@ def test_agent_workload_buys_prompt_speed_and_depth_where_chat_buys_the_start(sh
     assert re.search(r"over ubatch 2048 .* serves [^;]*answers up to \d+ tokens", chat_ub)
     # Issue 36: the chat's session alone chose ubatch 256, which read a 16K prompt at half of
     # llama.cpp's speed (7.8 GiB of FFN weights in RAM cross per micro-batch); the floor keeps
-    # a micro-batch of 512 and says what it costs and buys, by time to first token.
+    # a micro-batch of 512 and says what it costs and buys, by time to first token (at 14 GiB,
+    # where the chat's session alone still takes 256).
+    assert chat.n_ubatch >= 512
+    chat = tune(shape, h200(14), Request(n_ctx=32768, margin_bytes=128 * MIB, workload=CHAT))
     assert chat.n_ubatch >= 512
     [floor] = [r for r in chat.reasons if r.startswith("prompt reading: ")]
     m = re.search(r"ubatch 512 reads a 16384-token prompt in ([\d.]+) s to the first token; "

@@ -5,6 +5,8 @@ drafter's memory (NextN block and its KV, or a draft model) inside the budget.""
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import replace
 
 import pytest
@@ -163,15 +165,20 @@ def test_moe_checking_pass_reads_the_union_of_its_tokens_experts(shapes):
     assert speculation.cpu_blocks(costs, on_gpu, h200) == 0
 
 
-def test_moe_tuner_drafts_only_where_the_experts_are_on_the_gpu(shapes):
-    """The tuner on card profiles: 12 GiB keeps most experts of qwen35-35b-a3b in RAM and
-    plans no MTP, saying how many blocks a check reads on the CPU; 24 GiB holds every expert
+def test_moe_tuner_prices_a_check_by_the_experts_it_reads_on_the_cpu(shapes):
+    """The tuner on card profiles: 12 GiB keeps half the experts of qwen35-35b-a3b in RAM, and
+    MTP's check of 2 tokens reads up to twice their experts there: priced so (1.4x one step,
+    where a check on the GPU alone costs about one), it still pays at the assumed acceptance
+    and the reason says how many blocks a check reads on the CPU; 24 GiB holds every expert
     and plans MTP."""
     shape = shapes["qwen35-35b-a3b"]
     small = tune(shape, card("rtx3060-12g"), Request(n_ctx=4096))
-    assert small.speculative == "off" and small.tensor_overrides
-    why = next(r for r in small.reasons if r.startswith("speculation off: mtp"))
-    assert "0 blocks read on the CPU" not in why and "blocks read on the CPU" in why
+    assert small.speculative == "mtp" and small.tensor_overrides
+    why = next(r for r in small.reasons if r.startswith("speculation: mtp"))
+    check = re.search(r"checking 2 tokens costs ([\d.]+)x one on this placement \(with (\d+) "
+                      r"blocks read on the CPU\)", why)
+    assert check and float(check.group(1)) > 1.2 and int(check.group(2)) > 0, why
+    assert small.predicted_decode_tps >= small.predicted_plain_decode_tps * 1.05
     large = tune(shape, card("rtx4090"), Request(n_ctx=4096))
     assert large.speculative == "mtp" and not large.tensor_overrides
     assert large.predicted_decode_tps >= large.predicted_plain_decode_tps * 1.05

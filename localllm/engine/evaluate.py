@@ -48,7 +48,7 @@ def run(request: Evaluate, progress: Callable[[int, int], None]) -> Evaluation:
         # difference between them.
         plan = Plan(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, 512), flash_attn=True,
                     type_k=type_k, type_v=type_v, n_threads=threads, n_threads_batch=threads)
-        ctx = llama.llama_init_from_model(model, context_params(plan))
+        ctx = llama.llama_init_from_model(model, context_params(plan, every_row=True))
         if not ctx:
             raise UserError(f"llama.cpp could not create a context with {kv} KV")
         return ctx

@@ -12,6 +12,7 @@ import ctypes
 
 import llama_cpp
 from localllm.planner.plan import Plan
+from localllm.speculative import logit_rows
 
 from .expert_cache import Settings as ExpertCacheSettings
 from .overrides import apply_tensor_overrides
@@ -64,9 +65,12 @@ def model_params(plan: Plan, metadata_only: bool = False):
     return params, keep_alive
 
 
-def context_params(plan: Plan, n_seq: int | None = None, n_batch: int | None = None):
+def context_params(plan: Plan, n_seq: int | None = None, n_batch: int | None = None,
+                   every_row: bool = False):
     """Context parameters as the plan says: `n_seq` sequences (default: the plan's slots) of
-    `plan.n_ctx` cells each, not unified, so slots never evict each other."""
+    `plan.n_ctx` cells each, not unified, so slots never evict each other; logits for at most
+    `speculative.logit_rows` rows a decode, or for `every_row` of a batch (an evaluation's
+    perplexity)."""
     n_seq = max(1, plan.n_parallel) if n_seq is None else n_seq
     n_batch = plan.n_batch if n_batch is None else n_batch
     params = llama_cpp.llama_context_default_params()
@@ -74,6 +78,7 @@ def context_params(plan: Plan, n_seq: int | None = None, n_batch: int | None = N
     params.n_batch = n_batch
     params.n_ubatch = min(plan.n_ubatch, n_batch)
     params.n_seq_max = n_seq
+    params.n_outputs_max = 0 if every_row else logit_rows(n_seq)
     params.n_threads = plan.n_threads
     params.n_threads_batch = plan.n_threads_batch
     params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if plan.flash_attn

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, fields
 
 from localllm.kv_types import KV_TYPES
 from localllm.modelstore.shape import SLIDING, ModelShape
+from localllm.speculative import logit_rows
 
 from .card import MIB, Card
 from .costs import ModelCosts, model_costs, per_costs
@@ -254,8 +255,9 @@ def compute_formula(costs: ModelCosts, settings: ContextSettings, device: str,
                     has_gpu: bool, offloads: bool = True, pipelined: bool = False) -> int:
     """A high-side estimate of llama.cpp's compute buffer on one device.
 
-    The worst point of the reserve graph: the larger of the logits of a full ubatch
-    (n_vocab x n_ubatch f32, on the output's device) and the FFN activations, plus the attention
+    The worst point of the reserve graph: the larger of the logits (n_vocab f32 for each row
+    that may ask for them, speculative.logit_rows, on the output's device; a full ubatch's
+    before the runner capped them) and the FFN activations, plus the attention
     input that lives through the whole graph (flash attention: an f16 mask of n_ctx x n_ubatch;
     without it the n_head x n_ctx x n_ubatch f32 scores). On a GPU with CPU-resident blocks,
     llama.cpp copies a block's weights in to run prompt batches there (op offload): room for one
@@ -267,7 +269,7 @@ def compute_formula(costs: ModelCosts, settings: ContextSettings, device: str,
     """
     ub = settings.n_ubatch
     ctx = pad(settings.n_ctx)
-    logits = costs.n_vocab * ub * 4 if holds_output else 0
+    logits = costs.n_vocab * min(ub, logit_rows(settings.n_seq)) * 4 if holds_output else 0
     ffn = ub * (costs.n_embd * 4 * 4 + max(costs.n_ff, costs.n_ff_active_experts) * 4 * 2)
     if not holds_attention:
         attention = 0

@@ -31,7 +31,8 @@ from localllm.speculative import mode as mode_row
 
 from .card import Card
 from .costs import ModelCosts, model_costs
-from .memory import CPU, ComputeTable, ContextSettings, block_devices, memory_by_device
+from .memory import (CPU, ComputeTable, ContextSettings, block_devices, memory_by_device,
+                     page_table_bytes)
 from .placements import Placement, in_ram
 from .plan import DeviceMemory
 from .checking import checking_terms
@@ -194,13 +195,18 @@ def drafter_memory(spec: Speculator, placement: Placement, settings: ContextSett
 
 def with_drafter(memory: tuple[DeviceMemory, ...],
                  extra: tuple[DeviceMemory, ...]) -> tuple[DeviceMemory, ...]:
-    """The target's memory per device with the drafter's added to the same devices."""
+    """The target's memory per device with the drafter's added to the same devices, and on
+    each GPU the page tables of the drafter's weights in RAM (registered with the target's)."""
     added = {m.device: m for m in extra}
+    ram_before = next((m.weights for m in memory if m.device == CPU), 0)
+    ram_added = added[CPU].weights if CPU in added else 0
+    tables = page_table_bytes(ram_before + ram_added, 0) - page_table_bytes(ram_before, 0)
     out = []
     for m in memory:
         e = added.get(m.device)
         out.append(m if e is None else replace(
-            m, weights=m.weights + e.weights, kv=m.kv + e.kv, compute=m.compute + e.compute))
+            m, weights=m.weights + e.weights, kv=m.kv + e.kv, compute=m.compute + e.compute,
+            overhead=m.overhead + (tables if m.device != CPU else 0)))
     return tuple(out)
 
 

@@ -18,6 +18,7 @@ from localllm.engine.loaded import LoadedModel
 from localllm.engine.vision import is_image_token
 from localllm.planner.plan import Plan
 
+from localllm.speculative import logit_rows
 from localllm.speculative import mode as mode_row
 
 from .protocol import Progress, Threads
@@ -219,6 +220,7 @@ class Steps:
                 n = put(n, token, len(slot.tokens) + i, slot.seq_id, True)
             rows.append((slot, len(slot.to_decode), slot.batch_row))
         budget = min(n_batch, self.prompt_chunk) - n
+        logit_room = logit_rows(self.model.lm.n_seq) - n  # every row above asked for logits
         for slot in reading:
             if budget <= 0:
                 break
@@ -232,9 +234,14 @@ class Steps:
             stop = self.reuse.checkpoint_stop(slot)
             if stop is not None:
                 take = min(take, stop - len(slot.tokens))
-            last = take == slot.unread and not slot.replaying
-            slot.first_pos, slot.batch_row = len(slot.tokens), n
             every = slot.work.request.prompt_logprobs and not slot.replaying  # every row's
+            if every:  # the context holds the logits of logit_rows rows a decode
+                take = min(take, logit_room)
+                if take == 0:
+                    continue
+            last = take == slot.unread and not slot.replaying
+            logit_room -= take if every else int(last)
+            slot.first_pos, slot.batch_row = len(slot.tokens), n
             for i in range(take):
                 n = put(n, slot.to_decode[i], len(slot.tokens) + i, slot.seq_id,
                         every or (last and i == take - 1))
