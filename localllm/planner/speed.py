@@ -51,18 +51,23 @@ CROSSING_SECONDS = 0.1e-3  # hidden state between GPU and CPU, and the sync it f
 # bytes-per-second view (the model before) put q8_0 at 9% of peak for the first and 5% for the
 # second: it priced a quantized cache too cheap on many-heads-per-KV-head models, and chose
 # q8_0 for a band that decodes deep, where f16 with fewer experts on the GPU is faster. q4_0 is
-# the same ratio to q8_0 as that view had (not measured on its own). Other cards scale by
+# as fast as q8_0 (test-backend-ops perf on an H100, one token, 8 query heads of 128 a KV
+# head: 0.84x q8_0's cost per added cell from 16K to 32K, 1.07x at 16K; it was priced 1.8x
+# before it was measured). Other cards scale by
 # their bandwidth or their compute against the H200's, whichever slows them less: walking
 # quantized cells is bound by both, and an H100, with the H200's compute and 70% of its
 # bandwidth, measured Qwen3-30B-A3B at 16K (q8_0) at 2.96 ms where scaling by bandwidth alone
 # priced 4.6 (llama-bench, 16 threads, every weight on the GPU).
 GPU_ATTENTION_ELEMENT_SECONDS = {"f16": 1.9e-13, "bf16": 1.9e-13, "f32": 3.8e-13,
-                                 "q8_0": 5.0e-13, "q4_0": 9.0e-13}
+                                 "q8_0": 5.0e-13, "q4_0": 5.0e-13}
 # Patch 0007: with a quantized cache, one block takes the query heads of one KV head (8, 4 or 2,
 # the most that divide the heads a KV head serves), so the walk over the cells (their loads and
 # dequantization) is shared by them and the rest (dot products, softmax) stays per query head.
 # The share of the figures above that the walk is, by cache type (test-backend-ops perf, one
 # token, 8 query heads a KV head; lab/device/fattn_check.sh): a type absent is priced as before.
+# Measured on an H100 (2026-12-07, median at 16K cells and more): q8_0 -0.002, q4_0 0.124,
+# and a head size of 256 ran slower grouped: the runner leaves the kernel off
+# (engine/local.py runner_env), so none is priced grouped.
 GPU_GROUPED_WALK_SHARE: dict[str, float] = {}
 GPU_ATTENTION_REFERENCE_GBS = 4800.0  # the H200's, where the figures above were measured
 GPU_ATTENTION_REFERENCE_TFLOPS = 989.0

@@ -32,9 +32,11 @@ MIB = 1 << 20
 @cache
 def attention_kernel() -> str:
     """Which one-token attention kernel ours runs over a quantized cache: "grouped" (patch 0007,
-    query heads of one KV head a block) or "per-head" (before it, or LOCALLLM_FA_VEC_GQA=0)."""
+    query heads of one KV head a block, where LOCALLLM_FA_VEC_GQA asks for it) or "per-head"
+    (the kernel before it: the runner's default, engine/local.py runner_env)."""
     patched = (ROOT / "patches" / "0007-fattn-vec-gqa-heads.patch").exists()
-    return "grouped" if patched and os.environ.get("LOCALLLM_FA_VEC_GQA") != "0" else "per-head"
+    return "grouped" if patched and os.environ.get("LOCALLLM_FA_VEC_GQA", "0") != "0" \
+        else "per-head"
 
 
 def with_kernel(row: dict) -> dict:
