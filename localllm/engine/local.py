@@ -58,11 +58,6 @@ def runner_env(plan: Plan) -> dict[str, str]:
     NVML's (PCI bus) order, so that CUDA0, CUDA1... are the GPUs the plan was made for. (The
     expert cache is the plan's alone: engine/expert_cache.py gives the engine its settings.)"""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # Patch 0007's decode kernel (a KV head's query heads in one block over a quantized cache)
-    # stays off unless asked for: on an H100 it read a q8_0 cache of Qwen3-30B-A3B's heads 7%
-    # faster at 16K cells and no faster at the median, and a head size of 256 59% slower
-    # (lab/runs/h100-2026-12-07b-moe-ways.md). LOCALLLM_FA_VEC_GQA=1 turns it on.
-    env.setdefault("LOCALLLM_FA_VEC_GQA", "0")
     if plan.gpus:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in plan.gpus)

@@ -92,6 +92,7 @@ def load(model_path: str, plan: Plan) -> LlamaModel:
             return load(model_path, replace(plan, use_mmap=False, pin_in_place=False))
         log.info("pinned %.1f GiB of mapped weights in place for the GPU",
                  pinned.pinned_bytes / 2**30)
+    choose_grouped_attention(model)
     # this context alone gets a pool
     with expert_cache.switched_on(expert_cache_settings(plan)):
         ctx = llama_cpp.llama_init_from_model(model, context_params(plan))
@@ -228,6 +229,37 @@ class Tokenizer:
             buf = ctypes.create_string_buffer(n + 1)
             llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace")
+
+
+GROUPED_ATTENTION = "LOCALLLM_FA_VEC_GQA"  # read once by the engine, at its first decode
+GROUPED_ATTENTION_MAX_HEAD = 128
+
+
+def choose_grouped_attention(model) -> None:
+    """Patch 0007's decode kernel (a block takes the query heads of one KV head over a quantized
+    cache) only for heads up to GROUPED_ATTENTION_MAX_HEAD wide, unless the environment says.
+    On an H100 (test-backend-ops, one token, 8 query heads a KV head, q8_0) it took 7% off the
+    kernel at 16K cells and 26% at 32K with heads of 128, and added 30% at 32K with heads of 256
+    (lab/runs/h100-2026-12-07b-moe-ways.md); the engine itself turns it on only where its blocks
+    fill the GPU (a long cache)."""
+    if GROUPED_ATTENTION in os.environ:
+        return
+    if head_size(model) > GROUPED_ATTENTION_MAX_HEAD:
+        os.environ[GROUPED_ATTENTION] = "0"
+
+
+def head_size(model) -> int:
+    """The model's attention head size (its key length; n_embd / n_head where it has none)."""
+    def meta(key: str) -> str:
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+        return buf.value.decode() if n >= 0 else ""
+
+    arch = meta("general.architecture")
+    length = meta(f"{arch}.attention.key_length") if arch else ""
+    if length.isdigit():
+        return int(length)
+    return llama_cpp.llama_model_n_embd(model) // max(1, llama_cpp.llama_model_n_head(model))
 
 
 def batch_capacity(lm: LlamaModel) -> int:

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import time
 import urllib.request
-from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,26 +23,33 @@ ROOT = Path(__file__).resolve().parents[2]
 
 import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
+from localllm.engine.model import GROUPED_ATTENTION, GROUPED_ATTENTION_MAX_HEAD  # noqa: E402
+from scripts import synth_gguf  # noqa: E402
 from scripts.bench.bench_tuner import MemorySampler  # noqa: E402
 
 MIB = 1 << 20
 
 
-@cache
-def attention_kernel() -> str:
-    """Which one-token attention kernel ours runs over a quantized cache: "grouped" (patch 0007,
-    query heads of one KV head a block, where LOCALLLM_FA_VEC_GQA asks for it) or "per-head"
-    (the kernel before it: the runner's default, engine/local.py runner_env)."""
+def attention_kernel(shape: str) -> str:
+    """Which one-token attention kernel ours runs over a quantized cache of a synthetic shape:
+    "grouped" (patch 0007, query heads of one KV head a block: the runner's choice for heads up
+    to 128 wide, engine/model.py choose_grouped_attention, or as LOCALLLM_FA_VEC_GQA says) or
+    "per-head" (the kernel before it)."""
     patched = (ROOT / "patches" / "0007-fattn-vec-gqa-heads.patch").exists()
-    return "grouped" if patched and os.environ.get("LOCALLLM_FA_VEC_GQA", "0") != "0" \
-        else "per-head"
+    asked = os.environ.get(GROUPED_ATTENTION)
+    config = synth_gguf.SHAPES.get(shape)
+    if asked is None:
+        grouped = config is not None and config.head_dim <= GROUPED_ATTENTION_MAX_HEAD
+    else:
+        grouped = asked != "0"
+    return "grouped" if patched and grouped else "per-head"
 
 
 def with_kernel(row: dict) -> dict:
     """A row of ours tagged with the attention kernel it ran, so that a repricing prices each
     run with its own (scripts/bench/reprice_runs.py); other systems' rows as they are."""
     if str(row.get("system", "")).startswith("ours"):
-        return {**row, "attention": attention_kernel()}
+        return {**row, "attention": attention_kernel(str(row.get("shape", "")))}
     return row
 
 
