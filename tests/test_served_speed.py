@@ -9,18 +9,15 @@ real llama.cpp runners of SmolLM2."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from runner_answer import answer
-from scripts import synth_gguf
+from h100_here import h100_here, qwen3_header
 
 from localllm.config import Config
 from localllm.daemon.scheduler import Planner, Scheduler
-from localllm.modelstore.shape import read_shape
 from localllm.options import LoadOptions
 from localllm.planner.card import load_card
 from localllm.planner.costs import model_costs
@@ -40,22 +37,12 @@ from localllm.profiles.served import (
 )
 from localllm.profiles.served_speed import blame, store
 
-PRICES = json.loads((Path(__file__).parent / "fixtures" / "h100-moe-prices.json").read_text())
 CURVE = ((0, 100.0), (1000, 50.0))
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    path = tmp_path_factory.mktemp("moe") / "qwen3-30b-a3b.gguf"
-    synth_gguf.write_gguf(path, synth_gguf.SHAPES["qwen3-30b-a3b"], "Q4_0", "sparse")
-    return read_shape(path)
-
-
-def h100_here(**served) -> object:
-    """An H100 at 12 GiB as this machine's probe gives it, with the H100 host's read rates."""
-    rates = tuple(sorted((int(t), gbs) for t, gbs in PRICES["read_gbs"].items()))
-    return replace(load_card("h100").with_vram(12), source="probe", cores=16,
-                   host_bandwidth_gbs=51.2, host_read_gbs=rates, **served)
+    return qwen3_header(tmp_path_factory.mktemp("moe"))
 
 
 def test_a_check_weighs_each_answer_against_the_curve_at_its_depth():

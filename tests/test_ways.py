@@ -7,15 +7,13 @@ would give it; a real scheduler with real llama.cpp runners of SmolLM2 for the d
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from runner_answer import answer
-from scripts import synth_gguf
+from h100_here import h100_here, qwen3_header
 
 from localllm.config import Config
 from localllm.daemon.scheduler import Planner, Scheduler
@@ -30,20 +28,10 @@ from localllm.planner.tuner import tune
 from localllm.profiles.served import drained
 from localllm.profiles.ways import measured_ways, record, ways_file
 
-PRICES = json.loads((Path(__file__).parent / "fixtures" / "h100-moe-prices.json").read_text())
-
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    path = tmp_path_factory.mktemp("moe") / "qwen3-30b-a3b.gguf"
-    synth_gguf.write_gguf(path, synth_gguf.SHAPES["qwen3-30b-a3b"], "Q4_0", "sparse")
-    return read_shape(path)
-
-
-def h100_here():
-    rates = tuple(sorted((int(t), gbs) for t, gbs in PRICES["read_gbs"].items()))
-    return replace(load_card("h100").with_vram(12), source="probe", cores=16,
-                   host_bandwidth_gbs=51.2, host_read_gbs=rates)
+    return qwen3_header(tmp_path_factory.mktemp("moe"))
 
 
 def auto(**measured) -> Request:

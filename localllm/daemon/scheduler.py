@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from localllm.engine import nvml
 from localllm.engine.runner.load import Load
 from localllm.engine.runner.protocol import RUNNER_COMMAND, Done
 from localllm.modelstore.gguf_header import GGUFError
@@ -43,6 +44,7 @@ from .replanning import MAX_REPLANS, MAX_WAY_TRIALS, Replanning
 from .starting import RunnerProcess, RunnerStarter
 
 log = logging.getLogger("localllm.scheduler")
+GPU = nvml.GpuMemory()  # the runners' memory on the GPU, read after answers (NVML)
 # How long a model whose plan missed its price (LoadedRunner.replan) must sit idle before it is
 # loaded again: a follow-up that comes sooner (an agent's next turn, a user's next question)
 # is answered by the running plan at once; a re-plan inside one made it wait 9.8 s on the H100.
@@ -126,6 +128,8 @@ class LoadedRunner:
         runner = self.runner
         records.answered(done.prompt_tokens, done.prompt_tokens - done.cached_tokens,
                          done.eval_count, runner.expert_cache)
+        pid = runner.pid
+        records.vram_served(runner.running_plan, lambda: (GPU.by_pid() or {}).get(pid), card)
         off = self.check_speed(done)
         check, trial = self.speed, ""
         if check is not None and check.plan.ways and not check.way_measured and \

@@ -65,9 +65,12 @@ GPU_ATTENTION_ELEMENT_SECONDS = {"f16": 1.9e-13, "bf16": 1.9e-13, "f32": 3.8e-13
 # dequantization) is shared by them and the rest (dot products, softmax) stays per query head.
 # The share of the figures above that the walk is, by cache type (test-backend-ops perf, one
 # token, 8 query heads a KV head; lab/device/fattn_check.sh): a type absent is priced as before.
-# Measured on an H100 (2026-12-07, median at 16K cells and more): q8_0 -0.002, q4_0 0.124,
-# and a head size of 256 ran slower grouped: the runner leaves the kernel off
-# (engine/local.py runner_env), so none is priced grouped.
+# Measured on an H100 (2026-12-07): with heads of 128 the share grows with the cells (q8_0
+# 0.09 at 16K, 0.29 at 32K; q4_0 0.16, 0.37), below the SMs' worth of blocks the kernel is
+# slower, and heads of 256 ran slower grouped at every length; the median over all cases at
+# 16K and more was about 0 (q8_0) and 0.12 (q4_0). The runner uses it for heads up to 128
+# (engine/model.py choose_grouped_attention) and none is priced grouped yet: a constant share
+# fits none of these; decode deep in a q8_0 cache is priced a few percent slow for them.
 GPU_GROUPED_WALK_SHARE: dict[str, float] = {}
 GPU_ATTENTION_REFERENCE_GBS = 4800.0  # the H200's, where the figures above were measured
 GPU_ATTENTION_REFERENCE_TFLOPS = 989.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from localllm.planner.card import Card
+from localllm.planner.card import MIB, Card
 from .saved import profiles_dir, read_tables, write_toml
 
 HOST_KEY = "host"  # the calibration table of this machine's own figures (no card is so named)
@@ -21,6 +21,9 @@ SERVED_FACTOR_KEYS = ("served_host_factor", "served_mapped_factor")  # as the Ca
 SERVED_WHEN_KEY = "served_measured_at"
 SERVED_FACTOR_RANGE = (0.25, 4.0)  # past these a plan's error is not the host's price
 SERVED_FROM_KEY = "served_measured_on"
+# under [host]: a GPU's per-process overhead as serving measured it (served_vram.py)
+OVERHEAD_KEY = "served_gpu_overhead_mib"
+MAX_OVERHEAD_BYTES = 8 << 30  # past this the figure is not one process's overhead
 
 
 def calibration_file() -> Path:
@@ -49,8 +52,9 @@ def calibrated(card: Card, path: Path | None = None) -> Card:
     if card.source == "probe":
         card = with_measured_disk(card, doc.get(HOST_KEY, {}))
         if card.has_gpu:  # host_prices.py measures them on first use; serving, the factors
-            card = replace(card, host_read_gbs=stored_reads(doc.get(HOST_KEY, {})),
-                           **served_factors(doc.get(HOST_KEY, {})))
+            host = doc.get(HOST_KEY, {})  # and the GPU's overhead (served_vram.py)
+            card = replace(card, host_read_gbs=stored_reads(host), **served_factors(host),
+                           overhead_bytes=max(card.overhead_bytes, stored_overhead(host)))
     factors = doc.get(card.name, {})
     try:
         gpu = float(factors.get("gpu_bandwidth_factor", 1.0))
@@ -62,6 +66,15 @@ def calibrated(card: Card, path: Path | None = None) -> Card:
         return card
     return replace(card, decode_efficiency=card.decode_efficiency * gpu,
                    host_bandwidth_gbs=card.host_bandwidth_gbs * host)
+
+
+def stored_overhead(host: dict) -> int:
+    """The GPU overhead a `[host]` table keeps, in bytes (0: none, or not a sane figure)."""
+    try:
+        mib = float(host.get(OVERHEAD_KEY, 0))
+    except (TypeError, ValueError, OverflowError):
+        return 0
+    return int(mib * MIB) if 0 < mib * MIB <= MAX_OVERHEAD_BYTES else 0
 
 
 def stored_reads(host: dict) -> tuple[tuple[int, float], ...]:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from localllm.planner.plan import Plan
 
-from . import acceptance, expert_hits, served_speed, traffic, ways
+from . import acceptance, expert_hits, served_speed, served_vram, traffic, ways
 
 log = logging.getLogger("localllm.scheduler")
 _writer = ThreadPoolExecutor(1, "tuner-records")
@@ -164,6 +165,25 @@ class ServedRecords:
             log.info("%s: %s is now %.3f (what serving measured)", self.model, field, factor)
 
         _write("the served-speed factor", run)
+
+    def vram_served(self, plan: Plan, used: Callable[[], int | None], card: Callable) -> None:
+        """After an answer: the runner's GPU memory (`used`: NVML's figure for its process,
+        None without one) against what `plan` counted; this machine's GPU overhead raised by
+        what it held beyond that (served_vram.py), for every later plan. `card`: this
+        machine's card as the planner sees it (it probes: off the loop)."""
+        def run() -> None:
+            held = used()
+            if held is None:
+                return
+            current = card().overhead_bytes
+            overhead = served_vram.overhead_from(plan, held, current)
+            if overhead is not None and served_vram.store(overhead, current):
+                log.info("%s: its runner held %d MiB on the GPU where its plan counted %d: "
+                         "this machine's GPU overhead is now %d MiB (what serving measured)",
+                         self.model, held >> 20, served_vram.planned_gpu_bytes(plan) >> 20,
+                         overhead >> 20)
+
+        _write("the GPU overhead served", run)
 
     def way_measured(self, check: DecodeCheck) -> float:
         """The check's plan's way (planner/ways.py) decoded as `check` says: stored for the
