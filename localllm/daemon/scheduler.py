@@ -128,8 +128,10 @@ class LoadedRunner:
         runner = self.runner
         records.answered(done.prompt_tokens, done.prompt_tokens - done.cached_tokens,
                          done.eval_count, runner.expert_cache)
-        pid = runner.pid
-        records.vram_served(runner.running_plan, lambda: (GPU.by_pid() or {}).get(pid), card)
+        if runner.running_plan.n_gpu_layers:  # a GPU plan: what its runner holds there
+            pid = runner.pid
+            records.vram_served(runner.running_plan, lambda: (GPU.by_pid() or {}).get(pid),
+                                card)
         off = self.check_speed(done)
         check, trial = self.speed, ""
         if check is not None and check.plan.ways and not check.way_measured and \

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import llama_cpp
 from localllm.planner.plan import Plan
 
-from localllm.speculative import MAX_DRAFT
+from localllm.speculative import MAX_DRAFT, logit_rows
 
 from . import expert_cache
 from .host_pin import PinnedMapping, pin_mapped
@@ -65,6 +65,7 @@ class LlamaModel:
     n_swa: int  # sliding window of the SWA layers; 0 when there are none or the cache is full
     recurrent: bool  # recurrent or hybrid: the state cannot be cut back to an earlier position
     n_rollback: int  # ... except by this many positions (recurrent-state snapshots)
+    n_logit_rows: int  # rows a decode may ask logits for (speculative.logit_rows)
     resident: ResidentWeights | None = None  # past RAM: the weights locked in RAM
     pinned: PinnedMapping | None = None  # the mapped weights pinned in place for the GPU
     # How the weights in RAM really sit: "mapped" (the file's pages), "pinned in place" (those
@@ -116,7 +117,8 @@ def load(model_path: str, plan: Plan) -> LlamaModel:
         n_ctx_seq=llama_cpp.llama_n_ctx_seq(ctx), n_batch=llama_cpp.llama_n_batch(ctx),
         n_seq=llama_cpp.llama_n_seq_max(ctx), n_vocab=llama_cpp.llama_vocab_n_tokens(vocab),
         n_swa=0 if plan.swa_full else llama_cpp.llama_model_n_swa(model),
-        recurrent=recurrent, n_rollback=llama_cpp.llama_n_rs_seq(ctx), resident=resident,
+        recurrent=recurrent, n_rollback=llama_cpp.llama_n_rs_seq(ctx),
+        n_logit_rows=logit_rows(llama_cpp.llama_n_seq_max(ctx)), resident=resident,
         pinned=pinned, weights_in_ram="pinned in place" if pinned is not None
         else "mapped" if plan.use_mmap else "copied",
     )

@@ -18,7 +18,6 @@ from localllm.engine.loaded import LoadedModel
 from localllm.engine.vision import is_image_token
 from localllm.planner.plan import Plan
 
-from localllm.speculative import logit_rows
 from localllm.speculative import mode as mode_row
 
 from .protocol import Progress, Threads
@@ -220,7 +219,7 @@ class Steps:
                 n = put(n, token, len(slot.tokens) + i, slot.seq_id, True)
             rows.append((slot, len(slot.to_decode), slot.batch_row))
         budget = min(n_batch, self.prompt_chunk) - n
-        logit_room = logit_rows(self.model.lm.n_seq) - n  # every row above asked for logits
+        logit_room = self.model.lm.n_logit_rows - n  # every row above asked for logits
         for slot in reading:
             if budget <= 0:
                 break
@@ -235,7 +234,7 @@ class Steps:
             if stop is not None:
                 take = min(take, stop - len(slot.tokens))
             every = slot.work.request.prompt_logprobs and not slot.replaying  # every row's
-            if every:  # the context holds the logits of logit_rows rows a decode
+            if every:  # the context holds the logits of n_logit_rows rows a decode
                 take = min(take, logit_room)
                 if take == 0:
                     continue
