@@ -129,6 +129,11 @@ def one(name: str, args, model: Path, record, *, threads: int = 0, cache_mib: in
         finally:
             if system is not None:
                 system.stop()
+            if name.startswith("ours"):  # what its daemon decided (ways, bands), kept
+                from scripts.bench.bench_systems import keep_daemon_logs
+
+                keep_daemon_logs(Path(tmp), Path(args.out) / "logs" / "-".join(
+                    [name, *(str(v) for v in tags.values())]))
     row = {"system": name, **tags, **(settings if not name.startswith("ours") else {}), **row,
            "peak_vram_mib": mem.delta // MIB, "budget_mib": int(args.budget * 1024)}
     record(row)

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -60,7 +59,14 @@ import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
 from scripts import synth_gguf  # noqa: E402
 from scripts.bench.bench_text import SHORT_CHARS, short_prompt, text_of  # noqa: E402
-from scripts.bench.bench_systems import MIB, Fit, Ours, at_depth, with_kernel  # noqa: E402
+from scripts.bench.bench_systems import (  # noqa: E402
+    MIB,
+    Fit,
+    Ours,
+    at_depth,
+    keep_daemon_logs,
+    with_kernel,
+)
 from scripts.bench.bench_tuner import MemorySampler  # noqa: E402
 
 
@@ -339,10 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     if system is not None:
                         system.stop()
-                    logs = Path(tmp) / "xdg_state_home" / "localllm" / "logs"
-                    if name.startswith("ours") and logs.is_dir():  # the daemon's and runner's logs
-                        shutil.copytree(logs, out / f"{name}-logs-{args.shape}-{args.ctx}",
-                                        dirs_exist_ok=True)
+                    if name.startswith("ours"):  # the daemon's and runner's logs
+                        keep_daemon_logs(Path(tmp), out / f"{name}-logs-{args.shape}-{args.ctx}")
             record({"system": name, "peak_vram_mib": mem.delta // MIB, "budget_mib": budget_mib})
     (out / "session.md").write_text(markdown(rows) + "\n")
     print(markdown(rows))

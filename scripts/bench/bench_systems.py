@@ -45,6 +45,14 @@ def attention_kernel(shape: str) -> str:
     return "grouped" if patched and grouped else "per-head"
 
 
+def keep_daemon_logs(tmp: Path, dest: Path) -> None:
+    """Copy the logs of ours' daemon and runners (its state folder under `tmp`, Ours's) to
+    `dest`, where there are any: a run's temporary folder goes when it ends."""
+    logs = Path(tmp) / "xdg_state_home" / "localllm" / "logs"
+    if logs.is_dir():
+        shutil.copytree(logs, dest, dirs_exist_ok=True)
+
+
 def with_kernel(row: dict) -> dict:
     """A row of ours tagged with the attention kernel it ran, so that a repricing prices each
     run with its own (scripts/bench/reprice_runs.py); other systems' rows as they are."""
