@@ -223,14 +223,19 @@ class Tokenizer:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
     def metadata(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(1 << 16)
-        n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace")
+        return model_metadata(self.model, key)
+
+
+def model_metadata(model, key: str) -> str | None:
+    """A GGUF metadata value of a loaded model, as text (None: the file has no such key)."""
+    buf = ctypes.create_string_buffer(1 << 16)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    if n < 0:
+        return None
+    if n >= len(buf):
+        buf = ctypes.create_string_buffer(n + 1)
+        llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", errors="replace")
 
 
 GROUPED_ATTENTION = "LOCALLLM_FA_VEC_GQA"  # read once by the engine, at its first decode
@@ -252,14 +257,9 @@ def choose_grouped_attention(model) -> None:
 
 def head_size(model) -> int:
     """The model's attention head size (its key length; n_embd / n_head where it has none)."""
-    def meta(key: str) -> str:
-        buf = ctypes.create_string_buffer(256)
-        n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
-        return buf.value.decode() if n >= 0 else ""
-
-    arch = meta("general.architecture")
-    length = meta(f"{arch}.attention.key_length") if arch else ""
-    if length.isdigit():
+    arch = model_metadata(model, "general.architecture")
+    length = model_metadata(model, f"{arch}.attention.key_length") if arch else None
+    if length and length.isdigit():
         return int(length)
     return llama_cpp.llama_model_n_embd(model) // max(1, llama_cpp.llama_model_n_head(model))
 
