@@ -310,9 +310,16 @@ def test_auto_keeps_a_band_only_where_it_decodes_faster_after_a_short_prompt(sha
     assert band_pays(settling, whole)
     settled = replace(settling, ways=(("pool-gpu", 90.0, 103.5), ("no-pool", 60.0, 75.0)))
     assert not band_pays(settled, whole)
-    assert not band_pays(replace(settling, n_ctx=8192, **{
+    same_blocks = replace(settled, n_ctx=8192, predicted_decode_by_depth=((0, start * 1.3),), **{
         f: getattr(whole, f) for f in ("n_gpu_layers", "tensor_overrides", "tensor_split",
-                                       "n_batch", "n_ubatch", "flash_attn")}), whole)
+                                       "n_batch", "n_ubatch", "flash_attn", "expert_cache",
+                                       "expert_misses_on_gpu", "expert_cache_device")})
+    assert not band_pays(same_blocks, whole)
+    # The same blocks in RAM with a pool where the whole plan has none is another way to run:
+    # on an H100 lease the 8K band's pool (misses on the CPU) decoded 115 tok/s, and dropping
+    # it as "the same placement" left short answers to the whole plan's 82.
+    assert whole.expert_cache == 0
+    assert band_pays(replace(same_blocks, expert_cache=1024), whole)
 
 
 def test_the_daemon_loads_fill_bands_only_where_they_move_weights(shapes):

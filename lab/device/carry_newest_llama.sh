@@ -41,6 +41,7 @@ tar czf "$root/.device-carry/llama-newest-src.tgz" -C "$tree" \
 du -h "$root/.device-carry/llama-newest-src.tgz"
 [ "$build" = 1 ] || exit 0
 out=$work/out && rm -rf "$out" && mkdir -p "$out" && tar xzf "$root/.device-carry/llama-newest-src.tgz" -C "$out"
+bash "$root/lab/device/cuda_toolkit_here.sh" "$out/llama.cpp"  # cuBLAS and the driver stub
 cmake -S "$out/llama.cpp" -B "$out/build" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
   -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \

@@ -11,12 +11,8 @@
 #   bash lab/device/carry_patched_cuda.sh [WORK_DIR]      # also writes llama-src.tgz
 #
 # Needs nvcc (CUDA 13, as the GPU machine has), cuBLAS headers and libraries, and libcuda for
-# the link: where the toolkit lacks them, `pip download --no-deps nvidia-cublas` (13.x), unzip it
-# and copy its include/*.h and lib/*.so.13 into the toolkit (with unversioned libcublas.so and
-# libcublasLt.so), and give the toolkit a stub lib/stubs/libcuda.so with soname libcuda.so.1 that
-# defines the driver functions ggml-cuda calls (`grep -ohE '\bcu[A-Z]\w*' ggml/src/ggml-cuda/*.cu*`:
-# cuMemCreate, cuMemMap, ...; `int cuX(void){return 0;}` each; an empty stub is dropped by
-# --as-needed and the library then fails to load there): the GPU machine's driver is the real one.
+# the link: lab/device/cuda_toolkit_here.sh adds what the toolkit lacks (cuBLAS from PyPI, a
+# driver stub); the GPU machine's driver is the real one.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 work=${1:-/tmp/patched-cuda}
@@ -25,6 +21,7 @@ work=${1:-/tmp/patched-cuda}
 bash "$root/lab/device/carry_patched_source.sh" "$work"
 src=$(echo "$work"/src/llama_cpp_python-*/vendor/llama.cpp)
 want=$(cat "$src/LOCALLLM_PATCHES")
+bash "$root/lab/device/cuda_toolkit_here.sh" "$src"  # cuBLAS and the driver stub, once
 # tests/gpu/device_engine.sh's options, with portable CPU code
 cmake -S "$src" -B "$work/build" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DGGML_NATIVE=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \

@@ -13,7 +13,6 @@ from .card import Card
 from .disk import disk_reason
 from .evaluator import Evaluator
 from .explain_speculation import speculation_lines
-from .host_reads import read_gbs_at
 from .memory import CPU, ContextSettings, gpu_layers
 from .placements import kind_of, span
 from .plan import layer_ranges
@@ -28,14 +27,11 @@ def _kv_text(settings: ContextSettings) -> str:
 
 
 def _threads_line(card: Card, request: Request, threads: int, cpu_weights: int) -> str:
-    if threads >= card.cores or request.n_threads:
+    if threads >= card.cores:
         return (f"{threads} threads = physical cores: {gib(cpu_weights)} of weights stay in RAM "
                 "and decode on the CPU fastest with one thread per core")
-    return (f"{threads} of {card.cores} threads at decode: {gib(cpu_weights)} of weights stay "
-            f"in RAM, and this machine read RAM fastest with {threads} threads "
-            f"({read_gbs_at(card.host_read_gbs, threads):g} GB/s; "
-            f"{read_gbs_at(card.host_read_gbs, card.cores):g} with all {card.cores}); prompts "
-            f"are read with all {card.cores}")
+    return (f"{threads} of {card.cores} threads at decode, as asked (num_thread): "
+            f"{gib(cpu_weights)} of weights stay in RAM; prompts are read with all {card.cores}")
 
 
 def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,

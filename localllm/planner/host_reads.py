@@ -1,6 +1,6 @@
 """What the CPU's share of a decode step costs on this machine: the experts a GPU plan keeps in
-RAM are read by the host's threads at its measured read rate (profiles/host_prices.py), and a
-GPU plan decodes with the thread count that read fastest. The speed model (speed.py) and the
+RAM are read by the host's threads at its measured read rate (profiles/host_prices.py), with
+one thread per physical core. The speed model (speed.py) and the
 checking pass's price (checking.py) take their rates and threads from here."""
 
 from __future__ import annotations
@@ -30,31 +30,28 @@ def expert_read_bps(card: Card, threads: int) -> float:
     return card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
 
 
-# A thread count below all cores is chosen for decode only where this machine read RAM this
-# much faster with it: one measurement's noise must not move a plan.
-FEWER_THREADS_GAIN = 1.05
-
-
 def decode_threads(card: Card, n_threads: int | None = None) -> int:
-    """The threads a GPU plan decodes with: `n_threads` where asked (num_thread); else the count
-    at which this machine's measured read rate peaks (the CPU's share of a decode step, experts
-    in RAM, is a read of them), where it beats all cores by FEWER_THREADS_GAIN; else all cores.
-    On an H100 lease's 16-core host the rate fell from 72.5 GB/s at 12 threads to 48.9 at 16:
-    one straggling thread holds up every step (lab/runs/h100-2026-12-07-moe-ways.md)."""
+    """The threads a plan decodes with: `n_threads` where asked (num_thread), else every
+    physical core. A read-rate probe that peaked below all cores once chose fewer: on an H100
+    lease's 16-core host it read 72.5 GB/s with 12 threads and 48.9 with 16, and the plan it
+    chose decoded 97 tok/s with 12 where the same plan decoded 104-108 with 16 (lab/runs/
+    h100-2026-12-07b-moe-ways.md); llama-bench on another lease's host rose from 80.7 to 88.0
+    tok/s from 12 to 16 threads (tests/fixtures/h100-moe-prices.json). Python's threads
+    contend where llama.cpp's do not, so the probe prices reads, not thread counts."""
     if n_threads:
         return min(n_threads, card.cores)
-    rates = {t: r for t, r in card.host_read_gbs if t <= card.cores}
-    if not card.has_gpu or not rates:
-        return card.cores
-    best = max(rates, key=lambda t: (rates[t], t))
-    at_all = read_gbs_at(card.host_read_gbs, card.cores)
-    return best if rates[best] >= FEWER_THREADS_GAIN * at_all else card.cores
+    return card.cores
 
 
 def read_gbs_at(rates: tuple[tuple[int, float], ...], threads: int) -> float:
     """A measured read rate at `threads`: linear between the thread counts measured, the
-    nearest one's rate outside them."""
-    points = sorted(rates)
+    nearest one's rate outside them, and never below what fewer threads read (the engine's
+    threads reach what some of them do; a dip at more threads is the probe's own contention,
+    decode_threads)."""
+    points, best = [], 0.0
+    for t, r in sorted(rates):
+        best = max(best, r)
+        points.append((t, best))
     if threads <= points[0][0]:
         return points[0][1] * threads / points[0][0]
     for (t0, r0), (t1, r1) in zip(points, points[1:], strict=False):
