@@ -160,3 +160,16 @@ async def test_the_daemon_measures_each_way_in_turn(store, smollm2_gguf, tmp_pat
         assert len(planner.made) <= 3
     finally:
         await scheduler.close()
+
+
+def test_each_band_of_a_runner_has_its_way_trials():
+    from localllm.daemon.replanning import MAX_REPLANS, way_trial_allowed
+
+    # An H100 lease's banded runner: after the price corrections, the 8K band measured its
+    # other two ways and went back to the fastest (three re-plans), then the 32K band measured
+    # its other two; the third, back to its fastest (the pool, 61 tok/s where the last way
+    # measured did 41), must still be allowed.
+    replans = MAX_REPLANS + 5
+    assert way_trial_allowed(replans, n_plans=2)
+    assert not way_trial_allowed(replans + 1, n_plans=2)
+    assert not way_trial_allowed(MAX_REPLANS + 3, n_plans=1)  # one plan: three trials

@@ -28,10 +28,19 @@ log = logging.getLogger("localllm.scheduler")
 # (each corrects a price, so the next plan is priced closer); the second lets the way the first
 # re-plan moved to be measured and corrected in turn, and then the model stays as it is.
 MAX_REPLANS = 2
-# Re-plans past those that load another way `auto` weighed (planner/ways.py): each of at most
-# three ways measured once, and the fastest loaded; a record that cannot be written must not
-# make it measure the same ways again for ever.
+# Re-plans past those that load another way `auto` weighed (planner/ways.py), per plan the
+# runner switches between (each fill band and the whole context weigh their own ways): each of
+# at most three ways measured once, and the fastest loaded; a record that cannot be written
+# must not make it measure the same ways again for ever. One budget for a whole banded runner
+# left an H100 lease's 32K band on the slowest of its ways (no pool, 42-50 tok/s after a 16K
+# prompt) once its last way was measured, where the pool with misses on the GPU had done 61.
 MAX_WAY_TRIALS = 3
+
+
+def way_trial_allowed(replans: int, n_plans: int) -> bool:
+    """Whether a model planned again `replans` times may be again to load another way, its
+    runner switching between `n_plans` plans (fill bands and the whole context)."""
+    return replans < MAX_REPLANS + MAX_WAY_TRIALS * n_plans
 
 
 class Replanning:

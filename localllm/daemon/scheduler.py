@@ -40,7 +40,7 @@ from .drafting import check_speculation, draft_model
 
 # Planner, context_to_ask and first_band are imported from here too (tests, callers).
 from .planner import Planner, context_to_ask, first_band  # noqa: F401
-from .replanning import MAX_REPLANS, MAX_WAY_TRIALS, Replanning
+from .replanning import MAX_REPLANS, Replanning, way_trial_allowed
 from .starting import RunnerProcess, RunnerStarter
 
 log = logging.getLogger("localllm.scheduler")
@@ -141,7 +141,7 @@ class LoadedRunner:
         if self.replan:
             return ""
         if replans >= MAX_REPLANS:  # prices corrected enough: ways measured, at most
-            return trial if replans < MAX_REPLANS + MAX_WAY_TRIALS else ""
+            return trial if way_trial_allowed(replans, 1 + len(self.load.bands)) else ""
         if why := records.replan_reason(runner.expert_cache, runner.running_plan, setting):
             return why
         if off:

@@ -10,6 +10,8 @@ set -euo pipefail
 t0=$(date +%s)
 rm -rf /tmp/lw && mkdir -p /tmp/lw && cp -a . /tmp/lw && cd /tmp/lw
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader; nproc
+python3 -c "import tomli_w, platformdirs, watchfiles" ||  # before any build: the daemon needs them
+  { echo "error: the carry lacks the daemon's wheels: run lab/device/carry_wheels.sh here" >&2; exit 1; }
 [ "${SYNTH:-1}" = 0 ] ||  # SYNTH=0: a queue with no model in it (fattn-only.queue)
   python3 -c "from scripts import synth_gguf as s; print(s.ensure_model('/tmp/models', s.SHAPES['qwen3-30b-a3b'], routing='real'))" > "$OUT/synth.log" 2>&1 &
 [ "${BASELINE:-newest-fit}" = vendored-fit ] ||
