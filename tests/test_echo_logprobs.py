@@ -49,7 +49,11 @@ def test_echo_logprobs_give_the_perplexity_eval_measures(daemon, vocab, tmp_path
     assert lp.text_offset[0] == 0 and lp.text_offset[5] == len("".join(lp.tokens[:5]))
     scored = lp.token_logprobs[CTX // 2 + 1:]  # the targets eval scores
     perplexity = math.exp(-sum(scored) / len(scored))
-    assert perplexity == pytest.approx(reference, rel=0.01)
+    # The daemon reads the prompt a few rows a step (its logit rows) where eval reads the chunk
+    # whole: other kernels, other rounding. On a 2-core AVX2 machine without AVX-512 the two
+    # differed by 1.6% (16.53 against 16.80); a token scored against the wrong target moves
+    # the perplexity by a factor, not by percents.
+    assert perplexity == pytest.approx(reference, rel=0.03)
 
 
 def test_echo_with_a_generated_answer_and_bad_requests(daemon):
