@@ -26,7 +26,7 @@ def _kv_text(settings: ContextSettings) -> str:
     return f"{quality.kv_label(settings.type_k, settings.type_v)} KV"
 
 
-def _threads_line(card: Card, request: Request, threads: int, cpu_weights: int) -> str:
+def _threads_line(card: Card, threads: int, cpu_weights: int) -> str:
     if threads >= card.cores:
         return (f"{threads} threads = physical cores: {gib(cpu_weights)} of weights stay in RAM "
                 "and decode on the CPU fastest with one thread per core")
@@ -75,7 +75,7 @@ def explain(shape: ModelShape, card: Card, request: Request, chosen: Search,
         out.append(chosen.prompt_note)
     cpu_weights = next((m.weights for m in best.memory if m.device == CPU), 0)
     if cpu_weights > shape.embedding_bytes * 1.5:
-        out.append(_threads_line(card, request, threads, cpu_weights))
+        out.append(_threads_line(card, threads, cpu_weights))
     else:
         out.append(f"{threads} threads: the GPU does the work; the CPU only feeds it")
     out += _slot_lines(best, request, card, slot_note)
