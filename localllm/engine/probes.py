@@ -120,6 +120,19 @@ class Bandwidth:
     host_to_device_gbs: float  # pinned host memory to the device
 
 
+@dataclass(frozen=True)
+class KernelRates:
+    """GB/s of expert weights ggml's CPU kernels multiply at decode (engine/kernel_rates.py)."""
+    kind: ClassVar[str] = "kernel_rates"
+    rates: tuple[tuple[str, int, float], ...]  # (ggml type, threads, GB/s)
+
+    def by_type(self) -> dict[str, dict[int, float]]:
+        out: dict[str, dict[int, float]] = {}
+        for name, threads, gbs in self.rates:
+            out.setdefault(name, {})[int(threads)] = float(gbs)
+        return out
+
+
 # ---- requests: one per op; `result` is the type that answers it ------------------------------
 
 
@@ -187,7 +200,20 @@ class Calibrate:
         return cls(int(data.get("device", 0)))
 
 
-ProbeRequest = DryRun | Measure | Evaluate | RpcProbe | Calibrate
+@dataclass(frozen=True)
+class TimeKernels:
+    """ggml's CPU expert kernels timed for `types` at each of `threads` (engine/kernel_rates.py)."""
+    types: tuple[str, ...]
+    threads: tuple[int, ...]
+    buffer_bytes: int = 512 << 20
+
+    @classmethod
+    def from_wire(cls, data: dict) -> TimeKernels:
+        return cls(tuple(str(t) for t in data["types"]), tuple(int(n) for n in data["threads"]),
+                   int(data["buffer_bytes"]))
+
+
+ProbeRequest = DryRun | Measure | Evaluate | RpcProbe | Calibrate | TimeKernels
 
 
 @dataclass(frozen=True)

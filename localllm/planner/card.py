@@ -69,6 +69,10 @@ class Card:
     # (profiles/host_prices.py): what the CPU's expert matmuls stream at decode; empty:
     # not measured (they are priced at host_bandwidth_gbs shared out by threads)
     host_read_gbs: tuple[tuple[int, float], ...] = ()
+    # ggml's CPU expert kernels timed on this machine (profiles/host_prices.py,
+    # engine/kernel_rates.py): per ggml type ("Q4_K"), GB/s of expert weights by thread count;
+    # where a model's expert types are all here they price its experts in RAM, not the read rate
+    host_expert_gbs: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     # How much slower (above 1) or faster the decodes this machine served were than priced,
     # put on the part of a step each one's error was laid to (profiles/served_speed.py): the
     # host's seconds (weights and experts the CPU reads, its attention) and the GPU's reads of

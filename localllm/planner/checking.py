@@ -85,7 +85,8 @@ def checking_terms(costs: ModelCosts, placement: Placement, settings: ContextSet
     plain = predict_speed(costs, placement, settings, card, n_threads, depth, pool)
     devices = block_devices(costs, placement, card.n_gpus if card.has_gpu else 0)
     threads = decode_threads(card, n_threads)
-    host_bw = expert_read_bps(card, threads)  # the CPU's extra reads are experts'
+    # the CPU's extra reads are experts'
+    host_bw = expert_read_bps(card, threads, costs.expert_types)
     gpu_bw = card.bandwidth_gbs * 1e9 * card.decode_efficiency
     depth = min(depth, settings.n_ctx)
     cpu_attention = 0.0

@@ -45,6 +45,7 @@ class ModelCosts:
     n_ff: int
     n_ff_active_experts: int  # expert FFN width times experts used per token
     n_expert_used: int = 0  # experts a token is routed to (0: a dense model)
+    expert_types: tuple[tuple[str, float], ...] = ()  # the experts' ggml types, share of bytes
 
     # Hashed once: the search keys its caches (per_costs) by ModelCosts inside Speculators.
     def __hash__(self) -> int:
@@ -108,6 +109,7 @@ def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
     block = [0] * n
     ffn = [0] * n
     experts = [0] * n
+    expert_types: dict[str, int] = {}
     params = [0] * n
     active = (shape.expert_used_count / shape.expert_count) if shape.expert_count else 1.0
     output_bytes = output_params = output_norm = other = 0
@@ -118,6 +120,7 @@ def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
                 continue
             if t.role == EXPERTS:
                 experts[t.layer] += t.n_bytes
+                expert_types[t.ggml_type] = expert_types.get(t.ggml_type, 0) + t.n_bytes
                 params[t.layer] += int(t.n_elements * active)
             else:
                 block[t.layer] += t.n_bytes
@@ -158,4 +161,6 @@ def model_costs(shape: ModelShape, load_mtp: bool = False) -> ModelCosts:
         n_ff=shape.feed_forward_length,
         n_ff_active_experts=shape.expert_feed_forward_length * shape.expert_used_count,
         n_expert_used=shape.expert_used_count if any(experts) else 0,
+        expert_types=tuple((name, round(n_bytes / max(1, sum(experts)), 4))
+                           for name, n_bytes in sorted(expert_types.items())),
     )

@@ -1,7 +1,8 @@
 """What the CPU's share of a decode step costs on this machine: the experts a GPU plan keeps in
-RAM are read by the host's threads at its measured read rate (profiles/host_prices.py), with
-one thread per physical core. The speed model (speed.py) and the
-checking pass's price (checking.py) take their rates and threads from here."""
+RAM are multiplied by the host's threads at the rate ggml's kernels were timed at here, else at
+its measured read rate (profiles/host_prices.py), with one thread per physical core. The speed
+model (speed.py) and the checking pass's price (checking.py) take their rates and threads from
+here."""
 
 from __future__ import annotations
 
@@ -21,13 +22,30 @@ HOST_READ_EFFICIENCY = 0.95
 EXPERT_ROUND_TRIP_SECONDS = 0.06e-3
 
 
-def expert_read_bps(card: Card, threads: int) -> float:
-    """Bytes/s the CPU's `threads` threads multiply experts in RAM at, at decode: this machine's
-    measured read rate at that thread count (card.host_read_gbs) where it was measured, else
-    the card's host bandwidth shared out by threads."""
+def expert_read_bps(card: Card, threads: int,
+                    expert_types: tuple[tuple[str, float], ...] = ()) -> float:
+    """Bytes/s the CPU's `threads` threads multiply experts in RAM at, at decode: where ggml's
+    kernels were timed on this machine for every type of the model's experts (`expert_types`,
+    share of bytes by ggml type; card.host_expert_gbs), their rates, the bytes of each type at
+    its own; else this machine's measured read rate at that thread count (card.host_read_gbs);
+    else the card's host bandwidth shared out by threads."""
+    kernel = kernel_bps(card, threads, expert_types)
+    if kernel:
+        return kernel
     if card.host_read_gbs:
         return max(1.0, HOST_READ_EFFICIENCY * 1e9 * read_gbs_at(card.host_read_gbs, threads))
     return card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
+
+
+def kernel_bps(card: Card, threads: int, expert_types: tuple[tuple[str, float], ...]) -> float:
+    """The timed kernels' rate for experts of `expert_types` at `threads` (a byte of each type
+    at its type's rate); 0.0 where any of the types was not timed here."""
+    timed = dict(card.host_expert_gbs)
+    if not expert_types or any(name not in timed for name, _ in expert_types):
+        return 0.0
+    seconds_per_byte = sum(share / (1e9 * read_gbs_at(timed[name], threads))
+                           for name, share in expert_types)
+    return 1.0 / max(seconds_per_byte, 1e-15)
 
 
 def decode_threads(card: Card, n_threads: int | None = None) -> int:

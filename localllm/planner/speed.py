@@ -246,7 +246,7 @@ def predict_speed(costs: ModelCosts, placement: Placement, settings: ContextSett
     served, hits = pool_hits(costs, devices, kept, pool)
     threads = decode_threads(card, n_threads)
     host_bw = card.host_bandwidth_gbs * 1e9 * threads / max(1, card.cores)
-    expert_bw = expert_read_bps(card, threads)
+    expert_bw = expert_read_bps(card, threads, costs.expert_types)
     bandwidths = gpu_bandwidths(card)
     depth = min(depth, settings.n_ctx)
     gpu_s = cpu_s = mapped_s = 0.0

@@ -16,6 +16,8 @@ from .saved import profiles_dir, read_tables, write_toml
 HOST_KEY = "host"  # the calibration table of this machine's own figures (no card is so named)
 READ_KEY = "read_gbs"  # under [host]: {"threads": GB/s} (host_prices.py)
 READ_WHEN_KEY = "read_measured_at"
+KERNEL_KEY = "expert_gbs"  # under [host]: {"Q4_K": {"threads": GB/s}} (engine/kernel_rates.py)
+KERNEL_WHEN_KEY = "expert_measured_at"
 # under [host]: what serving measured against the plans' prices (served_speed.py)
 SERVED_FACTOR_KEYS = ("served_host_factor", "served_mapped_factor")  # as the Card's fields
 SERVED_WHEN_KEY = "served_measured_at"
@@ -53,7 +55,8 @@ def calibrated(card: Card, path: Path | None = None) -> Card:
         card = with_measured_disk(card, doc.get(HOST_KEY, {}))
         if card.has_gpu:  # host_prices.py measures them on first use; serving, the factors
             host = doc.get(HOST_KEY, {})  # and the GPU's overhead (served_vram.py)
-            card = replace(card, host_read_gbs=stored_reads(host), **served_factors(host),
+            card = replace(card, host_read_gbs=stored_reads(host),
+                           host_expert_gbs=stored_kernels(host), **served_factors(host),
                            overhead_bytes=max(card.overhead_bytes, stored_overhead(host)))
     factors = doc.get(card.name, {})
     try:
@@ -80,7 +83,20 @@ def stored_overhead(host: dict) -> int:
 def stored_reads(host: dict) -> tuple[tuple[int, float], ...]:
     """The read rates by thread count a `[host]` table holds (host_prices.py), checked; ()
     where none or any is not a sane figure."""
-    table = host.get(READ_KEY)
+    return _rates(host.get(READ_KEY))
+
+
+def stored_kernels(host: dict) -> tuple[tuple[str, tuple[tuple[int, float], ...]], ...]:
+    """The expert kernels' rates by ggml type a `[host]` table holds, each type's checked as
+    stored_reads checks the read rates (a type with a bad figure is left out)."""
+    table = host.get(KERNEL_KEY)
+    if not isinstance(table, dict):
+        return ()
+    checked = ((str(name), _rates(rates)) for name, rates in sorted(table.items()))
+    return tuple((name, rates) for name, rates in checked if rates)
+
+
+def _rates(table) -> tuple[tuple[int, float], ...]:
     if not isinstance(table, dict):
         return ()
     rates = []

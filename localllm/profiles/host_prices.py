@@ -1,12 +1,16 @@
-"""This machine's read rate by thread count, measured on first use and kept: the price of the
-experts the CPU multiplies at decode (planner/host_reads.py expert_read_bps).
+"""This machine's own prices for the experts the CPU multiplies at decode, measured on first use
+and kept (planner/host_reads.py expert_read_bps): its read rate by thread count, and ggml's
+CPU expert kernels timed by ggml type and thread count.
 
 The card table's host bandwidth is a guess for a box nobody measured (an H100's 16-core host
 read Qwen3-30B-A3B's experts in RAM about 1.5x faster than it said, and the round trip to the
 CPU was priced 3x too high, which made `expert_cache = auto` pick the slowest of its ways). So
 the first plan for a GPU on this machine times its threads reading RAM, about a second (numpy's
 reductions free the GIL, so Python threads stream in parallel, each over its own span, as
-llama.cpp's threads split a tensor's rows), and stores the rates under `[host]` in the
+llama.cpp's threads split a tensor's rows). A read is not the kernel, though: another host read
+as fast and multiplied its experts 1.66x slower than the read priced them, so the same first
+plan also times ggml's own expert matmuls in a runner (engine/kernel_rates.py, a few seconds),
+and a model whose expert types were timed is priced with them. Both go under `[host]` in the
 calibration file, with when; every later plan reads them. `tune --json` names the source of
 each price (prices_of).
 """
@@ -19,11 +23,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import tomli_w
-
 from localllm.planner.card import Card
 from .calibration import (
     HOST_KEY,
+    KERNEL_KEY,
+    KERNEL_WHEN_KEY,
     READ_KEY,
     READ_WHEN_KEY,
     SERVED_FACTOR_KEYS,
@@ -32,11 +36,14 @@ from .calibration import (
     calibration_file,
     load_calibration,
 )
+from .saved import write_toml
 
 log = logging.getLogger("localllm.tuner")
 # What this process measured, by calibration file and cores: the daemon asks for its card
 # several times a load, and a config it cannot write must not cost a measurement each time
 _MEASURED: dict[tuple[str, int], tuple[tuple[int, float], ...]] = {}
+_TIMED: dict[tuple[str, int], tuple] = {}  # the same for the expert kernels' rates
+KERNEL_TIMEOUT_S = 120  # six types at each thread count: seconds on a 16-core host
 BUFFER_BYTES = 512 << 20  # well past any last-level cache
 REPEATS = 3
 
@@ -77,18 +84,25 @@ def measure_read_gbs(threads: list[int], buffer_bytes: int = BUFFER_BYTES) -> di
 def measured_on_first_use(card: Card, path: Path | None = None,
                           buffer_bytes: int | None = None) -> Card:
     """This machine's card (as `calibrated` gives it, stored rates applied) with its read
-    rates measured now and stored where none were. A card from a profile describes another box
-    and is left as it is; so is a machine without a GPU, where every weight is read by the CPU
-    and no plan weighs the CPU's reads against the GPU's."""
-    if card.source != "probe" or not card.has_gpu or card.host_read_gbs:
+    rates and its expert kernels' rates measured now and stored where none were. A card from
+    a profile describes another box and is left as it is; so is a machine without a GPU, where
+    every weight is read by the CPU and no plan weighs the CPU's reads against the GPU's."""
+    if card.source != "probe" or not card.has_gpu:
         return card
     path = path or calibration_file()
     key = (str(path), card.cores)
-    if key not in _MEASURED:  # once a process, even where the file could not be written
-        _MEASURED[key] = _measure_and_store(card.cores, load_calibration(path), path,
-                                            buffer_bytes)
-    rates = _MEASURED[key]
-    return replace(card, host_read_gbs=rates) if rates else card
+    if not card.host_read_gbs:
+        if key not in _MEASURED:  # once a process, even where the file could not be written
+            _MEASURED[key] = _measure_and_store(card.cores, load_calibration(path), path,
+                                                buffer_bytes)
+        if _MEASURED[key]:
+            card = replace(card, host_read_gbs=_MEASURED[key])
+    if not card.host_expert_gbs:
+        if key not in _TIMED:
+            _TIMED[key] = _time_kernels_and_store(card.cores, path, buffer_bytes)
+        if _TIMED[key]:  # the host factor served was of the read rate's price (as stored)
+            card = replace(card, host_expert_gbs=_TIMED[key], served_host_factor=1.0)
+    return card
 
 
 def _measure_and_store(cores: int, doc: dict, path: Path,
@@ -106,12 +120,46 @@ def _measure_and_store(cores: int, doc: dict, path: Path,
     doc[HOST_KEY] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(tomli_w.dumps(doc))
+        write_toml(path, doc)
     except OSError as e:  # a full disk or a read-only config: priced now, measured again later
         log.warning("could not save this machine's RAM read rate to %s: %s", path, e)
     log.info("measured this machine's RAM read rate in %.1f s: %s GB/s by threads",
              time.monotonic() - started, measured)
     return tuple(sorted(measured.items()))
+
+
+def _time_kernels_and_store(cores: int, path: Path, buffer_bytes: int | None
+                            ) -> tuple[tuple[str, tuple[tuple[int, float], ...]], ...]:
+    """ggml's CPU expert kernels timed in a runner of their own (engine/kernel_rates.py) and
+    stored under `[host]`. The served-speed factor for the host goes with the old price: it
+    said how far serving was from the read rate's price, which the kernels' rates replace."""
+    from localllm.engine.kernel_rates import BUFFER_BYTES as KERNEL_BUFFER, TYPES
+    from localllm.engine.probes import TimeKernels
+    from localllm.engine.probing import ProbeFailed, ask
+
+    started = time.monotonic()
+    try:
+        timed = ask(TimeKernels(tuple(TYPES), tuple(thread_counts(cores)),
+                                buffer_bytes or KERNEL_BUFFER), timeout=KERNEL_TIMEOUT_S)
+    except ProbeFailed as e:
+        log.warning("could not time this machine's expert kernels (%s): experts in RAM are "
+                    "priced from its read rate", e)
+        return ()
+    rates = timed.by_type()
+    doc = load_calibration(path)
+    entry = {k: v for k, v in doc.get(HOST_KEY, {}).items() if k != "served_host_factor"}
+    entry[KERNEL_KEY] = {name: {str(t): gbs for t, gbs in by_threads.items()}
+                         for name, by_threads in rates.items()}
+    entry[KERNEL_WHEN_KEY] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    doc[HOST_KEY] = entry
+    try:
+        write_toml(path, doc)
+    except OSError as e:
+        log.warning("could not save this machine's expert kernel rates to %s: %s", path, e)
+    log.info("timed this machine's expert kernels in %.1f s: %s GB/s by type and threads",
+             time.monotonic() - started, rates)
+    return tuple((name, tuple(sorted(by_threads.items()))) for name, by_threads in
+                 sorted(rates.items()))
 
 
 def prices_of(card: Card, path: Path | None = None) -> dict[str, dict]:
@@ -127,6 +175,11 @@ def prices_of(card: Card, path: Path | None = None) -> dict[str, dict]:
             "source": f"measured on this machine at {host.get(READ_WHEN_KEY)}" if card.host_read_gbs
             and host.get(READ_WHEN_KEY) else "assumed: the host bandwidth of the card table or an "
             "estimate from the cores, shared out by threads"},
+        "host_expert_gbs": {
+            "value": {name: dict(rates) for name, rates in card.host_expert_gbs},
+            "source": f"ggml's CPU kernels timed on this machine at {host.get(KERNEL_WHEN_KEY)}"
+            if card.host_expert_gbs and host.get(KERNEL_WHEN_KEY) else "not timed: experts in "
+            "RAM are priced from host_read_gbs"},
         "gpu_bandwidth_gbs": {
             "value": card.bandwidth_gbs,
             "source": f"measured by tune --calibrate at {entry['bandwidth_measured_at']}"

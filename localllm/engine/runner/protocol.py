@@ -34,9 +34,11 @@ from localllm.engine.probes import (
     DryRun,
     Evaluate,
     Evaluation,
+    KernelRates,
     Measure,
     Measurement,
     RpcProbe,
+    TimeKernels,
     Workers,
 )
 
@@ -277,9 +279,9 @@ class Failure:
 
 Event = (Token | Done | Failure | Progress | Embeddings | TokenCount | Threads | Band
          | ExpertCacheStats | Loaded | Buffers | Measurement | Evaluation | Workers | Bandwidth
-         | Chunks)
+         | KernelRates | Chunks)
 Request = (Load | GenerationRequest | EmbedRequest | TokenizeRequest | CpuShare | DryRun
-           | Measure | Evaluate | RpcProbe | Calibrate)
+           | Measure | Evaluate | RpcProbe | Calibrate | TimeKernels)
 
 
 @dataclass(frozen=True)
@@ -311,6 +313,7 @@ OPS = (
     Op("evaluate", Evaluate, (Evaluation, Failure), "evaluate", alone=True),
     Op("rpc_probe", RpcProbe, (Workers, Failure), "rpc_probe", alone=True),
     Op("calibrate", Calibrate, (Bandwidth, Failure), "calibrate", alone=True),
+    Op("kernel_rates", TimeKernels, (KernelRates, Failure), "time_kernels", alone=True),
 )
 OP_BY_NAME = {op.name: op for op in OPS}
 OP_OF_REQUEST = {op.request: op for op in OPS}

@@ -1,6 +1,6 @@
 """The tuner's ops in the runner program (protocol.OPS rows marked `alone`): a dry run, a
-measurement, an evaluation, an RPC probe, a bandwidth calibration, each the first and only line
-a runner reads, answered with its typed result; then the program ends.
+measurement, an evaluation, an RPC probe, a bandwidth calibration, ggml's CPU kernels timed,
+each the first and only line a runner reads, answered with its typed result; then the program ends.
 
 Each runs in a process of its own and ends with it: a dry run or a measurement creates a CUDA
 context the daemon must not hold, ggml-rpc aborts the process when a worker goes away and a
@@ -20,8 +20,10 @@ from localllm.engine.probes import (
     Chunks,
     DryRun,
     Evaluate,
+    KernelRates,
     Measure,
     RpcProbe,
+    TimeKernels,
 )
 
 from localllm.errors import UserError
@@ -61,8 +63,17 @@ def calibrate(request: Calibrate, emit: Callable) -> object:
     return measure_bandwidth(request.device)
 
 
+def time_kernels(request: TimeKernels, emit: Callable) -> object:
+    from localllm.engine.kernel_rates import measure_kernel_gbs  # ggml's CPU library only
+
+    rates = measure_kernel_gbs(list(request.types), list(request.threads), request.buffer_bytes)
+    return KernelRates(tuple((name, n, gbs) for name, by_threads in rates.items()
+                             for n, gbs in by_threads.items()))
+
+
 # what each `alone` op's `method` names
-METHODS = {f.__name__: f for f in (dry_run, measure, evaluate, rpc_probe, calibrate)}
+METHODS = {f.__name__: f for f in (dry_run, measure, evaluate, rpc_probe, calibrate,
+                                   time_kernels)}
 
 
 def answer(op: Op, message: dict, send: Callable[[dict], None]) -> int:
