@@ -48,7 +48,7 @@ def test_the_kernels_are_timed_by_type_and_threads():
 
 
 def test_the_runner_times_them_in_a_process_of_its_own():
-    timed = ask(TimeKernels(("Q8_0",), (1,), SMALL), timeout=120)
+    timed = ask(TimeKernels((1,), ("Q8_0",), SMALL), timeout=120)
     assert list(timed.by_type()) == ["Q8_0"] and timed.by_type()["Q8_0"][1] > 0
 
 

@@ -47,7 +47,8 @@ tar czf "$root/.device-carry/llama-newest-src.tgz" -C "$tree" \
   "${skip[@]/#/--exclude=llama.cpp/}" llama.cpp
 du -h "$root/.device-carry/llama-newest-src.tgz"
 [ "$build" = 1 ] || exit 0
-out=$work/out && rm -rf "$out" && mkdir -p "$out" && tar xzf "$root/.device-carry/llama-newest-src.tgz" -C "$out"
+# the build folder is kept: a stopped build goes on where it was (tar keeps the sources' times)
+out=$work/out && rm -rf "$out/llama.cpp" && mkdir -p "$out" && tar xzf "$root/.device-carry/llama-newest-src.tgz" -C "$out"
 bash "$root/lab/device/cuda_toolkit_here.sh" "$out/llama.cpp"  # cuBLAS and the driver stub
 cmake -S "$out/llama.cpp" -B "$out/build" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
   -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \

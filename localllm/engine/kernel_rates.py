@@ -12,9 +12,10 @@ a K-quant's heavier unpacking) only the kernel itself says so.
 
 The graph is a decode step's expert work, batch 1: per block, gate, up and down as
 ggml_mul_mat_id over the experts a token is routed to (a typical expert: 2048 wide, 768 deep,
-8 routed), enough blocks that their weights (BUFFER_BYTES) are well past any last-level cache,
-computed by ggml_graph_compute with each thread count; the best of REPEATS passes. The weights
-are zeros: the kernels' work does not depend on the values, and zero scales keep denormals out.
+8 routed), enough blocks that their weights (512 MiB: TimeKernels) are well past any last-level
+cache, computed by ggml_graph_compute with each thread count; the best of REPEATS passes. The
+weights are zeros: the kernels' work does not depend on the values; zero scales keep denormals
+out.
 ggml is reached through ctypes (llama-cpp-python binds llama.h, not ggml.h), from the same
 libraries the runner's llama.cpp loads.
 """
@@ -26,10 +27,9 @@ import os
 import time
 from pathlib import Path
 
-BUFFER_BYTES = 512 << 20  # the experts of 20-40 blocks, past any last-level cache
 REPEATS = 3
 N_EMBD, N_FF, N_USED = 2048, 768, 8  # Qwen3-30B-A3B's experts; the rate moves little with them
-# ggml_type values (ggml.h) of the types MoE GGUFs keep their experts in
+# ggml_type values (ggml.h) of the types MoE GGUFs keep their experts in (probes.EXPERT_TYPES)
 TYPES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "MXFP4": 39}
 GGML_TYPE_F32, GGML_TYPE_I32 = 0, 26
 SLACK_BYTES = 32 << 20  # tensor headers, the graph, the work buffer (the inputs' q8 copies)
@@ -108,7 +108,7 @@ def _expert_step(base, type_id: int, buffer_bytes: int):
     return ctx, graph, weights, blocks
 
 
-def measure_kernel_gbs(types: list[str], threads: list[int], buffer_bytes: int = BUFFER_BYTES,
+def measure_kernel_gbs(types: list[str], threads: list[int], buffer_bytes: int = 512 << 20,
                        folder: Path | None = None) -> dict[str, dict[int, float]]:
     """GB/s of expert weights ggml's CPU kernels multiply at decode, per type and thread count.
     A type this ggml does not know is left out."""

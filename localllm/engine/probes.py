@@ -200,16 +200,21 @@ class Calibrate:
         return cls(int(data.get("device", 0)))
 
 
+# the ggml types MoE GGUFs keep their experts in (engine/kernel_rates.py times each)
+EXPERT_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+
+
 @dataclass(frozen=True)
 class TimeKernels:
-    """ggml's CPU expert kernels timed for `types` at each of `threads` (engine/kernel_rates.py)."""
-    types: tuple[str, ...]
+    """ggml's CPU expert kernels timed for `types` at each of `threads` (engine/kernel_rates.py),
+    over `buffer_bytes` of experts (well past any last-level cache)."""
     threads: tuple[int, ...]
+    types: tuple[str, ...] = EXPERT_TYPES
     buffer_bytes: int = 512 << 20
 
     @classmethod
     def from_wire(cls, data: dict) -> TimeKernels:
-        return cls(tuple(str(t) for t in data["types"]), tuple(int(n) for n in data["threads"]),
+        return cls(tuple(int(n) for n in data["threads"]), tuple(str(t) for t in data["types"]),
                    int(data["buffer_bytes"]))
 
 

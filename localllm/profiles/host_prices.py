@@ -133,14 +133,15 @@ def _time_kernels_and_store(cores: int, path: Path, buffer_bytes: int | None
     """ggml's CPU expert kernels timed in a runner of their own (engine/kernel_rates.py) and
     stored under `[host]`. The served-speed factor for the host goes with the old price: it
     said how far serving was from the read rate's price, which the kernels' rates replace."""
-    from localllm.engine.kernel_rates import BUFFER_BYTES as KERNEL_BUFFER, TYPES
     from localllm.engine.probes import TimeKernels
     from localllm.engine.probing import ProbeFailed, ask
 
     started = time.monotonic()
+    request = TimeKernels(tuple(thread_counts(cores)))
+    if buffer_bytes:
+        request = replace(request, buffer_bytes=buffer_bytes)
     try:
-        timed = ask(TimeKernels(tuple(TYPES), tuple(thread_counts(cores)),
-                                buffer_bytes or KERNEL_BUFFER), timeout=KERNEL_TIMEOUT_S)
+        timed = ask(request, timeout=KERNEL_TIMEOUT_S)
     except ProbeFailed as e:
         log.warning("could not time this machine's expert kernels (%s): experts in RAM are "
                     "priced from its read rate", e)
