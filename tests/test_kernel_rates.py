@@ -9,14 +9,12 @@ import tomllib
 from dataclasses import replace
 
 import pytest
-from scripts import synth_gguf
 import tomli_w
 
+from h100_here import h100_here, qwen3_header
 from localllm.engine.kernel_rates import measure_kernel_gbs
 from localllm.engine.probes import TimeKernels
 from localllm.engine.probing import ask
-from localllm.modelstore.shape import read_shape
-from localllm.planner.card import load_card
 from localllm.planner.costs import model_costs
 from localllm.planner.host_reads import expert_read_bps
 from localllm.planner.memory import ContextSettings
@@ -29,15 +27,13 @@ SMALL = 8 << 20  # the experts of one block: milliseconds (the rates are not the
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    path = tmp_path_factory.mktemp("moe") / "qwen3-30b-a3b.gguf"
-    synth_gguf.write_gguf(path, synth_gguf.SHAPES["qwen3-30b-a3b"], "Q4_0", "sparse")
-    return path
+def costs(tmp_path_factory):
+    return model_costs(qwen3_header(tmp_path_factory.mktemp("moe")))
 
 
 def _this_machine(cores: int = 16):
-    card = load_card("h100").with_vram(12)
-    return replace(card, source="probe", cores=cores, host_bandwidth_gbs=51.2)
+    """The H100 at 12 GiB as this machine's probe gives it, its read rates not yet measured."""
+    return replace(h100_here(), cores=cores, host_read_gbs=())
 
 
 def test_the_kernels_are_timed_by_type_and_threads():
@@ -81,8 +77,8 @@ def test_a_damaged_kernel_table_loses_only_its_bad_type(tmp_path):
     assert calibrated(_this_machine(), path).host_expert_gbs == (("Q4_K", ((16, 40.0),)),)
 
 
-def test_the_model_knows_its_expert_types(moe):
-    assert model_costs(read_shape(moe)).expert_types == (("Q4_0", 1.0),)
+def test_the_model_knows_its_expert_types(costs):
+    assert costs.expert_types == (("Q4_0", 1.0),)
 
 
 def test_timed_types_price_the_experts_and_others_the_read_rate():
@@ -96,10 +92,9 @@ def test_timed_types_price_the_experts_and_others_the_read_rate():
     assert expert_read_bps(card, 16) == pytest.approx(0.95 * 80e9)
 
 
-def test_a_slow_kernel_slows_the_predicted_decode(moe):
+def test_a_slow_kernel_slows_the_predicted_decode(costs):
     """Lease E's host read RAM as fast as lease D's and multiplied experts 1.66x slower: with
     its kernels timed, a plan with experts in RAM is priced slower than the read rate says."""
-    costs = model_costs(read_shape(moe))
     settings = ContextSettings(32768, "q8_0", "q8_0")
     placement = Placement(n_gpu_layers=49, n_cpu_expert_layers=24)
     reads = replace(_this_machine(), host_read_gbs=((16, 73.9),))
