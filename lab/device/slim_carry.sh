@@ -13,7 +13,8 @@ carry=$root/.device-carry
 tgz=$carry/llama-cpp-0.3.36-cuda-sm90.tgz
 [ -f "$carry/patched-engine.tar.xz" ] ||
   { echo "error: no patched engine carried (lab/device/carry_patched_cuda.sh first)" >&2; exit 1; }
-tar tzf "$tgz" | grep -q 'libggml-cuda' || { echo "already slim: $(du -h "$tgz" | cut -f1)"; exit 0; }
+listing=$(tar tzf "$tgz")  # whole: grep -q's early exit would fail the pipe
+grep -q 'libggml-cuda' <<< "$listing" || { echo "already slim: $(du -h "$tgz" | cut -f1)"; exit 0; }
 work=$(mktemp -d) && trap 'rm -rf "$work"' EXIT
 tar xzf "$tgz" -C "$work" && rm -f "$work"/bin/libggml-cuda.so*
 chmod u+w "$tgz" && tar czf "$tgz" -C "$work" . && chmod a-w "$tgz"
