@@ -32,13 +32,19 @@ N_EMBD, N_FF, N_USED = 2048, 768, 8  # Qwen3-30B-A3B's experts; the rate moves l
 # ggml_type values (ggml.h) of the types MoE GGUFs keep their experts in (probes.EXPERT_TYPES)
 TYPES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "MXFP4": 39}
 GGML_TYPE_F32, GGML_TYPE_I32 = 0, 26
-SLACK_BYTES = 32 << 20  # tensor headers, the graph, the work buffer (the inputs' q8 copies)
+SLACK_BYTES = 32 << 20  # tensor headers and the graph (the work buffer is apart: _compute)
 
 _vp = ctypes.c_void_p
 
 
 class _InitParams(ctypes.Structure):  # struct ggml_init_params, passed by value
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", _vp), ("no_alloc", ctypes.c_bool)]
+
+
+class _CPlan(ctypes.Structure):  # struct ggml_cplan (ggml-cpu.h), returned by value
+    _fields_ = [("work_size", ctypes.c_size_t), ("work_data", _vp), ("n_threads", ctypes.c_int),
+                ("threadpool", _vp), ("abort_callback", _vp), ("abort_callback_data", _vp),
+                ("use_ref", ctypes.c_bool)]
 
 
 def library_folder() -> Path:
@@ -68,7 +74,8 @@ def _bind(folder: Path):
         (base, "ggml_nbytes"): (ctypes.c_size_t, [_vp]),
         (base, "ggml_row_size"): (ctypes.c_size_t, [ctypes.c_int, ctypes.c_int64]),
         (cpu, "ggml_cpu_init"): (None, []),
-        (cpu, "ggml_graph_compute_with_ctx"): (ctypes.c_int, [_vp, _vp, ctypes.c_int]),
+        (cpu, "ggml_graph_plan"): (_CPlan, [_vp, ctypes.c_int, _vp]),
+        (cpu, "ggml_graph_compute"): (ctypes.c_int, [_vp, ctypes.POINTER(_CPlan)]),
     }
     for (lib, name), (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -120,17 +127,27 @@ def measure_kernel_gbs(types: list[str], threads: list[int], buffer_bytes: int =
             continue
         ctx, graph, weights, _ = _expert_step(base, type_id, buffer_bytes)
         try:
-            cpu.ggml_graph_compute_with_ctx(ctx, graph, max(threads))  # pages and threads warm
+            _compute(cpu, graph, max(threads))  # pages and threads warm
             rates[name] = {}
             for n in threads:
-                best = float("inf")
-                for _ in range(REPEATS):
-                    start = time.perf_counter()
-                    status = cpu.ggml_graph_compute_with_ctx(ctx, graph, n)
-                    best = min(best, time.perf_counter() - start)
-                if status != 0:
-                    raise RuntimeError(f"ggml_graph_compute failed ({status}) for {name}")
+                best = min(_compute(cpu, graph, n) for _ in range(REPEATS))
                 rates[name][n] = round(weights / best / 1e9, 2)
         finally:
             base.ggml_free(ctx)
     return rates
+
+
+def _compute(cpu, graph, n_threads: int) -> float:
+    """Seconds one pass of `graph` took on `n_threads` threads. The work buffer is this
+    call's own, not the context's: ggml_graph_compute_with_ctx takes a new one from the
+    context at every call, and an H100 host's 16 threads ran a 512 MiB context out of room."""
+    plan = cpu.ggml_graph_plan(graph, n_threads, None)
+    work = ctypes.create_string_buffer(max(1, plan.work_size))
+    plan.work_data = ctypes.cast(work, _vp)
+    plan.use_ref = False
+    start = time.perf_counter()
+    status = cpu.ggml_graph_compute(graph, ctypes.byref(plan))
+    seconds = time.perf_counter() - start
+    if status != 0:
+        raise RuntimeError(f"ggml_graph_compute failed ({status})")
+    return seconds
