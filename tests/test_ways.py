@@ -113,14 +113,16 @@ def test_the_record_reads_back_per_model_file_and_situation(tmp_path):
 # ---- the daemon: a way measured serving, the next way loaded once idle ---------------------
 class TwoWays(Planner):
     """Two ways for SmolLM2 (another batch size each, so each is its own load), priced close,
-    chosen with the real planner.ways.choose from what the daemon measured and stored."""
+    chosen with the real planner.ways.choose from what the daemon measured and stored; each
+    decodes with `threads`."""
 
-    def __init__(self):
+    def __init__(self, threads: int = 1):
         super().__init__()
         self.made: list[str] = []
+        self.threads = threads
 
     def choose(self, shape, model_name, n_ctx, options, draft_shape=None, hint=None):
-        base = replace(cpu_plan(n_ctx or 1024, shape.context_length), n_threads=1)
+        base = replace(cpu_plan(n_ctx or 1024, shape.context_length), n_threads=self.threads)
         priced = {way: replace(base, n_batch=batch, n_ubatch=batch, predicted_decode_tps=tps,
                                predicted_decode_by_depth=((0, tps), (base.n_ctx, tps)))
                   for way, batch, tps in (("pool-gpu", 512, 900.0), ("no-pool", 256, 800.0))}
@@ -131,10 +133,13 @@ class TwoWays(Planner):
         return replace(priced[way], way=way, ways=table, ways_key=key)
 
 
-async def test_the_daemon_measures_each_way_in_turn(store, smollm2_gguf, tmp_path):
+async def _serve_until_both_measured(store, smollm2_gguf, tmp_path, planner: TwoWays,
+                                     threads_dropped: bool = False) -> None:
+    """Answers until the daemon has measured both ways; then the kept way is the fastest
+    measured. `threads_dropped`: every answer runs with a thread less than its plan (as the
+    runner's thread trials leave it on a busy host)."""
     entry = store.import_gguf(smollm2_gguf, "smollm2")
     name, size = str(entry.name), read_shape(smollm2_gguf).file_size
-    planner = TwoWays()
     scheduler = Scheduler(store, Config(), tmp_path / "logs", planner)
     scheduler.replan_idle_s = 0.0
     await scheduler.start()
@@ -144,6 +149,8 @@ async def test_the_daemon_measures_each_way_in_turn(store, smollm2_gguf, tmp_pat
         while len(measured_ways(name, size).get("test, ctx 1024", {})) < 2:
             assert time.monotonic() < deadline, (planner.made, measured_ways(name, size))
             async with scheduler.use(entry, load) as runner:
+                if threads_dropped:
+                    runner.n_threads = runner.running_plan.n_threads - 1
                 await answer(runner)
             await drained()
         # the priced way first, then the other; a third plan only for a way measured faster
@@ -153,13 +160,26 @@ async def test_the_daemon_measures_each_way_in_turn(store, smollm2_gguf, tmp_pat
         while scheduler.models.get(name) is None or scheduler.models[name].replan:
             assert time.monotonic() < deadline, "the last re-plan did not end"
             await asyncio.sleep(0.05)  # ok-sleep: polls the reaper's re-plan with a deadline
-        running = scheduler.models[name].runner.running_plan
+        model = scheduler.models[name]
         fastest = max(measured, key=measured.get)
-        assert running.way == fastest or \
-            measured[running.way] * ways.WORTH_A_RELOAD >= measured[fastest]
+        assert model.runner.running_plan.way == fastest or \
+            measured[model.runner.running_plan.way] * ways.WORTH_A_RELOAD >= measured[fastest]
         assert len(planner.made) <= 3
+        if threads_dropped:  # measured as the way serves; no price corrected from it
+            assert model.speed is None or model.speed.tokens == 0
     finally:
         await scheduler.close()
+
+
+async def test_the_daemon_measures_each_way_in_turn(store, smollm2_gguf, tmp_path):
+    await _serve_until_both_measured(store, smollm2_gguf, tmp_path, TwoWays())
+
+
+async def test_a_way_is_measured_at_the_threads_the_runner_kept(store, smollm2_gguf, tmp_path):
+    # Lease F: the runner tried 15 of a plan's 16 threads after each slow answer, and the
+    # way in trial, never measured at its own threads, ran eleven answers without end.
+    await _serve_until_both_measured(store, smollm2_gguf, tmp_path, TwoWays(threads=2),
+                                     threads_dropped=True)
 
 
 def test_each_band_of_a_runner_has_its_way_trials():

@@ -89,6 +89,11 @@ class LoadedRunner:
     # from answers that had the runner to themselves: `crowded` is set while another request
     # overlapped one since the model was last idle.
     speed: DecodeCheck | None = None
+    # The same for the running plan's way (planner/ways.py), from answers at whatever threads
+    # the runner decodes with: its thread trials (engine/runner/threads.py) are how that way
+    # serves on this host, and a way whose trials never ended was never measured (lease F: an
+    # unmeasured way ran eleven answers, the runner trying 15 of 16 threads after each)
+    way_speed: DecodeCheck | None = None
     crowded: bool = False
     # /api/stats' price of the running plan at its pool's measured hits: (plan, pool figures,
     # curve), made again only when the plan (a band switch) or an answer's figures change, not
@@ -133,7 +138,7 @@ class LoadedRunner:
             records.vram_served(runner.running_plan, lambda: (GPU.by_pid() or {}).get(pid),
                                 card)
         off = self.check_speed(done)
-        check, trial = self.speed, ""
+        check, trial = self.way_speed, ""
         if check is not None and check.plan.ways and not check.way_measured and \
                 check.tokens >= MIN_CHECK_TOKENS:
             check.way_measured = True
@@ -154,13 +159,18 @@ class LoadedRunner:
         weight on the GPU)."""
         runner = self.runner
         plan = runner.running_plan
-        if (self.crowded or runner.cpu_share != 1 or runner.n_threads != plan.n_threads
-                or done.drafted is not None):
-            return ""  # not the plan's own decode: shared, with fewer threads, or drafted
+        if self.crowded or runner.cpu_share != 1 or done.drafted is not None:
+            return ""  # not the plan's own decode: shared or drafted
+        answer = (done.prompt_tokens, done.eval_count, done.eval_duration_ns / 1e9)
+        if self.way_speed is None or self.way_speed.plan is not plan:
+            self.way_speed = DecodeCheck(plan)
+        self.way_speed.add(*answer)
+        if runner.n_threads != plan.n_threads:
+            return ""  # fewer threads than it was priced with: no price of the host's to correct
         if self.speed is None or self.speed.plan is not plan:
             # a new load, a fill band's other plan, or the same runner priced again
             self.speed = DecodeCheck(plan, on_host=has_host_part(plan, self.shape.n_layer))
-        self.speed.add(done.prompt_tokens, done.eval_count, done.eval_duration_ns / 1e9)
+        self.speed.add(*answer)
         return self.speed.off() if self.speed.on_host else ""
 
 
