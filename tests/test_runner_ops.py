@@ -43,9 +43,11 @@ from localllm.engine.probes import (
     EvalResult,
     Evaluate,
     Evaluation,
+    KernelRates,
     Measure,
     Measurement,
     RpcProbe,
+    TimeKernels,
     Worker,
     WorkerDevice,
     Workers,
@@ -67,6 +69,7 @@ REQUESTS = (
     DryRun("/m.gguf", PLAN), Measure("/m.gguf", PLAN, 64, 8),
     Evaluate("/m.gguf", ("q8_0", "q4_0"), "text", 512, "/ref.gguf", "ref", 0),
     RpcProbe(("127.0.0.1:50052", "[::1]:50053")), Calibrate(1),
+    TimeKernels((1, 8, 16), ("Q4_0", "MXFP4"), 64 << 20),
 )
 EVENTS_SEEN = (
     Token("hi", 2, eval_count=3, drafted=4, draft_accepted=2,
@@ -88,7 +91,7 @@ EVENTS_SEEN = (
     Buffers({"CUDA0": 5, "CPU": 7}, 3, 1), Measurement(10.5, 2.5, 9, 128, 32, 0.5, {"hits": 3}),
     Evaluation((EvalResult("q8_0", "f16", 0.1, 0.2, 0.9, 7.5, 7.4, 100),)),
     Workers((Worker("h:1", (WorkerDevice("h:1", 0, 5, 9),), 1e9, 0.001, 2e9),)),
-    Bandwidth(3000.0, 25.0), Chunks(2, 5),
+    Bandwidth(3000.0, 25.0), KernelRates((("Q4_0", 1, 9.5), ("Q4_0", 16, 61.2))), Chunks(2, 5),
 )
 
 
@@ -117,4 +120,4 @@ def test_every_op_ends_in_a_failure_or_its_answer_and_names_an_engine_method():
         assert callable(server), op
     assert [op.name for op in OPS if op.stream] == ["generate"]
     assert [op.name for op in OPS if op.alone] == ["dry_run", "measure", "evaluate", "rpc_probe",
-                                                   "calibrate"]
+                                                   "calibrate", "kernel_rates"]

@@ -207,8 +207,7 @@ class RunnerProcess:  # the local model's Engine (engine/seam.py)
         self.weights_in_ram = loaded.weights_in_ram
         if loaded.expert_cache:
             self.expert_cache = ExpertCacheStats(**loaded.expert_cache)
-        # the band the runner starts in is the plan it loaded (the whole plan has its own way)
-        warn_of_refusals(self.model_name, self.running_plan, loaded, self.log_path)
+        warn_of_refusals(self.model_name, self.running_plan, loaded, self.log_path)  # its band
         self.plan, self.bands = as_loaded(self.model_name, self.plan, self.bands, loaded)
         if self.past_ram:
             log.info("runner for %s, past RAM: %s", self.model_name, self.past_ram["text"])
