@@ -12,7 +12,7 @@ a K-quant's heavier unpacking) only the kernel itself says so.
 
 The graph is a decode step's expert work, batch 1: per block, gate, up and down as
 ggml_mul_mat_id over the experts a token is routed to (a typical expert: 2048 wide, 768 deep,
-8 routed), enough blocks that their weights (512 MiB: TimeKernels) are well past any last-level
+8 routed), enough blocks that their weights (BUFFER_BYTES) are well past any last-level
 cache, computed by ggml_graph_compute with each thread count; the best of REPEATS passes. The
 weights are zeros: the kernels' work does not depend on the values; zero scales keep denormals
 out.
@@ -27,9 +27,10 @@ import os
 import time
 from pathlib import Path
 
+BUFFER_BYTES = 512 << 20  # the experts of 20-40 blocks, past any last-level cache
 REPEATS = 3
 N_EMBD, N_FF, N_USED = 2048, 768, 8  # Qwen3-30B-A3B's experts; the rate moves little with them
-# ggml_type values (ggml.h) of the types MoE GGUFs keep their experts in (probes.EXPERT_TYPES)
+# ggml_type values (ggml.h) of the types MoE GGUFs keep their experts in
 TYPES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "MXFP4": 39}
 GGML_TYPE_F32, GGML_TYPE_I32 = 0, 26
 SLACK_BYTES = 32 << 20  # tensor headers and the graph (the work buffer is apart: _compute)
@@ -63,7 +64,6 @@ def _bind(folder: Path):
     signatures = {
         (base, "ggml_init"): (_vp, [_InitParams]),
         (base, "ggml_free"): (None, [_vp]),
-        (base, "ggml_new_tensor_1d"): (_vp, [_vp, ctypes.c_int, ctypes.c_int64]),
         (base, "ggml_new_tensor_2d"): (_vp, [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
         (base, "ggml_new_tensor_3d"): (_vp, [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                                              ctypes.c_int64]),
@@ -92,7 +92,7 @@ def _zeroed(base, tensor) -> int:
 
 def _expert_step(base, type_id: int, buffer_bytes: int):
     """A context holding blocks of routed experts (`type_id`) and the graph of one decode
-    step over them; (context, graph, weight bytes, blocks)."""
+    step over them; (context, graph, weight bytes)."""
     per_block = N_USED * (2 * N_FF * base.ggml_row_size(type_id, N_EMBD)
                           + N_EMBD * base.ggml_row_size(type_id, N_FF))
     blocks = max(1, buffer_bytes // per_block)
@@ -112,10 +112,10 @@ def _expert_step(base, type_id: int, buffer_bytes: int):
             experts = base.ggml_new_tensor_3d(ctx, type_id, cols, rows, N_USED)
             weights += _zeroed(base, experts)
             base.ggml_build_forward_expand(graph, base.ggml_mul_mat_id(ctx, experts, inp, ids))
-    return ctx, graph, weights, blocks
+    return ctx, graph, weights
 
 
-def measure_kernel_gbs(types: list[str], threads: list[int], buffer_bytes: int = 512 << 20,
+def measure_kernel_gbs(types: list[str], threads: list[int], buffer_bytes: int = BUFFER_BYTES,
                        folder: Path | None = None) -> dict[str, dict[int, float]]:
     """GB/s of expert weights ggml's CPU kernels multiply at decode, per type and thread count.
     A type this ggml does not know is left out."""
@@ -125,7 +125,7 @@ def measure_kernel_gbs(types: list[str], threads: list[int], buffer_bytes: int =
         type_id = TYPES.get(name)
         if type_id is None:
             continue
-        ctx, graph, weights, _ = _expert_step(base, type_id, buffer_bytes)
+        ctx, graph, weights = _expert_step(base, type_id, buffer_bytes)
         try:
             _compute(cpu, graph, max(threads))  # pages and threads warm
             rates[name] = {}

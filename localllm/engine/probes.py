@@ -19,6 +19,7 @@ from typing import ClassVar
 from localllm.errors import UserError
 
 from localllm.planner.plan import Plan
+from .kernel_rates import BUFFER_BYTES, TYPES  # constants only: nothing of ggml is loaded
 
 
 class WorkerError(UserError):
@@ -200,8 +201,7 @@ class Calibrate:
         return cls(int(data.get("device", 0)))
 
 
-# the ggml types MoE GGUFs keep their experts in (engine/kernel_rates.py times each)
-EXPERT_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+EXPERT_TYPES = tuple(TYPES)  # the ggml types MoE GGUFs keep their experts in
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class TimeKernels:
     over `buffer_bytes` of experts (well past any last-level cache)."""
     threads: tuple[int, ...]
     types: tuple[str, ...] = EXPERT_TYPES
-    buffer_bytes: int = 512 << 20
+    buffer_bytes: int = BUFFER_BYTES
 
     @classmethod
     def from_wire(cls, data: dict) -> TimeKernels:

@@ -36,12 +36,12 @@ def load_calibration(path: Path | None = None) -> dict:
     return read_tables(path or calibration_file())
 
 
-def update_host(fields: dict, path: Path | None = None) -> dict:
-    """Set `fields` in the `[host]` table (this machine's own figures) and write the file;
-    the table as written."""
+def update_host(fields: dict, path: Path | None = None, drop: tuple[str, ...] = ()) -> dict:
+    """Set `fields` in the `[host]` table (this machine's own figures), less the keys in
+    `drop`, and write the file; the table as written."""
     path = path or calibration_file()
     doc = load_calibration(path)
-    entry = {**doc.get(HOST_KEY, {}), **fields}
+    entry = {k: v for k, v in doc.get(HOST_KEY, {}).items() if k not in drop} | fields
     doc[HOST_KEY] = entry
     write_toml(path, doc)
     return entry

@@ -35,8 +35,8 @@ from .calibration import (
     SERVED_WHEN_KEY,
     calibration_file,
     load_calibration,
+    update_host,
 )
-from .saved import write_toml
 
 log = logging.getLogger("localllm.tuner")
 # What this process measured, by calibration file and cores: the daemon asks for its card
@@ -93,8 +93,7 @@ def measured_on_first_use(card: Card, path: Path | None = None,
     key = (str(path), card.cores)
     if not card.host_read_gbs:
         if key not in _MEASURED:  # once a process, even where the file could not be written
-            _MEASURED[key] = _measure_and_store(card.cores, load_calibration(path), path,
-                                                buffer_bytes)
+            _MEASURED[key] = _measure_and_store(card.cores, path, buffer_bytes)
         if _MEASURED[key]:
             card = replace(card, host_read_gbs=_MEASURED[key])
     if not card.host_expert_gbs:
@@ -105,7 +104,7 @@ def measured_on_first_use(card: Card, path: Path | None = None,
     return card
 
 
-def _measure_and_store(cores: int, doc: dict, path: Path,
+def _measure_and_store(cores: int, path: Path,
                        buffer_bytes: int | None) -> tuple[tuple[int, float], ...]:
     started = time.monotonic()
     try:
@@ -114,13 +113,9 @@ def _measure_and_store(cores: int, doc: dict, path: Path,
         log.warning("could not measure this machine's RAM read rate (no memory for the "
                     "buffer): experts in RAM are priced from the card table")
         return ()
-    entry = dict(doc.get(HOST_KEY, {}))
-    entry[READ_KEY] = {str(t): gbs for t, gbs in measured.items()}
-    entry[READ_WHEN_KEY] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    doc[HOST_KEY] = entry
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_toml(path, doc)
+        update_host({READ_KEY: {str(t): gbs for t, gbs in measured.items()},
+                     READ_WHEN_KEY: time.strftime("%Y-%m-%dT%H:%M:%S")}, path)
     except OSError as e:  # a full disk or a read-only config: priced now, measured again later
         log.warning("could not save this machine's RAM read rate to %s: %s", path, e)
     log.info("measured this machine's RAM read rate in %.1f s: %s GB/s by threads",
@@ -147,14 +142,11 @@ def _time_kernels_and_store(cores: int, path: Path, buffer_bytes: int | None
                     "priced from its read rate", e)
         return ()
     rates = timed.by_type()
-    doc = load_calibration(path)
-    entry = {k: v for k, v in doc.get(HOST_KEY, {}).items() if k != "served_host_factor"}
-    entry[KERNEL_KEY] = {name: {str(t): gbs for t, gbs in by_threads.items()}
-                         for name, by_threads in rates.items()}
-    entry[KERNEL_WHEN_KEY] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    doc[HOST_KEY] = entry
     try:
-        write_toml(path, doc)
+        update_host({KERNEL_KEY: {name: {str(t): gbs for t, gbs in by_threads.items()}
+                                  for name, by_threads in rates.items()},
+                     KERNEL_WHEN_KEY: time.strftime("%Y-%m-%dT%H:%M:%S")}, path,
+                    drop=("served_host_factor",))
     except OSError as e:
         log.warning("could not save this machine's expert kernel rates to %s: %s", path, e)
     log.info("timed this machine's expert kernels in %.1f s: %s GB/s by type and threads",
