@@ -69,13 +69,18 @@ AUTO_SIZES = (2, 4, 8, 16, 32, 64)
 AUTO_VRAM_SHARES = (0.5, 0.6, 0.7)
 UNQUANTIZED = {"F32", "F16", "BF16"}
 # How much faster than no pool `auto` must price a pool whose hit rate is assumed (the prior
-# curve: this model not yet served with a pool here) to turn it on. The prior is routing
-# studies' LRU; the engine's policy on a model's own routing has hit less: Qwen3-30B-A3B with
-# `--routing real` on an H100 at 12 GiB hit about 40% where 55% was assumed, and the pool
-# `auto` chose, priced at 122 tok/s, decoded 89 where no pool gave 116 (1.37x optimistic). A
-# pool that wins only by the prior's optimism costs the VRAM it takes from the placement;
-# the pools that paid on the H200 (the 80B class, 1.9x) clear it. Measured hits need none.
-ASSUMED_HITS_MARGIN = 1.35
+# curve: this model not yet served with a pool here) to turn it on. The prior is an LRU's;
+# the engine's policy on a model's own routing hits less (Qwen3-30B-A3B `--routing real` on
+# an H100 at 12 GiB: 60.6% in the 8K band where 70% was assumed, 46% with `balanced`). It was
+# 1.35 while experts in RAM were priced from a table that made no pool look 40-66% slower
+# than it was (a pool priced 122 decoded 89 where no pool gave 116). Priced from the
+# machine's kernels, the pool's lead came within 4% of the one served (lab/runs/
+# h100-2026-12-07e-moe-measured.md; 8K band: priced 1.44x no pool, served 101.7 against
+# 69.2, 1.47x; 32K band: 1.34x, served 63.3 against 49.2, 1.29x), where 1.35 had kept the
+# 32K band on no pool for its first 16K prompt. What is left is the prior's optimism on a
+# flat router; the ways are measured while serving either way (planner/ways.py). Measured
+# hits need no margin.
+ASSUMED_HITS_MARGIN = 1.15
 
 
 @dataclass(frozen=True)
