@@ -24,6 +24,7 @@ from scripts import synth_gguf
 from conftest import import_models
 from daemon_process import isolated_env, start_daemon, wait_for
 from localllm.daemon.scheduler import Planner, Scheduler
+from localllm.engine.local import RunnerProcess
 from localllm.engine.runner.protocol import Done, GenerationRequest, SamplingOptions
 from localllm.planner.plan import cpu_plan
 from localllm.profiles.expert_hits import MIN_LOOKUPS, REPLAN_HIT_GAP, measured_hits
@@ -247,3 +248,35 @@ async def test_a_pool_that_misses_its_price_is_planned_again_from_its_hits(
         assert not scheduler.models[name].replan  # priced from its own hits: no second time
     finally:
         await scheduler.close()
+
+
+async def test_the_pool_reported_is_the_running_bands(moe_gguf, tmp_path):
+    """Fill bands whose plans differ in the pool: after a move to a band without one, the
+    runner reports none (lease G's ps showed the 8K band's 1024 slots for a 32K band that had
+    no pool); after a move to a band with one, that pool's figures, from its own context."""
+    whole = dataclasses.replace(cpu_plan(2048), n_parallel=1)
+    pooled = dataclasses.replace(whole, expert_cache=16, expert_cache_device="cpu")
+    long_prompt = " ".join(f"Fact {i}: the sea holds {i * 7} fish." for i in range(60))
+    for name, small, big in (("pool first", dataclasses.replace(pooled, n_ctx=512), whole),
+                             ("pool after", dataclasses.replace(whole, n_ctx=512), pooled)):
+        runner = RunnerProcess("moe", moe_gguf, big, tmp_path / f"{name}.log", bands=(small,))
+        await runner.start()
+        try:
+            async def answer(prompt: str, rid: str) -> Done:
+                request = GenerationRequest(id=rid, prompt=prompt, options=SamplingOptions(
+                    num_predict=8, temperature=0, seed=1))
+                return [e async for e in runner.generate(request) if isinstance(e, Done)][0]
+
+            await answer("The sea at dusk is", "short")
+            assert runner.band == 0
+            assert (runner.expert_cache is not None) == bool(small.expert_cache), name
+            done = await answer(long_prompt, "long")
+            assert done.prompt_tokens > 512 and runner.band == 1, name
+            if big.expert_cache:
+                assert runner.expert_cache is not None, name
+                assert runner.expert_cache.slots == 16
+                assert runner.expert_cache.hits + runner.expert_cache.misses > 0
+            else:
+                assert runner.expert_cache is None, name
+        finally:
+            await runner.stop()

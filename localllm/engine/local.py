@@ -236,8 +236,8 @@ class RunnerProcess:  # the local model's Engine (engine/seam.py)
                 if isinstance(event, ExpertCacheStats):
                     self.expert_cache = event
                     continue
-                if isinstance(event, Band):
-                    self.band = event.band
+                if isinstance(event, Band):  # its pool, if any, reports after an answer
+                    self.band, self.expert_cache = event.band, None
                     self.band_pauses.append(event.pause_s)
                     log.info("runner for %s: %s", self.model_name, event.reason)
                     continue
