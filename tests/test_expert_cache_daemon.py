@@ -250,6 +250,12 @@ async def test_a_pool_that_misses_its_price_is_planned_again_from_its_hits(
         await scheduler.close()
 
 
+async def _answer(runner: RunnerProcess, prompt: str, rid: str) -> Done:
+    request = GenerationRequest(id=rid, prompt=prompt, options=SamplingOptions(
+        num_predict=8, temperature=0, seed=1))
+    return [e async for e in runner.generate(request) if isinstance(e, Done)][0]
+
+
 async def test_the_pool_reported_is_the_running_bands(moe_gguf, tmp_path):
     """Fill bands whose plans differ in the pool: after a move to a band without one, the
     runner reports none (lease G's ps showed the 8K band's 1024 slots for a 32K band that had
@@ -262,15 +268,10 @@ async def test_the_pool_reported_is_the_running_bands(moe_gguf, tmp_path):
         runner = RunnerProcess("moe", moe_gguf, big, tmp_path / f"{name}.log", bands=(small,))
         await runner.start()
         try:
-            async def answer(prompt: str, rid: str) -> Done:
-                request = GenerationRequest(id=rid, prompt=prompt, options=SamplingOptions(
-                    num_predict=8, temperature=0, seed=1))
-                return [e async for e in runner.generate(request) if isinstance(e, Done)][0]
-
-            await answer("The sea at dusk is", "short")
+            await _answer(runner, "The sea at dusk is", "short")
             assert runner.band == 0
             assert (runner.expert_cache is not None) == bool(small.expert_cache), name
-            done = await answer(long_prompt, "long")
+            done = await _answer(runner, long_prompt, "long")
             assert done.prompt_tokens > 512 and runner.band == 1, name
             if big.expert_cache:
                 assert runner.expert_cache is not None, name
