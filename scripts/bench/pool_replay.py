@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -103,14 +104,19 @@ class Policy:
                 self.missed.append(key)
 
 
-def route_session(shape: str, routing: str, tokens: int, tmp: Path) -> tuple[dict, int, int]:
+def route_session(shape: str, routing: str, tokens: int, tmp: Path,
+                  model: str | None = None) -> tuple[dict, int, int]:
     """({block: [routed ids per token]}, prompt tokens, n_expert) of the short prompt and a
-    greedy answer of `tokens`, on a toy of `shape` at its real depth."""
+    greedy answer of `tokens`, on a toy of `shape` at its real depth, or on `model` (a
+    full-size file: the width the GPU serves, minutes on a CPU)."""
     from scripts.bench import routing_profile
     from scripts import synth_gguf
 
-    config = routing_profile.tiny_moe(shape, synth_gguf.SHAPES[shape].n_layer)
-    path = synth_gguf.write_gguf(tmp / "toy.gguf", config, "Q8_0", "random", routing=routing)
+    path = model
+    if path is None:
+        config = routing_profile.tiny_moe(shape, synth_gguf.SHAPES[shape].n_layer)
+        path = synth_gguf.write_gguf(tmp / "toy.gguf", config, "Q8_0", "random",
+                                     routing=routing)
     blocks, n_expert, _ = routing_profile.route(str(path), SHORT_PROMPT, n_batch=512,
                                                 answer=tokens)
     return blocks, len(next(iter(blocks.values()))) - tokens, n_expert
@@ -118,10 +124,12 @@ def route_session(shape: str, routing: str, tokens: int, tmp: Path) -> tuple[dic
 
 def replay(blocks: dict, n_expert: int, slots_per_block: int, served: int,
            decay: float, swaps: int, answers: int, tokens: int,
-           margin: float = 0.0) -> list[tuple[float, float]]:
+           margin: float = 0.0, first: bool = False) -> list[tuple[float, float]]:
     """Per answer: its own hit rate and swaps a step, the pool shared by the last `served`
-    blocks: the prompt learned in one batch, then `answers` answers of `tokens` steps."""
-    rows = [blocks[b] for b in sorted(blocks)[-served:]]
+    blocks (the first, with `first`: the planner keeps the first blocks' experts in RAM):
+    the prompt learned in one batch, then `answers` answers of `tokens` steps."""
+    order = sorted(blocks)
+    rows = [blocks[b] for b in (order[:served] if first else order[-served:])]
     policy = Policy(len(rows), n_expert, slots_per_block * len(rows), decay, swaps, margin)
     # each block's answer is its last `tokens` steps: the last block routes only the prompt's
     # last token (llama.cpp computes no other row of it), so its prompt part is shorter
@@ -140,6 +148,29 @@ def replay(blocks: dict, n_expert: int, slots_per_block: int, served: int,
     return out
 
 
+def lru_replay(blocks: dict, slots_per_block: int, served: int, tokens: int,
+               first: bool = False) -> float:
+    """The hit rate of an LRU of `slots_per_block` in each served block over the answer's
+    `tokens` steps, warmed by the prompt: every miss taken in (what the policy would be with
+    no limit on swaps and no count to beat), the bar the policy is held to."""
+    order = sorted(blocks)
+    hits = lookups = 0
+    for b in (order[:served] if first else order[-served:]):
+        seq, held = blocks[b], OrderedDict()
+        for t, ids in enumerate(seq):
+            served_step = t >= len(seq) - tokens
+            for e in ids:
+                if e in held:
+                    held.move_to_end(e)
+                    hits += served_step
+                else:
+                    held[e] = None
+                    if len(held) > slots_per_block:
+                        held.popitem(last=False)
+                lookups += served_step
+    return hits / max(1, lookups)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-next-80b-a3b")
@@ -152,17 +183,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="uses a newcomer must lead the coldest holder by, comma-separated")
     p.add_argument("--answers", type=int, default=3)
     p.add_argument("--tokens", type=int, default=96, help="answer tokens (bench_session.py's)")
+    p.add_argument("--model", help="route through this GGUF (a full-size synthetic file) "
+                                   "instead of a toy of --shape")
+    p.add_argument("--first", action="store_true",
+                   help="the pool serves the first --blocks blocks (as the planner's "
+                        "placements keep them in RAM), not the last")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         blocks, prompt, n_expert = route_session(args.shape, args.routing, args.tokens,
-                                                 Path(tmp))
-    print(f"{args.shape} {args.routing}: {args.slots_per_block} slots a block over "
-          f"{args.blocks} blocks, a prompt of {prompt} tokens")
+                                                 Path(tmp), args.model)
+    print(f"{args.model or args.shape + ' ' + args.routing}: {args.slots_per_block} slots a "
+          f"block over the {'first' if args.first else 'last'} {args.blocks} blocks, a prompt "
+          f"of {prompt} tokens")
+    lru = lru_replay(blocks, args.slots_per_block, args.blocks, args.tokens, args.first)
+    print(f"  an LRU of {args.slots_per_block} a block, every miss taken in: {lru:.1%} "
+          "over the first answer")
     settings = [(float(d), int(s), float(m)) for d in args.decay.split(",")
                 for s in args.swaps.split(",") for m in args.margins.split(",")]
     for decay, swaps, margin in settings:
             runs = replay(blocks, n_expert, args.slots_per_block, args.blocks, decay,
-                          swaps, args.answers, args.tokens, margin)
+                          swaps, args.answers, args.tokens, margin, args.first)
             n_used = len(next(iter(blocks.values()))[0])
             misses = [(1 - h) * args.blocks * n_used for h, _ in runs]
             print(f"  decay {decay:g}, {swaps:2} swaps, margin {margin:g}: "
