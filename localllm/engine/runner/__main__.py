@@ -129,9 +129,10 @@ def main() -> int:
     engine.bands.on_band = lambda event: channel.send(event_to_wire("", event))
     resident = engine.lm.resident
     pool = engine.model.expert_cache_stats()  # None: the plan asked none, or the engine refused
-    # after each answer, whether or not this band's context has a pool: another band's may
-    # (a context without one sends nothing)
-    engine.replies.on_expert_cache = lambda event: channel.send(event_to_wire("", event))
+    # after each answer where any band's plan asks a pool (a context without one sends
+    # nothing); a load whose plans ask none reads no pool's figures
+    if pool is not None or any(plan.expert_cache for plan in engine.bands.plans):
+        engine.replies.on_expert_cache = lambda event: channel.send(event_to_wire("", event))
     channel.send(event_to_wire("", Loaded(
         os.getpid(), load_ns, engine.n_ctx, len(engine.slots), engine.lm.weights_in_ram,
         dataclasses.asdict(pool) if pool else None, resident.report() if resident else None,
