@@ -24,7 +24,6 @@ from localllm.engine.params import expert_cache_settings, model_params
 from localllm.modelstore.shape import read_shape
 from localllm.planner.card import GIB, load_card
 from localllm.planner.costs import model_costs
-from localllm.planner import expert_pool
 from localllm.planner.expert_pool import (
     AUTO_SLOTS,
     AUTO_VRAM_SHARES,
@@ -223,27 +222,6 @@ def test_tune_on_a_card_profile_reads_the_setting(headers, tmp_path):
     plan = json.loads(result.stdout)["plan"]
     assert plan["expert_cache"] > 0
     assert any("assumed from routing studies" in r for r in plan["reasons"])
-
-
-def test_an_assumed_hit_rate_must_win_by_the_margin(headers, monkeypatch):
-    """auto keeps a pool priced from the prior curve only where it leads no pool by
-    ASSUMED_HITS_MARGIN; one priced from hits measured here needs only to lead."""
-    shape, card = read_shape(headers["qwen3-30b-a3b"]), load_card("rtx3060-12g")
-    auto = Request(expert_cache=AUTO_SLOTS)
-    on = tune(shape, card, auto)
-    assert on.expert_cache > 0
-    lead = on.predicted_decode_tps / tune(shape, card, Request(expert_cache=0)
-                                          ).predicted_decode_tps
-    monkeypatch.setattr(expert_pool, "ASSUMED_HITS_MARGIN", lead * 1.05)
-    off = tune(shape, card, auto)
-    assert off.expert_cache == 0
-    why = next(r for r in off.reasons if r.startswith("expert cache off: the best pool"))
-    assert "an assumed hit rate must win by" in why
-    pool = pool_shape(shape)
-    share = on.expert_cache / (len(blocks_in_ram(on, shape, pool)) * pool.n_expert)
-    measured = tune(shape, card, replace(auto, measured_hits=(
-        (round(share, 4), on.expected_hit_rate, swaps_per_step(on.expert_cache)),)))
-    assert measured.expert_cache > 0
 
 
 def test_a_dense_model_is_refused_with_a_reason_not_an_error(headers):

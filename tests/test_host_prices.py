@@ -226,9 +226,12 @@ def test_auto_sizes_a_pool_from_measured_hits_with_no_margin(moe, monkeypatch):
                                                      measured_hits=measured),
                                 lambda r: tune(shape, card, r))
 
-    # a margin no pool here leads by: the prior alone keeps it off
+    # a margin no pool here leads by: the prior alone keeps it off, and the reason says so
     monkeypatch.setattr(expert_pool, "ASSUMED_HITS_MARGIN", 10.0)
-    assert auto(()).expert_cache == 0
+    off = auto(())
+    assert off.expert_cache == 0
+    why = next(r for r in off.reasons if r.startswith("expert cache off: the best pool"))
+    assert "an assumed hit rate must win by" in why
     measured = tuple((share, rate, 4.0) for share, rate in PRIOR_HITS)
     plan = auto(measured)
     slots = plan.expert_cache  # multiples of 128 experts, or the most in a VRAM share

@@ -96,6 +96,17 @@ def test_reuse_within_counts_experts_seen_in_the_window():
     assert routing_profile.reuse_within(seq, 1) == pytest.approx(0.5 / 3)
 
 
+def test_an_lru_warmed_by_a_prompt_counts_only_the_answer():
+    seq = [(1, 2), (3, 4), (1, 2), (3, 5)]
+    assert routing_profile.lru_hit_rate(seq, 4) == pytest.approx(3 / 8)
+    assert routing_profile.lru_hit_rate(seq, 4, counted_from=2) == pytest.approx(3 / 4)
+    from scripts.bench.pool_replay import lru_replay
+    blocks = {0: seq, 1: [(7, 8)] * 4}  # the first block's rate, then a block that always hits
+    assert lru_replay(blocks, 4, 1, 2, first=True) == pytest.approx(3 / 4)
+    assert lru_replay(blocks, 4, 1, 2) == pytest.approx(1.0)
+    assert lru_replay(blocks, 4, 2, 2) == pytest.approx((3 / 4 + 1.0) / 2)
+
+
 def test_local_routing_makes_neighbouring_tokens_share_experts(tmp_path):
     """Uniform routers pick each token's experts by its own content; local routing's attention
     averages the last few tokens and the routers read that average, so the next token reuses

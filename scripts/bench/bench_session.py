@@ -208,29 +208,16 @@ def agent_replay(system, args, chars_per_token: float, rerendered: bool) -> dict
             "band": system.band()}
 
 
-# settings the harness sets for every start of ours (bench_systems.Ours)
-HARNESS_SETTINGS = {"LOCALLLM_NUM_PARALLEL", "LOCALLLM_CONTEXT_POLICY", "LOCALLLM_CONTEXT_LENGTH",
-                    "LOCALLLM_WORKLOAD", "LOCALLLM_VRAM_MARGIN_MIB", "LOCALLLM_FILL_BANDS",
-                    "LOCALLLM_HOST"}
-
-
 def ours_settings(system: str, args) -> dict[str, str]:
     """The daemon's settings for one of our systems: `ours` the defaults, `ours-cache` with
     expert_cache = --expert-cache, `ours-misses-cpu` / `-gpu` with expert_misses (issue 40);
-    each with the settings exported to this command (`LOCALLLM_KV_CACHE_TYPE=f16 python -m
-    ...`): the daemon's environment is made anew, and lease G ran its "f16" line on q8_0."""
-    from localllm.config import ENV
-
-    exported = {env: os.environ[env] for env in ENV.values()
-                if env in os.environ and env not in HARNESS_SETTINGS}
-    if exported:
-        print(f"ours' daemon gets {exported}", file=sys.stderr)
+    over those exported to the command (bench_systems.daemon_settings)."""
     if system == "ours":
-        return exported
+        return {}
     if system == "ours-cache":
-        return exported | {"LOCALLLM_EXPERT_CACHE": str(args.expert_cache)}
+        return {"LOCALLLM_EXPERT_CACHE": str(args.expert_cache)}
     if system in ("ours-misses-cpu", "ours-misses-gpu"):
-        return exported | {"LOCALLLM_EXPERT_MISSES": system.removeprefix("ours-misses-")}
+        return {"LOCALLLM_EXPERT_MISSES": system.removeprefix("ours-misses-")}
     raise SystemExit(f"unknown system {system!r}")
 
 

@@ -68,6 +68,21 @@ def post(url: str, body: dict, timeout: float = 900) -> dict:
         return json.loads(r.read())
 
 
+def daemon_settings(harness: dict[str, str], system: dict[str, str]) -> dict[str, str]:
+    """Our daemon's settings: those exported to the benchmark's command (`LOCALLLM_KV_CACHE_TYPE
+    =f16 python -m ...`; isolated_env makes the environment anew without the caller's: lease G
+    ran its "f16" line on q8_0), then the harness's own (its context, margin, bands), then the
+    system's (`ours-cache`'s pool)."""
+    from localllm.config import ENV
+
+    exported = {env: os.environ[env] for env in ENV.values()
+                if env in os.environ and env != "LOCALLLM_HOST"}  # isolated_env's own port
+    passed = {k: v for k, v in exported.items() if k not in harness and k not in system}
+    if passed:
+        print(f"ours' daemon gets {passed}", flush=True)
+    return exported | harness | system
+
+
 class Ours:
     """The daemon, one model loaded at the context asked, streaming /api/generate (raw)."""
 
@@ -87,10 +102,10 @@ class Ours:
 
         free = MemorySampler().free() // MIB
         margin = max(0, free - budget_mib + margin_mib) if free else 0
-        env = isolated_env(tmp, LOCALLLM_NUM_PARALLEL="1", LOCALLLM_CONTEXT_POLICY="fixed",
-                           LOCALLLM_CONTEXT_LENGTH=str(ctx), LOCALLLM_WORKLOAD=workload,
-                           LOCALLLM_VRAM_MARGIN_MIB=str(margin), LOCALLLM_FILL_BANDS=fill_bands,
-                           **settings)
+        env = isolated_env(tmp, **daemon_settings(dict(
+            LOCALLLM_NUM_PARALLEL="1", LOCALLLM_CONTEXT_POLICY="fixed",
+            LOCALLLM_CONTEXT_LENGTH=str(ctx), LOCALLLM_WORKLOAD=workload,
+            LOCALLLM_VRAM_MARGIN_MIB=str(margin), LOCALLLM_FILL_BANDS=fill_bands), settings))
         # The benchmark's own file, made private so that the import links it: a copy of a
         # 37 GiB model beside the others filled the GPU machine's 64 GiB disk.
         os.chmod(model, 0o600)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -128,8 +127,7 @@ def replay(blocks: dict, n_expert: int, slots_per_block: int, served: int,
     """Per answer: its own hit rate and swaps a step, the pool shared by the last `served`
     blocks (the first, with `first`: the planner keeps the first blocks' experts in RAM):
     the prompt learned in one batch, then `answers` answers of `tokens` steps."""
-    order = sorted(blocks)
-    rows = [blocks[b] for b in (order[:served] if first else order[-served:])]
+    rows = served_rows(blocks, served, first)
     policy = Policy(len(rows), n_expert, slots_per_block * len(rows), decay, swaps, margin)
     # each block's answer is its last `tokens` steps: the last block routes only the prompt's
     # last token (llama.cpp computes no other row of it), so its prompt part is shorter
@@ -152,23 +150,18 @@ def lru_replay(blocks: dict, slots_per_block: int, served: int, tokens: int,
                first: bool = False) -> float:
     """The hit rate of an LRU of `slots_per_block` in each served block over the answer's
     `tokens` steps, warmed by the prompt: every miss taken in (what the policy would be with
-    no limit on swaps and no count to beat), the bar the policy is held to."""
+    no limit on swaps and no count to beat), the bar the policy is held to. Every block
+    looks up as many experts in the answer, so the mean of the blocks' rates is the pool's."""
+    from scripts.bench.routing_profile import lru_hit_rate
+
+    rows = served_rows(blocks, served, first)
+    return sum(lru_hit_rate(seq, slots_per_block, len(seq) - tokens) for seq in rows) / len(rows)
+
+
+def served_rows(blocks: dict, served: int, first: bool) -> list:
+    """The routed ids of the blocks a pool serves: the last `served`, or the first."""
     order = sorted(blocks)
-    hits = lookups = 0
-    for b in (order[:served] if first else order[-served:]):
-        seq, held = blocks[b], OrderedDict()
-        for t, ids in enumerate(seq):
-            served_step = t >= len(seq) - tokens
-            for e in ids:
-                if e in held:
-                    held.move_to_end(e)
-                    hits += served_step
-                else:
-                    held[e] = None
-                    if len(held) > slots_per_block:
-                        held.popitem(last=False)
-                lookups += served_step
-    return hits / max(1, lookups)
+    return [blocks[b] for b in (order[:served] if first else order[-served:])]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,15 +147,17 @@ def _meta(model, key: str) -> str | None:
     return buf.value.decode()
 
 
-def lru_hit_rate(sequence: list[tuple[int, ...]], size: int) -> float:
-    """Hits / lookups of an LRU of `size` experts over one block's routed ids."""
+def lru_hit_rate(sequence: list[tuple[int, ...]], size: int, counted_from: int = 0) -> float:
+    """Hits / lookups of an LRU of `size` experts over one block's routed ids; the tokens
+    before `counted_from` (a prompt) only warm it."""
     cache: OrderedDict[int, None] = OrderedDict()
     hits = lookups = 0
-    for ids in sequence:
+    for t, ids in enumerate(sequence):
+        counted = t >= counted_from
         for e in ids:
-            lookups += 1
+            lookups += counted
             if e in cache:
-                hits += 1
+                hits += counted
                 cache.move_to_end(e)
             else:
                 cache[e] = None

@@ -131,7 +131,7 @@ def main() -> int:
     pool = engine.model.expert_cache_stats()  # None: the plan asked none, or the engine refused
     # after each answer where any band's plan asks a pool (a context without one sends
     # nothing); a load whose plans ask none reads no pool's figures
-    if pool is not None or any(plan.expert_cache for plan in engine.bands.plans):
+    if any(plan.expert_cache for plan in engine.bands.plans):
         engine.replies.on_expert_cache = lambda event: channel.send(event_to_wire("", event))
     channel.send(event_to_wire("", Loaded(
         os.getpid(), load_ns, engine.n_ctx, len(engine.slots), engine.lm.weights_in_ram,
