@@ -358,7 +358,8 @@ POLICY_DRIVER = r"""
 #include "llama-moe-cache-policy.h"
 #include <cstdio>
 #include <vector>
-int main() {  // the policy under commands from stdin: o/l LAYER N IDS..., p (served) or q
+int main() {  // the policy under commands from stdin: o LAYER N IDS..., l LAYER N WEIGHT IDS...,
+             // p (served) or q
     int n_layer, n_expert, n_slots, max_swaps; float decay;
     if (scanf("%d %d %d %f %d", &n_layer, &n_expert, &n_slots, &decay, &max_swaps) != 5) return 1;
     llama_moe_cache_policy p(n_layer, n_expert, n_slots, decay, max_swaps);
@@ -366,10 +367,12 @@ int main() {  // the policy under commands from stdin: o/l LAYER N IDS..., p (se
     while (scanf(" %c", &op) == 1) {
         if (op == 'o' || op == 'l') {
             int layer, n;
+            float weight = 1.0f;
             if (scanf("%d %d", &layer, &n) != 2) return 1;
+            if (op == 'l' && scanf("%f", &weight) != 1) return 1;
             std::vector<int32_t> ids(n);
             for (auto & id : ids) if (scanf("%d", &id) != 1) return 1;
-            if (op == 'o') p.observe(layer, ids.data(), n); else p.learn(layer, ids.data(), n);
+            if (op == 'o') p.observe(layer, ids.data(), n); else p.learn(layer, ids.data(), n, weight);
             continue;
         }
         for (const auto & s : p.plan(op == 'p'))
@@ -387,7 +390,8 @@ int main() {  // the policy under commands from stdin: o/l LAYER N IDS..., p (se
 def test_the_replays_policy_swaps_and_counts_as_the_engines(tmp_path):
     """scripts/bench/pool_replay.py's port, which chose the planner's swaps a step, against the
     engine's policy compiled from the patch: the same swaps, hits and misses on a skewed
-    session of prompt batches and steps."""
+    session of prompt batches (each use weighed 1/rows, as the engine counts them) and
+    steps."""
     import numpy as np
     from scripts.bench.pool_replay import Policy
 
@@ -411,9 +415,13 @@ def test_the_replays_policy_swaps_and_counts_as_the_engines(tmp_path):
         served = step % 40 != 0  # every 40th a prompt batch of 12 rows
         for layer in range(layers):
             ids = routed(layer, 1 if served else 12)
-            op = "o" if served else "l"
-            commands.append(f"{op} {layer} {len(ids)} {' '.join(map(str, ids))}")
-            (policy.observe if served else policy.learn)(layer, ids)
+            if served:
+                commands.append(f"o {layer} {len(ids)} {' '.join(map(str, ids))}")
+                policy.observe(layer, ids)
+            else:
+                weight = np.float32(1 / 12)  # printed as it rounds back
+                commands.append(f"l {layer} {len(ids)} {weight} {' '.join(map(str, ids))}")
+                policy.learn(layer, ids, weight)
         commands.append("p" if served else "q")
         ours += [f"{slot} {new} {old}" for slot, new, old in policy.plan(served)]
         ours.append(f"end {policy.hits} {policy.misses} {policy.swaps} {policy.steps}")

@@ -107,6 +107,19 @@ def test_an_lru_warmed_by_a_prompt_counts_only_the_answer():
     assert lru_replay(blocks, 4, 2, 2) == pytest.approx((3 / 4 + 1.0) / 2)
 
 
+def test_a_prompt_read_in_micro_batches_fills_the_pool_from_its_first():
+    """The engine learns a prompt a micro-batch at a time: the free slots fill from the first,
+    later ones evict at most the swaps a step. Replayed in one batch the pool holds the whole
+    prompt's hottest experts; in micro-batches of 4, the first's."""
+    from scripts.bench.pool_replay import replay
+    prompt = [(0,), (0,), (1,), (1,)] + [(2,), (3,)] * 4
+    blocks = {0: prompt + [(2,), (3,)]}  # the answer: two steps on the prompt's hottest
+    one_batch = replay(blocks, 4, 2, 1, 0.95, swaps=0, answers=1, tokens=2)
+    in_fours = replay(blocks, 4, 2, 1, 0.95, swaps=0, answers=1, tokens=2, ubatch=4)
+    assert one_batch[0][0] == pytest.approx(1.0)
+    assert in_fours[0][0] == pytest.approx(0.0)
+
+
 def test_local_routing_makes_neighbouring_tokens_share_experts(tmp_path):
     """Uniform routers pick each token's experts by its own content; local routing's attention
     averages the last few tokens and the routers read that average, so the next token reuses

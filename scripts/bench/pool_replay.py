@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 
-from scripts.bench.bench_text import short_prompt
+from scripts.bench.bench_text import short_prompt, text_of
 
 SHORT_PROMPT = short_prompt()  # the benchmark's short prompt (bench_session.py's short run)
 
@@ -53,9 +53,10 @@ class Policy:
         """A step the pool served: each lookup a hit or a miss."""
         self._count(layer, experts, served=True)
 
-    def learn(self, layer: int, experts) -> None:
-        """A prompt batch: uses counted, no hits or misses."""
-        self._count(layer, experts, served=False)
+    def learn(self, layer: int, experts, weight: float = 1.0) -> None:
+        """A prompt batch: uses counted `weight` each (the engine's 1/rows), no hits or
+        misses."""
+        self._count(layer, experts, served=False, weight=weight)
 
     def plan(self, served: bool = True) -> list[tuple[int, int, int]]:
         """The step's swaps as (slot, new key, old key or -1), then the decay."""
@@ -87,13 +88,13 @@ class Policy:
         self.steps += served
         return out
 
-    def _count(self, layer: int, experts, served: bool) -> None:
+    def _count(self, layer: int, experts, served: bool, weight: float = 1.0) -> None:
         seen = set(self.missed)
         for e in experts:
             if not 0 <= e < self.n_expert:
                 continue
             key = layer * self.n_expert + int(e)
-            self.count[key] += np.float32(1.0)
+            self.count[key] += np.float32(weight)
             if self.slot[key] >= 0:
                 self.hits += served
                 continue
@@ -104,10 +105,11 @@ class Policy:
 
 
 def route_session(shape: str, routing: str, tokens: int, tmp: Path,
-                  model: str | None = None) -> tuple[dict, int, int]:
-    """({block: [routed ids per token]}, prompt tokens, n_expert) of the short prompt and a
-    greedy answer of `tokens`, on a toy of `shape` at its real depth, or on `model` (a
-    full-size file: the width the GPU serves, minutes on a CPU)."""
+                  model: str | None = None, prompt: str = SHORT_PROMPT) -> tuple[dict, int, int]:
+    """({block: [routed ids per token]}, prompt tokens, n_expert) of `prompt` (the short one)
+    and a greedy answer of `tokens`, on a toy of `shape` at its real depth, or on `model` (a
+    full-size file: the width the GPU serves, minutes on a CPU; a 12K-token prompt took about
+    an hour on two cores)."""
     from scripts.bench import routing_profile
     from scripts import synth_gguf
 
@@ -116,24 +118,31 @@ def route_session(shape: str, routing: str, tokens: int, tmp: Path,
         config = routing_profile.tiny_moe(shape, synth_gguf.SHAPES[shape].n_layer)
         path = synth_gguf.write_gguf(tmp / "toy.gguf", config, "Q8_0", "random",
                                      routing=routing)
-    blocks, n_expert, _ = routing_profile.route(str(path), SHORT_PROMPT, n_batch=512,
+    blocks, n_expert, _ = routing_profile.route(str(path), prompt, n_batch=512,
                                                 answer=tokens)
     return blocks, len(next(iter(blocks.values()))) - tokens, n_expert
 
 
 def replay(blocks: dict, n_expert: int, slots_per_block: int, served: int,
            decay: float, swaps: int, answers: int, tokens: int,
-           margin: float = 0.0, first: bool = False) -> list[tuple[float, float]]:
+           margin: float = 0.0, first: bool = False, ubatch: int = 0
+           ) -> list[tuple[float, float]]:
     """Per answer: its own hit rate and swaps a step, the pool shared by the last `served`
     blocks (the first, with `first`: the planner keeps the first blocks' experts in RAM):
-    the prompt learned in one batch, then `answers` answers of `tokens` steps."""
+    the prompt learned in micro-batches of `ubatch` tokens (0: one batch), each a step of
+    the engine's (the free slots fill at once, then `swaps` a step), then `answers` answers
+    of `tokens` steps."""
     rows = served_rows(blocks, served, first)
     policy = Policy(len(rows), n_expert, slots_per_block * len(rows), decay, swaps, margin)
     # each block's answer is its last `tokens` steps: the last block routes only the prompt's
     # last token (llama.cpp computes no other row of it), so its prompt part is shorter
-    for layer, seq in enumerate(rows):
-        policy.learn(layer, [e for ids in seq[:len(seq) - tokens] for e in ids])
-    policy.plan(served=False)
+    longest = max(len(seq) - tokens for seq in rows)
+    step = ubatch or longest
+    for start in range(0, longest, step):
+        for layer, seq in enumerate(rows):
+            part = seq[start:min(start + step, len(seq) - tokens)]
+            policy.learn(layer, [e for ids in part for e in ids], 1.0 / max(1, len(part)))
+        policy.plan(served=False)
     out = []
     for _ in range(answers):
         hits, misses, swapped = policy.hits, policy.misses, policy.swaps
@@ -178,13 +187,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=96, help="answer tokens (bench_session.py's)")
     p.add_argument("--model", help="route through this GGUF (a full-size synthetic file) "
                                    "instead of a toy of --shape")
+    p.add_argument("--prompt-chars", type=int, default=0,
+                   help="a long prompt of this many characters of the benchmark's text "
+                        "(bench_session.py's prompt run; random letters are about a token "
+                        "each) instead of the short prompt")
+    p.add_argument("--ubatch", type=int, default=0,
+                   help="the prompt learned in micro-batches of this many tokens, as the "
+                        "engine reads it (the plan's n_ubatch); 0: in one batch")
     p.add_argument("--first", action="store_true",
                    help="the pool serves the first --blocks blocks (as the planner's "
                         "placements keep them in RAM), not the last")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
+        text = text_of(args.prompt_chars, 40) if args.prompt_chars else SHORT_PROMPT
         blocks, prompt, n_expert = route_session(args.shape, args.routing, args.tokens,
-                                                 Path(tmp), args.model)
+                                                 Path(tmp), args.model, text)
     print(f"{args.model or args.shape + ' ' + args.routing}: {args.slots_per_block} slots a "
           f"block over the {'first' if args.first else 'last'} {args.blocks} blocks, a prompt "
           f"of {prompt} tokens")
@@ -195,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                 for s in args.swaps.split(",") for m in args.margins.split(",")]
     for decay, swaps, margin in settings:
             runs = replay(blocks, n_expert, args.slots_per_block, args.blocks, decay,
-                          swaps, args.answers, args.tokens, margin, args.first)
+                          swaps, args.answers, args.tokens, margin, args.first,
+                          args.ubatch)
             n_used = len(next(iter(blocks.values()))[0])
             misses = [(1 - h) * args.blocks * n_used for h, _ in runs]
             print(f"  decay {decay:g}, {swaps:2} swaps, margin {margin:g}: "
