@@ -372,7 +372,8 @@ int main() {  // the policy under commands from stdin: o LAYER N IDS..., l LAYER
             if (op == 'l' && scanf("%f", &weight) != 1) return 1;
             std::vector<int32_t> ids(n);
             for (auto & id : ids) if (scanf("%d", &id) != 1) return 1;
-            if (op == 'o') p.observe(layer, ids.data(), n); else p.learn(layer, ids.data(), n, weight);
+            if (op == 'o') p.observe(layer, ids.data(), n);
+            else p.learn(layer, ids.data(), n, weight);
             continue;
         }
         for (const auto & s : p.plan(op == 'p'))
