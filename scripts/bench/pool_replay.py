@@ -108,8 +108,8 @@ def route_session(shape: str, routing: str, tokens: int, tmp: Path,
                   model: str | None = None, prompt: str = SHORT_PROMPT) -> tuple[dict, int, int]:
     """({block: [routed ids per token]}, prompt tokens, n_expert) of `prompt` (the short one)
     and a greedy answer of `tokens`, on a toy of `shape` at its real depth, or on `model` (a
-    full-size file: the width the GPU serves, minutes on a CPU; a 12K-token prompt took about
-    an hour on two cores)."""
+    full-size file: the width the GPU serves, minutes on a CPU; a 12K-token prompt took 40
+    minutes on two cores)."""
     from scripts.bench import routing_profile
     from scripts import synth_gguf
 
