@@ -58,7 +58,8 @@ ROOT = Path(__file__).resolve().parents[2]
 import llama_cpp  # noqa: E402, F401  (a CUDA build must load before numpy)
 
 from scripts import synth_gguf  # noqa: E402
-from scripts.bench.bench_text import SHORT_CHARS, short_prompt, text_of  # noqa: E402
+from scripts.bench.bench_text import (  # noqa: E402
+    SHORT_CHARS, settle_long_prompt, short_prompt, text_of)
 from scripts.bench.bench_systems import (  # noqa: E402
     MIB,
     Fit,
@@ -125,7 +126,7 @@ def settle(system, args, record, long_chars: float = 0) -> None:
         return
     run = "settle-long" if long_chars else "settle"
     for round_ in range(args.settle_rounds):
-        prompt = text_of(int(args.prompt_tokens * long_chars), 40 + round_) if long_chars \
+        prompt = settle_long_prompt(int(args.prompt_tokens * long_chars), round_) if long_chars \
             else short_prompt()
         r = system.generate(prompt, args.tokens)
         state = system.settling()

@@ -30,3 +30,11 @@ def text_of(n_chars: int, seed: int) -> str:
 def short_prompt(seed: int = 0) -> str:
     """The short prompt of bench_session's `short` run."""
     return text_of(SHORT_CHARS, seed)
+
+
+SETTLE_LONG_SEED = 40  # bench_session's settle-long rounds read seeds 40, 41, ...
+
+
+def settle_long_prompt(n_chars: int, round_: int = 0) -> str:
+    """A long prompt of bench_session's settle-long rounds (a new one each round)."""
+    return text_of(n_chars, SETTLE_LONG_SEED + round_)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 
-from scripts.bench.bench_text import short_prompt, text_of
+from scripts.bench.bench_text import settle_long_prompt, short_prompt
 
 SHORT_PROMPT = short_prompt()  # the benchmark's short prompt (bench_session.py's short run)
 
@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "instead of a toy of --shape")
     p.add_argument("--prompt-chars", type=int, default=0,
                    help="a long prompt of this many characters of the benchmark's text "
-                        "(bench_session.py's prompt run; random letters are about a token "
-                        "each) instead of the short prompt")
+                        "(bench_session.py's first settle-long round; random letters are "
+                        "about a token each) instead of the short prompt")
     p.add_argument("--ubatch", type=int, default=0,
                    help="the prompt learned in micro-batches of this many tokens, as the "
                         "engine reads it (the plan's n_ubatch); 0: in one batch")
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                         "placements keep them in RAM), not the last")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        text = text_of(args.prompt_chars, 40) if args.prompt_chars else SHORT_PROMPT
+        text = settle_long_prompt(args.prompt_chars) if args.prompt_chars else SHORT_PROMPT
         blocks, prompt, n_expert = route_session(args.shape, args.routing, args.tokens,
                                                  Path(tmp), args.model, text)
     print(f"{args.model or args.shape + ' ' + args.routing}: {args.slots_per_block} slots a "
